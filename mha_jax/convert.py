@@ -1,0 +1,197 @@
+"""Weight conversion between ``mha_torch`` state dicts and Flax parameter trees.
+
+Pure reshapes and transposes, so round trips are bitwise. Reads any mapping of name to
+array-like (NumPy arrays, JAX arrays, CPU torch tensors: no torch import needed) or a
+``.safetensors`` file. Twin of ``mha_torch/convert.py``.
+
+=================  =====================  ===========================
+torch name         torch shape            Flax name, shape
+=================  =====================  ===========================
+``q_proj.weight``  (heads*head_dim, in)   ``query.kernel`` (in, heads, head_dim)
+``q_proj.bias``    (heads*head_dim,)      ``query.bias`` (heads, head_dim)
+``k_proj``/``v_proj`` likewise with kv_heads: ``key``/``value``
+``out_proj.weight`` (out, heads*head_dim) ``out.kernel`` (heads, head_dim, out)
+``out_proj.bias``  (out,)                 ``out.bias`` (out,)
+=================  =====================  ===========================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+PROJECTIONS = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
+
+
+def from_torch(
+    state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Flax parameters from an ``mha_torch`` state dict or a ``.safetensors`` file.
+
+    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` of NumPy
+    arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
+    ``linen`` params or through ``load_torch_weights``. Raises one ValueError listing every
+    missing, unexpected or mis-shaped key.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    state = _read_state(state_dict_or_path)
+    head_dim = _check_state(state, num_heads, num_kv_heads)
+    params: dict[str, dict[str, np.ndarray]] = {}
+    for flax_name, torch_name in PROJECTIONS:
+        weight = state[f"{torch_name}.weight"]
+        if flax_name == "out":
+            kernel = weight.T.reshape(num_heads, head_dim, weight.shape[0])
+        else:
+            kernel = weight.T.reshape(weight.shape[1], -1, head_dim)
+        params[flax_name] = {"kernel": np.ascontiguousarray(kernel)}
+        bias = state.get(f"{torch_name}.bias")
+        if bias is not None:
+            params[flax_name]["bias"] = bias if flax_name == "out" else bias.reshape(-1, head_dim)
+    return params
+
+
+def to_torch(params: Any) -> dict[str, np.ndarray]:
+    """``mha_torch`` state dict (NumPy arrays) from Flax parameters.
+
+    ``params``: the nested dict ``from_torch`` returns, linen variables (``{"params": ...}``),
+    an ``nnx.State`` or an ``mha_jax.MultiHeadAttention`` module.
+    """
+    tree = _params_dict(params)
+    problems = [f"missing {name!r}" for name, _ in PROJECTIONS if name not in tree]
+    problems += [f"unexpected {name!r}" for name in tree if name not in dict(PROJECTIONS)]
+    if problems:
+        raise ValueError("params is not an attention parameter tree: " + "; ".join(problems))
+    state: dict[str, np.ndarray] = {}
+    for flax_name, torch_name in PROJECTIONS:
+        kernel = _to_numpy(tree[flax_name]["kernel"])
+        if kernel.ndim != 3:
+            raise ValueError(
+                f"params[{flax_name!r}]['kernel'] must have rank 3, got shape {kernel.shape}"
+            )
+        if flax_name == "out":
+            weight = kernel.reshape(-1, kernel.shape[-1]).T
+        else:
+            weight = kernel.reshape(kernel.shape[0], -1).T
+        state[f"{torch_name}.weight"] = np.ascontiguousarray(weight)
+        if "bias" in tree[flax_name]:
+            state[f"{torch_name}.bias"] = _to_numpy(tree[flax_name]["bias"]).reshape(-1)
+    return state
+
+
+def load_torch_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.PathLike) -> None:
+    """Update an ``mha_jax.MultiHeadAttention`` in place from an ``mha_torch`` state dict or file.
+
+    Values are cast to the module's parameter dtypes (as ``torch.nn.Module.load_state_dict``
+    does); shapes must match the module's.
+    """
+    params = from_torch(
+        state_dict_or_path, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads
+    )
+    current = _params_dict(module)
+    problems = []
+    for flax_name, _ in PROJECTIONS:
+        names = set(current[flax_name]) | set(params[flax_name])
+        for name in sorted(names):
+            have, new = current[flax_name].get(name), params[flax_name].get(name)
+            if have is None or new is None:
+                where = "module" if have is None else "state dict"
+                problems.append(f"{flax_name}.{name} is absent from the {where}")
+            elif tuple(have.shape) != new.shape:
+                problems.append(
+                    f"{flax_name}.{name}: module has {tuple(have.shape)}, state dict gives {new.shape}"
+                )
+    if problems:
+        raise ValueError("state_dict does not fit the module: " + "; ".join(problems))
+    for flax_name, _ in PROJECTIONS:
+        layer = getattr(module, flax_name)
+        for name, array in params[flax_name].items():
+            variable = getattr(layer, name)
+            variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
+
+
+def _params_dict(params: Any) -> dict:
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    if isinstance(params, Mapping) and set(params) == {"params"}:
+        params = params["params"]
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping or an nnx module, got {type(params).__name__}")
+    return {k: dict(v) for k, v in params.items()}
+
+
+def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
+    """Name -> NumPy array (a copy: nothing the caller passed is shared or modified)."""
+    if isinstance(state_dict_or_path, (str, os.PathLike)):
+        from safetensors.numpy import load_file  # a light import, only when a file is given
+
+        path = os.fspath(state_dict_or_path)
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"state_dict_or_path must be a .safetensors file, got {path!r}")
+        try:
+            return dict(load_file(path))
+        except Exception as error:  # safetensors raises its own types for bad headers
+            raise ValueError(f"state_dict_or_path {path!r} is not a readable safetensors file: {error}") from error
+    if not isinstance(state_dict_or_path, Mapping):
+        raise TypeError(
+            "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
+            f"got {type(state_dict_or_path).__name__}"
+        )
+    return {str(k): _to_numpy(v) for k, v in state_dict_or_path.items()}
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """A NumPy copy of an array-like; CPU torch tensors by duck typing (bfloat16 included)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16 of torch's; widening is exact
+            return x.float().numpy().astype(jnp.bfloat16)
+        return x.numpy().copy()
+    return np.array(x, copy=True)
+
+
+def _check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:
+    """Validate names and shapes, collecting every problem; return head_dim."""
+    from mha_jax._checks import check_heads
+
+    weights = [f"{t}.weight" for _, t in PROJECTIONS]
+    biases = [f"{t}.bias" for _, t in PROJECTIONS]
+    has_bias = any(b in state for b in biases)
+    expected = weights + (biases if has_bias else [])
+    problems = [f"missing key {k!r}" for k in expected if k not in state]
+    problems += [f"unexpected key {k!r}" for k in state if k not in expected]
+    for k in expected:
+        if k in state and state[k].ndim != (2 if k.endswith("weight") else 1):
+            problems.append(f"{k!r} has shape {state[k].shape}, expected rank {2 if k.endswith('weight') else 1}")
+    if problems:
+        raise ValueError("state_dict: " + "; ".join(problems))
+    q_rows = state["q_proj.weight"].shape[0]
+    head_dim = check_heads(num_heads, num_kv_heads, q_rows, "q_proj.weight.shape[0]")
+    rows = {"q_proj": q_rows, "k_proj": num_kv_heads * head_dim, "v_proj": num_kv_heads * head_dim}
+    for name, n in rows.items():
+        if state[f"{name}.weight"].shape[0] != n:
+            problems.append(
+                f"'{name}.weight' has shape {state[f'{name}.weight'].shape}, expected {n} rows "
+                f"(num_kv_heads={num_kv_heads} x head_dim={head_dim})"
+            )
+    if state["out_proj.weight"].shape[1] != q_rows:
+        problems.append(
+            f"'out_proj.weight' has shape {state['out_proj.weight'].shape}, expected {q_rows} columns"
+        )
+    if has_bias:
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            w, b = state[f"{name}.weight"], state[f"{name}.bias"]
+            if b.shape != (w.shape[0],):
+                problems.append(f"'{name}.bias' has shape {b.shape}, expected ({w.shape[0]},)")
+    if problems:
+        raise ValueError("state_dict: " + "; ".join(problems))
+    return head_dim

@@ -1,0 +1,72 @@
+"""Masks in the shared convention.
+
+A mask broadcasts (right-aligned, numpy rules) to ``(batch, heads, q_len, kv_len)``:
+
+- bool: True = attend;
+- integer: nonzero = attend (0/1 masks work as they are);
+- floating: added to the logits (``-inf`` excludes a key).
+
+Twin of ``mha_torch/masks.py``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mha_jax import _checks
+
+MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
+
+
+def padding_mask(valid) -> jnp.ndarray:
+    """Boolean mask ``(batch, 1, 1, kv_len)`` from a ``(batch, kv_len)`` validity array.
+
+    ``valid`` is bool or 0/1 integer; True/nonzero marks a real (not padded) key.
+    """
+    _checks.require_array("valid", valid)
+    if valid.ndim != 2:
+        raise ValueError(f"valid must have rank 2 (batch, kv_len), got shape {tuple(valid.shape)}")
+    if _checks._dtype_kind(valid) not in ("bool", "int"):
+        raise TypeError(f"valid must be bool or integer, got dtype {valid.dtype}")
+    return (jnp.asarray(valid) != 0)[:, None, None, :]
+
+
+def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
+    """Boolean mask ``(1, 1, q_len, kv_len)``: query i attends to keys 0..i.
+
+    Aligned top-left, as ``is_causal`` in ``F.scaled_dot_product_attention`` and
+    ``jax.nn.dot_product_attention``: with ``q_len > kv_len`` the last rows see every key.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    return jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None, None]
+
+
+def _split_mask(mask, is_causal: bool, shape: tuple[int, int, int, int]):
+    """Turn ``mask`` and ``is_causal`` into (allowed, bias), either of which may be None.
+
+    ``allowed`` is a boolean array (True = attend) and ``bias`` a floating array added to the
+    logits; both broadcast to ``shape`` = (batch, heads, q_len, kv_len).
+    """
+    allowed = bias = None
+    if mask is not None:
+        _checks.require_array("mask", mask)
+        _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        kind = _checks._dtype_kind(mask)
+        if kind == "bool":
+            allowed = jnp.asarray(mask)
+        elif kind == "int":
+            allowed = jnp.asarray(mask) != 0
+        elif kind == "float":
+            bias = jnp.asarray(mask)
+        else:
+            raise TypeError(
+                f"mask must be bool, integer or real floating, got dtype {mask.dtype} "
+                f"with shape {tuple(mask.shape)}"
+            )
+    if is_causal:
+        causal = causal_mask(shape[2], shape[3])
+        allowed = causal if allowed is None else allowed & causal
+    return allowed, bias

@@ -1,0 +1,120 @@
+"""Argument checks shared by the functional core and the module.
+
+Twin of ``mha_jax/_checks.py``: the same checks, the same messages, so that a bad argument
+fails alike in both frameworks. Every message names the argument and the shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+# The functional core's layout, named in messages.
+QKV_LAYOUT = "(batch, heads, q_len, head_dim)"
+KV_LAYOUT = "(batch, kv_heads, kv_len, head_dim)"
+
+
+def _dtype_kind(x) -> str:
+    """'float', 'complex', 'int', 'bool' or 'other' for a tensor's dtype."""
+    dtype = x.dtype
+    if dtype.is_floating_point:
+        return "float"
+    if dtype.is_complex:
+        return "complex"
+    if dtype == torch.bool:
+        return "bool"
+    try:
+        torch.iinfo(dtype)
+    except TypeError:
+        return "other"
+    return "int"
+
+
+def require_array(name: str, x) -> None:
+    """TypeError unless ``x`` is a tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def require_float(name: str, x) -> None:
+    """TypeError unless ``x`` is a real floating-point tensor."""
+    require_array(name, x)
+    if _dtype_kind(x) != "float":
+        raise TypeError(
+            f"{name} must be a real floating-point array, got dtype {x.dtype} "
+            f"with shape {tuple(x.shape)}"
+        )
+
+
+def require_rank(name: str, x, rank: int, layout: str) -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
+
+
+def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name: str) -> int:
+    """Validate head counts against a feature size; return head_dim."""
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    if not isinstance(features, int) or features < 1:
+        raise ValueError(f"{features_name} must be a positive integer, got {features!r}")
+    if features % num_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must divide {features_name} ({features})"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
+        )
+    return features // num_heads
+
+
+def check_broadcast(name: str, shape: Sequence[int], target: Sequence[int], target_names: str) -> None:
+    """ValueError unless ``shape`` broadcasts to ``target`` (right-aligned, numpy rules)."""
+    shape, target = tuple(shape), tuple(target)
+    ok = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(shape[::-1], target[::-1])
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to {target_names} = {target}"
+        )
+
+
+def check_attention_inputs(query, key, value) -> tuple[int, int, int, int, int, int]:
+    """Check the functional core's inputs; return (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        require_float(name, x)
+    require_rank("query", query, 4, QKV_LAYOUT)
+    require_rank("key", key, 4, KV_LAYOUT)
+    require_rank("value", value, 4, KV_LAYOUT)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    batch, heads, q_len, head_dim = query.shape
+    if key.shape != value.shape:
+        raise ValueError(
+            f"key and value must have the same shape {KV_LAYOUT}, "
+            f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+    k_batch, kv_heads, kv_len, k_dim = key.shape
+    if k_batch != batch or k_dim != head_dim:
+        raise ValueError(
+            f"key/value {tuple(key.shape)} must match query {tuple(query.shape)} "
+            f"in batch and head_dim"
+        )
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"key/value heads ({kv_heads}) must divide query heads ({heads}); "
+            f"query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
+    return batch, q_len, heads, head_dim, kv_len, kv_heads
+
+
+def check_dropout_rate(name: str, rate: float) -> float:
+    rate = float(rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {rate}")
+    return rate

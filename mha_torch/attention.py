@@ -1,0 +1,104 @@
+"""Scaled dot-product attention, the functional core.
+
+Twin of ``mha_jax/attention.py``: the same steps in the same order. Only the layout differs;
+here it is that of ``F.scaled_dot_product_attention``: query ``(batch, heads, q_len, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mha_torch import _checks
+from mha_torch.masks import MASK_LAYOUT, _split_mask
+
+
+def dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head scaled dot-product attention.
+
+    Args:
+      query: ``(batch, heads, q_len, head_dim)``.
+      key, value: ``(batch, kv_heads, kv_len, head_dim)``; ``kv_heads`` divides ``heads``, and
+        query head ``h`` reads key/value head ``h // (heads // kv_heads)``.
+      mask: broadcasts to ``(batch, heads, q_len, kv_len)``; bool True = attend, integer
+        nonzero = attend, floating = added to the logits.
+      is_causal: query ``i`` attends to keys ``0..i`` (top-left aligned); combines with ``mask``.
+      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+      dropout_p: probability of dropping an attention weight; kept weights are scaled by
+        ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
+      dropout_mask: explicit keep-mask (True = keep) broadcasting to
+        ``(batch, heads, q_len, kv_len)``.
+      return_weights: also return the attention weights actually applied to ``value``.
+
+    Returns:
+      ``(batch, heads, q_len, head_dim)`` in the input dtype, or ``(output, weights)`` with
+      weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
+      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
+    """
+    batch, q_len, heads, head_dim, kv_len, kv_heads = _checks.check_attention_inputs(
+        query, key, value
+    )
+    shape = (batch, heads, q_len, kv_len)
+    allowed, bias = _split_mask(mask, is_causal, shape, query.device)
+    keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape, query.device)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    dtype = query.dtype
+    compute = torch.promote_types(dtype, torch.float32)
+    groups = heads // kv_heads
+    q = query.to(compute).reshape(batch, kv_heads, groups, q_len, head_dim)
+    logits = q @ key.to(compute).unsqueeze(2).transpose(-1, -2)
+    logits = logits.reshape(shape) * scale
+    weights = _masked_softmax(logits, allowed, bias)
+    if keep is not None:
+        weights = torch.where(keep, weights * keep_scale, 0.0)
+    out = weights.reshape(batch, kv_heads, groups, q_len, kv_len) @ value.to(compute).unsqueeze(2)
+    out = out.reshape(batch, heads, q_len, head_dim).to(dtype)
+    if return_weights:
+        return out, weights.to(dtype)
+    return out
+
+
+def _masked_softmax(
+    logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax over the last axis that gives 0 (not NaN, not uniform) on rows with no allowed key."""
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
+    # The row maximum only shifts the exponent; softmax does not depend on it, so no gradient.
+    row_max = logits.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    exp = torch.exp(logits - row_max)
+    total = exp.sum(dim=-1, keepdim=True)
+    return exp / torch.where(total == 0.0, 1.0, total)
+
+
+def _dropout_keep(rate, dropout_mask, shape, device):
+    """(keep-mask or None, scale of kept weights)."""
+    rate = _checks.check_dropout_rate("dropout_p", rate)
+    if dropout_mask is not None:
+        _checks.require_array("dropout_mask", dropout_mask)
+        _checks.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
+        if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
+            raise TypeError(
+                f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "
+                f"{dropout_mask.dtype} with shape {tuple(dropout_mask.shape)}"
+            )
+        return dropout_mask != 0, 1.0 / (1.0 - rate)
+    if rate == 0.0:
+        return None, 1.0
+    return torch.rand(shape, device=device) >= rate, 1.0 / (1.0 - rate)

@@ -1,0 +1,134 @@
+"""PyTorch multi-head attention, batch-first.
+
+Twin of ``mha_jax/module.py``. State dict: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
+each ``.weight (out, in)`` and ``.bias``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mha_torch import _checks
+from mha_torch.attention import dot_product_attention
+
+INPUT_LAYOUT = "(batch, length, features)"
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (grouped-query) attention with input and output projections.
+
+    Args:
+      embed_dim: feature size of ``query``.
+      num_heads: query heads.
+      num_kv_heads: key/value heads, dividing ``num_heads``; default ``num_heads``.
+      kdim, vdim: feature sizes of ``key`` and ``value``; default ``embed_dim``.
+      qkv_dim: total query feature size ``num_heads * head_dim``; default ``embed_dim``.
+      out_dim: output feature size; default ``embed_dim``.
+      bias: biases on the four projections.
+      dropout: dropout on the attention weights, active in training mode.
+      device, dtype: of the parameters.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        qkv_dim: int | None = None,
+        out_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self.qkv_dim = embed_dim if qkv_dim is None else qkv_dim
+        self.out_dim = embed_dim if out_dim is None else out_dim
+        self.head_dim = _checks.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
+        for name in ("embed_dim", "kdim", "vdim", "out_dim"):
+            _checks.check_heads(1, 1, getattr(self, name), name)
+        self.dropout = _checks.check_dropout_rate("dropout", dropout)
+
+        kv_dim = self.num_kv_heads * self.head_dim
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, self.qkv_dim, **factory)
+        self.k_proj = nn.Linear(self.kdim, kv_dim, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_dim, **factory)
+        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **factory)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        dropout_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+          query: ``(batch, q_len, embed_dim)``.
+          key: ``(batch, kv_len, kdim)``; default ``query`` (self-attention).
+          value: ``(batch, kv_len, vdim)``; default ``key``.
+          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; see ``dot_product_attention``.
+          is_causal: causal masking, combined with ``mask``.
+          need_weights: also return the weights ``(batch, num_heads, q_len, kv_len)``.
+          dropout_mask: explicit keep-mask ``(batch, num_heads, q_len, kv_len)``; always applied,
+            kept weights scaled by ``1 / (1 - dropout)``.
+
+        Returns:
+          ``(batch, q_len, out_dim)``, or ``(output, weights)``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
+        dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
+
+        batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+        q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        result = dot_product_attention(
+            q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p,
+            dropout_mask=dropout_mask, return_weights=need_weights,
+        )
+        out, weights = result if need_weights else (result, None)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim))
+        return (out, weights) if need_weights else out
+
+
+def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:
+    """Ranks, dtypes and feature sizes of the module's inputs, with messages naming each."""
+    for name, x, features, feat_name in (
+        ("query", query, embed_dim, "embed_dim"),
+        ("key", key, kdim, "kdim"),
+        ("value", value, vdim, "vdim"),
+    ):
+        _checks.require_float(name, x)
+        _checks.require_rank(name, x, 3, INPUT_LAYOUT)
+        if x.shape[-1] != features:
+            raise ValueError(
+                f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
+                f"but the module's {feat_name} is {features}"
+            )
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            f"query, key and value must share the batch size, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"key and value must share kv_len, got shapes {tuple(key.shape)} and {tuple(value.shape)}"
+        )

@@ -1,0 +1,136 @@
+"""An independent float64 NumPy oracle: multi-head attention forward and its hand-written gradient.
+
+It shares no code with ``mha_jax`` or ``mha_torch``: it reads masks by the documented semantics
+itself, and computes the backward pass from the textbook formulas, so that both frameworks are
+checked against ground truth and not only against each other. Parameters use ``mha_torch``'s
+state-dict names and shapes; arrays are float64 throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+Params = dict[str, np.ndarray]
+
+
+@dataclass
+class Attention:
+    """Mask, causal flag, dropout keep-mask and scale of one attention call, as NumPy."""
+
+    mask: np.ndarray | None = None
+    is_causal: bool = False
+    keep: np.ndarray | None = None
+    dropout_rate: float = 0.0
+    scale: float | None = None
+
+
+def allowed_and_bias(att: Attention, shape: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(allowed bool, additive bias float64), both of ``shape`` = (batch, heads, q_len, kv_len)."""
+    allowed = np.ones(shape, dtype=bool)
+    bias = np.zeros(shape)
+    if att.mask is not None:
+        mask = np.asarray(att.mask)
+        if mask.dtype.kind in "biu":
+            allowed = allowed & np.broadcast_to(mask != 0, shape)
+        else:
+            bias = bias + np.broadcast_to(mask.astype(np.float64), shape)
+    if att.is_causal:
+        q_len, kv_len = shape[2], shape[3]
+        rows, cols = np.indices((q_len, kv_len))
+        allowed = allowed & (cols <= rows)
+    return allowed, bias
+
+
+def attention(q, k, v, att: Attention):
+    """Forward of the core in torch layout: q ``(B, H, Q, D)``, k/v ``(B, Hk, K, D)``.
+
+    Returns (out ``(B, H, Q, D)``, applied weights ``(B, H, Q, K)``, cache for ``attention_grad``).
+    """
+    batch, heads, q_len, head_dim = q.shape
+    groups = heads // k.shape[1]
+    k_rep, v_rep = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    scale = 1.0 / np.sqrt(head_dim) if att.scale is None else att.scale
+    shape = (batch, heads, q_len, k.shape[2])
+    allowed, bias = allowed_and_bias(att, shape)
+
+    logits = np.einsum("bhqd,bhkd->bhqk", q, k_rep) * scale + bias
+    logits = np.where(allowed, logits, -np.inf)
+    live = np.isfinite(logits)
+    has_key = live.any(axis=-1, keepdims=True)
+    row_max = np.where(has_key, np.where(live, logits, -np.inf).max(axis=-1, keepdims=True), 0.0)
+    exp = np.where(live, np.exp(np.where(live, logits, 0.0) - row_max), 0.0)
+    probs = exp / np.where(has_key, exp.sum(axis=-1, keepdims=True), 1.0)
+
+    drop = np.ones(shape)
+    if att.keep is not None:
+        drop = np.broadcast_to(np.asarray(att.keep) != 0, shape) / (1.0 - att.dropout_rate)
+    weights = probs * drop
+    out = np.einsum("bhqk,bhkd->bhqd", weights, v_rep)
+    return out, weights, (q, k_rep, v_rep, probs, drop, weights, scale, groups)
+
+
+def attention_grad(cache, d_out):
+    """Gradients (dq, dk, dv) of ``attention`` for the cotangent ``d_out``."""
+    q, k_rep, v_rep, probs, drop, weights, scale, groups = cache
+    d_weights = np.einsum("bhqd,bhkd->bhqk", d_out, v_rep)
+    dv_rep = np.einsum("bhqk,bhqd->bhkd", weights, d_out)
+    d_probs = d_weights * drop
+    d_logits = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True)) * scale
+    dq = np.einsum("bhqk,bhkd->bhqd", d_logits, k_rep)
+    dk_rep = np.einsum("bhqk,bhqd->bhkd", d_logits, q)
+
+    def fold(x):  # sum the query heads of each group back onto their key/value head
+        b, h, n, d = x.shape
+        return x.reshape(b, h // groups, groups, n, d).sum(axis=2)
+
+    return dq, fold(dk_rep), fold(dv_rep)
+
+
+def _split_heads(x, heads):
+    b, n, f = x.shape
+    return x.reshape(b, n, heads, f // heads).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(x):
+    b, h, n, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, n, h * d)
+
+
+def _linear(params: Params, name: str, x):
+    y = x @ params[f"{name}.weight"].T
+    return y + params[f"{name}.bias"] if f"{name}.bias" in params else y
+
+
+def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_heads: int, d_out=None):
+    """Module forward and, given a cotangent ``d_out``, every gradient.
+
+    Returns a dict: ``out`` ``(B, Q, out)``, ``weights`` ``(B, H, Q, K)`` and, with ``d_out``,
+    ``grads``: ``inputs_q``/``inputs_k``/``inputs_v`` and each parameter by state-dict name.
+    """
+    q = _split_heads(_linear(params, "q_proj", xq), num_heads)
+    k = _split_heads(_linear(params, "k_proj", xk), num_kv_heads)
+    v = _split_heads(_linear(params, "v_proj", xv), num_kv_heads)
+    core, weights, cache = attention(q, k, v, att)
+    merged = _merge_heads(core)
+    out = _linear(params, "out_proj", merged)
+    result = {"out": out, "weights": weights}
+    if d_out is None:
+        return result
+
+    grads: dict[str, np.ndarray] = {}
+
+    def linear_grad(name, x, dy):
+        grads[f"{name}.weight"] = np.einsum("bno,bni->oi", dy, x)
+        if f"{name}.bias" in params:
+            grads[f"{name}.bias"] = dy.sum(axis=(0, 1))
+        return dy @ params[f"{name}.weight"]
+
+    d_core = _split_heads(linear_grad("out_proj", merged, d_out), num_heads)
+    dq, dk, dv = attention_grad(cache, d_core)
+    grads["inputs_q"] = linear_grad("q_proj", xq, _merge_heads(dq))
+    grads["inputs_k"] = linear_grad("k_proj", xk, _merge_heads(dk))
+    grads["inputs_v"] = linear_grad("v_proj", xv, _merge_heads(dv))
+    result["grads"] = grads
+    return result

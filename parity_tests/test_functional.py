@@ -1,0 +1,162 @@
+"""The functional cores directly: ``mha_jax.dot_product_attention`` (layout (B, Q, H, D)) and
+``mha_torch.dot_product_attention`` (layout (B, H, Q, D)) against the oracle and each other."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import mha_jax
+import mha_torch
+from parity_tests import harness, oracle
+
+B, H, Q, K, D = 2, 6, 5, 7, 8
+MASKS = {
+    "none": lambda rng: None,
+    "bool": lambda rng: rng.random((B, H, Q, K)) < 0.6,
+    "int": lambda rng: (rng.random((B, 1, Q, K)) < 0.6).astype(np.int32),
+    "float": lambda rng: np.where(rng.random((1, H, Q, K)) < 0.2, -np.inf, rng.normal(size=(1, H, Q, K))),
+    "rank2": lambda rng: rng.random((Q, K)) < 0.6,
+}
+
+
+def _inputs(rng, kv_heads, dtype):
+    q = harness._rounded(rng.normal(size=(B, H, Q, D)), dtype)
+    k = harness._rounded(rng.normal(size=(B, kv_heads, K, D)), dtype)
+    v = harness._rounded(rng.normal(size=(B, kv_heads, K, D)), dtype)
+    return q, k, v
+
+
+def _jax(q, k, v, dtype, mask=None, **kw):
+    """Call the JAX core from torch-layout NumPy arrays; results back in torch layout."""
+    t = lambda x: jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3))  # noqa: E731
+    m = None if mask is None else jnp.asarray(harness._cast(mask, dtype))
+    out, w = mha_jax.dot_product_attention(t(q), t(k), t(v), mask=m, return_weights=True, **kw)
+    return harness._f64(out).transpose(0, 2, 1, 3), harness._f64(w)
+
+
+def _torch(q, k, v, dtype, mask=None, **kw):
+    t = lambda x: torch.from_numpy(x).to(getattr(torch, dtype))  # noqa: E731
+    m = None if mask is None else (t(mask) if mask.dtype.kind == "f" else torch.from_numpy(mask))
+    out, w = mha_torch.dot_product_attention(t(q), t(k), t(v), mask=m, return_weights=True, **kw)
+    return harness._f64(out), harness._f64(w)
+
+
+@pytest.mark.parametrize("dtype", harness.DTYPES)
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])
+@pytest.mark.parametrize("mask_kind", list(MASKS))
+def test_cores_match_oracle(mask_kind, kv_heads, dtype):
+    rng = np.random.default_rng(1)
+    q, k, v = _inputs(rng, kv_heads, dtype)
+    mask = MASKS[mask_kind](rng)
+    if mask is not None and mask.dtype.kind == "f":
+        mask = harness._rounded(mask, dtype)
+    want_out, want_w, _ = oracle.attention(q, k, v, oracle.Attention(mask=mask, is_causal=True))
+    tol = harness.TOLERANCES[dtype][0]
+    got = {
+        "jax": _jax(q, k, v, dtype, mask, is_causal=True),
+        "torch": _torch(q, k, v, dtype, mask, is_causal=True),
+    }
+    for name, (out, w) in got.items():
+        assert max(harness.errors(out, want_out)) <= tol, name
+        assert max(harness.errors(w, want_w)) <= tol, name
+    assert max(harness.errors(got["jax"][0], got["torch"][0])) <= tol
+
+
+@pytest.mark.parametrize("scale", [None, 0.5, 1 / np.sqrt(H * D)])
+def test_scale(scale):
+    rng = np.random.default_rng(2)
+    q, k, v = _inputs(rng, 3, "float64")
+    want, _, _ = oracle.attention(q, k, v, oracle.Attention(scale=scale))
+    for out, _ in (_jax(q, k, v, "float64", scale=scale), _torch(q, k, v, "float64", scale=scale)):
+        assert max(harness.errors(out, want)) <= 1e-13
+    if scale is not None:  # the argument is really used
+        default, _, _ = oracle.attention(q, k, v, oracle.Attention())
+        assert max(harness.errors(default, want)) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", harness.DTYPES)
+def test_fully_masked_rows_are_exactly_zero_with_finite_gradients(dtype):
+    rng = np.random.default_rng(3)
+    q, k, v = _inputs(rng, 2, dtype)
+    mask = rng.random((B, H, Q, K)) < 0.5
+    mask[:, :, 1] = False
+    mask[0] = False
+    float_mask = np.where(mask, 0.0, -np.inf)
+    for m in (mask, float_mask):
+        for out, w in (_jax(q, k, v, dtype, m), _torch(q, k, v, dtype, m)):
+            assert np.all(out[:, :, 1] == 0) and np.all(out[0] == 0)
+            assert np.all(w[:, :, 1] == 0) and np.all(w[0] == 0)
+            assert np.all(np.isfinite(out))
+
+    def loss_jax(q, k, v):
+        return jnp.sum(mha_jax.dot_product_attention(q, k, v, mask=jnp.asarray(mask)) ** 2)
+
+    tq, tk, tv = (jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3)) for x in (q, k, v))
+    for g in jax.grad(loss_jax, argnums=(0, 1, 2))(tq, tk, tv):
+        assert np.all(np.isfinite(harness._f64(g)))
+    xs = [torch.from_numpy(x).to(getattr(torch, dtype)).requires_grad_(True) for x in (q, k, v)]
+    mha_torch.dot_product_attention(*xs, mask=torch.from_numpy(mask)).pow(2).sum().backward()
+    for x in xs:
+        assert torch.isfinite(x.grad).all()
+    assert np.all(harness._f64(xs[0].grad)[0] == 0)  # a query that sees nothing learns nothing
+
+
+def test_weights_are_the_ones_applied_to_value_after_dropout():
+    rng = np.random.default_rng(4)
+    q, k, v = _inputs(rng, 6, "float64")
+    keep = rng.random((B, H, Q, K)) > 0.3
+    for out, w in (
+        _jax(q, k, v, "float64", dropout_rate=0.3, dropout_mask=jnp.asarray(keep)),
+        _torch(q, k, v, "float64", dropout_p=0.3, dropout_mask=torch.from_numpy(keep)),
+    ):
+        np.testing.assert_allclose(out, w @ v, rtol=0, atol=1e-14)
+        assert np.all(w[~keep] == 0)
+        want, want_w, _ = oracle.attention(q, k, v, oracle.Attention(keep=keep, dropout_rate=0.3))
+        assert max(harness.errors(w, want_w)) <= 1e-13
+
+
+def test_jax_dropout_rng_is_reproducible_and_drops_at_the_rate():
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(x.transpose(0, 2, 1, 3)) for x in _inputs(rng, 6, "float64"))
+    run = lambda key: mha_jax.dot_product_attention(  # noqa: E731
+        q, k, v, dropout_rate=0.4, dropout_rng=key, return_weights=True)[1]
+    a, b, c = run(jax.random.key(0)), run(jax.random.key(0)), run(jax.random.key(1))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert abs(float(jnp.mean(a == 0)) - 0.4) < 0.08
+
+
+def test_torch_dropout_uses_torch_rng():
+    rng = np.random.default_rng(6)
+    q, k, v = (torch.from_numpy(x) for x in _inputs(rng, 6, "float64"))
+    torch.manual_seed(0)
+    a = mha_torch.dot_product_attention(q, k, v, dropout_p=0.4, return_weights=True)[1]
+    torch.manual_seed(0)
+    b = mha_torch.dot_product_attention(q, k, v, dropout_p=0.4, return_weights=True)[1]
+    assert torch.equal(a, b) and abs(float((a == 0).double().mean()) - 0.4) < 0.08
+
+
+@pytest.mark.parametrize("dtype", harness.DTYPES)
+def test_jit_matches_eager(dtype):
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3)) for x in _inputs(rng, 2, dtype))
+    mask = jnp.asarray(rng.random((B, 1, Q, K)) < 0.6)
+    f = lambda q, k, v: mha_jax.dot_product_attention(q, k, v, mask=mask, is_causal=True)  # noqa: E731
+    eager, jitted = harness._f64(f(q, k, v)), harness._f64(jax.jit(f)(q, k, v))
+    assert max(harness.errors(jitted, eager)) <= harness.TOLERANCES[dtype][0]
+
+
+def test_float_mask_is_added_not_filled():
+    """A float mask is a bias: -1e9 over a whole row shifts it and leaves its softmax as it was
+    (unlike the seeds' masked_fill(-1e9), which gives a uniform row); -inf on a whole row gives 0."""
+    rng = np.random.default_rng(8)
+    q, k, v = _inputs(rng, 6, "float64")
+    mask = np.zeros((B, H, Q, K))
+    mask[:, :, 0] = -1e9
+    mask[:, :, 1] = -np.inf
+    for call in (_jax, _torch):
+        _, w = call(q, k, v, "float64", mask)
+        _, plain = call(q, k, v, "float64")
+        np.testing.assert_allclose(w[:, :, 0], plain[:, :, 0], rtol=0, atol=1e-6)  # -1e9 eats digits
+        assert np.all(w[:, :, 1] == 0)

@@ -1,0 +1,53 @@
+"""Packaging promises: import isolation, the console script, and the README's commands."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from parity_tests import cli, harness
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "package, forbidden", [("mha_jax", ("torch",)), ("mha_torch", ("jax", "flax"))]
+)
+def test_packages_do_not_import_the_other_framework(package, forbidden):
+    code = f"import sys, {package}; print([m for m in {forbidden!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """README gives two set-up commands: the main job and the tests; CI runs the latter."""
+    readme = [l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("python3 -m venv")]
+    ci = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.startswith("python3 -m venv")]
+    assert len(readme) == 2 and len(ci) == 1
+    assert readme[0].endswith("&& mha-parity verify")
+    assert readme[1] == ci[0] and "pytest" in ci[0]
+
+
+def test_verify_writes_a_report_and_exits_zero(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    code = cli.main(["verify", "--dtype", "float32", "--mask", "padding+causal", "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert code == 0 and report["passed"]
+    assert [c["case"] for c in report["cases"]] == [
+        c.id for c in harness.default_grid() if c.dtype == "float32" and c.mask == "padding+causal"
+    ]
+    assert "max abs error" in capsys.readouterr().out
+
+
+def test_verify_exits_nonzero_when_a_case_fails(monkeypatch, tmp_path):
+    monkeypatch.setitem(harness.TOLERANCES, "float32", (1e-12, 1e-12))
+    assert cli.main(["verify", "--dtype", "float32", "--mask", "none"]) == 1
+
+
+def test_readme_examples_run():
+    blocks = (ROOT / "README.md").read_text().split("```python\n")[1:]
+    assert len(blocks) == 3
+    for block in blocks:
+        exec(compile(block.split("```")[0], "README.md", "exec"), {})
