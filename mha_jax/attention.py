@@ -63,6 +63,7 @@ def dot_product_attention(
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
+    key, value = _zero_unused_keys(key, value, allowed, bias, groups)
     q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, key.astype(compute), precision=precision)
     logits = logits.reshape(shape) * scale
@@ -93,6 +94,30 @@ def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Arra
     exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
     return exp / jnp.where(total == 0.0, 1.0, total)
+
+
+def _zero_unused_keys(key, value, allowed, bias, groups):
+    """Zero the keys and values that no query may attend to (padding, say).
+
+    Whatever they hold, NaN or Inf included, then cannot reach the output (0 * NaN is NaN in the
+    weights-times-values product) nor the gradients of the other positions.
+    """
+    excluded = []
+    if allowed is not None:
+        excluded.append(jnp.logical_not(allowed))
+    if bias is not None:
+        excluded.append(bias == -jnp.inf)
+    if not excluded:
+        return key, value
+    batch, kv_len, kv_heads, _ = key.shape
+    unused = None
+    for ex in excluded:  # reduce over queries, then over the query heads of each group
+        ex = ex.reshape((1,) * (4 - ex.ndim) + ex.shape).all(axis=2)  # (batch?, heads?, kv_len?)
+        if ex.shape[1] != 1:
+            ex = ex.reshape(ex.shape[0], kv_heads, groups, ex.shape[2]).all(axis=2)
+        unused = ex if unused is None else unused | ex
+    unused = jnp.broadcast_to(unused, (batch, kv_heads, kv_len)).transpose(0, 2, 1)[..., None]
+    return jnp.where(unused, 0, key), jnp.where(unused, 0, value)
 
 
 def _dropout_keep(rate, rng, dropout_mask, shape):

@@ -58,6 +58,7 @@ def dot_product_attention(
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
     groups = heads // kv_heads
+    key, value = _zero_unused_keys(key, value, allowed, bias, groups)
     q = query.to(compute).reshape(batch, kv_heads, groups, q_len, head_dim)
     logits = q @ key.to(compute).unsqueeze(2).transpose(-1, -2)
     logits = logits.reshape(shape) * scale
@@ -85,6 +86,30 @@ def _masked_softmax(
     exp = torch.exp(logits - row_max)
     total = exp.sum(dim=-1, keepdim=True)
     return exp / torch.where(total == 0.0, 1.0, total)
+
+
+def _zero_unused_keys(key, value, allowed, bias, groups):
+    """Zero the keys and values that no query may attend to (padding, say).
+
+    Whatever they hold, NaN or Inf included, then cannot reach the output (0 * NaN is NaN in the
+    weights-times-values product) nor the gradients of the other positions.
+    """
+    excluded = []
+    if allowed is not None:
+        excluded.append(~allowed)
+    if bias is not None:
+        excluded.append(bias == -math.inf)
+    if not excluded:
+        return key, value
+    batch, kv_heads, kv_len, _ = key.shape
+    unused = None
+    for ex in excluded:  # reduce over queries, then over the query heads of each group
+        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2)  # (batch?, heads?, kv_len?)
+        if ex.shape[1] != 1:
+            ex = ex.reshape(ex.shape[0], kv_heads, groups, ex.shape[2]).all(dim=2)
+        unused = ex if unused is None else unused | ex
+    unused = unused.expand(batch, kv_heads, kv_len)[..., None]
+    return key.masked_fill(unused, 0), value.masked_fill(unused, 0)
 
 
 def _dropout_keep(rate, dropout_mask, shape, device):

@@ -160,3 +160,31 @@ def test_float_mask_is_added_not_filled():
         _, plain = call(q, k, v, "float64")
         np.testing.assert_allclose(w[:, :, 0], plain[:, :, 0], rtol=0, atol=1e-6)  # -1e9 eats digits
         assert np.all(w[:, :, 1] == 0)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_nan_and_inf_in_padded_keys_do_not_leak(poison):
+    """Garbage at keys that every query excludes reaches neither outputs nor gradients."""
+    rng = np.random.default_rng(9)
+    q, k, v = _inputs(rng, 2, "float64")
+    valid = np.arange(K)[None, :] < np.array([K, 4])[:, None]
+    k[1, :, 4:] = poison
+    v[1, :, 4:] = poison
+    clean_k, clean_v = np.where(np.isfinite(k), k, 0.0), np.where(np.isfinite(v), v, 0.0)
+    want, _, cache = oracle.attention(q, clean_k, clean_v, oracle.Attention(mask=valid[:, None, None, :]))
+    d_out = rng.normal(size=want.shape)
+    want_grads = oracle.attention_grad(cache, d_out)
+    for mask in (valid[:, None, None, :], np.where(valid, 0.0, -np.inf)[:, None, None, :]):
+        tq, tk, tv = (jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+        out, vjp = jax.vjp(lambda *a: mha_jax.dot_product_attention(*a, mask=jnp.asarray(mask)), tq, tk, tv)
+        grads = [np.asarray(g).transpose(0, 2, 1, 3) for g in vjp(jnp.asarray(d_out.transpose(0, 2, 1, 3)))]
+        xs = [torch.from_numpy(x).requires_grad_(True) for x in (q, k, v)]
+        t_out = mha_torch.dot_product_attention(*xs, mask=torch.from_numpy(mask))
+        t_out.backward(torch.from_numpy(d_out))
+        for name, got, got_grads in (
+            ("jax", np.asarray(out).transpose(0, 2, 1, 3), grads),
+            ("torch", t_out.detach().numpy(), [x.grad.numpy() for x in xs]),
+        ):
+            assert max(harness.errors(got, want)) <= 1e-13, name
+            for g, w in zip(got_grads, want_grads):
+                assert np.all(np.isfinite(g)) and max(harness.errors(g, w)) <= 1e-12, name
