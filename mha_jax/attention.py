@@ -11,8 +11,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks
-from mha_jax.masks import MASK_LAYOUT, _split_mask
+from mha_jax import _blockwise, _checks
+from mha_jax.masks import MASK_LAYOUT, _split_mask, causal_mask
+
+
+IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
+# Below this many scores per head the plain formulation is as fast and exact to the last bit.
+_BLOCKWISE_MIN_SCORES = 256 * 256
 
 
 def dot_product_attention(
@@ -28,6 +33,7 @@ def dot_product_attention(
     dropout_mask: jax.Array | None = None,
     return_weights: bool = False,
     precision: jax.lax.PrecisionLike = None,
+    implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head scaled dot-product attention.
 
@@ -41,11 +47,17 @@ def dot_product_attention(
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
-      dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0``.
+      dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (``"xla"`` and
+        ``"blockwise"`` draw different masks from the same key).
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
         ``(batch, heads, q_len, kv_len)``; when given it is used instead of ``dropout_rng``.
-      return_weights: also return the attention weights actually applied to ``value``.
+      return_weights: also return the attention weights actually applied to ``value``
+        (``"xla"`` only: the other implementations never form them).
       precision: passed to the matrix products.
+      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
+        blocks, memory linear in length, causal blocks skipped), ``"cudnn"`` (NVIDIA GPUs,
+        through ``jax.nn.dot_product_attention``), or None: ``"xla"`` for short inputs or when
+        weights are returned, else ``"blockwise"``.
 
     Returns:
       ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -56,30 +68,110 @@ def dot_product_attention(
         query, key, value
     )
     shape = (batch, heads, q_len, kv_len)
-    allowed, bias = _split_mask(mask, is_causal, shape)
-    keep, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
+    allowed, bias = _split_mask(mask, False, shape)  # causality is each implementation's own
+    keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    implementation = _choose(implementation, return_weights, q_len * kv_len, keep is not None or rng is not None)
 
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
-    key, value = _zero_unused_keys(key, value, allowed, bias, groups)
+    key, value = _zero_unused_keys(key, value, allowed, bias, groups, q_len if is_causal else None)
     q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, key.astype(compute), precision=precision)
+    k, v = key.astype(compute), value.astype(compute)
+    if implementation == "xla":
+        if is_causal:
+            causal = causal_mask(q_len, kv_len)
+            allowed = causal if allowed is None else allowed & causal
+        if rng is not None:
+            keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
+        out, weights = _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision)
+    elif implementation == "blockwise":
+        block_q, block_k = _blockwise.block_sizes(q_len, kv_len)
+        out = _blockwise.attention(
+            q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+            allowed=_grouped(allowed, kv_heads), bias=_grouped(bias, kv_heads),
+            keep=_grouped(keep, kv_heads), dropout_rng=rng,
+            causal=is_causal, scale=scale, dropout_rate=dropout_rate, keep_scale=keep_scale,
+            precision=precision, block_q=block_q, block_k=block_k,
+        ).transpose(0, 3, 1, 2, 4)
+        weights = None
+    else:
+        out = _cudnn(q, k, v, allowed, bias, keep, is_causal, scale)
+        weights = None
+    out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
+    if return_weights:
+        return out, weights.reshape(shape).astype(dtype)
+    return out
+
+
+def _choose(implementation, return_weights, scores, dropout) -> str:
+    if implementation is None:
+        small = scores < _BLOCKWISE_MIN_SCORES
+        return "xla" if return_weights or small else "blockwise"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if return_weights and implementation != "xla":
+        raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
+    if implementation == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ValueError(
+                f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
+            )
+        if dropout:
+            raise ValueError("implementation='cudnn' does not take dropout here; use 'blockwise' or 'xla'")
+    return implementation
+
+
+def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision):
+    """The plain formulation: q ``(b, q, kv_heads, groups, d)``, k/v ``(b, k, kv_heads, d)``."""
+    batch, q_len, kv_heads, groups, _ = q.shape
+    shape = (batch, kv_heads * groups, q_len, k.shape[1])
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=precision)
     logits = logits.reshape(shape) * scale
     weights = _masked_softmax(logits, allowed, bias)
     if keep is not None:
         weights = jnp.where(keep, weights * keep_scale, 0.0)
     out = jnp.einsum(
-        "bhgqk,bkhd->bqhgd",
-        weights.reshape(batch, kv_heads, groups, q_len, kv_len),
-        value.astype(compute),
+        "bhgqk,bkhd->bqhgd", weights.reshape(batch, kv_heads, groups, q_len, k.shape[1]), v,
         precision=precision,
     )
-    out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
-    if return_weights:
-        return out, weights.astype(dtype)
-    return out
+    return out, weights
+
+
+def _cudnn(q, k, v, allowed, bias, keep, is_causal, scale):
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our mask semantics.
+
+    cuDNN gives a fully masked row the mean of V; those rows are set to 0 here.
+    """
+    batch, q_len, kv_heads, groups, head_dim = q.shape
+    query = q.reshape(batch, q_len, kv_heads * groups, head_dim).astype(jnp.bfloat16)
+    shape = (batch, kv_heads * groups, q_len, k.shape[1])
+    full_bias = None
+    if bias is not None:
+        full_bias = jnp.broadcast_to(bias, shape).astype(jnp.bfloat16)
+    out = jax.nn.dot_product_attention(
+        query, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), bias=full_bias,
+        mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
+        is_causal=is_causal, implementation="cudnn",
+    ).astype(q.dtype)
+    live = jnp.ones(shape, bool) if allowed is None else jnp.broadcast_to(allowed, shape)
+    if bias is not None:
+        live = live & (bias > -jnp.inf)
+    if is_causal:
+        live = live & causal_mask(q_len, k.shape[1])
+    has_key = live.any(axis=-1).transpose(0, 2, 1)[..., None]  # (b, q, heads, 1)
+    return jnp.where(has_key, out, 0.0).reshape(q.shape)
+
+
+def _grouped(x, kv_heads):
+    """A mask broadcasting to (b, heads, q, k) as 5-d (b|1, kv_heads|1, groups|1, q|1, k|1)."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, x.shape[2], x.shape[3])
 
 
 def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None) -> jax.Array:
@@ -96,20 +188,23 @@ def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Arra
     return exp / jnp.where(total == 0.0, 1.0, total)
 
 
-def _zero_unused_keys(key, value, allowed, bias, groups):
+def _zero_unused_keys(key, value, allowed, bias, groups, causal_q_len=None):
     """Zero the keys and values that no query may attend to (padding, say).
 
     Whatever they hold, NaN or Inf included, then cannot reach the output (0 * NaN is NaN in the
-    weights-times-values product) nor the gradients of the other positions.
+    weights-times-values product) nor the gradients of the other positions. With causal
+    masking (``causal_q_len``), keys past the last query are unused too.
     """
     excluded = []
     if allowed is not None:
         excluded.append(jnp.logical_not(allowed))
     if bias is not None:
         excluded.append(bias == -jnp.inf)
+    batch, kv_len, kv_heads, _ = key.shape
+    if causal_q_len is not None and causal_q_len < kv_len:
+        excluded.append(jnp.arange(kv_len) >= causal_q_len)
     if not excluded:
         return key, value
-    batch, kv_len, kv_heads, _ = key.shape
     unused = None
     for ex in excluded:  # reduce over queries, then over the query heads of each group
         ex = ex.reshape((1,) * (4 - ex.ndim) + ex.shape).all(axis=2)  # (batch?, heads?, kv_len?)
@@ -121,7 +216,7 @@ def _zero_unused_keys(key, value, allowed, bias, groups):
 
 
 def _dropout_keep(rate, rng, dropout_mask, shape):
-    """(keep-mask or None, scale of kept weights)."""
+    """(bool keep-mask or None, PRNG key to draw one or None, scale of kept weights)."""
     rate = _checks.check_dropout_rate("dropout_rate", rate)
     if dropout_mask is not None:
         _checks.require_array("dropout_mask", dropout_mask)
@@ -131,9 +226,9 @@ def _dropout_keep(rate, rng, dropout_mask, shape):
                 f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "
                 f"{dropout_mask.dtype} with shape {tuple(dropout_mask.shape)}"
             )
-        return jnp.asarray(dropout_mask) != 0, 1.0 / (1.0 - rate)
+        return jnp.asarray(dropout_mask) != 0, None, 1.0 / (1.0 - rate)
     if rate == 0.0:
-        return None, 1.0
+        return None, None, 1.0
     if rng is None:
         raise ValueError("dropout_rate > 0 needs dropout_rng or dropout_mask")
-    return jax.random.bernoulli(rng, 1.0 - rate, shape), 1.0 / (1.0 - rate)
+    return None, rng, 1.0 / (1.0 - rate)  # each implementation draws its own mask from the key

@@ -34,6 +34,7 @@ class MultiHeadDotProductAttention(nn.Module):
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
     precision: jax.lax.PrecisionLike = None
+    implementation: str | None = None
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
@@ -85,6 +86,7 @@ class MultiHeadDotProductAttention(nn.Module):
             dropout_rate=rate if dropout_rng is not None or dropout_mask is not None else 0.0,
             dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             return_weights=return_weights, precision=self.precision,
+            implementation=self.implementation,
         )
         out, weights = result if return_weights else (result, None)
         out = projection(out_features, "out", axis=(-2, -1))(out)

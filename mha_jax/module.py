@@ -33,6 +33,7 @@ class MultiHeadAttention(nnx.Module):
       dtype: computation dtype; default: promoted from inputs and parameters.
       param_dtype: parameter dtype.
       precision: precision of every matrix product.
+      implementation: attention implementation, see ``mha_jax.dot_product_attention``.
       kernel_init, bias_init: initialisers, as in flax.
       rngs: ``nnx.Rngs`` for the parameters and, with ``dropout_rate > 0``, the dropout stream.
     """
@@ -52,6 +53,7 @@ class MultiHeadAttention(nnx.Module):
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
         precision: jax.lax.PrecisionLike = None,
+        implementation: str | None = None,
         kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
         bias_init: nnx.Initializer = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
@@ -70,6 +72,7 @@ class MultiHeadAttention(nnx.Module):
         self.dropout_rate = _checks.check_dropout_rate("dropout_rate", dropout_rate)
         self.deterministic = deterministic
         self.precision = precision
+        self.implementation = implementation
 
         def projection(in_features, out_features, axis=-1):
             return nnx.LinearGeneral(
@@ -129,6 +132,7 @@ class MultiHeadAttention(nnx.Module):
             dropout_rate=self.dropout_rate if dropout_rng is not None or dropout_mask is not None else 0.0,
             dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             return_weights=return_weights, precision=self.precision,
+            implementation=self.implementation,
         )
         out, weights = result if return_weights else (result, None)
         out = self.out(out)

@@ -9,9 +9,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from mha_torch import _checks
-from mha_torch.masks import MASK_LAYOUT, _split_mask
+from mha_torch.masks import MASK_LAYOUT, _split_mask, causal_mask
+
+
+IMPLEMENTATIONS = ("math", "sdpa")
 
 
 def dot_product_attention(
@@ -25,6 +29,7 @@ def dot_product_attention(
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
     return_weights: bool = False,
+    implementation: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head scaled dot-product attention.
 
@@ -39,8 +44,12 @@ def dot_product_attention(
       dropout_p: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
-        ``(batch, heads, q_len, kv_len)``.
-      return_weights: also return the attention weights actually applied to ``value``.
+        ``(batch, heads, q_len, kv_len)`` (``"math"`` only).
+      return_weights: also return the attention weights actually applied to ``value``
+        (``"math"`` only).
+      implementation: ``"math"`` (the explicit formulation), ``"sdpa"``
+        (``F.scaled_dot_product_attention``, memory linear in length), or None: ``"sdpa"``
+        unless weights or an explicit dropout mask are asked for.
 
     Returns:
       ``(batch, heads, q_len, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -51,25 +60,73 @@ def dot_product_attention(
         query, key, value
     )
     shape = (batch, heads, q_len, kv_len)
-    allowed, bias = _split_mask(mask, is_causal, shape, query.device)
-    keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape, query.device)
+    allowed, bias = _split_mask(mask, False, shape)  # causality is each implementation's own
+    keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    implementation = _choose(implementation, return_weights, keep is not None)
 
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
     groups = heads // kv_heads
-    key, value = _zero_unused_keys(key, value, allowed, bias, groups)
-    q = query.to(compute).reshape(batch, kv_heads, groups, q_len, head_dim)
-    logits = q @ key.to(compute).unsqueeze(2).transpose(-1, -2)
-    logits = logits.reshape(shape) * scale
-    weights = _masked_softmax(logits, allowed, bias)
-    if keep is not None:
-        weights = torch.where(keep, weights * keep_scale, 0.0)
-    out = weights.reshape(batch, kv_heads, groups, q_len, kv_len) @ value.to(compute).unsqueeze(2)
-    out = out.reshape(batch, heads, q_len, head_dim).to(dtype)
+    key, value = _zero_unused_keys(key, value, allowed, bias, groups, q_len if is_causal else None)
+    q, k, v = query.to(compute), key.to(compute), value.to(compute)
+    if implementation == "math":
+        if is_causal:
+            causal = causal_mask(q_len, kv_len, device=query.device)
+            allowed = causal if allowed is None else allowed & causal
+        if keep is None and dropout_p > 0:
+            keep = torch.rand(shape, device=query.device) >= dropout_p
+        out, weights = _math(q, k, v, allowed, bias, keep, keep_scale, scale)
+    else:
+        out = _sdpa(q, k, v, allowed, bias, is_causal, scale, dropout_p)
+        weights = None
+    out = out.to(dtype)
     if return_weights:
         return out, weights.to(dtype)
     return out
+
+
+def _choose(implementation, return_weights, explicit_dropout) -> str:
+    if implementation is None:
+        return "math" if return_weights or explicit_dropout else "sdpa"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation == "sdpa" and (return_weights or explicit_dropout):
+        raise ValueError("return_weights=True and dropout_mask need implementation='math', got 'sdpa'")
+    return implementation
+
+
+def _math(q, k, v, allowed, bias, keep, keep_scale, scale):
+    """The explicit formulation: q ``(b, heads, q, d)``, k/v ``(b, kv_heads, k, d)``."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    logits = q.reshape(batch, kv_heads, groups, q_len, head_dim) @ k.unsqueeze(2).transpose(-1, -2)
+    logits = logits.reshape(batch, heads, q_len, kv_len) * scale
+    weights = _masked_softmax(logits, allowed, bias)
+    if keep is not None:
+        weights = torch.where(keep, weights * keep_scale, 0.0)
+    out = weights.reshape(batch, kv_heads, groups, q_len, kv_len) @ v.unsqueeze(2)
+    return out.reshape(batch, heads, q_len, head_dim), weights
+
+
+def _sdpa(q, k, v, allowed, bias, is_causal, scale, dropout_p):
+    """``F.scaled_dot_product_attention`` with our mask semantics folded into one ``attn_mask``."""
+    attn_mask = allowed
+    if bias is not None:
+        attn_mask = bias.to(q.dtype)
+        if allowed is not None:
+            attn_mask = attn_mask.masked_fill(~allowed, -math.inf)
+    if attn_mask is not None and attn_mask.ndim < 4:  # SDPA wants at least (q_len, kv_len)
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
+    if is_causal and attn_mask is not None:  # SDPA takes one or the other
+        causal = causal_mask(q.shape[2], k.shape[2], device=q.device)
+        attn_mask = attn_mask & causal if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~causal, -math.inf)
+        is_causal = False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 def _masked_softmax(
@@ -88,20 +145,23 @@ def _masked_softmax(
     return exp / torch.where(total == 0.0, 1.0, total)
 
 
-def _zero_unused_keys(key, value, allowed, bias, groups):
+def _zero_unused_keys(key, value, allowed, bias, groups, causal_q_len=None):
     """Zero the keys and values that no query may attend to (padding, say).
 
     Whatever they hold, NaN or Inf included, then cannot reach the output (0 * NaN is NaN in the
-    weights-times-values product) nor the gradients of the other positions.
+    weights-times-values product) nor the gradients of the other positions. With causal
+    masking (``causal_q_len``), keys past the last query are unused too.
     """
     excluded = []
     if allowed is not None:
         excluded.append(~allowed)
     if bias is not None:
         excluded.append(bias == -math.inf)
+    batch, kv_heads, kv_len, _ = key.shape
+    if causal_q_len is not None and causal_q_len < kv_len:
+        excluded.append(torch.arange(kv_len, device=key.device) >= causal_q_len)
     if not excluded:
         return key, value
-    batch, kv_heads, kv_len, _ = key.shape
     unused = None
     for ex in excluded:  # reduce over queries, then over the query heads of each group
         ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2)  # (batch?, heads?, kv_len?)
@@ -112,8 +172,8 @@ def _zero_unused_keys(key, value, allowed, bias, groups):
     return key.masked_fill(unused, 0), value.masked_fill(unused, 0)
 
 
-def _dropout_keep(rate, dropout_mask, shape, device):
-    """(keep-mask or None, scale of kept weights)."""
+def _dropout_keep(rate, dropout_mask, shape):
+    """(explicit keep-mask or None, scale of kept weights)."""
     rate = _checks.check_dropout_rate("dropout_p", rate)
     if dropout_mask is not None:
         _checks.require_array("dropout_mask", dropout_mask)
@@ -124,6 +184,4 @@ def _dropout_keep(rate, dropout_mask, shape, device):
                 f"{dropout_mask.dtype} with shape {tuple(dropout_mask.shape)}"
             )
         return dropout_mask != 0, 1.0 / (1.0 - rate)
-    if rate == 0.0:
-        return None, 1.0
-    return torch.rand(shape, device=device) >= rate, 1.0 / (1.0 - rate)
+    return None, 1.0 / (1.0 - rate)  # without a mask, each implementation draws its own

@@ -27,6 +27,8 @@ class MultiHeadAttention(nn.Module):
       out_dim: output feature size; default ``embed_dim``.
       bias: biases on the four projections.
       dropout: dropout on the attention weights, active in training mode.
+      implementation: attention implementation, see ``mha_torch.dot_product_attention``
+        (default: ``F.scaled_dot_product_attention`` unless weights are requested).
       device, dtype: of the parameters.
     """
 
@@ -42,6 +44,7 @@ class MultiHeadAttention(nn.Module):
         out_dim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        implementation: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -57,6 +60,7 @@ class MultiHeadAttention(nn.Module):
         for name in ("embed_dim", "kdim", "vdim", "out_dim"):
             _checks.check_heads(1, 1, getattr(self, name), name)
         self.dropout = _checks.check_dropout_rate("dropout", dropout)
+        self.implementation = implementation
 
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
@@ -103,6 +107,7 @@ class MultiHeadAttention(nn.Module):
         result = dot_product_attention(
             q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p,
             dropout_mask=dropout_mask, return_weights=need_weights,
+            implementation=self.implementation,
         )
         out, weights = result if need_weights else (result, None)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim))

@@ -192,8 +192,10 @@ def run_oracle(case: Case, data: Data) -> dict:
     return result
 
 
-def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx") -> dict:
-    """Forward and VJP of ``mha_jax``'s nnx (or linen) module; arrays back as float64 NumPy."""
+def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", implementation: str = "xla") -> dict:
+    """Forward and VJP of ``mha_jax``'s nnx (or linen) module; arrays back as float64 NumPy.
+
+    Attention weights come back only from ``implementation="xla"``, the one that forms them."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -207,7 +209,8 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx") -
     if att.mask is not None:
         mask = mha_jax.padding_mask(jnp.asarray(data.padding_valid)) if data.padding_valid is not None else _jax_mask(att.mask, case.dtype)
     keep = None if att.keep is None else jnp.asarray(att.keep)
-    kwargs = dict(mask=mask, is_causal=att.is_causal, dropout_mask=keep, return_weights=True)
+    with_weights = implementation == "xla"
+    kwargs = dict(mask=mask, is_causal=att.is_causal, dropout_mask=keep, return_weights=with_weights)
     inputs = [as_jax(data.xq)] if c.self_attention else [as_jax(data.xq), as_jax(data.xk), as_jax(data.xv)]
     torch_params = {k: _cast(v, case.dtype) for k, v in data.params.items()}
 
@@ -215,7 +218,8 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx") -
         model = mha_jax.MultiHeadAttention(
             c.num_heads, c.in_features, c.qkv_features, c.out_features,
             num_kv_heads=c.num_kv_heads, in_kv_features=c.in_kv_features, use_bias=c.use_bias,
-            dropout_rate=att.dropout_rate, deterministic=True, param_dtype=dtype, rngs=nnx.Rngs(0),
+            dropout_rate=att.dropout_rate, deterministic=True, param_dtype=dtype,
+            implementation=implementation, rngs=nnx.Rngs(0),
         )
         mha_jax.load_torch_weights(model, torch_params)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -226,6 +230,7 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx") -
         model = mha_jax.linen.MultiHeadDotProductAttention(
             c.num_heads, c.qkv_features, c.out_features, num_kv_heads=c.num_kv_heads,
             use_bias=c.use_bias, dropout_rate=att.dropout_rate, deterministic=True, param_dtype=dtype,
+            implementation=implementation,
         )
         params = jax.tree.map(jnp.asarray, mha_jax.from_torch(torch_params, num_heads=c.num_heads, num_kv_heads=c.kv_heads))
 
@@ -233,8 +238,11 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx") -
             return model.apply({"params": params}, *xs, **kwargs)
 
     def forward_and_vjp(params, xs, d_out):
-        (out, weights), vjp = jax.vjp(lambda p, *x: apply(p, *x), params, *xs)
-        grads = vjp((d_out, jnp.zeros_like(weights)))
+        result, vjp = jax.vjp(lambda p, *x: apply(p, *x), params, *xs)
+        if with_weights:
+            (out, weights), grads = result, vjp((d_out, jnp.zeros_like(result[1])))
+        else:
+            out, weights, grads = result, None, vjp(d_out)
         return out, weights, grads
 
     if jit:
@@ -244,11 +252,13 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx") -
     named = {k: _f64(v) for k, v in param_grads.items()}
     for name, g in zip(("inputs_q", "inputs_k", "inputs_v"), grads[1:]):
         named[name] = _f64(g)
-    return {"out": _f64(out), "weights": _f64(weights), "grads": named}
+    return {"out": _f64(out), "weights": None if weights is None else _f64(weights), "grads": named}
 
 
-def run_torch(case: Case, data: Data) -> dict:
-    """Forward and backward of ``mha_torch.MultiHeadAttention``; arrays back as float64 NumPy."""
+def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
+    """Forward and backward of ``mha_torch.MultiHeadAttention``; arrays back as float64 NumPy.
+
+    Attention weights come back only from ``implementation="math"``."""
     import torch
 
     import mha_torch
@@ -259,7 +269,7 @@ def run_torch(case: Case, data: Data) -> dict:
     model = mha_torch.MultiHeadAttention(
         c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=in_kv, vdim=in_kv,
         qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
-        dropout=att.dropout_rate, dtype=dtype,
+        dropout=att.dropout_rate, implementation=implementation, dtype=dtype,
     ).eval()
     mha_torch.load_weights(model, {k: _cast(v, case.dtype) for k, v in data.params.items()})
     as_torch = lambda x: torch.from_numpy(np.array(x)).to(dtype)  # noqa: E731 (float64 -> dtype is exact here)
@@ -274,12 +284,14 @@ def run_torch(case: Case, data: Data) -> dict:
     keep = None if att.keep is None else torch.from_numpy(np.array(att.keep))
     xs = [data.xq] if c.self_attention else [data.xq, data.xk, data.xv]
     inputs = [as_torch(x).requires_grad_(True) for x in xs]
-    out, weights = model(*inputs, mask=mask, is_causal=att.is_causal, need_weights=True, dropout_mask=keep)
+    with_weights = implementation == "math"
+    result = model(*inputs, mask=mask, is_causal=att.is_causal, need_weights=with_weights, dropout_mask=keep)
+    out, weights = result if with_weights else (result, None)
     out.backward(as_torch(data.d_out))
     named = {name: _f64(p.grad) for name, p in model.named_parameters()}
     for name, x in zip(("inputs_q", "inputs_k", "inputs_v"), inputs):
         named[name] = _f64(x.grad)
-    return {"out": _f64(out), "weights": _f64(weights), "grads": named}
+    return {"out": _f64(out), "weights": None if weights is None else _f64(weights), "grads": named}
 
 
 def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -362,6 +374,8 @@ def compare(case: Case, results: dict[str, dict]) -> Result:
     for a, b in pairs:
         entry = {}
         for key in ("out", "weights"):
+            if results[a][key] is None or results[b][key] is None:
+                continue  # an implementation that never forms the weights
             rel, top = errors(results[a][key], results[b][key])
             entry[key] = {"rel": rel, "max_abs": top}
             worst_rel, worst_abs = max(worst_rel, rel), max(worst_abs, top)
@@ -380,10 +394,18 @@ def compare(case: Case, results: dict[str, dict]) -> Result:
 
 
 def run_case(case: Case, *, jit: bool = False, seed: int = 0) -> Result:
+    """Every implementation of both frameworks against the oracle and each other.
+
+    ``F.scaled_dot_product_attention`` takes no dropout mask, so the ``dropout`` case (a
+    mask shared across frameworks) runs PyTorch's explicit path only.
+    """
     data = make_data(case, seed)
     results = {
         "oracle": run_oracle(case, data),
         "jax": run_jax(case, data, jit=jit),
+        "jax-blockwise": run_jax(case, data, jit=jit, implementation="blockwise"),
         "torch": run_torch(case, data),
     }
+    if data.attention.keep is None:
+        results["torch-sdpa"] = run_torch(case, data, implementation="sdpa")
     return compare(case, results)
