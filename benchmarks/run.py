@@ -1,0 +1,368 @@
+"""Attention speed and memory, ours against the anchors, in one run.
+
+    python -m benchmarks.run            # the full grid (about 15 minutes on a 2-core CPU)
+    python -m benchmarks.run --quick    # lengths up to 2048, for a smoke test
+
+Core (B=1, H=8, head_dim=64, float32): ``mha_jax.dot_product_attention`` (its default choice,
+blockwise at these lengths) and ``mha_torch.dot_product_attention`` against
+``jax.nn.dot_product_attention`` and ``F.scaled_dot_product_attention``, lengths 512..16384,
+forward and forward+backward, causal and not. Module (B=4, S=1024, embed 512, 8 heads): our
+nnx and linen modules against ``flax.nnx.MultiHeadAttention`` and
+``flax.linen.MultiHeadDotProductAttention``, our PyTorch module against
+``torch.nn.MultiheadAttention``. JAX compile time is reported apart from run time (best of
+several runs). Peak memory growth is measured in a fresh process per point. Writes
+``benchmarks/results/<device>.json`` and ``.png`` and prints a table of ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+B, H, D = 1, 8, 64
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+LONG = 32768  # forward only, ours and SDPA: must run on a 24 GiB machine
+# Anchors that form the (S, S) score matrix: beyond these lengths they need more than the
+# machine's 24 GiB (jax.nn's gradient takes 10.9 GiB at 8192), so they are not run there.
+QUADRATIC_LIMIT = {"fwd": 8192, "fwd+bwd": 8192}
+CORE = ("mha_jax", "jax.nn", "mha_torch", "torch sdpa")
+QUADRATIC = {"jax.nn"}
+
+
+def _core_fn(name: str, causal: bool, mode: str, length: int, dtype: str = "float32"):
+    """(callable running one step, framework) for a core implementation at one length."""
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(B, length, H, D)).astype(np.float32)
+    if name in ("mha_jax", "jax.nn"):
+        import jax
+        import jax.numpy as jnp
+
+        import mha_jax
+
+        q = jnp.asarray(x, dtype=dtype)
+        attend = {
+            "mha_jax": lambda q, k, v: mha_jax.dot_product_attention(q, k, v, is_causal=causal),
+            "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal),
+        }[name]
+        if mode == "fwd":
+            f = jax.jit(attend)
+        else:
+            f = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        start = time.perf_counter()
+        compiled = f.lower(q, q, q).compile()
+        compile_s = time.perf_counter() - start
+        return (lambda: jax.block_until_ready(compiled(q, q, q))), compile_s
+
+    import torch
+    import torch.nn.functional as F
+
+    import mha_torch
+
+    t = torch.from_numpy(x.transpose(0, 2, 1, 3).copy()).to(getattr(torch, dtype))
+    attend = {
+        "mha_torch": lambda q, k, v: mha_torch.dot_product_attention(q, k, v, is_causal=causal),
+        "torch sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }[name]
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                attend(t, t, t)
+        return step, 0.0
+    q, k, v = (t.clone().requires_grad_(True) for _ in range(3))
+
+    def step():
+        attend(q, k, v).float().sum().backward()
+    return step, 0.0
+
+
+def _module_fn(name: str, mode: str, batch=4, length=1024, embed=512, heads=8):
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(batch, length, embed)).astype(np.float32)
+    if name in ("mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA"):
+        import flax.linen
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import mha_jax
+
+        xs = jnp.asarray(x)
+        if name in ("mha_jax nnx", "flax.nnx MHA"):
+            cls = mha_jax.MultiHeadAttention if name == "mha_jax nnx" else nnx.MultiHeadAttention
+            extra = {} if name == "mha_jax nnx" else {"decode": False}
+            model = cls(heads, embed, rngs=nnx.Rngs(0), **extra)
+            graphdef, params = nnx.split(model)
+            apply = lambda p, x: nnx.merge(graphdef, p)(x)  # noqa: E731
+        else:
+            cls = mha_jax.linen.MultiHeadDotProductAttention if name == "mha_jax linen" else flax.linen.MultiHeadDotProductAttention
+            model = cls(heads)
+            params = model.init(jax.random.key(0), xs)
+            apply = model.apply
+        if mode == "fwd":
+            f = jax.jit(apply)
+        else:
+            f = jax.jit(jax.grad(lambda p, x: apply(p, x).sum(), argnums=(0, 1)))
+        start = time.perf_counter()
+        compiled = f.lower(params, xs).compile()
+        compile_s = time.perf_counter() - start
+        return (lambda: jax.block_until_ready(compiled(params, xs))), compile_s
+
+    import torch
+
+    import mha_torch
+
+    if name == "mha_torch":
+        model = mha_torch.MultiHeadAttention(embed, heads)
+        call = lambda x: model(x)  # noqa: E731
+    else:
+        model = torch.nn.MultiheadAttention(embed, heads, batch_first=True)
+        call = lambda x: model(x, x, x, need_weights=False)[0]  # noqa: E731
+    xt = torch.from_numpy(x)
+    if mode == "fwd":
+        model.eval()
+
+        def step():
+            with torch.no_grad():
+                call(xt)
+        return step, 0.0
+    xg = xt.clone().requires_grad_(True)
+
+    def step():
+        call(xg).sum().backward()
+    return step, 0.0
+
+
+def _time(step, min_total=1.0, max_reps=10) -> float:
+    """Best of several runs after a warm-up; fewer runs for long steps."""
+    step()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < max_reps and (reps < 2 or spent < min_total):
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        best, spent, reps = min(best, elapsed), spent + elapsed, reps + 1
+        if elapsed > 4.0 and reps >= 1:
+            break
+    return best
+
+
+def _flops(length: int, mode: str, causal: bool) -> float:
+    fwd = 4.0 * B * H * length * length * D
+    total = fwd * (3.5 if mode == "fwd+bwd" else 1.0)  # backward: 5 products of the forward's size, with recompute
+    return total / (2.0 if causal else 1.0)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_probe(kind: str, name: str, length: int, mode: str) -> float:
+    """Peak RSS growth (MiB) of one step, measured after inputs exist and compilation is done.
+
+    The peak is reset first (``/proc/self/clear_refs``): ``ru_maxrss`` would carry the parent
+    process's high-water mark across ``execve``."""
+    step, _ = _core_fn(name, False, mode, length) if kind == "core" else _module_fn(name, mode, length=length)
+    base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    start = time.perf_counter()
+    step()
+    return (_status_kib("VmHWM") - base) / 1024.0, time.perf_counter() - start
+
+
+def _memory(kind: str, name: str, length: int, mode: str) -> tuple[float | None, float | None]:
+    """(peak growth MiB, seconds of that single first run) from a fresh process; None on failure."""
+    cmd = [sys.executable, "-m", "benchmarks.run", "--memory-probe", kind, name, str(length), mode]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    if out.returncode != 0:
+        return None, None
+    mib, seconds = out.stdout.strip().splitlines()[-1].split()
+    return float(mib), float(seconds)
+
+
+def run(lengths, memory_lengths, module: bool, progress, long_length: int | None = None) -> dict:
+    rows = []
+    points = [(n, L, mode, causal) for L in lengths for mode in ("fwd", "fwd+bwd")
+              for causal in (False, True) for n in CORE if not (n in QUADRATIC and L > QUADRATIC_LIMIT[mode])]
+    task = progress.add_task("core timings", total=len(points))
+    for name, length, mode, causal in points:
+        progress.update(task, description=f"{name} S={length} {mode}{' causal' if causal else ''}")
+        step, compile_s = _core_fn(name, causal, mode, length)
+        seconds = _time(step)
+        rows.append({"kind": "core", "impl": name, "length": length, "mode": mode, "causal": causal,
+                     "seconds": seconds, "compile_s": compile_s,
+                     "gflops": _flops(length, mode, causal) / seconds / 1e9})
+        progress.advance(task)
+    mem_points = [(n, L, mode) for L in memory_lengths for mode in ("fwd", "fwd+bwd") for n in CORE
+                  if not (n in QUADRATIC and L > QUADRATIC_LIMIT[mode])]
+    task = progress.add_task("peak memory", total=len(mem_points))
+    memory = []
+    for name, length, mode in mem_points:
+        progress.update(task, description=f"memory {name} S={length} {mode}")
+        mib, seconds = _memory("core", name, length, mode)
+        memory.append({"impl": name, "length": length, "mode": mode, "mib": mib, "first_run_s": seconds})
+        progress.advance(task)
+    if long_length:  # the longest input: does it run at all, in what memory
+        for name in ("mha_jax", "torch sdpa"):
+            progress.update(task, description=f"memory {name} S={long_length} fwd")
+            mib, seconds = _memory("core", name, long_length, "fwd")
+            memory.append({"impl": name, "length": long_length, "mode": "fwd", "mib": mib, "first_run_s": seconds})
+    modules = []
+    if module:
+        names = ("mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA", "mha_torch", "torch.nn.MHA")
+        task = progress.add_task("modules", total=2 * len(names))
+        for mode in ("fwd", "fwd+bwd"):
+            for name in names:
+                progress.update(task, description=f"module {name} {mode}")
+                step, compile_s = _module_fn(name, mode)
+                modules.append({"impl": name, "mode": mode, "seconds": _time(step), "compile_s": compile_s})
+                progress.advance(task)
+    return {"core": rows, "memory": memory, "modules": modules}
+
+
+def _lookup(rows, **key):
+    for r in rows:
+        if all(r.get(k) == v for k, v in key.items()):
+            return r
+    return None
+
+
+def summary(results: dict) -> list[tuple[str, str, str]]:
+    """(what, measured, target) rows: the issue's targets as ratios from this run."""
+    core, memory, modules = results["core"], results["memory"], results["modules"]
+    out = []
+
+    def ratio(mode, length=4096):
+        ours = _lookup(core, impl="mha_jax", length=length, mode=mode, causal=False)
+        sdpa = _lookup(core, impl="torch sdpa", length=length, mode=mode, causal=False)
+        return None if not (ours and sdpa) else sdpa["seconds"] / ours["seconds"]
+
+    for mode, target in (("fwd", ">= 0.9"), ("fwd+bwd", ">= 0.7")):
+        r = ratio(mode)
+        if r is not None:
+            out.append((f"mha_jax / torch SDPA throughput, S=4096 {mode}", f"{r:.2f}x", target))
+    for impl in ("mha_jax", "torch sdpa", "jax.nn"):
+        a = _lookup(core, impl=impl, length=4096, mode="fwd", causal=False)
+        c = _lookup(core, impl=impl, length=4096, mode="fwd", causal=True)
+        if a and c:
+            out.append((f"{impl}: causal speed-up, S=4096 fwd", f"{a['seconds'] / c['seconds']:.2f}x",
+                        ">= 1.6" if impl == "mha_jax" else ""))
+    for mode, target in (("fwd", "<= 256 MiB"), ("fwd+bwd", "<= 512 MiB")):
+        for impl in ("mha_jax", "torch sdpa", "jax.nn"):
+            m = _lookup(memory, impl=impl, length=8192, mode=mode)
+            if m and m["mib"] is not None:
+                out.append((f"{impl}: peak memory growth, S=8192 {mode}", f"{m['mib']:.0f} MiB",
+                            target if impl == "mha_jax" else ""))
+    for impl in ("mha_jax", "torch sdpa"):
+        m = _lookup(memory, impl=impl, length=LONG, mode="fwd")
+        if m:
+            ran = "failed" if m["mib"] is None else f"{m['first_run_s']:.1f} s, {m['mib']:.0f} MiB"
+            out.append((f"{impl}: S={LONG} forward", ran, "runs" if impl == "mha_jax" else ""))
+    for ours, theirs, target in (("mha_jax nnx", "flax.nnx MHA", ">= 2"), ("mha_jax linen", "flax.linen MHDPA", ""),
+                                 ("mha_torch", "torch.nn.MHA", ">= 1.3")):
+        for mode in ("fwd", "fwd+bwd"):
+            a, b = _lookup(modules, impl=ours, mode=mode), _lookup(modules, impl=theirs, mode=mode)
+            if a and b:
+                out.append((f"module {ours} vs {theirs} ({mode})", f"{b['seconds'] / a['seconds']:.2f}x",
+                            target if mode == "fwd" else ""))
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for ax, mode in zip(axes[:2], ("fwd", "fwd+bwd")):
+        for impl in CORE:
+            for causal, style in ((False, "-"), (True, ":")):
+                pts = sorted((r["length"], r["seconds"]) for r in results["core"]
+                             if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{impl}{' causal' if causal else ''}")
+        ax.set(xscale="log", yscale="log", xlabel="length", ylabel="seconds (best run)",
+               title=f"attention {mode}, B=1 H=8 D=64 float32")
+        ax.legend(fontsize=7)
+    for impl in CORE:
+        for mode, style in (("fwd", "-"), ("fwd+bwd", "--")):
+            pts = sorted((r["length"], r["mib"]) for r in results["memory"]
+                         if r["impl"] == impl and r["mode"] == mode and r["mib"] is not None)
+            if pts:
+                axes[2].plot(*zip(*pts), style, marker="o", label=f"{impl} {mode}")
+    axes[2].set(xscale="log", yscale="log", xlabel="length", ylabel="peak RSS growth (MiB)",
+                title="memory, one process per point")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="lengths up to 2048 only")
+    parser.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
+    parser.add_argument("--no-modules", action="store_true", help="skip the module-level comparison")
+    parser.add_argument("--name", default=None, help="results file name (default: cpu or gpu)")
+    parser.add_argument("--memory-probe", nargs=4, metavar=("KIND", "IMPL", "LENGTH", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_probe:
+        kind, name, length, mode = args.memory_probe
+        mib, seconds = memory_probe(kind, name, int(length), mode)
+        print(f"{mib:.1f} {seconds:.3f}")
+        return 0
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    lengths = args.lengths or ((512, 1024, 2048) if args.quick else LENGTHS)
+    memory_lengths = [L for L in lengths if L >= 1024]
+    console = Console(width=None if sys.stdout.isatty() else 110)
+    start = time.perf_counter()
+    with Progress(console=console, transient=True) as progress:
+        results = run(lengths, memory_lengths, not args.no_modules, progress, None if args.quick else LONG)
+    import jax
+    import torch
+
+    results["meta"] = {
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "jax": jax.__version__, "torch": torch.__version__, "device": jax.devices()[0].device_kind,
+        "seconds": time.perf_counter() - start,
+    }
+    table = Table(title="core timings (best run, seconds; JAX compile apart)")
+    for col in ("impl", "length", "mode", "causal", "seconds", "GFLOP/s", "compile s"):
+        table.add_column(col, justify="left" if col in ("impl", "mode") else "right")
+    for r in results["core"]:
+        table.add_row(r["impl"], str(r["length"]), r["mode"], "yes" if r["causal"] else "", f"{r['seconds']:.3f}",
+                      f"{r['gflops']:.0f}", f"{r['compile_s']:.2f}" if r["compile_s"] else "")
+    console.print(table)
+    ratios = Table(title="targets (ratios from this run)")
+    for col in ("what", "measured", "target"):
+        ratios.add_column(col)
+    for row in summary(results):
+        ratios.add_row(*row)
+    console.print(ratios)
+    RESULTS.mkdir(exist_ok=True)
+    name = args.name or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / f"{name}.png")
+    console.print(f"wrote {RESULTS / name}.json and .png in {results['meta']['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
