@@ -71,7 +71,9 @@ def dot_product_attention(
     allowed, bias = _split_mask(mask, False, shape)  # causality is each implementation's own
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    implementation = _choose(implementation, return_weights, q_len * kv_len, keep is not None or rng is not None)
+    implementation = _choose(
+        implementation, return_weights, q_len * kv_len, keep is not None or rng is not None, query.dtype
+    )
 
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
@@ -97,7 +99,7 @@ def dot_product_attention(
         ).transpose(0, 3, 1, 2, 4)
         weights = None
     else:
-        out = _cudnn(q, k, v, allowed, bias, keep, is_causal, scale)
+        out = _cudnn(query, key, value, allowed, bias, is_causal, scale).reshape(q.shape)
         weights = None
     out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
     if return_weights:
@@ -105,7 +107,7 @@ def dot_product_attention(
     return out
 
 
-def _choose(implementation, return_weights, scores, dropout) -> str:
+def _choose(implementation, return_weights, scores, dropout, dtype) -> str:
     if implementation is None:
         small = scores < _BLOCKWISE_MIN_SCORES
         return "xla" if return_weights or small else "blockwise"
@@ -120,6 +122,8 @@ def _choose(implementation, return_weights, scores, dropout) -> str:
             )
         if dropout:
             raise ValueError("implementation='cudnn' does not take dropout here; use 'blockwise' or 'xla'")
+        if dtype not in (jnp.bfloat16, jnp.float16):
+            raise TypeError(f"implementation='cudnn' needs bfloat16 or float16 query/key/value, got {dtype}")
     return implementation
 
 
@@ -139,29 +143,26 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision):
     return out, weights
 
 
-def _cudnn(q, k, v, allowed, bias, keep, is_causal, scale):
-    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our mask semantics.
+def _cudnn(query, key, value, allowed, bias, is_causal, scale):
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our mask semantics, on
+    bfloat16/float16 inputs in the public layout; output in float32.
 
     cuDNN gives a fully masked row the mean of V; those rows are set to 0 here.
     """
-    batch, q_len, kv_heads, groups, head_dim = q.shape
-    query = q.reshape(batch, q_len, kv_heads * groups, head_dim).astype(jnp.bfloat16)
-    shape = (batch, kv_heads * groups, q_len, k.shape[1])
-    full_bias = None
-    if bias is not None:
-        full_bias = jnp.broadcast_to(bias, shape).astype(jnp.bfloat16)
+    batch, q_len, heads, _ = query.shape
+    shape = (batch, heads, q_len, key.shape[1])
     out = jax.nn.dot_product_attention(
-        query, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), bias=full_bias,
+        query, key, value, bias=None if bias is None else jnp.broadcast_to(bias, shape).astype(query.dtype),
         mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
         is_causal=is_causal, implementation="cudnn",
-    ).astype(q.dtype)
+    ).astype(jnp.float32)
     live = jnp.ones(shape, bool) if allowed is None else jnp.broadcast_to(allowed, shape)
     if bias is not None:
         live = live & (bias > -jnp.inf)
     if is_causal:
-        live = live & causal_mask(q_len, k.shape[1])
+        live = live & causal_mask(q_len, key.shape[1])
     has_key = live.any(axis=-1).transpose(0, 2, 1)[..., None]  # (b, q, heads, 1)
-    return jnp.where(has_key, out, 0.0).reshape(q.shape)
+    return jnp.where(has_key, out, 0.0)
 
 
 def _grouped(x, kv_heads):

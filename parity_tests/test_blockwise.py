@@ -99,9 +99,10 @@ def test_dropout_rng_backward_uses_the_forward_mask(tiny_blocks):
 
 def test_auto_choice():
     q = jnp.zeros((1, 512, 2, 8))
-    assert mha_jax.attention._choose(None, False, 512 * 512, False) == "blockwise"
-    assert mha_jax.attention._choose(None, True, 512 * 512, False) == "xla"
-    assert mha_jax.attention._choose(None, False, 16 * 16, False) == "xla"
+    f32 = jnp.float32
+    assert mha_jax.attention._choose(None, False, 512 * 512, False, f32) == "blockwise"
+    assert mha_jax.attention._choose(None, True, 512 * 512, False, f32) == "xla"
+    assert mha_jax.attention._choose(None, False, 16 * 16, False, f32) == "xla"
     with pytest.raises(ValueError, match="return_weights=True needs implementation='xla'"):
         mha_jax.dot_product_attention(q, q, q, return_weights=True, implementation="blockwise")
     with pytest.raises(ValueError, match="implementation must be one of"):
