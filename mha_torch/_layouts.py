@@ -129,6 +129,8 @@ def read_layout(
         for part in PARTS if has_bias else PARTS[:1]:
             if f"{proj}.{part}" not in given:
                 problems.append(f"missing key {_expected(sources, proj, part, prefix)}")
+    if any(p.startswith("missing key") for p in problems):
+        problems += _fitting_prefixes(state, sources, prefix)
     if problems:
         raise ValueError(f"state_dict (layout {_name(layout, mapping)}): " + "; ".join(dict.fromkeys(problems)))
     return out
@@ -174,6 +176,24 @@ def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: s
     head_dim = rows // sum(heads)
     starts = [sum(heads[:i]) * head_dim for i in range(len(heads) + 1)]
     return [array[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def _fitting_prefixes(state: Mapping[str, Any], sources: tuple[_Source, ...], prefix: str) -> list[str]:
+    """A hint when weights are missing: the prefixes under which the layout's weights are found."""
+    fits = {
+        key[: len(key) - len(s.key)]
+        for key in state for s in sources
+        if s.part == "weight" and key.endswith(s.key) and key[: len(key) - len(s.key)] in ("", *_dotted_heads(key))
+    }
+    fits.discard(prefix)
+    shown = ", ".join(map(repr, sorted(fits)[:4])) + (", ..." if len(fits) > 4 else "")
+    return [f"the layout's weights are found under prefix {shown}"] if fits else []
+
+
+def _dotted_heads(key: str) -> list[str]:
+    """Every start of ``key`` that ends with a dot: 'a.b.c' -> ['a.', 'a.b.']."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) + "." for i in range(1, len(parts))]
 
 
 def _positive_int(n: Any) -> int:

@@ -164,7 +164,8 @@ ERRORS = {
     ),
     "bert without prefix": (
         lambda: (foreign("bert", canonical()), dict(layout="bert")),
-        ["missing key 'self.query.weight'", "unexpected key 'embeddings.word_embeddings.weight'"],
+        ["missing key 'self.query.weight'", "unexpected key 'embeddings.word_embeddings.weight'",
+         "the layout's weights are found under prefix 'encoder.layer.0.attention.', 'encoder.layer.1.attention.'"],
     ),
     "prefix matches nothing": (
         lambda: (canonical(), dict(prefix="encoder.")),
