@@ -221,17 +221,18 @@ def _to_numpy(x: Any) -> np.ndarray:
 
 
 def _check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:
-    """Validate names and shapes, collecting every problem; return head_dim."""
+    """Validate shapes, collecting every problem; return head_dim.
+
+    ``state`` comes from ``_layouts.read_layout``, which has checked the names: every weight, and
+    every bias or none.
+    """
     from mha_jax._checks import check_heads
 
-    weights = [f"{t}.weight" for _, t in PROJECTIONS]
-    biases = [f"{t}.bias" for _, t in PROJECTIONS]
-    has_bias = any(b in state for b in biases)
-    expected = weights + (biases if has_bias else [])
-    problems = [f"missing key {k!r}" for k in expected if k not in state]
-    problems += [f"unexpected key {k!r}" for k in state if k not in expected]
+    has_bias = "q_proj.bias" in state
+    expected = [f"{t}.{part}" for _, t in PROJECTIONS for part in (("weight", "bias") if has_bias else ("weight",))]
+    problems = []
     for k in expected:
-        if k in state and state[k].ndim != (2 if k.endswith("weight") else 1):
+        if state[k].ndim != (2 if k.endswith("weight") else 1):
             problems.append(f"{k!r} has shape {state[k].shape}, expected rank {2 if k.endswith('weight') else 1}")
     if problems:
         raise ValueError("state_dict: " + "; ".join(problems))

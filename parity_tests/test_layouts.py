@@ -380,3 +380,11 @@ def test_bad_parameter_files_are_value_errors(tmp_path):
         mha_jax.to_torch(bad)
     with pytest.raises(ValueError, match=r"params must be a \.msgpack or \.safetensors file"):
         mha_jax.to_torch(tmp_path / "params.pt")
+
+
+def test_ranks_are_checked_after_renaming():
+    state = dict(foreign("hf", canonical()), **{"o_proj.weight": np.zeros((E, 12, 1), np.float32)})
+    with pytest.raises(ValueError, match=r"'out_proj.weight' has shape \(10, 12, 1\), expected rank 2"):
+        mha_jax.from_torch(state, num_heads=H, num_kv_heads=KV, layout="hf")
+    with pytest.raises(ValueError, match=r"'out_proj.weight' has shape \(10, 12, 1\), the module expects \(10, 12\)"):
+        mha_torch.load_weights(_torch_module(), state, layout="hf")
