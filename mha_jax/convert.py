@@ -203,7 +203,7 @@ def _read_params(path: str | os.PathLike) -> dict:
                     node = node.setdefault(parent, {})
                 node[leaf] = array
             return tree
-    except OSError:
+    except OSError:  # a missing or unreadable file keeps its own, already clear, error
         raise
     except Exception as error:  # msgpack and safetensors raise their own types for bad bytes
         raise ValueError(f"params {path!r} is not a readable parameter file: {error}") from error
