@@ -4,6 +4,7 @@ Never imports torch: weights from PyTorch arrive as arrays or ``.safetensors`` f
 """
 
 from mha_jax import linen
+from mha_jax._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_jax.attention import dot_product_attention
 from mha_jax.convert import from_torch, load_torch_weights, to_torch
 from mha_jax.masks import causal_mask, padding_mask
@@ -16,6 +17,8 @@ __all__ = [
     "from_torch",
     "linen",
     "load_torch_weights",
+    "mask_from_torch_mha",
+    "mask_to_torch_mha",
     "padding_mask",
     "to_torch",
 ]

@@ -2,7 +2,9 @@
 
 Pure reshapes and transposes, so round trips are bitwise. Reads any mapping of name to
 array-like (NumPy arrays, JAX arrays, CPU torch tensors: no torch import needed) or a
-``.safetensors`` file. Twin of ``mha_torch/convert.py``.
+``.safetensors`` file. Other naming schemes (``torch.nn.MultiheadAttention``, Hugging Face,
+BERT, fused QKV, any mapping) are first read into the names below by ``_layouts``. Twin of
+``mha_torch/convert.py``.
 
 =================  =====================  ===========================
 torch name         torch shape            Flax name, shape
@@ -18,12 +20,14 @@ torch name         torch shape            Flax name, shape
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from mha_jax import _layouts
 
 PROJECTIONS = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
 
@@ -33,16 +37,31 @@ def from_torch(
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
+    layout: str = "mha_torch",
+    mapping: Mapping[str, str] | None = None,
+    prefix: str = "",
+    ignore: Sequence[str] = (),
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Flax parameters from an ``mha_torch`` state dict or a ``.safetensors`` file.
+    """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
     Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` of NumPy
     arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
-    ``linen`` params or through ``load_torch_weights``. Raises one ValueError listing every
-    missing, unexpected or mis-shaped key.
+    ``linen`` params or through ``load_torch_weights``.
+
+    ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
+    (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
+    (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"``
+    (``qkv_proj/o_proj``). ``mapping`` instead gives any other scheme: projection
+    (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, or the fused ``qkv_proj``/``kv_proj``) ->
+    name, read as ``name.weight``/``name.bias``. Names are relative to ``prefix``; keys outside
+    it are not read, and keys under it must be used or named (by their start) in ``ignore``.
+    Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    state = _read_state(state_dict_or_path)
+    state = _layouts.read_layout(
+        _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+        ignore=ignore, num_heads=num_heads, num_kv_heads=num_kv_heads,
+    )
     head_dim = _check_state(state, num_heads, num_kv_heads)
     params: dict[str, dict[str, np.ndarray]] = {}
     for flax_name, torch_name in PROJECTIONS:
@@ -62,8 +81,13 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     """``mha_torch`` state dict (NumPy arrays) from Flax parameters.
 
     ``params``: the nested dict ``from_torch`` returns, linen variables (``{"params": ...}``),
-    an ``nnx.State`` or an ``mha_jax.MultiHeadAttention`` module.
+    an ``nnx.State``, an nnx module (``mha_jax.MultiHeadAttention`` or
+    ``flax.nnx.MultiHeadAttention``: the same tree), or a file of such parameters: flax msgpack
+    (``.msgpack``, ``flax.serialization.msgpack_serialize``) or ``.safetensors`` with
+    dot-joined names (``query.kernel``).
     """
+    if isinstance(params, (str, os.PathLike)):
+        params = _read_params(params)
     tree = _params_dict(params)
     problems = [f"missing {name!r}" for name, _ in PROJECTIONS if name not in tree]
     problems += [f"unexpected {name!r}" for name in tree if name not in dict(PROJECTIONS)]
@@ -86,14 +110,24 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     return state
 
 
-def load_torch_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.PathLike) -> None:
-    """Update an ``mha_jax.MultiHeadAttention`` in place from an ``mha_torch`` state dict or file.
+def load_torch_weights(
+    module: Any,
+    state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
+    *,
+    layout: str = "mha_torch",
+    mapping: Mapping[str, str] | None = None,
+    prefix: str = "",
+    ignore: Sequence[str] = (),
+) -> None:
+    """Update an ``mha_jax.MultiHeadAttention`` in place from a PyTorch state dict or file.
 
-    Values are cast to the module's parameter dtypes (as ``torch.nn.Module.load_state_dict``
-    does); shapes must match the module's.
+    ``layout``, ``mapping``, ``prefix``, ``ignore``: as ``from_torch``. Values are cast to the
+    module's parameter dtypes (as ``torch.nn.Module.load_state_dict`` does); shapes must match
+    the module's.
     """
     params = from_torch(
-        state_dict_or_path, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads
+        state_dict_or_path, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
+        layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
     current = _params_dict(module)
     problems = []
@@ -149,6 +183,33 @@ def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
     return {str(k): _to_numpy(v) for k, v in state_dict_or_path.items()}
 
 
+def _read_params(path: str | os.PathLike) -> dict:
+    """A nested parameter dict from a flax msgpack or a dot-named ``.safetensors`` file."""
+    path = os.fspath(path)
+    try:
+        if path.endswith(".msgpack"):
+            from flax.serialization import msgpack_restore
+
+            with open(path, "rb") as f:
+                return msgpack_restore(f.read())
+        if path.endswith(".safetensors"):
+            from safetensors.numpy import load_file
+
+            tree: dict = {}
+            for name, array in load_file(path).items():
+                *parents, leaf = name.split(".")
+                node = tree
+                for parent in parents:
+                    node = node.setdefault(parent, {})
+                node[leaf] = array
+            return tree
+    except OSError:  # a missing or unreadable file keeps its own, already clear, error
+        raise
+    except Exception as error:  # msgpack and safetensors raise their own types for bad bytes
+        raise ValueError(f"params {path!r} is not a readable parameter file: {error}") from error
+    raise ValueError(f"params must be a .msgpack or .safetensors file, got {path!r}")
+
+
 def _to_numpy(x: Any) -> np.ndarray:
     """A NumPy copy of an array-like; CPU torch tensors by duck typing (bfloat16 included)."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):
@@ -160,17 +221,18 @@ def _to_numpy(x: Any) -> np.ndarray:
 
 
 def _check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:
-    """Validate names and shapes, collecting every problem; return head_dim."""
+    """Validate shapes, collecting every problem; return head_dim.
+
+    ``state`` comes from ``_layouts.read_layout``, which has checked the names: every weight, and
+    every bias or none.
+    """
     from mha_jax._checks import check_heads
 
-    weights = [f"{t}.weight" for _, t in PROJECTIONS]
-    biases = [f"{t}.bias" for _, t in PROJECTIONS]
-    has_bias = any(b in state for b in biases)
-    expected = weights + (biases if has_bias else [])
-    problems = [f"missing key {k!r}" for k in expected if k not in state]
-    problems += [f"unexpected key {k!r}" for k in state if k not in expected]
+    has_bias = "q_proj.bias" in state
+    expected = [f"{t}.{part}" for _, t in PROJECTIONS for part in (("weight", "bias") if has_bias else ("weight",))]
+    problems = []
     for k in expected:
-        if k in state and state[k].ndim != (2 if k.endswith("weight") else 1):
+        if state[k].ndim != (2 if k.endswith("weight") else 1):
             problems.append(f"{k!r} has shape {state[k].shape}, expected rank {2 if k.endswith('weight') else 1}")
     if problems:
         raise ValueError("state_dict: " + "; ".join(problems))

@@ -3,8 +3,9 @@
 Never imports jax or flax.
 """
 
+from mha_torch._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_torch.attention import dot_product_attention
-from mha_torch.convert import load_weights
+from mha_torch.convert import from_torch_mha, load_weights, to_torch_mha
 from mha_torch.masks import causal_mask, padding_mask
 from mha_torch.module import MultiHeadAttention
 
@@ -12,6 +13,10 @@ __all__ = [
     "MultiHeadAttention",
     "causal_mask",
     "dot_product_attention",
+    "from_torch_mha",
     "load_weights",
+    "mask_from_torch_mha",
+    "mask_to_torch_mha",
     "padding_mask",
+    "to_torch_mha",
 ]

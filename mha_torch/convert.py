@@ -1,27 +1,45 @@
-"""Loading weights into ``mha_torch.MultiHeadAttention``.
+"""Loading weights into ``mha_torch.MultiHeadAttention``, and ``torch.nn.MultiheadAttention`` both ways.
 
 Twin of ``mha_jax/convert.py``: reads any mapping of name to array-like (torch tensors, NumPy
-arrays, bfloat16 ones from ``mha_jax.to_torch`` included) or a ``.safetensors`` file.
+arrays, bfloat16 ones from ``mha_jax.to_torch`` included) or a ``.safetensors`` file, in any
+naming scheme that ``_layouts`` reads.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from mha_torch import _layouts
+from mha_torch.module import MultiHeadAttention
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] | str | os.PathLike) -> None:
+def load_weights(
+    module: torch.nn.Module,
+    state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
+    *,
+    layout: str = "mha_torch",
+    mapping: Mapping[str, str] | None = None,
+    prefix: str = "",
+    ignore: Sequence[str] = (),
+) -> None:
     """Copy weights into ``module`` in place (cast to its parameter dtypes).
 
-    Raises one ValueError listing every missing, unexpected or mis-shaped key.
+    ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in
+    ``mha_jax.from_torch`` (fused projections are split with the module's ``num_heads`` and
+    ``num_kv_heads``). Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
-    state = _read_state(state_dict_or_path)
+    state = _layouts.read_layout(
+        _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+        ignore=ignore, num_heads=getattr(module, "num_heads", None),
+        num_kv_heads=getattr(module, "num_kv_heads", None),
+    )
     current = module.state_dict()
     problems = [f"missing key {k!r}" for k in current if k not in state]
     problems += [f"unexpected key {k!r}" for k in state if k not in current]
@@ -35,6 +53,68 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
     with torch.no_grad():
         for name, tensor in state.items():
             current[name].copy_(tensor)
+
+
+def from_torch_mha(module: torch.nn.MultiheadAttention) -> MultiHeadAttention:
+    """An ``mha_torch.MultiHeadAttention`` computing what ``module`` computes, with its weights.
+
+    Takes ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``, ``bias``, ``dropout``, dtype,
+    device and training mode. The result is batch-first whatever ``module.batch_first`` says
+    (the weights do not depend on it): give it ``(batch, length, features)`` inputs, and masks
+    translated by ``mask_from_torch_mha``. ``add_bias_kv`` and ``add_zero_attn`` have no
+    counterpart here: a ValueError.
+    """
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
+    unsupported = [
+        name for name, on in (("add_bias_kv=True", module.bias_k is not None),
+                              ("add_zero_attn=True", module.add_zero_attn)) if on
+    ]
+    if unsupported:
+        raise ValueError(f"module has {' and '.join(unsupported)}, which mha_torch.MultiHeadAttention does not have")
+    weight = module.out_proj.weight
+    ours = MultiHeadAttention(
+        module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
+        bias=module.in_proj_bias is not None, dropout=module.dropout,
+        device=weight.device, dtype=weight.dtype,
+    )
+    load_weights(ours, module.state_dict(), layout="torch_mha")
+    return ours.train(module.training)
+
+
+def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
+    """A ``torch.nn.MultiheadAttention(batch_first=True)`` with ``module``'s weights.
+
+    Possible when ``num_kv_heads == num_heads`` and ``qkv_dim == out_dim == embed_dim`` (the
+    only shapes the built-in class has); otherwise a ValueError naming what differs. Give it
+    masks translated by ``mask_to_torch_mha``; its fully masked rows are NaN, where ours are 0.
+    """
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__}")
+    problems = [
+        f"{name}={getattr(module, name)} differs from {other}={getattr(module, other)}"
+        for name, other in (("num_kv_heads", "num_heads"), ("qkv_dim", "embed_dim"), ("out_dim", "embed_dim"))
+        if getattr(module, name) != getattr(module, other)
+    ]
+    if problems:
+        raise ValueError("torch.nn.MultiheadAttention cannot hold this module: " + "; ".join(problems))
+    weight = module.q_proj.weight
+    theirs = torch.nn.MultiheadAttention(
+        module.embed_dim, module.num_heads, dropout=module.dropout,
+        bias=module.q_proj.bias is not None, kdim=module.kdim, vdim=module.vdim,
+        batch_first=True, device=weight.device, dtype=weight.dtype,
+    )
+    ours = module.state_dict()
+    state = {"out_proj.weight": ours["out_proj.weight"]}
+    if theirs._qkv_same_embed_dim:  # it fuses the three input weights exactly when their shapes agree
+        state["in_proj_weight"] = torch.cat([ours[f"{p}.weight"] for p in PROJECTIONS[:3]])
+    else:
+        state.update({f"{p}_weight": ours[f"{p}.weight"] for p in PROJECTIONS[:3]})
+    if theirs.in_proj_bias is not None:
+        state["in_proj_bias"] = torch.cat([ours[f"{p}.bias"] for p in PROJECTIONS[:3]])
+        state["out_proj.bias"] = ours["out_proj.bias"]
+    theirs.load_state_dict(state)  # strict: every key of theirs is set
+    return theirs.train(module.training)
 
 
 def _read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:

@@ -1,0 +1,192 @@
+"""A user's checkpoint in both frameworks, behind ``mha-parity verify --weights`` and ``convert``.
+
+A checkpoint file is ``.safetensors`` in PyTorch names (any layout the loaders read), or Flax
+parameters (layout ``"flax"``): a flax msgpack file or ``.safetensors`` with dot-joined names
+(``query.kernel``). The parity cases reuse the harness: its random inputs and masks, our
+modules in both frameworks and the float64 oracle, with the checkpoint's weights in place of
+random ones.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from parity_tests import harness
+
+FLAX = "flax"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint read from ``path``: ``state`` in ``mha_torch`` names, in the file's dtype."""
+
+    path: str
+    layout: str
+    state: dict[str, np.ndarray]
+    num_heads: int
+    num_kv_heads: int
+    load: dict = field(default_factory=dict)  # the loaders' naming arguments (layout, prefix, ignore)
+
+    @property
+    def dtype(self) -> str:
+        return self.state["q_proj.weight"].dtype.name
+
+    def config(self) -> harness.Config:
+        """The module configuration the weights fit; self-attention when key features = query's."""
+        s = self.state
+        in_features, in_kv = s["q_proj.weight"].shape[1], s["k_proj.weight"].shape[1]
+        cross = {} if in_kv == in_features else {"in_kv_features": in_kv, "q_len": 5, "kv_len": 7}
+        return harness.Config(
+            "weights", in_features=in_features, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, qkv_features=s["q_proj.weight"].shape[0],
+            out_features=s["out_proj.weight"].shape[0], use_bias="q_proj.bias" in s, **cross,
+        )
+
+    def describe(self) -> str:
+        c = self.config()
+        return (
+            f"{self.path} (layout {self.layout}, {self.dtype}): num_heads {c.num_heads}, num_kv_heads "
+            f"{c.kv_heads}, features in {c.in_features}, key/value {c.in_kv_features or c.in_features}, "
+            f"qkv {c.qkv_features}, out {c.out_features}, {'with' if c.use_bias else 'no'} biases"
+        )
+
+
+def read(
+    path: str, *, layout: str | None = None, num_heads: int | None = None,
+    num_kv_heads: int | None = None, prefix: str = "", ignore: tuple[str, ...] = (),
+) -> Checkpoint:
+    """Read a checkpoint file; ValueError/TypeError name what does not fit."""
+    import mha_jax
+    from mha_jax.convert import _read_params  # the same reader as to_torch's, for the head counts
+
+    path = os.fspath(path)
+    layout = layout or (FLAX if path.endswith(".msgpack") else "mha_torch")
+    if layout == FLAX:
+        if prefix or ignore:
+            raise ValueError("--prefix and --ignore apply to PyTorch-named weights, not to Flax parameters")
+        tree = _read_params(path)
+        tree = tree.get("params", tree)
+        state = mha_jax.to_torch(tree)  # checks the tree: four projections, rank-3 kernels
+        found = {"num_heads": tree["query"]["kernel"].shape[1], "num_kv_heads": tree["key"]["kernel"].shape[1]}
+        for name, given in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if given is not None and given != found[name]:
+                raise ValueError(f"{name}={given}, but the Flax kernels in {path} have {found[name]}")
+        return Checkpoint(path, layout, state, int(found["num_heads"]), int(found["num_kv_heads"]))
+    if num_heads is None:
+        raise ValueError(f"--num-heads is needed to read {path}: PyTorch names do not say how rows split into heads")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    load = {"layout": layout, "prefix": prefix, "ignore": tuple(ignore)}
+    params = mha_jax.from_torch(path, num_heads=num_heads, num_kv_heads=num_kv_heads, **load)
+    return Checkpoint(path, layout, mha_jax.to_torch(params), num_heads, num_kv_heads, load)
+
+
+def check_loads(checkpoint: Checkpoint) -> None:
+    """Load the file into our module in each framework, each with its own loader, and require
+    both to hold exactly the checkpoint's bits (AssertionError naming the tensor otherwise)."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    import mha_jax
+    import mha_torch
+    from mha_jax.convert import _read_params
+
+    c = checkpoint.config()
+    dtype = harness.numpy_dtype(checkpoint.dtype)
+    model = mha_jax.MultiHeadAttention(
+        c.num_heads, c.in_features, c.qkv_features, c.out_features, num_kv_heads=c.num_kv_heads,
+        in_kv_features=c.in_kv_features, use_bias=c.use_bias, param_dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
+    )
+    module = mha_torch.MultiHeadAttention(
+        c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=c.in_kv_features,
+        vdim=c.in_kv_features, qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
+        dtype=getattr(torch, checkpoint.dtype),
+    )
+    if checkpoint.layout == FLAX:
+        tree = _read_params(checkpoint.path)
+        nnx.update(model, tree.get("params", tree))  # a Flax tree loads as it is
+        mha_torch.load_weights(module, mha_jax.to_torch(checkpoint.path))
+    else:
+        mha_jax.load_torch_weights(model, checkpoint.path, **checkpoint.load)
+        mha_torch.load_weights(module, checkpoint.path, **checkpoint.load)
+    held = {"jax": mha_jax.to_torch(model), "torch": {k: v for k, v in module.state_dict().items()}}
+    for framework, state in held.items():
+        for name, expected in checkpoint.state.items():
+            if not same_bits(state[name], expected):
+                raise AssertionError(f"{framework} holds different values for {name} after loading {checkpoint.path}")
+
+
+def same_bits(a, b: np.ndarray) -> bool:
+    """Bitwise equality of an array-like (a torch tensor too, bfloat16 included) and ``b``."""
+    if hasattr(a, "detach"):
+        import torch
+
+        a = a.detach()
+        a = a.view(torch.int16) if a.dtype == torch.bfloat16 else a
+        a = a.numpy()
+    a = np.asarray(a)
+    if a.shape != b.shape or a.dtype.itemsize != b.dtype.itemsize:
+        return False
+    return np.array_equal(a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
+
+
+def cases(checkpoint: Checkpoint, dtypes=None, masks=None) -> list[harness.Case]:
+    """Every mask form and dtype of the default run (or those asked for), on the checkpoint's shape."""
+    config = checkpoint.config()
+    return [
+        harness.Case(config, mask, dtype)
+        for mask in harness.MASKS if not masks or mask in masks
+        for dtype in harness.DTYPES if not dtypes or dtype in dtypes
+    ]
+
+
+def run_case(checkpoint: Checkpoint, case: harness.Case, *, jit: bool = False, seed: int = 0) -> harness.Result:
+    """``harness.run_case`` with the checkpoint's weights (rounded to the case's dtype)."""
+    data = harness.make_data(case, seed)
+    dtype = harness.numpy_dtype(case.dtype)
+    data = replace(data, params={k: v.astype(dtype).astype(np.float64) for k, v in checkpoint.state.items()})
+    results = {
+        "oracle": harness.run_oracle(case, data),
+        "jax": harness.run_jax(case, data, jit=jit),
+        "torch": harness.run_torch(case, data),
+    }
+    return harness.compare(case, results)
+
+
+def write(checkpoint: Checkpoint, out: str, to: str) -> None:
+    """Write ``checkpoint`` for ``to`` = "torch" (``.safetensors``, mha_torch names) or "flax"
+    (``.msgpack`` or dot-named ``.safetensors`` of the parameter tree)."""
+    import mha_jax
+
+    if to == "torch":
+        if not out.endswith(".safetensors"):
+            raise ValueError(f"--to torch writes a .safetensors file, got {out!r}")
+        from safetensors.numpy import save_file
+
+        save_file(checkpoint.state, out)
+        return
+    params = mha_jax.from_torch(checkpoint.state, num_heads=checkpoint.num_heads, num_kv_heads=checkpoint.num_kv_heads)
+    if out.endswith(".msgpack"):
+        from flax.serialization import msgpack_serialize
+
+        with open(out, "wb") as f:
+            f.write(msgpack_serialize(params))
+    elif out.endswith(".safetensors"):
+        from safetensors.numpy import save_file
+
+        save_file({f"{module}.{name}": array for module, leaves in params.items() for name, array in leaves.items()}, out)
+    else:
+        raise ValueError(f"--to flax writes a .msgpack or .safetensors file, got {out!r}")
+
+
+def check_written(checkpoint: Checkpoint, out: str, to: str) -> None:
+    """Read ``out`` back as the other side would and require the checkpoint's exact bits."""
+    again = read(out, layout=FLAX if to == "flax" else "mha_torch", num_heads=checkpoint.num_heads,
+                 num_kv_heads=checkpoint.num_kv_heads)
+    check_loads(again)
+    for name, expected in checkpoint.state.items():
+        if not same_bits(again.state[name], expected):
+            raise AssertionError(f"{out} holds different values for {name} than {checkpoint.path}")

@@ -1,0 +1,148 @@
+"""``mha-parity verify --weights`` and ``mha-parity convert``, and the README's examples of them."""
+
+import json
+import pathlib
+import shlex
+import time
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from flax.serialization import msgpack_serialize
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+import mha_jax
+import mha_torch
+from parity_tests import cli
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _blocks(section: str, fence: str) -> list[str]:
+    return [b.split("```", 1)[0] for b in section.split(f"```{fence}\n")[1:]]
+
+
+def test_readme_loading_examples_run():
+    blocks = _blocks(_section("Loading existing checkpoints"), "py")
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md", "exec"), {})
+
+
+def test_readme_porting_example_runs_in_under_a_minute(tmp_path, monkeypatch, capsys):
+    """The whole example as a user runs it: the Python, then each command."""
+    section = _section("Porting a model: an example")
+    (code,) = _blocks(section, "py")
+    (shell,) = _blocks(section, "bash")
+    commands = [shlex.split(line) for line in shell.splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["mha-parity", "verify"], ["mha-parity", "convert"]]
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    exec(compile(code, "README.md", "exec"), {})
+    for command in commands:
+        assert cli.main(command[1:]) == 0, command
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert "39 passed, 0 failed" in out and "read back bit for bit in both frameworks" in out
+    assert elapsed < 60, f"the README promises under a minute, took {elapsed:.0f} s"
+    params = mha_jax.to_torch(tmp_path / "attention.msgpack")
+    whole = load_torch(tmp_path / "encoder.safetensors")
+    fused = np.concatenate([params[f"{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert np.array_equal(fused, whole["layers.0.self_attn.in_proj_weight"].numpy())
+
+
+def _hf_gqa_file(path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """A Llama-style (q_proj/k_proj/v_proj/o_proj) grouped-query checkpoint: 4 heads, 2 kv heads."""
+    module = mha_torch.MultiHeadAttention(12, 4, num_kv_heads=2, kdim=10, vdim=10, dtype=dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(generator=torch.Generator().manual_seed(p.numel()))
+    state = {k.replace("out_proj", "o_proj"): v for k, v in module.state_dict().items()}
+    save_torch(state, path)
+    return module.state_dict()
+
+
+def _same(a: torch.Tensor, b: np.ndarray) -> bool:
+    a = a.view(torch.int16).numpy() if a.dtype == torch.bfloat16 else a.numpy()
+    return np.array_equal(a.view(f"u{a.dtype.itemsize}"), np.asarray(b).view(f"u{a.dtype.itemsize}"))
+
+
+def test_convert_round_trip_between_layouts_and_frameworks(tmp_path, capsys):
+    original = _hf_gqa_file(tmp_path / "hf.safetensors")
+    hf = ["--layout", "hf", "--num-heads", "4", "--num-kv-heads", "2"]
+    assert cli.main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "a.msgpack"), "--to", "flax", *hf]) == 0
+    assert cli.main(["convert", str(tmp_path / "a.msgpack"), str(tmp_path / "b.safetensors"), "--to", "torch"]) == 0
+    assert cli.main(["convert", str(tmp_path / "b.safetensors"), str(tmp_path / "c.safetensors"), "--to", "flax",
+                     "--num-heads", "4", "--num-kv-heads", "2"]) == 0
+    assert "bit for bit" in capsys.readouterr().out
+    back = load_torch(tmp_path / "b.safetensors")
+    assert set(back) == set(original)
+    assert all(torch.equal(original[k].view(torch.int16), back[k].view(torch.int16)) for k in original)
+    flax_names = mha_jax.to_torch(tmp_path / "c.safetensors")  # Flax names, dot-joined
+    assert all(_same(original[k], flax_names[k]) for k in original)
+
+
+def test_convert_refuses_to_overwrite_unless_forced(tmp_path, capsys):
+    _hf_gqa_file(tmp_path / "hf.safetensors")
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"keep me")
+    args = ["convert", str(tmp_path / "hf.safetensors"), str(out), "--to", "torch", "--layout", "hf", "--num-heads", "4", "--num-kv-heads", "2"]
+    assert cli.main(args) == 2 and out.read_bytes() == b"keep me"
+    assert "exists; pass --force to overwrite it" in capsys.readouterr().err
+    assert cli.main(args + ["--force"]) == 0 and out.read_bytes() != b"keep me"
+    assert cli.main(args[:2] + [str(tmp_path / "out.pt")] + args[3:]) == 2
+    assert "--to torch writes a .safetensors file" in capsys.readouterr().err
+
+
+def test_verify_weights_reads_flax_heads_from_the_kernels(tmp_path):
+    model = nnx.MultiHeadAttention(4, 16, 24, 12, num_kv_heads=2, decode=False,
+                                   bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(0))
+    path = tmp_path / "flax.msgpack"
+    path.write_bytes(msgpack_serialize(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    report = tmp_path / "report.json"
+    code = cli.main(["verify", "--weights", str(path), "--dtype", "float32", "--mask", "padding+causal", "--json", str(report)])
+    result = json.loads(report.read_text())
+    assert code == 0 and result["passed"] and [c["case"] for c in result["cases"]] == ["weights/padding+causal/float32"]
+    config = result["cases"][0]["config"]
+    assert (config["num_heads"], config["num_kv_heads"], config["qkv_features"], config["out_features"]) == (4, 2, 24, 12)
+    assert "num_heads 4, num_kv_heads 2" in result["weights"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layout", "hf"], "--num-heads is needed"),
+    (["--layout", "bert", "--num-heads", "4", "--num-kv-heads", "2"], "missing key 'self.query.weight'"),
+    (["--layout", "hf", "--num-heads", "5"], "num_heads (5) must divide q_proj.weight.shape[0] (12)"),
+])
+def test_verify_weights_names_what_does_not_fit(tmp_path, capsys, args, message):
+    _hf_gqa_file(tmp_path / "hf.safetensors")
+    assert cli.main(["verify", "--weights", str(tmp_path / "hf.safetensors"), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_verify_weights_fails_when_a_framework_loads_other_values(tmp_path, monkeypatch, capsys):
+    _hf_gqa_file(tmp_path / "hf.safetensors", torch.float32)
+    real = mha_torch.load_weights
+
+    def off_by_one_ulp(module, source, **kwargs):
+        real(module, source, **kwargs)
+        with torch.no_grad():
+            module.k_proj.bias[0] = torch.nextafter(module.k_proj.bias[0], torch.tensor(np.inf))
+
+    monkeypatch.setattr(mha_torch, "load_weights", off_by_one_ulp)
+    args = ["verify", "--weights", str(tmp_path / "hf.safetensors"), "--layout", "hf", "--num-heads", "4", "--num-kv-heads", "2"]
+    assert cli.main(args) == 1
+    assert "torch holds different values for k_proj.bias" in capsys.readouterr().out
+
+
+def test_verify_weights_exits_nonzero_when_a_case_fails(tmp_path, monkeypatch):
+    from parity_tests import harness
+
+    save_numpy(mha_jax.to_torch(mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))), tmp_path / "w.safetensors")
+    monkeypatch.setitem(harness.TOLERANCES, "float32", (1e-12, 1e-12))
+    assert cli.main(["verify", "--weights", str(tmp_path / "w.safetensors"), "--num-heads", "4", "--dtype", "float32", "--mask", "none"]) == 1
