@@ -79,8 +79,10 @@ def _flash(cfg, q, k, v, allowed, bias, keep, rng):
     return _forward(cfg, q, k, v, allowed, bias, keep, rng)[0]
 
 
-def _pad(x, axis, size):
-    if x is None or x.shape[axis] == 1 or x.shape[axis] == size:
+def _pad(x, axis, size, broadcast=False):
+    """Zero-pad ``axis`` to ``size``; with ``broadcast``, an axis of 1 (a mask broadcast along
+    it) stays as it is."""
+    if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
@@ -141,7 +143,7 @@ def _prepare(cfg, q, k, v, masks):
     qp = _pad(q, 3, cfg.n_q * cfg.block_q).reshape(b, h, g, cfg.n_q, cfg.block_q, d)
     kp = _pad(k, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
     vp = _pad(v, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
-    masks = [_pad(_pad(m, 3, cfg.n_q * cfg.block_q), 4, cfg.n_k * cfg.block_k) for m in masks]
+    masks = [_pad(_pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in masks]
     return jnp.moveaxis(qp, 3, 0), jnp.moveaxis(kp, 2, 0), jnp.moveaxis(vp, 2, 0), masks
 
 

@@ -6,6 +6,7 @@ argument fails alike in both frameworks. Every message names the argument and th
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name:
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name} must be a positive integer, got {n!r}")
-    if not isinstance(features, (int, np.integer)) or features < 1:
+    if not isinstance(features, (int, np.integer)) or isinstance(features, bool) or features < 1:
         raise ValueError(f"{features_name} must be a positive integer, got {features!r}")
     if features % num_heads:
         raise ValueError(
@@ -104,6 +105,10 @@ def check_attention_inputs(query, key, value) -> tuple[int, int, int, int, int, 
             f"key/value {tuple(key.shape)} must match query {tuple(query.shape)} "
             f"in batch and head_dim"
         )
+    if head_dim == 0:
+        raise ValueError(
+            f"query, key and value need head_dim >= 1, got query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(
             f"key/value heads ({kv_heads}) must divide query heads ({heads}); "
@@ -113,7 +118,10 @@ def check_attention_inputs(query, key, value) -> tuple[int, int, int, int, int, 
 
 
 def check_dropout_rate(name: str, rate: float) -> float:
-    rate = float(rate)
+    try:
+        rate = float(rate)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number in [0, 1), got {rate!r}") from None
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {rate}")
     return rate
@@ -128,3 +136,22 @@ def resolve_deterministic(call: bool | None, default: bool | None) -> bool:
         "dropout_rate > 0 needs deterministic=True or False, in the constructor or the call "
         "(nnx: module.eval() / module.train())"
     )
+
+
+def check_scale(scale) -> float | None:
+    """None, or a finite real number."""
+    if scale is None:
+        return None
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number, got {scale!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def check_is_causal(is_causal) -> bool:
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    return bool(is_causal)

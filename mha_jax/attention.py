@@ -67,10 +67,16 @@ def dot_product_attention(
     batch, q_len, heads, head_dim, kv_len, kv_heads = _checks.check_attention_inputs(
         query, key, value
     )
+    is_causal, scale = _checks.check_is_causal(is_causal), _checks.check_scale(scale)
     shape = (batch, heads, q_len, kv_len)
     allowed, bias = _split_mask(mask, False, shape)  # causality is each implementation's own
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
+        groups = heads // kv_heads
+        empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
+        return (out, empty.reshape(shape)) if return_weights else out
     implementation = _choose(
         implementation, return_weights, q_len * kv_len, keep is not None or rng is not None, query.dtype
     )

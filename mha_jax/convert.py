@@ -91,6 +91,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     tree = _params_dict(params)
     problems = [f"missing {name!r}" for name, _ in PROJECTIONS if name not in tree]
     problems += [f"unexpected {name!r}" for name in tree if name not in dict(PROJECTIONS)]
+    problems += [f"{name!r} has no 'kernel'" for name, _ in PROJECTIONS if name in tree and "kernel" not in tree[name]]
     if problems:
         raise ValueError("params is not an attention parameter tree: " + "; ".join(problems))
     state: dict[str, np.ndarray] = {}
@@ -107,6 +108,10 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         state[f"{torch_name}.weight"] = np.ascontiguousarray(weight)
         if "bias" in tree[flax_name]:
             state[f"{torch_name}.bias"] = _to_numpy(tree[flax_name]["bias"]).reshape(-1)
+    try:  # the projections must fit one module: heads from the query kernel, kv heads from the key's
+        _check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
+    except ValueError as error:
+        raise ValueError(f"params do not form one attention layer: {error}") from None
     return state
 
 
@@ -125,6 +130,10 @@ def load_torch_weights(
     module's parameter dtypes (as ``torch.nn.Module.load_state_dict`` does); shapes must match
     the module's.
     """
+    if not isinstance(module, nnx.Module) or not hasattr(module, "num_kv_heads"):
+        raise TypeError(
+            f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
+        )
     params = from_torch(
         state_dict_or_path, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,

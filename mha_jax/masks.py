@@ -70,3 +70,26 @@ def _split_mask(mask, is_causal: bool, shape: tuple[int, int, int, int]):
         causal = causal_mask(shape[2], shape[3])
         allowed = causal if allowed is None else allowed & causal
     return allowed, bias
+
+
+def _unused_keys(mask, is_causal: bool, shape: tuple[int, int, int, int]):
+    """``(batch, kv_len)`` bool, True where no query of any head may attend to the key, or None.
+
+    The modules zero those rows of their key/value inputs, so that garbage there (NaN in
+    padding) reaches neither outputs nor any gradient, the projections' weights included.
+    """
+    allowed, bias = _split_mask(mask, False, shape)
+    excluded = []
+    if allowed is not None:
+        excluded.append(jnp.logical_not(allowed))
+    if bias is not None:
+        excluded.append(bias == -jnp.inf)
+    if is_causal and shape[2] < shape[3]:
+        excluded.append(jnp.arange(shape[3]) >= shape[2])
+    if not excluded:
+        return None
+    unused = None
+    for ex in excluded:
+        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=(1, 2))
+        unused = ex if unused is None else unused | ex
+    return jnp.broadcast_to(unused, (shape[0], shape[3]))

@@ -13,6 +13,7 @@ from flax import nnx
 
 from mha_jax import _checks
 from mha_jax.attention import dot_product_attention
+from mha_jax.masks import _unused_keys
 
 INPUT_LAYOUT = "(batch, length, features)"
 
@@ -64,11 +65,11 @@ class MultiHeadAttention(nnx.Module):
         self.in_kv_features = in_features if in_kv_features is None else in_kv_features
         self.qkv_features = in_features if qkv_features is None else qkv_features
         self.out_features = in_features if out_features is None else out_features
+        for name in ("in_features", "in_kv_features", "out_features"):
+            _checks.check_heads(1, 1, getattr(self, name), name)
         self.head_dim = _checks.check_heads(
             num_heads, self.num_kv_heads, self.qkv_features, "qkv_features"
         )
-        for name in ("in_features", "in_kv_features", "out_features"):
-            _checks.check_heads(1, 1, getattr(self, name), name)
         self.dropout_rate = _checks.check_dropout_rate("dropout_rate", dropout_rate)
         self.deterministic = deterministic
         self.precision = precision
@@ -124,6 +125,13 @@ class MultiHeadAttention(nnx.Module):
         if dropout_mask is None and self.dropout_rate > 0 and not _checks.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs)
 
+        unused = _unused_keys(
+            mask, _checks.check_is_causal(is_causal),
+            (inputs_q.shape[0], self.num_heads, inputs_q.shape[1], inputs_k.shape[1]),
+        )
+        if unused is not None:
+            inputs_k = jnp.where(unused[..., None], 0, inputs_k)
+            inputs_v = jnp.where(unused[..., None], 0, inputs_v)
         query = self.query(inputs_q)
         key = self.key(inputs_k)
         value = self.value(inputs_v)
@@ -154,6 +162,11 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features
                 f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
                 f"but the module's {feat_name} is {features}"
             )
+    if not inputs_q.dtype == inputs_k.dtype == inputs_v.dtype:
+        raise TypeError(
+            f"inputs_q, inputs_k and inputs_v must share one dtype, got "
+            f"{inputs_q.dtype}, {inputs_k.dtype}, {inputs_v.dtype}"
+        )
     if not inputs_q.shape[0] == inputs_k.shape[0] == inputs_v.shape[0]:
         raise ValueError(
             f"inputs_q, inputs_k and inputs_v must share the batch size, got shapes "

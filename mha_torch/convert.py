@@ -35,6 +35,10 @@ def load_weights(
     ``mha_jax.from_torch`` (fused projections are split with the module's ``num_heads`` and
     ``num_kv_heads``). Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
+        )
     state = _layouts.read_layout(
         _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
         ignore=ignore, num_heads=getattr(module, "num_heads", None),
@@ -134,7 +138,13 @@ def _read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
             "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
             f"got {type(state_dict_or_path).__name__}"
         )
-    return {str(k): _to_tensor(v) for k, v in state_dict_or_path.items()}
+    state = {}
+    for k, v in state_dict_or_path.items():
+        try:
+            state[str(k)] = _to_tensor(v)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"state_dict: {str(k)!r} is not a numeric array: {error}") from None
+    return state
 
 
 def _to_tensor(x: Any) -> torch.Tensor:

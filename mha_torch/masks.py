@@ -71,3 +71,26 @@ def _split_mask(mask, is_causal: bool, shape: tuple[int, int, int, int], device=
         causal = causal_mask(shape[2], shape[3], device=device)
         allowed = causal if allowed is None else allowed & causal
     return allowed, bias
+
+
+def _unused_keys(mask, is_causal: bool, shape: tuple[int, int, int, int]):
+    """``(batch, kv_len)`` bool, True where no query of any head may attend to the key, or None.
+
+    The module zeroes those rows of its key/value inputs, so that garbage there (NaN in
+    padding) reaches neither outputs nor any gradient, the projections' weights included.
+    """
+    allowed, bias = _split_mask(mask, False, shape)
+    excluded = []
+    if allowed is not None:
+        excluded.append(~allowed)
+    if bias is not None:
+        excluded.append(bias == -float("inf"))
+    if is_causal and shape[2] < shape[3]:
+        excluded.append(torch.arange(shape[3]) >= shape[2])
+    if not excluded:
+        return None
+    unused = None
+    for ex in excluded:
+        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2).all(dim=1)
+        unused = ex if unused is None else unused | ex
+    return unused.expand(shape[0], shape[3])

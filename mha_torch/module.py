@@ -11,6 +11,7 @@ from torch import nn
 
 from mha_torch import _checks
 from mha_torch.attention import dot_product_attention
+from mha_torch.masks import _unused_keys
 
 INPUT_LAYOUT = "(batch, length, features)"
 
@@ -56,9 +57,9 @@ class MultiHeadAttention(nn.Module):
         self.vdim = embed_dim if vdim is None else vdim
         self.qkv_dim = embed_dim if qkv_dim is None else qkv_dim
         self.out_dim = embed_dim if out_dim is None else out_dim
-        self.head_dim = _checks.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
         for name in ("embed_dim", "kdim", "vdim", "out_dim"):
             _checks.check_heads(1, 1, getattr(self, name), name)
+        self.head_dim = _checks.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
         self.dropout = _checks.check_dropout_rate("dropout", dropout)
         self.implementation = implementation
 
@@ -101,6 +102,10 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
 
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+        unused = _unused_keys(mask, _checks.check_is_causal(is_causal), (batch, self.num_heads, q_len, kv_len))
+        if unused is not None:
+            key = key.masked_fill(unused[..., None].to(key.device), 0)
+            value = value.masked_fill(unused[..., None].to(value.device), 0)
         q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -128,6 +133,10 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> No
                 f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
                 f"but the module's {feat_name} is {features}"
             )
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if not query.shape[0] == key.shape[0] == value.shape[0]:
         raise ValueError(
             f"query, key and value must share the batch size, got shapes "
