@@ -281,6 +281,23 @@ def summary(results: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def markdown(results: dict) -> str:
+    """The targets table and the S=4096 core timings, as Markdown for README.md."""
+    lines = ["| what | measured | target |", "|---|---|---|"]
+    lines += [f"| {w} | {m} | {t} |" for w, m, t in summary(results)]
+    lines += ["", "| S=4096 | fwd s | fwd GFLOP/s | fwd+bwd s | fwd+bwd GFLOP/s | causal fwd s | compile s |",
+              "|---|---|---|---|---|---|---|"]
+    for impl in CORE:
+        f = _lookup(results["core"], impl=impl, length=4096, mode="fwd", causal=False)
+        b = _lookup(results["core"], impl=impl, length=4096, mode="fwd+bwd", causal=False)
+        c = _lookup(results["core"], impl=impl, length=4096, mode="fwd", causal=True)
+        if f and b and c:
+            compile_s = f"{f['compile_s']:.2f}" if f["compile_s"] else "-"
+            lines.append(f"| {impl} | {f['seconds']:.3f} | {f['gflops']:.0f} | {b['seconds']:.3f} | "
+                         f"{b['gflops']:.0f} | {c['seconds']:.3f} | {compile_s} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -359,6 +376,7 @@ def main(argv=None) -> int:
     RESULTS.mkdir(exist_ok=True)
     name = args.name or ("gpu" if jax.default_backend() == "gpu" else "cpu")
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{name}.md").write_text(markdown(results))
     plot(results, RESULTS / f"{name}.png")
     console.print(f"wrote {RESULTS / name}.json and .png in {results['meta']['seconds']:.0f} s")
     return 0
