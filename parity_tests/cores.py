@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import torch
 
+import mha_jax
+import mha_torch
 from parity_tests import harness
 
 IMPLEMENTATIONS = {"jax": ("xla", "blockwise"), "torch": ("math", "sdpa")}
@@ -37,8 +42,6 @@ def run_core(framework: str, q, k, v, d_out, *, dtype: str = "float64", mask=Non
 
 
 def _run_jax(arrays, mask, implementation, is_causal, scale):
-    import jax.numpy as jnp
-
     q, k, v, d_out = (jnp.asarray(x).transpose(0, 2, 1, 3) for x in arrays)
     mask = None if mask is None else jnp.asarray(mask)
     out, weights, grads = _jax_vjp(q, k, v, mask, d_out, implementation=implementation,
@@ -46,38 +49,22 @@ def _run_jax(arrays, mask, implementation, is_causal, scale):
     return out.transpose(0, 2, 1, 3), weights, [g.transpose(0, 2, 1, 3) for g in grads]
 
 
-@functools.cache
-def _jitted_vjp():
-    import jax
+@functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale"))
+def _jax_vjp(q, k, v, mask, d_out, *, implementation, is_causal, scale):
+    with_weights = implementation in WITH_WEIGHTS
 
-    import mha_jax
+    def f(q, k, v):
+        return mha_jax.dot_product_attention(
+            q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+            implementation=implementation, return_weights=with_weights)
 
-    @functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale"))
-    def vjp(q, k, v, mask, d_out, *, implementation, is_causal, scale):
-        with_weights = implementation in WITH_WEIGHTS
-
-        def f(q, k, v):
-            return mha_jax.dot_product_attention(
-                q, k, v, mask=mask, is_causal=is_causal, scale=scale,
-                implementation=implementation, return_weights=with_weights)
-
-        result, back = jax.vjp(f, q, k, v)
-        if with_weights:
-            return result[0], result[1], back((d_out, jax.numpy.zeros_like(result[1])))
-        return result, None, back(d_out)
-
-    return vjp
-
-
-def _jax_vjp(*args, **kwargs):
-    return _jitted_vjp()(*args, **kwargs)
+    result, back = jax.vjp(f, q, k, v)
+    if with_weights:
+        return result[0], result[1], back((d_out, jnp.zeros_like(result[1])))
+    return result, None, back(d_out)
 
 
 def _run_torch(arrays, mask, implementation, is_causal, scale):
-    import torch
-
-    import mha_torch
-
     q, k, v, d_out = (_torch_tensor(x) for x in arrays)
     for x in (q, k, v):
         x.requires_grad_(True)
@@ -89,10 +76,8 @@ def _run_torch(arrays, mask, implementation, is_causal, scale):
     return out, weights, [x.grad for x in (q, k, v)]
 
 
-def _torch_tensor(x: np.ndarray):
+def _torch_tensor(x: np.ndarray) -> torch.Tensor:
     """A tensor of the same values and dtype (bfloat16 NumPy arrays included)."""
-    import torch
-
     if x.dtype.name == "bfloat16":
         return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
     return torch.from_numpy(np.array(x))
