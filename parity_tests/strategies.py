@@ -1,0 +1,190 @@
+"""Hypothesis profiles and the strategies that draw whole attention configurations.
+
+Profiles, chosen by the environment variable ``MHA_HYPOTHESIS_PROFILE`` (loaded by
+``conftest.py``):
+
+- ``ci`` (the default): ``examples(n) = n`` examples per property, derandomized (the same
+  examples on every run, so CI is reproducible), no example database, no deadline (JAX compiles
+  every new shape, so a first call is slow).
+- ``long``: ``examples(n) = 20 * n``, drawn afresh on every run, failing examples remembered
+  in ``.hypothesis/``. For example ``MHA_HYPOTHESIS_PROFILE=long python -m pytest -q
+  parity_tests/test_properties.py``.
+
+A drawn case is a ``Spec``: a plain, printable description (shapes, dtype, mask form, seed).
+``build`` turns it into numbers, so a failure Hypothesis shrinks can be pasted into
+``parity_tests/regressions.py`` and replayed as an explicit test.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from parity_tests import harness, oracle
+
+PROFILE_VARIABLE = "MHA_HYPOTHESIS_PROFILE"
+LONG_FACTOR = 20
+_NO_HEALTH_CHECKS_FOR_SLOW_TESTS = [HealthCheck.too_slow, HealthCheck.data_too_large]
+
+
+def load_profile() -> None:
+    """Register ``ci`` and ``long`` and load the one ``MHA_HYPOTHESIS_PROFILE`` names."""
+    common = dict(deadline=None, print_blob=True, suppress_health_check=_NO_HEALTH_CHECKS_FOR_SLOW_TESTS)
+    settings.register_profile("ci", derandomize=True, database=None, **common)
+    settings.register_profile("long", **common)
+    settings.load_profile(profile())
+
+
+def profile() -> str:
+    name = os.environ.get(PROFILE_VARIABLE, "ci")
+    if name not in ("ci", "long"):
+        raise ValueError(f"{PROFILE_VARIABLE} must be 'ci' or 'long', got {name!r}")
+    return name
+
+
+def examples(n: int) -> int:
+    """How many examples a property draws: ``n`` under ``ci``, ``LONG_FACTOR * n`` under ``long``."""
+    return n * LONG_FACTOR if profile() == "long" else n
+
+
+# --- known defects -----------------------------------------------------------------------
+
+
+def known_defect(jax_impl: str, q_len: int, kv_len: int) -> str | None:
+    """The failing test in ``test_found_defects.py`` that a case would only repeat, or None.
+
+    Properties skip such cases (and say so) so that the suite stays green while the defect is
+    open; delete the clause when its test passes.
+    """
+    if jax_impl == "blockwise" and min(q_len, kv_len) == 1:
+        return "test_found_defects.py::test_blockwise_accepts_length_one"
+    return None
+
+
+# --- drawn configurations ----------------------------------------------------------------
+
+MASK_FORMS = ("none", "bool", "int8", "uint8", "int32", "int64", "float", "padding")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One drawn case: a module configuration, a dtype, a mask and the implementations to run.
+
+    ``mask_shape`` is the mask's own (broadcasting) shape; ``keep_shape`` that of an explicit
+    dropout keep-mask, or None for no dropout. ``empty_rows`` makes some queries attend to no
+    key. Array values come from ``seed``.
+    """
+
+    config: harness.Config
+    dtype: str
+    mask: str = "none"
+    mask_shape: tuple[int, ...] = ()
+    empty_rows: bool = False
+    is_causal: bool = False
+    keep_shape: tuple[int, ...] | None = None
+    dropout_rate: float = 0.25
+    jax_impl: str = "xla"
+    jax_module: str = "nnx"
+    torch_impl: str = "math"
+    seed: int = 0
+
+
+def broadcast_shapes(full: tuple[int, ...]):
+    """Every shape that broadcasts to ``full``: rank 0 to ``len(full)``, each axis full or 1."""
+    return st.lists(st.booleans(), max_size=len(full)).map(
+        lambda keep: tuple(n if k else 1 for n, k in zip(full[len(full) - len(keep):], keep))
+    )
+
+
+def _with_edges(low: int, high: int, inner: tuple[int, ...]):
+    """Integers in [low, high], a third of the time one of the ends or of ``inner`` (block and
+    power-of-two boundaries), which a uniform draw would rarely reach."""
+    edges = sorted({low, high, *(n for n in inner if low <= n <= high)})
+    return st.one_of(st.sampled_from(edges), st.integers(low, high), st.integers(low, high))
+
+
+@st.composite
+def configs(draw, max_len: int = 67, max_head_dim: int = 80) -> harness.Config:
+    """batch 1-3; lengths 1-``max_len`` (query and key differ in cross-attention); kv heads 1-4
+    in groups of 1-4 query heads (multi-head, grouped, multi-query); head_dim 1-``max_head_dim``;
+    feature sizes 1-24; bias on or off."""
+    lengths = _with_edges(1, max_len, (2, 7, 8, 9, 16, 17, 63, 64, 65))
+    self_attention = draw(st.booleans())
+    q_len = draw(lengths)
+    kv_len = q_len if self_attention else draw(lengths)
+    kv_heads = draw(st.integers(1, 4))
+    heads = kv_heads * draw(st.integers(1, 8 // kv_heads))
+    head_dim = draw(_with_edges(1, max_head_dim, (2, 64)))
+    return harness.Config(
+        name="drawn", batch=draw(st.integers(1, 3)), q_len=q_len, kv_len=kv_len,
+        in_features=draw(st.integers(1, 24)),
+        in_kv_features=None if self_attention else draw(st.integers(1, 24)),
+        num_heads=heads, num_kv_heads=kv_heads, qkv_features=heads * head_dim,
+        out_features=draw(st.integers(1, 24)), use_bias=draw(st.booleans()),
+    )
+
+
+@st.composite
+def specs(draw, config_strategy=None) -> Spec:
+    """A whole case: configuration, dtype, mask form and broadcast shape, causality, dropout,
+    and which implementation of each framework runs it."""
+    config = draw(configs() if config_strategy is None else config_strategy)
+    mask = draw(st.sampled_from(MASK_FORMS))
+    dropout = draw(st.booleans())
+    return Spec(
+        config=config,
+        dtype=draw(st.sampled_from(harness.DTYPES)),
+        mask=mask,
+        mask_shape=draw(broadcast_shapes(config.mask_shape)) if mask not in ("none", "padding") else (),
+        empty_rows=mask != "none" and draw(st.booleans()),
+        is_causal=draw(st.booleans()),
+        keep_shape=draw(broadcast_shapes(config.mask_shape)) if dropout else None,
+        dropout_rate=draw(st.sampled_from([0.25, 0.5])) if dropout else 0.25,
+        jax_impl=draw(st.sampled_from(["xla", "blockwise"])),
+        jax_module=draw(st.sampled_from(["nnx", "linen"])),
+        torch_impl="math" if dropout else draw(st.sampled_from(["math", "sdpa"])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def draw_mask(spec: Spec, rng: np.random.Generator) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(mask as the oracle reads it, padding validity ``(batch, kv_len)`` or None)."""
+    b, _, _, k = spec.config.mask_shape
+    if spec.mask == "none":
+        return None, None
+    if spec.mask == "padding":
+        lengths = rng.integers(0 if spec.empty_rows else 1, k + 1, size=b)
+        valid = np.arange(k)[None, :] < lengths[:, None]
+        return valid[:, None, None, :], valid
+    shape = spec.mask_shape
+    attend = rng.random(shape) < 0.7
+    if spec.empty_rows and len(shape) >= 2:  # some queries (of some heads) see no key at all
+        attend = attend & ~(rng.random(shape[:-1]) < 0.4)[..., None]
+    elif spec.empty_rows:  # a mask of rank 0 or 1 is a single row, shared by every query
+        attend = np.zeros(shape, bool)
+    if spec.mask == "float":
+        bias = np.where(attend, 2.0 * rng.normal(size=shape), -np.inf)
+        return harness._rounded(np.asarray(bias), spec.dtype), None
+    if spec.mask == "bool":
+        return np.asarray(attend), None
+    nonzero = [1, 2, 7] if spec.mask.startswith("u") else [-1, 2, 7]  # any nonzero attends
+    weights = rng.choice(np.array(nonzero, dtype=spec.mask), size=shape)
+    return np.where(attend, weights, 0).astype(spec.mask), None
+
+
+def build(spec: Spec) -> tuple[harness.Case, harness.Data]:
+    """The case's numbers: the harness's weights and inputs, with the drawn mask and dropout."""
+    data = harness.make_data(harness.Case(spec.config, "none", spec.dtype), seed=spec.seed)
+    rng = np.random.default_rng(spec.seed)
+    mask, valid = draw_mask(spec, rng)
+    keep = None if spec.keep_shape is None else rng.random(spec.keep_shape) >= spec.dropout_rate
+    data.attention = oracle.Attention(
+        mask=mask, is_causal=spec.is_causal, keep=keep,
+        dropout_rate=spec.dropout_rate if keep is not None else 0.0,
+    )
+    data.padding_valid = valid
+    return harness.Case(spec.config, "drawn", spec.dtype), data
