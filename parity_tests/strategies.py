@@ -54,17 +54,6 @@ def examples(n: int) -> int:
 # --- known defects -----------------------------------------------------------------------
 
 
-def known_defect(jax_impl: str, q_len: int, kv_len: int) -> str | None:
-    """The failing test in ``test_found_defects.py`` that a case would only repeat, or None.
-
-    Properties skip such cases (and say so) so that the suite stays green while the defect is
-    open; delete the clause when its test passes.
-    """
-    if jax_impl == "blockwise" and min(q_len, kv_len) == 1:
-        return "test_found_defects.py::test_blockwise_accepts_length_one"
-    return None
-
-
 # --- drawn configurations ----------------------------------------------------------------
 
 MASK_FORMS = ("none", "bool", "int8", "uint8", "int32", "int64", "float", "padding")

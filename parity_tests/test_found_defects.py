@@ -1,6 +1,5 @@
-"""Defects of the library found by the robustness work (issue 5). Every test here FAILS until
-its defect is fixed; none is skipped or weakened. Each docstring gives the symptom and the fix
-proposed; the properties elsewhere avoid these cases only through ``strategies.known_defect``.
+"""Regression tests for the defects the robustness work (issue 5) found. Each failed before its
+fix; each docstring gives the symptom seen and the fix that was made.
 """
 
 import jax

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 
 from parity_tests import harness, regressions, strategies
 from parity_tests.strategies import Spec
@@ -95,8 +95,7 @@ def check_parity(spec: Spec) -> None:
 @given(strategies.specs())
 def test_drawn_cases_match_oracle_and_each_other(spec):
     """Any configuration, mask, dtype and implementation: parity with the oracle and across
-    frameworks, forward and gradients (less the open defects of ``strategies.known_defect``)."""
-    assume(strategies.known_defect(spec.jax_impl, spec.config.q_len, spec.config.kv_len) is None)
+    frameworks, forward and gradients."""
     check_parity(spec)
 
 
