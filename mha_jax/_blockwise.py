@@ -5,21 +5,33 @@ Queries are processed in blocks; for each, an online softmax runs over key block
 backward pass from the saved row log-sum-exp instead of storing them. Key blocks that a causal
 mask empties entirely are never visited, in either pass.
 
-Internal layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
+Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
 ``(batch, kv_heads, kv_len, head_dim)``; masks keep their own (broadcast) shape
 ``(batch|1, kv_heads|1, groups|1, q_len|1, kv_len|1)`` and are sliced per block.
+
+Inside, batch and kv heads are one batch axis of the matrix products and a query block's
+groups and queries one row axis (``rows = groups * block_q``), so grouped heads share each key
+block's product. Every product is laid out as XLA:CPU's matmul takes it, ``(batch, m, k) @
+(batch, k, n)``, with no per-block transpose: keys are transposed once for the forward's
+``Q K^T``, and the backward works on transposed scores ``S^T = K Q^T``, so that ``dV = P^T dO``,
+``dK = dS^T Q`` and ``dQ^T = K^T dS^T`` all take their operands as stored. The softmax scale
+is folded into the queries once rather than applied to every score.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+# Scores of one block, over batch x heads x rows x keys. Blocks above ~4M float32 scores
+# (16 MiB) fall out of cache on the machines measured; below it each product is too small for
+# the matmul to reach its speed.
+_BLOCK_SCORES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -47,26 +59,42 @@ def _fit(n: int, cap: int) -> int:
     return min(cap, max(8, 1 << (n - 1).bit_length()))
 
 
-def block_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
-    """Forward blocks: 512 queries x 256 keys, smaller for short inputs.
+def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
+    """Powers of two up to the caps, halved (larger first, down to 64) until one block's
+    scores fit in ``_BLOCK_SCORES``."""
+    block_q, block_k = _fit(q_len, cap_q), _fit(kv_len, cap_k)
+    while batch_heads * groups * block_q * block_k > _BLOCK_SCORES and max(block_q, block_k) > 64:
+        if block_q * groups >= block_k:
+            block_q //= 2
+        else:
+            block_k //= 2
+    return block_q, block_k
 
-    Chosen by timing on a 2-core CPU (B=1, H=8, head_dim=64, length 4096, one run): 512x256
-    was the fastest of 256x512, 512x512, 1024x512, 1024x1024, 128x4096, 1024x256, 512x128.
+
+def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False) -> tuple[int, int]:
+    """Forward blocks: 1024 query rows (over all groups) x 512 keys, or 512 x 256 when causal
+    (finer blocks waste less on the diagonal), smaller for short inputs or many heads.
+
+    Chosen by interleaved timing on a 2-core CPU (B=1, H=8, head_dim=64, length 4096) among
+    1024x512, 512x512, 512x256, 256x512, 1024x1024, 2048x512 and 1024x256.
     """
-    return _fit(q_len, 512), _fit(kv_len, 256)
+    cap_q, cap_k = (512, 256) if causal else (1024, 512)
+    return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
 
-def backward_block_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
-    """Backward blocks (when no drawn dropout mask ties them to the forward's): 256 x 512,
-    the fastest of 256x512, 128x512, 256x256, 512x512, 1024x256, 4096x128 in the same kind of run."""
-    return _fit(q_len, 256), _fit(kv_len, 512)
+def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False) -> tuple[int, int]:
+    """Backward blocks (when no drawn dropout mask ties them to the forward's): 512 query rows
+    x 1024 keys, or 512 x 512 when causal; chosen among 256x512, 512x256, 512x512, 1024x512,
+    512x1024 and 1024x1024 in the same kind of run."""
+    cap_q, cap_k = (512, 512) if causal else (512, 1024)
+    return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
 
 def attention(q, k, v, *, allowed, bias, keep, dropout_rng, causal, scale, dropout_rate,
               keep_scale, precision, block_q, block_k):
     """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``.
 
-    ``allowed``/``keep`` (bool) and ``bias`` (float) are None or 5-d in the internal layout.
+    ``allowed``/``keep`` (bool) and ``bias`` (float) are None or 5-d in the interface layout.
     ``dropout_rng`` draws a keep-mask per block (a stream of its own, not the plain path's).
     """
     cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], causal, scale, keep_scale,
@@ -96,37 +124,34 @@ def _block(x, axis, index, size):
     return lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
 
-def _scores(cfg, q_i, k_j, i, j, allowed, bias, keep, rng):
-    """Scaled, masked scores ``(b, h, g, bq, bk)`` of query block i and key block j, and the
-    dropout keep-mask of that block (or None)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, precision=cfg.precision) * cfg.scale
-    if bias is not None:
-        s = s + _block(_block(bias, 3, i, cfg.block_q), 4, j, cfg.block_k).astype(s.dtype)
-    # Each mask term is added only where it can exclude something: elementwise passes over the
-    # block are what this kernel spends its time on, beside the two matrix products.
-    ok = None
-    if cfg.kv_len % cfg.block_k:  # the padding of the last key block
-        cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (1, cfg.block_k), 1)
-        ok = cols < cfg.kv_len
-    if cfg.causal:
-        rows = i * cfg.block_q + lax.broadcasted_iota(jnp.int32, (cfg.block_q, cfg.block_k), 0)
-        cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (cfg.block_q, cfg.block_k), 1)
-        ok = _and(ok, cols <= rows)
-    if allowed is not None:
-        ok = _and(ok, _block(_block(allowed, 3, i, cfg.block_q), 4, j, cfg.block_k))
-    if ok is not None:
-        s = jnp.where(ok, s, -jnp.inf)
-    block_keep = None
-    if keep is not None:
-        block_keep = _block(_block(keep, 3, i, cfg.block_q), 4, j, cfg.block_k)
-    elif rng is not None:
-        key = jax.random.fold_in(jax.random.fold_in(rng, i), j)
-        block_keep = jax.random.bernoulli(key, 1.0 - cfg.dropout_rate, s.shape)
-    return s, block_keep
-
-
 def _and(a, b):
     return b if a is None else a & b
+
+
+def _query_rows(cfg, x):
+    """``(b, h, g, q_len, *rest)`` -> query blocks ``(n_q, b*h, g*block_q, *rest)``."""
+    b, h, g = x.shape[:3]
+    x = _pad(x, 3, cfg.n_q * cfg.block_q)
+    x = x.reshape((b * h, g, cfg.n_q, cfg.block_q) + x.shape[4:])
+    return jnp.moveaxis(x, 2, 0).reshape((cfg.n_q, b * h, g * cfg.block_q) + x.shape[4:])
+
+
+def _from_query_rows(cfg, x, b, h, g):
+    """The inverse of ``_query_rows``, with the padding of the last block dropped."""
+    x = x.reshape((cfg.n_q, b * h, g, cfg.block_q) + x.shape[3:])
+    x = jnp.moveaxis(x, 0, 2).reshape((b, h, g, cfg.n_q * cfg.block_q) + x.shape[4:])
+    return x[:, :, :, : cfg.q_len]
+
+
+def _key_rows(cfg, x):
+    """``(b, h, kv_len, d)`` -> key blocks ``(n_k, b*h, block_k, d)``."""
+    b, h, _, d = x.shape
+    x = _pad(x, 2, cfg.n_k * cfg.block_k).reshape(b * h, cfg.n_k, cfg.block_k, d)
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _pad_masks(cfg, masks):
+    return [_pad(_pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in masks]
 
 
 def _key_blocks(cfg, i):
@@ -137,50 +162,114 @@ def _key_blocks(cfg, i):
     return jnp.minimum(last_query // cfg.block_k + 1, cfg.n_k)
 
 
-def _prepare(cfg, q, k, v, masks):
-    """Pad q/k/v and masks to whole blocks; split q and k/v into blocks along the length."""
-    b, h, g, _, d = q.shape
-    qp = _pad(q, 3, cfg.n_q * cfg.block_q).reshape(b, h, g, cfg.n_q, cfg.block_q, d)
-    kp = _pad(k, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
-    vp = _pad(v, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
-    masks = [_pad(_pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in masks]
-    return jnp.moveaxis(qp, 3, 0), jnp.moveaxis(kp, 2, 0), jnp.moveaxis(vp, 2, 0), masks
+def _allowed(cfg, i, j, allowed, transposed, edges):
+    """Which scores of block (i, j) may be attended to, or None where all may: the boolean
+    mask and, with ``edges``, causality and the padding of the last key block. Shaped to
+    broadcast against the block ``(b, h, g, block_q, block_k)``, or ``(b, h, block_k, g,
+    block_q)`` when ``transposed``. The backward pass needs no padding term (see ``_flash_bwd``)."""
+    q_axis, k_axis = (4, 2) if transposed else (3, 4)
+    shape = [1] * 5
+    shape[q_axis], shape[k_axis] = cfg.block_q, cfg.block_k
+    ok = None
+    if edges and cfg.kv_len % cfg.block_k and not transposed:
+        cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+        ok = cols < cfg.kv_len
+    if edges and cfg.causal:
+        rows = i * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+        cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+        ok = _and(ok, cols <= rows)
+    if allowed is not None:
+        ok = _and(ok, _block(_block(allowed, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k))
+    return ok
+
+
+def _masked(cfg, s, i, j, allowed, bias, block5, transposed, edges):
+    """Block (i, j)'s scores, flat as the matrix product gives them, plus the bias and with
+    -inf where ``_allowed`` excludes; reshaped to the 5-d ``block5`` only when needed."""
+    ok = _allowed(cfg, i, j, allowed, transposed, edges)
+    if bias is None and ok is None:
+        return s
+    q_axis, k_axis = (4, 2) if transposed else (3, 4)
+    flat = s.shape
+    s = s.reshape(block5)
+    if bias is not None:
+        s = s + _block(_block(bias, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k).astype(s.dtype)
+    if ok is not None:
+        s = jnp.where(ok, s, -jnp.inf)
+    return s.reshape(flat)
+
+
+def _unmasked_key_blocks(cfg, i):
+    """Key blocks before this count need neither the causal nor the padding term for query
+    block i: wholly at or below its first query, and not the padded last block."""
+    whole = cfg.n_k - 1 if cfg.kv_len % cfg.block_k else cfg.n_k
+    if not cfg.causal:
+        return whole
+    return jnp.minimum((i * cfg.block_q + 1) // cfg.block_k, whole)
+
+
+def _unmasked_query_blocks(cfg, j):
+    """Query blocks from this one on see all of key block j (causal)."""
+    last_key = (j + 1) * cfg.block_k - 1
+    return jnp.minimum((last_key + cfg.block_q - 1) // cfg.block_q, cfg.n_q)
+
+
+def _drawn_keep(cfg, rng, i, j, b, h, g, transposed):
+    """Block (i, j)'s drawn dropout keep-mask: the same bits in both passes, drawn in the
+    forward's layout."""
+    key = jax.random.fold_in(jax.random.fold_in(rng, i), j)
+    keep = jax.random.bernoulli(key, 1.0 - cfg.dropout_rate, (b, h, g, cfg.block_q, cfg.block_k))
+    return jnp.moveaxis(keep, 4, 2) if transposed else keep
 
 
 def _forward(cfg, q, k, v, allowed, bias, keep, rng):
-    compute = q.dtype
-    q_blocks, k_blocks, v_blocks, (allowed_p, bias_p, keep_p) = _prepare(cfg, q, k, v, (allowed, bias, keep))
     b, h, g, _, d = q.shape
+    q_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, bh, rows, d)
+    kt_blocks = jnp.swapaxes(_key_rows(cfg, k), 2, 3)  # (n_k, bh, d, block_k)
+    v_blocks = _key_rows(cfg, v)
+    allowed_p, bias_p, keep_p = _pad_masks(cfg, (allowed, bias, keep))
+    block5 = (b, h, g, cfg.block_q, cfg.block_k)
 
     def query_block(args):
         i, q_i = args
 
-        def key_step(j, carry):
+        def key_step(j, carry, edges):
             m, l, acc = carry
-            s, block_keep = _scores(cfg, q_i, k_blocks[j], i, j, allowed_p, bias_p, keep_p, rng)
+            s = jnp.einsum("bmd,bdk->bmk", q_i, kt_blocks[j], precision=cfg.precision)
+            s = _masked(cfg, s, i, j, allowed_p, bias_p, block5, False, edges)
             m_new = jnp.maximum(m, s.max(axis=-1))
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m - shift)
             l = alpha * l + p.sum(axis=-1)
+            block_keep = _forward_keep(cfg, keep_p, rng, i, j, block5)
             if block_keep is not None:
-                p = jnp.where(block_keep, p * cfg.keep_scale, 0.0)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p, v_blocks[j], precision=cfg.precision)
+                p = jnp.where(block_keep, p.reshape(block5) * cfg.keep_scale, 0.0).reshape(p.shape)
+            pv = jnp.einsum("bmk,bkd->bmd", p, v_blocks[j], precision=cfg.precision)
             return m_new, l, alpha[..., None] * acc + pv
 
-        shape = (b, h, g, cfg.block_q)
-        init = (jnp.full(shape, -jnp.inf, compute), jnp.zeros(shape, compute),
-                jnp.zeros(shape + (d,), compute))
-        m, l, acc = lax.fori_loop(0, _key_blocks(cfg, i), key_step, init)
+        rows = (b * h, g * cfg.block_q)
+        init = (jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype), jnp.zeros(rows + (d,), q.dtype))
+        # Blocks wholly inside the causal triangle skip its mask: one elementwise pass fewer.
+        middle = _unmasked_key_blocks(cfg, i)
+        carry = lax.fori_loop(0, middle, functools.partial(key_step, edges=False), init)
+        m, l, acc = lax.fori_loop(middle, _key_blocks(cfg, i), functools.partial(key_step, edges=True), carry)
         out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
         # A row with no allowed key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
         lse = jnp.where(l > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(l > 0.0, l, 1.0)), jnp.inf)
         return out, lse
 
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks))
-    out = jnp.moveaxis(out, 0, 3).reshape(b, h, g, cfg.n_q * cfg.block_q, d)[:, :, :, : cfg.q_len]
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, h, g, cfg.n_q * cfg.block_q)[..., : cfg.q_len]
+    out, lse = _from_query_rows(cfg, out, b, h, g), _from_query_rows(cfg, lse, b, h, g)
     return out, (q, k, v, allowed, bias, keep, rng, out, lse)
+
+
+def _forward_keep(cfg, keep_p, rng, i, j, block5):
+    if keep_p is not None:
+        return _block(_block(keep_p, 3, i, cfg.block_q), 4, j, cfg.block_k)
+    if rng is not None:
+        return _drawn_keep(cfg, rng, i, j, *block5[:3], transposed=False)
+    return None
 
 
 def _flash_fwd(cfg, q, k, v, allowed, bias, keep, rng):
@@ -189,69 +278,91 @@ def _flash_fwd(cfg, q, k, v, allowed, bias, keep, rng):
 
 def _flash_bwd(cfg, residuals, d_out):
     q, k, v, allowed, bias, keep, rng, out, lse = residuals
-    if rng is None:  # a drawn dropout mask is tied to the forward's blocks; otherwise re-block
-        cfg = dataclasses.replace(cfg, **dict(zip(("block_q", "block_k"), backward_block_sizes(cfg.q_len, cfg.kv_len))))
     b, h, g, _, d = q.shape
+    if rng is None:  # a drawn dropout mask is tied to the forward's blocks; otherwise re-block
+        sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal)
+        cfg = dataclasses.replace(cfg, block_q=sizes[0], block_k=sizes[1])
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
-
-    def rows(x):  # (b, h, g, q_len, ...) -> blocks of queries, (n_q, b, h, g, block_q, ...)
-        x = _pad(x, 3, cfg.n_q * cfg.block_q)
-        return jnp.moveaxis(x.reshape(x.shape[:3] + (cfg.n_q, cfg.block_q) + x.shape[4:]), 3, 0)
-
-    do_blocks, delta_blocks, lse = rows(d_out), rows(delta), rows(lse)
-    q_blocks, k_blocks, v_blocks, (allowed_p, bias_p, keep_p) = _prepare(cfg, q, k, v, (allowed, bias, keep))
-    d_bias0 = None if bias is None else jnp.zeros(bias_p.shape, q.dtype)
+    qs_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, bh, rows, d)
+    qst_blocks = jnp.swapaxes(qs_blocks, 2, 3)
+    do_blocks = _query_rows(cfg, d_out)
+    dot_blocks = jnp.swapaxes(do_blocks, 2, 3)
+    lse_blocks, delta_blocks = _query_rows(cfg, lse), _query_rows(cfg, delta)  # (n_q, bh, rows)
+    k_blocks, v_blocks = _key_rows(cfg, k), _key_rows(cfg, v)  # (n_k, bh, block_k, d)
+    kt_blocks = jnp.swapaxes(k_blocks, 2, 3)
+    # Masks move their key axis before the groups: (b|1, h|1, k|1, g|1, q|1), the transposed block.
+    allowed_t, bias_t, keep_t = (None if m is None else jnp.moveaxis(m, 4, 2) for m in _pad_masks(cfg, (allowed, bias, keep)))
+    block5_t = (b, h, cfg.block_k, g, cfg.block_q)
+    d_bias0 = None if bias is None else jnp.zeros(bias_t.shape, q.dtype)
 
     def key_block(carry, args):
-        dq, d_bias = carry
-        j, k_j, v_j = args
+        dqt, d_bias = carry
+        j, k_j, v_j, kt_j = args
 
-        def query_step(i, inner):
-            dq, dk_j, dv_j, d_bias = inner
-            q_i = q_blocks[i]
-            s, block_keep = _scores(cfg, q_i, k_j, i, j, allowed_p, bias_p, keep_p, rng)
-            p = jnp.exp(s - lse[i][..., None])
-            do_i = do_blocks[i]
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, precision=cfg.precision)
-            if block_keep is not None:
-                p_used = jnp.where(block_keep, p * cfg.keep_scale, 0.0)
-                dp = jnp.where(block_keep, dp * cfg.keep_scale, 0.0)
+        def query_step(i, inner, edges):
+            dqt, dk_j, dv_j, d_bias = inner
+            st = jnp.einsum("bkd,bdm->bkm", k_j, qst_blocks[i], precision=cfg.precision)
+            st = _masked(cfg, st, i, j, allowed_t, bias_t, block5_t, True, edges)
+            # Exact scores never exceed their row's lse; the clamp only bounds the padded keys
+            # (zero rows of K: score 0), whose terms then reach dQ as 0 * finite and are cut off
+            # dK and dV, so they need no mask here.
+            pt = jnp.exp(jnp.minimum(st - lse_blocks[i][:, None, :], 0.0))
+            dpt = jnp.einsum("bkd,bdm->bkm", v_j, dot_blocks[i], precision=cfg.precision)
+            if keep_t is not None:
+                block_keep = _block(_block(keep_t, 4, i, cfg.block_q), 2, j, cfg.block_k)
+            elif rng is not None:
+                block_keep = _drawn_keep(cfg, rng, i, j, b, h, g, transposed=True)
             else:
-                p_used = p
-            dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", p_used, do_i, precision=cfg.precision)
-            ds = p * (dp - delta_blocks[i][..., None])
+                block_keep = None
+            if block_keep is not None:
+                pt_used = jnp.where(block_keep, pt.reshape(block5_t) * cfg.keep_scale, 0.0).reshape(pt.shape)
+                dpt = jnp.where(block_keep, dpt.reshape(block5_t) * cfg.keep_scale, 0.0).reshape(pt.shape)
+            else:
+                pt_used = pt
+            dv_j = dv_j + jnp.einsum("bkm,bmd->bkd", pt_used, do_blocks[i], precision=cfg.precision)
+            dst = pt * (dpt - delta_blocks[i][:, None, :])  # gradient of the (scaled, biased) scores
             if d_bias is not None:
-                d_bias = _add_block(d_bias, ds, i, j, cfg)
-            ds = ds * cfg.scale
-            dk_j = dk_j + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i, precision=cfg.precision)
-            dq_i = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j, precision=cfg.precision)
-            dq = lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
-            return dq, dk_j, dv_j, d_bias
+                d_bias = _add_block(d_bias, dst.reshape(block5_t), i, j, cfg)
+            dk_j = dk_j + jnp.einsum("bkm,bmd->bkd", dst, qs_blocks[i], precision=cfg.precision)
+            dqt_i = jnp.einsum("bdk,bkm->bdm", kt_j, dst, precision=cfg.precision)
+            dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)
+            return dqt, dk_j, dv_j, d_bias
 
         first = (j * cfg.block_k) // cfg.block_q if cfg.causal else 0  # earlier queries see none of block j
-        zeros = jnp.zeros((b, h, cfg.block_k, d), q.dtype)
-        dq, dk_j, dv_j, d_bias = lax.fori_loop(first, cfg.n_q, query_step, (dq, zeros, zeros, d_bias))
-        return (dq, d_bias), (dk_j, dv_j)
+        zeros = jnp.zeros((b * h, cfg.block_k, d), q.dtype)
+        inner = (dqt, zeros, zeros, d_bias)
+        if cfg.causal:
+            middle = _unmasked_query_blocks(cfg, j)
+            inner = lax.fori_loop(first, middle, functools.partial(query_step, edges=True), inner)
+        else:
+            middle = 0
+        dqt, dk_j, dv_j, d_bias = lax.fori_loop(middle, cfg.n_q, functools.partial(query_step, edges=False), inner)
+        return (dqt, d_bias), (dk_j, dv_j)
 
-    dq0 = jnp.zeros_like(q_blocks)
-    (dq, d_bias), (dk, dv) = lax.scan(key_block, (dq0, d_bias0), (jnp.arange(cfg.n_k), k_blocks, v_blocks))
-    dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape[:3] + (cfg.n_q * cfg.block_q, d))[:, :, :, : cfg.q_len]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
-    dv = jnp.moveaxis(dv, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
+    dqt0 = jnp.zeros_like(qst_blocks)
+    (dqt, d_bias), (dk, dv) = lax.scan(
+        key_block, (dqt0, d_bias0), (jnp.arange(cfg.n_k), k_blocks, v_blocks, kt_blocks)
+    )
+    dq = _from_query_rows(cfg, jnp.swapaxes(dqt, 2, 3) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
+
+    def keys(x):  # (n_k, bh, block_k, d) -> (b, h, kv_len, d)
+        return jnp.moveaxis(x, 0, 1).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
+
     if d_bias is not None:
-        d_bias = d_bias[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
-    return dq, dk, dv, None, d_bias, None, None
+        d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
+    return dq, keys(dk), keys(dv), None, d_bias, None, None
 
 
 def _add_block(d_bias, ds, i, j, cfg):
-    """Add a block's score gradient into the bias gradient, summed over the bias's broadcast axes."""
+    """Add a transposed block's score gradient ``(b, h, block_k, g, block_q)`` into the
+    (transposed) bias gradient, summed over the bias's broadcast axes."""
     axes = tuple(a for a in range(5) if d_bias.shape[a] == 1 and ds.shape[a] != 1)
     ds = ds.sum(axis=axes, keepdims=True).astype(d_bias.dtype)
     start = [0, 0, 0, 0, 0]
-    if d_bias.shape[3] != 1:
-        start[3] = i * cfg.block_q
+    if d_bias.shape[2] != 1:
+        start[2] = j * cfg.block_k
     if d_bias.shape[4] != 1:
-        start[4] = j * cfg.block_k
+        start[4] = i * cfg.block_q
     current = lax.dynamic_slice(d_bias, start, ds.shape)
     return lax.dynamic_update_slice(d_bias, current + ds, start)
 

@@ -95,7 +95,7 @@ def dot_product_attention(
             keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
         out, weights = _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision)
     elif implementation == "blockwise":
-        block_q, block_k = _blockwise.block_sizes(q_len, kv_len)
+        block_q, block_k = _blockwise.block_sizes(q_len, kv_len, batch * kv_heads, groups, is_causal)
         out = _blockwise.attention(
             q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
             allowed=_grouped(allowed, kv_heads), bias=_grouped(bias, kv_heads),

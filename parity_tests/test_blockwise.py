@@ -15,8 +15,10 @@ B, H, HK, Q, K, D = 2, 6, 2, 9, 11, 5
 
 @pytest.fixture
 def tiny_blocks(monkeypatch):
-    """Blocks of 4 queries x 3 keys: 3 x 4 blocks, the last of each padded."""
-    monkeypatch.setattr(_blockwise, "block_sizes", lambda q_len, kv_len: (4, 3))
+    """Forward blocks of 4 queries x 3 keys (3 x 4 blocks), backward blocks of 2 x 4 (5 x 3):
+    the last of each padded, and the backward re-blocked."""
+    monkeypatch.setattr(_blockwise, "block_sizes", lambda *shape: (4, 3))
+    monkeypatch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (2, 4))
 
 
 def _case(name, rng):
