@@ -193,19 +193,57 @@ def _memory(kind: str, name: str, length: int, mode: str) -> tuple[float | None,
     return float(mib), float(seconds)
 
 
+MODULES = ("mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA", "mha_torch", "torch.nn.MHA")
+JAX_NAMES = {"mha_jax", "jax.nn", "mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA"}
+
+
+def time_probe(framework: str, what: str) -> list[dict]:
+    """Timings of one framework's implementations, at one length (``what``) or for the modules
+    (``what == "modules"``), in this process. Run by ``_probe`` in a fresh process per call:
+    once JAX is loaded, PyTorch's SDPA ran 30-60% slower in the same process on the 2-core CPU,
+    so the frameworks never share one."""
+    def ours(name):
+        return (name in JAX_NAMES) == (framework == "jax")
+
+    rows = []
+    if what == "modules":
+        for mode in ("fwd", "fwd+bwd"):
+            for name in filter(ours, MODULES):
+                step, compile_s = _module_fn(name, mode)
+                rows.append({"impl": name, "mode": mode, "seconds": _time(step), "compile_s": compile_s})
+        return rows
+    length = int(what)
+    for mode in ("fwd", "fwd+bwd"):
+        for causal in (False, True):
+            for name in filter(ours, CORE):
+                if name in QUADRATIC and length > QUADRATIC_LIMIT[mode]:
+                    continue
+                step, compile_s = _core_fn(name, causal, mode, length)
+                seconds = _time(step)
+                rows.append({"kind": "core", "impl": name, "length": length, "mode": mode, "causal": causal,
+                             "seconds": seconds, "compile_s": compile_s,
+                             "gflops": _flops(length, mode, causal) / seconds / 1e9})
+    return rows
+
+
+def _probe(framework: str, what: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "benchmarks.run", "--time-probe", framework, what]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    if out.returncode != 0:
+        raise RuntimeError(f"timing {framework} {what} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run(lengths, memory_lengths, module: bool, progress, long_length: int | None = None) -> dict:
     rows = []
-    points = [(n, L, mode, causal) for L in lengths for mode in ("fwd", "fwd+bwd")
-              for causal in (False, True) for n in CORE if not (n in QUADRATIC and L > QUADRATIC_LIMIT[mode])]
-    task = progress.add_task("core timings", total=len(points))
-    for name, length, mode, causal in points:
-        progress.update(task, description=f"{name} S={length} {mode}{' causal' if causal else ''}")
-        step, compile_s = _core_fn(name, causal, mode, length)
-        seconds = _time(step)
-        rows.append({"kind": "core", "impl": name, "length": length, "mode": mode, "causal": causal,
-                     "seconds": seconds, "compile_s": compile_s,
-                     "gflops": _flops(length, mode, causal) / seconds / 1e9})
-        progress.advance(task)
+    # The frameworks alternate at each length, so that drift in the machine's speed over the
+    # run reaches both alike.
+    task = progress.add_task("core timings", total=2 * len(lengths))
+    for length in lengths:
+        for framework in ("torch", "jax"):
+            progress.update(task, description=f"{framework} S={length}")
+            rows += _probe(framework, str(length))
+            progress.advance(task)
     mem_points = [(n, L, mode) for L in memory_lengths for mode in ("fwd", "fwd+bwd") for n in CORE
                   if not (n in QUADRATIC and L > QUADRATIC_LIMIT[mode])]
     task = progress.add_task("peak memory", total=len(mem_points))
@@ -222,14 +260,11 @@ def run(lengths, memory_lengths, module: bool, progress, long_length: int | None
             memory.append({"impl": name, "length": long_length, "mode": "fwd", "mib": mib, "first_run_s": seconds})
     modules = []
     if module:
-        names = ("mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA", "mha_torch", "torch.nn.MHA")
-        task = progress.add_task("modules", total=2 * len(names))
-        for mode in ("fwd", "fwd+bwd"):
-            for name in names:
-                progress.update(task, description=f"module {name} {mode}")
-                step, compile_s = _module_fn(name, mode)
-                modules.append({"impl": name, "mode": mode, "seconds": _time(step), "compile_s": compile_s})
-                progress.advance(task)
+        task = progress.add_task("modules", total=2)
+        for framework in ("torch", "jax"):
+            progress.update(task, description=f"modules {framework}")
+            modules += _probe(framework, "modules")
+            progress.advance(task)
     return {"core": rows, "memory": memory, "modules": modules}
 
 
@@ -335,7 +370,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-modules", action="store_true", help="skip the module-level comparison")
     parser.add_argument("--name", default=None, help="results file name (default: cpu or gpu)")
     parser.add_argument("--memory-probe", nargs=4, metavar=("KIND", "IMPL", "LENGTH", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--time-probe", nargs=2, metavar=("FRAMEWORK", "WHAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.time_probe:
+        print(json.dumps(time_probe(*args.time_probe)))
+        return 0
     if args.memory_probe:
         kind, name, length, mode = args.memory_probe
         mib, seconds = memory_probe(kind, name, int(length), mode)

@@ -130,6 +130,7 @@ CONSTRUCTOR_CASES = {
     "zero output features": (dict(out_features=0), ("out_features must be a positive integer", "out_dim must be a positive integer")),
     "dropout rate above 1": (dict(dropout_rate=1.5), "dropout"),
     "dropout rate negative": (dict(dropout_rate=-0.1), ("dropout_rate must be in [0, 1)", "dropout must be in [0, 1)")),
+    "unknown implementation": (dict(implementation="flash"), "implementation must be one of"),
 }
 
 
@@ -140,6 +141,13 @@ def test_constructors_reject_alike(name):
         with pytest.raises(ValueError) as info:
             build(**kwargs)
         assert _message(message, is_jax) in str(info.value), str(info.value)
+
+
+def test_linen_rejects_unknown_implementation_when_built():
+    """linen reads its other attributes at call time (the feature sizes come from the inputs);
+    an unknown implementation has nothing to wait for."""
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        mha_jax.linen.MultiHeadDotProductAttention(num_heads=4, implementation="flash")
 
 
 # name: (shapes of query, key, value (None: the default), call arguments (NumPy masks), exception,
@@ -234,7 +242,7 @@ STATE_CASES = {
     "an empty file": (lambda p: _file(p, "empty.safetensors", b""), ValueError, "is not a readable safetensors file"),
     "a text file": (lambda p: _file(p, "text.safetensors", b"not tensors at all"), ValueError, "is not a readable safetensors file"),
     "a directory": (lambda p: _file(p, "dir.safetensors"), ValueError, "is not a readable safetensors file"),
-    "a missing file": (lambda p: p / "missing.safetensors", ValueError, "is not a readable safetensors file"),
+    "a missing file": (lambda p: p / "missing.safetensors", FileNotFoundError, "missing.safetensors' does not exist"),
     "a safetensors file of other tensors": (lambda p: _safetensors_of(p, {"embed.weight": torch.zeros(3, 2)}),
                                             ValueError, "missing key 'q_proj.weight'"),
     "a missing weight": (lambda p: {k: v for k, v in _state().items() if k != "k_proj.weight"}, ValueError, "missing key 'k_proj.weight'"),
@@ -243,6 +251,10 @@ STATE_CASES = {
     "a bias of rank 2": (lambda p: dict(_state(), **{"q_proj.bias": torch.zeros(16, 1)}), ValueError, "'q_proj.bias' has shape (16, 1)"),
     "biases on some projections only": (lambda p: {k: v for k, v in _state().items() if k != "k_proj.bias"},
                                         ValueError, "missing key 'k_proj.bias'"),
+    "complex weights": (lambda p: dict(_state(), **{"v_proj.weight": torch.zeros(16, 16, dtype=torch.complex64)}),
+                        TypeError, "'v_proj.weight' must be real floating-point, got dtype complex64"),
+    "integer weights": (lambda p: dict(_state(), **{"q_proj.bias": torch.zeros(16, dtype=torch.int64)}),
+                        TypeError, "'q_proj.bias' must be real floating-point, got dtype int64"),
 }
 
 
