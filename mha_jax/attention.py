@@ -117,8 +117,7 @@ def _choose(implementation, return_weights, scores, dropout, dtype) -> str:
     if implementation is None:
         small = scores < _BLOCKWISE_MIN_SCORES
         return "xla" if return_weights or small else "blockwise"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    _checks.check_implementation(implementation, IMPLEMENTATIONS)
     if return_weights and implementation != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
     if implementation == "cudnn":

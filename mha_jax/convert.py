@@ -62,6 +62,7 @@ def from_torch(
         _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
         ignore=ignore, num_heads=num_heads, num_kv_heads=num_kv_heads,
     )
+    _check_dtypes(state)
     head_dim = _check_state(state, num_heads, num_kv_heads)
     params: dict[str, dict[str, np.ndarray]] = {}
     for flax_name, torch_name in PROJECTIONS:
@@ -180,6 +181,8 @@ def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
         path = os.fspath(state_dict_or_path)
         if not path.endswith(".safetensors"):
             raise ValueError(f"state_dict_or_path must be a .safetensors file, got {path!r}")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"state_dict_or_path {path!r} does not exist")
         try:
             return dict(load_file(path))
         except Exception as error:  # safetensors raises its own types for bad headers
@@ -195,6 +198,8 @@ def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
 def _read_params(path: str | os.PathLike) -> dict:
     """A nested parameter dict from a flax msgpack or a dot-named ``.safetensors`` file."""
     path = os.fspath(path)
+    if path.endswith((".msgpack", ".safetensors")) and not os.path.exists(path):
+        raise FileNotFoundError(f"params {path!r} does not exist")
     try:
         if path.endswith(".msgpack"):
             from flax.serialization import msgpack_restore
@@ -227,6 +232,13 @@ def _to_numpy(x: Any) -> np.ndarray:
             return x.float().numpy().astype(jnp.bfloat16)
         return x.numpy().copy()
     return np.array(x, copy=True)
+
+
+def _check_dtypes(state: dict[str, np.ndarray]) -> None:
+    """Every weight real floating-point: a cast would drop an imaginary part or hide a wrong file."""
+    for k, v in state.items():
+        if not jnp.issubdtype(v.dtype, jnp.floating):
+            raise TypeError(f"{k!r} must be real floating-point, got dtype {v.dtype}")
 
 
 def _check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from mha_jax import _checks
-from mha_jax.attention import dot_product_attention
+from mha_jax.attention import IMPLEMENTATIONS, dot_product_attention
 from mha_jax.masks import _unused_keys
 from mha_jax.module import _check_inputs
 
@@ -38,6 +38,11 @@ class MultiHeadDotProductAttention(nn.Module):
     implementation: str | None = None
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
+
+    def __post_init__(self):
+        # The other attributes wait for the inputs (feature sizes); this one needs none.
+        _checks.check_implementation(self.implementation, IMPLEMENTATIONS)
+        super().__post_init__()
 
     @nn.compact
     def __call__(

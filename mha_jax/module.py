@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mha_jax import _checks
-from mha_jax.attention import dot_product_attention
+from mha_jax.attention import IMPLEMENTATIONS, dot_product_attention
 from mha_jax.masks import _unused_keys
 
 INPUT_LAYOUT = "(batch, length, features)"
@@ -73,7 +73,7 @@ class MultiHeadAttention(nnx.Module):
         self.dropout_rate = _checks.check_dropout_rate("dropout_rate", dropout_rate)
         self.deterministic = deterministic
         self.precision = precision
-        self.implementation = implementation
+        self.implementation = _checks.check_implementation(implementation, IMPLEMENTATIONS)
 
         def projection(in_features, out_features, axis=-1):
             return nnx.LinearGeneral(

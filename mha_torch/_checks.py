@@ -146,3 +146,10 @@ def check_is_causal(is_causal) -> bool:
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     return bool(is_causal)
+
+
+def check_implementation(implementation, known: tuple[str, ...]) -> str | None:
+    """None (the default choice) or one of ``known``."""
+    if implementation is not None and implementation not in known:
+        raise ValueError(f"implementation must be one of {known} or None, got {implementation!r}")
+    return implementation

@@ -95,8 +95,7 @@ def dot_product_attention(
 def _choose(implementation, return_weights, explicit_dropout) -> str:
     if implementation is None:
         return "math" if return_weights or explicit_dropout else "sdpa"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    _checks.check_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "sdpa" and (return_weights or explicit_dropout):
         raise ValueError("return_weights=True and dropout_mask need implementation='math', got 'sdpa'")
     return implementation

@@ -44,6 +44,7 @@ def load_weights(
         ignore=ignore, num_heads=getattr(module, "num_heads", None),
         num_kv_heads=getattr(module, "num_kv_heads", None),
     )
+    _check_dtypes(state)
     current = module.state_dict()
     problems = [f"missing key {k!r}" for k in current if k not in state]
     problems += [f"unexpected key {k!r}" for k in state if k not in current]
@@ -121,6 +122,13 @@ def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
     return theirs.train(module.training)
 
 
+def _check_dtypes(state: dict[str, torch.Tensor]) -> None:
+    """Every weight real floating-point: a cast would drop an imaginary part or hide a wrong file."""
+    for k, v in state.items():
+        if not v.is_floating_point():
+            raise TypeError(f"{k!r} must be real floating-point, got dtype {str(v.dtype).removeprefix('torch.')}")
+
+
 def _read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
     """Name -> tensor (a copy: nothing the caller passed is shared or modified)."""
     if isinstance(state_dict_or_path, (str, os.PathLike)):
@@ -129,6 +137,8 @@ def _read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
         path = os.fspath(state_dict_or_path)
         if not path.endswith(".safetensors"):
             raise ValueError(f"state_dict_or_path must be a .safetensors file, got {path!r}")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"state_dict_or_path {path!r} does not exist")
         try:
             return dict(load_file(path))
         except Exception as error:  # safetensors raises its own types for bad headers

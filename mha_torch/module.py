@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mha_torch import _checks
-from mha_torch.attention import dot_product_attention
+from mha_torch.attention import IMPLEMENTATIONS, dot_product_attention
 from mha_torch.masks import _unused_keys
 
 INPUT_LAYOUT = "(batch, length, features)"
@@ -61,7 +61,7 @@ class MultiHeadAttention(nn.Module):
             _checks.check_heads(1, 1, getattr(self, name), name)
         self.head_dim = _checks.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
         self.dropout = _checks.check_dropout_rate("dropout", dropout)
-        self.implementation = implementation
+        self.implementation = _checks.check_implementation(implementation, IMPLEMENTATIONS)
 
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
