@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _blockwise, _checks
-from mha_jax.masks import MASK_LAYOUT, _split_mask, causal_mask
+from mha_jax.masks import MASK_LAYOUT, _split_mask, _unused_keys, causal_mask
 
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
@@ -84,7 +84,10 @@ def dot_product_attention(
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
-    key, value = _zero_unused_keys(key, value, allowed, bias, groups, q_len if is_causal else None)
+    unused = _unused_keys(allowed, bias, is_causal, shape, kv_heads)
+    if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
+        unused = unused.transpose(0, 2, 1)[..., None]
+        key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
     q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
     k, v = key.astype(compute), value.astype(compute)
     if implementation == "xla":
@@ -192,33 +195,6 @@ def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Arra
     exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
     return exp / jnp.where(total == 0.0, 1.0, total)
-
-
-def _zero_unused_keys(key, value, allowed, bias, groups, causal_q_len=None):
-    """Zero the keys and values that no query may attend to (padding, say).
-
-    Whatever they hold, NaN or Inf included, then cannot reach the output (0 * NaN is NaN in the
-    weights-times-values product) nor the gradients of the other positions. With causal
-    masking (``causal_q_len``), keys past the last query are unused too.
-    """
-    excluded = []
-    if allowed is not None:
-        excluded.append(jnp.logical_not(allowed))
-    if bias is not None:
-        excluded.append(bias == -jnp.inf)
-    batch, kv_len, kv_heads, _ = key.shape
-    if causal_q_len is not None and causal_q_len < kv_len:
-        excluded.append(jnp.arange(kv_len) >= causal_q_len)
-    if not excluded:
-        return key, value
-    unused = None
-    for ex in excluded:  # reduce over queries, then over the query heads of each group
-        ex = ex.reshape((1,) * (4 - ex.ndim) + ex.shape).all(axis=2)  # (batch?, heads?, kv_len?)
-        if ex.shape[1] != 1:
-            ex = ex.reshape(ex.shape[0], kv_heads, groups, ex.shape[2]).all(axis=2)
-        unused = ex if unused is None else unused | ex
-    unused = jnp.broadcast_to(unused, (batch, kv_heads, kv_len)).transpose(0, 2, 1)[..., None]
-    return jnp.where(unused, 0, key), jnp.where(unused, 0, value)
 
 
 def _dropout_keep(rate, rng, dropout_mask, shape):

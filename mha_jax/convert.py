@@ -192,7 +192,12 @@ def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
             "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
             f"got {type(state_dict_or_path).__name__}"
         )
-    return {str(k): _to_numpy(v) for k, v in state_dict_or_path.items()}
+    state = {}
+    for k, v in state_dict_or_path.items():
+        state[str(k)] = _to_numpy(v)
+        if state[str(k)].dtype.kind in "OUSV" and not jnp.issubdtype(state[str(k)].dtype, jnp.floating):
+            raise ValueError(f"state_dict: {str(k)!r} is not a numeric array: got {type(v).__name__}")
+    return state
 
 
 def _read_params(path: str | os.PathLike) -> dict:

@@ -13,7 +13,7 @@ from flax import linen as nn
 
 from mha_jax import _checks
 from mha_jax.attention import IMPLEMENTATIONS, dot_product_attention
-from mha_jax.masks import _unused_keys
+from mha_jax.masks import _zero_unused_inputs
 from mha_jax.module import _check_inputs
 
 
@@ -80,13 +80,10 @@ class MultiHeadDotProductAttention(nn.Module):
                 kernel_init=self.kernel_init, bias_init=self.bias_init, name=name,
             )
 
-        unused = _unused_keys(
-            mask, _checks.check_is_causal(is_causal),
+        inputs_k, inputs_v = _zero_unused_inputs(
+            inputs_k, inputs_v, mask, _checks.check_is_causal(is_causal),
             (inputs_q.shape[0], self.num_heads, inputs_q.shape[1], inputs_k.shape[1]),
         )
-        if unused is not None:
-            inputs_k = jnp.where(unused[..., None], 0, inputs_k)
-            inputs_v = jnp.where(unused[..., None], 0, inputs_v)
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)

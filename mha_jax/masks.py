@@ -72,24 +72,39 @@ def _split_mask(mask, is_causal: bool, shape: tuple[int, int, int, int]):
     return allowed, bias
 
 
-def _unused_keys(mask, is_causal: bool, shape: tuple[int, int, int, int]):
-    """``(batch, kv_len)`` bool, True where no query of any head may attend to the key, or None.
+def _unused_keys(allowed, bias, is_causal: bool, shape: tuple[int, int, int, int], kv_heads: int = 1):
+    """bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
+    head (with ``kv_heads=1``, of any head) may attend to the key; None when every key is used.
 
-    The modules zero those rows of their key/value inputs, so that garbage there (NaN in
-    padding) reaches neither outputs nor any gradient, the projections' weights included.
+    ``allowed``/``bias`` are ``_split_mask``'s for ``shape`` = (batch, heads, q_len, kv_len);
+    with ``is_causal``, keys past the last query are unused too. Zeroing those keys keeps
+    whatever they hold (NaN in padding, say) out of outputs and every gradient: 0 * NaN is NaN
+    in the weights-times-values product and in a projection's weight gradient.
     """
-    allowed, bias = _split_mask(mask, False, shape)
+    batch, _, q_len, kv_len = shape
     excluded = []
     if allowed is not None:
         excluded.append(jnp.logical_not(allowed))
     if bias is not None:
         excluded.append(bias == -jnp.inf)
-    if is_causal and shape[2] < shape[3]:
-        excluded.append(jnp.arange(shape[3]) >= shape[2])
+    if is_causal and q_len < kv_len:
+        excluded.append(jnp.arange(kv_len) >= q_len)
     if not excluded:
         return None
     unused = None
-    for ex in excluded:
-        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=(1, 2))
+    for ex in excluded:  # over queries, then over the query heads of each key/value head
+        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)  # (batch?, heads?, kv_len?)
+        if ex.shape[1] != 1:
+            ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
         unused = ex if unused is None else unused | ex
-    return jnp.broadcast_to(unused, (shape[0], shape[3]))
+    return jnp.broadcast_to(unused, (batch, kv_heads, kv_len))
+
+
+def _zero_unused_inputs(inputs_k, inputs_v, mask, is_causal: bool, shape: tuple[int, int, int, int]):
+    """The modules' ``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` with zeros at the
+    keys that no query of any head may attend to, before they are projected."""
+    unused = _unused_keys(*_split_mask(mask, False, shape), is_causal, shape)
+    if unused is None:
+        return inputs_k, inputs_v
+    unused = unused[:, 0, :, None]
+    return jnp.where(unused, 0, inputs_k), jnp.where(unused, 0, inputs_v)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from mha_jax import _checks
 from mha_jax.attention import IMPLEMENTATIONS, dot_product_attention
-from mha_jax.masks import _unused_keys
+from mha_jax.masks import _zero_unused_inputs
 
 INPUT_LAYOUT = "(batch, length, features)"
 
@@ -125,13 +125,10 @@ class MultiHeadAttention(nnx.Module):
         if dropout_mask is None and self.dropout_rate > 0 and not _checks.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs)
 
-        unused = _unused_keys(
-            mask, _checks.check_is_causal(is_causal),
+        inputs_k, inputs_v = _zero_unused_inputs(
+            inputs_k, inputs_v, mask, _checks.check_is_causal(is_causal),
             (inputs_q.shape[0], self.num_heads, inputs_q.shape[1], inputs_k.shape[1]),
         )
-        if unused is not None:
-            inputs_k = jnp.where(unused[..., None], 0, inputs_k)
-            inputs_v = jnp.where(unused[..., None], 0, inputs_v)
         query = self.query(inputs_q)
         key = self.key(inputs_k)
         value = self.value(inputs_v)

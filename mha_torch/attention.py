@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mha_torch import _checks
-from mha_torch.masks import MASK_LAYOUT, _split_mask, causal_mask
+from mha_torch.masks import MASK_LAYOUT, _split_mask, _unused_keys, causal_mask
 
 
 IMPLEMENTATIONS = ("math", "sdpa")
@@ -74,7 +74,10 @@ def dot_product_attention(
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
     groups = heads // kv_heads
-    key, value = _zero_unused_keys(key, value, allowed, bias, groups, q_len if is_causal else None)
+    unused = _unused_keys(allowed, bias, is_causal, shape, kv_heads, device=key.device)
+    if unused is not None:  # per key/value head, in the key layout (batch, kv_heads, kv_len, 1)
+        unused = unused[..., None]
+        key, value = key.masked_fill(unused, 0), value.masked_fill(unused, 0)
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
     if implementation == "math":
         if is_causal:
@@ -148,33 +151,6 @@ def _masked_softmax(
     exp = torch.exp(logits - row_max)
     total = exp.sum(dim=-1, keepdim=True)
     return exp / torch.where(total == 0.0, 1.0, total)
-
-
-def _zero_unused_keys(key, value, allowed, bias, groups, causal_q_len=None):
-    """Zero the keys and values that no query may attend to (padding, say).
-
-    Whatever they hold, NaN or Inf included, then cannot reach the output (0 * NaN is NaN in the
-    weights-times-values product) nor the gradients of the other positions. With causal
-    masking (``causal_q_len``), keys past the last query are unused too.
-    """
-    excluded = []
-    if allowed is not None:
-        excluded.append(~allowed)
-    if bias is not None:
-        excluded.append(bias == -math.inf)
-    batch, kv_heads, kv_len, _ = key.shape
-    if causal_q_len is not None and causal_q_len < kv_len:
-        excluded.append(torch.arange(kv_len, device=key.device) >= causal_q_len)
-    if not excluded:
-        return key, value
-    unused = None
-    for ex in excluded:  # reduce over queries, then over the query heads of each group
-        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2)  # (batch?, heads?, kv_len?)
-        if ex.shape[1] != 1:
-            ex = ex.reshape(ex.shape[0], kv_heads, groups, ex.shape[2]).all(dim=2)
-        unused = ex if unused is None else unused | ex
-    unused = unused.expand(batch, kv_heads, kv_len)[..., None]
-    return key.masked_fill(unused, 0), value.masked_fill(unused, 0)
 
 
 def _dropout_keep(rate, dropout_mask, shape):

@@ -73,24 +73,39 @@ def _split_mask(mask, is_causal: bool, shape: tuple[int, int, int, int], device=
     return allowed, bias
 
 
-def _unused_keys(mask, is_causal: bool, shape: tuple[int, int, int, int]):
-    """``(batch, kv_len)`` bool, True where no query of any head may attend to the key, or None.
+def _unused_keys(allowed, bias, is_causal: bool, shape: tuple[int, int, int, int], kv_heads: int = 1, device=None):
+    """bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
+    head (with ``kv_heads=1``, of any head) may attend to the key; None when every key is used.
 
-    The module zeroes those rows of its key/value inputs, so that garbage there (NaN in
-    padding) reaches neither outputs nor any gradient, the projections' weights included.
+    ``allowed``/``bias`` are ``_split_mask``'s for ``shape`` = (batch, heads, q_len, kv_len);
+    with ``is_causal``, keys past the last query are unused too. Zeroing those keys keeps
+    whatever they hold (NaN in padding, say) out of outputs and every gradient: 0 * NaN is NaN
+    in the weights-times-values product and in a projection's weight gradient.
     """
-    allowed, bias = _split_mask(mask, False, shape)
+    batch, _, q_len, kv_len = shape
     excluded = []
     if allowed is not None:
         excluded.append(~allowed)
     if bias is not None:
         excluded.append(bias == -float("inf"))
-    if is_causal and shape[2] < shape[3]:
-        excluded.append(torch.arange(shape[3]) >= shape[2])
+    if is_causal and q_len < kv_len:
+        excluded.append(torch.arange(kv_len, device=device) >= q_len)
     if not excluded:
         return None
     unused = None
-    for ex in excluded:
-        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2).all(dim=1)
+    for ex in excluded:  # over queries, then over the query heads of each key/value head
+        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2)  # (batch?, heads?, kv_len?)
+        if ex.shape[1] != 1:
+            ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(dim=2)
         unused = ex if unused is None else unused | ex
-    return unused.expand(shape[0], shape[3])
+    return unused.expand(batch, kv_heads, kv_len)
+
+
+def _zero_unused_inputs(inputs_k, inputs_v, mask, is_causal: bool, shape: tuple[int, int, int, int]):
+    """The module's ``key``/``value`` inputs ``(batch, kv_len, features)`` with zeros at the
+    keys that no query of any head may attend to, before they are projected."""
+    unused = _unused_keys(*_split_mask(mask, False, shape), is_causal, shape, device=inputs_k.device)
+    if unused is None:
+        return inputs_k, inputs_v
+    unused = unused[:, 0, :, None].to(inputs_k.device)
+    return inputs_k.masked_fill(unused, 0), inputs_v.masked_fill(unused, 0)

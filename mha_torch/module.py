@@ -11,7 +11,7 @@ from torch import nn
 
 from mha_torch import _checks
 from mha_torch.attention import IMPLEMENTATIONS, dot_product_attention
-from mha_torch.masks import _unused_keys
+from mha_torch.masks import _zero_unused_inputs
 
 INPUT_LAYOUT = "(batch, length, features)"
 
@@ -102,10 +102,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
 
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
-        unused = _unused_keys(mask, _checks.check_is_causal(is_causal), (batch, self.num_heads, q_len, kv_len))
-        if unused is not None:
-            key = key.masked_fill(unused[..., None].to(key.device), 0)
-            value = value.masked_fill(unused[..., None].to(value.device), 0)
+        key, value = _zero_unused_inputs(
+            key, value, mask, _checks.check_is_causal(is_causal), (batch, self.num_heads, q_len, kv_len)
+        )
         q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)

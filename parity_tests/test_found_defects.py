@@ -137,7 +137,7 @@ def test_padding_garbage_reaches_no_parameter_gradient(poison):
     Fix: in ``mha_jax/module.py`` (``MultiHeadAttention.__call__``), ``mha_jax/linen.py`` and
     ``mha_torch/module.py`` (``forward``): before projecting, zero the rows of ``inputs_k`` and
     ``inputs_v`` that no query of any head may attend to (the same reduction of mask and
-    causality as ``_zero_unused_keys``, over heads too, giving ``(batch, kv_len)``)."""
+    causality as the cores, over all heads: ``masks._zero_unused_inputs``)."""
     config = harness.Config("pad", q_len=4, kv_len=6, in_kv_features=10, num_heads=4, num_kv_heads=2)
     case = harness.Case(config, "padding", "float64")
     data = harness.make_data(case, seed=1)
