@@ -183,10 +183,15 @@ def memory_probe(kind: str, name: str, length: int, mode: str) -> float:
     return (_status_kib("VmHWM") - base) / 1024.0, time.perf_counter() - start
 
 
+def _child(*args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.run *args`` in a fresh process, from the repository root."""
+    cmd = [sys.executable, "-m", "benchmarks.run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+
+
 def _memory(kind: str, name: str, length: int, mode: str) -> tuple[float | None, float | None]:
     """(peak growth MiB, seconds of that single first run) from a fresh process; None on failure."""
-    cmd = [sys.executable, "-m", "benchmarks.run", "--memory-probe", kind, name, str(length), mode]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    out = _child("--memory-probe", kind, name, str(length), mode)
     if out.returncode != 0:
         return None, None
     mib, seconds = out.stdout.strip().splitlines()[-1].split()
@@ -227,8 +232,7 @@ def time_probe(framework: str, what: str) -> list[dict]:
 
 
 def _probe(framework: str, what: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "benchmarks.run", "--time-probe", framework, what]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    out = _child("--time-probe", framework, what)
     if out.returncode != 0:
         raise RuntimeError(f"timing {framework} {what} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -124,6 +124,18 @@ def _block(x, axis, index, size):
     return lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
 
+def _axes(transposed):
+    """(query axis, key axis) of a 5-d block: ``(b, h, g, block_q, block_k)``, or the backward's
+    transposed ``(b, h, block_k, g, block_q)``."""
+    return (4, 2) if transposed else (3, 4)
+
+
+def _tile(cfg, x, i, j, transposed):
+    """Block (i, j) of a padded mask, bias or keep-mask (its broadcast axes left whole)."""
+    q_axis, k_axis = _axes(transposed)
+    return _block(_block(x, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k)
+
+
 def _and(a, b):
     return b if a is None else a & b
 
@@ -167,7 +179,7 @@ def _allowed(cfg, i, j, allowed, transposed, edges):
     mask and, with ``edges``, causality and the padding of the last key block. Shaped to
     broadcast against the block ``(b, h, g, block_q, block_k)``, or ``(b, h, block_k, g,
     block_q)`` when ``transposed``. The backward pass needs no padding term (see ``_flash_bwd``)."""
-    q_axis, k_axis = (4, 2) if transposed else (3, 4)
+    q_axis, k_axis = _axes(transposed)
     shape = [1] * 5
     shape[q_axis], shape[k_axis] = cfg.block_q, cfg.block_k
     ok = None
@@ -179,7 +191,7 @@ def _allowed(cfg, i, j, allowed, transposed, edges):
         cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
         ok = _and(ok, cols <= rows)
     if allowed is not None:
-        ok = _and(ok, _block(_block(allowed, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k))
+        ok = _and(ok, _tile(cfg, allowed, i, j, transposed))
     return ok
 
 
@@ -189,11 +201,10 @@ def _masked(cfg, s, i, j, allowed, bias, block5, transposed, edges):
     ok = _allowed(cfg, i, j, allowed, transposed, edges)
     if bias is None and ok is None:
         return s
-    q_axis, k_axis = (4, 2) if transposed else (3, 4)
     flat = s.shape
     s = s.reshape(block5)
     if bias is not None:
-        s = s + _block(_block(bias, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k).astype(s.dtype)
+        s = s + _tile(cfg, bias, i, j, transposed).astype(s.dtype)
     if ok is not None:
         s = jnp.where(ok, s, -jnp.inf)
     return s.reshape(flat)
@@ -214,12 +225,21 @@ def _unmasked_query_blocks(cfg, j):
     return jnp.minimum((last_key + cfg.block_q - 1) // cfg.block_q, cfg.n_q)
 
 
-def _drawn_keep(cfg, rng, i, j, b, h, g, transposed):
-    """Block (i, j)'s drawn dropout keep-mask: the same bits in both passes, drawn in the
-    forward's layout."""
+def _keep(cfg, keep, rng, i, j, b, h, g, transposed):
+    """Block (i, j)'s dropout keep-mask, or None: a tile of the explicit ``keep``, or drawn
+    from ``rng`` in the forward's layout, so that both passes see the same bits."""
+    if keep is not None:
+        return _tile(cfg, keep, i, j, transposed)
+    if rng is None:
+        return None
     key = jax.random.fold_in(jax.random.fold_in(rng, i), j)
-    keep = jax.random.bernoulli(key, 1.0 - cfg.dropout_rate, (b, h, g, cfg.block_q, cfg.block_k))
-    return jnp.moveaxis(keep, 4, 2) if transposed else keep
+    drawn = jax.random.bernoulli(key, 1.0 - cfg.dropout_rate, (b, h, g, cfg.block_q, cfg.block_k))
+    return jnp.moveaxis(drawn, 4, 2) if transposed else drawn
+
+
+def _dropped(cfg, x, keep, block5):
+    """Flat block ``x`` with dropout applied: kept entries scaled, the others 0."""
+    return jnp.where(keep, x.reshape(block5) * cfg.keep_scale, 0.0).reshape(x.shape)
 
 
 def _forward(cfg, q, k, v, allowed, bias, keep, rng):
@@ -242,9 +262,9 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng):
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m - shift)
             l = alpha * l + p.sum(axis=-1)
-            block_keep = _forward_keep(cfg, keep_p, rng, i, j, block5)
+            block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
             if block_keep is not None:
-                p = jnp.where(block_keep, p.reshape(block5) * cfg.keep_scale, 0.0).reshape(p.shape)
+                p = _dropped(cfg, p, block_keep, block5)
             pv = jnp.einsum("bmk,bkd->bmd", p, v_blocks[j], precision=cfg.precision)
             return m_new, l, alpha[..., None] * acc + pv
 
@@ -262,18 +282,6 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng):
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks))
     out, lse = _from_query_rows(cfg, out, b, h, g), _from_query_rows(cfg, lse, b, h, g)
     return out, (q, k, v, allowed, bias, keep, rng, out, lse)
-
-
-def _forward_keep(cfg, keep_p, rng, i, j, block5):
-    if keep_p is not None:
-        return _block(_block(keep_p, 3, i, cfg.block_q), 4, j, cfg.block_k)
-    if rng is not None:
-        return _drawn_keep(cfg, rng, i, j, *block5[:3], transposed=False)
-    return None
-
-
-def _flash_fwd(cfg, q, k, v, allowed, bias, keep, rng):
-    return _forward(cfg, q, k, v, allowed, bias, keep, rng)
 
 
 def _flash_bwd(cfg, residuals, d_out):
@@ -308,17 +316,10 @@ def _flash_bwd(cfg, residuals, d_out):
             # dK and dV, so they need no mask here.
             pt = jnp.exp(jnp.minimum(st - lse_blocks[i][:, None, :], 0.0))
             dpt = jnp.einsum("bkd,bdm->bkm", v_j, dot_blocks[i], precision=cfg.precision)
-            if keep_t is not None:
-                block_keep = _block(_block(keep_t, 4, i, cfg.block_q), 2, j, cfg.block_k)
-            elif rng is not None:
-                block_keep = _drawn_keep(cfg, rng, i, j, b, h, g, transposed=True)
-            else:
-                block_keep = None
+            block_keep = _keep(cfg, keep_t, rng, i, j, b, h, g, True)
+            pt_used = pt
             if block_keep is not None:
-                pt_used = jnp.where(block_keep, pt.reshape(block5_t) * cfg.keep_scale, 0.0).reshape(pt.shape)
-                dpt = jnp.where(block_keep, dpt.reshape(block5_t) * cfg.keep_scale, 0.0).reshape(pt.shape)
-            else:
-                pt_used = pt
+                pt_used, dpt = _dropped(cfg, pt, block_keep, block5_t), _dropped(cfg, dpt, block_keep, block5_t)
             dv_j = dv_j + jnp.einsum("bkm,bmd->bkd", pt_used, do_blocks[i], precision=cfg.precision)
             dst = pt * (dpt - delta_blocks[i][:, None, :])  # gradient of the (scaled, biased) scores
             if d_bias is not None:
@@ -359,12 +360,11 @@ def _add_block(d_bias, ds, i, j, cfg):
     axes = tuple(a for a in range(5) if d_bias.shape[a] == 1 and ds.shape[a] != 1)
     ds = ds.sum(axis=axes, keepdims=True).astype(d_bias.dtype)
     start = [0, 0, 0, 0, 0]
-    if d_bias.shape[2] != 1:
-        start[2] = j * cfg.block_k
-    if d_bias.shape[4] != 1:
-        start[4] = i * cfg.block_q
+    for axis, offset in zip(_axes(True), (i * cfg.block_q, j * cfg.block_k)):
+        if d_bias.shape[axis] != 1:
+            start[axis] = offset
     current = lax.dynamic_slice(d_bias, start, ds.shape)
     return lax.dynamic_update_slice(d_bias, current + ds, start)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_forward, _flash_bwd)  # the forward's residuals are what the backward reads

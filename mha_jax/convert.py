@@ -194,8 +194,9 @@ def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
         )
     state = {}
     for k, v in state_dict_or_path.items():
-        state[str(k)] = _to_numpy(v)
-        if state[str(k)].dtype.kind in "OUSV" and not jnp.issubdtype(state[str(k)].dtype, jnp.floating):
+        array = state[str(k)] = _to_numpy(v)
+        # objects and strings; kind "V" holds bfloat16 as well as structured records
+        if array.dtype.kind in "OUSV" and not jnp.issubdtype(array.dtype, jnp.floating):
             raise ValueError(f"state_dict: {str(k)!r} is not a numeric array: got {type(v).__name__}")
     return state
 
