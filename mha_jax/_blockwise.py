@@ -2,8 +2,14 @@
 
 Queries are processed in blocks; for each, an online softmax runs over key blocks, so no
 ``(q_len, kv_len)`` matrix is ever formed. A custom VJP recomputes each block's scores in the
-backward pass from the saved row log-sum-exp instead of storing them. Key blocks that a causal
-mask empties entirely are never visited, in either pass.
+backward pass from the saved row log-sum-exp instead of storing them.
+
+Which blocks are visited comes from positions, not from a dense mask: from each block's range
+of positions, segment ids and key indices (and the boolean mask's block summary, when one is
+given), every block is whole (no score masked: no mask is applied), partial (masked) or empty
+(never visited, in either pass). Each query block visits its whole key blocks, then its partial
+ones; the backward does the same per key block over query blocks. Sliding windows therefore cost
+O(length x window), and packed segments only the blocks within each segment.
 
 Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
 ``(batch, kv_heads, kv_len, head_dim)``; masks keep their own (broadcast) shape
@@ -28,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mha_jax import masks
+
 # Scores of one block, over batch x heads x rows x keys. Blocks above ~4M float32 scores
 # (16 MiB) fall out of cache on the machines measured; below it each product is too small for
 # the matmul to reach its speed.
@@ -41,6 +49,7 @@ class _Config:
     q_len: int
     kv_len: int
     causal: bool
+    window: tuple[int, int] | None
     scale: float
     keep_scale: float
     dropout_rate: float
@@ -90,21 +99,24 @@ def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: 
     return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
 
-def attention(q, k, v, *, allowed, bias, keep, dropout_rng, causal, scale, dropout_rate,
+def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
               keep_scale, precision, block_q, block_k):
     """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``.
 
+    ``spec`` gives the structured terms (positions, segments, lengths, causality, window);
     ``allowed``/``keep`` (bool) and ``bias`` (float) are None or 5-d in the interface layout.
     ``dropout_rng`` draws a keep-mask per block (a stream of its own, not the plain path's).
     """
-    cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], causal, scale, keep_scale,
-                  dropout_rate, precision)
-    return _flash(cfg, q, k, v, allowed, bias, keep, dropout_rng)
+    cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
+                  keep_scale, dropout_rate, precision)
+    positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
+    terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
+    return _flash(cfg, q, k, v, allowed, bias, keep, dropout_rng, terms)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, allowed, bias, keep, rng):
-    return _forward(cfg, q, k, v, allowed, bias, keep, rng)[0]
+def _flash(cfg, q, k, v, allowed, bias, keep, rng, terms):
+    return _forward(cfg, q, k, v, allowed, bias, keep, rng, terms)[0]
 
 
 def _pad(x, axis, size, broadcast=False):
@@ -166,39 +178,42 @@ def _pad_masks(cfg, masks):
     return [_pad(_pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in masks]
 
 
-def _key_blocks(cfg, i):
-    """Key blocks that query block i can see: all, or (causal) those up to its last query."""
-    if not cfg.causal:
-        return cfg.n_k
-    last_query = jnp.minimum((i + 1) * cfg.block_q, cfg.q_len) - 1
-    return jnp.minimum(last_query // cfg.block_k + 1, cfg.n_k)
-
-
-def _allowed(cfg, i, j, allowed, transposed, edges):
-    """Which scores of block (i, j) may be attended to, or None where all may: the boolean
-    mask and, with ``edges``, causality and the padding of the last key block. Shaped to
-    broadcast against the block ``(b, h, g, block_q, block_k)``, or ``(b, h, block_k, g,
-    block_q)`` when ``transposed``. The backward pass needs no padding term (see ``_flash_bwd``)."""
+def _allowed(cfg, i, j, allowed, terms, transposed):
+    """Which scores of partial block (i, j) may be attended to: the padding of the last key
+    block (forward only: the backward needs no padding term, see ``_flash_bwd``), the structured
+    terms and the boolean mask. Shaped to broadcast against the block ``(b, h, g, block_q,
+    block_k)``, or ``(b, h, block_k, g, block_q)`` when ``transposed``; None where all may."""
     q_axis, k_axis = _axes(transposed)
     shape = [1] * 5
     shape[q_axis], shape[k_axis] = cfg.block_q, cfg.block_k
-    ok = None
-    if edges and cfg.kv_len % cfg.block_k and not transposed:
-        cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-        ok = cols < cfg.kv_len
-    if edges and cfg.causal:
-        rows = i * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-        cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-        ok = _and(ok, cols <= rows)
+    cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+    ok = cols < cfg.kv_len if cfg.kv_len % cfg.block_k and not transposed else None
+
+    def along(x, axis, index, size):  # block ``index`` of a padded (b|1, len) term, laid along ``axis``
+        if x is None:
+            return None
+        layout = [x.shape[0], 1, 1, 1, 1]
+        layout[axis] = size
+        return lax.dynamic_slice_in_dim(x, index * size, size, 1).reshape(layout)
+
+    qp, kp, qs, ks, lengths = terms
+    visible = masks._visible(
+        cfg.causal, cfg.window, along(qp, q_axis, i, cfg.block_q), along(kp, k_axis, j, cfg.block_k),
+        along(qs, q_axis, i, cfg.block_q), along(ks, k_axis, j, cfg.block_k), cols,
+        None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1),
+    )
+    if visible is not None:
+        ok = _and(ok, visible)
     if allowed is not None:
         ok = _and(ok, _tile(cfg, allowed, i, j, transposed))
     return ok
 
 
-def _masked(cfg, s, i, j, allowed, bias, block5, transposed, edges):
-    """Block (i, j)'s scores, flat as the matrix product gives them, plus the bias and with
-    -inf where ``_allowed`` excludes; reshaped to the 5-d ``block5`` only when needed."""
-    ok = _allowed(cfg, i, j, allowed, transposed, edges)
+def _masked(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
+    """Block (i, j)'s scores, flat as the matrix product gives them, plus the bias and, in a
+    partial block, with -inf where ``_allowed`` excludes; reshaped to the 5-d ``block5`` only
+    when needed."""
+    ok = _allowed(cfg, i, j, allowed, terms, transposed) if partial else None
     if bias is None and ok is None:
         return s
     flat = s.shape
@@ -210,19 +225,84 @@ def _masked(cfg, s, i, j, allowed, bias, block5, transposed, edges):
     return s.reshape(flat)
 
 
-def _unmasked_key_blocks(cfg, i):
-    """Key blocks before this count need neither the causal nor the padding term for query
-    block i: wholly at or below its first query, and not the padded last block."""
-    whole = cfg.n_k - 1 if cfg.kv_len % cfg.block_k else cfg.n_k
-    if not cfg.causal:
-        return whole
-    return jnp.minimum((i * cfg.block_q + 1) // cfg.block_k, whole)
+def _ranges(x, block, n):
+    """(min, max) over each block of a ``(b|1, len)`` term: ``(b|1, n)`` each. The last block's
+    padding repeats its last entry, so that it changes neither."""
+    x = jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), mode="edge").reshape(x.shape[0], n, block)
+    return x.min(axis=2), x.max(axis=2)
 
 
-def _unmasked_query_blocks(cfg, j):
-    """Query blocks from this one on see all of key block j (causal)."""
-    last_key = (j + 1) * cfg.block_k - 1
-    return jnp.minimum((last_key + cfg.block_q - 1) // cfg.block_q, cfg.n_q)
+def _pad_terms(cfg, terms):
+    """Positions and segment ids padded to whole blocks (their last entry repeated)."""
+    qp, kp, qs, ks, lengths = terms
+
+    def pad(x, n, block):
+        return None if x is None else jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), mode="edge")
+
+    return (pad(qp, cfg.n_q, cfg.block_q), pad(kp, cfg.n_k, cfg.block_k),
+            pad(qs, cfg.n_q, cfg.block_q), pad(ks, cfg.n_k, cfg.block_k), lengths)
+
+
+def _classes(cfg, allowed, terms, padding):
+    """(whole, live): bool ``(n_q, n_k)``. A block is live if some score in it may be attended
+    to in some batch element (as far as each term's block summary tells), and whole if every
+    score in it may be, in every batch element, so that it needs no mask. With ``padding`` the
+    last key block's padding counts as masked."""
+    qp, kp, qs, ks, lengths = terms
+    whole = live = jnp.ones((1, cfg.n_q, cfg.n_k), bool)  # (b|1, n_q, n_k)
+    if qp is not None:
+        (q_lo, q_hi), (k_lo, k_hi) = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)
+        q_lo, q_hi, k_lo, k_hi = q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :]
+        if cfg.causal:
+            whole, live = whole & (k_hi <= q_lo), live & (k_lo <= q_hi)
+        if cfg.window is not None:
+            left, right = cfg.window
+            whole = whole & (k_lo >= q_hi - left) & (k_hi <= q_lo + right)
+            live = live & (k_hi >= q_lo - left) & (k_lo <= q_hi + right)
+    if qs is not None:
+        (qs_lo, qs_hi), (ks_lo, ks_hi) = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
+        qs_lo, qs_hi, ks_lo, ks_hi = qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :]
+        whole = whole & (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+        live = live & (ks_hi >= qs_lo) & (ks_lo <= qs_hi)
+    if lengths is not None:
+        start = jnp.arange(cfg.n_k) * cfg.block_k
+        whole = whole & (start + cfg.block_k <= lengths[:, None])[:, None, :]
+        live = live & (start < lengths[:, None])[:, None, :]
+    whole, live = whole.all(axis=0), live.any(axis=0)
+    if allowed is not None:
+        some, every = _mask_blocks(cfg, allowed)
+        whole, live = whole & every, live & some
+    if padding and cfg.kv_len % cfg.block_k:
+        whole = whole.at[:, -1].set(False)
+    return whole & live, live
+
+
+def _mask_blocks(cfg, allowed):
+    """(any, all) of a boolean 5-d mask over each block and every batch element and head."""
+    a = allowed.reshape(allowed.shape[3:]) if allowed.shape[:3] == (1, 1, 1) else None
+    if a is None:
+        some, every = allowed.any(axis=(0, 1, 2)), allowed.all(axis=(0, 1, 2))
+    else:
+        some = every = a
+
+    def blocks(x, fill, reduce):
+        if x.shape[0] != 1:
+            x = jnp.pad(x, ((0, cfg.n_q * cfg.block_q - x.shape[0]), (0, 0)), constant_values=fill)
+            x = reduce(x.reshape(cfg.n_q, cfg.block_q, x.shape[1]), axis=1)
+        if x.shape[1] != 1:
+            x = jnp.pad(x, ((0, 0), (0, cfg.n_k * cfg.block_k - x.shape[1])), constant_values=fill)
+            x = reduce(x.reshape(x.shape[0], cfg.n_k, cfg.block_k), axis=2)
+        return x
+
+    return blocks(some, False, jnp.any), blocks(every, True, jnp.all)
+
+
+def _schedule(whole, live):
+    """Per row of the class tables: (block order, whole blocks, live blocks). The order lists
+    the whole blocks first, then the partial ones, then the empty ones."""
+    rank = jnp.where(whole, 0, jnp.where(live, 1, 2))
+    order = jnp.argsort(rank, axis=1, stable=True).astype(jnp.int32)
+    return order, whole.sum(axis=1, dtype=jnp.int32), live.sum(axis=1, dtype=jnp.int32)
 
 
 def _keep(cfg, keep, rng, i, j, b, h, g, transposed):
@@ -242,21 +322,24 @@ def _dropped(cfg, x, keep, block5):
     return jnp.where(keep, x.reshape(block5) * cfg.keep_scale, 0.0).reshape(x.shape)
 
 
-def _forward(cfg, q, k, v, allowed, bias, keep, rng):
+def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
     b, h, g, _, d = q.shape
     q_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, bh, rows, d)
     kt_blocks = jnp.swapaxes(_key_rows(cfg, k), 2, 3)  # (n_k, bh, d, block_k)
     v_blocks = _key_rows(cfg, v)
     allowed_p, bias_p, keep_p = _pad_masks(cfg, (allowed, bias, keep))
+    terms_p = _pad_terms(cfg, terms)
+    order, n_whole, n_live = _schedule(*_classes(cfg, allowed, terms, padding=True))
     block5 = (b, h, g, cfg.block_q, cfg.block_k)
 
     def query_block(args):
-        i, q_i = args
+        i, q_i, order_i, whole_i, live_i = args
 
-        def key_step(j, carry, edges):
+        def key_step(t, carry, partial):
             m, l, acc = carry
+            j = order_i[t]
             s = jnp.einsum("bmd,bdk->bmk", q_i, kt_blocks[j], precision=cfg.precision)
-            s = _masked(cfg, s, i, j, allowed_p, bias_p, block5, False, edges)
+            s = _masked(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)
             m_new = jnp.maximum(m, s.max(axis=-1))
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
@@ -270,25 +353,23 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng):
 
         rows = (b * h, g * cfg.block_q)
         init = (jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype), jnp.zeros(rows + (d,), q.dtype))
-        # Blocks wholly inside the causal triangle skip its mask: one elementwise pass fewer.
-        middle = _unmasked_key_blocks(cfg, i)
-        carry = lax.fori_loop(0, middle, functools.partial(key_step, edges=False), init)
-        m, l, acc = lax.fori_loop(middle, _key_blocks(cfg, i), functools.partial(key_step, edges=True), carry)
+        carry = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False), init)
+        m, l, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
         out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
         # A row with no allowed key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
         lse = jnp.where(l > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(l > 0.0, l, 1.0)), jnp.inf)
         return out, lse
 
-    out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks))
+    out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
     out, lse = _from_query_rows(cfg, out, b, h, g), _from_query_rows(cfg, lse, b, h, g)
-    return out, (q, k, v, allowed, bias, keep, rng, out, lse)
+    return out, (q, k, v, allowed, bias, keep, rng, terms, out, lse)
 
 
 def _flash_bwd(cfg, residuals, d_out):
-    q, k, v, allowed, bias, keep, rng, out, lse = residuals
+    q, k, v, allowed, bias, keep, rng, terms, out, lse = residuals
     b, h, g, _, d = q.shape
     if rng is None:  # a drawn dropout mask is tied to the forward's blocks; otherwise re-block
-        sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal)
+        sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal or cfg.window is not None)
         cfg = dataclasses.replace(cfg, block_q=sizes[0], block_k=sizes[1])
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
     qs_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, bh, rows, d)
@@ -300,17 +381,21 @@ def _flash_bwd(cfg, residuals, d_out):
     kt_blocks = jnp.swapaxes(k_blocks, 2, 3)
     # Masks move their key axis before the groups: (b|1, h|1, k|1, g|1, q|1), the transposed block.
     allowed_t, bias_t, keep_t = (None if m is None else jnp.moveaxis(m, 4, 2) for m in _pad_masks(cfg, (allowed, bias, keep)))
+    terms_p = _pad_terms(cfg, terms)
+    whole, live = _classes(cfg, allowed, terms, padding=False)
+    order, n_whole, n_live = _schedule(whole.T, live.T)  # per key block, over query blocks
     block5_t = (b, h, cfg.block_k, g, cfg.block_q)
     d_bias0 = None if bias is None else jnp.zeros(bias_t.shape, q.dtype)
 
     def key_block(carry, args):
         dqt, d_bias = carry
-        j, k_j, v_j, kt_j = args
+        j, k_j, v_j, kt_j, order_j, whole_j, live_j = args
 
-        def query_step(i, inner, edges):
+        def query_step(t, inner, partial):
             dqt, dk_j, dv_j, d_bias = inner
+            i = order_j[t]
             st = jnp.einsum("bkd,bdm->bkm", k_j, qst_blocks[i], precision=cfg.precision)
-            st = _masked(cfg, st, i, j, allowed_t, bias_t, block5_t, True, edges)
+            st = _masked(cfg, st, i, j, allowed_t, terms_p, bias_t, block5_t, True, partial)
             # Exact scores never exceed their row's lse; the clamp only bounds the padded keys
             # (zero rows of K: score 0), whose terms then reach dQ as 0 * finite and are cut off
             # dK and dV, so they need no mask here.
@@ -329,20 +414,14 @@ def _flash_bwd(cfg, residuals, d_out):
             dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)
             return dqt, dk_j, dv_j, d_bias
 
-        first = (j * cfg.block_k) // cfg.block_q if cfg.causal else 0  # earlier queries see none of block j
         zeros = jnp.zeros((b * h, cfg.block_k, d), q.dtype)
-        inner = (dqt, zeros, zeros, d_bias)
-        if cfg.causal:
-            middle = _unmasked_query_blocks(cfg, j)
-            inner = lax.fori_loop(first, middle, functools.partial(query_step, edges=True), inner)
-        else:
-            middle = 0
-        dqt, dk_j, dv_j, d_bias = lax.fori_loop(middle, cfg.n_q, functools.partial(query_step, edges=False), inner)
+        inner = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), (dqt, zeros, zeros, d_bias))
+        dqt, dk_j, dv_j, d_bias = lax.fori_loop(whole_j, live_j, functools.partial(query_step, partial=True), inner)
         return (dqt, d_bias), (dk_j, dv_j)
 
     dqt0 = jnp.zeros_like(qst_blocks)
     (dqt, d_bias), (dk, dv) = lax.scan(
-        key_block, (dqt0, d_bias0), (jnp.arange(cfg.n_k), k_blocks, v_blocks, kt_blocks)
+        key_block, (dqt0, d_bias0), (jnp.arange(cfg.n_k), k_blocks, v_blocks, kt_blocks, order, n_whole, n_live)
     )
     dq = _from_query_rows(cfg, jnp.swapaxes(dqt, 2, 3) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
 
@@ -351,7 +430,7 @@ def _flash_bwd(cfg, residuals, d_out):
 
     if d_bias is not None:
         d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
-    return dq, keys(dk), keys(dv), None, d_bias, None, None
+    return dq, keys(dk), keys(dv), None, d_bias, None, None, None
 
 
 def _add_block(d_bias, ds, i, j, cfg):
@@ -359,10 +438,10 @@ def _add_block(d_bias, ds, i, j, cfg):
     (transposed) bias gradient, summed over the bias's broadcast axes."""
     axes = tuple(a for a in range(5) if d_bias.shape[a] == 1 and ds.shape[a] != 1)
     ds = ds.sum(axis=axes, keepdims=True).astype(d_bias.dtype)
-    start = [0, 0, 0, 0, 0]
+    start = [jnp.int32(0)] * 5  # one index type, whatever the block indices' type
     for axis, offset in zip(_axes(True), (i * cfg.block_q, j * cfg.block_k)):
         if d_bias.shape[axis] != 1:
-            start[axis] = offset
+            start[axis] = jnp.asarray(offset, jnp.int32)
     current = lax.dynamic_slice(d_bias, start, ds.shape)
     return lax.dynamic_update_slice(d_bias, current + ds, start)
 

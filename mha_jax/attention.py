@@ -6,13 +6,14 @@ here it is that of ``jax.nn.dot_product_attention``: query ``(batch, q_len, head
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _blockwise, _checks
-from mha_jax.masks import MASK_LAYOUT, _split_mask, _unused_keys, causal_mask
+from mha_jax import _blockwise, _checks, masks
+from mha_jax.masks import MASK_LAYOUT
 
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
@@ -26,7 +27,14 @@ def dot_product_attention(
     value: jax.Array,
     *,
     mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
     is_causal: bool = False,
+    query_positions: jax.Array | None = None,
+    key_positions: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids: jax.Array | None = None,
+    key_segment_ids: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -37,13 +45,25 @@ def dot_product_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head scaled dot-product attention.
 
+    Every masking term below combines with the others (logical and; the bias is added).
+
     Args:
       query: ``(batch, q_len, heads, head_dim)``.
       key, value: ``(batch, kv_len, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``, and
         query head ``h`` reads key/value head ``h // (heads // kv_heads)``.
-      mask: broadcasts to ``(batch, heads, q_len, kv_len)``; bool True = attend, integer
-        nonzero = attend, floating = added to the logits.
-      is_causal: query ``i`` attends to keys ``0..i`` (top-left aligned); combines with ``mask``.
+      mask: broadcasts to ``(batch, heads, q_len, kv_len)``; any dtype, nonzero = attend (as in
+        flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks work as they are).
+      bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
+        scaled logits (``-inf`` excludes a key).
+      is_causal: a query sees the keys at positions ``<=`` its own.
+      query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
+        default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
+        ``0..t+n-1``, ``is_causal`` is what decoding needs.
+      local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
+        positions ``p - left .. p + right``.
+      query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
+        one row for every batch element), given together: a query sees keys of its own segment.
+      key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
@@ -55,21 +75,36 @@ def dot_product_attention(
         (``"xla"`` only: the other implementations never form them).
       precision: passed to the matrix products.
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
-        blocks, memory linear in length, causal blocks skipped), ``"cudnn"`` (NVIDIA GPUs,
-        through ``jax.nn.dot_product_attention``), or None: ``"xla"`` for short inputs or when
-        weights are returned, else ``"blockwise"``.
+        blocks, memory linear in length; blocks that causality, windows, segments or lengths
+        empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
+        GPUs, through ``jax.nn.dot_product_attention``), or None: ``"xla"`` for short inputs or
+        when weights are returned, else ``"blockwise"``.
 
     Returns:
       ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
       output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
     """
-    batch, q_len, heads, head_dim, kv_len, kv_heads = _checks.check_attention_inputs(
-        query, key, value
+    batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
+    spec = masks._parse(
+        (batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
+        query_positions=query_positions, key_positions=key_positions,
+        local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
     )
-    is_causal, scale = _checks.check_is_causal(is_causal), _checks.check_scale(scale)
-    shape = (batch, heads, q_len, kv_len)
-    allowed, bias = _split_mask(mask, False, shape)  # causality is each implementation's own
+    return _attention(
+        query, key, value, spec, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        dropout_mask=dropout_mask, return_weights=return_weights, precision=precision,
+        implementation=implementation,
+    )
+
+
+def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate=0.0, dropout_rng=None,
+               dropout_mask=None, return_weights=False, precision=None, implementation=None):
+    """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry)."""
+    batch, heads, q_len, kv_len = shape = spec.shape
+    kv_heads, head_dim = key.shape[2], query.shape[3]
+    scale = _checks.check_scale(scale)
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
@@ -84,31 +119,30 @@ def dot_product_attention(
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
-    unused = _unused_keys(allowed, bias, is_causal, shape, kv_heads)
+    unused = masks._unused_keys(spec, kv_heads)
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
     q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
     k, v = key.astype(compute), value.astype(compute)
     if implementation == "xla":
-        if is_causal:
-            causal = causal_mask(q_len, kv_len)
-            allowed = causal if allowed is None else allowed & causal
         if rng is not None:
             keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
-        out, weights = _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision)
+        out, weights = _xla(q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, precision)
     elif implementation == "blockwise":
-        block_q, block_k = _blockwise.block_sizes(q_len, kv_len, batch * kv_heads, groups, is_causal)
+        block_q, block_k = _blockwise.block_sizes(
+            q_len, kv_len, batch * kv_heads, groups, spec.is_causal or spec.window is not None
+        )
         out = _blockwise.attention(
-            q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-            allowed=_grouped(allowed, kv_heads), bias=_grouped(bias, kv_heads),
-            keep=_grouped(keep, kv_heads), dropout_rng=rng,
-            causal=is_causal, scale=scale, dropout_rate=dropout_rate, keep_scale=keep_scale,
-            precision=precision, block_q=block_q, block_k=block_k,
+            q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
+            allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
+            keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
+            dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
+            block_q=block_q, block_k=block_k,
         ).transpose(0, 3, 1, 2, 4)
         weights = None
     else:
-        out = _cudnn(query, key, value, allowed, bias, is_causal, scale).reshape(q.shape)
+        out = _cudnn(query, key, value, spec, scale).reshape(q.shape)
         weights = None
     out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
     if return_weights:
@@ -151,24 +185,30 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision):
     return out, weights
 
 
-def _cudnn(query, key, value, allowed, bias, is_causal, scale):
-    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our mask semantics, on
+def _cudnn(query, key, value, spec: masks._Spec, scale):
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our semantics, on
     bfloat16/float16 inputs in the public layout; output in float32.
 
-    cuDNN gives a fully masked row the mean of V; those rows are set to 0 here.
+    Causality and windows at default positions and key/value lengths go to cuDNN as such; other
+    positions and segments are materialised into its mask. cuDNN gives a fully masked row the
+    mean of V; those rows are set to 0 here.
     """
-    batch, q_len, heads, _ = query.shape
-    shape = (batch, heads, q_len, key.shape[1])
+    batch, heads, q_len, kv_len = shape = spec.shape
+    native = spec.default_positions and spec.query_segment_ids is None
+    allowed = spec.allowed if native else masks._dense(dataclasses.replace(spec, lengths=None))
     out = jax.nn.dot_product_attention(
-        query, key, value, bias=None if bias is None else jnp.broadcast_to(bias, shape).astype(query.dtype),
+        query, key, value,
+        bias=None if spec.bias is None else jnp.broadcast_to(spec.bias, shape).astype(query.dtype),
         mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
-        is_causal=is_causal, implementation="cudnn",
+        is_causal=spec.is_causal and native, local_window_size=spec.window if native else None,
+        key_value_seq_lengths=spec.lengths, implementation="cudnn",
     ).astype(jnp.float32)
-    live = jnp.ones(shape, bool) if allowed is None else jnp.broadcast_to(allowed, shape)
-    if bias is not None:
-        live = live & (bias > -jnp.inf)
-    if is_causal:
-        live = live & causal_mask(q_len, key.shape[1])
+    live = jnp.ones(shape, bool)
+    dense = masks._dense(spec)
+    if dense is not None:
+        live = live & dense
+    if spec.bias is not None:
+        live = live & (spec.bias > -jnp.inf)
     has_key = live.any(axis=-1).transpose(0, 2, 1)[..., None]  # (b, q, heads, 1)
     return jnp.where(has_key, out, 0.0)
 

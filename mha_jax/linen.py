@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from mha_jax import _checks
-from mha_jax.attention import IMPLEMENTATIONS, dot_product_attention
-from mha_jax.masks import _zero_unused_inputs
-from mha_jax.module import _check_inputs
+from mha_jax import _checks, masks
+from mha_jax.attention import IMPLEMENTATIONS, _attention
+from mha_jax.module import _check_inputs, _spec
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -52,7 +51,14 @@ class MultiHeadDotProductAttention(nn.Module):
         inputs_v: jax.Array | None = None,
         *,
         mask: jax.Array | None = None,
+        bias: jax.Array | None = None,
         is_causal: bool = False,
+        query_positions: jax.Array | None = None,
+        key_positions: jax.Array | None = None,
+        local_window_size: int | tuple[int, int] | None = None,
+        query_segment_ids: jax.Array | None = None,
+        key_segment_ids: jax.Array | None = None,
+        key_value_seq_lengths: jax.Array | None = None,
         deterministic: bool | None = None,
         dropout_rng: jax.Array | None = None,
         dropout_mask: jax.Array | None = None,
@@ -60,6 +66,7 @@ class MultiHeadDotProductAttention(nn.Module):
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Shapes as ``mha_jax.MultiHeadAttention.__call__``; ``dropout_rng`` defaults to
         ``self.make_rng('dropout')``."""
+        self_attention = inputs_k is None or inputs_k is inputs_q
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
         for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k)):
@@ -80,10 +87,13 @@ class MultiHeadDotProductAttention(nn.Module):
                 kernel_init=self.kernel_init, bias_init=self.bias_init, name=name,
             )
 
-        inputs_k, inputs_v = _zero_unused_inputs(
-            inputs_k, inputs_v, mask, _checks.check_is_causal(is_causal),
-            (inputs_q.shape[0], self.num_heads, inputs_q.shape[1], inputs_k.shape[1]),
+        spec = _spec(
+            inputs_q, inputs_k, self.num_heads, self_attention, mask=mask, bias=bias,
+            is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
+            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
         )
+        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)
@@ -91,8 +101,8 @@ class MultiHeadDotProductAttention(nn.Module):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         else:
             dropout_rng = None
-        result = dot_product_attention(
-            query, key, value, mask=mask, is_causal=is_causal,
+        result = _attention(
+            query, key, value, spec,
             dropout_rate=rate if dropout_rng is not None or dropout_mask is not None else 0.0,
             dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             return_weights=return_weights, precision=self.precision,

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mha_jax import _checks
-from mha_jax.attention import IMPLEMENTATIONS, dot_product_attention
-from mha_jax.masks import _zero_unused_inputs
+from mha_jax import _checks, masks
+from mha_jax.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(batch, length, features)"
 
@@ -95,7 +94,14 @@ class MultiHeadAttention(nnx.Module):
         inputs_v: jax.Array | None = None,
         *,
         mask: jax.Array | None = None,
+        bias: jax.Array | None = None,
         is_causal: bool = False,
+        query_positions: jax.Array | None = None,
+        key_positions: jax.Array | None = None,
+        local_window_size: int | tuple[int, int] | None = None,
+        query_segment_ids: jax.Array | None = None,
+        key_segment_ids: jax.Array | None = None,
+        key_value_seq_lengths: jax.Array | None = None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         dropout_mask: jax.Array | None = None,
@@ -107,8 +113,12 @@ class MultiHeadAttention(nnx.Module):
           inputs_q: ``(batch, q_len, in_features)``.
           inputs_k: ``(batch, kv_len, in_kv_features)``; default ``inputs_q`` (self-attention).
           inputs_v: ``(batch, kv_len, in_kv_features)``; default ``inputs_k``.
-          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; see ``dot_product_attention``.
-          is_causal: causal masking, combined with ``mask``.
+          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; any dtype, nonzero = attend.
+          bias: added to the logits, broadcasting to ``(batch, num_heads, q_len, kv_len)``.
+          is_causal, query_positions, key_positions, local_window_size, query_segment_ids,
+            key_segment_ids, key_value_seq_lengths: as in ``mha_jax.dot_product_attention``;
+            in self-attention (``inputs_k`` not given, or ``inputs_q`` itself) the key
+            positions and segment ids default to the query's.
           deterministic: no dropout when True; overrides the constructor's.
           rngs: dropout randomness; overrides the stream forked at construction.
           dropout_mask: explicit keep-mask ``(batch, num_heads, q_len, kv_len)``; always applied,
@@ -118,6 +128,7 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(batch, q_len, out_features)``, or ``(output, weights)``.
         """
+        self_attention = inputs_k is None or inputs_k is inputs_q
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
         _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
@@ -125,15 +136,18 @@ class MultiHeadAttention(nnx.Module):
         if dropout_mask is None and self.dropout_rate > 0 and not _checks.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs)
 
-        inputs_k, inputs_v = _zero_unused_inputs(
-            inputs_k, inputs_v, mask, _checks.check_is_causal(is_causal),
-            (inputs_q.shape[0], self.num_heads, inputs_q.shape[1], inputs_k.shape[1]),
+        spec = _spec(
+            inputs_q, inputs_k, self.num_heads, self_attention, mask=mask, bias=bias,
+            is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
+            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
         )
+        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
         query = self.query(inputs_q)
         key = self.key(inputs_k)
         value = self.value(inputs_v)
-        result = dot_product_attention(
-            query, key, value, mask=mask, is_causal=is_causal,
+        result = _attention(
+            query, key, value, spec,
             dropout_rate=self.dropout_rate if dropout_rng is not None or dropout_mask is not None else 0.0,
             dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             return_weights=return_weights, precision=self.precision,
@@ -143,6 +157,20 @@ class MultiHeadAttention(nnx.Module):
         out = self.out(out)
         return (out, weights) if return_weights else out
 
+
+
+def _spec(inputs_q, inputs_k, num_heads: int, self_attention: bool, *, key_positions=None,
+          key_segment_ids=None, query_positions=None, query_segment_ids=None, **terms) -> masks._Spec:
+    """The call's masking, parsed once for ``(batch, num_heads, q_len, kv_len)``; in
+    self-attention the key positions and segment ids default to the query's."""
+    if self_attention:
+        key_positions = query_positions if key_positions is None else key_positions
+        key_segment_ids = query_segment_ids if key_segment_ids is None else key_segment_ids
+    shape = (inputs_q.shape[0], num_heads, inputs_q.shape[1], inputs_k.shape[1])
+    return masks._parse(
+        shape, query_positions=query_positions, key_positions=key_positions,
+        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, **terms,
+    )
 
 
 def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features: int) -> None:

@@ -70,7 +70,10 @@ CONFIGS = {
 MASKS = (
     "none", "bool", "int", "float", "padding", "causal", "padding+causal", "per-head",
     "bcast-qk", "bcast-k", "bcast-b11k-float", "fully-masked", "dropout",
+    "flax-float", "bias", "positions+causal", "window", "segments", "lengths", "everything",
 )
+# The masks that the positions-first terms add; the grid runs them on the first two configs.
+STRUCTURED = ("flax-float", "bias", "positions+causal", "window", "segments", "lengths", "everything")
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class Case:
 
 def default_grid() -> list[Case]:
     """Every mask form on self- and grouped cross-attention, a few on multi-query; all dtypes."""
-    few = ("none", "padding+causal", "fully-masked", "dropout")
+    few = ("none", "padding+causal", "fully-masked", "dropout", "everything")
     return [
         Case(config, mask, dtype)
         for config in CONFIGS.values()
@@ -171,9 +174,27 @@ def make_data(case: Case, seed: int = 0) -> Data:
     elif kind == "dropout":
         att.keep = rng.random((b, h, q, k)) >= DROPOUT_RATE
         att.dropout_rate = DROPOUT_RATE
-    elif kind not in ("none", "causal"):
+    elif kind == "flax-float":  # flax's helpers' float32 0/1 (JAX: nonzero = attend; torch: as bool)
+        att.mask = np.tril(np.ones((q, k), bool), k - q)[None, None] & (rng.random((b, 1, 1, k)) < 0.8)
+    elif kind == "bias":
+        att.bias = _rounded(rng.normal(size=(b, 1, q, k)), case.dtype)
+    elif kind in ("positions+causal", "window", "everything"):
+        # each batch element's queries at its own positions, keys at theirs (self-attention: the same)
+        att.query_positions = np.stack([rng.permutation(q) + 3, np.arange(q) + k - q])
+        att.key_positions = att.query_positions if c.self_attention else np.stack([np.arange(k), rng.permutation(k)])
+        if kind != "positions+causal":
+            att.window = (2, 1)
+    if kind in ("segments", "everything"):
+        att.query_segment_ids = np.stack([np.arange(q) * 3 // q, np.zeros(q, int)])
+        att.key_segment_ids = att.query_segment_ids if c.self_attention else np.stack([np.arange(k) * 3 // k, np.arange(k) % 2])
+    if kind in ("lengths", "everything"):
+        att.lengths = np.array([k, k // 2 + 1])
+    if kind == "everything":
+        att.mask = rng.random((b, h, q, k)) < 0.8
+        att.bias = _rounded(rng.normal(size=(h, q, k)), case.dtype)
+    elif kind not in ("none", "causal", *MASKS[:13], *STRUCTURED):
         raise ValueError(f"unknown mask kind {kind!r}")
-    att.is_causal = kind in ("causal", "padding+causal")
+    att.is_causal = kind in ("causal", "padding+causal", "positions+causal", "everything")
     return Data(params, xq, xk, xv, d_out, att, valid)
 
 
@@ -205,12 +226,15 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
     c, att = case.config, data.attention
     dtype = jnp.dtype(numpy_dtype(case.dtype))
     as_jax = lambda x: None if x is None else jnp.asarray(_cast(x, case.dtype))  # noqa: E731
-    mask = None
-    if att.mask is not None:
-        mask = mha_jax.padding_mask(jnp.asarray(data.padding_valid)) if data.padding_valid is not None else _jax_mask(att.mask, case.dtype)
     keep = None if att.keep is None else jnp.asarray(att.keep)
     with_weights = implementation == "xla"
-    kwargs = dict(mask=mask, is_causal=att.is_causal, dropout_mask=keep, return_weights=with_weights)
+    kwargs = dict(**_terms(att, as_jax, case.dtype), dropout_mask=keep, return_weights=with_weights)
+    if data.padding_valid is not None:
+        kwargs["mask"] = mha_jax.padding_mask(jnp.asarray(data.padding_valid))
+    elif case.mask == "flax-float":
+        kwargs["mask"] = as_jax(att.mask.astype(np.float32))
+    elif att.mask is not None and att.mask.dtype.kind == "f":  # additive: JAX's masks are nonzero = attend
+        kwargs["mask"], kwargs["bias"] = None, as_jax(att.mask) if att.bias is None else as_jax(att.mask + att.bias)
     inputs = [as_jax(data.xq)] if c.self_attention else [as_jax(data.xq), as_jax(data.xk), as_jax(data.xv)]
     torch_params = {k: _cast(v, case.dtype) for k, v in data.params.items()}
 
@@ -272,20 +296,18 @@ def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
         dropout=att.dropout_rate, implementation=implementation, dtype=dtype,
     ).eval()
     mha_torch.load_weights(model, {k: _cast(v, case.dtype) for k, v in data.params.items()})
-    as_torch = lambda x: torch.from_numpy(np.array(x)).to(dtype)  # noqa: E731 (float64 -> dtype is exact here)
-    mask = None
-    if att.mask is not None:
-        if data.padding_valid is not None:
-            mask = mha_torch.padding_mask(torch.from_numpy(data.padding_valid))
-        elif att.mask.dtype.kind == "f":
-            mask = as_torch(att.mask)
-        else:
-            mask = torch.from_numpy(np.array(att.mask))
+    def as_torch(x):  # float64 -> dtype is exact here; integer and bool arrays as they are
+        x = torch.from_numpy(np.array(x))
+        return x.to(dtype) if x.is_floating_point() else x
+
+    kwargs = _terms(data.attention, lambda x: None if x is None else as_torch(x), case.dtype)
+    if data.padding_valid is not None:
+        kwargs["mask"] = mha_torch.padding_mask(torch.from_numpy(data.padding_valid))
     keep = None if att.keep is None else torch.from_numpy(np.array(att.keep))
     xs = [data.xq] if c.self_attention else [data.xq, data.xk, data.xv]
     inputs = [as_torch(x).requires_grad_(True) for x in xs]
     with_weights = implementation == "math"
-    result = model(*inputs, mask=mask, is_causal=att.is_causal, need_weights=with_weights, dropout_mask=keep)
+    result = model(*inputs, **kwargs, need_weights=with_weights, dropout_mask=keep)
     out, weights = result if with_weights else (result, None)
     out.backward(as_torch(data.d_out))
     named = {name: _f64(p.grad) for name, p in model.named_parameters()}
@@ -294,14 +316,24 @@ def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
     return {"out": _f64(out), "weights": None if weights is None else _f64(weights), "grads": named}
 
 
+def _terms(att: oracle.Attention, convert, dtype: str) -> dict:
+    """The call's masking keywords, as ``convert`` makes arrays of them. In self-attention
+    the key positions and segment ids are left to default to the query's."""
+    same = att.key_positions is att.query_positions
+    return dict(
+        mask=convert(_cast(att.mask, dtype)) if att.mask is not None else None,
+        bias=convert(_cast(att.bias, dtype)) if att.bias is not None else None,
+        is_causal=att.is_causal, local_window_size=att.window,
+        query_positions=convert(att.query_positions),
+        key_positions=None if same else convert(att.key_positions),
+        query_segment_ids=convert(att.query_segment_ids),
+        key_segment_ids=None if att.key_segment_ids is att.query_segment_ids else convert(att.key_segment_ids),
+        key_value_seq_lengths=convert(att.lengths),
+    )
+
+
 def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(x).astype(numpy_dtype(dtype)) if np.asarray(x).dtype.kind == "f" else np.asarray(x)
-
-
-def _jax_mask(mask: np.ndarray, dtype: str):
-    import jax.numpy as jnp
-
-    return jnp.asarray(_cast(mask, dtype))
 
 
 def _f64(x) -> np.ndarray:

@@ -17,17 +17,32 @@ Params = dict[str, np.ndarray]
 
 @dataclass
 class Attention:
-    """Mask, causal flag, dropout keep-mask and scale of one attention call, as NumPy."""
+    """Everything one attention call is told about which keys each query sees, as NumPy.
+
+    ``mask``: bool/integer nonzero = attend, floating = added (PyTorch's convention; each
+    framework's harness passes it in its own). ``bias``: added. Positions ``(batch|1, len)``
+    default to ``arange``; ``window`` is ``(left, right)``; ``lengths`` ``(batch,)``.
+    """
 
     mask: np.ndarray | None = None
     is_causal: bool = False
     keep: np.ndarray | None = None
     dropout_rate: float = 0.0
     scale: float | None = None
+    bias: np.ndarray | None = None
+    query_positions: np.ndarray | None = None
+    key_positions: np.ndarray | None = None
+    window: tuple[int, int] | None = None
+    query_segment_ids: np.ndarray | None = None
+    key_segment_ids: np.ndarray | None = None
+    lengths: np.ndarray | None = None
 
 
 def allowed_and_bias(att: Attention, shape: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(allowed bool, additive bias float64), both of ``shape`` = (batch, heads, q_len, kv_len)."""
+    """(allowed bool, additive bias float64), both of ``shape`` = (batch, heads, q_len, kv_len).
+
+    Every term is read here, query by query and key by key, from its documented meaning."""
+    batch, heads, q_len, kv_len = shape
     allowed = np.ones(shape, dtype=bool)
     bias = np.zeros(shape)
     if att.mask is not None:
@@ -36,11 +51,25 @@ def allowed_and_bias(att: Attention, shape: tuple[int, int, int, int]) -> tuple[
             allowed = allowed & np.broadcast_to(mask != 0, shape)
         else:
             bias = bias + np.broadcast_to(mask.astype(np.float64), shape)
-    if att.is_causal:
-        q_len, kv_len = shape[2], shape[3]
-        rows, cols = np.indices((q_len, kv_len))
-        allowed = allowed & (cols <= rows)
-    return allowed, bias
+    if att.bias is not None:
+        bias = bias + np.broadcast_to(np.asarray(att.bias, np.float64), shape)
+    qp = np.broadcast_to(np.arange(q_len) if att.query_positions is None else att.query_positions, (batch, q_len))
+    kp = np.broadcast_to(np.arange(kv_len) if att.key_positions is None else att.key_positions, (batch, kv_len))
+    seen = np.ones((batch, q_len, kv_len), dtype=bool)
+    for b in range(batch):
+        for i in range(q_len):
+            for j in range(kv_len):
+                if att.is_causal and kp[b, j] > qp[b, i]:
+                    seen[b, i, j] = False
+                if att.window is not None and not qp[b, i] - att.window[0] <= kp[b, j] <= qp[b, i] + att.window[1]:
+                    seen[b, i, j] = False
+                if att.query_segment_ids is not None:
+                    qs = np.broadcast_to(att.query_segment_ids, (batch, q_len))
+                    ks = np.broadcast_to(att.key_segment_ids, (batch, kv_len))
+                    seen[b, i, j] &= bool(qs[b, i] == ks[b, j])
+                if att.lengths is not None and j >= att.lengths[b]:
+                    seen[b, i, j] = False
+    return allowed & seen[:, None], bias
 
 
 def attention(q, k, v, att: Attention):
