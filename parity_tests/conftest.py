@@ -1,13 +1,18 @@
 """The suite runs with float64 enabled in JAX: the float64 cases need it, and it leaves
 explicitly float32/bfloat16 arrays as they are (Python scalars stay weakly typed).
+``MHA_JAX_X64=0`` leaves JAX's default (float32) instead, as users run it; ``test_default_float32``
+runs a part of the suite that way, in a process of its own.
 
 Hypothesis runs under the profile named by ``MHA_HYPOTHESIS_PROFILE`` (``ci`` by default,
 ``long`` for a longer search); see ``parity_tests/strategies.py``.
 """
 
+import os
+
 import jax
 
 from parity_tests import strategies
 
-jax.config.update("jax_enable_x64", True)
+X64 = os.environ.get("MHA_JAX_X64", "1") != "0"
+jax.config.update("jax_enable_x64", X64)
 strategies.load_profile()

@@ -29,6 +29,7 @@ def run_core(framework: str, q, k, v, d_out, *, dtype: str = "float64", mask=Non
     """``{"out", "weights" (None unless formed), "grads": (dq, dk, dv)}``, float64, torch layout.
 
     Floating inputs and a floating mask are cast to ``dtype``; bool/int masks pass as they are.
+    ``mask`` reads as PyTorch's (floating = added): the JAX core gets a floating one as ``bias``.
     """
     implementation = implementation or IMPLEMENTATIONS[framework][0]
     run = _run_jax if framework == "jax" else _run_torch
@@ -43,19 +44,20 @@ def run_core(framework: str, q, k, v, d_out, *, dtype: str = "float64", mask=Non
 
 def _run_jax(arrays, mask, implementation, is_causal, scale):
     q, k, v, d_out = (jnp.asarray(x).transpose(0, 2, 1, 3) for x in arrays)
+    additive = mask is not None and mask.dtype.kind == "f"  # JAX's masks are nonzero = attend
     mask = None if mask is None else jnp.asarray(mask)
-    out, weights, grads = _jax_vjp(q, k, v, mask, d_out, implementation=implementation,
-                                   is_causal=is_causal, scale=scale)
+    out, weights, grads = _jax_vjp(q, k, v, None if additive else mask, mask if additive else None, d_out,
+                                   implementation=implementation, is_causal=is_causal, scale=scale)
     return out.transpose(0, 2, 1, 3), weights, [g.transpose(0, 2, 1, 3) for g in grads]
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale"))
-def _jax_vjp(q, k, v, mask, d_out, *, implementation, is_causal, scale):
+def _jax_vjp(q, k, v, mask, bias, d_out, *, implementation, is_causal, scale):
     with_weights = implementation in WITH_WEIGHTS
 
     def f(q, k, v):
         return mha_jax.dot_product_attention(
-            q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+            q, k, v, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
             implementation=implementation, return_weights=with_weights)
 
     result, back = jax.vjp(f, q, k, v)

@@ -22,38 +22,58 @@ def tiny_blocks(monkeypatch):
 
 
 def _case(name, rng):
-    """(mask, is_causal, keep) of a named case."""
+    """(mask, is_causal, keep, structured terms) of a named case."""
+    # queries 4..12 over keys 0..10 (a chunk after a prefix), and positions out of order
+    chunk = dict(query_positions=np.arange(Q)[None] + 4, key_positions=np.arange(K)[None])
+    shuffled = dict(query_positions=np.stack([rng.permutation(Q) * 2, np.arange(Q)]),
+                    key_positions=np.stack([rng.permutation(K), np.arange(K) + 3]))
+    segments = dict(query_segment_ids=np.stack([np.arange(Q) * 3 // Q, np.arange(Q) // 5]),
+                    key_segment_ids=np.stack([np.arange(K) * 3 // K, np.arange(K) // 7]))
     return {
-        "none": (None, False, None),
-        "causal": (None, True, None),
-        "bool+causal": (rng.random((B, H, Q, K)) < 0.6, True, None),
-        "padding-float": (np.where(rng.random((B, 1, 1, K)) < 0.7, 0.0, -np.inf), False, None),
-        "bias-per-head+causal": (rng.normal(size=(1, H, Q, K)), True, None),
-        "bias-keys": (rng.normal(size=(K,)), False, None),
-        "dropout-mask+causal": (None, True, rng.random((B, H, Q, K)) < 0.7),
-        "fully-masked": (np.concatenate([np.zeros((1, H, Q, K), bool), rng.random((1, H, Q, K)) < 0.5]), False, None),
+        "none": (None, False, None, {}),
+        "causal": (None, True, None, {}),
+        "bool+causal": (rng.random((B, H, Q, K)) < 0.6, True, None, {}),
+        "padding-float": (np.where(rng.random((B, 1, 1, K)) < 0.7, 0.0, -np.inf), False, None, {}),
+        "bias-per-head+causal": (rng.normal(size=(1, H, Q, K)), True, None, {}),
+        "bias-keys": (rng.normal(size=(K,)), False, None, {}),
+        "dropout-mask+causal": (None, True, rng.random((B, H, Q, K)) < 0.7, {}),
+        "fully-masked": (np.concatenate([np.zeros((1, H, Q, K), bool), rng.random((1, H, Q, K)) < 0.5]), False, None, {}),
+        "chunk+causal": (None, True, None, chunk),
+        "shuffled+window": (None, False, None, dict(shuffled, window=(3, 2))),
+        "window+causal": (None, True, None, dict(window=(2, 2))),
+        "segments": (None, False, None, segments),
+        "lengths+causal": (None, True, None, dict(lengths=np.array([K, 5]))),
+        "everything": (rng.random((B, 1, Q, K)) < 0.8, True, rng.random((B, H, Q, K)) < 0.7,
+                       dict(chunk, **segments, window=(4, 0), lengths=np.array([9, K]))),
     }[name]
 
 
 CASES = ["none", "causal", "bool+causal", "padding-float", "bias-per-head+causal", "bias-keys",
-         "dropout-mask+causal", "fully-masked"]
+         "dropout-mask+causal", "fully-masked", "chunk+causal", "shuffled+window", "window+causal",
+         "segments", "lengths+causal", "everything"]
+NAMES = {"query_positions": "query_positions", "key_positions": "key_positions", "window": "local_window_size",
+         "query_segment_ids": "query_segment_ids", "key_segment_ids": "key_segment_ids",
+         "lengths": "key_value_seq_lengths"}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_blockwise_matches_oracle_across_blocks(name, tiny_blocks):
     rng = np.random.default_rng(0)
     q, k, v = rng.normal(size=(B, H, Q, D)), rng.normal(size=(B, HK, K, D)), rng.normal(size=(B, HK, K, D))
-    mask, causal, keep = _case(name, rng)
+    mask, causal, keep, terms = _case(name, rng)
     rate = 0.3 if keep is not None else 0.0
-    want, _, cache = oracle.attention(q, k, v, oracle.Attention(mask=mask, is_causal=causal, keep=keep, dropout_rate=rate))
+    want, _, cache = oracle.attention(q, k, v, oracle.Attention(mask=mask, is_causal=causal, keep=keep, dropout_rate=rate, **terms))
     d_out = rng.normal(size=want.shape)
     want_grads = oracle.attention_grad(cache, d_out)
     T = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3))  # noqa: E731
+    additive = mask is not None and mask.dtype.kind == "f"  # JAX's masks are nonzero = attend
+    structured = {NAMES[n]: x if n == "window" else jnp.asarray(x) for n, x in terms.items()}
 
     def f(q, k, v, m):
         return mha_jax.dot_product_attention(
-            q, k, v, mask=m, is_causal=causal, dropout_rate=rate,
-            dropout_mask=None if keep is None else jnp.asarray(keep), implementation="blockwise")
+            q, k, v, **{"bias" if additive else "mask": m}, is_causal=causal, dropout_rate=rate,
+            dropout_mask=None if keep is None else jnp.asarray(keep), implementation="blockwise",
+            **structured)
 
     m = None if mask is None else jnp.asarray(mask)
     out, vjp = jax.vjp(f, T(q), T(k), T(v), m)
@@ -72,12 +92,37 @@ def test_blockwise_matches_oracle_across_blocks(name, tiny_blocks):
         assert max(harness.errors(np.asarray(grads[3]), want_bias)) <= 1e-12
 
 
-def test_causal_skips_empty_blocks():
-    """With causal masking the query blocks visit only the key blocks up to the diagonal."""
-    cfg = _blockwise._Config(4, 4, 16, 16, True, 1.0, 1.0, 0.0, None)
-    assert [int(_blockwise._key_blocks(cfg, i)) for i in range(4)] == [1, 2, 3, 4]
-    wide = _blockwise._Config(4, 2, 6, 16, True, 1.0, 1.0, 0.0, None)  # keys past the last query
-    assert [int(_blockwise._key_blocks(wide, i)) for i in range(2)] == [2, 3]
+def _visits(q_len, kv_len, block_q, block_k, *, causal=False, window=None, terms=(None,) * 5, allowed=None):
+    """Per query block: (whole key blocks, partial key blocks), as the forward visits them."""
+    cfg = _blockwise._Config(block_q, block_k, q_len, kv_len, causal, window, 1.0, 1.0, 0.0, None)
+    if terms[0] is None and (causal or window):
+        terms = (jnp.arange(q_len)[None], jnp.arange(kv_len)[None]) + terms[2:]
+    order, whole, live = _blockwise._schedule(*_blockwise._classes(cfg, allowed, terms, padding=True))
+    return [(int(w), int(n) - int(w)) for w, n in zip(whole, live)]
+
+
+def test_blocks_visited_follow_positions():
+    """Empty blocks are skipped and whole blocks go unmasked, counted by hand for each term."""
+    # causal, 16 x 16 in 4 x 4 blocks: the diagonal block is partial, those below it whole
+    assert _visits(16, 16, 4, 4, causal=True) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    # keys past the last query (6 queries, 16 keys in blocks of 2): never visited
+    assert _visits(6, 16, 4, 2, causal=True) == [(0, 2), (2, 1)]
+    # window (4, 0) with causality at 32, blocks 4 x 4: the diagonal and the one before it partial
+    assert _visits(32, 32, 4, 4, causal=True, window=(4, 0)) == [(0, 1)] + [(0, 2)] * 7
+    # a chunk of 4 queries at positions 12..15 over 16 keys: three whole blocks and the diagonal
+    chunk = (jnp.arange(12, 16)[None], jnp.arange(16)[None], None, None, None)
+    assert _visits(4, 16, 4, 4, causal=True, terms=chunk) == [(3, 1)]
+    # two packed segments of 8 in blocks of 4: each query block sees its own segment's two blocks, whole
+    ids = jnp.arange(16)[None] // 8
+    assert _visits(16, 16, 4, 4, terms=(None, None, ids, ids, None)) == [(2, 0)] * 2 + [(2, 0)] * 2
+    # lengths 6 and 10 of 16 keys in blocks of 4: block 1 is whole in the second row only, block 2
+    # partial there, block 3 empty in both
+    lengths = (None, None, None, None, jnp.array([6, 10]))
+    assert _visits(4, 16, 4, 4, terms=lengths) == [(1, 2)]
+    # a boolean mask: a block it empties is skipped, a block it fills is whole
+    allowed = jnp.zeros((1, 1, 1, 8, 8), bool).at[..., :4, :4].set(True).at[..., 4:, :].set(True)
+    allowed = allowed.at[..., 4, 5].set(False)
+    assert _visits(8, 8, 4, 4, allowed=allowed) == [(1, 0), (1, 1)]
 
 
 def test_dropout_rng_backward_uses_the_forward_mask(tiny_blocks):
