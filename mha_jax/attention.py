@@ -189,19 +189,20 @@ def _cudnn(query, key, value, spec: masks._Spec, scale):
     """``jax.nn.dot_product_attention(implementation="cudnn")`` with our semantics, on
     bfloat16/float16 inputs in the public layout; output in float32.
 
-    Causality and windows at default positions and key/value lengths go to cuDNN as such; other
-    positions and segments are materialised into its mask. cuDNN gives a fully masked row the
-    mean of V; those rows are set to 0 here.
+    Causality at default positions and key/value lengths go to cuDNN as such; windows, segments
+    and other positions are materialised into its mask. cuDNN gives a fully masked row the mean
+    of V; those rows are set to 0 here.
     """
     batch, heads, q_len, kv_len = shape = spec.shape
-    native = spec.default_positions and spec.query_segment_ids is None
-    allowed = spec.allowed if native else masks._dense(dataclasses.replace(spec, lengths=None))
+    # cuDNN's own causality is top-left, ours at default positions; its window is left to the
+    # mask (jax.nn ignored it without one, jax #32357), as are segments and other positions.
+    native_causal = spec.is_causal and spec.default_positions
+    allowed = masks._dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
     out = jax.nn.dot_product_attention(
         query, key, value,
         bias=None if spec.bias is None else jnp.broadcast_to(spec.bias, shape).astype(query.dtype),
         mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
-        is_causal=spec.is_causal and native, local_window_size=spec.window if native else None,
-        key_value_seq_lengths=spec.lengths, implementation="cudnn",
+        is_causal=native_causal, key_value_seq_lengths=spec.lengths, implementation="cudnn",
     ).astype(jnp.float32)
     live = jnp.ones(shape, bool)
     dense = masks._dense(spec)

@@ -29,7 +29,7 @@ from flax import nnx
 
 from mha_jax import _layouts
 
-PROJECTIONS = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
+_FLAX_NAMES = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
 
 
 def from_torch(
@@ -46,7 +46,7 @@ def from_torch(
 
     Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` of NumPy
     arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
-    ``linen`` params or through ``load_torch_weights``.
+    ``linen`` params or through ``load_weights``.
 
     ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
@@ -65,7 +65,7 @@ def from_torch(
     _check_dtypes(state)
     head_dim = _check_state(state, num_heads, num_kv_heads)
     params: dict[str, dict[str, np.ndarray]] = {}
-    for flax_name, torch_name in PROJECTIONS:
+    for flax_name, torch_name in _FLAX_NAMES:
         weight = state[f"{torch_name}.weight"]
         if flax_name == "out":
             kernel = weight.T.reshape(num_heads, head_dim, weight.shape[0])
@@ -90,13 +90,13 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     if isinstance(params, (str, os.PathLike)):
         params = _read_params(params)
     tree = _params_dict(params)
-    problems = [f"missing {name!r}" for name, _ in PROJECTIONS if name not in tree]
-    problems += [f"unexpected {name!r}" for name in tree if name not in dict(PROJECTIONS)]
-    problems += [f"{name!r} has no 'kernel'" for name, _ in PROJECTIONS if name in tree and "kernel" not in tree[name]]
+    problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
+    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES)]
+    problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
         raise ValueError("params is not an attention parameter tree: " + "; ".join(problems))
     state: dict[str, np.ndarray] = {}
-    for flax_name, torch_name in PROJECTIONS:
+    for flax_name, torch_name in _FLAX_NAMES:
         kernel = _to_numpy(tree[flax_name]["kernel"])
         if kernel.ndim != 3:
             raise ValueError(
@@ -116,7 +116,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     return state
 
 
-def load_torch_weights(
+def load_weights(
     module: Any,
     state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
     *,
@@ -141,7 +141,7 @@ def load_torch_weights(
     )
     current = _params_dict(module)
     problems = []
-    for flax_name, _ in PROJECTIONS:
+    for flax_name, _ in _FLAX_NAMES:
         names = set(current[flax_name]) | set(params[flax_name])
         for name in sorted(names):
             have, new = current[flax_name].get(name), params[flax_name].get(name)
@@ -154,7 +154,7 @@ def load_torch_weights(
                 )
     if problems:
         raise ValueError("state_dict does not fit the module: " + "; ".join(problems))
-    for flax_name, _ in PROJECTIONS:
+    for flax_name, _ in _FLAX_NAMES:
         layer = getattr(module, flax_name)
         for name, array in params[flax_name].items():
             variable = getattr(layer, name)
@@ -256,7 +256,7 @@ def _check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int
     from mha_jax._checks import check_heads
 
     has_bias = "q_proj.bias" in state
-    expected = [f"{t}.{part}" for _, t in PROJECTIONS for part in (("weight", "bias") if has_bias else ("weight",))]
+    expected = [f"{t}.{part}" for _, t in _FLAX_NAMES for part in (("weight", "bias") if has_bias else ("weight",))]
     problems = []
     for k in expected:
         if state[k].ndim != (2 if k.endswith("weight") else 1):

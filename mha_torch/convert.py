@@ -17,8 +17,6 @@ import torch
 from mha_torch import _layouts
 from mha_torch.module import MultiHeadAttention
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
-
 
 def load_weights(
     module: torch.nn.Module,
@@ -112,11 +110,11 @@ def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
     ours = module.state_dict()
     state = {"out_proj.weight": ours["out_proj.weight"]}
     if theirs._qkv_same_embed_dim:  # it fuses the three input weights exactly when their shapes agree
-        state["in_proj_weight"] = torch.cat([ours[f"{p}.weight"] for p in PROJECTIONS[:3]])
+        state["in_proj_weight"] = torch.cat([ours[f"{p}.weight"] for p in _layouts.PROJECTIONS[:3]])
     else:
-        state.update({f"{p}_weight": ours[f"{p}.weight"] for p in PROJECTIONS[:3]})
+        state.update({f"{p}_weight": ours[f"{p}.weight"] for p in _layouts.PROJECTIONS[:3]})
     if theirs.in_proj_bias is not None:
-        state["in_proj_bias"] = torch.cat([ours[f"{p}.bias"] for p in PROJECTIONS[:3]])
+        state["in_proj_bias"] = torch.cat([ours[f"{p}.bias"] for p in _layouts.PROJECTIONS[:3]])
         state["out_proj.bias"] = ours["out_proj.bias"]
     theirs.load_state_dict(state)  # strict: every key of theirs is set
     return theirs.train(module.training)

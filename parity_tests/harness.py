@@ -245,7 +245,7 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
             dropout_rate=att.dropout_rate, deterministic=True, param_dtype=dtype,
             implementation=implementation, rngs=nnx.Rngs(0),
         )
-        mha_jax.load_torch_weights(model, torch_params)
+        mha_jax.load_weights(model, torch_params)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def apply(params, *xs):

@@ -110,7 +110,7 @@ def check_loads(checkpoint: Checkpoint) -> None:
         nnx.update(model, tree.get("params", tree))  # a Flax tree loads as it is
         mha_torch.load_weights(module, mha_jax.to_torch(checkpoint.path))
     else:
-        mha_jax.load_torch_weights(model, checkpoint.path, **checkpoint.load)
+        mha_jax.load_weights(model, checkpoint.path, **checkpoint.load)
         mha_torch.load_weights(module, checkpoint.path, **checkpoint.load)
     held = {"jax": mha_jax.to_torch(model), "torch": {k: v for k, v in module.state_dict().items()}}
     for framework, state in held.items():

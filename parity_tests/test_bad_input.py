@@ -266,7 +266,7 @@ def _params(module):
 
 @pytest.mark.parametrize("name", list(STATE_CASES))
 def test_loaders_reject_bad_state_alike(name, tmp_path):
-    """``mha_jax.from_torch``, ``mha_jax.load_torch_weights`` and ``mha_torch.load_weights``
+    """``mha_jax.from_torch``, ``mha_jax.load_weights`` and ``mha_torch.load_weights``
     raise the same exception naming the source or the key; the modules keep their weights."""
     source, error, message = STATE_CASES[name]
     source = source(tmp_path)
@@ -274,7 +274,7 @@ def test_loaders_reject_bad_state_alike(name, tmp_path):
     before = (_params(jax_module), _params(torch_module))
     for load in (
         lambda: mha_jax.from_torch(source, num_heads=4),
-        lambda: mha_jax.load_torch_weights(jax_module, source),
+        lambda: mha_jax.load_weights(jax_module, source),
         lambda: mha_torch.load_weights(torch_module, source),
     ):
         with pytest.raises(error) as info:
@@ -372,6 +372,6 @@ def test_returned_weights_do_not_alias_their_source():
     np.testing.assert_array_equal(module.query.kernel.get_value(), kernel)
     target = _jax_module(in_features=16)
     numpy_state = mha_jax.to_torch(module)
-    mha_jax.load_torch_weights(target, numpy_state)
+    mha_jax.load_weights(target, numpy_state)
     numpy_state["k_proj.weight"][...] = 7.0
     np.testing.assert_array_equal(target.key.kernel.get_value(), module.key.kernel.get_value())

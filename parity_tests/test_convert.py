@@ -71,7 +71,7 @@ def test_flax_to_torch_to_flax_is_bitwise(param_dtype):
     again = mha_jax.MultiHeadAttention(
         4, 16, 24, 12, num_kv_heads=2, in_kv_features=10, param_dtype=param_dtype, rngs=nnx.Rngs(1)
     )
-    mha_jax.load_torch_weights(again, state)
+    mha_jax.load_weights(again, state)
     a, b = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (model, again))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.dtype == y.dtype == param_dtype
@@ -95,7 +95,7 @@ def test_safetensors_files_load_on_both_sides(tmp_path):
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     model = mha_jax.MultiHeadAttention(4, 16, 24, 12, num_kv_heads=2, in_kv_features=10,
                                        param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(model, torch_file)
+    mha_jax.load_weights(model, torch_file)
     assert np.array_equal(_bits(model.query.kernel.get_value()), _bits(params["query"]["kernel"]))
 
 
@@ -104,7 +104,7 @@ def test_loading_casts_to_the_module_dtype_and_copies():
     state = module.state_dict()
     before = {k: v.clone() for k, v in state.items()}
     model = mha_jax.MultiHeadAttention(4, 16, 24, 12, num_kv_heads=2, in_kv_features=10, rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(model, state)
+    mha_jax.load_weights(model, state)
     assert model.query.kernel.get_value().dtype == jnp.float32
     params = mha_jax.from_torch(state, num_heads=4, num_kv_heads=2)
     params["query"]["kernel"][...] = 7.0  # the result owns its memory
@@ -144,7 +144,7 @@ def test_load_weights_list_every_mismatch_in_both_frameworks():
     state = _torch_module().state_dict()
     small_jax = mha_jax.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError) as info:
-        mha_jax.load_torch_weights(small_jax, state)
+        mha_jax.load_weights(small_jax, state)
     assert "query.kernel: module has (16, 4, 4), state dict gives (16, 4, 6)" in str(info.value)
     assert "key.kernel" in str(info.value) and "out.kernel" in str(info.value)
     small_torch = mha_torch.MultiHeadAttention(16, 4, num_kv_heads=2, bias=False)

@@ -130,7 +130,7 @@ def test_loading_one_file_twice_gives_identical_parameters(tmp_path):
 
     def flax_module(seed):
         module = mha_jax.MultiHeadAttention(4, 16, num_kv_heads=2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
-        mha_jax.load_torch_weights(module, path)
+        mha_jax.load_weights(module, path)
         return module
 
     loaded = [_bits(nnx.to_pure_dict(nnx.state(flax_module(seed), nnx.Param))) for seed in (1, 2)]

@@ -121,7 +121,7 @@ def _run_torch_mha(dtype: str, kind: str, cross: bool):
     out_t, weights_t = ours_torch(*args, mask=mask_torch, need_weights=True)
 
     ours_jax = mha_jax.MultiHeadAttention(H, E, in_kv_features=kdim, param_dtype=jax_dtype(dtype), rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(ours_jax, theirs.state_dict(), layout="torch_mha")
+    mha_jax.load_weights(ours_jax, theirs.state_dict(), layout="torch_mha")
     as_jax = lambda t: None if t is None else jnp.asarray(t.numpy())  # noqa: E731
     mask_jax = mha_jax.mask_from_torch_mha(as_jax(attn_mask), as_jax(key_padding_mask), num_heads=H)
     out_j, weights_j = ours_jax(*map(as_jax, args), mask=mask_jax, return_weights=True)
@@ -343,7 +343,7 @@ def test_fused_qkv_tutorial_layer(dtype):
     ours_t = mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV_HEADS, dtype=tdtype)
     mha_torch.load_weights(ours_t, theirs.state_dict(), layout="fused_qkv")
     ours_j = mha_jax.MultiHeadAttention(H, E, num_kv_heads=KV_HEADS, param_dtype=jax_dtype(dtype), rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(ours_j, theirs.state_dict(), layout="fused_qkv")
+    mha_jax.load_weights(ours_j, theirs.state_dict(), layout="fused_qkv")
     out_t = np64(ours_t(x, mask=att_mask))
     out_j = np64(ours_j(jnp.asarray(x.numpy()), mask=jnp.asarray(att_mask.numpy())))
     live_q = ~dead_rows(allowed).any(axis=1)
@@ -383,7 +383,7 @@ def test_hf_bert_attention(dtype, kind):
     ours_t = mha_torch.MultiHeadAttention(E, H, dtype=tdtype)
     mha_torch.load_weights(ours_t, model.state_dict(), **load)
     ours_j = mha_jax.MultiHeadAttention(H, E, param_dtype=jax_dtype(dtype), rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(ours_j, model.state_dict(), **load)
+    mha_jax.load_weights(ours_j, model.state_dict(), **load)
     out_t = np64(ours_t(x, mask=torch.from_numpy(allowed)))
     out_j = np64(ours_j(jnp.asarray(x.numpy()), mask=jnp.asarray(allowed)))
 
@@ -420,7 +420,7 @@ def test_hf_llama_attention(dtype, kind):
     ours_t = mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV_HEADS, dtype=tdtype)
     mha_torch.load_weights(ours_t, theirs.state_dict(), layout="hf")
     ours_j = mha_jax.MultiHeadAttention(H, E, num_kv_heads=KV_HEADS, param_dtype=jax_dtype(dtype), rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(ours_j, theirs.state_dict(), layout="hf")
+    mha_jax.load_weights(ours_j, theirs.state_dict(), layout="hf")
     out_t = np64(ours_t(x, mask=torch.from_numpy(allowed)))
     out_j = np64(ours_j(jnp.asarray(x.numpy()), mask=jnp.asarray(allowed)))
     live_q = ~dead_rows(allowed).any(axis=1)

@@ -198,17 +198,17 @@ def test_feature_sizes_reject_bool_alike():
 
 
 def test_loaders_name_a_module_of_the_wrong_kind():
-    """Symptom: ``mha_jax.load_torch_weights(torch_module, ...)`` raises ``TypeError: params
+    """Symptom: ``mha_jax.load_weights(torch_module, ...)`` raises ``TypeError: params
     must be a mapping or an nnx module`` (an argument it does not have), and
     ``mha_torch.load_weights(flax_module, ...)`` an ``AttributeError`` about ``state_dict``.
 
-    Fix: ``load_torch_weights`` (``mha_jax/convert.py``) and ``load_weights``
+    Fix: ``load_weights`` (``mha_jax/convert.py``) and ``load_weights``
     (``mha_torch/convert.py``) check their ``module`` first: ``TypeError("module must be an
     mha_jax.MultiHeadAttention, got MultiHeadAttention from mha_torch.module")`` and the twin."""
     torch_module = mha_torch.MultiHeadAttention(16, 4)
     flax_module = mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))
     state = torch_module.state_dict()
     with pytest.raises(TypeError, match="module must be"):
-        mha_jax.load_torch_weights(torch_module, state)
+        mha_jax.load_weights(torch_module, state)
     with pytest.raises(TypeError, match="module must be"):
         mha_torch.load_weights(flax_module, state)

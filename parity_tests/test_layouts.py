@@ -104,7 +104,7 @@ def test_each_layout_reads_into_both_frameworks_bitwise(name):
     mha_torch.load_weights(module, {k: torch.from_numpy(v) for k, v in theirs.items()}, **READ[name])
     assert all(_equal(module.state_dict()[k], state[k]) for k in state)
     model = mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=kv, rngs=nnx.Rngs(0))
-    mha_jax.load_torch_weights(model, theirs, **READ[name])
+    mha_jax.load_weights(model, theirs, **READ[name])
     assert all(_equal(v, state[k]) for k, v in mha_jax.to_torch(model).items())
     # nothing given was modified, and nothing returned shares its memory
     assert all(np.array_equal(before[k], theirs[k]) for k in theirs)
