@@ -1,18 +1,23 @@
 """Masks to and from the convention of ``torch.nn.MultiheadAttention``.
 
-Its boolean masks mean the opposite of ours: True = ignore. Twin of
+Its boolean masks mean the opposite of ours: True = ignore. Its float masks are added to the
+logits, which is our ``bias`` (our own ``mask`` is nonzero = attend in ``mha_jax`` but
+float-additive in ``mha_torch``, so the pair below is what means the same in both). Twin of
 ``mha_torch/_torch_mha_masks.py``; here the masks are JAX (or NumPy) arrays.
 
-==========================================  ==========================  =============================
-``torch.nn.MultiheadAttention``             shape                       ours (``mask_from_torch_mha``)
-==========================================  ==========================  =============================
-``attn_mask`` bool, True = ignore           ``(q_len, kv_len)``         ``~attn_mask``
-``attn_mask`` bool, True = ignore           ``(batch*heads, q, kv)``    ``~attn_mask`` as ``(batch, heads, q, kv)``
-``attn_mask`` float, added to the logits    either                      the same values, added
-``key_padding_mask`` bool, True = padding   ``(batch, kv_len)``         ``~kpm[:, None, None, :]``
-``key_padding_mask`` float, added           ``(batch, kv_len)``         ``kpm[:, None, None, :]``
-both                                                                    bool: both allow; else the sum
-==========================================  ==========================  =============================
+==========================================  ==========================  ==============================================
+``torch.nn.MultiheadAttention``             shape                       ours: ``(mask, bias) = mask_from_torch_mha(...)``
+==========================================  ==========================  ==============================================
+``attn_mask`` bool, True = ignore           ``(q_len, kv_len)``         ``mask = ~attn_mask``
+``attn_mask`` bool, True = ignore           ``(batch*heads, q, kv)``    ``mask = ~attn_mask`` as ``(batch, heads, q, kv)``
+``attn_mask`` float, added to the logits    either                      ``bias =`` the same values
+``key_padding_mask`` bool, True = padding   ``(batch, kv_len)``         ``mask = ~kpm[:, None, None, :]``
+``key_padding_mask`` float, added           ``(batch, kv_len)``         ``bias = kpm[:, None, None, :]``
+both                                                                    ``mask``: both allow; ``bias``: the sum
+==========================================  ==========================  ==============================================
+
+``mask_to_torch_mha(mask, shape, bias=...)`` goes back: bool ``attn_mask`` (True = ignore)
+without a bias, else float ``attn_mask`` (the bias, ``-inf`` where the mask forbids).
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ def mask_from_torch_mha(
     key_padding_mask: jax.Array | None = None,
     *,
     num_heads: int | None = None,
-) -> jax.Array | None:
-    """Our mask from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``.
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """Our ``(mask, bias)`` from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``.
 
     Args:
       attn_mask: ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)``; bool (True =
@@ -39,8 +44,10 @@ def mask_from_torch_mha(
       num_heads: needed for a 3-d ``attn_mask``.
 
     Returns:
-      ``None`` if both are None; a bool mask (True = attend) if neither is float; else a float
-      mask (bool parts become 0 / -inf), broadcasting to ``(batch, num_heads, q_len, kv_len)``.
+      ``(mask, bias)``, each broadcasting to ``(batch, num_heads, q_len, kv_len)`` or None:
+      ``mask`` bool (True = attend) from the bool parts (both must allow), ``bias`` float from
+      the float parts (their sum, in the promoted dtype). Pass them as ``mask=`` and ``bias=``
+      in either framework; ``(None, None)`` if both are None.
     """
     parts = []
     if attn_mask is not None:
@@ -67,44 +74,71 @@ def mask_from_torch_mha(
                 f"key_padding_mask must have rank 2 (batch, kv_len), got shape {tuple(key_padding_mask.shape)}"
             )
         parts.append(jnp.asarray(key_padding_mask)[:, None, None, :])
-    if not parts:
-        return None
     if len(parts) == 2 and parts[1].shape[-1] != parts[0].shape[-1]:
         raise ValueError(
             f"attn_mask and key_padding_mask disagree on kv_len: shapes {tuple(attn_mask.shape)} "
             f"and {tuple(key_padding_mask.shape)}"
         )
-    floats = [p for p in parts if p.dtype != jnp.bool_]
-    if not floats:
-        return ~parts[0] if len(parts) == 1 else ~parts[0] & ~parts[1]
-    dtype = floats[0].dtype if len(floats) == 1 else jnp.promote_types(floats[0].dtype, floats[1].dtype)
-    # A bool part as the additive form torch uses for it: 0 where allowed, -inf where ignored.
-    as_float = [p.astype(dtype) if p.dtype != jnp.bool_ else jnp.where(p, -jnp.inf, 0.0).astype(dtype) for p in parts]
-    return as_float[0] if len(as_float) == 1 else as_float[0] + as_float[1]
+    # Each part stays in its own kind: a float 0/-inf "mask" would read as nonzero = attend here.
+    allowed = [~p for p in parts if p.dtype == jnp.bool_]
+    added = [p for p in parts if p.dtype != jnp.bool_]
+    mask = None if not allowed else allowed[0] if len(allowed) == 1 else allowed[0] & allowed[1]
+    bias = None
+    if added:
+        dtype = added[0].dtype if len(added) == 1 else jnp.promote_types(added[0].dtype, added[1].dtype)
+        bias = added[0].astype(dtype) if len(added) == 1 else added[0].astype(dtype) + added[1].astype(dtype)
+    return mask, bias
 
 
-def mask_to_torch_mha(mask: jax.Array, shape: tuple[int, int, int, int]) -> jax.Array:
-    """``torch.nn.MultiheadAttention``'s ``attn_mask`` from our mask.
+def mask_to_torch_mha(
+    mask: jax.Array | None,
+    shape: tuple[int, int, int, int],
+    *,
+    bias: jax.Array | None = None,
+) -> jax.Array | None:
+    """``torch.nn.MultiheadAttention``'s ``attn_mask`` from our ``mask`` and ``bias``.
 
     Args:
-      mask: ours, broadcasting to ``shape``: bool (True = attend), integer (nonzero = attend)
-        or float (added to the logits).
+      mask: ours, broadcasting to ``shape``, or None: any dtype, nonzero = attend (as in
+        ``mha_jax.dot_product_attention``).
       shape: ``(batch, num_heads, q_len, kv_len)`` of the call it is for.
+      bias: real floating, broadcasting to ``shape``, added to the logits; or None.
 
     Returns:
-      ``(q_len, kv_len)`` when the mask is the same for every batch element and head, else
-      ``(batch * num_heads, q_len, kv_len)``; bool (True = ignore) or, for a float mask, the
-      same values.
+      None when both are None; else ``(q_len, kv_len)`` when the result is the same for every
+      batch element and head, or ``(batch * num_heads, q_len, kv_len)``: bool (True = ignore)
+      without a bias, else float (the bias, ``-inf`` where the mask forbids).
     """
-    _checks.require_array("mask", mask)
-    _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
-    kind = _checks._dtype_kind(mask)
-    if kind not in ("bool", "int", "float"):
-        raise TypeError(f"mask must be bool, integer or real floating, got dtype {mask.dtype} with shape {tuple(mask.shape)}")
-    theirs = jnp.asarray(mask) if kind == "float" else jnp.asarray(mask) == 0
+    additive = ignore = None
+    if mask is not None:
+        _checks.require_array("mask", mask)
+        _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        kind = _checks._dtype_kind(mask)
+        if kind not in ("bool", "int", "float"):
+            raise TypeError(f"mask must be bool, integer or real floating, got dtype {mask.dtype} with shape {tuple(mask.shape)}")
+        ignore = jnp.asarray(mask) == 0
+    if bias is not None:
+        _checks.require_float("bias", bias)
+        _checks.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        additive = jnp.asarray(bias)
+    if additive is not None:
+        theirs = additive
+        if ignore is not None:  # the form torch uses for a bool mask beside a float one
+            theirs = jnp.where(ignore, -jnp.inf, additive).astype(additive.dtype)
+    elif ignore is not None:
+        theirs = ignore
+    else:
+        return None
+    return _torch_mha_layout(theirs, shape)
+
+
+def _torch_mha_layout(theirs: jax.Array, shape: tuple[int, int, int, int]) -> jax.Array:
+    """``(q_len, kv_len)`` if ``theirs`` is one for every batch element and head, else
+    ``(batch * num_heads, q_len, kv_len)``."""
     batch, heads, q_len, kv_len = shape
-    if all(n == 1 for n in mask.shape[:-2]):
-        return jnp.broadcast_to(theirs.reshape(mask.shape[-2:] if mask.ndim >= 2 else (1, -1)), (q_len, kv_len))
+    theirs = theirs.reshape((1,) * (4 - theirs.ndim) + tuple(theirs.shape))
+    if theirs.shape[0] == theirs.shape[1] == 1:
+        return jnp.broadcast_to(theirs[0, 0], (q_len, kv_len))
     return jnp.broadcast_to(theirs, (batch, heads, q_len, kv_len)).reshape(batch * heads, q_len, kv_len)
 
 

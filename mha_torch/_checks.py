@@ -33,6 +33,12 @@ def _dtype_kind(x) -> str:
     return "int"
 
 
+def _dtype_name(x) -> str:
+    """A tensor's dtype as JAX and NumPy print it (``int32``, not ``torch.int32``), so that
+    messages naming it read the same in both frameworks."""
+    return str(x.dtype).removeprefix("torch.")
+
+
 def require_array(name: str, x) -> None:
     """TypeError unless ``x`` is a tensor."""
     if not isinstance(x, torch.Tensor):
@@ -44,7 +50,7 @@ def require_float(name: str, x) -> None:
     require_array(name, x)
     if _dtype_kind(x) != "float":
         raise TypeError(
-            f"{name} must be a real floating-point array, got dtype {x.dtype} "
+            f"{name} must be a real floating-point array, got dtype {_dtype_name(x)} "
             f"with shape {tuple(x.shape)}"
         )
 
@@ -153,3 +159,43 @@ def check_implementation(implementation, known: tuple[str, ...]) -> str | None:
     if implementation is not None and implementation not in known:
         raise ValueError(f"implementation must be one of {known} or None, got {implementation!r}")
     return implementation
+
+
+def check_window(window) -> tuple[int, int] | None:
+    """None, an integer ``w`` (the window ``(w, w)``) or ``(left, right)``, each >= 0."""
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, (int, np.integer)) and not isinstance(window, bool) else window
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+        isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in pair
+    )):
+        raise TypeError(f"local_window_size must be an integer or a pair (left, right) of integers, got {window!r}")
+    if min(pair) < 0:
+        raise ValueError(f"local_window_size must be >= 0 on both sides, got {window!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def check_sequence(name: str, x, batch: int, length: int, length_name: str) -> None:
+    """An integer tensor of shape ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
+    require_array(name, x)
+    if _dtype_kind(x) != "int":
+        raise TypeError(f"{name} must be an integer array, got dtype {_dtype_name(x)} with shape {tuple(x.shape)}")
+    shape = tuple(x.shape)
+    if not (shape == (length,) or (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)):
+        raise ValueError(
+            f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
+            f"({batch}, {length}), got {shape}"
+        )
+
+
+def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
+    """An integer ``(batch,)`` (or scalar) tensor of lengths in ``[0, kv_len]``; tensors are
+    always concrete here, so the range is always checked (JAX skips it under ``jit``)."""
+    require_array(name, lengths)
+    if _dtype_kind(lengths) != "int":
+        raise TypeError(f"{name} must be an integer array, got dtype {_dtype_name(lengths)} with shape {tuple(lengths.shape)}")
+    if tuple(lengths.shape) not in ((), (1,), (batch,)):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
+    values = lengths.detach().cpu().numpy()
+    if values.size and (values.min() < 0 or values.max() > kv_len):
+        raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")

@@ -1,16 +1,31 @@
-"""Masks in the shared convention.
+"""What each query may see: masks, biases and positions, parsed once.
 
-A mask broadcasts (right-aligned, numpy rules) to ``(batch, heads, q_len, kv_len)``:
+``mask`` broadcasts (right-aligned, numpy rules) to ``(batch, heads, q_len, kv_len)`` and follows
+the convention of ``F.scaled_dot_product_attention``:
 
 - bool: True = attend;
 - integer: nonzero = attend (0/1 masks work as they are);
-- floating: added to the logits (``-inf`` excludes a key).
+- floating: added to the logits (``-inf`` excludes a key), as ``bias`` is.
 
+This is the one deliberate difference from ``mha_jax``, whose ``mask`` follows flax (any dtype,
+nonzero = attend): a float mask is additive here, a 0/1 keep-mask there. Both take ``bias``.
 Beware: ``torch.nn.MultiheadAttention``'s boolean masks mean the opposite (True = ignore).
+
+Causality, sliding windows, packed segments and key/value lengths are predicates on positions,
+kept as positions (never a dense ``(q_len, kv_len)`` matrix unless an implementation needs one):
+query ``i`` at position ``qp[i]`` may see key ``j`` at ``kp[j]`` when
+
+- ``kp[j] <= qp[i]`` (``is_causal``);
+- ``qp[i] - left <= kp[j] <= qp[i] + right`` (``local_window_size``);
+- the two segment ids are equal (``query_segment_ids``, ``key_segment_ids``);
+- ``j < key_value_seq_lengths[b]``.
+
 Twin of ``mha_jax/masks.py``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,15 +43,15 @@ def padding_mask(valid: torch.Tensor) -> torch.Tensor:
     if valid.ndim != 2:
         raise ValueError(f"valid must have rank 2 (batch, kv_len), got shape {tuple(valid.shape)}")
     if _checks._dtype_kind(valid) not in ("bool", "int"):
-        raise TypeError(f"valid must be bool or integer, got dtype {valid.dtype}")
+        raise TypeError(f"valid must be bool or integer, got dtype {_checks._dtype_name(valid)}")
     return (valid != 0)[:, None, None, :]
 
 
 def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.Tensor:
     """Boolean mask ``(1, 1, q_len, kv_len)``: query i attends to keys 0..i.
 
-    Aligned top-left, as ``is_causal`` in ``F.scaled_dot_product_attention`` and
-    ``jax.nn.dot_product_attention``: with ``q_len > kv_len`` the last rows see every key.
+    Aligned top-left, as ``is_causal`` with default positions: with ``q_len > kv_len`` the
+    last rows see every key.
     """
     kv_len = q_len if kv_len is None else kv_len
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
@@ -45,67 +60,218 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()[None, None]
 
 
-def _split_mask(mask, is_causal: bool, shape: tuple[int, int, int, int], device=None):
-    """Turn ``mask`` and ``is_causal`` into (allowed, bias), either of which may be None.
+@dataclass(frozen=True)
+class _Spec:
+    """One call's masking, checked: the dense terms as given, the structured ones as positions.
 
-    ``allowed`` is a boolean tensor (True = attend) and ``bias`` a floating tensor added to the
-    logits; both broadcast to ``shape`` = (batch, heads, q_len, kv_len).
+    ``allowed`` (bool) and ``bias`` (float; a floating ``mask`` summed in) broadcast to
+    ``(batch, heads, q_len, kv_len)``; positions and segment ids are int64 ``(batch|1, len)``;
+    ``lengths`` int64 ``(batch,)``; ``window`` is ``(left, right)``. None means absent (default
+    positions: ``arange``). Every tensor is on ``device`` (the query's), where the default
+    positions are made too.
     """
-    allowed = bias = None
+
+    shape: tuple[int, int, int, int]
+    allowed: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    is_causal: bool = False
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    query_segment_ids: torch.Tensor | None = None
+    key_segment_ids: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    device: torch.device | None = field(default=None, compare=False)
+
+    @property
+    def structured(self) -> bool:
+        """Whether any term beyond the dense mask and bias restricts the keys."""
+        return self.is_causal or self.window is not None or self.query_segment_ids is not None or self.lengths is not None
+
+    @property
+    def default_positions(self) -> bool:
+        return self.query_positions is None and self.key_positions is None
+
+
+def _parse(
+    shape: tuple[int, int, int, int],
+    *,
+    mask=None,
+    bias=None,
+    is_causal=False,
+    query_positions=None,
+    key_positions=None,
+    local_window_size=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    key_value_seq_lengths=None,
+    device=None,
+) -> _Spec:
+    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len);
+    the tensors kept are moved to ``device`` (the query's)."""
+    batch, _, q_len, kv_len = shape
+    allowed = additive = None
     if mask is not None:
         _checks.require_array("mask", mask)
         _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         kind = _checks._dtype_kind(mask)
-        if kind == "bool":
-            allowed = mask
-        elif kind == "int":
-            allowed = mask != 0
-        elif kind == "float":
-            bias = mask
-        else:
+        if kind not in ("bool", "int", "float"):
             raise TypeError(
-                f"mask must be bool, integer or real floating, got dtype {mask.dtype} "
-                f"with shape {tuple(mask.shape)}"
+                f"mask must be bool, integer or real floating (bool/integer: nonzero = attend; "
+                f"floating: added to the logits), got dtype {_checks._dtype_name(mask)} with shape "
+                f"{tuple(mask.shape)}"
             )
-    if is_causal:
-        causal = causal_mask(shape[2], shape[3], device=device)
-        allowed = causal if allowed is None else allowed & causal
-    return allowed, bias
-
-
-def _unused_keys(allowed, bias, is_causal: bool, shape: tuple[int, int, int, int], kv_heads: int = 1, device=None):
-    """bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
-    head (with ``kv_heads=1``, of any head) may attend to the key; None when every key is used.
-
-    ``allowed``/``bias`` are ``_split_mask``'s for ``shape`` = (batch, heads, q_len, kv_len);
-    with ``is_causal``, keys past the last query are unused too. Zeroing those keys keeps
-    whatever they hold (NaN in padding, say) out of outputs and every gradient: 0 * NaN is NaN
-    in the weights-times-values product and in a projection's weight gradient.
-    """
-    batch, _, q_len, kv_len = shape
-    excluded = []
-    if allowed is not None:
-        excluded.append(~allowed)
+        mask = mask.to(device)
+        if kind == "float":  # SDPA's convention: an additive term, like bias
+            additive = mask
+        else:
+            allowed = mask if kind == "bool" else mask != 0
     if bias is not None:
-        excluded.append(bias == -float("inf"))
-    if is_causal and q_len < kv_len:
-        excluded.append(torch.arange(kv_len, device=device) >= q_len)
-    if not excluded:
+        _checks.require_float("bias", bias)
+        _checks.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        bias = bias.to(device)
+        if additive is not None:  # both broadcast to shape, so their sum does too
+            dtype = torch.promote_types(additive.dtype, bias.dtype)  # not left to a 0-d operand
+            bias = additive.to(dtype) + bias.to(dtype)
+    else:
+        bias = additive
+    return _Spec(
+        shape, allowed, bias, _checks.check_is_causal(is_causal),
+        _sequence("query_positions", query_positions, batch, q_len, "q_len", device),
+        _sequence("key_positions", key_positions, batch, kv_len, "kv_len", device),
+        _checks.check_window(local_window_size),
+        *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len, device),
+        _lengths(key_value_seq_lengths, batch, kv_len, device), device,
+    )
+
+
+def _sequence(name: str, x, batch: int, length: int, length_name: str, device=None):
+    """Integer ``(length,)`` or ``(batch|1, length)`` as int64 ``(batch|1, length)``."""
+    if x is None:
         return None
+    _checks.check_sequence(name, x, batch, length, length_name)
+    x = x.to(device=device, dtype=torch.int64)
+    return x[None] if x.ndim == 1 else x
+
+
+def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int, device=None):
+    if (query_ids is None) != (key_ids is None):
+        given, missing = ("query_segment_ids", "key_segment_ids") if key_ids is None else ("key_segment_ids", "query_segment_ids")
+        raise ValueError(f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)")
+    return (_sequence("query_segment_ids", query_ids, batch, q_len, "q_len", device),
+            _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len", device))
+
+
+def _lengths(lengths, batch: int, kv_len: int, device=None):
+    if lengths is None:
+        return None
+    _checks.check_lengths("key_value_seq_lengths", lengths, batch, kv_len)
+    return lengths.to(device=device, dtype=torch.int64).expand(batch)
+
+
+def _visible(is_causal: bool, window, qp, kp, qs, ks, key_index, lengths):
+    """bool, broadcast of the operands: which keys each query may see by the structured terms
+    alone, or None where they restrict nothing. Operands are laid out by the caller so that
+    they broadcast (``qp``/``qs`` along queries, ``kp``/``ks``/``key_index`` along keys)."""
+    ok = []
+    if is_causal:
+        ok.append(kp <= qp)
+    if window is not None:
+        left, right = window
+        ok.append((kp >= qp - left) & (kp <= qp + right))
+    if qs is not None:
+        ok.append(qs == ks)
+    if lengths is not None:
+        ok.append(key_index < lengths)
+    if not ok:
+        return None
+    result = ok[0]
+    for term in ok[1:]:
+        result = result & term
+    return result
+
+
+def _positions(spec: _Spec):
+    """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
+    _, _, q_len, kv_len = spec.shape
+    qp = torch.arange(q_len, device=spec.device)[None] if spec.query_positions is None else spec.query_positions
+    kp = torch.arange(kv_len, device=spec.device)[None] if spec.key_positions is None else spec.key_positions
+    return qp, kp
+
+
+def _dense(spec: _Spec):
+    """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
+    _, _, _, kv_len = spec.shape
+    qp, kp = _positions(spec)
+    qs, ks = spec.query_segment_ids, spec.key_segment_ids
+    visible = _visible(
+        spec.is_causal, spec.window, qp[:, :, None], kp[:, None, :], None if qs is None else qs[:, :, None],
+        None if ks is None else ks[:, None, :], torch.arange(kv_len, device=spec.device)[None, None, :],
+        None if spec.lengths is None else spec.lengths[:, None, None],
+    )
+    if visible is None:
+        return spec.allowed
+    visible = visible[:, None]
+    return visible if spec.allowed is None else spec.allowed & visible
+
+
+def _unused_keys(spec: _Spec, kv_heads: int = 1):
+    """bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
+    head (with ``kv_heads=1``, of any head) may attend to the key; None when none is found.
+
+    Each term is read alone (a key that only their combination excludes stays in): the dense
+    mask and a ``-inf`` bias over all queries, and without forming a ``(q_len, kv_len)`` matrix,
+    lengths, causality and windows from the extreme query positions, and segments absent from
+    the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
+    outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
+    projection's weight gradient.
+    """
+    batch, _, _, kv_len = spec.shape
+    excluded = []
+    if spec.allowed is not None:
+        excluded.append(~spec.allowed)
+    if spec.bias is not None:
+        excluded.append(spec.bias == -float("inf"))
     unused = None
     for ex in excluded:  # over queries, then over the query heads of each key/value head
         ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(dim=2)  # (batch?, heads?, kv_len?)
         if ex.shape[1] != 1:
             ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(dim=2)
         unused = ex if unused is None else unused | ex
-    return unused.expand(batch, kv_heads, kv_len)
+    keys = []  # (batch|1, kv_len) terms
+    if spec.lengths is not None:
+        keys.append(torch.arange(kv_len, device=spec.device)[None] >= spec.lengths[:, None])
+    if (spec.is_causal or spec.window is not None) and spec.shape[2] > 0:
+        qp, kp = _positions(spec)
+        lo, hi = qp.amin(dim=1, keepdim=True), qp.amax(dim=1, keepdim=True)
+        if spec.is_causal:
+            keys.append(kp > hi)
+        if spec.window is not None:
+            left, right = spec.window
+            keys.append((kp < lo - left) | (kp > hi + right))
+    if spec.query_segment_ids is not None and spec.shape[2] > 0:
+        keys.append(~_present(spec.query_segment_ids, spec.key_segment_ids))
+    for ex in keys:
+        ex = ex[:, None, :]
+        unused = ex if unused is None else unused | ex
+    return None if unused is None else unused.expand(batch, kv_heads, kv_len)
 
 
-def _zero_unused_inputs(inputs_k, inputs_v, mask, is_causal: bool, shape: tuple[int, int, int, int]):
+def _present(query_ids, key_ids):
+    """bool ``(batch|1, kv_len)``: whether each key's segment id occurs among the queries'."""
+    batch = max(query_ids.shape[0], key_ids.shape[0])
+    ordered = torch.sort(query_ids, dim=1).values.expand(batch, query_ids.shape[1]).contiguous()
+    key_ids = key_ids.expand(batch, key_ids.shape[1]).contiguous()
+    index = torch.searchsorted(ordered, key_ids)  # batched along the first axis
+    found = torch.gather(ordered, 1, index.clamp(max=ordered.shape[1] - 1))
+    return found == key_ids
+
+
+def _zero_unused_inputs(inputs_k, inputs_v, spec: _Spec):
     """The module's ``key``/``value`` inputs ``(batch, kv_len, features)`` with zeros at the
     keys that no query of any head may attend to, before they are projected."""
-    unused = _unused_keys(*_split_mask(mask, False, shape), is_causal, shape, device=inputs_k.device)
+    unused = _unused_keys(spec)
     if unused is None:
         return inputs_k, inputs_v
-    unused = unused[:, 0, :, None].to(inputs_k.device)
+    unused = unused[:, 0, :, None]
     return inputs_k.masked_fill(unused, 0), inputs_v.masked_fill(unused, 0)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha_torch import _checks
-from mha_torch.attention import IMPLEMENTATIONS, dot_product_attention
-from mha_torch.masks import _zero_unused_inputs
+from mha_torch import _checks, masks
+from mha_torch.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(batch, length, features)"
 
@@ -77,7 +76,14 @@ class MultiHeadAttention(nn.Module):
         value: torch.Tensor | None = None,
         *,
         mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
         is_causal: bool = False,
+        query_positions: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+        local_window_size: int | tuple[int, int] | None = None,
+        query_segment_ids: torch.Tensor | None = None,
+        key_segment_ids: torch.Tensor | None = None,
+        key_value_seq_lengths: torch.Tensor | None = None,
         need_weights: bool = False,
         dropout_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +93,13 @@ class MultiHeadAttention(nn.Module):
           query: ``(batch, q_len, embed_dim)``.
           key: ``(batch, kv_len, kdim)``; default ``query`` (self-attention).
           value: ``(batch, kv_len, vdim)``; default ``key``.
-          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; see ``dot_product_attention``.
-          is_causal: causal masking, combined with ``mask``.
+          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; bool/integer nonzero =
+            attend, floating = added to the logits (see ``dot_product_attention``).
+          bias: added to the logits, broadcasting to ``(batch, num_heads, q_len, kv_len)``.
+          is_causal, query_positions, key_positions, local_window_size, query_segment_ids,
+            key_segment_ids, key_value_seq_lengths: as in ``mha_torch.dot_product_attention``;
+            in self-attention (``key`` not given, or ``query`` itself) the key positions and
+            segment ids default to the query's.
           need_weights: also return the weights ``(batch, num_heads, q_len, kv_len)``.
           dropout_mask: explicit keep-mask ``(batch, num_heads, q_len, kv_len)``; always applied,
             kept weights scaled by ``1 / (1 - dropout)``.
@@ -96,26 +107,45 @@ class MultiHeadAttention(nn.Module):
         Returns:
           ``(batch, q_len, out_dim)``, or ``(output, weights)``.
         """
+        self_attention = key is None or key is query
         key = query if key is None else key
         value = key if value is None else value
         _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
 
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
-        key, value = _zero_unused_inputs(
-            key, value, mask, _checks.check_is_causal(is_causal), (batch, self.num_heads, q_len, kv_len)
+        spec = _spec(
+            query, key, self.num_heads, self_attention, mask=mask, bias=bias,
+            is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
+            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
         )
+        key, value = masks._zero_unused_inputs(key, value, spec)
         q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        result = dot_product_attention(
-            q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p,
-            dropout_mask=dropout_mask, return_weights=need_weights,
-            implementation=self.implementation,
+        result = _attention(
+            q, k, v, spec, dropout_p=dropout_p, dropout_mask=dropout_mask,
+            return_weights=need_weights, implementation=self.implementation,
         )
         out, weights = result if need_weights else (result, None)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim))
         return (out, weights) if need_weights else out
+
+
+def _spec(query, key, num_heads: int, self_attention: bool, *, key_positions=None,
+          key_segment_ids=None, query_positions=None, query_segment_ids=None, **terms) -> masks._Spec:
+    """The call's masking, parsed once for ``(batch, num_heads, q_len, kv_len)`` on the query's
+    device; in self-attention the key positions and segment ids default to the query's."""
+    if self_attention:
+        key_positions = query_positions if key_positions is None else key_positions
+        key_segment_ids = query_segment_ids if key_segment_ids is None else key_segment_ids
+    shape = (query.shape[0], num_heads, query.shape[1], key.shape[1])
+    return masks._parse(
+        shape, query_positions=query_positions, key_positions=key_positions,
+        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+        device=query.device, **terms,
+    )
 
 
 def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:

@@ -44,7 +44,7 @@ def run_core(framework: str, q, k, v, d_out, *, dtype: str = "float64", mask=Non
 
 def _run_jax(arrays, mask, implementation, is_causal, scale):
     q, k, v, d_out = (jnp.asarray(x).transpose(0, 2, 1, 3) for x in arrays)
-    additive = mask is not None and mask.dtype.kind == "f"  # JAX's masks are nonzero = attend
+    additive = mask is not None and harness.is_floating(mask)  # JAX's masks are nonzero = attend
     mask = None if mask is None else jnp.asarray(mask)
     out, weights, grads = _jax_vjp(q, k, v, None if additive else mask, mask if additive else None, d_out,
                                    implementation=implementation, is_causal=is_causal, scale=scale)

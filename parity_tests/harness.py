@@ -228,7 +228,7 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
     as_jax = lambda x: None if x is None else jnp.asarray(_cast(x, case.dtype))  # noqa: E731
     keep = None if att.keep is None else jnp.asarray(att.keep)
     with_weights = implementation == "xla"
-    kwargs = dict(**_terms(att, as_jax, case.dtype), dropout_mask=keep, return_weights=with_weights)
+    kwargs = dict(**_terms(att, as_jax), dropout_mask=keep, return_weights=with_weights)
     if data.padding_valid is not None:
         kwargs["mask"] = mha_jax.padding_mask(jnp.asarray(data.padding_valid))
     elif case.mask == "flax-float":
@@ -300,7 +300,7 @@ def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
         x = torch.from_numpy(np.array(x))
         return x.to(dtype) if x.is_floating_point() else x
 
-    kwargs = _terms(data.attention, lambda x: None if x is None else as_torch(x), case.dtype)
+    kwargs = _terms(data.attention, lambda x: None if x is None else as_torch(x))
     if data.padding_valid is not None:
         kwargs["mask"] = mha_torch.padding_mask(torch.from_numpy(data.padding_valid))
     keep = None if att.keep is None else torch.from_numpy(np.array(att.keep))
@@ -316,13 +316,12 @@ def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
     return {"out": _f64(out), "weights": None if weights is None else _f64(weights), "grads": named}
 
 
-def _terms(att: oracle.Attention, convert, dtype: str) -> dict:
-    """The call's masking keywords, as ``convert`` makes arrays of them. In self-attention
-    the key positions and segment ids are left to default to the query's."""
+def _terms(att: oracle.Attention, convert) -> dict:
+    """The call's masking keywords, as ``convert`` makes arrays of them (in the case's dtype).
+    In self-attention the key positions and segment ids are left to default to the query's."""
     same = att.key_positions is att.query_positions
     return dict(
-        mask=convert(_cast(att.mask, dtype)) if att.mask is not None else None,
-        bias=convert(_cast(att.bias, dtype)) if att.bias is not None else None,
+        mask=convert(att.mask), bias=convert(att.bias),
         is_causal=att.is_causal, local_window_size=att.window,
         query_positions=convert(att.query_positions),
         key_positions=None if same else convert(att.key_positions),
@@ -330,6 +329,11 @@ def _terms(att: oracle.Attention, convert, dtype: str) -> dict:
         key_segment_ids=None if att.key_segment_ids is att.query_segment_ids else convert(att.key_segment_ids),
         key_value_seq_lengths=convert(att.lengths),
     )
+
+
+def is_floating(x: np.ndarray) -> bool:
+    """Whether a NumPy array holds floats (bfloat16, whose dtype kind is 'V', included)."""
+    return np.asarray(x).dtype.kind == "f" or np.asarray(x).dtype.name == "bfloat16"
 
 
 def _cast(x: np.ndarray, dtype: str) -> np.ndarray:

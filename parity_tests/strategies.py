@@ -80,6 +80,11 @@ class Spec:
     jax_module: str = "nnx"
     torch_impl: str = "math"
     seed: int = 0
+    positions: str = "default"  # "default", "after" (queries start after the keys) or "shuffled"
+    window: tuple[int, int] | None = None
+    segments: int = 0  # number of packed segments drawn (0: none)
+    lengths: bool = False
+    bias_shape: tuple[int, ...] | None = None
 
 
 def broadcast_shapes(full: tuple[int, ...]):
@@ -137,6 +142,11 @@ def specs(draw) -> Spec:
         jax_module=draw(st.sampled_from(["nnx", "linen"])),
         torch_impl="math" if dropout else draw(st.sampled_from(["math", "sdpa"])),
         seed=draw(st.integers(0, 2**32 - 1)),
+        positions=draw(st.sampled_from(["default", "default", "after", "shuffled"])),
+        window=draw(st.none() | st.tuples(st.integers(0, 9), st.integers(0, 9))),
+        segments=draw(st.sampled_from([0, 0, 1, 2, 3])),
+        lengths=draw(st.booleans()),
+        bias_shape=draw(st.none() | broadcast_shapes(config.mask_shape)),
     )
 
 
@@ -173,7 +183,33 @@ def build(spec: Spec) -> tuple[harness.Case, harness.Data]:
     keep = None if spec.keep_shape is None else rng.random(spec.keep_shape) >= spec.dropout_rate
     data.attention = oracle.Attention(
         mask=mask, is_causal=spec.is_causal, keep=keep,
-        dropout_rate=spec.dropout_rate if keep is not None else 0.0,
+        dropout_rate=spec.dropout_rate if keep is not None else 0.0, window=spec.window,
+        **draw_structure(spec, rng),
     )
     data.padding_valid = valid
     return harness.Case(spec.config, "drawn", spec.dtype), data
+
+
+def draw_structure(spec: Spec, rng: np.random.Generator) -> dict:
+    """The spec's positions, segment ids, lengths and bias, as ``oracle.Attention`` fields. In
+    self-attention the keys share the queries' positions and segment ids (the same arrays)."""
+    c = spec.config
+    b, _, q, k = c.mask_shape
+    terms = {}
+    if spec.positions == "after":  # each batch element's queries end at or past its last key
+        qp = np.arange(q)[None] + max(k - q, 0) + rng.integers(0, 3, size=(b, 1))
+        terms["query_positions"] = qp
+        terms["key_positions"] = qp if c.self_attention else np.arange(k)
+    elif spec.positions == "shuffled":
+        qp = np.stack([rng.permutation(q) for _ in range(b)]) + rng.integers(-2, 3)
+        terms["query_positions"] = qp
+        terms["key_positions"] = qp if c.self_attention else np.stack([rng.permutation(k) for _ in range(b)])
+    if spec.segments:
+        qs = np.sort(rng.integers(0, spec.segments, size=(b, q)), axis=1)
+        terms["query_segment_ids"] = qs
+        terms["key_segment_ids"] = qs if c.self_attention else np.sort(rng.integers(0, spec.segments, size=(b, k)), axis=1)
+    if spec.lengths:
+        terms["lengths"] = rng.integers(0 if spec.empty_rows else 1, k + 1, size=b)
+    if spec.bias_shape is not None:
+        terms["bias"] = harness._rounded(rng.normal(size=spec.bias_shape), spec.dtype)
+    return terms

@@ -116,15 +116,15 @@ def _run_torch_mha(dtype: str, kind: str, cross: bool):
     )
 
     ours_torch = mha_torch.from_torch_mha(theirs)
-    mask_torch = mha_torch.mask_from_torch_mha(attn_mask, key_padding_mask, num_heads=H)
+    mask_torch, bias_torch = mha_torch.mask_from_torch_mha(attn_mask, key_padding_mask, num_heads=H)
     args = (xq,) if not cross else (xq, xkv)
-    out_t, weights_t = ours_torch(*args, mask=mask_torch, need_weights=True)
+    out_t, weights_t = ours_torch(*args, mask=mask_torch, bias=bias_torch, need_weights=True)
 
     ours_jax = mha_jax.MultiHeadAttention(H, E, in_kv_features=kdim, param_dtype=jax_dtype(dtype), rngs=nnx.Rngs(0))
     mha_jax.load_weights(ours_jax, theirs.state_dict(), layout="torch_mha")
     as_jax = lambda t: None if t is None else jnp.asarray(t.numpy())  # noqa: E731
-    mask_jax = mha_jax.mask_from_torch_mha(as_jax(attn_mask), as_jax(key_padding_mask), num_heads=H)
-    out_j, weights_j = ours_jax(*map(as_jax, args), mask=mask_jax, return_weights=True)
+    mask_jax, bias_jax = mha_jax.mask_from_torch_mha(as_jax(attn_mask), as_jax(key_padding_mask), num_heads=H)
+    out_j, weights_j = ours_jax(*map(as_jax, args), mask=mask_jax, bias=bias_jax, return_weights=True)
     return allowed, theirs, (np64(out), np64(weights)), {"torch": (np64(out_t), np64(weights_t)), "jax": (np64(out_j), np64(weights_j))}
 
 

@@ -1,4 +1,4 @@
-"""Regression tests for the defects the robustness work (issue 5) found. Each failed before its
+"""Regression tests for defects that property-based testing found. Each failed before its
 fix; each docstring gives the symptom seen and the fix that was made.
 """
 

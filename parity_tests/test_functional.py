@@ -28,11 +28,19 @@ def _inputs(rng, kv_heads, dtype):
     return q, k, v
 
 
+def _jax_masking(mask) -> dict:
+    """A mask in PyTorch's convention as the JAX core's keyword: a float mask is its ``bias``."""
+    if mask is None:
+        return {}
+    return {"bias" if harness.is_floating(mask) else "mask": jnp.asarray(mask)}
+
+
 def _jax(q, k, v, dtype, mask=None, **kw):
-    """Call the JAX core from torch-layout NumPy arrays; results back in torch layout."""
+    """Call the JAX core from torch-layout NumPy arrays (a float ``mask`` is added, as in
+    PyTorch); results back in torch layout."""
     t = lambda x: jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3))  # noqa: E731
-    m = None if mask is None else jnp.asarray(harness._cast(mask, dtype))
-    out, w = mha_jax.dot_product_attention(t(q), t(k), t(v), mask=m, return_weights=True, **kw)
+    masking = _jax_masking(None if mask is None else harness._cast(mask, dtype))
+    out, w = mha_jax.dot_product_attention(t(q), t(k), t(v), **masking, return_weights=True, **kw)
     return harness._f64(out).transpose(0, 2, 1, 3), harness._f64(w)
 
 
@@ -176,7 +184,7 @@ def test_nan_and_inf_in_padded_keys_do_not_leak(poison):
     want_grads = oracle.attention_grad(cache, d_out)
     for mask in (valid[:, None, None, :], np.where(valid, 0.0, -np.inf)[:, None, None, :]):
         tq, tk, tv = (jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
-        out, vjp = jax.vjp(lambda *a: mha_jax.dot_product_attention(*a, mask=jnp.asarray(mask)), tq, tk, tv)
+        out, vjp = jax.vjp(lambda *a: mha_jax.dot_product_attention(*a, **_jax_masking(mask)), tq, tk, tv)
         grads = [np.asarray(g).transpose(0, 2, 1, 3) for g in vjp(jnp.asarray(d_out.transpose(0, 2, 1, 3)))]
         xs = [torch.from_numpy(x).requires_grad_(True) for x in (q, k, v)]
         t_out = mha_torch.dot_product_attention(*xs, mask=torch.from_numpy(mask))

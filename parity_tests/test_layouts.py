@@ -289,27 +289,34 @@ def test_to_torch_mha_refuses_what_it_cannot_hold():
 
 T, F_ = True, False
 INF = float("-inf")
-# (attn_mask, key_padding_mask, num_heads) -> ours; theirs True = ignore, ours True = attend
+# (attn_mask, key_padding_mask, num_heads) -> ours (mask, bias); theirs True = ignore, ours True = attend
 FROM_CASES = {
-    "2-d bool": (np.array([[F_, T], [F_, F_]]), None, None, np.array([[T, F_], [T, T]])),
-    "padding bool": (None, np.array([[F_, F_, T]]), None, np.array([[[[T, T, F_]]]])),
-    "3-d bool": (np.array([[[T]], [[F_]], [[F_]], [[T]]]), None, 2, np.array([[[[F_]], [[T]]], [[[T]], [[F_]]]])),
-    "both bool": (np.array([[F_, T]]), np.array([[F_, F_], [T, F_]]), None, np.array([[[[T, F_]]], [[[F_, F_]]]])),
-    "float and bool": (np.array([[0.5, -1.0]], np.float32), np.array([[T, F_]]), None, np.array([[[[INF, -1.0]]]], np.float32)),
-    "float only": (None, np.array([[0.0, -2.0]]), None, np.array([[[[0.0, -2.0]]]])),
+    "2-d bool": (np.array([[F_, T], [F_, F_]]), None, None, (np.array([[T, F_], [T, T]]), None)),
+    "padding bool": (None, np.array([[F_, F_, T]]), None, (np.array([[[[T, T, F_]]]]), None)),
+    "3-d bool": (np.array([[[T]], [[F_]], [[F_]], [[T]]]), None, 2, (np.array([[[[F_]], [[T]]], [[[T]], [[F_]]]]), None)),
+    "both bool": (np.array([[F_, T]]), np.array([[F_, F_], [T, F_]]), None, (np.array([[[[T, F_]]], [[[F_, F_]]]]), None)),
+    "float and bool": (np.array([[0.5, -1.0]], np.float32), np.array([[T, F_]]), None,
+                       (np.array([[[[F_, T]]]]), np.array([[0.5, -1.0]], np.float32))),
+    "float only": (None, np.array([[0.0, -2.0]]), None, (None, np.array([[[[0.0, -2.0]]]]))),
+    "two floats": (np.array([[1.0, 0.0]]), np.array([[0.0, -2.0]]), None, (None, np.array([[[[1.0, -2.0]]]]))),
 }
 
 
 @pytest.mark.parametrize("name", list(FROM_CASES))
 def test_mask_from_torch_mha(name):
+    """A (mask, bias) pair: bool parts in ``mask``, float parts in ``bias`` (JAX reads a float
+    mask as nonzero = attend, so an additive one must not come back as a mask)."""
     attn, padding, heads, expected = FROM_CASES[name]
     as_torch = lambda x: None if x is None else torch.from_numpy(x)  # noqa: E731
     as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
     for ours in (mha_torch.mask_from_torch_mha(as_torch(attn), as_torch(padding), num_heads=heads),
                  mha_jax.mask_from_torch_mha(as_jax(attn), as_jax(padding), num_heads=heads)):
-        ours = np.asarray(ours)
-        assert ours.dtype == expected.dtype and ours.shape == expected.shape and np.array_equal(ours, expected), (ours, expected)
-    assert mha_torch.mask_from_torch_mha() is None and mha_jax.mask_from_torch_mha() is None
+        for got, want in zip(ours, expected):
+            assert (got is None) == (want is None), (ours, expected)
+            if want is not None:
+                got = np.asarray(got)
+                assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), (got, want)
+    assert mha_torch.mask_from_torch_mha() == (None, None) and mha_jax.mask_from_torch_mha() == (None, None)
 
 
 # ours -> (shape, theirs)
@@ -317,7 +324,11 @@ TO_CASES = {
     "causal": (np.tri(2, 3, dtype=bool)[None, None], (2, 4, 2, 3), np.array([[F_, T, T], [F_, F_, T]])),
     "0/1 per batch": (np.array([[1, 0]])[:, None, None, :].repeat(2, 0) * np.array([1, 0])[:, None, None, None],
                       (2, 2, 1, 2), np.array([[[F_, T]], [[F_, T]], [[T, T]], [[T, T]]])),
-    "float bias": (np.array([0.0, -1.5], np.float32), (1, 1, 2, 2), np.array([[0.0, -1.5], [0.0, -1.5]], np.float32)),
+}
+# ours (mask, bias) -> (shape, theirs), a float attn_mask whenever there is a bias
+TO_BIAS_CASES = {
+    "bias": (None, np.array([0.0, -1.5], np.float32), (1, 1, 2, 2), np.array([[0.0, -1.5], [0.0, -1.5]], np.float32)),
+    "mask and bias": (np.array([T, F_]), np.array([0.5, -1.5], np.float32), (1, 1, 2, 2), np.array([[0.5, INF], [0.5, INF]], np.float32)),
 }
 
 
@@ -325,6 +336,17 @@ TO_CASES = {
 def test_mask_to_torch_mha(name):
     ours, shape, expected = TO_CASES[name]
     for theirs in (mha_torch.mask_to_torch_mha(torch.from_numpy(ours), shape), mha_jax.mask_to_torch_mha(jnp.asarray(ours), shape)):
+        theirs = np.asarray(theirs)
+        assert theirs.dtype == expected.dtype and np.array_equal(theirs, expected), (theirs, expected)
+
+
+@pytest.mark.parametrize("name", list(TO_BIAS_CASES))
+def test_mask_and_bias_to_torch_mha(name):
+    mask, bias, shape, expected = TO_BIAS_CASES[name]
+    as_torch = lambda x: None if x is None else torch.from_numpy(x)  # noqa: E731
+    as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    for theirs in (mha_torch.mask_to_torch_mha(as_torch(mask), shape, bias=as_torch(bias)),
+                   mha_jax.mask_to_torch_mha(as_jax(mask), shape, bias=as_jax(bias))):
         theirs = np.asarray(theirs)
         assert theirs.dtype == expected.dtype and np.array_equal(theirs, expected), (theirs, expected)
 

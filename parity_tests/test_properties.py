@@ -1,6 +1,7 @@
 """Property-based parity: Hypothesis draws whole configurations (batch 1-3, query and key
 lengths 1-67, grouped and multi-query heads, head_dim 1-80, feature sizes, bias on/off, every
-dtype, masks of every form and broadcast shape with fully masked rows, causality, dropout) and
+dtype, masks of every form and broadcast shape with fully masked rows, causality, dropout,
+positions after the keys or shuffled, windows, packed segments, lengths, a bias on top) and
 each drawn case runs both frameworks, forward and gradients, against the float64 oracle and
 against each other, within the design's tolerances.
 
@@ -137,11 +138,17 @@ EDGES = {
     "padding with an empty batch element": lambda s: s.mask == "padding" and s.empty_rows,
     "dropout with a broadcast keep-mask": lambda s: s.keep_shape is not None and 0 < len(s.keep_shape) < 4,
     "bfloat16 blockwise against sdpa": lambda s: s.dtype == "bfloat16" and s.jax_impl == "blockwise" and s.torch_impl == "sdpa",
+    "queries after the keys, causal": lambda s: s.positions == "after" and s.is_causal,
+    "shuffled positions in a window": lambda s: s.positions == "shuffled" and s.window is not None,
+    "window reaching right": lambda s: s.window is not None and s.window[1] > 0 and not s.is_causal,
+    "packed segments with lengths": lambda s: s.segments >= 2 and s.lengths,
+    "a bias on a mask": lambda s: s.bias_shape is not None and s.mask not in ("none", "padding"),
+    "everything at once": lambda s: s.positions != "default" and s.window and s.segments and s.lengths and s.bias_shape is not None and s.mask != "none",
 }
 
 
 def test_strategy_reaches_the_edges():
-    """The strategy draws each corner the issue names within a few hundred examples (a
+    """The strategy draws each corner below within a few hundred examples (a
     strategy that never drew them would leave the property above vacuous there)."""
     reached = set()
 
