@@ -6,12 +6,11 @@ argument fails alike in both frameworks. Every message names the argument and th
 
 from __future__ import annotations
 
-import math
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mha_jax import _neutral
 
 # The functional core's layout, named in messages.
 QKV_LAYOUT = "(batch, q_len, heads, head_dim)"
@@ -53,36 +52,6 @@ def require_rank(name: str, x, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
 
 
-def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name: str) -> int:
-    """Validate head counts against a feature size; return head_dim."""
-    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
-    if not isinstance(features, (int, np.integer)) or isinstance(features, bool) or features < 1:
-        raise ValueError(f"{features_name} must be a positive integer, got {features!r}")
-    if features % num_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must divide {features_name} ({features})"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
-        )
-    return features // num_heads
-
-
-def check_broadcast(name: str, shape: Sequence[int], target: Sequence[int], target_names: str) -> None:
-    """ValueError unless ``shape`` broadcasts to ``target`` (right-aligned, numpy rules)."""
-    shape, target = tuple(shape), tuple(target)
-    ok = len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(shape[::-1], target[::-1])
-    )
-    if not ok:
-        raise ValueError(
-            f"{name} of shape {shape} does not broadcast to {target_names} = {target}"
-        )
-
-
 def check_attention_inputs(query, key, value) -> tuple[int, int, int, int, int, int]:
     """Check the functional core's inputs; return (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -118,78 +87,12 @@ def check_attention_inputs(query, key, value) -> tuple[int, int, int, int, int, 
     return batch, q_len, heads, head_dim, kv_len, kv_heads
 
 
-def check_dropout_rate(name: str, rate: float) -> float:
-    try:
-        rate = float(rate)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in [0, 1), got {rate!r}") from None
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {rate}")
-    return rate
-
-
-def resolve_deterministic(call: bool | None, default: bool | None) -> bool:
-    """The call's ``deterministic``, else the module's; an error when dropout needs one and neither is set."""
-    for value in (call, default):
-        if value is not None:
-            return bool(value)
-    raise ValueError(
-        "dropout_rate > 0 needs deterministic=True or False, in the constructor or the call "
-        "(nnx: module.eval() / module.train())"
-    )
-
-
-def check_scale(scale) -> float | None:
-    """None, or a finite real number."""
-    if scale is None:
-        return None
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a real number, got {scale!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
-    return value
-
-
-def check_is_causal(is_causal) -> bool:
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    return bool(is_causal)
-
-
-def check_implementation(implementation, known: tuple[str, ...]) -> str | None:
-    """None (the default choice) or one of ``known``."""
-    if implementation is not None and implementation not in known:
-        raise ValueError(f"implementation must be one of {known} or None, got {implementation!r}")
-    return implementation
-
-
-def check_window(window) -> tuple[int, int] | None:
-    """None, an integer ``w`` (the window ``(w, w)``) or ``(left, right)``, each >= 0."""
-    if window is None:
-        return None
-    pair = (window, window) if isinstance(window, (int, np.integer)) and not isinstance(window, bool) else window
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
-        isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in pair
-    )):
-        raise TypeError(f"local_window_size must be an integer or a pair (left, right) of integers, got {window!r}")
-    if min(pair) < 0:
-        raise ValueError(f"local_window_size must be >= 0 on both sides, got {window!r}")
-    return int(pair[0]), int(pair[1])
-
-
 def check_sequence(name: str, x, batch: int, length: int, length_name: str) -> None:
     """An integer array of shape ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
     require_array(name, x)
     if _dtype_kind(x) != "int":
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype} with shape {tuple(x.shape)}")
-    shape = tuple(x.shape)
-    if not (shape == (length,) or (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)):
-        raise ValueError(
-            f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
-            f"({batch}, {length}), got {shape}"
-        )
+    _neutral.check_sequence_shape(name, x.shape, batch, length, length_name)
 
 
 def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
@@ -198,12 +101,9 @@ def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
     require_array(name, lengths)
     if _dtype_kind(lengths) != "int":
         raise TypeError(f"{name} must be an integer array, got dtype {lengths.dtype} with shape {tuple(lengths.shape)}")
-    if tuple(lengths.shape) not in ((), (1,), (batch,)):
-        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
+    _neutral.check_lengths_shape(name, lengths.shape, batch)
     if _concrete(lengths):
-        values = np.asarray(lengths)
-        if values.size and (values.min() < 0 or values.max() > kv_len):
-            raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")
+        _neutral.check_lengths_range(name, np.asarray(lengths), kv_len)
 
 
 def _concrete(x) -> bool:

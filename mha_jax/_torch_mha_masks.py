@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks
+from mha_jax import _checks, _neutral
 from mha_jax.masks import MASK_LAYOUT
 
 
@@ -53,32 +53,12 @@ def mask_from_torch_mha(
     if attn_mask is not None:
         _checks.require_array("attn_mask", attn_mask)
         _check_kind("attn_mask", attn_mask)
-        if attn_mask.ndim == 3:
-            if not isinstance(num_heads, int) or num_heads < 1 or attn_mask.shape[0] % num_heads:
-                raise ValueError(
-                    f"a 3-d attn_mask (batch * num_heads, q_len, kv_len) needs num_heads dividing "
-                    f"its first axis; got shape {tuple(attn_mask.shape)} and num_heads={num_heads!r}"
-                )
-            attn_mask = jnp.asarray(attn_mask).reshape(-1, num_heads, *attn_mask.shape[1:])
-        elif attn_mask.ndim != 2:
-            raise ValueError(
-                "attn_mask must have rank 2 (q_len, kv_len) or 3 (batch * num_heads, q_len, kv_len), "
-                f"got shape {tuple(attn_mask.shape)}"
-            )
-        parts.append(jnp.asarray(attn_mask))
+        parts.append(jnp.asarray(attn_mask).reshape(_neutral.torch_mha_attn_shape(attn_mask.shape, num_heads)))
     if key_padding_mask is not None:
         _checks.require_array("key_padding_mask", key_padding_mask)
         _check_kind("key_padding_mask", key_padding_mask)
-        if key_padding_mask.ndim != 2:
-            raise ValueError(
-                f"key_padding_mask must have rank 2 (batch, kv_len), got shape {tuple(key_padding_mask.shape)}"
-            )
+        _neutral.check_torch_mha_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
         parts.append(jnp.asarray(key_padding_mask)[:, None, None, :])
-    if len(parts) == 2 and parts[1].shape[-1] != parts[0].shape[-1]:
-        raise ValueError(
-            f"attn_mask and key_padding_mask disagree on kv_len: shapes {tuple(attn_mask.shape)} "
-            f"and {tuple(key_padding_mask.shape)}"
-        )
     # Each part stays in its own kind: a float 0/-inf "mask" would read as nonzero = attend here.
     allowed = [~p for p in parts if p.dtype == jnp.bool_]
     added = [p for p in parts if p.dtype != jnp.bool_]
@@ -112,14 +92,14 @@ def mask_to_torch_mha(
     additive = ignore = None
     if mask is not None:
         _checks.require_array("mask", mask)
-        _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         kind = _checks._dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
             raise TypeError(f"mask must be bool, integer or real floating, got dtype {mask.dtype} with shape {tuple(mask.shape)}")
         ignore = jnp.asarray(mask) == 0
     if bias is not None:
         _checks.require_float("bias", bias)
-        _checks.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         additive = jnp.asarray(bias)
     if additive is not None:
         theirs = additive
@@ -135,11 +115,11 @@ def mask_to_torch_mha(
 def _torch_mha_layout(theirs: jax.Array, shape: tuple[int, int, int, int]) -> jax.Array:
     """``(q_len, kv_len)`` if ``theirs`` is one for every batch element and head, else
     ``(batch * num_heads, q_len, kv_len)``."""
-    batch, heads, q_len, kv_len = shape
+    target = _neutral.torch_mha_layout(theirs.shape, shape)
     theirs = theirs.reshape((1,) * (4 - theirs.ndim) + tuple(theirs.shape))
-    if theirs.shape[0] == theirs.shape[1] == 1:
-        return jnp.broadcast_to(theirs[0, 0], (q_len, kv_len))
-    return jnp.broadcast_to(theirs, (batch, heads, q_len, kv_len)).reshape(batch * heads, q_len, kv_len)
+    if len(target) == 2:  # the same for every batch element and head
+        return jnp.broadcast_to(theirs[0, 0], target)
+    return jnp.broadcast_to(theirs, tuple(shape)).reshape(target)
 
 
 def _check_kind(name: str, mask) -> None:

@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _blockwise, _checks, masks
+from mha_jax import _blockwise, _checks, _neutral, masks
 from mha_jax.masks import MASK_LAYOUT
 
 
@@ -104,7 +104,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[2], query.shape[3]
-    scale = _checks.check_scale(scale)
+    scale = _neutral.check_scale(scale)
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
@@ -154,7 +154,7 @@ def _choose(implementation, return_weights, scores, dropout, dtype) -> str:
     if implementation is None:
         small = scores < _BLOCKWISE_MIN_SCORES
         return "xla" if return_weights or small else "blockwise"
-    _checks.check_implementation(implementation, IMPLEMENTATIONS)
+    _neutral.check_implementation(implementation, IMPLEMENTATIONS)
     if return_weights and implementation != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
     if implementation == "cudnn":
@@ -240,10 +240,10 @@ def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Arra
 
 def _dropout_keep(rate, rng, dropout_mask, shape):
     """(bool keep-mask or None, PRNG key to draw one or None, scale of kept weights)."""
-    rate = _checks.check_dropout_rate("dropout_rate", rate)
+    rate = _neutral.check_dropout_rate("dropout_rate", rate)
     if dropout_mask is not None:
         _checks.require_array("dropout_mask", dropout_mask)
-        _checks.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
         if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
             raise TypeError(
                 f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "

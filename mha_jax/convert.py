@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax import _layouts
+from mha_jax import _neutral
 
 _FLAX_NAMES = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
 
@@ -58,12 +58,12 @@ def from_torch(
     Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    state = _layouts.read_layout(
+    state = _neutral.read_layout(
         _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
         ignore=ignore, num_heads=num_heads, num_kv_heads=num_kv_heads,
     )
     _check_dtypes(state)
-    head_dim = _check_state(state, num_heads, num_kv_heads)
+    head_dim = _neutral.check_state(state, num_heads, num_kv_heads)
     params: dict[str, dict[str, np.ndarray]] = {}
     for flax_name, torch_name in _FLAX_NAMES:
         weight = state[f"{torch_name}.weight"]
@@ -110,7 +110,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         if "bias" in tree[flax_name]:
             state[f"{torch_name}.bias"] = _to_numpy(tree[flax_name]["bias"]).reshape(-1)
     try:  # the projections must fit one module: heads from the query kernel, kv heads from the key's
-        _check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
+        _neutral.check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
     except ValueError as error:
         raise ValueError(f"params do not form one attention layer: {error}") from None
     return state
@@ -245,42 +245,3 @@ def _check_dtypes(state: dict[str, np.ndarray]) -> None:
     for k, v in state.items():
         if not jnp.issubdtype(v.dtype, jnp.floating):
             raise TypeError(f"{k!r} must be real floating-point, got dtype {v.dtype}")
-
-
-def _check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:
-    """Validate shapes, collecting every problem; return head_dim.
-
-    ``state`` comes from ``_layouts.read_layout``, which has checked the names: every weight, and
-    every bias or none.
-    """
-    from mha_jax._checks import check_heads
-
-    has_bias = "q_proj.bias" in state
-    expected = [f"{t}.{part}" for _, t in _FLAX_NAMES for part in (("weight", "bias") if has_bias else ("weight",))]
-    problems = []
-    for k in expected:
-        if state[k].ndim != (2 if k.endswith("weight") else 1):
-            problems.append(f"{k!r} has shape {state[k].shape}, expected rank {2 if k.endswith('weight') else 1}")
-    if problems:
-        raise ValueError("state_dict: " + "; ".join(problems))
-    q_rows = state["q_proj.weight"].shape[0]
-    head_dim = check_heads(num_heads, num_kv_heads, q_rows, "q_proj.weight.shape[0]")
-    rows = {"q_proj": q_rows, "k_proj": num_kv_heads * head_dim, "v_proj": num_kv_heads * head_dim}
-    for name, n in rows.items():
-        if state[f"{name}.weight"].shape[0] != n:
-            problems.append(
-                f"'{name}.weight' has shape {state[f'{name}.weight'].shape}, expected {n} rows "
-                f"(num_kv_heads={num_kv_heads} x head_dim={head_dim})"
-            )
-    if state["out_proj.weight"].shape[1] != q_rows:
-        problems.append(
-            f"'out_proj.weight' has shape {state['out_proj.weight'].shape}, expected {q_rows} columns"
-        )
-    if has_bias:
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            w, b = state[f"{name}.weight"], state[f"{name}.bias"]
-            if b.shape != (w.shape[0],):
-                problems.append(f"'{name}.bias' has shape {b.shape}, expected ({w.shape[0]},)")
-    if problems:
-        raise ValueError("state_dict: " + "; ".join(problems))
-    return head_dim

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from mha_jax import _checks, masks
+from mha_jax import _checks, _neutral, masks
 from mha_jax.attention import IMPLEMENTATIONS, _attention
 from mha_jax.module import _check_inputs, _spec
 
@@ -40,7 +40,7 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); this one needs none.
-        _checks.check_implementation(self.implementation, IMPLEMENTATIONS)
+        _neutral.check_implementation(self.implementation, IMPLEMENTATIONS)
         super().__post_init__()
 
     @nn.compact
@@ -77,8 +77,8 @@ class MultiHeadDotProductAttention(nn.Module):
         qkv_features = in_features if self.qkv_features is None else self.qkv_features
         out_features = in_features if self.out_features is None else self.out_features
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-        head_dim = _checks.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
-        rate = _checks.check_dropout_rate("dropout_rate", self.dropout_rate)
+        head_dim = _neutral.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
+        rate = _neutral.check_dropout_rate("dropout_rate", self.dropout_rate)
 
         def projection(out_features, name, axis=-1):
             return nn.DenseGeneral(
@@ -97,7 +97,7 @@ class MultiHeadDotProductAttention(nn.Module):
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)
-        if dropout_mask is None and rate > 0 and not _checks.resolve_deterministic(deterministic, self.deterministic):
+        if dropout_mask is None and rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         else:
             dropout_rng = None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks
+from mha_jax import _checks, _neutral
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -103,7 +103,7 @@ def _parse(
     allowed = None
     if mask is not None:
         _checks.require_array("mask", mask)
-        _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         if _checks._dtype_kind(mask) not in ("bool", "int", "float"):
             raise TypeError(
                 f"mask must be bool, integer or real floating (nonzero = attend), got dtype "
@@ -112,13 +112,13 @@ def _parse(
         allowed = jnp.asarray(mask) if mask.dtype == jnp.bool_ else jnp.asarray(mask) != 0
     if bias is not None:
         _checks.require_float("bias", bias)
-        _checks.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = jnp.asarray(bias)
     return _Spec(
-        shape, allowed, bias, _checks.check_is_causal(is_causal),
+        shape, allowed, bias, _neutral.check_is_causal(is_causal),
         _sequence("query_positions", query_positions, batch, q_len, "q_len"),
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
-        _checks.check_window(local_window_size),
+        _neutral.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
         _lengths(key_value_seq_lengths, batch, kv_len),
     )

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mha_jax import _checks, masks
+from mha_jax import _checks, _neutral, masks
 from mha_jax.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(batch, length, features)"
@@ -65,14 +65,14 @@ class MultiHeadAttention(nnx.Module):
         self.qkv_features = in_features if qkv_features is None else qkv_features
         self.out_features = in_features if out_features is None else out_features
         for name in ("in_features", "in_kv_features", "out_features"):
-            _checks.check_heads(1, 1, getattr(self, name), name)
-        self.head_dim = _checks.check_heads(
+            _neutral.check_heads(1, 1, getattr(self, name), name)
+        self.head_dim = _neutral.check_heads(
             num_heads, self.num_kv_heads, self.qkv_features, "qkv_features"
         )
-        self.dropout_rate = _checks.check_dropout_rate("dropout_rate", dropout_rate)
+        self.dropout_rate = _neutral.check_dropout_rate("dropout_rate", dropout_rate)
         self.deterministic = deterministic
         self.precision = precision
-        self.implementation = _checks.check_implementation(implementation, IMPLEMENTATIONS)
+        self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
 
         def projection(in_features, out_features, axis=-1):
             return nnx.LinearGeneral(
@@ -133,7 +133,7 @@ class MultiHeadAttention(nnx.Module):
         inputs_v = inputs_k if inputs_v is None else inputs_v
         _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
         dropout_rng = None
-        if dropout_mask is None and self.dropout_rate > 0 and not _checks.resolve_deterministic(deterministic, self.deterministic):
+        if dropout_mask is None and self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs)
 
         spec = _spec(

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mha_torch import _checks, masks
+from mha_torch import _checks, _neutral, masks
 from mha_torch.masks import MASK_LAYOUT
 
 
@@ -97,7 +97,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
-    scale = _checks.check_scale(scale)
+    scale = _neutral.check_scale(scale)
     keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row (kept in the graph)
@@ -130,7 +130,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
 def _choose(implementation, return_weights, explicit_dropout) -> str:
     if implementation is None:
         return "math" if return_weights or explicit_dropout else "sdpa"
-    _checks.check_implementation(implementation, IMPLEMENTATIONS)
+    _neutral.check_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "sdpa" and (return_weights or explicit_dropout):
         raise ValueError("return_weights=True and dropout_mask need implementation='math', got 'sdpa'")
     return implementation
@@ -196,10 +196,10 @@ def _masked_softmax(
 
 def _dropout_keep(rate, dropout_mask, shape):
     """(explicit keep-mask or None, scale of kept weights)."""
-    rate = _checks.check_dropout_rate("dropout_p", rate)
+    rate = _neutral.check_dropout_rate("dropout_p", rate)
     if dropout_mask is not None:
         _checks.require_array("dropout_mask", dropout_mask)
-        _checks.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
         if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
             raise TypeError(
                 f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha_torch import _checks
+from mha_torch import _checks, _neutral
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -113,7 +113,7 @@ def _parse(
     allowed = additive = None
     if mask is not None:
         _checks.require_array("mask", mask)
-        _checks.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         kind = _checks._dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
             raise TypeError(
@@ -128,7 +128,7 @@ def _parse(
             allowed = mask if kind == "bool" else mask != 0
     if bias is not None:
         _checks.require_float("bias", bias)
-        _checks.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = bias.to(device)
         if additive is not None:  # both broadcast to shape, so their sum does too
             dtype = torch.promote_types(additive.dtype, bias.dtype)  # not left to a 0-d operand
@@ -136,10 +136,10 @@ def _parse(
     else:
         bias = additive
     return _Spec(
-        shape, allowed, bias, _checks.check_is_causal(is_causal),
+        shape, allowed, bias, _neutral.check_is_causal(is_causal),
         _sequence("query_positions", query_positions, batch, q_len, "q_len", device),
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len", device),
-        _checks.check_window(local_window_size),
+        _neutral.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len, device),
         _lengths(key_value_seq_lengths, batch, kv_len, device), device,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha_torch import _checks, masks
+from mha_torch import _checks, _neutral, masks
 from mha_torch.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(batch, length, features)"
@@ -57,10 +57,10 @@ class MultiHeadAttention(nn.Module):
         self.qkv_dim = embed_dim if qkv_dim is None else qkv_dim
         self.out_dim = embed_dim if out_dim is None else out_dim
         for name in ("embed_dim", "kdim", "vdim", "out_dim"):
-            _checks.check_heads(1, 1, getattr(self, name), name)
-        self.head_dim = _checks.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
-        self.dropout = _checks.check_dropout_rate("dropout", dropout)
-        self.implementation = _checks.check_implementation(implementation, IMPLEMENTATIONS)
+            _neutral.check_heads(1, 1, getattr(self, name), name)
+        self.head_dim = _neutral.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
+        self.dropout = _neutral.check_dropout_rate("dropout", dropout)
+        self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
 
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}

@@ -1,16 +1,143 @@
-"""Naming schemes (layouts) of attention checkpoints, read into ``mha_torch``'s names.
+"""The framework-neutral pieces of the package, byte-identical in ``mha_jax`` and ``mha_torch``.
 
-Twin of ``mha_torch/_layouts.py``. Neither package may import the other, so the code below this
-docstring is the same text in both files (a test checks it): it uses only strings, ``.shape``,
-``.ndim`` and slicing along the first axis, which NumPy arrays and torch tensors share.
+Neither package may import the other, so this one file is copied into both, and a test checks
+that the two copies are the same bytes. It uses only Python, NumPy and what NumPy arrays, JAX
+arrays and torch tensors share (``.shape``, ``.ndim``, slicing along the first axis):
+
+- argument checks that read no array library: head counts, broadcasting, rates, scales,
+  windows, sequence shapes;
+- checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check
+  of a loaded state;
+- the shape rules of ``torch.nn.MultiheadAttention``'s masks.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+# --- argument checks ---------------------------------------------------------------------
+
+
+def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name: str) -> int:
+    """Validate head counts against a feature size; return head_dim."""
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    if not isinstance(features, (int, np.integer)) or isinstance(features, bool) or features < 1:
+        raise ValueError(f"{features_name} must be a positive integer, got {features!r}")
+    if features % num_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must divide {features_name} ({features})"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
+        )
+    return features // num_heads
+
+
+def check_broadcast(name: str, shape: Sequence[int], target: Sequence[int], target_names: str) -> None:
+    """ValueError unless ``shape`` broadcasts to ``target`` (right-aligned, numpy rules)."""
+    shape, target = tuple(shape), tuple(target)
+    ok = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(shape[::-1], target[::-1])
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to {target_names} = {target}"
+        )
+
+
+def check_dropout_rate(name: str, rate: float) -> float:
+    try:
+        rate = float(rate)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number in [0, 1), got {rate!r}") from None
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {rate}")
+    return rate
+
+
+def resolve_deterministic(call: bool | None, default: bool | None) -> bool:
+    """The call's ``deterministic``, else the module's; an error when dropout needs one and neither is set."""
+    for value in (call, default):
+        if value is not None:
+            return bool(value)
+    raise ValueError(
+        "dropout_rate > 0 needs deterministic=True or False, in the constructor or the call "
+        "(nnx: module.eval() / module.train())"
+    )
+
+
+def check_scale(scale) -> float | None:
+    """None, or a finite real number."""
+    if scale is None:
+        return None
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number, got {scale!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def check_is_causal(is_causal) -> bool:
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    return bool(is_causal)
+
+
+def check_implementation(implementation, known: tuple[str, ...]) -> str | None:
+    """None (the default choice) or one of ``known``."""
+    if implementation is not None and implementation not in known:
+        raise ValueError(f"implementation must be one of {known} or None, got {implementation!r}")
+    return implementation
+
+
+def check_window(window) -> tuple[int, int] | None:
+    """None, an integer ``w`` (the window ``(w, w)``) or ``(left, right)``, each >= 0."""
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, (int, np.integer)) and not isinstance(window, bool) else window
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+        isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in pair
+    )):
+        raise TypeError(f"local_window_size must be an integer or a pair (left, right) of integers, got {window!r}")
+    if min(pair) < 0:
+        raise ValueError(f"local_window_size must be >= 0 on both sides, got {window!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def check_sequence_shape(name: str, shape: Sequence[int], batch: int, length: int, length_name: str) -> None:
+    """ValueError unless ``shape`` is ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
+    shape = tuple(shape)
+    if not (shape == (length,) or (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)):
+        raise ValueError(
+            f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
+            f"({batch}, {length}), got {shape}"
+        )
+
+
+def check_lengths_shape(name: str, shape: Sequence[int], batch: int) -> None:
+    """ValueError unless ``shape`` is ``()``, ``(1,)`` or ``(batch,)``."""
+    if tuple(shape) not in ((), (1,), (batch,)):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(shape)}")
+
+
+def check_lengths_range(name: str, values: np.ndarray, kv_len: int) -> None:
+    """ValueError unless every length lies in ``[0, kv_len]``."""
+    if values.size and (values.min() < 0 or values.max() > kv_len):
+        raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")
+
+
+# --- checkpoint layouts ------------------------------------------------------------------
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 # Fused entries: their weight stacks the projections' rows in this order, q over k over v.
@@ -217,3 +344,82 @@ def _name(layout: str, mapping: Mapping[str, str] | None) -> str:
 def _some(state: Mapping[str, Any], n: int = 4) -> str:
     keys = sorted(state)
     return ", ".join(map(repr, keys[:n])) + (f", ... ({len(keys)} in all)" if len(keys) > n else "") or "none"
+
+
+def check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:
+    """Validate shapes, collecting every problem; return head_dim.
+
+    ``state`` comes from ``read_layout``, which has checked the names: every weight, and
+    every bias or none.
+    """
+    has_bias = "q_proj.bias" in state
+    expected = [f"{p}.{part}" for p in PROJECTIONS for part in (("weight", "bias") if has_bias else ("weight",))]
+    problems = []
+    for k in expected:
+        if state[k].ndim != (2 if k.endswith("weight") else 1):
+            problems.append(f"{k!r} has shape {state[k].shape}, expected rank {2 if k.endswith('weight') else 1}")
+    if problems:
+        raise ValueError("state_dict: " + "; ".join(problems))
+    q_rows = state["q_proj.weight"].shape[0]
+    head_dim = check_heads(num_heads, num_kv_heads, q_rows, "q_proj.weight.shape[0]")
+    rows = {"q_proj": q_rows, "k_proj": num_kv_heads * head_dim, "v_proj": num_kv_heads * head_dim}
+    for name, n in rows.items():
+        if state[f"{name}.weight"].shape[0] != n:
+            problems.append(
+                f"'{name}.weight' has shape {state[f'{name}.weight'].shape}, expected {n} rows "
+                f"(num_kv_heads={num_kv_heads} x head_dim={head_dim})"
+            )
+    if state["out_proj.weight"].shape[1] != q_rows:
+        problems.append(
+            f"'out_proj.weight' has shape {state['out_proj.weight'].shape}, expected {q_rows} columns"
+        )
+    if has_bias:
+        for name in PROJECTIONS:
+            w, b = state[f"{name}.weight"], state[f"{name}.bias"]
+            if b.shape != (w.shape[0],):
+                problems.append(f"'{name}.bias' has shape {b.shape}, expected ({w.shape[0]},)")
+    if problems:
+        raise ValueError("state_dict: " + "; ".join(problems))
+    return head_dim
+
+
+# --- torch.nn.MultiheadAttention's masks: shape rules --------------------------------------
+
+
+def torch_mha_attn_shape(shape: Sequence[int], num_heads) -> tuple[int, ...]:
+    """Its ``attn_mask`` ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)`` as ours:
+    the shape to reshape it to, broadcasting to ``(batch, num_heads, q_len, kv_len)``."""
+    shape = tuple(shape)
+    if len(shape) == 3:
+        if not isinstance(num_heads, int) or num_heads < 1 or shape[0] % num_heads:
+            raise ValueError(
+                f"a 3-d attn_mask (batch * num_heads, q_len, kv_len) needs num_heads dividing "
+                f"its first axis; got shape {shape} and num_heads={num_heads!r}"
+            )
+        return (shape[0] // num_heads, num_heads, *shape[1:])
+    if len(shape) != 2:
+        raise ValueError(
+            "attn_mask must have rank 2 (q_len, kv_len) or 3 (batch * num_heads, q_len, kv_len), "
+            f"got shape {shape}"
+        )
+    return shape
+
+
+def check_torch_mha_padding(attn_shape: Sequence[int] | None, padding_shape: Sequence[int]) -> None:
+    """Its ``key_padding_mask`` is ``(batch, kv_len)``, with ``attn_mask``'s kv_len."""
+    if len(padding_shape) != 2:
+        raise ValueError(f"key_padding_mask must have rank 2 (batch, kv_len), got shape {tuple(padding_shape)}")
+    if attn_shape is not None and attn_shape[-1] != padding_shape[-1]:
+        raise ValueError(
+            f"attn_mask and key_padding_mask disagree on kv_len: shapes {tuple(attn_shape)} "
+            f"and {tuple(padding_shape)}"
+        )
+
+
+def torch_mha_layout(mask_shape: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """The ``attn_mask`` shape ``torch.nn.MultiheadAttention`` takes for one of ours broadcasting to
+    ``shape`` = (batch, heads, q_len, kv_len): ``(q_len, kv_len)`` when it is the same for every
+    batch element and head, else ``(batch * heads, q_len, kv_len)``."""
+    batch, heads, q_len, kv_len = shape
+    lead = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+    return (q_len, kv_len) if lead[0] == lead[1] == 1 else (batch * heads, q_len, kv_len)
