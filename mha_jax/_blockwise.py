@@ -336,7 +336,7 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
         i, q_i, order_i, whole_i, live_i = args
 
         def key_step(t, carry, partial):
-            m, l, acc = carry
+            m, norm, acc = carry
             j = order_i[t]
             s = jnp.einsum("bmd,bdk->bmk", q_i, kt_blocks[j], precision=cfg.precision)
             s = _masked(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)
@@ -344,20 +344,20 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m - shift)
-            l = alpha * l + p.sum(axis=-1)
+            norm = alpha * norm + p.sum(axis=-1)
             block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
             if block_keep is not None:
                 p = _dropped(cfg, p, block_keep, block5)
             pv = jnp.einsum("bmk,bkd->bmd", p, v_blocks[j], precision=cfg.precision)
-            return m_new, l, alpha[..., None] * acc + pv
+            return m_new, norm, alpha[..., None] * acc + pv
 
         rows = (b * h, g * cfg.block_q)
         init = (jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype), jnp.zeros(rows + (d,), q.dtype))
         carry = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False), init)
-        m, l, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
-        out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+        m, norm, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
+        out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
         # A row with no allowed key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
-        lse = jnp.where(l > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(l > 0.0, l, 1.0)), jnp.inf)
+        lse = jnp.where(norm > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(norm > 0.0, norm, 1.0)), jnp.inf)
         return out, lse
 
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from mha_jax import _blockwise, _checks, _neutral, masks
 from mha_jax.masks import MASK_LAYOUT
 
-
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
 # Below this many scores per head the plain formulation is as fast and exact to the last bit.
 _BLOCKWISE_MIN_SCORES = 256 * 256

@@ -98,7 +98,10 @@ def mask_to_torch_mha(
         _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         kind = _checks._dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
-            raise TypeError(f"mask must be bool, integer or real floating, got dtype {_checks._dtype_name(mask)} with shape {tuple(mask.shape)}")
+            raise TypeError(
+                f"mask must be bool, integer or real floating, got dtype {_checks._dtype_name(mask)} "
+                f"with shape {tuple(mask.shape)}"
+            )
         if kind == "float":  # additive here, as in mha_torch.dot_product_attention
             additive = mask
         else:

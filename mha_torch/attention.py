@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from mha_torch import _checks, _neutral, masks
 from mha_torch.masks import MASK_LAYOUT
 
-
 IMPLEMENTATIONS = ("math", "sdpa")
 
 
