@@ -2,6 +2,7 @@
 
     python -m benchmarks.run            # the full grid (about 15 minutes on a 2-core CPU)
     python -m benchmarks.run --quick    # lengths up to 2048, for a smoke test
+    python -m benchmarks.run --only structured   # the structured-mask points alone (about 5 minutes)
 
 Core (B=1, H=8, head_dim=64, float32): ``mha_jax.dot_product_attention`` (its default choice,
 blockwise at these lengths) and ``mha_torch.dot_product_attention`` against
@@ -10,8 +11,12 @@ forward and forward+backward, causal and not. Module (B=4, S=1024, embed 512, 8 
 nnx and linen modules against ``flax.nnx.MultiHeadAttention`` and
 ``flax.linen.MultiHeadDotProductAttention``, our PyTorch module against
 ``torch.nn.MultiheadAttention``. JAX compile time is reported apart from run time (best of
-several runs). Peak memory growth is measured in a fresh process per point. Writes
-``benchmarks/results/<device>.json`` and ``.png`` and prints a table of ratios.
+several runs). Peak memory growth is measured in a fresh process per point. Structured masks
+(blockwise, same shapes): a sliding window of 512 against full causal at 16384, 8 packed
+segments against none at 8192 and causal against full at 4096, forward and forward+backward,
+each pair timed interleaved in one process (medians), after a check of the timed outputs
+against ``implementation="xla"``. Writes ``benchmarks/results/<device>.json``, ``.md`` and
+``.png`` and prints a table of ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +40,14 @@ LONG = 32768  # forward only, ours and SDPA: must run on a 24 GiB machine
 QUADRATIC_LIMIT = {"fwd": 8192, "fwd+bwd": 8192}
 CORE = ("mha_jax", "jax.nn", "mha_torch", "torch sdpa")
 QUADRATIC = {"jax.nn"}
+# Structured masks, blockwise: (workload, length, its terms, the baseline's terms, target speed-up).
+STRUCTURED = (
+    ("window 512 vs causal", 16384, "window", "causal", 8.0),
+    ("8 segments vs none", 8192, "segments", "full", 4.0),
+    ("causal vs full", 4096, "causal", "full", 1.6),
+)
+WINDOW, SEGMENTS = (512, 0), 8
+CHECK_LENGTH = 2048  # the structured terms against implementation="xla", output and gradients
 
 
 def _core_fn(name: str, causal: bool, mode: str, length: int, dtype: str = "float32"):
@@ -81,6 +95,131 @@ def _core_fn(name: str, causal: bool, mode: str, length: int, dtype: str = "floa
     def step():
         attend(q, k, v).float().sum().backward()
     return step, 0.0
+
+
+def _terms(terms: str, length: int) -> dict:
+    """``mha_jax.dot_product_attention`` keywords of one structured workload: ``full`` (none),
+    ``causal``, ``window`` (causal, ``WINDOW``) or ``segments`` (``SEGMENTS`` equal packed
+    segments, ids 0.. in order)."""
+    import jax.numpy as jnp
+
+    if terms == "full":
+        return {}
+    if terms == "causal":
+        return {"is_causal": True}
+    if terms == "window":
+        return {"is_causal": True, "local_window_size": WINDOW}
+    ids = jnp.repeat(jnp.arange(SEGMENTS, dtype=jnp.int32), -(-length // SEGMENTS))[None, :length]
+    return {"query_segment_ids": ids, "key_segment_ids": ids}
+
+
+def _structured_fn(terms: str, mode: str, length: int, implementation: str = "blockwise"):
+    """(callable running one step, compile seconds) of ``mha_jax`` with structured ``terms``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mha_jax
+
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(B, length, H, D)).astype(np.float32))
+    kwargs = _terms(terms, length)
+
+    def attend(q, k, v):
+        return mha_jax.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+    if mode == "fwd":
+        f = jax.jit(attend)
+    else:
+        f = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    compiled = f.lower(q, q, q).compile()
+    compile_s = time.perf_counter() - start
+    return (lambda: jax.block_until_ready(compiled(q, q, q))), compile_s
+
+
+def structured_check(rows: int = 512) -> list[dict]:
+    """Max |blockwise - xla| in float32, so that a fast wrong kernel is caught: the output of
+    each timed workload at its timed length, on query rows at its start, middle and end (the
+    reference computed for those rows alone, from their positions or segment ids), and output
+    and gradients (of a random projection of the output) of each term at ``CHECK_LENGTH``."""
+    out = []
+    for terms in sorted({t for _, _, w, b, _ in STRUCTURED for t in (w, b)}):
+        length = max(L for _, L, w, b, _ in STRUCTURED if terms in (w, b))
+        out.append({"terms": terms, "length": length, "what": f"output, {rows}-row slices",
+                    "max_abs_diff": _check_slices(terms, length, rows)})
+        for what, diff in _check_all(terms, CHECK_LENGTH).items():
+            out.append({"terms": terms, "length": CHECK_LENGTH, "what": what, "max_abs_diff": diff})
+    return out
+
+
+def _inputs(length: int, n: int = 3, seed: int = 1):
+    import jax.numpy as jnp
+    import numpy as np
+
+    return [jnp.asarray(a) for a in np.random.default_rng(seed).normal(size=(n, B, length, H, D)).astype(np.float32)]
+
+
+def _check_slices(terms: str, length: int, rows: int) -> float:
+    """The timed blockwise output at ``length`` against xla on three slices of ``rows`` queries."""
+    import jax
+    import jax.numpy as jnp
+
+    import mha_jax
+
+    q, k, v = _inputs(length)
+    kwargs = _terms(terms, length)
+    ours = jax.jit(lambda q, k, v: mha_jax.dot_product_attention(q, k, v, implementation="blockwise", **kwargs))(q, k, v)
+    worst = 0.0
+    for start in sorted({0, (length // 2 // rows) * rows, length - rows}):
+        part = dict(kwargs)
+        if "query_segment_ids" in part:
+            part["query_segment_ids"] = part["query_segment_ids"][:, start:start + rows]
+        elif part:
+            part["query_positions"] = jnp.arange(start, start + rows, dtype=jnp.int32)
+        ref = mha_jax.dot_product_attention(q[:, start:start + rows], k, v, implementation="xla", **part)
+        worst = max(worst, float(jnp.abs(ours[:, start:start + rows] - ref).max()))
+    return worst
+
+
+def _check_all(terms: str, length: int) -> dict[str, float]:
+    """Output and (q, k, v) gradients of a random projection, blockwise against xla."""
+    import jax
+    import jax.numpy as jnp
+
+    import mha_jax
+
+    q, k, v = _inputs(length)
+    (w,) = _inputs(length, 1, seed=2)
+    kwargs = _terms(terms, length)
+
+    def output(q, k, v, implementation):
+        return mha_jax.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+
+    def grads(q, k, v, implementation):
+        return jax.grad(lambda *x: (output(*x, implementation) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    diffs = {}
+    for what, f in (("output", output), ("dq, dk, dv", grads)):
+        f = jax.jit(f, static_argnums=3)
+        a, b = (jax.tree.leaves(f(q, k, v, i)) for i in ("blockwise", "xla"))
+        diffs[what] = max(float(jnp.abs(x - y).max()) for x, y in zip(a, b))
+    return diffs
+
+
+def _time_interleaved(steps, min_total=2.0, min_reps=3, max_reps=10) -> list[tuple[float, float, int]]:
+    """(median, best, runs) of each step, run in turn (A, B, A, B, ...) after a warm-up of each,
+    so that another load on the machine reaches all of them alike."""
+    for step in steps:
+        step()
+    times = [[] for _ in steps]
+    spent = 0.0
+    while len(times[0]) < max_reps and (len(times[0]) < min_reps or spent < min_total):
+        for step, t in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            t.append(time.perf_counter() - start)
+            spent += t[-1]
+        if spent > 60.0 and len(times[0]) >= min_reps:  # long steps: the minimum is enough
+            break
+    return [(statistics.median(t), min(t), len(t)) for t in times]
 
 
 def _module_fn(name: str, mode: str, batch=4, length=1024, embed=512, heads=8):
@@ -202,13 +341,14 @@ MODULES = ("mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA", "
 JAX_NAMES = {"mha_jax", "jax.nn", "mha_jax nnx", "mha_jax linen", "flax.nnx MHA", "flax.linen MHDPA"}
 
 
-def time_probe(framework: str, what: str) -> list[dict]:
-    """Timings of one framework's implementations, at one length (``what``) or for the modules
-    (``what == "modules"``), in this process. Run by ``_probe`` in a fresh process per call:
-    once JAX is loaded, PyTorch's SDPA ran 30-60% slower in the same process on the 2-core CPU,
-    so the frameworks never share one."""
+def time_probe(framework: str, what: str, impls: tuple[str, ...] | None = None) -> list[dict]:
+    """Timings of one framework's implementations, at one length (``what``), for the modules
+    (``what == "modules"``) or for the structured masks (``what == "structured"``, JAX only), in
+    this process; ``impls`` limits a length's to those named. Run by ``_probe`` in a fresh
+    process per call: once JAX is loaded, PyTorch's SDPA ran 30-60% slower in the same process
+    on the 2-core CPU, so the frameworks never share one."""
     def ours(name):
-        return (name in JAX_NAMES) == (framework == "jax")
+        return (name in JAX_NAMES) == (framework == "jax") and (impls is None or name in impls)
 
     rows = []
     if what == "modules":
@@ -216,6 +356,16 @@ def time_probe(framework: str, what: str) -> list[dict]:
             for name in filter(ours, MODULES):
                 step, compile_s = _module_fn(name, mode)
                 rows.append({"impl": name, "mode": mode, "seconds": _time(step), "compile_s": compile_s})
+        return rows
+    if what == "structured":
+        for workload, length, terms, baseline, _ in STRUCTURED:
+            for mode in ("fwd", "fwd+bwd"):
+                built = [_structured_fn(t, mode, length) for t in (terms, baseline)]
+                timed = _time_interleaved([step for step, _ in built])
+                for t, (_, compile_s), (median, best, runs) in zip((terms, baseline), built, timed):
+                    rows.append({"kind": "structured", "impl": "mha_jax blockwise", "workload": workload,
+                                 "terms": t, "baseline": t == baseline, "length": length, "mode": mode,
+                                 "seconds": median, "best_s": best, "runs": runs, "compile_s": compile_s})
         return rows
     length = int(what)
     for mode in ("fwd", "fwd+bwd"):
@@ -231,11 +381,46 @@ def time_probe(framework: str, what: str) -> list[dict]:
     return rows
 
 
-def _probe(framework: str, what: str) -> list[dict]:
-    out = _child("--time-probe", framework, what)
+def _probe(framework: str, what: str, impls: tuple[str, ...] | None = None) -> list[dict]:
+    out = _child("--time-probe", framework, what, *(("--impls", *impls) if impls else ()))
     if out.returncode != 0:
         raise RuntimeError(f"timing {framework} {what} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _check() -> list[dict]:
+    out = _child("--check-probe")
+    if out.returncode != 0:
+        raise RuntimeError(f"structured check failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_structured(progress, rounds: int = 3, length: int = 4096) -> dict:
+    """The structured-mask points alone: the check against ``"xla"``, the structured timings,
+    and ``mha_jax`` (blockwise) against torch SDPA at ``length``, the two frameworks' processes
+    alternating for ``rounds`` rounds; each core row is the median over rounds of each round's
+    best run (``rounds_s`` lists them)."""
+    task = progress.add_task("structured", total=2 + 2 * rounds)
+    progress.update(task, description="check against xla")
+    check = _check()
+    progress.advance(task)
+    progress.update(task, description="structured masks")
+    structured = _probe("jax", "structured")
+    progress.advance(task)
+    runs: dict[tuple, list[dict]] = {}
+    for r in range(rounds):
+        for framework in ("torch", "jax"):
+            progress.update(task, description=f"{framework} S={length}, round {r + 1}")
+            for row in _probe(framework, str(length), ("mha_jax", "torch sdpa")):
+                runs.setdefault((row["impl"], row["mode"], row["causal"]), []).append(row)
+            progress.advance(task)
+    core = []
+    for rows in runs.values():
+        median = statistics.median(r["seconds"] for r in rows)
+        row = dict(rows[0], seconds=median, rounds_s=[r["seconds"] for r in rows])
+        row["gflops"] = _flops(row["length"], row["mode"], row["causal"]) / median / 1e9
+        core.append(row)
+    return {"core": core, "memory": [], "modules": [], "structured": structured, "structured_check": check}
 
 
 def run(lengths, memory_lengths, module: bool, progress, long_length: int | None = None) -> dict:
@@ -269,7 +454,14 @@ def run(lengths, memory_lengths, module: bool, progress, long_length: int | None
             progress.update(task, description=f"modules {framework}")
             modules += _probe(framework, "modules")
             progress.advance(task)
-    return {"core": rows, "memory": memory, "modules": modules}
+    task = progress.add_task("structured masks", total=2)
+    progress.update(task, description="structured: check against xla")
+    check = _check()
+    progress.advance(task)
+    progress.update(task, description="structured masks")
+    structured = _probe("jax", "structured")
+    progress.advance(task)
+    return {"core": rows, "memory": memory, "modules": modules, "structured": structured, "structured_check": check}
 
 
 def _lookup(rows, **key):
@@ -277,6 +469,20 @@ def _lookup(rows, **key):
         if all(r.get(k) == v for k, v in key.items()):
             return r
     return None
+
+
+def structured_ratios(results: dict) -> list[dict]:
+    """Per structured workload and mode: its median seconds, its baseline's, and the speed-up."""
+    out = []
+    rows = results.get("structured", [])
+    for workload, length, _, _, target in STRUCTURED:
+        for mode in ("fwd", "fwd+bwd"):
+            a = _lookup(rows, workload=workload, mode=mode, baseline=False)
+            b = _lookup(rows, workload=workload, mode=mode, baseline=True)
+            if a and b:
+                out.append({"workload": workload, "length": length, "mode": mode, "seconds": a["seconds"],
+                            "baseline_s": b["seconds"], "ratio": b["seconds"] / a["seconds"], "target": target})
+    return out
 
 
 def summary(results: dict) -> list[tuple[str, str, str]]:
@@ -317,6 +523,12 @@ def summary(results: dict) -> list[tuple[str, str, str]]:
             if a and b:
                 out.append((f"module {ours} vs {theirs} ({mode})", f"{b['seconds'] / a['seconds']:.2f}x",
                             target if mode == "fwd" else ""))
+    for r in structured_ratios(results):
+        out.append((f"blockwise {r['workload']}, S={r['length']} {r['mode']} (interleaved medians)",
+                    f"{r['ratio']:.2f}x", f">= {r['target']:g}"))
+    for c in results.get("structured_check", []):
+        out.append((f"blockwise - xla, {c['terms']}, S={c['length']}: {c['what']}", f"{c['max_abs_diff']:.1e}",
+                    "max abs, float32"))
     return out
 
 
@@ -334,6 +546,12 @@ def markdown(results: dict) -> str:
             compile_s = f"{f['compile_s']:.2f}" if f["compile_s"] else "-"
             lines.append(f"| {impl} | {f['seconds']:.3f} | {f['gflops']:.0f} | {b['seconds']:.3f} | "
                          f"{b['gflops']:.0f} | {c['seconds']:.3f} | {compile_s} |")
+    ratios = structured_ratios(results)
+    if ratios:
+        lines += ["", "| blockwise, structured (median ms, interleaved) | S | mode | ms | baseline ms | speed-up | target |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['length']} | {r['mode']} | {1e3 * r['seconds']:.0f} | "
+                  f"{1e3 * r['baseline_s']:.0f} | {r['ratio']:.2f}x | >= {r['target']:g} |" for r in ratios]
     return "\n".join(lines) + "\n"
 
 
@@ -343,7 +561,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ratios = structured_ratios(results)
+    fig, axes = plt.subplots(1, 4 if ratios else 3, figsize=(21 if ratios else 16, 4.8))
     for ax, mode in zip(axes[:2], ("fwd", "fwd+bwd")):
         for impl in CORE:
             for causal, style in ((False, "-"), (True, ":")):
@@ -362,7 +581,20 @@ def plot(results: dict, path: Path) -> None:
                 axes[2].plot(*zip(*pts), style, marker="o", label=f"{impl} {mode}")
     axes[2].set(xscale="log", yscale="log", xlabel="length", ylabel="peak RSS growth (MiB)",
                 title="memory, one process per point")
-    axes[2].legend(fontsize=7)
+    if results["memory"]:
+        axes[2].legend(fontsize=7)
+    else:  # --only structured measures no memory
+        axes[2].set_visible(False)
+    if ratios:
+        labels = [f"{r['workload']}\nS={r['length']} {r['mode']}" for r in ratios]
+        x = range(len(ratios))
+        axes[3].bar([i - 0.2 for i in x], [r["baseline_s"] for r in ratios], 0.4, label="baseline")
+        axes[3].bar([i + 0.2 for i in x], [r["seconds"] for r in ratios], 0.4, label="structured")
+        for i, r in zip(x, ratios):
+            axes[3].annotate(f"{r['ratio']:.1f}x", (i + 0.2, r["seconds"]), ha="center", va="bottom", fontsize=7)
+        axes[3].set_xticks(list(x), labels, fontsize=6, rotation=30, ha="right")
+        axes[3].set(yscale="log", ylabel="seconds (median, interleaved)", title="blockwise, structured masks")
+        axes[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -372,12 +604,20 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="lengths up to 2048 only")
     parser.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
     parser.add_argument("--no-modules", action="store_true", help="skip the module-level comparison")
-    parser.add_argument("--name", default=None, help="results file name (default: cpu or gpu)")
+    parser.add_argument("--name", default=None, help="results file name (default: cpu or gpu, with -structured for --only)")
+    parser.add_argument("--only", choices=("structured",), help="only these points: 'structured' runs the structured "
+                        "masks, their check against xla, and blockwise against torch SDPA at 4096")
+    parser.add_argument("--rounds", type=int, default=3, help="with --only structured: rounds of the S=4096 processes")
     parser.add_argument("--memory-probe", nargs=4, metavar=("KIND", "IMPL", "LENGTH", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--time-probe", nargs=2, metavar=("FRAMEWORK", "WHAT"), help=argparse.SUPPRESS)
+    parser.add_argument("--impls", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--check-probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.time_probe:
-        print(json.dumps(time_probe(*args.time_probe)))
+        print(json.dumps(time_probe(*args.time_probe, tuple(args.impls) if args.impls else None)))
+        return 0
+    if args.check_probe:
+        print(json.dumps(structured_check()))
         return 0
     if args.memory_probe:
         kind, name, length, mode = args.memory_probe
@@ -392,9 +632,12 @@ def main(argv=None) -> int:
     lengths = args.lengths or ((512, 1024, 2048) if args.quick else LENGTHS)
     memory_lengths = [L for L in lengths if L >= 1024]
     console = Console(width=None if sys.stdout.isatty() else 110)
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()
     with Progress(console=console, transient=True) as progress:
-        results = run(lengths, memory_lengths, not args.no_modules, progress, None if args.quick else LONG)
+        if args.only == "structured":
+            results = run_structured(progress, args.rounds)
+        else:
+            results = run(lengths, memory_lengths, not args.no_modules, progress, None if args.quick else LONG)
     import jax
     import torch
 
@@ -402,14 +645,25 @@ def main(argv=None) -> int:
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "jax": jax.__version__, "torch": torch.__version__, "device": jax.devices()[0].device_kind,
         "seconds": time.perf_counter() - start,
+        # 1-minute load averages before and after: above ~0.5 before, something else was running.
+        "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0],
     }
-    table = Table(title="core timings (best run, seconds; JAX compile apart)")
+    best = f"median over {args.rounds} rounds of the best run" if args.only else "best run"
+    table = Table(title=f"core timings ({best}, seconds; JAX compile apart)")
     for col in ("impl", "length", "mode", "causal", "seconds", "GFLOP/s", "compile s"):
         table.add_column(col, justify="left" if col in ("impl", "mode") else "right")
     for r in results["core"]:
         table.add_row(r["impl"], str(r["length"]), r["mode"], "yes" if r["causal"] else "", f"{r['seconds']:.3f}",
                       f"{r['gflops']:.0f}", f"{r['compile_s']:.2f}" if r["compile_s"] else "")
     console.print(table)
+    if results.get("structured"):
+        table = Table(title="blockwise, structured masks (median of interleaved runs, seconds)")
+        for col in ("workload", "terms", "length", "mode", "seconds", "best", "runs", "compile s"):
+            table.add_column(col, justify="left" if col in ("workload", "terms", "mode") else "right")
+        for r in results["structured"]:
+            table.add_row(r["workload"], r["terms"], str(r["length"]), r["mode"], f"{r['seconds']:.3f}",
+                          f"{r['best_s']:.3f}", str(r["runs"]), f"{r['compile_s']:.2f}")
+        console.print(table)
     ratios = Table(title="targets (ratios from this run)")
     for col in ("what", "measured", "target"):
         ratios.add_column(col)
@@ -417,7 +671,7 @@ def main(argv=None) -> int:
         ratios.add_row(*row)
     console.print(ratios)
     RESULTS.mkdir(exist_ok=True)
-    name = args.name or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+    name = args.name or ("gpu" if jax.default_backend() == "gpu" else "cpu") + ("-structured" if args.only else "")
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
     (RESULTS / f"{name}.md").write_text(markdown(results))
     plot(results, RESULTS / f"{name}.png")
