@@ -184,7 +184,8 @@ def test_nan_and_inf_in_padded_keys_do_not_leak(poison):
     want_grads = oracle.attention_grad(cache, d_out)
     for mask in (valid[:, None, None, :], np.where(valid, 0.0, -np.inf)[:, None, None, :]):
         tq, tk, tv = (jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
-        out, vjp = jax.vjp(lambda *a: mha_jax.dot_product_attention(*a, **_jax_masking(mask)), tq, tk, tv)
+        masking = _jax_masking(mask)
+        out, vjp = jax.vjp(lambda *a, masking=masking: mha_jax.dot_product_attention(*a, **masking), tq, tk, tv)
         grads = [np.asarray(g).transpose(0, 2, 1, 3) for g in vjp(jnp.asarray(d_out.transpose(0, 2, 1, 3)))]
         xs = [torch.from_numpy(x).requires_grad_(True) for x in (q, k, v)]
         t_out = mha_torch.dot_product_attention(*xs, mask=torch.from_numpy(mask))

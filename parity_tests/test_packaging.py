@@ -23,8 +23,8 @@ def test_packages_do_not_import_the_other_framework(package, forbidden):
 
 def test_ci_runs_exactly_the_readme_test_command():
     """README gives two set-up commands: the main job and the tests; CI runs the latter."""
-    readme = [l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("python3 -m venv")]
-    ci = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.startswith("python3 -m venv")]
+    readme = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("python3 -m venv")]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m venv")]
     assert len(readme) == 2 and len(ci) == 1
     assert readme[0].endswith("&& mha-parity verify")
     assert readme[1] == ci[0] and "pytest" in ci[0]

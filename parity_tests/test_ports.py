@@ -11,7 +11,8 @@ import torch
 from flax import nnx
 from flax.serialization import msgpack_serialize
 from safetensors.numpy import save_file as save_numpy
-from safetensors.torch import load_file as load_torch, save_file as save_torch
+from safetensors.torch import load_file as load_torch
+from safetensors.torch import save_file as save_torch
 
 import mha_jax
 import mha_torch

@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from parity_tests import harness, regressions, strategies
 from parity_tests.strategies import Spec
 
-
 # Three kinds of drawn case defeat the design's fixed relative tolerances without any defect
 # (regressions.PARITY has one of each); they are judged as follows.
 # - Long reductions: the tolerances were measured on the grid (feature sizes up to 24). A float32
