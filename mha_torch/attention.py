@@ -34,7 +34,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
-    return_weights: bool = False,
+    need_weights: bool = False,
     implementation: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head scaled dot-product attention.
@@ -65,7 +65,7 @@ def dot_product_attention(
         ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
         ``(batch, heads, q_len, kv_len)`` (``"math"`` only).
-      return_weights: also return the attention weights actually applied to ``value``
+      need_weights: also return the attention weights actually applied to ``value``
         (``"math"`` only).
       implementation: ``"math"`` (the explicit formulation), ``"sdpa"``
         (``F.scaled_dot_product_attention``; causality alone at default positions goes to it
@@ -87,12 +87,12 @@ def dot_product_attention(
     )
     return _attention(
         query, key, value, spec, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
-        return_weights=return_weights, implementation=implementation,
+        need_weights=need_weights, implementation=implementation,
     )
 
 
 def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.0, dropout_mask=None,
-               return_weights=False, implementation=None):
+               need_weights=False, implementation=None):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
@@ -103,8 +103,8 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
         groups = heads // kv_heads
         empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
         out = (empty @ value.unsqueeze(2)).reshape(query.shape)
-        return (out, empty.reshape(shape)) if return_weights else out
-    implementation = _choose(implementation, return_weights, keep is not None)
+        return (out, empty.reshape(shape)) if need_weights else out
+    implementation = _choose(implementation, need_weights, keep is not None)
 
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
@@ -121,17 +121,17 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
         out = _sdpa(q, k, v, spec, scale, dropout_p)
         weights = None
     out = out.to(dtype)
-    if return_weights:
+    if need_weights:
         return out, weights.to(dtype)
     return out
 
 
-def _choose(implementation, return_weights, explicit_dropout) -> str:
+def _choose(implementation, need_weights, explicit_dropout) -> str:
     if implementation is None:
-        return "math" if return_weights or explicit_dropout else "sdpa"
+        return "math" if need_weights or explicit_dropout else "sdpa"
     _neutral.check_implementation(implementation, IMPLEMENTATIONS)
-    if implementation == "sdpa" and (return_weights or explicit_dropout):
-        raise ValueError("return_weights=True and dropout_mask need implementation='math', got 'sdpa'")
+    if implementation == "sdpa" and (need_weights or explicit_dropout):
+        raise ValueError("need_weights=True and dropout_mask need implementation='math', got 'sdpa'")
     return implementation
 
 

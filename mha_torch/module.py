@@ -126,7 +126,7 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         result = _attention(
             q, k, v, spec, dropout_p=dropout_p, dropout_mask=dropout_mask,
-            return_weights=need_weights, implementation=self.implementation,
+            need_weights=need_weights, implementation=self.implementation,
         )
         out, weights = result if need_weights else (result, None)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim))

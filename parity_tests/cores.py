@@ -72,7 +72,7 @@ def _run_torch(arrays, mask, implementation, is_causal, scale):
         x.requires_grad_(True)
     result = mha_torch.dot_product_attention(
         q, k, v, mask=None if mask is None else _torch_tensor(mask), is_causal=is_causal,
-        scale=scale, implementation=implementation, return_weights=implementation in WITH_WEIGHTS)
+        scale=scale, implementation=implementation, need_weights=implementation in WITH_WEIGHTS)
     out, weights = result if implementation in WITH_WEIGHTS else (result, None)
     out.backward(d_out)
     return out, weights, [x.grad for x in (q, k, v)]

@@ -39,6 +39,8 @@ def _core(layout_jax: bool, q=(B, Q, H, D), k=(B, K, H, D), v=None, dtype="float
         convert = jnp.asarray
         if "dropout_p" in kw:
             kw["dropout_rate"] = kw.pop("dropout_p")
+        if "need_weights" in kw:
+            kw["return_weights"] = kw.pop("need_weights")
     else:
         swap = lambda s: s if len(s) != 4 else (s[0], s[2], s[1], s[3])  # noqa: E731
         arrays = [torch.zeros(swap(s), dtype=getattr(torch, dtypes.get(n, dtype))) for n, s in zip("qkv", (q, k, v))]
@@ -104,7 +106,7 @@ CORE_CASES = {
     "lengths float": (dict(key_value_seq_lengths=np.array([1.0, 2.0])), TypeError, "key_value_seq_lengths must be an integer array"),
     "unknown implementation": (dict(implementation="flash"), ValueError, "implementation must be one of"),
     "weights from the memory-efficient implementation": (
-        dict(implementation="memory-efficient", return_weights=True), ValueError, "return_weights=True"),
+        dict(implementation="memory-efficient", need_weights=True), ValueError, ("return_weights=True", "need_weights=True")),
 }
 
 

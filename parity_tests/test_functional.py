@@ -47,7 +47,7 @@ def _jax(q, k, v, dtype, mask=None, **kw):
 def _torch(q, k, v, dtype, mask=None, **kw):
     t = lambda x: torch.from_numpy(x).to(getattr(torch, dtype))  # noqa: E731
     m = None if mask is None else (t(mask) if mask.dtype.kind == "f" else torch.from_numpy(mask))
-    out, w = mha_torch.dot_product_attention(t(q), t(k), t(v), mask=m, return_weights=True, **kw)
+    out, w = mha_torch.dot_product_attention(t(q), t(k), t(v), mask=m, need_weights=True, **kw)
     return harness._f64(out), harness._f64(w)
 
 
@@ -139,9 +139,9 @@ def test_torch_dropout_uses_torch_rng():
     rng = np.random.default_rng(6)
     q, k, v = (torch.from_numpy(x) for x in _inputs(rng, 6, "float64"))
     torch.manual_seed(0)
-    a = mha_torch.dot_product_attention(q, k, v, dropout_p=0.4, return_weights=True)[1]
+    a = mha_torch.dot_product_attention(q, k, v, dropout_p=0.4, need_weights=True)[1]
     torch.manual_seed(0)
-    b = mha_torch.dot_product_attention(q, k, v, dropout_p=0.4, return_weights=True)[1]
+    b = mha_torch.dot_product_attention(q, k, v, dropout_p=0.4, need_weights=True)[1]
     assert torch.equal(a, b) and abs(float((a == 0).double().mean()) - 0.4) < 0.08
 
 
