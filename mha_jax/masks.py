@@ -76,11 +76,6 @@ class _Spec:
     lengths: jax.Array | None = None
 
     @property
-    def structured(self) -> bool:
-        """Whether any term beyond the dense mask and bias restricts the keys."""
-        return self.is_causal or self.window is not None or self.query_segment_ids is not None or self.lengths is not None
-
-    @property
     def default_positions(self) -> bool:
         return self.query_positions is None and self.key_positions is None
 
