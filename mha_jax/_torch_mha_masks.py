@@ -25,8 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks, _neutral
-from mha_jax.masks import MASK_LAYOUT
+from mha_jax import _checks, _neutral, masks
 
 
 def mask_from_torch_mha(
@@ -89,24 +88,11 @@ def mask_to_torch_mha(
       batch element and head, or ``(batch * num_heads, q_len, kv_len)``: bool (True = ignore)
       without a bias, else float (the bias, ``-inf`` where the mask forbids).
     """
-    additive = ignore = None
-    if mask is not None:
-        _checks.require_array("mask", mask)
-        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
-        kind = _checks._dtype_kind(mask)
-        if kind not in ("bool", "int", "float"):
-            raise TypeError(f"mask must be bool, integer or real floating, got dtype {mask.dtype} with shape {tuple(mask.shape)}")
-        ignore = jnp.asarray(mask) == 0
-    if bias is not None:
-        _checks.require_float("bias", bias)
-        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
-        additive = jnp.asarray(bias)
-    if additive is not None:
-        theirs = additive
-        if ignore is not None:  # the form torch uses for a bool mask beside a float one
-            theirs = jnp.where(ignore, -jnp.inf, additive).astype(additive.dtype)
-    elif ignore is not None:
-        theirs = ignore
+    spec = masks._parse(shape, mask=mask, bias=bias)  # checked as the core checks them
+    if spec.bias is not None:  # the form torch uses for a bool mask beside a float one
+        theirs = spec.bias if spec.allowed is None else jnp.where(spec.allowed, spec.bias, -jnp.inf).astype(spec.bias.dtype)
+    elif spec.allowed is not None:
+        theirs = ~spec.allowed
     else:
         return None
     return _torch_mha_layout(theirs, shape)

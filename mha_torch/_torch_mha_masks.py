@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mha_torch import _checks, _neutral
-from mha_torch.masks import MASK_LAYOUT
+from mha_torch import _checks, _neutral, masks
 
 
 def mask_from_torch_mha(
@@ -92,34 +91,12 @@ def mask_to_torch_mha(
       when nothing is additive, else float (the additive terms summed, ``-inf`` where a bool
       or integer mask forbids).
     """
-    additive = ignore = None
-    if mask is not None:
-        _checks.require_array("mask", mask)
-        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
-        kind = _checks._dtype_kind(mask)
-        if kind not in ("bool", "int", "float"):
-            raise TypeError(
-                f"mask must be bool, integer or real floating, got dtype {_checks._dtype_name(mask)} "
-                f"with shape {tuple(mask.shape)}"
-            )
-        if kind == "float":  # additive here, as in mha_torch.dot_product_attention
-            additive = mask
-        else:
-            ignore = mask == 0
-    if bias is not None:
-        _checks.require_float("bias", bias)
-        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
-        if additive is None:
-            additive = bias
-        else:
-            dtype = torch.promote_types(additive.dtype, bias.dtype)
-            additive = additive.to(dtype) + bias.to(dtype)
-    if additive is not None:
-        theirs = additive
-        if ignore is not None:  # the form torch uses for a bool mask beside a float one
-            theirs = torch.where(ignore, float("-inf"), additive)
-    elif ignore is not None:
-        theirs = ignore
+    device = next((x.device for x in (mask, bias) if isinstance(x, torch.Tensor)), None)
+    spec = masks._parse(shape, mask=mask, bias=bias, device=device)  # checked as the core checks them
+    if spec.bias is not None:  # the form torch uses for a bool mask beside a float one
+        theirs = spec.bias if spec.allowed is None else torch.where(spec.allowed, spec.bias, float("-inf"))
+    elif spec.allowed is not None:
+        theirs = ~spec.allowed
     else:
         return None
     return _torch_mha_layout(theirs, shape)
