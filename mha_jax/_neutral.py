@@ -2,10 +2,11 @@
 
 Neither package may import the other, so this one file is copied into both, and a test checks
 that the two copies are the same bytes. It uses only Python, NumPy and what NumPy arrays, JAX
-arrays and torch tensors share (``.shape``, ``.ndim``, slicing along the first axis):
+arrays and torch tensors share (``.shape``, ``.ndim``, ``.reshape``, slicing along the first axis):
 
 - argument checks that read no array library: head counts, broadcasting, rates, scales,
   windows, sequence shapes;
+- the batch axes of the modules' inputs, merged into one and restored;
 - checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check
   of a loaded state;
 - the shape rules of ``torch.nn.MultiheadAttention``'s masks.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,12 +138,60 @@ def check_lengths_range(name: str, values: np.ndarray, kv_len: int) -> None:
         raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")
 
 
+# --- batch axes of the modules' inputs ------------------------------------------------------
+
+# Axes after the batch axes, per module argument: masks and biases (heads, q_len, kv_len),
+# positions and segment ids (len,), lengths none.
+_TRAILING = {"mask": 3, "bias": 3, "dropout_mask": 3, "key_value_seq_lengths": 0}
+
+
+def flatten_batch(inputs: tuple, broadcast: Callable, **terms: Any) -> tuple[tuple[int, ...], tuple, dict]:
+    """Inputs ``(*batch, len, features)`` as ``(prod(batch), len, features)`` and each term with
+    its batch axes merged likewise: ``(batch_shape, inputs, terms)``. ``broadcast(x, shape)`` is
+    the framework's broadcast; one batch axis is left as it is."""
+    batch_shape = tuple(inputs[0].shape[:-2])
+    if len(batch_shape) == 1:
+        return batch_shape, inputs, terms
+    inputs = tuple(x.reshape((math.prod(batch_shape),) + tuple(x.shape[-2:])) for x in inputs)
+    return batch_shape, inputs, {
+        name: _merge_batch(name, x, batch_shape, _TRAILING.get(name, 1), broadcast) for name, x in terms.items()
+    }
+
+
+def _merge_batch(name: str, x: Any, batch_shape: tuple[int, ...], trailing: int, broadcast: Callable) -> Any:
+    """``x`` broadcasting to ``(*batch_shape, *rest)`` with ``trailing`` = len(rest), as
+    ``(prod(batch)|1, *rest)``; an ``x`` without batch axes unchanged."""
+    if x is None or not hasattr(x, "shape") or 0 < trailing and x.ndim <= trailing:
+        return x
+    full = len(batch_shape) + trailing
+    lead = tuple(x.shape[:x.ndim - trailing])
+    if x.ndim > full or any(a not in (1, b) for a, b in zip(reversed(lead), reversed(batch_shape))):
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}, whose batch axes {lead} do not broadcast to the "
+            f"inputs' batch axes {batch_shape}"
+        )
+    rest = tuple(x.shape[x.ndim - trailing:])
+    if trailing > 0 and all(a == 1 for a in lead):
+        return x.reshape((1,) + rest)
+    return broadcast(x.reshape((1,) * (full - x.ndim) + tuple(x.shape)), batch_shape + rest).reshape((math.prod(batch_shape),) + rest)
+
+
+def unflatten_batch(x: Any, batch_shape: tuple[int, ...]) -> Any:
+    """``(prod(batch)|1, ...)`` back to ``(*batch_shape, ...)``, a broadcast axis as ones."""
+    if len(batch_shape) == 1:
+        return x
+    lead = batch_shape if x.shape[0] == math.prod(batch_shape) else (1,) * len(batch_shape)
+    return x.reshape(lead + tuple(x.shape[1:]))
+
+
 # --- checkpoint layouts ------------------------------------------------------------------
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 # Fused entries: their weight stacks the projections' rows in this order, q over k over v.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
 PARTS = ("weight", "bias")
+# Optional per-head LayerNorm scales on queries and keys (``normalize_qk``), ``(head_dim,)``.
+NORMS = ("q_norm", "k_norm")
 
 
 @dataclass(frozen=True)
@@ -167,7 +216,7 @@ _QKV = FUSED["qkv_proj"]
 LAYOUTS: dict[str, tuple[_Source, ...]] = {
     "mha_torch": _from_names(
         {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "out_proj"}
-    ),
+    ) + tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS),
     # torch.nn.MultiheadAttention: a fused in_proj_weight when kdim == vdim == embed_dim, else
     # three separate weights; the input bias stays fused in both cases.
     "torch_mha": (
@@ -256,6 +305,10 @@ def read_layout(
         for part in PARTS if has_bias else PARTS[:1]:
             if f"{proj}.{part}" not in given:
                 problems.append(f"missing key {_expected(sources, proj, part, prefix)}")
+    norms = [norm for norm in NORMS if f"{norm}.weight" in given]
+    if len(norms) == 1:
+        other = NORMS[1 - NORMS.index(norms[0])]
+        problems.append(f"missing key {prefix + other + '.weight'!r} (normalize_qk takes both q_norm and k_norm)")
     if any(p.startswith("missing key") for p in problems):
         problems += _fitting_prefixes(state, sources, prefix)
     if problems:
@@ -378,6 +431,10 @@ def check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int)
             w, b = state[f"{name}.weight"], state[f"{name}.bias"]
             if b.shape != (w.shape[0],):
                 problems.append(f"'{name}.bias' has shape {b.shape}, expected ({w.shape[0]},)")
+    for name in NORMS:
+        w = state.get(f"{name}.weight")
+        if w is not None and tuple(w.shape) != (head_dim,):
+            problems.append(f"'{name}.weight' has shape {tuple(w.shape)}, expected (head_dim,) = ({head_dim},)")
     if problems:
         raise ValueError("state_dict: " + "; ".join(problems))
     return head_dim

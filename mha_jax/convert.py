@@ -14,6 +14,8 @@ torch name         torch shape            Flax name, shape
 ``k_proj``/``v_proj`` likewise with kv_heads: ``key``/``value``
 ``out_proj.weight`` (out, heads*head_dim) ``out.kernel`` (heads, head_dim, out)
 ``out_proj.bias``  (out,)                 ``out.bias`` (out,)
+``q_norm.weight``  (head_dim,)            ``query_ln.scale`` (head_dim,)  (``normalize_qk``)
+``k_norm.weight``  (head_dim,)            ``key_ln.scale`` (head_dim,)
 =================  =====================  ===========================
 """
 
@@ -30,6 +32,7 @@ from flax import nnx
 from mha_jax import _neutral
 
 _FLAX_NAMES = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
+_FLAX_NORMS = (("query_ln", "q_norm"), ("key_ln", "k_norm"))  # flax's normalize_qk LayerNorm scales
 
 
 def from_torch(
@@ -44,7 +47,8 @@ def from_torch(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
-    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` of NumPy
+    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (and with
+    ``q_norm``/``k_norm`` weights, flax's ``normalize_qk`` scales ``query_ln``/``key_ln``) of NumPy
     arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
     ``linen`` params or through ``load_weights``.
 
@@ -75,6 +79,9 @@ def from_torch(
         bias = state.get(f"{torch_name}.bias")
         if bias is not None:
             params[flax_name]["bias"] = bias if flax_name == "out" else bias.reshape(-1, head_dim)
+    for flax_name, torch_name in _FLAX_NORMS:
+        if f"{torch_name}.weight" in state:
+            params[flax_name] = {"scale": state[f"{torch_name}.weight"]}
     return params
 
 
@@ -91,7 +98,8 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         params = _read_params(params)
     tree = _params_dict(params)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
-    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES)]
+    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES + _FLAX_NORMS)]
+    problems += [f"{name!r} has no 'scale'" for name, _ in _FLAX_NORMS if name in tree and "scale" not in tree[name]]
     problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
         raise ValueError("params is not an attention parameter tree: " + "; ".join(problems))
@@ -109,6 +117,9 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         state[f"{torch_name}.weight"] = np.ascontiguousarray(weight)
         if "bias" in tree[flax_name]:
             state[f"{torch_name}.bias"] = _to_numpy(tree[flax_name]["bias"]).reshape(-1)
+    for flax_name, torch_name in _FLAX_NORMS:
+        if flax_name in tree:
+            state[f"{torch_name}.weight"] = _to_numpy(tree[flax_name]["scale"])
     try:  # the projections must fit one module: heads from the query kernel, kv heads from the key's
         _neutral.check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
     except ValueError as error:
@@ -140,8 +151,11 @@ def load_weights(
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
     current = _params_dict(module)
-    problems = []
-    for flax_name, _ in _FLAX_NAMES:
+    problems = [
+        f"{flax_name} is absent from the {'module (normalize_qk=False)' if flax_name in params else 'state dict'}"
+        for flax_name, _ in _FLAX_NORMS if (flax_name in params) != (flax_name in current)
+    ]
+    for flax_name in [name for name, _ in _FLAX_NAMES + _FLAX_NORMS if name in params and name in current]:
         names = set(current[flax_name]) | set(params[flax_name])
         for name in sorted(names):
             have, new = current[flax_name].get(name), params[flax_name].get(name)
@@ -154,7 +168,7 @@ def load_weights(
                 )
     if problems:
         raise ValueError("state_dict does not fit the module: " + "; ".join(problems))
-    for flax_name, _ in _FLAX_NAMES:
+    for flax_name in params:
         layer = getattr(module, flax_name)
         for name, array in params[flax_name].items():
             variable = getattr(layer, name)

@@ -1,42 +1,67 @@
-"""``flax.linen`` multi-head attention, for models still written in linen.
+"""``flax.linen`` multi-head attention, a drop-in for ``flax.linen.MultiHeadDotProductAttention``.
 
-Its parameter tree is that of ``flax.linen.MultiHeadDotProductAttention`` (and so of our nnx
-module): ``query``/``key``/``value``/``out``, each ``kernel`` and ``bias``. Given the same
-parameters it computes exactly what ``mha_jax.MultiHeadAttention`` computes.
+The attributes and the call are flax's, with flax's meaning, plus this package's additions
+(``num_kv_heads``, ``implementation``, the structured masks). Its parameter tree is flax's (and so
+our nnx module's): ``query``/``key``/``value``/``out``, each ``kernel`` and ``bias``, and with
+``normalize_qk`` the scales ``query_ln``/``key_ln``. Given the same parameters it computes
+exactly what ``mha_jax.MultiHeadAttention`` computes.
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from mha_jax import _checks, _neutral, masks
-from mha_jax.attention import IMPLEMENTATIONS, _attention
-from mha_jax.module import _check_inputs, _spec
+from mha_jax import _neutral, masks
+from mha_jax.attention import IMPLEMENTATIONS
+from mha_jax.module import _attend, _check_decode, _prepare
 
 
 class MultiHeadDotProductAttention(nn.Module):
     """Multi-head (grouped-query) attention; the input feature sizes are inferred.
 
-    Attributes: as ``mha_jax.MultiHeadAttention``'s constructor arguments, less
-    ``in_features``/``in_kv_features`` (read from the inputs) and ``rngs`` (linen's ``'params'``
-    and ``'dropout'`` RNG collections).
+    Attributes: flax's (``num_heads``, ``dtype``, ``param_dtype``, ``qkv_features``,
+    ``out_features``, ``broadcast_dropout``, ``dropout_rate``, ``deterministic``, ``precision``,
+    ``kernel_init``, ``out_kernel_init``, ``bias_init``, ``out_bias_init``, ``use_bias``,
+    ``attention_fn``, ``decode``, ``normalize_qk``, ``force_fp32_for_softmax``, the
+    ``*_dot_general`` and einsum factories), meaning what they mean in
+    ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention
+    (which always takes the softmax in float32 or wider); plus ``num_kv_heads`` and
+    ``implementation`` as in ``mha_jax.MultiHeadAttention``. Randomness: linen's ``'params'`` and
+    ``'dropout'`` RNG collections.
     """
 
     num_heads: int
-    qkv_features: int | None = None
-    out_features: int | None = None
-    num_kv_heads: int | None = None
-    use_bias: bool = True
-    dropout_rate: float = 0.0
-    deterministic: bool | None = None
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
+    qkv_features: int | None = None
+    out_features: int | None = None
+    broadcast_dropout: bool = True
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
     precision: jax.lax.PrecisionLike = None
-    implementation: str | None = None
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+    out_kernel_init: nn.initializers.Initializer | None = None
     bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
+    out_bias_init: nn.initializers.Initializer | None = None
+    use_bias: bool = True
+    attention_fn: Callable[..., jax.Array] | None = None
+    decode: bool = False
+    normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Callable | None = None
+    out_dot_general: Callable | None = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
+    attn_weights_value_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
+    num_kv_heads: int | None = None
+    implementation: str | None = None
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); this one needs none.
@@ -50,7 +75,11 @@ class MultiHeadDotProductAttention(nn.Module):
         inputs_k: jax.Array | None = None,
         inputs_v: jax.Array | None = None,
         *,
+        inputs_kv: jax.Array | None = None,
         mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        dropout_rng: jax.Array | None = None,
+        sow_weights: bool = False,
         bias: jax.Array | None = None,
         is_causal: bool = False,
         query_positions: jax.Array | None = None,
@@ -59,56 +88,93 @@ class MultiHeadDotProductAttention(nn.Module):
         query_segment_ids: jax.Array | None = None,
         key_segment_ids: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
-        deterministic: bool | None = None,
-        dropout_rng: jax.Array | None = None,
         dropout_mask: jax.Array | None = None,
         return_weights: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """Shapes as ``mha_jax.MultiHeadAttention.__call__``; ``dropout_rng`` defaults to
-        ``self.make_rng('dropout')``."""
-        self_attention = inputs_k is None or inputs_k is inputs_q
-        inputs_k = inputs_q if inputs_k is None else inputs_k
-        inputs_v = inputs_k if inputs_v is None else inputs_v
-        for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k)):
-            _checks.require_float(name, x)
-            _checks.require_rank(name, x, 3, "(batch, length, features)")
-        in_features, in_kv_features = inputs_q.shape[-1], inputs_k.shape[-1]
-        _check_inputs(inputs_q, inputs_k, inputs_v, in_features, in_kv_features)
-        qkv_features = in_features if self.qkv_features is None else self.qkv_features
-        out_features = in_features if self.out_features is None else self.out_features
+        """Shapes and arguments as ``mha_jax.MultiHeadAttention.__call__``; ``inputs_kv`` (flax's
+        deprecated key-and-value input) and ``dropout_rng`` (default
+        ``self.make_rng('dropout')``) as in flax; ``sow_weights`` sows ``attention_weights`` into
+        the ``'intermediates'`` collection."""
+        _check_decode(self.decode, None)
+        if inputs_kv is not None:
+            if inputs_k is not None or inputs_v is not None:
+                raise ValueError(
+                    "inputs_kv cannot be given with inputs_k or inputs_v; pass inputs_k and inputs_v "
+                    "(inputs_kv is deprecated in flax)"
+                )
+            warnings.warn("inputs_kv is deprecated in flax: pass inputs_k and inputs_v", DeprecationWarning, stacklevel=2)
+            inputs_k = inputs_v = inputs_kv
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
+            inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
+            mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths,
+        )
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
         head_dim = _neutral.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
         rate = _neutral.check_dropout_rate("dropout_rate", self.dropout_rate)
 
-        def projection(out_features, name, axis=-1):
+        def projection(features, name):
             return nn.DenseGeneral(
-                out_features, axis=axis, use_bias=self.use_bias, dtype=self.dtype,
-                param_dtype=self.param_dtype, precision=self.precision,
-                kernel_init=self.kernel_init, bias_init=self.bias_init, name=name,
+                features, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                bias_init=self.bias_init, use_bias=self.use_bias, precision=self.precision,
+                dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls, name=name,
             )
 
-        spec = _spec(
-            inputs_q, inputs_k, self.num_heads, self_attention, mask=mask, bias=bias,
-            is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
-            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        )
         inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)
+        if self.normalize_qk:
+            def layer_norm(name):
+                return nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+            query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
         if dropout_mask is None and rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         else:
             dropout_rng = None
-        result = _attention(
-            query, key, value, spec,
-            dropout_rate=rate if dropout_rng is not None or dropout_mask is not None else 0.0,
-            dropout_rng=dropout_rng, dropout_mask=dropout_mask,
-            return_weights=return_weights, precision=self.precision,
-            implementation=self.implementation,
+        out, weights, sown = _attend(
+            self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+            sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
         )
-        out, weights = result if return_weights else (result, None)
-        out = projection(out_features, "out", axis=(-2, -1))(out)
+        if sown is not None:
+            self.sow("intermediates", "attention_weights", sown)
+        out = nn.DenseGeneral(
+            out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+            bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+            param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
+            dot_general_cls=self.out_dot_general_cls, name="out",
+        )(out)
+        out = _neutral.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
 
+    def _einsums(self) -> dict:
+        """linen's extra ``attention_fn`` arguments (quantised einsums, fp32 softmax)."""
+        einsums = dict(
+            qk_attn_weights_einsum=self.qk_attn_weights_einsum_cls() if self.qk_attn_weights_einsum_cls else None,
+            attn_weights_value_einsum=self.attn_weights_value_einsum_cls() if self.attn_weights_value_einsum_cls else None,
+        )
+        if self.attention_fn is None and any(v is not None for v in einsums.values()):
+            raise ValueError(
+                "qk_attn_weights_einsum_cls and attn_weights_value_einsum_cls reach only an attention_fn; "
+                "pass one (flax.linen.dot_product_attention, say) to use them"
+            )
+        return dict(einsums, force_fp32_for_softmax=self.force_fp32_for_softmax)
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention):
+    """``MultiHeadDotProductAttention`` under flax's alias (layers named ``MultiHeadAttention_{i}``)."""
+
+
+class SelfAttention(MultiHeadDotProductAttention):
+    """Self-attention, as flax's deprecated ``SelfAttention``: the call takes ``inputs_q`` and
+    ``mask`` positionally and the rest by keyword."""
+
+    @nn.compact
+    def __call__(self, inputs_q: jax.Array, mask: jax.Array | None = None, deterministic: bool | None = None,
+                 dropout_rng: jax.Array | None = None, sow_weights: bool = False, **kwargs):
+        warnings.warn("SelfAttention is deprecated in flax: call MultiHeadDotProductAttention with inputs_q", DeprecationWarning, stacklevel=2)
+        return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng, sow_weights=sow_weights, **kwargs)

@@ -1,41 +1,66 @@
-"""``flax.nnx`` multi-head attention.
+"""``flax.nnx`` multi-head attention, a drop-in for ``flax.nnx.MultiHeadAttention``.
 
-Twin of ``mha_torch/module.py``. The parameter tree is that of ``flax.nnx.MultiHeadAttention``:
-``query``/``key``/``value`` with ``kernel (in, heads, head_dim)`` and ``bias (heads, head_dim)``,
-``out`` with ``kernel (heads, head_dim, out)`` and ``bias (out,)``.
+Twin of ``mha_torch/module.py``. The constructor and the call take what flax's class takes, in
+flax's order, with flax's meaning; the parameter tree is flax's: ``query``/``key``/``value`` with
+``kernel (in, heads, head_dim)`` and ``bias (heads, head_dim)``, ``out`` with
+``kernel (heads, head_dim, out)`` and ``bias (out,)``, and with ``normalize_qk`` the LayerNorm
+scales ``query_ln``/``key_ln``. Built from the same ``nnx.Rngs`` it holds flax's parameters.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes
 
 from mha_jax import _checks, _neutral, masks
 from mha_jax.attention import IMPLEMENTATIONS, _attention
 
-INPUT_LAYOUT = "(batch, length, features)"
+INPUT_LAYOUT = "(*batch, length, features)"
+_NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
 
 class MultiHeadAttention(nnx.Module):
     """Multi-head (grouped-query) attention with input and output projections.
 
-    Args:
+    Args (flax's, in flax's positional order; then this module's additions):
       num_heads: query heads.
       in_features: feature size of ``inputs_q``.
       qkv_features: total query feature size ``num_heads * head_dim``; default ``in_features``.
       out_features: output feature size; default ``in_features``.
       num_kv_heads: key/value heads, dividing ``num_heads``; default ``num_heads``.
       in_kv_features: feature size of ``inputs_k`` and ``inputs_v``; default ``in_features``.
-      use_bias: biases on the four projections.
-      dropout_rate: dropout on the attention weights.
-      deterministic: default for the call's ``deterministic`` (``nnx.Module.eval()`` sets it).
       dtype: computation dtype; default: promoted from inputs and parameters.
       param_dtype: parameter dtype.
+      broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads (flax's
+        default) instead of one per batch row and head.
+      dropout_rate: dropout on the attention weights.
+      deterministic: default for the call's ``deterministic`` (``.eval()``/``nnx.view`` set it).
       precision: precision of every matrix product.
-      implementation: attention implementation, see ``mha_jax.dot_product_attention``.
-      kernel_init, bias_init: initialisers, as in flax.
+      kernel_init, bias_init: initialisers of the projections.
+      out_kernel_init, out_bias_init: of the output projection; default ``kernel_init``/``bias_init``.
+      use_bias: biases on the four projections.
+      attention_fn: None (this package's attention, every mask form and implementation) or a
+        function with the signature of ``flax.nnx.dot_product_attention``, called as flax calls it;
+        positions, windows, segments and lengths then reach it as a boolean ``mask``.
+      decode: autoregressive decoding with a cache; not available yet (a clear error when set).
+      normalize_qk: flax's LayerNorm (no bias) on each head's queries and keys.
+      qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: dtype promotion of the query/key/value
+        projections, the output projection and the LayerNorms, as in flax.
+      qkv_dot_general, out_dot_general, qkv_dot_general_cls, out_dot_general_cls: the projections'
+        ``dot_general``, as in flax.
       rngs: ``nnx.Rngs`` for the parameters and, with ``dropout_rate > 0``, the dropout stream.
+      keep_rngs: keep a dropout stream forked from ``rngs`` (else pass ``rngs`` to each call).
+      kernel_metadata, out_kernel_metadata, bias_metadata, out_bias_metadata,
+        query_ln_scale_metadata, key_ln_scale_metadata: parameter metadata (sharding), as in flax.
+      implementation: attention implementation, see ``mha_jax.dot_product_attention``.
     """
 
     def __init__(
@@ -44,19 +69,39 @@ class MultiHeadAttention(nnx.Module):
         in_features: int,
         qkv_features: int | None = None,
         out_features: int | None = None,
-        *,
         num_kv_heads: int | None = None,
         in_kv_features: int | None = None,
-        use_bias: bool = True,
-        dropout_rate: float = 0.0,
-        deterministic: bool | None = None,
+        *,
         dtype: jnp.dtype | None = None,
         param_dtype: jnp.dtype = jnp.float32,
+        broadcast_dropout: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
         precision: jax.lax.PrecisionLike = None,
-        implementation: str | None = None,
         kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+        out_kernel_init: nnx.Initializer | None = None,
         bias_init: nnx.Initializer = nnx.initializers.zeros_init(),
+        out_bias_init: nnx.Initializer | None = None,
+        use_bias: bool = True,
+        attention_fn: Callable[..., jax.Array] | None = None,
+        decode: bool | None = None,
+        normalize_qk: bool = False,
+        qkv_promote_dtype: Callable = dtypes.promote_dtype,
+        out_promote_dtype: Callable = dtypes.promote_dtype,
+        ln_promote_dtype: Callable = dtypes.promote_dtype,
+        qkv_dot_general: Callable | None = None,
+        out_dot_general: Callable | None = None,
+        qkv_dot_general_cls: Any = None,
+        out_dot_general_cls: Any = None,
         rngs: nnx.Rngs,
+        keep_rngs: bool = True,
+        kernel_metadata: Mapping[str, Any] = _NO_METADATA,
+        out_kernel_metadata: Mapping[str, Any] = _NO_METADATA,
+        bias_metadata: Mapping[str, Any] = _NO_METADATA,
+        out_bias_metadata: Mapping[str, Any] = _NO_METADATA,
+        query_ln_scale_metadata: Mapping[str, Any] = _NO_METADATA,
+        key_ln_scale_metadata: Mapping[str, Any] = _NO_METADATA,
+        implementation: str | None = None,
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -66,26 +111,51 @@ class MultiHeadAttention(nnx.Module):
         self.out_features = in_features if out_features is None else out_features
         for name in ("in_features", "in_kv_features", "out_features"):
             _neutral.check_heads(1, 1, getattr(self, name), name)
-        self.head_dim = _neutral.check_heads(
-            num_heads, self.num_kv_heads, self.qkv_features, "qkv_features"
-        )
+        self.head_dim = _neutral.check_heads(num_heads, self.num_kv_heads, self.qkv_features, "qkv_features")
         self.dropout_rate = _neutral.check_dropout_rate("dropout_rate", dropout_rate)
+        self.broadcast_dropout = broadcast_dropout
         self.deterministic = deterministic
+        self.decode = decode
+        self.dtype = dtype
+        self.param_dtype = param_dtype
         self.precision = precision
+        self.use_bias = use_bias
+        self.normalize_qk = normalize_qk
+        self.attention_fn = attention_fn
         self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
 
-        def projection(in_features, out_features, axis=-1):
+        common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+
+        def projection(in_features, out_features):
             return nnx.LinearGeneral(
-                in_features, out_features, axis=axis, use_bias=use_bias, dtype=dtype,
-                param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
-                bias_init=bias_init, rngs=rngs,
+                in_features, out_features, kernel_init=kernel_init, bias_init=bias_init,
+                promote_dtype=qkv_promote_dtype, dot_general=qkv_dot_general, dot_general_cls=qkv_dot_general_cls,
+                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, **common,
             )
 
+        # flax's order of construction, so that the same Rngs give the same parameters
         self.query = projection(in_features, (num_heads, self.head_dim))
         self.key = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
         self.value = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
-        self.out = projection((num_heads, self.head_dim), self.out_features, axis=(-2, -1))
-        self.rngs = rngs.dropout.fork() if self.dropout_rate > 0 else None
+        if normalize_qk:
+            def layer_norm(metadata):
+                return nnx.LayerNorm(
+                    self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                    promote_dtype=ln_promote_dtype, rngs=rngs, scale_metadata=metadata,
+                )
+            self.query_ln = layer_norm(query_ln_scale_metadata)
+            self.key_ln = layer_norm(key_ln_scale_metadata)
+        else:
+            self.query_ln = nnx.data(None)
+            self.key_ln = nnx.data(None)
+        self.out = nnx.LinearGeneral(
+            (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+            promote_dtype=out_promote_dtype, dot_general=out_dot_general, dot_general_cls=out_dot_general_cls,
+            kernel_metadata=out_kernel_metadata or kernel_metadata, bias_metadata=out_bias_metadata or bias_metadata,
+            **common,
+        )
+        self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
 
     def __call__(
         self,
@@ -94,69 +164,187 @@ class MultiHeadAttention(nnx.Module):
         inputs_v: jax.Array | None = None,
         *,
         mask: jax.Array | None = None,
-        bias: jax.Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
         is_causal: bool = False,
+        out_sharding=None,
+        qkv_sharding=None,
+        bias: jax.Array | None = None,
         query_positions: jax.Array | None = None,
         key_positions: jax.Array | None = None,
         local_window_size: int | tuple[int, int] | None = None,
         query_segment_ids: jax.Array | None = None,
         key_segment_ids: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
-        deterministic: bool | None = None,
-        rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         dropout_mask: jax.Array | None = None,
         return_weights: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Attend from ``inputs_q`` to ``inputs_k``/``inputs_v``.
 
-        Args:
-          inputs_q: ``(batch, q_len, in_features)``.
-          inputs_k: ``(batch, kv_len, in_kv_features)``; default ``inputs_q`` (self-attention).
-          inputs_v: ``(batch, kv_len, in_kv_features)``; default ``inputs_k``.
-          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; any dtype, nonzero = attend.
-          bias: added to the logits, broadcasting to ``(batch, num_heads, q_len, kv_len)``.
-          is_causal, query_positions, key_positions, local_window_size, query_segment_ids,
-            key_segment_ids, key_value_seq_lengths: as in ``mha_jax.dot_product_attention``;
-            in self-attention (``inputs_k`` not given, or ``inputs_q`` itself) the key
-            positions and segment ids default to the query's.
+        Args (flax's, then this module's additions):
+          inputs_q: ``(*batch, q_len, in_features)``; any number of batch axes, none included.
+          inputs_k: ``(*batch, kv_len, in_kv_features)``; default ``inputs_q`` (self-attention).
+          inputs_v: ``(*batch, kv_len, in_kv_features)``; default ``inputs_k``.
+          mask: broadcasts to ``(*batch, num_heads, q_len, kv_len)``; any dtype, nonzero = attend.
           deterministic: no dropout when True; overrides the constructor's.
-          rngs: dropout randomness; overrides the stream forked at construction.
-          dropout_mask: explicit keep-mask ``(batch, num_heads, q_len, kv_len)``; always applied,
-            kept weights scaled by ``1 / (1 - dropout_rate)``.
-          return_weights: also return the weights ``(batch, num_heads, q_len, kv_len)``.
+          rngs: dropout randomness; overrides the stream kept at construction.
+          sow_weights: store the attention weights ``(*batch, num_heads, q_len, kv_len)``, before
+            dropout, as ``nnx.Intermediate`` ``attention_weights`` (flax's name); any implementation.
+          decode: autoregressive decoding; not available yet (a clear error when set).
+          is_causal: key position <= query position.
+          out_sharding, qkv_sharding: output sharding of the output and the q/k/v projections.
+          bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
+          query_positions, key_positions, local_window_size, query_segment_ids, key_segment_ids,
+            key_value_seq_lengths: as in ``mha_jax.dot_product_attention``, with the batch axes of
+            the inputs; in self-attention (``inputs_k`` not given, or ``inputs_q`` itself) the key
+            positions and segment ids default to the query's.
+          dropout_mask: explicit keep-mask broadcasting to ``(*batch, num_heads, q_len, kv_len)``;
+            always applied, kept weights scaled by ``1 / (1 - dropout_rate)``.
+          return_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
 
         Returns:
-          ``(batch, q_len, out_features)``, or ``(output, weights)``.
+          ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        self_attention = inputs_k is None or inputs_k is inputs_q
-        inputs_k = inputs_q if inputs_k is None else inputs_k
-        inputs_v = inputs_k if inputs_v is None else inputs_v
-        _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
-        dropout_rng = None
-        if dropout_mask is None and self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
-            dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs)
+        _check_decode(decode, self.decode)
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
+            inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
+            mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths,
+        )
+        dropping = dropout_mask is None and self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
+        dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
 
-        spec = _spec(
-            inputs_q, inputs_k, self.num_heads, self_attention, mask=mask, bias=bias,
-            is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
-            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        )
         inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
-        query = self.query(inputs_q)
-        key = self.key(inputs_k)
-        value = self.value(inputs_v)
-        result = _attention(
-            query, key, value, spec,
-            dropout_rate=self.dropout_rate if dropout_rng is not None or dropout_mask is not None else 0.0,
-            dropout_rng=dropout_rng, dropout_mask=dropout_mask,
-            return_weights=return_weights, precision=self.precision,
-            implementation=self.implementation,
+        query = self.query(inputs_q, out_sharding=qkv_sharding)
+        key = self.key(inputs_k, out_sharding=qkv_sharding)
+        value = self.value(inputs_v, out_sharding=qkv_sharding)
+        if self.normalize_qk:
+            query, key = self.query_ln(query), self.key_ln(key)
+        out, weights, sown = _attend(
+            self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+            sow_weights=sow_weights, return_weights=return_weights,
         )
-        out, weights = result if return_weights else (result, None)
-        out = self.out(out)
+        if sown is not None:
+            self.sow(nnx.Intermediate, "attention_weights", sown)
+        out = _neutral.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 
+    def init_cache(self, input_shape, dtype=jnp.float32):
+        """Autoregressive decoding is not available yet: raises ``NotImplementedError``."""
+        _check_decode(True, None)
+
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+                 batch_size: int | tuple[int, ...] | None = None, max_length: int | None = None):
+        """``nnx.view``'s hook: the modes flax's class answers (``deterministic``, ``decode`` and
+        the cache's ``batch_size``/``max_length``)."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is not None:
+            self.decode = decode
+
+
+def _check_decode(decode: bool | None, default: bool | None) -> None:
+    if decode or (decode is None and default):
+        raise NotImplementedError(
+            "decode=True (autoregressive decoding with a key/value cache) is not available in "
+            "mha_jax yet; call the module without decode, over the whole prefix"
+        )
+
+
+def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None, in_kv_features: int | None, *,
+             is_causal, local_window_size, dropout_mask, **terms):
+    """The checked call of a Flax module: ``(batch_shape, inputs, spec, dropout_mask)``, the
+    inputs and terms with their batch axes merged into one; feature sizes None are read from
+    the inputs (linen)."""
+    self_attention, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
+    if in_features is None:
+        in_features, in_kv_features = (x.shape[-1] if getattr(x, "ndim", 0) >= 1 else 0 for x in (inputs_q, inputs_k))
+    _check_inputs(inputs_q, inputs_k, inputs_v, in_features, in_kv_features)
+    batch_shape, inputs, terms = _neutral.flatten_batch(
+        (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, dropout_mask=dropout_mask, **terms
+    )
+    dropout_mask = terms.pop("dropout_mask")
+    spec = _spec(inputs[0], inputs[1], num_heads, self_attention, is_causal=is_causal,
+                 local_window_size=local_window_size, **terms)
+    return batch_shape, inputs, spec, dropout_mask
+
+
+def _self_attention(inputs_q, inputs_k, inputs_v):
+    """flax's defaults for absent key and value inputs; True when keys are the queries."""
+    if inputs_k is None and inputs_v is not None:
+        raise ValueError(
+            "inputs_k cannot be None if inputs_v is not None; to use one array for both, pass it "
+            "as inputs_k and leave inputs_v as None"
+        )
+    self_attention = inputs_k is None or inputs_k is inputs_q
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    return self_attention, inputs_q, inputs_k, inputs_v
+
+
+def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropout_rng, dropout_mask,
+            sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping[str, Any] = _NO_METADATA):
+    """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for
+    the nnx and linen modules (``module`` gives the attributes): ``(out, weights, sown)``, the
+    weights asked for by ``return_weights`` and those to sow (before dropout, as flax sows them),
+    each None unless asked for, with the inputs' batch axes."""
+    rate = module.dropout_rate
+    if module.attention_fn is not None:
+        if return_weights:
+            raise ValueError("return_weights=True needs attention_fn=None; with an attention_fn use sow_weights=True")
+        out = _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, attention_fn_kwargs)
+        return out, None, None
+    if dropout_rng is not None:
+        shape = (1, 1) + spec.shape[2:] if module.broadcast_dropout else spec.shape
+        dropout_mask = jax.random.bernoulli(dropout_rng, 1.0 - rate, shape)
+    dropped = dropout_mask is not None
+    want = return_weights or sow_weights and not dropped
+    result = _attention(
+        query, key, value, spec, dropout_rate=rate if dropped else 0.0, dropout_mask=dropout_mask,
+        return_weights=want, precision=module.precision,
+        implementation="xla" if want and module.implementation is None else module.implementation,
+    )
+    out, weights = result if want else (result, None)
+    sown = None
+    if sow_weights:  # flax sows the weights before dropout
+        sown = weights if not dropped else _attention(
+            query, key, value, spec, return_weights=True, precision=module.precision, implementation="xla"
+        )[1]
+        sown = _neutral.unflatten_batch(sown, batch_shape)
+    return out, None if weights is None or not return_weights else _neutral.unflatten_batch(weights, batch_shape), sown
+
+
+def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):
+    """A user's flax-style ``attention_fn``, called with flax's arguments on the inputs' batch
+    axes; what the spec holds beyond a native causal flag reaches it as a boolean mask."""
+    native_causal = spec.is_causal and spec.default_positions
+    allowed = masks._dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal))
+
+    def logits_shaped(x):  # masks of fewer than 4 axes broadcast from the right as they are
+        return x if x is None or x.ndim < 4 else _neutral.unflatten_batch(x, batch_shape)
+
+    kwargs = dict(
+        mask=logits_shaped(allowed), bias=logits_shaped(spec.bias), dropout_rng=dropout_rng,
+        dropout_rate=module.dropout_rate, broadcast_dropout=module.broadcast_dropout,
+        deterministic=dropout_rng is None, dtype=module.dtype, precision=module.precision,
+        module=module if sow_weights else None, is_causal=native_causal, **extra,
+    )
+    parameters = inspect.signature(module.attention_fn).parameters
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        dropped = [name for name, value in kwargs.items() if name not in parameters and value not in (None, False)]
+        if dropped:
+            raise TypeError(
+                f"attention_fn {getattr(module.attention_fn, '__name__', module.attention_fn)!r} takes no "
+                f"{', '.join(dropped)}, which this call needs"
+            )
+        kwargs = {name: value for name, value in kwargs.items() if name in parameters}
+    q, k, v = (_neutral.unflatten_batch(x, batch_shape) for x in (query, key, value))
+    out = module.attention_fn(q, k, v, **kwargs)
+    return out.reshape(query.shape[:2] + out.shape[-2:])
 
 
 def _spec(inputs_q, inputs_k, num_heads: int, self_attention: bool, *, key_positions=None,
@@ -174,14 +362,15 @@ def _spec(inputs_q, inputs_k, num_heads: int, self_attention: bool, *, key_posit
 
 
 def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features: int) -> None:
-    """Ranks, dtypes and feature sizes of the module's inputs, with messages naming each."""
+    """Ranks, dtypes, batch axes and feature sizes of the module's inputs, naming each."""
     for name, x, features, feat_name in (
         ("inputs_q", inputs_q, in_features, "in_features"),
         ("inputs_k", inputs_k, in_kv_features, "in_kv_features"),
         ("inputs_v", inputs_v, in_kv_features, "in_kv_features"),
     ):
         _checks.require_float(name, x)
-        _checks.require_rank(name, x, 3, INPUT_LAYOUT)
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have rank 2 or more {INPUT_LAYOUT}, got shape {tuple(x.shape)}")
         if x.shape[-1] != features:
             raise ValueError(
                 f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
@@ -192,12 +381,12 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features
             f"inputs_q, inputs_k and inputs_v must share one dtype, got "
             f"{inputs_q.dtype}, {inputs_k.dtype}, {inputs_v.dtype}"
         )
-    if not inputs_q.shape[0] == inputs_k.shape[0] == inputs_v.shape[0]:
+    if not inputs_q.shape[:-2] == inputs_k.shape[:-2] == inputs_v.shape[:-2]:
         raise ValueError(
-            f"inputs_q, inputs_k and inputs_v must share the batch size, got shapes "
+            f"inputs_q, inputs_k and inputs_v must share the batch axes, got shapes "
             f"{tuple(inputs_q.shape)}, {tuple(inputs_k.shape)}, {tuple(inputs_v.shape)}"
         )
-    if inputs_k.shape[1] != inputs_v.shape[1]:
+    if inputs_k.shape[-2] != inputs_v.shape[-2]:
         raise ValueError(
             f"inputs_k and inputs_v must share kv_len, got shapes "
             f"{tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}"
@@ -213,5 +402,5 @@ def _dropout_key(rngs) -> jax.Array:
         return rngs
     raise ValueError(
         "dropout is active (dropout_rate > 0, not deterministic) but no rngs were given: "
-        f"pass rngs to the constructor or the call, got {type(rngs).__name__}"
+        f"pass rngs to the constructor (keep_rngs=True) or the call, got {type(rngs).__name__}"
     )

@@ -1,7 +1,8 @@
 """PyTorch multi-head attention, batch-first.
 
 Twin of ``mha_jax/module.py``. State dict: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
-each ``.weight (out, in)`` and ``.bias``.
+each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.weight`` and
+``k_norm.weight`` ``(head_dim,)``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from torch import nn
 from mha_torch import _checks, _neutral, masks
 from mha_torch.attention import IMPLEMENTATIONS, _attention
 
-INPUT_LAYOUT = "(batch, length, features)"
+INPUT_LAYOUT = "(*batch, length, features)"
+# flax.nnx.LayerNorm's epsilon, so that normalize_qk computes what the Flax twin computes
+NORM_EPS = 1e-6
 
 
 class MultiHeadAttention(nn.Module):
@@ -27,6 +30,10 @@ class MultiHeadAttention(nn.Module):
       out_dim: output feature size; default ``embed_dim``.
       bias: biases on the four projections.
       dropout: dropout on the attention weights, active in training mode.
+      broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads
+        (flax's default) instead of one per element (torch's, the default here).
+      normalize_qk: LayerNorm (no bias, epsilon 1e-6) on each head's queries and keys, as
+        flax's ``normalize_qk``: ``q_norm``, ``k_norm``.
       implementation: attention implementation, see ``mha_torch.dot_product_attention``
         (default: ``F.scaled_dot_product_attention`` unless weights are requested).
       device, dtype: of the parameters.
@@ -44,6 +51,8 @@ class MultiHeadAttention(nn.Module):
         out_dim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        broadcast_dropout: bool = False,
+        normalize_qk: bool = False,
         implementation: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -60,6 +69,8 @@ class MultiHeadAttention(nn.Module):
             _neutral.check_heads(1, 1, getattr(self, name), name)
         self.head_dim = _neutral.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
         self.dropout = _neutral.check_dropout_rate("dropout", dropout)
+        self.broadcast_dropout = broadcast_dropout
+        self.normalize_qk = normalize_qk
         self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
 
         kv_dim = self.num_kv_heads * self.head_dim
@@ -67,6 +78,12 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = nn.Linear(embed_dim, self.qkv_dim, **factory)
         self.k_proj = nn.Linear(self.kdim, kv_dim, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_dim, **factory)
+        if normalize_qk:
+            norm = {"eps": NORM_EPS, "bias": False, "device": device, "dtype": dtype}
+            self.q_norm = nn.LayerNorm(self.head_dim, **norm)
+            self.k_norm = nn.LayerNorm(self.head_dim, **norm)
+        else:
+            self.q_norm = self.k_norm = None
         self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **factory)
 
     def forward(
@@ -90,47 +107,80 @@ class MultiHeadAttention(nn.Module):
         """Attend from ``query`` to ``key``/``value``.
 
         Args:
-          query: ``(batch, q_len, embed_dim)``.
-          key: ``(batch, kv_len, kdim)``; default ``query`` (self-attention).
-          value: ``(batch, kv_len, vdim)``; default ``key``.
-          mask: broadcasts to ``(batch, num_heads, q_len, kv_len)``; bool/integer nonzero =
+          query: ``(*batch, q_len, embed_dim)``; any number of batch axes, none included.
+          key: ``(*batch, kv_len, kdim)``; default ``query`` (self-attention).
+          value: ``(*batch, kv_len, vdim)``; default ``key``.
+          mask: broadcasts to ``(*batch, num_heads, q_len, kv_len)``; bool/integer nonzero =
             attend, floating = added to the logits (see ``dot_product_attention``).
-          bias: added to the logits, broadcasting to ``(batch, num_heads, q_len, kv_len)``.
+          bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
           is_causal, query_positions, key_positions, local_window_size, query_segment_ids,
             key_segment_ids, key_value_seq_lengths: as in ``mha_torch.dot_product_attention``;
             in self-attention (``key`` not given, or ``query`` itself) the key positions and
-            segment ids default to the query's.
-          need_weights: also return the weights ``(batch, num_heads, q_len, kv_len)``.
-          dropout_mask: explicit keep-mask ``(batch, num_heads, q_len, kv_len)``; always applied,
-            kept weights scaled by ``1 / (1 - dropout)``.
+            segment ids default to the query's; with the batch axes of the inputs.
+          need_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
+          dropout_mask: explicit keep-mask ``(*batch, num_heads, q_len, kv_len)``; always
+            applied, kept weights scaled by ``1 / (1 - dropout)``.
 
         Returns:
-          ``(batch, q_len, out_dim)``, or ``(output, weights)``.
+          ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
-        self_attention = key is None or key is query
-        key = query if key is None else key
-        value = key if value is None else value
-        _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
+        batch_shape, (query, key, value), spec, dropout_mask = _prepare(
+            query, key, value, self.num_heads, self.embed_dim, self.kdim, self.vdim,
+            mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths,
+        )
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
+        if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
+            dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
 
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
-        spec = _spec(
-            query, key, self.num_heads, self_attention, mask=mask, bias=bias,
-            is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
-            local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        )
         key, value = masks._zero_unused_inputs(key, value, spec)
         q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.normalize_qk:
+            q, k = self.q_norm(q), self.k_norm(k)
         result = _attention(
             q, k, v, spec, dropout_p=dropout_p, dropout_mask=dropout_mask,
             need_weights=need_weights, implementation=self.implementation,
         )
         out, weights = result if need_weights else (result, None)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim))
-        return (out, weights) if need_weights else out
+        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim)), batch_shape)
+        return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+
+
+def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, *,
+             is_causal, local_window_size, dropout_mask, **terms):
+    """The checked call of the module: ``(batch_shape, inputs, spec, dropout_mask)``, the
+    inputs and terms with their batch axes merged into one."""
+    self_attention, query, key, value = _self_attention(query, key, value)
+    _check_inputs(query, key, value, embed_dim, kdim, vdim)
+    batch_shape, inputs, terms = _neutral.flatten_batch(
+        (query, key, value), _expand, dropout_mask=dropout_mask, **terms
+    )
+    dropout_mask = terms.pop("dropout_mask")
+    spec = _spec(inputs[0], inputs[1], num_heads, self_attention, is_causal=is_causal,
+                 local_window_size=local_window_size, **terms)
+    return batch_shape, inputs, spec, dropout_mask
+
+
+def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return x.expand(shape)
+
+
+def _self_attention(query, key, value):
+    """The defaults for absent key and value inputs; True when the keys are the queries."""
+    if key is None and value is not None:
+        raise ValueError(
+            "key cannot be None if value is not None; to use one tensor for both, pass it "
+            "as key and leave value as None"
+        )
+    self_attention = key is None or key is query
+    key = query if key is None else key
+    value = key if value is None else value
+    return self_attention, query, key, value
 
 
 def _spec(query, key, num_heads: int, self_attention: bool, *, key_positions=None,
@@ -149,14 +199,15 @@ def _spec(query, key, num_heads: int, self_attention: bool, *, key_positions=Non
 
 
 def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:
-    """Ranks, dtypes and feature sizes of the module's inputs, with messages naming each."""
+    """Ranks, dtypes, batch axes and feature sizes of the module's inputs, naming each."""
     for name, x, features, feat_name in (
         ("query", query, embed_dim, "embed_dim"),
         ("key", key, kdim, "kdim"),
         ("value", value, vdim, "vdim"),
     ):
         _checks.require_float(name, x)
-        _checks.require_rank(name, x, 3, INPUT_LAYOUT)
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have rank 2 or more {INPUT_LAYOUT}, got shape {tuple(x.shape)}")
         if x.shape[-1] != features:
             raise ValueError(
                 f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
@@ -166,12 +217,12 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> No
         raise TypeError(
             f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
+    if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         raise ValueError(
-            f"query, key and value must share the batch size, got shapes "
+            f"query, key and value must share the batch axes, got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
-    if key.shape[1] != value.shape[1]:
+    if key.shape[-2] != value.shape[-2]:
         raise ValueError(
             f"key and value must share kv_len, got shapes {tuple(key.shape)} and {tuple(value.shape)}"
         )

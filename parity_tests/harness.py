@@ -252,7 +252,7 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
             return nnx.merge(graphdef, params, rest)(*xs, **kwargs)
     else:
         model = mha_jax.linen.MultiHeadDotProductAttention(
-            c.num_heads, c.qkv_features, c.out_features, num_kv_heads=c.num_kv_heads,
+            c.num_heads, qkv_features=c.qkv_features, out_features=c.out_features, num_kv_heads=c.num_kv_heads,
             use_bias=c.use_bias, dropout_rate=att.dropout_rate, deterministic=True, param_dtype=dtype,
             implementation=implementation,
         )
