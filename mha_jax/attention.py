@@ -16,8 +16,8 @@ from mha_jax import _blockwise, _checks, _neutral, masks
 from mha_jax.masks import MASK_LAYOUT
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
-# Below this many scores per head the plain formulation is as fast and exact to the last bit.
-_BLOCKWISE_MIN_SCORES = 256 * 256
+# AD tracers: a blockwise call under forward mode or under two of them is refused by name.
+_AD_TRACERS = ("JVPTracer", "LinearizeTracer")
 
 
 def dot_product_attention(
@@ -76,8 +76,10 @@ def dot_product_attention(
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
         blocks, memory linear in length; blocks that causality, windows, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
-        GPUs, through ``jax.nn.dot_product_attention``), or None: ``"xla"`` for short inputs or
-        when weights are returned, else ``"blockwise"``.
+        GPUs, through ``jax.nn.dot_product_attention``), or None: ``"xla"`` at every size, as
+        flax (no behaviour changes with the length; ask for ``"blockwise"`` for long inputs).
+        ``"blockwise"`` and ``"cudnn"`` have reverse-mode derivatives of first order only: under
+        ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
 
     Returns:
       ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -111,9 +113,9 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
         empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
         return (out, empty.reshape(shape)) if return_weights else out
-    implementation = _choose(
-        implementation, return_weights, q_len * kv_len, keep is not None or rng is not None, query.dtype
-    )
+    implementation = _choose(implementation, return_weights, keep is not None or rng is not None, query.dtype)
+    if implementation != "xla":
+        _check_derivatives(implementation, query, key, value, spec.bias)
 
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
@@ -149,10 +151,9 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
     return out
 
 
-def _choose(implementation, return_weights, scores, dropout, dtype) -> str:
+def _choose(implementation, return_weights, dropout, dtype) -> str:
     if implementation is None:
-        small = scores < _BLOCKWISE_MIN_SCORES
-        return "xla" if return_weights or small else "blockwise"
+        return "xla"
     _neutral.check_implementation(implementation, IMPLEMENTATIONS)
     if return_weights and implementation != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
@@ -166,6 +167,23 @@ def _choose(implementation, return_weights, scores, dropout, dtype) -> str:
         if dtype not in (jnp.bfloat16, jnp.float16):
             raise TypeError(f"implementation='cudnn' needs bfloat16 or float16 query/key/value, got {dtype}")
     return implementation
+
+
+def _check_derivatives(implementation: str, *arrays) -> None:
+    """A custom-VJP kernel has no forward-mode derivative and no derivative of its backward
+    pass; JAX's own message would not name a way out. Seen from the traced inputs, so a
+    derivative taken of an already jitted function still meets JAX's message."""
+    for x in arrays:
+        kinds = []
+        while isinstance(x, jax.core.Tracer):
+            kinds.append(type(x).__name__)
+            x = getattr(x, "primal", getattr(x, "val", None))
+        if "JVPTracer" in kinds or sum(kind in _AD_TRACERS for kind in kinds) > 1:
+            raise NotImplementedError(
+                f"implementation={implementation!r} has first-order reverse-mode derivatives only "
+                "(jax.grad, jax.vjp); forward mode (jax.jvp, jacfwd, hessian) and derivatives of "
+                "derivatives need implementation='xla'"
+            )
 
 
 def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision):

@@ -144,12 +144,13 @@ def test_dropout_rng_backward_uses_the_forward_mask(tiny_blocks):
     assert dropped < 0.5  # dropout really acted
 
 
-def test_auto_choice():
-    q = jnp.zeros((1, 512, 2, 8))
-    f32 = jnp.float32
-    assert mha_jax.attention._choose(None, False, 512 * 512, False, f32) == "blockwise"
-    assert mha_jax.attention._choose(None, True, 512 * 512, False, f32) == "xla"
-    assert mha_jax.attention._choose(None, False, 16 * 16, False, f32) == "xla"
+def test_default_is_one_implementation_at_every_length():
+    """No size threshold: the default at 8 and at 512 positions is the same (jvp works at both)."""
+    for length in (8, 512):
+        q = jnp.asarray(np.random.default_rng(length).normal(size=(1, length, 2, 8)))
+        default = jax.jvp(lambda q: mha_jax.dot_product_attention(q, q, q, is_causal=True), (q,), (q,))
+        xla = jax.jvp(lambda q: mha_jax.dot_product_attention(q, q, q, is_causal=True, implementation="xla"), (q,), (q,))
+        assert all(np.array_equal(a, b) for a, b in zip(default, xla))
     with pytest.raises(ValueError, match="return_weights=True needs implementation='xla'"):
         mha_jax.dot_product_attention(q, q, q, return_weights=True, implementation="blockwise")
     with pytest.raises(ValueError, match="implementation must be one of"):

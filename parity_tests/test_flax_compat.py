@@ -1,0 +1,363 @@
+"""Our Flax modules are drop-ins for flax's: the same constructor and call, the same parameters
+from the same ``Rngs``/key, and the same outputs and gradients as ``flax.nnx.MultiHeadAttention``
+and ``flax.linen.MultiHeadDotProductAttention`` across their interface (options, batch axes,
+flax's masks, dropout from a shared key, sown weights, views), under the transformations a
+Flax model uses. The one deliberate difference, a query that may see no key, is shown too.
+
+Flax's default attention (``jax.nn.dot_product_attention``'s XLA kernel) takes the softmax in
+float32 even for float64 inputs; its explicit formula (taken with ``sow_weights=True``) is
+exact. Float64 comparisons use that one (``_flax_exact``), float32 ones flax's default.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import linen, nnx
+from jax import export
+
+import mha_jax
+import mha_torch
+from parity_tests.conftest import X64
+
+pytestmark = pytest.mark.skipif(not X64, reason="compares float64 with flax")
+
+L, E = 5, 16
+TOL = {"float64": 1e-12, "float32": 1e-6}
+CONFIGS = {
+    "self": dict(num_heads=4, in_features=E),
+    "cross-gqa": dict(num_heads=4, in_features=E, qkv_features=24, out_features=8, num_kv_heads=2, in_kv_features=12),
+    "mqa-nobias": dict(num_heads=4, in_features=E, num_kv_heads=1, use_bias=False),
+    "normalize_qk": dict(num_heads=4, in_features=E, num_kv_heads=2, normalize_qk=True),
+    "inits": dict(num_heads=2, in_features=E, bias_init=nnx.initializers.normal(0.5),
+                  out_kernel_init=nnx.initializers.normal(0.3), out_bias_init=nnx.initializers.ones_init()),
+}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _assert_trees_close(ours, theirs, tol):
+    """Each leaf within ``tol`` of the whole tree's norm (a leaf whose exact value is 0, such as
+    a key bias's gradient, holds only rounding noise)."""
+    ours, theirs = (nnx.to_pure_dict(t) if isinstance(t, nnx.State) else t for t in (ours, theirs))
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    total = np.sqrt(sum(np.sum(np.asarray(b, np.float64) ** 2) for b in jax.tree.leaves(theirs)))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
+        error = np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        assert error <= tol * total, (jax.tree_util.keystr(path), error / total)
+
+
+class _Silent:
+    """A module that keeps nothing sown: given one, flax's attention takes its explicit formula."""
+
+    def sow(self, *args, **kwargs):
+        pass
+
+
+def _flax_exact(query, key, value, module=None, **kwargs):
+    """``flax.nnx.dot_product_attention`` by its explicit formula, exact in float64."""
+    return nnx.dot_product_attention(query, key, value, module=module or _Silent(), **kwargs)
+
+
+def _pair(config: dict, dtype=jnp.float64, **extra):
+    """Ours and flax's nnx module from the same arguments and the same Rngs."""
+    kw = dict(CONFIGS[config], param_dtype=dtype, **extra)
+    exact = {"attention_fn": _flax_exact} if jnp.dtype(dtype) == jnp.float64 and "attention_fn" not in kw else {}
+    return mha_jax.MultiHeadAttention(**kw, rngs=nnx.Rngs(0)), nnx.MultiHeadAttention(**kw, **exact, decode=False, rngs=nnx.Rngs(0))
+
+
+def _inputs(config: str, batch: tuple, dtype=jnp.float64):
+    """Queries, keys (None in self-attention) and flax's key-padding + causal mask for ``batch``
+    axes; every query sees a key (where flax and we differ by design, see the last nnx test)."""
+    c = CONFIGS[config]
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=batch + (L, E)), dtype)
+    y = None if "in_kv_features" not in c else jnp.asarray(rng.normal(size=batch + (L, c["in_kv_features"])), dtype)
+    lengths = rng.integers(2, L + 1, size=batch)
+    tokens = jnp.asarray((np.arange(L) < lengths[..., None]).astype(np.int32))
+    mask = nnx.combine_masks(nnx.make_attention_mask(jnp.ones_like(tokens), tokens > 0), nnx.make_causal_mask(tokens))
+    return x, y, mask
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_same_rngs_same_parameters(config):
+    ours, theirs = _pair(config)
+    a, b = nnx.to_pure_dict(nnx.state(ours, nnx.Param)), nnx.to_pure_dict(nnx.state(theirs, nnx.Param))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_nnx_outputs_and_gradients_equal_flax(config, dtype):
+    """Two batch axes and flax's padding+causal mask: outputs, parameter and input gradients."""
+    dt = jnp.dtype(dtype)
+    ours, theirs = _pair(config, dt)
+    x, y, mask = _inputs(config, (2, 3), dt)
+
+    def loss(model, x, y):
+        out = model(x, y, mask=mask)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=out.dtype).reshape(out.shape)))
+
+    grad = nnx.jit(nnx.grad(loss, argnums=(0, 1, 2) if y is not None else (0, 1)))
+    args = (x, y)
+    assert _rel(ours(*args, mask=mask), theirs(*args, mask=mask)) <= TOL[dtype]
+    for a, b in zip(grad(ours, *args), grad(theirs, *args)):
+        if isinstance(a, nnx.State):
+            _assert_trees_close(a, b, 10 * TOL[dtype])
+        else:
+            assert _rel(a, b) <= 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)], ids=["unbatched", "one axis", "two axes"])
+def test_any_batch_axes(batch):
+    ours, theirs = _pair("self")
+    x, _, mask = _inputs("self", batch)
+    out = ours(x, mask=mask, is_causal=True)
+    assert out.shape == batch + (L, E)
+    assert _rel(out, theirs(x, mask=mask, is_causal=True)) <= TOL["float64"]
+
+
+@pytest.mark.parametrize("broadcast_dropout", [True, False])
+def test_dropout_from_a_shared_key_is_flax_dropout(broadcast_dropout):
+    """The same dropout stream (kept at construction, or passed to the call) drops the same weights."""
+    kw = dict(dropout_rate=0.3, broadcast_dropout=broadcast_dropout, deterministic=False)
+    ours, theirs = _pair("cross-gqa", **kw)
+    x, y, mask = _inputs("cross-gqa", (2,))
+    assert _rel(ours(x, y, mask=mask), theirs(x, y, mask=mask)) <= TOL["float64"]
+    ours, theirs = _pair("cross-gqa", keep_rngs=False, **kw)
+    a = ours(x, y, mask=mask, rngs=nnx.Rngs(dropout=7))
+    assert _rel(a, theirs(x, y, mask=mask, rngs=nnx.Rngs(dropout=7))) <= TOL["float64"]
+    assert _rel(a, ours(x, y, mask=mask, deterministic=True)) > 1e-3  # dropout acted
+    with pytest.raises(ValueError, match="no rngs were given"):
+        ours(x, y)
+
+
+@pytest.mark.parametrize("implementation", [None, "blockwise"])
+def test_sow_weights_where_flax_sows_them(implementation):
+    """Weights before dropout, as ``nnx.Intermediate`` ``attention_weights``, with any implementation."""
+    ours, theirs = _pair("cross-gqa", dropout_rate=0.3, deterministic=False)
+    ours.implementation = implementation
+    x, y, mask = _inputs("cross-gqa", (2, 3))
+    ours(x, y, mask=mask, sow_weights=True)
+    theirs(x, y, mask=mask, sow_weights=True)
+    a, b = nnx.state(ours, nnx.Intermediate), nnx.state(theirs, nnx.Intermediate)
+    assert a["attention_weights"][0].shape == (2, 3, 4, L, L)
+    _assert_trees_close(a, b, TOL["float64"])
+    fresh, _ = _pair("cross-gqa")
+    fresh(x, y, mask=mask)
+    assert not nnx.to_pure_dict(nnx.state(fresh, nnx.Intermediate))  # nothing sown unless asked
+
+
+def test_attention_fn_is_called_as_flax_calls_it():
+    calls = []
+
+    def attention_fn(query, key, value, **kwargs):
+        calls.append(sorted(kwargs))
+        return nnx.dot_product_attention(query, key, value, **kwargs)
+
+    ours, theirs = _pair("cross-gqa", attention_fn=attention_fn)
+    flax_default = nnx.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, decode=False, rngs=nnx.Rngs(0))
+    x, y, mask = _inputs("cross-gqa", (2, 3))
+    assert np.array_equal(ours(x, y, mask=mask, is_causal=True), flax_default(x, y, mask=mask, is_causal=True))
+    flax_arguments = {"mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype", "precision", "module", "is_causal"}
+    assert flax_arguments <= set(calls[0])
+    # what flax's attention_fn has no argument for reaches it as a mask: a window here
+    ours = mha_jax.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, attention_fn=_flax_exact, rngs=nnx.Rngs(0))
+    windowed = ours(x, y, local_window_size=(1, 0))
+    reference = mha_jax.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    assert _rel(windowed, reference(x, y, local_window_size=(1, 0))) <= TOL["float64"]
+
+
+def test_views_and_modes_reach_the_attention():
+    """``nnx.view``, ``.eval()``/``.train()`` set our layer's mode as they set ``nnx.Dropout``'s."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attention = mha_jax.MultiHeadAttention(4, E, dropout_rate=0.5, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.attention(x))
+
+    block = Block(nnx.Rngs(0))
+    x = jnp.ones((2, L, E))
+    viewed = nnx.view(block, deterministic=True)
+    assert viewed.attention.deterministic and viewed.dropout.deterministic
+    assert np.array_equal(viewed(x), viewed(x))
+    block.train()
+    assert not np.array_equal(block(x), block(x))
+    block.eval()
+    assert block.attention.deterministic is True
+
+
+def test_decode_is_refused_clearly():
+    layer = mha_jax.MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 1, E))
+    for attempt in (lambda: layer(x, decode=True), lambda: layer.init_cache(x.shape),
+                    lambda: nnx.view(layer, decode=True)(x),
+                    lambda: mha_jax.MultiHeadAttention(4, E, decode=True, rngs=nnx.Rngs(0))(x)):
+        with pytest.raises(NotImplementedError, match="decode=True"):
+            attempt()
+
+
+def test_a_query_that_sees_no_key():
+    """Deliberate difference: ours gives such a query 0 before the output projection (so the
+    output bias), flax the mean of the values (every logit equally masked)."""
+    ours, theirs = _pair("self", bias_init=nnx.initializers.normal(0.5))
+    x, _, _ = _inputs("self", (2,))
+    mask = jnp.ones((2, 1, L, L), bool).at[:, :, 0].set(False)  # query 0 sees nothing
+    a, b = ours(x, mask=mask), theirs(x, mask=mask)
+    assert _rel(a[:, 0], jnp.broadcast_to(ours.out.bias[...], (2, E))) == 0.0
+    values = theirs.value(x).mean(axis=1)  # (batch, heads, head_dim)
+    assert _rel(b[:, 0], theirs.out(values)) <= TOL["float64"]
+    assert _rel(a[:, 1:], b[:, 1:]) <= TOL["float64"]
+
+
+# --- linen ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [{}, dict(normalize_qk=True, qkv_features=24, out_features=8)], ids=["plain", "normalize_qk"])
+def test_linen_equals_flax_linen(options):
+    x, _, mask = _inputs("self", (2, 3))
+    ours = mha_jax.linen.MultiHeadDotProductAttention(4, param_dtype=jnp.float64, **options)
+    theirs = linen.MultiHeadDotProductAttention(4, param_dtype=jnp.float64, **options)
+    variables = ours.init(jax.random.key(0), x)
+    assert jax.tree.all(jax.tree.map(np.array_equal, variables, theirs.init(jax.random.key(0), x)))
+
+    def loss(module, params, x):
+        out, state = module.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])
+        return jnp.sum(out * jnp.sin(jnp.arange(out.size).reshape(out.shape))), state
+
+    (a, sown_a), grads_a = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(ours, variables, x)
+    (b, sown_b), grads_b = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(theirs, variables, x)
+    assert _rel(a, b) <= TOL["float64"]
+    _assert_trees_close(sown_a, sown_b, TOL["float64"])
+    _assert_trees_close(grads_a, grads_b, 10 * TOL["float64"])
+
+
+def test_linen_dropout_aliases_and_inputs_kv():
+    x, _, mask = _inputs("self", (2,))
+    kw = dict(num_heads=4, dropout_rate=0.3, deterministic=False, param_dtype=jnp.float64)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    pairs = [(mha_jax.linen.MultiHeadDotProductAttention(**kw), linen.MultiHeadDotProductAttention(**kw)),
+             (mha_jax.linen.MultiHeadAttention(**kw), linen.MultiHeadAttention(**kw))]
+    for ours, theirs in pairs:
+        a, variables = ours.init_with_output(rngs, x, x, mask=mask)
+        assert _rel(a, theirs.apply(variables, x, x, mask=mask, rngs={"dropout": jax.random.key(1)})) <= TOL["float64"]
+        with pytest.warns(DeprecationWarning):
+            b = ours.apply(variables, x, inputs_kv=x, mask=mask, rngs={"dropout": jax.random.key(1)})
+        assert np.array_equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ours, theirs = mha_jax.linen.SelfAttention(4, param_dtype=jnp.float64), linen.SelfAttention(4, param_dtype=jnp.float64)
+        variables = ours.init(jax.random.key(0), x)
+        assert _rel(ours.apply(variables, x, mask), theirs.apply(variables, x, mask)) <= TOL["float64"]
+
+
+# --- transformations -----------------------------------------------------------------------
+
+
+def _stack(cls, n, **kw):
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return cls(4, E, param_dtype=jnp.float64, **kw, rngs=rngs)
+
+    return create(nnx.Rngs(0))
+
+
+def test_scan_over_layers_and_remat_with_a_policy():
+    ours = _stack(mha_jax.MultiHeadAttention, 3)
+    theirs = _stack(nnx.MultiHeadAttention, 3, decode=False, attention_fn=_flax_exact)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, L, E)))
+
+    def run(layers, x, policy):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def step(layer, h):
+            return h + nnx.remat(lambda m, h: m(h, is_causal=True), policy=policy)(layer, h)
+
+        return step(layers, x)
+
+    policy = jax.checkpoint_policies.nothing_saveable
+    assert _rel(run(ours, x, policy), run(theirs, x, policy)) <= TOL["float64"]
+    grads = [nnx.grad(lambda m, x: run(m, x, policy).sum())(m, x) for m in (ours, theirs)]
+    _assert_trees_close(grads[0], grads[1], 10 * TOL["float64"])
+
+
+def test_jit_vmap_eval_shape_and_export_with_symbolic_shapes():
+    layer = mha_jax.MultiHeadAttention(4, E, num_kv_heads=2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x, is_causal=True)
+
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 2, 40, E)), jnp.float32)
+    direct = apply(state, x)
+    assert _rel(jax.jit(apply)(state, x), direct) <= 1e-6
+    assert _rel(jax.vmap(apply, in_axes=(None, 0))(state, x), direct) <= 1e-6
+    assert jax.eval_shape(apply, state, jax.ShapeDtypeStruct((2, 5000, E), jnp.float32)).shape == (2, 5000, E)
+    b, n = export.symbolic_shape("b, n")
+    exported = export.export(jax.jit(apply))(state, jax.ShapeDtypeStruct((b, n, E), jnp.float32))
+    for xs in (x[0], jnp.asarray(np.random.default_rng(5).normal(size=(1, 300, E)), jnp.float32)):
+        assert _rel(exported.call(state, xs), apply(state, xs)) <= 1e-6
+
+
+@pytest.mark.parametrize("length", [32, 300])
+def test_forward_mode_and_second_order_at_every_length(length):
+    """The default works under jvp and grad-of-grad at any length (flax's results); the
+    blockwise kernel refuses both by name."""
+    ours, theirs = _pair("self")
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(1, length, E)))
+    t = jnp.ones_like(x)
+
+    def f(model):
+        return lambda x: model(x, is_causal=True)
+
+    (a, da), (b, db) = (jax.jit(lambda x, t, m=m: jax.jvp(f(m), (x,), (t,)))(x, t) for m in (ours, theirs))
+    assert _rel(a, b) <= TOL["float64"] and _rel(da, db) <= 10 * TOL["float64"]
+
+    def second(model):
+        return jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(f(model)(x))))(x) ** 2))(x)
+
+
+    assert _rel(jax.jit(lambda: second(ours))(), jax.jit(lambda: second(theirs))()) <= 100 * TOL["float64"]
+    blockwise = mha_jax.MultiHeadAttention(4, E, param_dtype=jnp.float64, implementation="blockwise", rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="need implementation='xla'"):
+        jax.jvp(f(blockwise), (x,), (t,))
+    with pytest.raises(NotImplementedError, match="need implementation='xla'"):
+        second(blockwise)
+    first = [jax.jit(jax.grad(lambda x, m=m: f(m)(x).sum()))(x) for m in (blockwise, ours)]
+    assert _rel(*first) <= 1e-10
+
+
+# --- the PyTorch twin: the same batch axes and normalize_qk ---------------------------------
+
+
+@pytest.mark.parametrize("batch", [(), (2, 3)], ids=["unbatched", "two axes"])
+def test_torch_twin_batch_axes_and_normalize_qk(batch):
+    ours, _ = _pair("normalize_qk")
+    for name in ("query_ln", "key_ln"):  # scales away from their initial ones
+        ln = getattr(ours, name)
+        ln.scale.set_value(ln.scale[...] + jnp.linspace(-0.5, 0.5, ln.scale.shape[0]))
+    twin = mha_torch.MultiHeadAttention(E, 4, num_kv_heads=2, normalize_qk=True, dtype=torch.float64)
+    mha_torch.load_weights(twin, mha_jax.to_torch(ours))
+    x, _, mask = _inputs("normalize_qk", batch)
+    xt = torch.from_numpy(np.asarray(x)).requires_grad_()
+    out_t = twin(xt, mask=torch.from_numpy(np.asarray(mask) != 0), is_causal=True)
+    out_t.pow(2).sum().backward()
+
+    def forward(model, x):  # the output and the gradient of sum(output ** 2)
+        out, vjp = jax.vjp(lambda x: model(x, mask=mask, is_causal=True), x)
+        return out, vjp(2 * out)[0]
+
+    out_j, grad_j = nnx.jit(forward)(ours, x)
+    assert out_t.shape == batch + (L, E)
+    assert _rel(out_j, out_t.detach().numpy()) <= TOL["float64"]
+    assert _rel(grad_j, xt.grad.numpy()) <= 10 * TOL["float64"]
