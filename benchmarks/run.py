@@ -4,8 +4,8 @@
     python -m benchmarks.run --quick    # lengths up to 2048, for a smoke test
     python -m benchmarks.run --only structured   # the structured-mask points alone (about 5 minutes)
 
-Core (B=1, H=8, head_dim=64, float32): ``mha_jax.dot_product_attention`` (its default choice,
-blockwise at these lengths) and ``mha_torch.dot_product_attention`` against
+Core (B=1, H=8, head_dim=64, float32): ``mha_jax.dot_product_attention`` (``"blockwise"``, the
+implementation for long inputs; the default, ``"xla"``, forms the score matrix as ``jax.nn``) and ``mha_torch.dot_product_attention`` against
 ``jax.nn.dot_product_attention`` and ``F.scaled_dot_product_attention``, lengths 512..16384,
 forward and forward+backward, causal and not. Module (B=4, S=1024, embed 512, 8 heads): our
 nnx and linen modules against ``flax.nnx.MultiHeadAttention`` and
@@ -63,7 +63,7 @@ def _core_fn(name: str, causal: bool, mode: str, length: int, dtype: str = "floa
 
         q = jnp.asarray(x, dtype=dtype)
         attend = {
-            "mha_jax": lambda q, k, v: mha_jax.dot_product_attention(q, k, v, is_causal=causal),
+            "mha_jax": lambda q, k, v: mha_jax.dot_product_attention(q, k, v, is_causal=causal, implementation="blockwise"),
             "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal),
         }[name]
         if mode == "fwd":

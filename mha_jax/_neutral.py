@@ -7,6 +7,7 @@ arrays and torch tensors share (``.shape``, ``.ndim``, ``.reshape``, slicing alo
 - argument checks that read no array library: head counts, broadcasting, rates, scales,
   windows, sequence shapes;
 - the batch axes of the modules' inputs, merged into one and restored;
+- when a decoding cache overwrites what a query may still see;
 - checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check
   of a loaded state;
 - the shape rules of ``torch.nn.MultiheadAttention``'s masks.
@@ -182,6 +183,20 @@ def unflatten_batch(x: Any, batch_shape: tuple[int, ...]) -> Any:
         return x
     lead = batch_shape if x.shape[0] == math.prod(batch_shape) else (1,) * len(batch_shape)
     return x.reshape(lead + tuple(x.shape[1:]))
+
+
+# --- decoding caches ------------------------------------------------------------------------
+
+
+def cache_overflows(start: Any, end: Any, max_length: int, window: tuple[int, int] | None, causal: bool) -> Any:
+    """bool ``(batch,)``: the step overwrote a position some new query may still see. Past
+    ``max_length`` positions the oldest are overwritten; with a window of ``left`` (causal or
+    ``right == 0``) a chunk from ``start`` to ``end`` still sees them unless
+    ``left + (end - start) <= max_length``."""
+    wrapped = end > max_length
+    if window is not None and (causal or window[1] == 0):
+        return wrapped & (end - start + window[0] > max_length)
+    return wrapped
 
 
 # --- checkpoint layouts ------------------------------------------------------------------

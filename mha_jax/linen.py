@@ -19,7 +19,7 @@ from flax import linen as nn
 
 from mha_jax import _neutral, masks
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_jax.module import _attend, _check_decode, _prepare
+from mha_jax.module import _attend, _Cache, _check_cache, _check_inputs, _decode_step, _prepare, _self_attention
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -94,8 +94,9 @@ class MultiHeadDotProductAttention(nn.Module):
         """Shapes and arguments as ``mha_jax.MultiHeadAttention.__call__``; ``inputs_kv`` (flax's
         deprecated key-and-value input) and ``dropout_rng`` (default
         ``self.make_rng('dropout')``) as in flax; ``sow_weights`` sows ``attention_weights`` into
-        the ``'intermediates'`` collection."""
-        _check_decode(self.decode, None)
+        the ``'intermediates'`` collection. With ``decode=True`` the first call (``init`` on
+        ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection, and later
+        calls append to it as ``mha_jax.MultiHeadAttention``'s decoding does."""
         if inputs_kv is not None:
             if inputs_k is not None or inputs_v is not None:
                 raise ValueError(
@@ -104,13 +105,24 @@ class MultiHeadDotProductAttention(nn.Module):
                 )
             warnings.warn("inputs_kv is deprecated in flax: pass inputs_k and inputs_v", DeprecationWarning, stacklevel=2)
             inputs_k = inputs_v = inputs_kv
-        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
-            inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
-            mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
-            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths,
-        )
+        decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
+        if decoding:
+            forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
+                             key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
+            _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
+            _check_inputs(inputs_q, inputs_k, inputs_v, *(x.shape[-1] if getattr(x, "ndim", 0) >= 1 else 0 for x in (inputs_q, inputs_k)))
+            batch_shape, (inputs_q, inputs_k, inputs_v), terms = _neutral.flatten_batch(
+                (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
+            )
+        else:
+            batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
+                inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
+                mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
+                query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+                query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+                key_value_seq_lengths=key_value_seq_lengths,
+            )
+            inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -124,7 +136,6 @@ class MultiHeadDotProductAttention(nn.Module):
                 dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls, name=name,
             )
 
-        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)
@@ -132,6 +143,11 @@ class MultiHeadDotProductAttention(nn.Module):
             def layer_norm(name):
                 return nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
             query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
+        if self.decode:
+            key, value, spec = self._cached(key, value, batch_shape, decoding, spec=None if decoding else spec, forbidden=forbidden if decoding else {},
+                                            mask=terms["mask"] if decoding else None, bias=terms["bias"] if decoding else None,
+                                            is_causal=is_causal, query_positions=terms["query_positions"] if decoding else None,
+                                            local_window_size=local_window_size)
         if dropout_mask is None and rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         else:
@@ -150,6 +166,23 @@ class MultiHeadDotProductAttention(nn.Module):
         )(out)
         out = _neutral.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
+
+    def _cached(self, key, value, batch_shape, decoding, *, spec, forbidden, **terms):
+        """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
+        which attends as without a cache; later calls append to it and attend over it."""
+        kv_shape = (*batch_shape, *key.shape[1:])
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, kv_shape, value.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.zeros(batch_shape, jnp.int32))
+        overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
+        if not decoding:
+            return key, value, spec
+        cache = _Cache(cached_key.value, cached_value.value, index.value, overflow.value)
+        cache = _check_cache(cache, batch_shape, key.shape[0], key.shape[1], key.shape[2], key.shape[3], forbidden)
+        cache, spec = _decode_step(cache, key, value, self.num_heads, **terms)
+        cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
+        index.value, overflow.value = cache.end.reshape(index.value.shape), cache.overflow.reshape(overflow.value.shape)
+        return cache.key.astype(key.dtype), cache.value.astype(value.dtype), spec
 
     def _einsums(self) -> dict:
         """linen's extra ``attention_fn`` arguments (quantised einsums, fp32 softmax)."""

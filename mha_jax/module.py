@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from mha_jax import _checks, _neutral, masks
+from mha_jax import _cache, _checks, _neutral, masks
 from mha_jax.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(*batch, length, features)"
@@ -50,7 +50,7 @@ class MultiHeadAttention(nnx.Module):
       attention_fn: None (this package's attention, every mask form and implementation) or a
         function with the signature of ``flax.nnx.dot_product_attention``, called as flax calls it;
         positions, windows, segments and lengths then reach it as a boolean ``mask``.
-      decode: autoregressive decoding with a cache; not available yet (a clear error when set).
+      decode: autoregressive decoding with the key/value cache of ``init_cache`` (default False).
       normalize_qk: flax's LayerNorm (no bias) on each head's queries and keys.
       qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: dtype promotion of the query/key/value
         projections, the output projection and the LayerNorms, as in flax.
@@ -156,6 +156,10 @@ class MultiHeadAttention(nnx.Module):
             **common,
         )
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+        self.cache_index = nnx.data(None)
+        self.cache_overflow = nnx.data(None)
 
     def __call__(
         self,
@@ -192,7 +196,10 @@ class MultiHeadAttention(nnx.Module):
           rngs: dropout randomness; overrides the stream kept at construction.
           sow_weights: store the attention weights ``(*batch, num_heads, q_len, kv_len)``, before
             dropout, as ``nnx.Intermediate`` ``attention_weights`` (flax's name); any implementation.
-          decode: autoregressive decoding; not available yet (a clear error when set).
+          decode: append the inputs' keys and values to the cache and attend over everything
+            cached (``init_cache`` first): any number of new tokens, at ``query_positions``
+            ``(batch, n)`` (default: each row's ``cache_index + arange(n)``; ``-1`` marks padding,
+            not cached). Masks and biases then span the cache: ``(*batch, heads, n, max_length)``.
           is_causal: key position <= query position.
           out_sharding, qkv_sharding: output sharding of the output and the q/k/v projections.
           bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
@@ -207,7 +214,15 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        _check_decode(decode, self.decode)
+        if self.decode if decode is None else decode:
+            return self._decode(
+                inputs_q, inputs_k, inputs_v, mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
+                local_window_size=local_window_size, rngs=rngs, deterministic=deterministic, sow_weights=sow_weights,
+                return_weights=return_weights, out_sharding=out_sharding, qkv_sharding=qkv_sharding,
+                forbidden=dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
+                               key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                               dropout_mask=dropout_mask),
+            )
         batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
             inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
@@ -233,26 +248,127 @@ class MultiHeadAttention(nnx.Module):
         out = _neutral.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 
-    def init_cache(self, input_shape, dtype=jnp.float32):
-        """Autoregressive decoding is not available yet: raises ``NotImplementedError``."""
-        _check_decode(True, None)
+    def init_cache(self, input_shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> None:
+        """A key/value cache for ``decode=True``, as flax's: ``input_shape`` is
+        ``(*batch, max_length, features)``; ``cached_key``/``cached_value`` are
+        ``(*batch, max_length, num_kv_heads, head_dim)`` (key/value heads only), ``cache_index``
+        holds each row's next position ``(*batch,)`` (flax: one for all rows, ``()``), and
+        ``cache_overflow`` ``(*batch,)`` turns True when a step inside ``jit`` overwrote a position
+        a query could still see (outside ``jit`` that step raises instead)."""
+        input_shape = tuple(input_shape)
+        if len(input_shape) < 2 or not all(isinstance(n, int) and n >= 0 for n in input_shape) or input_shape[-2] < 1:
+            raise ValueError(f"input_shape must be (*batch, max_length, features) with max_length >= 1, got {input_shape}")
+        batch_shape, max_length = input_shape[:-2], input_shape[-2]
+        shape = (*batch_shape, max_length, self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.zeros(batch_shape, jnp.int32))
+        self.cache_overflow = nnx.Cache(jnp.zeros(batch_shape, bool))
 
     def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
                  batch_size: int | tuple[int, ...] | None = None, max_length: int | None = None):
-        """``nnx.view``'s hook: the modes flax's class answers (``deterministic``, ``decode`` and
-        the cache's ``batch_size``/``max_length``)."""
+        """``nnx.view``'s hook: the modes flax's class answers (``deterministic``, ``decode``, and
+        ``batch_size``/``max_length`` of a cache made when ``decode`` is set and none exists)."""
         if deterministic is not None:
             self.deterministic = deterministic
         if decode is not None:
             self.decode = decode
+            if decode and self.cached_key is None:
+                if batch_size is None or max_length is None:
+                    raise TypeError("'batch_size' and 'max_length' must be provided when initializing cache.")
+                batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+                self.init_cache((*batch, max_length, self.in_features), self.dtype or self.param_dtype)
 
-
-def _check_decode(decode: bool | None, default: bool | None) -> None:
-    if decode or (decode is None and default):
-        raise NotImplementedError(
-            "decode=True (autoregressive decoding with a key/value cache) is not available in "
-            "mha_jax yet; call the module without decode, over the whole prefix"
+    def _decode(self, inputs_q, inputs_k, inputs_v, *, mask, bias, is_causal, query_positions, local_window_size,
+                rngs, deterministic, sow_weights, return_weights, out_sharding, qkv_sharding, forbidden):
+        """One decoding step: append the new tokens' keys and values to the cache, attend over it."""
+        if self.cached_key is None:
+            raise ValueError("decode=True needs a cache: call init_cache(input_shape) or nnx.view(..., decode=True, batch_size=, max_length=) first")
+        _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
+        _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
+        cache = _Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], self.cache_overflow[...])
+        batch_shape, (inputs_q, inputs_k, inputs_v), terms = _neutral.flatten_batch(
+            (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
         )
+        cache = _check_cache(cache, batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads, self.head_dim, forbidden)
+        query = self.query(inputs_q, out_sharding=qkv_sharding)
+        key = self.key(inputs_k, out_sharding=qkv_sharding)
+        value = self.value(inputs_v, out_sharding=qkv_sharding)
+        if self.normalize_qk:
+            query, key = self.query_ln(query), self.key_ln(key)
+        cache, spec = _decode_step(cache, key, value, self.num_heads, mask=terms["mask"], bias=terms["bias"],
+                                   is_causal=is_causal, query_positions=terms["query_positions"], local_window_size=local_window_size)
+        self.cached_key[...], self.cached_value[...] = (x.reshape(self.cached_key.shape) for x in (cache.key, cache.value))
+        self.cache_index[...] = cache.end.reshape(self.cache_index.shape)
+        self.cache_overflow[...] = cache.overflow.reshape(self.cache_overflow.shape)
+        dropping = self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
+        dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
+        out, weights, sown = _attend(
+            self, query, cache.key.astype(query.dtype), cache.value.astype(query.dtype), spec, batch_shape,
+            dropout_rng=dropout_rng, dropout_mask=None, sow_weights=sow_weights, return_weights=return_weights,
+        )
+        if sown is not None:
+            self.sow(nnx.Intermediate, "attention_weights", sown)
+        out = _neutral.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
+        return (out, weights) if return_weights else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cache:
+    """A cache with one batch axis: ``key``/``value`` ``(batch, max_length, kv_heads, head_dim)``,
+    ``end`` int32 ``(batch,)`` (next position), ``overflow`` bool ``(batch,)``."""
+
+    key: jax.Array
+    value: jax.Array
+    end: jax.Array
+    overflow: jax.Array
+
+
+def _check_cache(cache: _Cache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int, forbidden) -> _Cache:
+    """The cache against the step's inputs, its batch axes merged as the inputs' are."""
+    given = [name for name, value in forbidden.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths")
+    expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
+    if tuple(cache.key.shape) != expected or tuple(cache.end.shape) != tuple(batch_shape):
+        raise ValueError(
+            f"the cache holds cached_key {tuple(cache.key.shape)} and cache_index {tuple(cache.end.shape)}, but the inputs "
+            f"need (*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {tuple(batch_shape)}; "
+            "call init_cache with the inputs' batch axes"
+        )
+    max_length = cache.key.shape[-3]
+    if n > max_length:
+        raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {max_length}")
+    flat = (batch,) + tuple(cache.key.shape[len(batch_shape):])
+    return _Cache(cache.key.reshape(flat), cache.value.reshape(flat), cache.end.reshape(batch), cache.overflow.reshape(batch))
+
+
+def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size):
+    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``; the updated cache
+    and the spec of the new queries over its ``max_length`` slots."""
+    batch, n, max_length = key.shape[0], key.shape[1], cache.key.shape[1]
+    if cache.key.dtype != key.dtype:
+        raise TypeError(
+            f"cached_key has dtype {cache.key.dtype} but the keys are {key.dtype}: init_cache(input_shape, dtype={key.dtype})"
+        )
+    start = cache.end
+    pos = _cache.positions(start, n, query_positions)
+    end = _cache.advance(start, pos)
+    window = _neutral.check_window(local_window_size)
+    overflow = _neutral.cache_overflows(start, end, max_length, window, _neutral.check_is_causal(is_causal))
+    if _checks._concrete(overflow) and bool(overflow.any()):
+        row = int(jnp.argmax(overflow))
+        raise ValueError(
+            f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length {max_length} "
+            f"slots, overwriting positions its queries may still see (a window of left + chunk <= max_length makes it a rolling buffer)"
+        )
+    updated = _Cache(_cache.write(cache.key, key, pos), _cache.write(cache.value, value, pos), end, cache.overflow | overflow)
+    held, lengths = _cache.slot_positions(end, max_length)
+    spec = masks._parse(
+        (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
+        key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths,
+    )
+    return updated, spec
 
 
 def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None, in_kv_features: int | None, *,

@@ -3,6 +3,7 @@
 Never imports jax or flax.
 """
 
+from mha_torch._cache import KVCache
 from mha_torch._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_torch.attention import dot_product_attention
 from mha_torch.convert import from_torch_mha, load_weights, to_torch_mha
@@ -10,6 +11,7 @@ from mha_torch.masks import causal_mask, padding_mask
 from mha_torch.module import MultiHeadAttention
 
 __all__ = [
+    "KVCache",
     "MultiHeadAttention",
     "causal_mask",
     "dot_product_attention",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha_torch import _checks, _neutral, masks
+from mha_torch import _cache, _checks, _neutral, masks
+from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(*batch, length, features)"
@@ -103,6 +104,7 @@ class MultiHeadAttention(nn.Module):
         key_value_seq_lengths: torch.Tensor | None = None,
         need_weights: bool = False,
         dropout_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -120,10 +122,23 @@ class MultiHeadAttention(nn.Module):
           need_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
           dropout_mask: explicit keep-mask ``(*batch, num_heads, q_len, kv_len)``; always
             applied, kept weights scaled by ``1 / (1 - dropout)``.
+          cache: a ``KVCache``: append the inputs' keys and values to it (in place) and attend
+            over everything cached: any number of new tokens, at ``query_positions``
+            ``(batch, n)`` (default: each row's ``cache.index + arange(n)``; ``-1`` marks
+            padding, not cached). Masks and biases then span the cache:
+            ``(*batch, heads, n, max_length)``.
 
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
+        if cache is not None:
+            return self._decode(
+                query, key, value, cache, mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
+                local_window_size=local_window_size, need_weights=need_weights,
+                forbidden=dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
+                               key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                               dropout_mask=dropout_mask),
+            )
         batch_shape, (query, key, value), spec, dropout_mask = _prepare(
             query, key, value, self.num_heads, self.embed_dim, self.kdim, self.vdim,
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
@@ -149,6 +164,92 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if need_weights else (result, None)
         out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim)), batch_shape)
         return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+
+
+    def _decode(self, query, key, value, cache: KVCache, *, mask, bias, is_causal, query_positions, local_window_size,
+                need_weights, forbidden):
+        """One decoding step: append the new tokens' keys and values to ``cache``, attend over it."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
+        _, query, key, value = _self_attention(query, key, value)
+        _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
+        batch_shape, (query, key, value), terms = _neutral.flatten_batch(
+            (query, key, value), _expand, mask=mask, bias=bias, query_positions=query_positions,
+        )
+        flat = _check_cache(cache, batch_shape, query.shape[0], key.shape[1], self.num_kv_heads, self.head_dim, forbidden)
+        batch, n = query.shape[0], query.shape[1]
+        q = self.q_proj(query).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(batch, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(value).view(batch, n, self.num_kv_heads, self.head_dim)
+        if self.normalize_qk:
+            q, k = self.q_norm(q), self.k_norm(k)
+        spec = _decode_step(flat, k, v, self.num_heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
+                            query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
+        dropout_p = self.dropout if self.training else 0.0
+        if dropout_p > 0 and self.broadcast_dropout:
+            dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
+        else:
+            dropout_mask = None
+        result = _attention(
+            q, flat.key.transpose(1, 2).to(q.dtype), flat.value.transpose(1, 2).to(q.dtype), spec,
+            dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights, implementation=self.implementation,
+        )
+        out, weights = result if need_weights else (result, None)
+        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, self.qkv_dim)), batch_shape)
+        return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+
+
+def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int, forbidden) -> KVCache:
+    """The cache against the step's inputs, as a view with the batch axes merged as the inputs'
+    are (writes to the view reach the cache)."""
+    given = [name for name, value in forbidden.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths")
+    expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
+    if tuple(cache.key.shape) != expected or tuple(cache.index.shape) != tuple(batch_shape):
+        raise ValueError(
+            f"the cache holds key {tuple(cache.key.shape)} and index {tuple(cache.index.shape)}, but the inputs "
+            f"need (*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {tuple(batch_shape)}; "
+            "make the KVCache with the inputs' batch axes"
+        )
+    if n > cache.max_length:
+        raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {cache.max_length}")
+    flat = KVCache.__new__(KVCache)
+    flat.key, flat.value = (x.view((batch,) + tuple(x.shape[len(batch_shape):])) for x in (cache.key, cache.value))
+    flat.index, flat.overflow = cache.index.view(batch), cache.overflow.view(batch)
+    return flat
+
+
+def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size, device):
+    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` in place; the spec
+    of the new queries over its ``max_length`` slots."""
+    batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
+    if cache.key.dtype != key.dtype:
+        raise TypeError(
+            f"the cache's key has dtype {str(cache.key.dtype).removeprefix('torch.')} but the keys are "
+            f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
+        )
+    start = cache.index.clone()
+    pos = _cache.positions(start, n, query_positions)
+    end = _cache.advance(start, pos)
+    window = _neutral.check_window(local_window_size)
+    overflow = _neutral.cache_overflows(start, end, max_length, window, _neutral.check_is_causal(is_causal))
+    if not torch.compiler.is_compiling() and bool(overflow.any()):
+        row = int(overflow.int().argmax())
+        raise ValueError(
+            f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length {max_length} "
+            f"slots, overwriting positions its queries may still see (a window of left + chunk <= max_length makes it a rolling buffer)"
+        )
+    with torch.no_grad():
+        _cache.write(cache.key, key.detach(), pos, start)
+        _cache.write(cache.value, value.detach(), pos, start)
+        cache.index.copy_(end)
+        cache.overflow.logical_or_(overflow)
+    held, lengths = _cache.slot_positions(end, max_length)
+    return masks._parse(
+        (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
+        key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
+    )
 
 
 def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, *,

@@ -197,16 +197,6 @@ def test_views_and_modes_reach_the_attention():
     assert block.attention.deterministic is True
 
 
-def test_decode_is_refused_clearly():
-    layer = mha_jax.MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
-    x = jnp.ones((2, 1, E))
-    for attempt in (lambda: layer(x, decode=True), lambda: layer.init_cache(x.shape),
-                    lambda: nnx.view(layer, decode=True)(x),
-                    lambda: mha_jax.MultiHeadAttention(4, E, decode=True, rngs=nnx.Rngs(0))(x)):
-        with pytest.raises(NotImplementedError, match="decode=True"):
-            attempt()
-
-
 def test_a_query_that_sees_no_key():
     """Deliberate difference: ours gives such a query 0 before the output projection (so the
     output bias), flax the mean of the values (every logit equally masked)."""
@@ -349,7 +339,7 @@ def test_torch_twin_batch_axes_and_normalize_qk(batch):
     twin = mha_torch.MultiHeadAttention(E, 4, num_kv_heads=2, normalize_qk=True, dtype=torch.float64)
     mha_torch.load_weights(twin, mha_jax.to_torch(ours))
     x, _, mask = _inputs("normalize_qk", batch)
-    xt = torch.from_numpy(np.asarray(x)).requires_grad_()
+    xt = torch.from_numpy(np.array(x)).requires_grad_()
     out_t = twin(xt, mask=torch.from_numpy(np.asarray(mask) != 0), is_causal=True)
     out_t.pow(2).sum().backward()
 

@@ -1,0 +1,98 @@
+"""Key/value cache for decoding: the cache object and where new tokens go.
+
+Twin of ``mha_jax/_cache.py`` (whose cache lives in the Flax module's ``nnx.Cache`` variables;
+here it is an object passed to the call). A cache of ``max_length`` slots per row holds the token
+at position ``p`` in slot ``p % max_length``; each row keeps its own end (one past its last
+position written). Slot ``s`` of a row whose end is ``e`` then holds position
+``s + max_length * floor((e - 1 - s) / max_length)``, a negative one if never written. While
+``e <= max_length`` nothing is overwritten; past it the oldest positions are, which is right only
+when every query's window starts after them (a rolling buffer for sliding-window attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha_torch import _checks
+
+
+class KVCache:
+    """A pre-allocated key/value cache for ``mha_torch.MultiHeadAttention(..., cache=cache)``.
+
+    Attributes (plain tensors, the layout of flax's cache, so that one filled in either framework
+    continues in the other as arrays):
+      key, value: ``(*batch, max_length, num_kv_heads, head_dim)``.
+      index: int32 ``(*batch,)``, each row's next position.
+      overflow: bool ``(*batch,)``; True once a step under ``torch.compile`` overwrote a position a
+        query could still see (outside compilation that step raises instead).
+
+    Args:
+      batch: the batch size, or the batch axes ``(*batch,)``.
+      max_length: slots per row.
+      num_kv_heads, head_dim: as the module's.
+      dtype, device: of ``key`` and ``value``.
+    """
+
+    def __init__(self, batch: int | tuple[int, ...], max_length: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        batch_shape = (batch,) if isinstance(batch, int) else tuple(batch)
+        for name, n in (("max_length", max_length), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        if not all(isinstance(n, int) and n >= 0 for n in batch_shape):
+            raise ValueError(f"batch must be a non-negative integer or a tuple of them, got {batch!r}")
+        shape = (*batch_shape, max_length, num_kv_heads, head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        self.index = torch.zeros(batch_shape, dtype=torch.int32, device=device)
+        self.overflow = torch.zeros(batch_shape, dtype=torch.bool, device=device)
+
+    @property
+    def max_length(self) -> int:
+        return self.key.shape[-3]
+
+    def __repr__(self) -> str:
+        return f"KVCache(key={tuple(self.key.shape)}, dtype={self.key.dtype}, index={self.index.tolist()})"
+
+
+def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
+    """int32 ``(batch, n)``: the new tokens' positions; default ``end + arange(n)``, else the
+    given ones (``-1`` marks a padding token, which is not written)."""
+    if query_positions is None:
+        return end[:, None] + torch.arange(n, dtype=torch.int32, device=end.device)[None]
+    _checks.require_array("query_positions", query_positions)
+    if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
+        raise TypeError(f"query_positions must be integer, got dtype {str(query_positions.dtype).removeprefix('torch.')}")
+    if tuple(query_positions.shape) not in ((n,), (end.shape[0], n)):
+        raise ValueError(
+            f"query_positions must have shape (batch, n) = {(end.shape[0], n)} or (n,) = ({n},) "
+            f"while decoding, got {tuple(query_positions.shape)}"
+        )
+    return query_positions.to(device=end.device, dtype=torch.int32).expand(end.shape[0], n)
+
+
+def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torch.Tensor) -> None:
+    """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` in place at
+    slots ``pos % max_length``. A padding token (``pos < 0``) rewrites the value already in the
+    slot of the row's last position (``start - 1``), which no real token of a step that has a
+    padding token can reach: the indices stay fixed-shape for ``torch.compile``."""
+    max_length = cache.shape[1]
+    valid = pos >= 0
+    slots = torch.where(valid, pos % max_length, ((start - 1) % max_length)[:, None]).long()
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    keep = cache[rows, slots]
+    shape = valid.shape + (1,) * (new.dim() - 2)
+    cache[rows, slots] = torch.where(valid.reshape(shape), new.to(cache.dtype), keep)
+
+
+def advance(end: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Each row's new end: one past the last position written."""
+    return torch.maximum(end, pos.amax(dim=1) + 1)
+
+
+def slot_positions(end: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 ``(batch, max_length)`` positions each slot holds, int32 ``(batch,)`` count of
+    written slots): the key positions and lengths the attention reads."""
+    slots = torch.arange(max_length, dtype=torch.int32, device=end.device)[None]
+    held = slots + max_length * torch.div(end[:, None] - 1 - slots, max_length, rounding_mode="floor")
+    return held.to(torch.int32), torch.clamp(end, max=max_length)

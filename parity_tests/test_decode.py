@@ -1,0 +1,261 @@
+"""Decoding with a key/value cache, in both frameworks: token by token, in chunks of varied sizes
+and all at once, the outputs are those of the full causal forward pass; ragged batches (left- and
+right-padded prompts), sliding windows over a rolling buffer, grouped and multi-query heads; JAX
+and PyTorch decode alike, a cache continues across frameworks, flax's own decode loop gives our
+outputs, one compiled step serves every position, and bad caches fail by name.
+"""
+
+import pathlib
+import runpy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import linen, nnx
+
+import mha_jax
+import mha_torch
+from parity_tests.conftest import X64
+
+pytestmark = pytest.mark.skipif(not X64, reason="float64 decoding needs jax_enable_x64")
+
+B, T, E, H = 2, 10, 16, 4
+TOL = {"float64": 1e-12, "float32": 1e-6, "bfloat16": 2e-2}
+KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+CHUNKINGS = {"tokens": [1] * T, "chunks": [3, 1, 4, 2], "all": [T]}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _pair(kv_heads: int, dtype: str):
+    """Our nnx module and its PyTorch twin with the same weights, and the inputs."""
+    jdt = jnp.dtype(dtype)
+    layer = mha_jax.MultiHeadAttention(H, E, num_kv_heads=kv_heads, param_dtype=jdt, rngs=nnx.Rngs(0))
+    twin = mha_torch.MultiHeadAttention(E, H, num_kv_heads=kv_heads, dtype=getattr(torch, dtype)).eval()
+    mha_torch.load_weights(twin, mha_jax.to_torch(layer))
+    x = np.random.default_rng(0).normal(size=(B, T, E))
+    return layer, twin, jnp.asarray(x, jdt), torch.from_numpy(x).to(getattr(torch, dtype))
+
+
+def _decode_jax(layer, x, chunks, max_length=T, **kw):
+    layer.init_cache((B, max_length, E), x.dtype)
+    outs, t = [], 0
+    for n in chunks:
+        outs.append(layer(x[:, t:t + n], decode=True, is_causal=True, **kw))
+        t += n
+    return jnp.concatenate(outs, axis=1)
+
+
+def _decode_torch(twin, x, chunks, kv_heads, max_length=T, **kw):
+    cache = mha_torch.KVCache(B, max_length, kv_heads, E // H, dtype=x.dtype)
+    outs, t = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            outs.append(twin(x[:, t:t + n], cache=cache, is_causal=True, **kw))
+            t += n
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("heads", sorted(KV_HEADS))
+def test_decoding_equals_the_full_causal_pass(heads, dtype):
+    layer, twin, xj, xt = _pair(KV_HEADS[heads], dtype)
+    full_j = layer(xj, is_causal=True)
+    with torch.no_grad():
+        full_t = twin(xt, is_causal=True)
+    for name, chunks in CHUNKINGS.items():
+        dj = _decode_jax(layer, xj, chunks)
+        dt = _decode_torch(twin, xt, chunks, KV_HEADS[heads])
+        assert _rel(dj, full_j) <= TOL[dtype], name
+        assert _rel(dt.float(), full_t.float()) <= TOL[dtype], name
+        assert _rel(dt.float(), np.asarray(dj, np.float32)) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_ragged_batch_decodes_each_row_at_its_own_position(padding):
+    """Prompts of 6 and 3 tokens padded to 6, prefilled at once, then 3 tokens each, decode as
+    each row alone does."""
+    layer, twin, xj, xt = _pair(2, "float64")
+    lengths = np.array([6, 3])
+    real = np.arange(6)[None] < lengths[:, None] if padding == "right" else np.arange(6)[None] >= 6 - lengths[:, None]
+    pos = np.where(real, np.cumsum(real, axis=1) - 1, -1)
+    prompts = np.zeros((B, 6, E))
+    for b, n in enumerate(lengths):
+        prompts[b, real[b]] = np.asarray(xj[b, :n])
+    steps = [np.asarray(xj[:, 6 + i:7 + i]) for i in range(3)]
+    layer.init_cache((B, T, E), jnp.float64)
+    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
+    out_j = [layer(jnp.asarray(prompts), decode=True, is_causal=True, query_positions=jnp.asarray(pos))]
+    with torch.no_grad():
+        out_t = [twin(torch.from_numpy(prompts), cache=cache, is_causal=True, query_positions=torch.from_numpy(pos))]
+        for s in steps:
+            out_j.append(layer(jnp.asarray(s), decode=True, is_causal=True))
+            out_t.append(twin(torch.from_numpy(s), cache=cache, is_causal=True))
+    assert np.array_equal(np.asarray(layer.cache_index[...]), lengths + 3)
+    assert np.array_equal(cache.index.numpy(), lengths + 3)
+    for b, n in enumerate(lengths):
+        alone = layer(jnp.concatenate([xj[b:b + 1, :n], xj[b:b + 1, 6:9]], axis=1), is_causal=True)[0]
+        got_j = jnp.concatenate([out_j[0][b, real[b]]] + [o[b] for o in out_j[1:]])
+        got_t = torch.cat([out_t[0][b, torch.from_numpy(real[b])]] + [o[b] for o in out_t[1:]])
+        assert _rel(got_j, alone) <= TOL["float64"] and _rel(got_t, alone) <= TOL["float64"]
+
+
+def test_sliding_window_keeps_a_rolling_buffer_of_the_window():
+    """A window of 3 keys behind over a cache of 4 slots decodes 10 tokens (and chunks of 1 and 2
+    over 5 slots) as the full windowed pass; one more than the room raises."""
+    layer, twin, xj, xt = _pair(2, "float64")
+    window = dict(local_window_size=(3, 0))
+    full = layer(xj, is_causal=True, **window)
+    for chunks, room in (([1] * T, 4), ([2, 1, 2, 2, 1, 2], 5)):
+        assert _rel(_decode_jax(layer, xj, chunks, max_length=room, **window), full) <= TOL["float64"]
+        assert _rel(_decode_torch(twin, xt, chunks, 2, max_length=room, **window), full) <= TOL["float64"]
+    assert not np.asarray(layer.cache_overflow[...]).any()
+    with pytest.raises(ValueError, match="the cache overflows: row 0 would hold positions up to 5 in max_length 5"):
+        _decode_jax(layer, xj, [3, 3], max_length=5, **window)
+
+
+def test_overflow_inside_jit_is_flagged_not_silent():
+    layer, _, xj, _ = _pair(4, "float64")
+    layer.init_cache((B, 4, E), jnp.float64)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    for t in range(4):
+        step(layer, xj[:, t:t + 1])
+    assert not np.asarray(layer.cache_overflow[...]).any()
+    step(layer, xj[:, 4:5])
+    assert np.asarray(layer.cache_overflow[...]).all()
+
+
+def test_one_compiled_step_serves_every_position():
+    layer, twin, xj, xt = _pair(2, "float32")
+    traces = []
+
+    @nnx.jit(donate_argnums=0)
+    def step(model, token):
+        traces.append(token.shape)
+        return model(token, decode=True)
+
+    layer.init_cache((B, T, E), jnp.float32)
+    out = jnp.concatenate([step(layer, xj[:, t:t + 1]) for t in range(T)], axis=1)
+    assert len(traces) == 1
+    assert _rel(out, layer(xj, is_causal=True)) <= TOL["float32"]
+    graphdef, state = nnx.split(layer)
+
+    def pure_step(state, token):  # the functional form: the new cache is an output
+        model = nnx.merge(graphdef, state)
+        return model(token, decode=True), nnx.state(model)
+
+    compiled = jax.jit(pure_step, donate_argnums=0).lower(state, xj[:, :1]).compile().as_text()
+    assert "input_output_alias" in compiled  # the donated cache buffers are updated in place
+
+    compiles = []
+
+    def backend(graph, example_inputs):
+        compiles.append(1)
+        return graph.forward
+
+    torch._dynamo.reset()
+    cache = mha_torch.KVCache(B, T, 2, E // H)
+    compiled = torch.compile(lambda token: twin(token, cache=cache), backend=backend)
+    with torch.no_grad():
+        first = compiled(xt[:, :1])
+        after_first = len(compiles)
+        rest = [compiled(xt[:, t:t + 1]) for t in range(1, T)]
+        full = twin(xt, is_causal=True)
+    assert after_first >= 1 and len(compiles) == after_first
+    assert _rel(torch.cat([first] + rest, dim=1), full) <= TOL["float32"]
+
+
+def test_a_cache_continues_in_the_other_framework():
+    """Filled by JAX for 6 tokens, exported as arrays, continued by PyTorch (and back)."""
+    layer, twin, xj, xt = _pair(2, "float64")
+    full = layer(xj, is_causal=True)
+    _decode_jax(layer, xj, [6])
+    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
+    for name, variable in (("key", layer.cached_key), ("value", layer.cached_value), ("index", layer.cache_index)):
+        getattr(cache, name).copy_(torch.from_numpy(np.asarray(variable[...])))
+    with torch.no_grad():
+        rest = twin(xt[:, 6:8], cache=cache, is_causal=True)
+    assert _rel(rest, full[:, 6:8]) <= TOL["float64"]
+    layer.cached_key[...], layer.cached_value[...] = jnp.asarray(cache.key.numpy()), jnp.asarray(cache.value.numpy())
+    layer.cache_index[...] = jnp.asarray(cache.index.numpy())
+    assert _rel(layer(xj[:, 8:], decode=True, is_causal=True), full[:, 8:]) <= TOL["float64"]
+
+
+def _flax_exact(query, key, value, module=None, **kwargs):
+    """flax's attention by its explicit formula (its default takes the softmax in float32)."""
+    class Silent:
+        def sow(self, *args, **kwargs):
+            pass
+
+    return nnx.dot_product_attention(query, key, value, module=module or Silent(), **kwargs)
+
+
+def test_flax_decode_loops_give_our_outputs():
+    """flax's own ``decode=True`` loops (nnx and linen), the same weights, one token a call."""
+    layer, _, xj, _ = _pair(2, "float64")
+    theirs = nnx.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True,
+                                    attention_fn=_flax_exact, rngs=nnx.Rngs(0))
+    theirs.init_cache((B, T, E), jnp.float64)
+    flax_out = jnp.concatenate([theirs(xj[:, t:t + 1]) for t in range(T)], axis=1)
+    assert _rel(_decode_jax(layer, xj, [1] * T), flax_out) <= TOL["float64"]
+    viewed = nnx.view(mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, rngs=nnx.Rngs(0)),
+                      decode=True, batch_size=B, max_length=T)
+    assert _rel(jnp.concatenate([viewed(xj[:, t:t + 1]) for t in range(T)], axis=1), flax_out) <= TOL["float64"]
+
+    ours = mha_jax.linen.MultiHeadDotProductAttention(H, param_dtype=jnp.float64, decode=True)
+    flax_linen = linen.MultiHeadDotProductAttention(H, param_dtype=jnp.float64, decode=True)  # linen's formula is exact
+    variables = ours.init(jax.random.key(0), xj)
+    params, ours_cache, flax_cache = {"params": variables["params"]}, variables["cache"], flax_linen.init(jax.random.key(0), xj)["cache"]
+    a, b = [], []
+    for t in range(T):
+        out, ours_cache = ours.apply({**params, "cache": ours_cache}, xj[:, t:t + 1], mutable=["cache"])
+        a.append(out)
+        out, flax_cache = flax_linen.apply({**params, "cache": flax_cache}, xj[:, t:t + 1], mutable=["cache"])
+        b.append(out)
+        ours_cache, flax_cache = ours_cache["cache"], flax_cache["cache"]
+    assert _rel(jnp.concatenate(a, axis=1), jnp.concatenate(b, axis=1)) <= TOL["float64"]
+
+
+def test_bad_caches_fail_by_name():
+    layer, twin, xj, xt = _pair(2, "float32")
+    with pytest.raises(ValueError, match="decode=True needs a cache: call init_cache"):
+        layer(xj[:, :1], decode=True)
+    layer.init_cache((B + 1, T, E), jnp.float32)
+    with pytest.raises(ValueError, match=r"the cache holds cached_key \(3, 10, 2, 4\)"):
+        layer(xj[:, :1], decode=True)
+    layer.init_cache((B, T, E), jnp.float64)
+    with pytest.raises(TypeError, match="cached_key has dtype float64 but the keys are float32"):
+        layer(xj[:, :1], decode=True)
+    layer.init_cache((B, 4, E), jnp.float32)
+    with pytest.raises(ValueError, match="a chunk of 5 tokens does not fit a cache of max_length 4"):
+        layer(xj[:, :5], decode=True)
+    with pytest.raises(ValueError, match="key_value_seq_lengths cannot be given while decoding"):
+        layer(xj[:, :1], decode=True, key_value_seq_lengths=jnp.array([1, 1]))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"the cache holds key \(3, 10, 2, 4\)"):
+            twin(xt[:, :1], cache=mha_torch.KVCache(B + 1, T, 2, E // H))
+        with pytest.raises(TypeError, match="the cache's key has dtype float64 but the keys are float32"):
+            twin(xt[:, :1], cache=mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64))
+        with pytest.raises(ValueError, match="a chunk of 5 tokens does not fit a cache of max_length 4"):
+            twin(xt[:, :5], cache=mha_torch.KVCache(B, 4, 2, E // H))
+        with pytest.raises(ValueError, match="key_value_seq_lengths cannot be given while decoding"):
+            twin(xt[:, :1], cache=mha_torch.KVCache(B, T, 2, E // H), key_value_seq_lengths=torch.tensor([1, 1]))
+        with pytest.raises(TypeError, match="cache must be an mha_torch.KVCache"):
+            twin(xt[:, :1], cache={"key": None})
+
+
+def test_greedy_generation_example_gives_the_same_tokens_in_both_frameworks():
+    """``examples/generate.py``: a tiny decoder on our modules, converted, generates the same
+    tokens in both frameworks; the left-padded row generates what its prompt alone does."""
+    example = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "generate.py"))
+    prompts = np.array([[5, 9, 13, 2, 7], [0, 0, 11, 3, 8]])
+    positions = np.array([[0, 1, 2, 3, 4], [-1, -1, 0, 1, 2]])
+    flax_tokens, torch_tokens = example["generate"](prompts, positions, steps=8)
+    assert np.array_equal(flax_tokens, torch_tokens)
+    alone, _ = example["generate"](prompts[1:, 2:], positions[1:, 2:], steps=8)
+    assert np.array_equal(flax_tokens[1], alone[0])
