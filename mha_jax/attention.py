@@ -101,8 +101,10 @@ def dot_product_attention(
 
 
 def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate=0.0, dropout_rng=None,
-               dropout_mask=None, return_weights=False, precision=None, implementation=None):
-    """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry)."""
+               dropout_mask=None, return_weights=False, precision=None, implementation=None, zero_unused=True):
+    """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
+    ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
+    finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[2], query.shape[3]
     scale = _neutral.check_scale(scale)
@@ -120,7 +122,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
-    unused = masks._unused_keys(spec, kv_heads)
+    unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)

@@ -155,6 +155,7 @@ class MultiHeadDotProductAttention(nn.Module):
         out, weights, sown = _attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
+            zero_unused=not decoding,
         )
         if sown is not None:
             self.sow("intermediates", "attention_weights", sown)

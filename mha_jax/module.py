@@ -306,6 +306,7 @@ class MultiHeadAttention(nnx.Module):
         out, weights, sown = _attend(
             self, query, cache.key.astype(query.dtype), cache.value.astype(query.dtype), spec, batch_shape,
             dropout_rng=dropout_rng, dropout_mask=None, sow_weights=sow_weights, return_weights=return_weights,
+            zero_unused=False,
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
@@ -403,7 +404,8 @@ def _self_attention(inputs_q, inputs_k, inputs_v):
 
 
 def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropout_rng, dropout_mask,
-            sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping[str, Any] = _NO_METADATA):
+            sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping[str, Any] = _NO_METADATA,
+            zero_unused: bool = True):
     """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for
     the nnx and linen modules (``module`` gives the attributes): ``(out, weights, sown)``, the
     weights asked for by ``return_weights`` and those to sow (before dropout, as flax sows them),
@@ -422,7 +424,7 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     result = _attention(
         query, key, value, spec, dropout_rate=rate if dropped else 0.0, dropout_mask=dropout_mask,
         return_weights=want, precision=module.precision,
-        implementation="xla" if want and module.implementation is None else module.implementation,
+        implementation="xla" if want and module.implementation is None else module.implementation, zero_unused=zero_unused,
     )
     out, weights = result if want else (result, None)
     sown = None

@@ -71,15 +71,18 @@ def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
     return query_positions.to(device=end.device, dtype=torch.int32).expand(end.shape[0], n)
 
 
-def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torch.Tensor) -> None:
+def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, padded: bool) -> None:
     """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` in place at
-    slots ``pos % max_length``. A padding token (``pos < 0``) rewrites the value already in the
+    slots ``pos % max_length``; ``padded``: ``pos`` may hold padding tokens. A padding token (``pos < 0``) rewrites the value already in the
     slot of the row's last position (``start - 1``), which no real token of a step that has a
     padding token can reach: the indices stay fixed-shape for ``torch.compile``."""
     max_length = cache.shape[1]
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    if not padded:
+        cache[rows, (pos % max_length).long()] = new.to(cache.dtype)
+        return
     valid = pos >= 0
     slots = torch.where(valid, pos % max_length, ((start - 1) % max_length)[:, None]).long()
-    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
     keep = cache[rows, slots]
     shape = valid.shape + (1,) * (new.dim() - 2)
     cache[rows, slots] = torch.where(valid.reshape(shape), new.to(cache.dtype), keep)

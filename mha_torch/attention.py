@@ -92,8 +92,10 @@ def dot_product_attention(
 
 
 def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.0, dropout_mask=None,
-               need_weights=False, implementation=None):
-    """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry)."""
+               need_weights=False, implementation=None, zero_unused=True):
+    """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry).
+    ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
+    finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
     scale = _neutral.check_scale(scale)
@@ -108,7 +110,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
 
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
-    unused = masks._unused_keys(spec, kv_heads)
+    unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_heads, kv_len, 1)
         unused = unused[..., None]
         key, value = key.masked_fill(unused, 0), value.masked_fill(unused, 0)

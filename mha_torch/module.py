@@ -193,6 +193,7 @@ class MultiHeadAttention(nn.Module):
         result = _attention(
             q, flat.key.transpose(1, 2).to(q.dtype), flat.value.transpose(1, 2).to(q.dtype), spec,
             dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights, implementation=self.implementation,
+            zero_unused=False,
         )
         out, weights = result if need_weights else (result, None)
         out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, self.qkv_dim)), batch_shape)
@@ -241,8 +242,8 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"slots, overwriting positions its queries may still see (a window of left + chunk <= max_length makes it a rolling buffer)"
         )
     with torch.no_grad():
-        _cache.write(cache.key, key.detach(), pos, start)
-        _cache.write(cache.value, value.detach(), pos, start)
+        _cache.write(cache.key, key.detach(), pos, start, padded=query_positions is not None)
+        _cache.write(cache.value, value.detach(), pos, start, padded=query_positions is not None)
         cache.index.copy_(end)
         cache.overflow.logical_or_(overflow)
     held, lengths = _cache.slot_positions(end, max_length)
