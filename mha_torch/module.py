@@ -139,8 +139,9 @@ class MultiHeadAttention(nn.Module):
                                key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
                                dropout_mask=dropout_mask),
             )
+        heads, kv_heads = self._local_heads()
         batch_shape, (query, key, value), spec, dropout_mask = _prepare(
-            query, key, value, self.num_heads, self.embed_dim, self.kdim, self.vdim,
+            query, key, value, heads, self.embed_dim, self.kdim, self.vdim,
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
             query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
@@ -152,9 +153,9 @@ class MultiHeadAttention(nn.Module):
 
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
         key, value = masks._zero_unused_inputs(key, value, spec)
-        q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(query).view(batch, q_len, heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(batch, kv_len, kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(value).view(batch, kv_len, kv_heads, self.head_dim).transpose(1, 2)
         if self.normalize_qk:
             q, k = self.q_norm(q), self.k_norm(k)
         result = _attention(
@@ -162,9 +163,27 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights, implementation=self.implementation,
         )
         out, weights = result if need_weights else (result, None)
-        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.qkv_dim)), batch_shape)
+        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, heads * self.head_dim)), batch_shape)
         return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
 
+
+    def _local_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads) this process computes: all of them, or under tensor
+        parallelism (``parallelize_module`` with ``ColwiseParallel`` on the projections) the
+        heads of its shard of the projection weights."""
+        def rows(weight):
+            return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+
+        q_rows, kv_rows = rows(self.q_proj.weight), rows(self.k_proj.weight)
+        heads, kv_heads = q_rows // self.head_dim, kv_rows // self.head_dim
+        split = q_rows % self.head_dim or kv_rows % self.head_dim or heads * self.num_kv_heads != kv_heads * self.num_heads
+        if heads != self.num_heads and split:
+            raise ValueError(
+                f"the sharded projections hold {heads} query and {kv_heads} key/value heads, which splits a group of "
+                f"{self.num_heads // self.num_kv_heads} query heads from its key/value head (num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}): shard over a number of ranks dividing num_kv_heads"
+            )
+        return heads, kv_heads
 
     def _decode(self, query, key, value, cache: KVCache, *, mask, bias, is_causal, query_positions, local_window_size,
                 need_weights, forbidden):
@@ -176,14 +195,15 @@ class MultiHeadAttention(nn.Module):
         batch_shape, (query, key, value), terms = _neutral.flatten_batch(
             (query, key, value), _expand, mask=mask, bias=bias, query_positions=query_positions,
         )
-        flat = _check_cache(cache, batch_shape, query.shape[0], key.shape[1], self.num_kv_heads, self.head_dim, forbidden)
+        heads, kv_heads = self._local_heads()
+        flat = _check_cache(cache, batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim, forbidden)
         batch, n = query.shape[0], query.shape[1]
-        q = self.q_proj(query).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(key).view(batch, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).view(batch, n, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(query).view(batch, n, heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(batch, n, kv_heads, self.head_dim)
+        v = self.v_proj(value).view(batch, n, kv_heads, self.head_dim)
         if self.normalize_qk:
             q, k = self.q_norm(q), self.k_norm(k)
-        spec = _decode_step(flat, k, v, self.num_heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
+        spec = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
                             query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p > 0 and self.broadcast_dropout:
@@ -196,7 +216,7 @@ class MultiHeadAttention(nn.Module):
             zero_unused=False,
         )
         out, weights = result if need_weights else (result, None)
-        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, self.qkv_dim)), batch_shape)
+        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim)), batch_shape)
         return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
 
 

@@ -351,3 +351,18 @@ def test_torch_twin_batch_axes_and_normalize_qk(batch):
     assert out_t.shape == batch + (L, E)
     assert _rel(out_j, out_t.detach().numpy()) <= TOL["float64"]
     assert _rel(grad_j, xt.grad.numpy()) <= 10 * TOL["float64"]
+
+
+def test_a_flax_normalize_qk_checkpoint_converts_to_the_torch_twin():
+    """flax's own module with ``normalize_qk`` (its parameters, not ours) converts to PyTorch."""
+    theirs = nnx.MultiHeadAttention(4, E, num_kv_heads=2, normalize_qk=True, param_dtype=jnp.float64, decode=False,
+                                    attention_fn=_flax_exact, rngs=nnx.Rngs(3))
+    for name in ("query_ln", "key_ln"):
+        ln = getattr(theirs, name)
+        ln.scale.set_value(ln.scale[...] * jnp.linspace(0.5, 1.5, ln.scale.shape[0]))
+    twin = mha_torch.MultiHeadAttention(E, 4, num_kv_heads=2, normalize_qk=True, dtype=torch.float64)
+    mha_torch.load_weights(twin, mha_jax.to_torch(theirs))
+    x, _, mask = _inputs("normalize_qk", (2,))
+    with torch.no_grad():
+        out = twin(torch.from_numpy(np.array(x)), mask=torch.from_numpy(np.array(mask) != 0))
+    assert _rel(out.numpy(), theirs(x, mask=mask)) <= TOL["float64"]
