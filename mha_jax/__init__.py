@@ -3,6 +3,10 @@
 Never imports torch: weights from PyTorch arrive as arrays or ``.safetensors`` files.
 """
 
+# flax's mask helpers, exported beside the module as flax exports them: their masks mean here what
+# they mean in flax, so code importing them with the module changes one import only.
+from flax.nnx import combine_masks, make_attention_mask, make_causal_mask
+
 from mha_jax import linen
 from mha_jax._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_jax.attention import dot_product_attention
@@ -13,10 +17,13 @@ from mha_jax.module import MultiHeadAttention
 __all__ = [
     "MultiHeadAttention",
     "causal_mask",
+    "combine_masks",
     "dot_product_attention",
     "from_torch",
     "linen",
     "load_weights",
+    "make_attention_mask",
+    "make_causal_mask",
     "mask_from_torch_mha",
     "mask_to_torch_mha",
     "padding_mask",

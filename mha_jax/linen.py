@@ -16,10 +16,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
 from mha_jax import _neutral, masks
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_jax.module import _attend, _Cache, _check_cache, _check_inputs, _decode_step, _prepare, _self_attention
+
+# flax's mask helpers are exported beside the classes, as flax exports them
+__all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks", "make_attention_mask", "make_causal_mask"]
 
 
 class MultiHeadDotProductAttention(nn.Module):

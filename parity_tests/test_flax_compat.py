@@ -9,6 +9,7 @@ float32 even for float64 inputs; its explicit formula (taken with ``sow_weights=
 exact. Float64 comparisons use that one (``_flax_exact``), float32 ones flax's default.
 """
 
+import re
 import warnings
 
 import jax
@@ -366,3 +367,25 @@ def test_a_flax_normalize_qk_checkpoint_converts_to_the_torch_twin():
     with torch.no_grad():
         out = twin(torch.from_numpy(np.array(x)), mask=torch.from_numpy(np.array(mask) != 0))
     assert _rel(out.numpy(), theirs(x, mask=mask)) <= TOL["float64"]
+
+
+def test_flax_imports_change_by_one_word():
+    """What flax exports beside its attention classes comes with ours: the mask helpers."""
+    assert mha_jax.make_attention_mask is nnx.make_attention_mask and mha_jax.combine_masks is nnx.combine_masks
+    assert mha_jax.make_causal_mask is nnx.make_causal_mask
+    assert mha_jax.linen.make_causal_mask is linen.make_causal_mask and mha_jax.linen.combine_masks is linen.combine_masks
+
+
+BAD_CONSTRUCTIONS = {  # flax's and ours both refuse with the same exception type; ours names the argument
+    "heads do not divide qkv_features": (dict(num_heads=3, in_features=E), "qkv_features"),
+    "kv heads do not divide heads": (dict(num_heads=4, in_features=E, num_kv_heads=3), "num_kv_heads (3) must divide num_heads (4)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CONSTRUCTIONS))
+def test_bad_head_counts_fail_as_in_flax_with_a_clearer_message(name):
+    kwargs, message = BAD_CONSTRUCTIONS[name]
+    with pytest.raises(ValueError):
+        nnx.MultiHeadAttention(**kwargs, decode=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mha_jax.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
