@@ -21,7 +21,9 @@ class KVCache:
 
     Attributes (plain tensors, the layout of flax's cache, so that one filled in either framework
     continues in the other as arrays):
-      key, value: ``(*batch, max_length, num_kv_heads, head_dim)``.
+      key, value: ``(*batch, max_length, num_kv_heads, head_dim)``, views of storage laid out as
+        ``F.scaled_dot_product_attention`` reads it, ``(*batch, num_kv_heads, max_length,
+        head_dim)`` (writing into the views writes the cache).
       index: int32 ``(*batch,)``, each row's next position.
       overflow: bool ``(*batch,)``; True once a step under ``torch.compile`` overwrote a position a
         query could still see (outside compilation that step raises instead).
@@ -41,15 +43,23 @@ class KVCache:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
         if not all(isinstance(n, int) and n >= 0 for n in batch_shape):
             raise ValueError(f"batch must be a non-negative integer or a tuple of them, got {batch!r}")
-        shape = (*batch_shape, max_length, num_kv_heads, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (*batch_shape, num_kv_heads, max_length, head_dim)
+        self._keys = torch.zeros(shape, dtype=dtype, device=device)
+        self._values = torch.zeros(shape, dtype=dtype, device=device)
         self.index = torch.zeros(batch_shape, dtype=torch.int32, device=device)
         self.overflow = torch.zeros(batch_shape, dtype=torch.bool, device=device)
 
     @property
+    def key(self) -> torch.Tensor:
+        return self._keys.transpose(-3, -2)
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self._values.transpose(-3, -2)
+
+    @property
     def max_length(self) -> int:
-        return self.key.shape[-3]
+        return self._keys.shape[-2]
 
     def __repr__(self) -> str:
         return f"KVCache(key={tuple(self.key.shape)}, dtype={self.key.dtype}, index={self.index.tolist()})"

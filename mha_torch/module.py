@@ -203,15 +203,15 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(value).view(batch, n, kv_heads, self.head_dim)
         if self.normalize_qk:
             q, k = self.q_norm(q), self.k_norm(k)
-        spec = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
-                            query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
+        spec, slots = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
+                                   query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
         else:
             dropout_mask = None
         result = _attention(
-            q, flat.key.transpose(1, 2).to(q.dtype), flat.value.transpose(1, 2).to(q.dtype), spec,
+            q, flat._keys[:, :, :slots].to(q.dtype), flat._values[:, :, :slots].to(q.dtype), spec,
             dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights, implementation=self.implementation,
             zero_unused=False,
         )
@@ -236,14 +236,14 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     if n > cache.max_length:
         raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {cache.max_length}")
     flat = KVCache.__new__(KVCache)
-    flat.key, flat.value = (x.view((batch,) + tuple(x.shape[len(batch_shape):])) for x in (cache.key, cache.value))
+    flat._keys, flat._values = (x.view((batch,) + tuple(x.shape[len(batch_shape):])) for x in (cache._keys, cache._values))
     flat.index, flat.overflow = cache.index.view(batch), cache.overflow.view(batch)
     return flat
 
 
 def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size, device):
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` in place; the spec
-    of the new queries over its ``max_length`` slots."""
+    of the new queries over the cache's first slots, and how many slots that is."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
     if cache.key.dtype != key.dtype:
         raise TypeError(
@@ -266,11 +266,21 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
         _cache.write(cache.value, value.detach(), pos, start, padded=query_positions is not None)
         cache.index.copy_(end)
         cache.overflow.logical_or_(overflow)
+    # Fast path, in eager mode: when every query sees exactly the first `filled` slots of every
+    # row (rows at one position, default positions, nothing but the cache restricting), attend
+    # over those slots with no mask, as a hand-written SDPA step does. Otherwise (and under
+    # torch.compile, whose shapes stay fixed) attend over every slot with the cache's positions.
+    plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal)
+    if plain and not torch.compiler.is_compiling():
+        filled = int(end[0])
+        if filled <= max_length and bool((end == filled).all()):
+            return masks._parse((batch, num_heads, n, filled), device=device), filled
     held, lengths = _cache.slot_positions(end, max_length)
-    return masks._parse(
+    spec = masks._parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
     )
+    return spec, max_length
 
 
 def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, *,
