@@ -389,3 +389,25 @@ def test_bad_head_counts_fail_as_in_flax_with_a_clearer_message(name):
         nnx.MultiHeadAttention(**kwargs, decode=False, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=re.escape(message)):
         mha_jax.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
+
+
+def test_dot_general_and_metadata_reach_the_projections():
+    """``qkv_dot_general``/``out_dot_general`` are used as flax uses them, and parameter metadata
+    lands on the same parameters."""
+    calls = []
+
+    def counted(name):
+        def dot_general(*args, **kwargs):
+            calls.append(name)
+            return jax.lax.dot_general(*args, **kwargs)
+        return dot_general
+
+    kw = dict(qkv_dot_general=counted("qkv"), out_dot_general=counted("out"),
+              kernel_metadata={"tag": "in"}, out_kernel_metadata={"tag": "out"})
+    ours, theirs = _pair("self", **kw)
+    x, _, mask = _inputs("self", (2,))
+    assert _rel(ours(x, mask=mask), theirs(x, mask=mask)) <= TOL["float64"]
+    assert calls == ["qkv", "qkv", "qkv", "out"] * 2
+    for name in ("query", "key", "value", "out"):
+        assert getattr(ours, name).kernel.get_metadata() == getattr(theirs, name).kernel.get_metadata()
+    assert ours.out.kernel.get_metadata()["tag"] == "out" and ours.query.kernel.get_metadata()["tag"] == "in"
