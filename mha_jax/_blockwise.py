@@ -15,10 +15,13 @@ Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/valu
 ``(batch, kv_heads, kv_len, head_dim)``; masks keep their own (broadcast) shape
 ``(batch|1, kv_heads|1, groups|1, q_len|1, kv_len|1)`` and are sliced per block.
 
-Inside, batch and kv heads are one batch axis of the matrix products and a query block's
+Inside, batch and kv heads are the two batch axes of the matrix products and a query block's
 groups and queries one row axis (``rows = groups * block_q``), so grouped heads share each key
-block's product. Every product is laid out as XLA:CPU's matmul takes it, ``(batch, m, k) @
-(batch, k, n)``, with no per-block transpose: keys are transposed once for the forward's
+block's product. Batch and heads are never merged with another axis: a sharding of either
+(data or head parallelism, on an Auto or Explicit mesh) carries through every block as it is,
+and inside ``jax.shard_map`` the loops' carries take the inputs' varying mesh axes. Every
+product is laid out as XLA:CPU's matmul takes it, ``(batch, heads, m, k) @ (batch, heads, k, n)``,
+with no per-block transpose: keys are transposed once for the forward's
 ``Q K^T``, and the backward works on transposed scores ``S^T = K Q^T``, so that ``dV = P^T dO``,
 ``dK = dS^T Q`` and ``dQ^T = K^T dS^T`` all take their operands as stored. The softmax scale
 is folded into the queries once rather than applied to every score.
@@ -111,7 +114,45 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
                   keep_scale, dropout_rate, precision)
     positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
-    return _flash(cfg, q, k, v, allowed, bias, keep, dropout_rng, terms)
+    args = (q, k, v, allowed, bias, keep, dropout_rng, terms)
+    explicit = jax.sharding.get_abstract_mesh().explicit_axes
+    if explicit:
+        # Sharding in types: the kernel runs with those axes automatic, its layout propagated
+        # from the inputs' (batch and heads stay axes of their own throughout); the output is
+        # sharded as the query.
+        run = jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=jax.typeof(q).sharding.spec)
+        return run(*args)
+    return _run(cfg, *args)
+
+
+def _run(cfg, q, k, v, allowed, bias, keep, rng, terms):
+    q, k, v, bias = _varying((q, k, v, bias), (allowed, keep, rng, terms))
+    return _flash(cfg, q, k, v, allowed, bias, keep, rng, terms)
+
+
+def _varying(xs, others):
+    """``xs`` made varying over every manual mesh axis (inside ``jax.shard_map``) that any
+    array of ``xs`` or ``others`` varies over; outside one, ``xs`` as they are.
+
+    The loops' carries start from these arrays (``zeros_like``), so that they enter each loop
+    with the type they leave it with; and the differentiated inputs all share that type, so that
+    each gradient has its input's type (the sum over the axes an input was replicated on is
+    the transpose of this cast, outside the custom VJP).
+    """
+    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves((xs, others))))
+
+    def vary(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return tuple(None if x is None else vary(x) for x in xs)
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (empty outside ``jax.shard_map``)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # in older jax, the aval's ``vma``
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -153,25 +194,25 @@ def _and(a, b):
 
 
 def _query_rows(cfg, x):
-    """``(b, h, g, q_len, *rest)`` -> query blocks ``(n_q, b*h, g*block_q, *rest)``."""
+    """``(b, h, g, q_len, *rest)`` -> query blocks ``(n_q, b, h, g*block_q, *rest)``."""
     b, h, g = x.shape[:3]
     x = _pad(x, 3, cfg.n_q * cfg.block_q)
-    x = x.reshape((b * h, g, cfg.n_q, cfg.block_q) + x.shape[4:])
-    return jnp.moveaxis(x, 2, 0).reshape((cfg.n_q, b * h, g * cfg.block_q) + x.shape[4:])
+    x = x.reshape((b, h, g, cfg.n_q, cfg.block_q) + x.shape[4:])
+    return jnp.moveaxis(x, 3, 0).reshape((cfg.n_q, b, h, g * cfg.block_q) + x.shape[5:])
 
 
 def _from_query_rows(cfg, x, b, h, g):
     """The inverse of ``_query_rows``, with the padding of the last block dropped."""
-    x = x.reshape((cfg.n_q, b * h, g, cfg.block_q) + x.shape[3:])
-    x = jnp.moveaxis(x, 0, 2).reshape((b, h, g, cfg.n_q * cfg.block_q) + x.shape[4:])
+    x = x.reshape((cfg.n_q, b, h, g, cfg.block_q) + x.shape[4:])
+    x = jnp.moveaxis(x, 0, 3).reshape((b, h, g, cfg.n_q * cfg.block_q) + x.shape[5:])
     return x[:, :, :, : cfg.q_len]
 
 
 def _key_rows(cfg, x):
-    """``(b, h, kv_len, d)`` -> key blocks ``(n_k, b*h, block_k, d)``."""
+    """``(b, h, kv_len, d)`` -> key blocks ``(n_k, b, h, block_k, d)``."""
     b, h, _, d = x.shape
-    x = _pad(x, 2, cfg.n_k * cfg.block_k).reshape(b * h, cfg.n_k, cfg.block_k, d)
-    return jnp.moveaxis(x, 1, 0)
+    x = _pad(x, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
+    return jnp.moveaxis(x, 2, 0)
 
 
 def _pad_masks(cfg, masks):
@@ -324,8 +365,8 @@ def _dropped(cfg, x, keep, block5):
 
 def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
     b, h, g, _, d = q.shape
-    q_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, bh, rows, d)
-    kt_blocks = jnp.swapaxes(_key_rows(cfg, k), 2, 3)  # (n_k, bh, d, block_k)
+    q_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
+    kt_blocks = jnp.swapaxes(_key_rows(cfg, k), 3, 4)  # (n_k, b, h, d, block_k)
     v_blocks = _key_rows(cfg, v)
     allowed_p, bias_p, keep_p = _pad_masks(cfg, (allowed, bias, keep))
     terms_p = _pad_terms(cfg, terms)
@@ -338,7 +379,7 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
         def key_step(t, carry, partial):
             m, norm, acc = carry
             j = order_i[t]
-            s = jnp.einsum("bmd,bdk->bmk", q_i, kt_blocks[j], precision=cfg.precision)
+            s = jnp.einsum("bhmd,bhdk->bhmk", q_i, kt_blocks[j], precision=cfg.precision)
             s = _masked(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)
             m_new = jnp.maximum(m, s.max(axis=-1))
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -348,11 +389,10 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
             block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
             if block_keep is not None:
                 p = _dropped(cfg, p, block_keep, block5)
-            pv = jnp.einsum("bmk,bkd->bmd", p, v_blocks[j], precision=cfg.precision)
+            pv = jnp.einsum("bhmk,bhkd->bhmd", p, v_blocks[j], precision=cfg.precision)
             return m_new, norm, alpha[..., None] * acc + pv
 
-        rows = (b * h, g * cfg.block_q)
-        init = (jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype), jnp.zeros(rows + (d,), q.dtype))
+        init = (jnp.full_like(q_i[..., 0], -jnp.inf), jnp.zeros_like(q_i[..., 0]), jnp.zeros_like(q_i))
         carry = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False), init)
         m, norm, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
         out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
@@ -372,20 +412,20 @@ def _flash_bwd(cfg, residuals, d_out):
         sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal or cfg.window is not None)
         cfg = dataclasses.replace(cfg, block_q=sizes[0], block_k=sizes[1])
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
-    qs_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, bh, rows, d)
-    qst_blocks = jnp.swapaxes(qs_blocks, 2, 3)
+    qs_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
+    qst_blocks = jnp.swapaxes(qs_blocks, 3, 4)
     do_blocks = _query_rows(cfg, d_out)
-    dot_blocks = jnp.swapaxes(do_blocks, 2, 3)
-    lse_blocks, delta_blocks = _query_rows(cfg, lse), _query_rows(cfg, delta)  # (n_q, bh, rows)
-    k_blocks, v_blocks = _key_rows(cfg, k), _key_rows(cfg, v)  # (n_k, bh, block_k, d)
-    kt_blocks = jnp.swapaxes(k_blocks, 2, 3)
+    dot_blocks = jnp.swapaxes(do_blocks, 3, 4)
+    lse_blocks, delta_blocks = _query_rows(cfg, lse), _query_rows(cfg, delta)  # (n_q, b, h, rows)
+    k_blocks, v_blocks = _key_rows(cfg, k), _key_rows(cfg, v)  # (n_k, b, h, block_k, d)
+    kt_blocks = jnp.swapaxes(k_blocks, 3, 4)
     # Masks move their key axis before the groups: (b|1, h|1, k|1, g|1, q|1), the transposed block.
     allowed_t, bias_t, keep_t = (None if m is None else jnp.moveaxis(m, 4, 2) for m in _pad_masks(cfg, (allowed, bias, keep)))
     terms_p = _pad_terms(cfg, terms)
     whole, live = _classes(cfg, allowed, terms, padding=False)
     order, n_whole, n_live = _schedule(whole.T, live.T)  # per key block, over query blocks
     block5_t = (b, h, cfg.block_k, g, cfg.block_q)
-    d_bias0 = None if bias is None else jnp.zeros(bias_t.shape, q.dtype)
+    d_bias0 = None if bias is None else jnp.zeros_like(bias_t, q.dtype)
 
     def key_block(carry, args):
         dqt, d_bias = carry
@@ -394,27 +434,27 @@ def _flash_bwd(cfg, residuals, d_out):
         def query_step(t, inner, partial):
             dqt, dk_j, dv_j, d_bias = inner
             i = order_j[t]
-            st = jnp.einsum("bkd,bdm->bkm", k_j, qst_blocks[i], precision=cfg.precision)
+            st = jnp.einsum("bhkd,bhdm->bhkm", k_j, qst_blocks[i], precision=cfg.precision)
             st = _masked(cfg, st, i, j, allowed_t, terms_p, bias_t, block5_t, True, partial)
             # Exact scores never exceed their row's lse; the clamp only bounds the padded keys
             # (zero rows of K: score 0), whose terms then reach dQ as 0 * finite and are cut off
             # dK and dV, so they need no mask here.
-            pt = jnp.exp(jnp.minimum(st - lse_blocks[i][:, None, :], 0.0))
-            dpt = jnp.einsum("bkd,bdm->bkm", v_j, dot_blocks[i], precision=cfg.precision)
+            pt = jnp.exp(jnp.minimum(st - lse_blocks[i][:, :, None, :], 0.0))
+            dpt = jnp.einsum("bhkd,bhdm->bhkm", v_j, dot_blocks[i], precision=cfg.precision)
             block_keep = _keep(cfg, keep_t, rng, i, j, b, h, g, True)
             pt_used = pt
             if block_keep is not None:
                 pt_used, dpt = _dropped(cfg, pt, block_keep, block5_t), _dropped(cfg, dpt, block_keep, block5_t)
-            dv_j = dv_j + jnp.einsum("bkm,bmd->bkd", pt_used, do_blocks[i], precision=cfg.precision)
-            dst = pt * (dpt - delta_blocks[i][:, None, :])  # gradient of the (scaled, biased) scores
+            dv_j = dv_j + jnp.einsum("bhkm,bhmd->bhkd", pt_used, do_blocks[i], precision=cfg.precision)
+            dst = pt * (dpt - delta_blocks[i][:, :, None, :])  # gradient of the (scaled, biased) scores
             if d_bias is not None:
                 d_bias = _add_block(d_bias, dst.reshape(block5_t), i, j, cfg)
-            dk_j = dk_j + jnp.einsum("bkm,bmd->bkd", dst, qs_blocks[i], precision=cfg.precision)
-            dqt_i = jnp.einsum("bdk,bkm->bdm", kt_j, dst, precision=cfg.precision)
+            dk_j = dk_j + jnp.einsum("bhkm,bhmd->bhkd", dst, qs_blocks[i], precision=cfg.precision)
+            dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_j, dst, precision=cfg.precision)
             dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)
             return dqt, dk_j, dv_j, d_bias
 
-        zeros = jnp.zeros((b * h, cfg.block_k, d), q.dtype)
+        zeros = jnp.zeros_like(k_j)
         inner = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), (dqt, zeros, zeros, d_bias))
         dqt, dk_j, dv_j, d_bias = lax.fori_loop(whole_j, live_j, functools.partial(query_step, partial=True), inner)
         return (dqt, d_bias), (dk_j, dv_j)
@@ -423,10 +463,10 @@ def _flash_bwd(cfg, residuals, d_out):
     (dqt, d_bias), (dk, dv) = lax.scan(
         key_block, (dqt0, d_bias0), (jnp.arange(cfg.n_k), k_blocks, v_blocks, kt_blocks, order, n_whole, n_live)
     )
-    dq = _from_query_rows(cfg, jnp.swapaxes(dqt, 2, 3) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
+    dq = _from_query_rows(cfg, jnp.swapaxes(dqt, 3, 4) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
 
-    def keys(x):  # (n_k, bh, block_k, d) -> (b, h, kv_len, d)
-        return jnp.moveaxis(x, 0, 1).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
+    def keys(x):  # (n_k, b, h, block_k, d) -> (b, h, kv_len, d)
+        return jnp.moveaxis(x, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
 
     if d_bias is not None:
         d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
