@@ -8,7 +8,7 @@ import pytest
 
 import mha_jax
 from mha_jax import _blockwise
-from parity_tests import harness, oracle
+from parity_tests.tool import harness, oracle
 
 B, H, HK, Q, K, D = 2, 6, 2, 9, 11, 5
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from parity_tests import harness
+from parity_tests.tool import harness
 
 SHAPES = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
 
