@@ -66,6 +66,24 @@ def test_readme_porting_example_runs_in_under_a_minute(tmp_path, monkeypatch, ca
     assert np.array_equal(fused, whole["layers.0.self_attn.in_proj_weight"].numpy())
 
 
+def test_readme_source_example_catches_a_wrong_head_count(tmp_path, monkeypatch, capsys):
+    """The README's ``--source encoder_def.py:build``: with --num-heads 8 the port fails against
+    the 4-head layer of the model, with 4 it passes."""
+    section = _section("Porting a model: an example")
+    (definition,) = [b for b in _blocks(section, "") if b.startswith("# encoder_def.py")]
+    command = section.split("`mha-parity verify --weights encoder.safetensors --layout torch_mha --num-heads 8", 1)[1]
+    command = "verify --weights encoder.safetensors --layout torch_mha --num-heads 8" + command.split("`", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "encoder_def.py").write_text(definition)
+    torch.manual_seed(0)
+    exec(compile(definition + "\nfrom safetensors.torch import save_file\nsave_file(build().state_dict(), 'encoder.safetensors')",
+                 "README.md", "exec"), {})
+    fast = ["--dtype", "float32", "--mask", "padding", "--workers", "1"]
+    assert cli.main(shlex.split(command) + fast) == 1
+    assert "torch.nn.MultiheadAttention (4 heads) from --source encoder_def.py:build" in capsys.readouterr().out
+    assert cli.main(shlex.split(command.replace("--num-heads 8", "--num-heads 4")) + fast) == 0
+
+
 def _hf_gqa_file(path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """A Llama-style (q_proj/k_proj/v_proj/o_proj) grouped-query checkpoint: 4 heads, 2 kv heads."""
     module = mha_torch.MultiHeadAttention(12, 4, num_kv_heads=2, kdim=10, vdim=10, dtype=dtype)
