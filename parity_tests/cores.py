@@ -18,7 +18,7 @@ import torch
 
 import mha_jax
 import mha_torch
-from parity_tests import harness
+from parity_tests.tool import arrays
 
 IMPLEMENTATIONS = {"jax": ("xla", "blockwise"), "torch": ("math", "sdpa")}
 WITH_WEIGHTS = ("xla", "math")  # the implementations that form the weights
@@ -34,17 +34,17 @@ def run_core(framework: str, q, k, v, d_out, *, dtype: str = "float64", mask=Non
     implementation = implementation or IMPLEMENTATIONS[framework][0]
     run = _run_jax if framework == "jax" else _run_torch
     out, weights, grads = run(
-        [harness._cast(np.asarray(x), dtype) for x in (q, k, v, d_out)],
-        None if mask is None else harness._cast(np.asarray(mask), dtype),
+        [arrays.cast(np.asarray(x), dtype) for x in (q, k, v, d_out)],
+        None if mask is None else arrays.cast(np.asarray(mask), dtype),
         implementation, is_causal, scale,
     )
-    return {"out": harness._f64(out), "weights": None if weights is None else harness._f64(weights),
-            "grads": tuple(harness._f64(g) for g in grads)}
+    return {"out": arrays.to_float64(out), "weights": None if weights is None else arrays.to_float64(weights),
+            "grads": tuple(arrays.to_float64(g) for g in grads)}
 
 
-def _run_jax(arrays, mask, implementation, is_causal, scale):
-    q, k, v, d_out = (jnp.asarray(x).transpose(0, 2, 1, 3) for x in arrays)
-    additive = mask is not None and harness.is_floating(mask)  # JAX's masks are nonzero = attend
+def _run_jax(inputs, mask, implementation, is_causal, scale):
+    q, k, v, d_out = (jnp.asarray(x).transpose(0, 2, 1, 3) for x in inputs)
+    additive = mask is not None and arrays.is_floating(mask)  # JAX's masks are nonzero = attend
     mask = None if mask is None else jnp.asarray(mask)
     out, weights, grads = _jax_vjp(q, k, v, None if additive else mask, mask if additive else None, d_out,
                                    implementation=implementation, is_causal=is_causal, scale=scale)
@@ -66,8 +66,8 @@ def _jax_vjp(q, k, v, mask, bias, d_out, *, implementation, is_causal, scale):
     return result, None, back(d_out)
 
 
-def _run_torch(arrays, mask, implementation, is_causal, scale):
-    q, k, v, d_out = (_torch_tensor(x) for x in arrays)
+def _run_torch(inputs, mask, implementation, is_causal, scale):
+    q, k, v, d_out = (_torch_tensor(x) for x in inputs)
     for x in (q, k, v):
         x.requires_grad_(True)
     result = mha_torch.dot_product_attention(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parity_tests.harness import Config
 from parity_tests.strategies import Spec
+from parity_tests.tool.harness import Config
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ PARITY = [
     Regression(
         "float32-long-reduction",
         "qkv_features 384: PyTorch's float32 output is 1.02e-6 from the oracle (JAX's 1.04e-6 from "
-        "PyTorch's), just beyond the design's 1e-6, which the grid (features up to 24) measured; "
+        "PyTorch's), just beyond the stated 1e-6, which the grid (features up to 24) measured; "
         "float32 rounding alone accounts for it. Led to test_properties.ACCUMULATION_FACTOR.",
         Spec(
             config=Config(name="drawn", batch=2, q_len=16, kv_len=34, in_features=7, in_kv_features=7,

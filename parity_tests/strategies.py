@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from parity_tests import harness, oracle
+from parity_tests.tool import arrays, harness, oracle
 
 PROFILE_VARIABLE = "MHA_HYPOTHESIS_PROFILE"
 LONG_FACTOR = 20
@@ -167,7 +167,7 @@ def draw_mask(spec: Spec, rng: np.random.Generator) -> tuple[np.ndarray | None, 
         attend = np.zeros(shape, bool)
     if spec.mask == "float":
         bias = np.where(attend, 2.0 * rng.normal(size=shape), -np.inf)
-        return harness._rounded(np.asarray(bias), spec.dtype), None
+        return arrays.rounded(np.asarray(bias), spec.dtype), None
     if spec.mask == "bool":
         return np.asarray(attend), None
     nonzero = [1, 2, 7] if spec.mask.startswith("u") else [-1, 2, 7]  # any nonzero attends
@@ -211,5 +211,5 @@ def draw_structure(spec: Spec, rng: np.random.Generator) -> dict:
     if spec.lengths:
         terms["lengths"] = rng.integers(0 if spec.empty_rows else 1, k + 1, size=b)
     if spec.bias_shape is not None:
-        terms["bias"] = harness._rounded(rng.normal(size=spec.bias_shape), spec.dtype)
+        terms["bias"] = arrays.rounded(rng.normal(size=spec.bias_shape), spec.dtype)
     return terms

@@ -11,6 +11,7 @@ from safetensors.torch import save_file as save_torch
 
 import mha_jax
 import mha_torch
+from parity_tests.tool.arrays import same_bits
 
 TORCH_DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
@@ -20,21 +21,6 @@ def _torch_module(dtype=torch.float32, bias=True, kv_heads=2):
     return mha_torch.MultiHeadAttention(
         16, 4, num_kv_heads=kv_heads, kdim=10, vdim=10, qkv_dim=24, out_dim=12, bias=bias, dtype=dtype
     )
-
-
-def _bits(x) -> np.ndarray:
-    """Raw bits of an array-like, so that equality is bitwise (NaN payloads and -0.0 included)."""
-    a = harness_numpy(x)
-    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
-
-
-def harness_numpy(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.dtype == torch.bfloat16:
-            return x.view(torch.int16).numpy()
-        return x.numpy()
-    return np.asarray(x)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -54,11 +40,11 @@ def test_torch_to_flax_to_torch_is_bitwise(dtype, bias):
     back = mha_jax.to_torch(params)
     assert set(back) == set(state)
     for name, tensor in state.items():
-        assert np.array_equal(_bits(back[name]), _bits(tensor)), name
+        assert same_bits(back[name], tensor), name
     reloaded = _torch_module(dtype, bias)
     mha_torch.load_weights(reloaded, back)
     for name, tensor in state.items():
-        assert np.array_equal(_bits(reloaded.state_dict()[name]), _bits(tensor)), name
+        assert same_bits(reloaded.state_dict()[name], tensor), name
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float64, jnp.float32, jnp.bfloat16])
@@ -75,11 +61,11 @@ def test_flax_to_torch_to_flax_is_bitwise(param_dtype):
     a, b = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (model, again))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.dtype == y.dtype == param_dtype
-        assert np.array_equal(_bits(x), _bits(y))
+        assert same_bits(x, y)
     # linen variables and the raw dict give the same state dict
     linen_vars = {"params": mha_jax.from_torch(state, num_heads=4, num_kv_heads=2)}
     for name, value in mha_jax.to_torch(linen_vars).items():
-        assert np.array_equal(_bits(value), _bits(state[name]))
+        assert same_bits(value, state[name])
 
 
 def test_safetensors_files_load_on_both_sides(tmp_path):
@@ -96,7 +82,7 @@ def test_safetensors_files_load_on_both_sides(tmp_path):
     model = mha_jax.MultiHeadAttention(4, 16, 24, 12, num_kv_heads=2, in_kv_features=10,
                                        param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     mha_jax.load_weights(model, torch_file)
-    assert np.array_equal(_bits(model.query.kernel.get_value()), _bits(params["query"]["kernel"]))
+    assert same_bits(model.query.kernel.get_value(), params["query"]["kernel"])
 
 
 def test_loading_casts_to_the_module_dtype_and_copies():

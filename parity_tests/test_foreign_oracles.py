@@ -20,7 +20,8 @@ from flax import linen, nnx
 
 import mha_jax
 import mha_torch
-from parity_tests.harness import errors
+from parity_tests.tool.harness import errors
+from parity_tests.tool.sources import fused_qkv_attention
 
 TOL = {"float64": 1e-12, "float32": 1e-6}
 DTYPES = list(TOL)
@@ -304,37 +305,13 @@ def test_flax_linen_multihead_dot_product_attention(dtype, kind):
     assert_outputs({"jax": out_j, "torch": out_t}, out, live_q, np64(params["out"]["bias"]), dtype)
 
 
-# --- a fused qkv_proj, as in the seeds' tutorials (001 V2, 004), grouped as Phi-3 ------------
-
-
-class FusedQKVAttention(torch.nn.Module):
-    """A foreign layer written here, in the tutorials' style: one ``qkv_proj`` whose rows are
-    ``[q; k; v]`` (``heads + 2 * kv_heads`` blocks of ``head_dim``), ``o_proj``, 0/1 masks
-    filled with ``-inf`` (so a query that may attend to no key gives NaN)."""
-
-    def __init__(self, embed_dim: int, heads: int, kv_heads: int, dtype):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, embed_dim // heads
-        self.qkv_proj = torch.nn.Linear(embed_dim, (heads + 2 * kv_heads) * self.head_dim, dtype=dtype)
-        self.o_proj = torch.nn.Linear(embed_dim, embed_dim, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, att_mask: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
-        q, k, v = torch.split(self.qkv_proj(x), sizes, dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k, v = (t.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
-        k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        scores = (q @ k.transpose(-1, -2)) / self.head_dim**0.5
-        scores = scores.masked_fill(att_mask == 0, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+# --- a fused qkv_proj, as in the tutorials, grouped as Phi-3 ----------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_qkv_tutorial_layer(dtype):
     tdtype = getattr(torch, dtype)
-    theirs = FusedQKVAttention(E, H, KV_HEADS, tdtype)
+    theirs = fused_qkv_attention(E, H, KV_HEADS, dtype=tdtype)  # the source ``verify --weights`` builds
     randomize_(theirs, seed=8)
     allowed = allowed_mask("fully-masked", Q, Q)
     att_mask = torch.from_numpy(allowed.astype(np.int64))  # the tutorials' 0/1 masks

@@ -11,7 +11,8 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from parity_tests import cores, harness, oracle
+from parity_tests import cores
+from parity_tests.tool import harness, oracle
 
 
 def test_blockwise_accepts_length_one():

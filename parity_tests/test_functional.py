@@ -9,7 +9,7 @@ import torch
 
 import mha_jax
 import mha_torch
-from parity_tests import harness, oracle
+from parity_tests.tool import arrays, harness, oracle
 
 B, H, Q, K, D = 2, 6, 5, 7, 8
 MASKS = {
@@ -22,9 +22,9 @@ MASKS = {
 
 
 def _inputs(rng, kv_heads, dtype):
-    q = harness._rounded(rng.normal(size=(B, H, Q, D)), dtype)
-    k = harness._rounded(rng.normal(size=(B, kv_heads, K, D)), dtype)
-    v = harness._rounded(rng.normal(size=(B, kv_heads, K, D)), dtype)
+    q = arrays.rounded(rng.normal(size=(B, H, Q, D)), dtype)
+    k = arrays.rounded(rng.normal(size=(B, kv_heads, K, D)), dtype)
+    v = arrays.rounded(rng.normal(size=(B, kv_heads, K, D)), dtype)
     return q, k, v
 
 
@@ -32,23 +32,23 @@ def _jax_masking(mask) -> dict:
     """A mask in PyTorch's convention as the JAX core's keyword: a float mask is its ``bias``."""
     if mask is None:
         return {}
-    return {"bias" if harness.is_floating(mask) else "mask": jnp.asarray(mask)}
+    return {"bias" if arrays.is_floating(mask) else "mask": jnp.asarray(mask)}
 
 
 def _jax(q, k, v, dtype, mask=None, **kw):
     """Call the JAX core from torch-layout NumPy arrays (a float ``mask`` is added, as in
     PyTorch); results back in torch layout."""
-    t = lambda x: jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3))  # noqa: E731
-    masking = _jax_masking(None if mask is None else harness._cast(mask, dtype))
+    t = lambda x: jnp.asarray(arrays.cast(x, dtype).transpose(0, 2, 1, 3))  # noqa: E731
+    masking = _jax_masking(None if mask is None else arrays.cast(mask, dtype))
     out, w = mha_jax.dot_product_attention(t(q), t(k), t(v), **masking, return_weights=True, **kw)
-    return harness._f64(out).transpose(0, 2, 1, 3), harness._f64(w)
+    return arrays.to_float64(out).transpose(0, 2, 1, 3), arrays.to_float64(w)
 
 
 def _torch(q, k, v, dtype, mask=None, **kw):
     t = lambda x: torch.from_numpy(x).to(getattr(torch, dtype))  # noqa: E731
     m = None if mask is None else (t(mask) if mask.dtype.kind == "f" else torch.from_numpy(mask))
     out, w = mha_torch.dot_product_attention(t(q), t(k), t(v), mask=m, need_weights=True, **kw)
-    return harness._f64(out), harness._f64(w)
+    return arrays.to_float64(out), arrays.to_float64(w)
 
 
 @pytest.mark.parametrize("dtype", harness.DTYPES)
@@ -59,7 +59,7 @@ def test_cores_match_oracle(mask_kind, kv_heads, dtype):
     q, k, v = _inputs(rng, kv_heads, dtype)
     mask = MASKS[mask_kind](rng)
     if mask is not None and mask.dtype.kind == "f":
-        mask = harness._rounded(mask, dtype)
+        mask = arrays.rounded(mask, dtype)
     want_out, want_w, _ = oracle.attention(q, k, v, oracle.Attention(mask=mask, is_causal=True))
     tol = harness.TOLERANCES[dtype][0]
     got = {
@@ -101,14 +101,14 @@ def test_fully_masked_rows_are_exactly_zero_with_finite_gradients(dtype):
     def loss_jax(q, k, v):
         return jnp.sum(mha_jax.dot_product_attention(q, k, v, mask=jnp.asarray(mask)) ** 2)
 
-    tq, tk, tv = (jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3)) for x in (q, k, v))
+    tq, tk, tv = (jnp.asarray(arrays.cast(x, dtype).transpose(0, 2, 1, 3)) for x in (q, k, v))
     for g in jax.grad(loss_jax, argnums=(0, 1, 2))(tq, tk, tv):
-        assert np.all(np.isfinite(harness._f64(g)))
+        assert np.all(np.isfinite(arrays.to_float64(g)))
     xs = [torch.from_numpy(x).to(getattr(torch, dtype)).requires_grad_(True) for x in (q, k, v)]
     mha_torch.dot_product_attention(*xs, mask=torch.from_numpy(mask)).pow(2).sum().backward()
     for x in xs:
         assert torch.isfinite(x.grad).all()
-    assert np.all(harness._f64(xs[0].grad)[0] == 0)  # a query that sees nothing learns nothing
+    assert np.all(arrays.to_float64(xs[0].grad)[0] == 0)  # a query that sees nothing learns nothing
 
 
 def test_weights_are_the_ones_applied_to_value_after_dropout():
@@ -148,16 +148,16 @@ def test_torch_dropout_uses_torch_rng():
 @pytest.mark.parametrize("dtype", harness.DTYPES)
 def test_jit_matches_eager(dtype):
     rng = np.random.default_rng(7)
-    q, k, v = (jnp.asarray(harness._cast(x, dtype).transpose(0, 2, 1, 3)) for x in _inputs(rng, 2, dtype))
+    q, k, v = (jnp.asarray(arrays.cast(x, dtype).transpose(0, 2, 1, 3)) for x in _inputs(rng, 2, dtype))
     mask = jnp.asarray(rng.random((B, 1, Q, K)) < 0.6)
     f = lambda q, k, v: mha_jax.dot_product_attention(q, k, v, mask=mask, is_causal=True)  # noqa: E731
-    eager, jitted = harness._f64(f(q, k, v)), harness._f64(jax.jit(f)(q, k, v))
+    eager, jitted = arrays.to_float64(f(q, k, v)), arrays.to_float64(jax.jit(f)(q, k, v))
     assert max(harness.errors(jitted, eager)) <= harness.TOLERANCES[dtype][0]
 
 
 def test_float_mask_is_added_not_filled():
     """A float mask is a bias: -1e9 over a whole row shifts it and leaves its softmax as it was
-    (unlike the seeds' masked_fill(-1e9), which gives a uniform row); -inf on a whole row gives 0."""
+    (unlike the tutorials' masked_fill(-1e9), which gives a uniform row); -inf on a whole row gives 0."""
     rng = np.random.default_rng(8)
     q, k, v = _inputs(rng, 6, "float64")
     mask = np.zeros((B, H, Q, K))

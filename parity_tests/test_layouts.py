@@ -18,6 +18,7 @@ from safetensors.torch import save_file as save_torch
 
 import mha_jax
 import mha_torch
+from parity_tests.tool.arrays import same_bits
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 H, KV, D, E = 4, 2, 3, 10  # heads, kv heads, head_dim, in features
@@ -59,7 +60,7 @@ def foreign(layout: str, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out["encoder.layer.1.attention.self.query.weight"] = state["q_proj.weight"] + 1  # another layer
         out["embeddings.word_embeddings.weight"] = np.zeros((8, E), np.float32)
         return out
-    if layout == "fused_qkv":  # Phi-3, the seeds' tutorial 004: qkv_proj rows [q; k; v], o_proj
+    if layout == "fused_qkv":  # Phi-3 and the tutorials: qkv_proj rows [q; k; v], o_proj
         return {"qkv_proj.weight": _cat(state, "weight", qkv), "qkv_proj.bias": _cat(state, "bias", qkv),
                 "o_proj.weight": state["out_proj.weight"], "o_proj.bias": state["out_proj.bias"]}
     if layout == "fused_kv":  # a cross-attention block: to_q, to_kv (rows [k; v]), to_out
@@ -85,12 +86,6 @@ def _torch_module(kv_heads: int = KV, bias: bool = True, dtype=torch.float32):
     return mha_torch.MultiHeadAttention(E, H, num_kv_heads=kv_heads, qkv_dim=H * D, bias=bias, dtype=dtype)
 
 
-def _equal(a, b) -> bool:
-    a = a.detach().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-    b = b.detach().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
 @pytest.mark.parametrize("name", list(READ))
 def test_each_layout_reads_into_both_frameworks_bitwise(name):
     kv = H if name.startswith("torch_mha") else KV  # nn.MultiheadAttention has no grouped heads
@@ -99,13 +94,13 @@ def test_each_layout_reads_into_both_frameworks_bitwise(name):
     before = {k: v.copy() for k, v in theirs.items()}
     params = mha_jax.from_torch(theirs, num_heads=H, num_kv_heads=kv, **READ[name])
     back = mha_jax.to_torch(params)
-    assert set(back) == set(state) and all(_equal(back[k], state[k]) for k in state)
+    assert set(back) == set(state) and all(same_bits(back[k], state[k]) for k in state)
     module = _torch_module(kv)
     mha_torch.load_weights(module, {k: torch.from_numpy(v) for k, v in theirs.items()}, **READ[name])
-    assert all(_equal(module.state_dict()[k], state[k]) for k in state)
+    assert all(same_bits(module.state_dict()[k], state[k]) for k in state)
     model = mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=kv, rngs=nnx.Rngs(0))
     mha_jax.load_weights(model, theirs, **READ[name])
-    assert all(_equal(v, state[k]) for k, v in mha_jax.to_torch(model).items())
+    assert all(same_bits(v, state[k]) for k, v in mha_jax.to_torch(model).items())
     # nothing given was modified, and nothing returned shares its memory
     assert all(np.array_equal(before[k], theirs[k]) for k in theirs)
     params["key"]["bias"][...] = 7.0
@@ -131,10 +126,10 @@ def test_layout_files_and_no_biases(tmp_path):
     path = tmp_path / "mha.safetensors"
     save_numpy(theirs, path)
     back = mha_jax.to_torch(mha_jax.from_torch(path, num_heads=H, layout="torch_mha"))
-    assert set(back) == set(state) and all(_equal(back[k], state[k]) for k in state)
+    assert set(back) == set(state) and all(same_bits(back[k], state[k]) for k in state)
     module = _torch_module(H, bias=False)
     mha_torch.load_weights(module, path, layout="torch_mha")
-    assert all(_equal(module.state_dict()[k], state[k]) for k in state)
+    assert all(same_bits(module.state_dict()[k], state[k]) for k in state)
 
 
 # --- errors: the same message from both frameworks ------------------------------------------
@@ -377,7 +372,7 @@ def test_safetensors_out_of_both_sides_and_back_bitwise(tmp_path):
     again = _torch_module(dtype=torch.bfloat16)
     mha_torch.load_weights(again, tmp_path / "jax.safetensors")
     for name, tensor in torch_layer.state_dict().items():
-        assert torch.equal(again.state_dict()[name].view(torch.int16), tensor.view(torch.int16)), name
+        assert same_bits(again.state_dict()[name], tensor), name
 
 
 @pytest.mark.parametrize("suffix", [".msgpack", ".safetensors"])
@@ -393,7 +388,7 @@ def test_flax_parameter_files_convert_to_torch(tmp_path, suffix):
     from_file, direct = mha_jax.to_torch(path), mha_jax.to_torch(model)
     assert set(from_file) == set(direct)
     for name, value in direct.items():
-        assert value.dtype == from_file[name].dtype and np.array_equal(value.view(np.uint16), from_file[name].view(np.uint16)), name
+        assert same_bits(value, from_file[name]), name
 
 
 def test_bad_parameter_files_are_value_errors(tmp_path):

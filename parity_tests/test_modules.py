@@ -10,7 +10,7 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from parity_tests import harness
+from parity_tests.tool import harness
 
 SHAPES = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
 
@@ -69,8 +69,9 @@ def test_nnx_dropout_follows_mode_and_rngs():
     x = jax.random.normal(jax.random.key(1), (2, 6, 16))
     with pytest.raises(ValueError, match="deterministic"):
         model(x)
-    model.eval()
-    np.testing.assert_array_equal(model(x), model(x))
+    model.eval()  # no dropout: the output of the same weights built without dropout
+    plain = mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(model(x), plain(x))
     model.train()
     a, b = model(x, return_weights=True)[1], model(x, return_weights=True)[1]
     assert not np.array_equal(a, b)  # the stream advances
@@ -94,8 +95,10 @@ def test_torch_dropout_follows_training_mode():
     x = torch.randn(2, 6, 16)
     w_train = model(x, need_weights=True)[1]
     assert float((w_train == 0).double().mean()) > 0.3
-    model.eval()
-    assert torch.equal(model(x), model(x))
+    model.eval()  # no dropout: the output of the same weights built without dropout
+    plain = mha_torch.MultiHeadAttention(16, 4).eval()
+    plain.load_state_dict(model.state_dict())
+    assert torch.equal(model(x), plain(x))
 
 
 def test_modules_default_self_attention_and_value_from_key():

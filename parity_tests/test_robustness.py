@@ -18,21 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mha_torch
-from parity_tests import cores, harness, oracle, strategies
+from parity_tests import cores, strategies
+from parity_tests.tool import arrays, harness, oracle
 
 FRAMEWORK_IMPLS = [(fw, impl) for fw, impls in cores.IMPLEMENTATIONS.items() for impl in impls]
-
-
-def _implementations(q_len, kv_len):
-    """Every implementation of both frameworks (the lengths once excluded a fixed defect)."""
-    return list(FRAMEWORK_IMPLS)
 
 
 POISONS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "huge": 1e30}
 
 
 def _normal(rng, shape, dtype="float64"):
-    return harness._rounded(rng.normal(size=shape), dtype)
+    return arrays.rounded(rng.normal(size=shape), dtype)
 
 
 def _assert_close(got, want, tol, what):
@@ -126,7 +122,7 @@ def _as_form(attend, form, rng, dtype):
         return attend
     if form == "int32":
         return attend.astype(np.int32) * 3
-    return harness._rounded(np.where(attend, rng.normal(size=attend.shape), -np.inf), dtype)
+    return arrays.rounded(np.where(attend, rng.normal(size=attend.shape), -np.inf), dtype)
 
 
 def _causal(attend, is_causal):
@@ -160,7 +156,7 @@ def test_keys_that_no_query_sees_change_nothing(c, replacement):
         k2, v2 = np.where(where, fill, k), np.where(where, fill, v)
     seen = oracle.Attention(mask=mask, is_causal=c["is_causal"])
     want, _, _ = oracle.attention(q, np.where(where, 0, k), np.where(where, 0, v), seen)
-    for fw, impl in _implementations(q.shape[2], k.shape[2]):
+    for fw, impl in FRAMEWORK_IMPLS:
         kw = dict(dtype=c["dtype"], mask=mask, implementation=impl, is_causal=c["is_causal"])
         before, after = cores.run_core(fw, q, k, v, d_out, **kw), cores.run_core(fw, q, k2, v2, d_out, **kw)
         assert np.array_equal(after["out"], before["out"]), (fw, impl)
@@ -185,7 +181,7 @@ def test_a_query_ignores_the_keys_its_mask_excludes(c):
     k2[:, :, changed] = _normal(rng, k2[:, :, changed].shape, c["dtype"])
     v2[:, :, changed] = _normal(rng, v2[:, :, changed].shape, c["dtype"])
     mask = _as_form(attend, c["form"], rng, c["dtype"])
-    for fw, impl in _implementations(q.shape[2], k.shape[2]):
+    for fw, impl in FRAMEWORK_IMPLS:
         kw = dict(dtype=c["dtype"], mask=mask, implementation=impl, is_causal=c["is_causal"])
         before, after = cores.run_core(fw, q, k, v, d_out, **kw), cores.run_core(fw, q, k2, v2, d_out, **kw)
         assert np.array_equal(after["out"][untouched], before["out"][untouched]), (fw, impl)
@@ -237,16 +233,16 @@ def test_half_precision_is_the_float32_result_rounded_once(dtype):
     rng = np.random.default_rng(4)
     q, k, v = (_normal(rng, s, dtype) for s in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)))
     d_out = _normal(rng, (2, 4, 5, 8), dtype)
-    mask = harness._rounded(np.where(rng.random((2, 1, 5, 7)) < 0.7, rng.normal(size=(2, 1, 5, 7)), -np.inf), dtype)
+    mask = arrays.rounded(np.where(rng.random((2, 1, 5, 7)) < 0.7, rng.normal(size=(2, 1, 5, 7)), -np.inf), dtype)
     for fw, impl in FRAMEWORK_IMPLS:
         kw = dict(mask=mask, implementation=impl, is_causal=True)
         half = cores.run_core(fw, q, k, v, d_out, dtype=dtype, **kw)
         full = cores.run_core(fw, q, k, v, d_out, dtype="float32", **kw)
         for key in ("out", "weights"):
             if half[key] is not None:
-                assert np.array_equal(half[key], harness._rounded(full[key], dtype)), (fw, impl, key)
+                assert np.array_equal(half[key], arrays.rounded(full[key], dtype)), (fw, impl, key)
         for g_half, g_full in zip(half["grads"], full["grads"]):
-            assert np.array_equal(g_half, harness._rounded(g_full, dtype)), (fw, impl)
+            assert np.array_equal(g_half, arrays.rounded(g_full, dtype)), (fw, impl)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

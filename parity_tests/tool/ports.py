@@ -10,11 +10,12 @@ random ones.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests import harness
+from parity_tests.tool import harness
+from parity_tests.tool.arrays import numpy_dtype, same_bits
 
 FLAX = "flax"
 
@@ -60,15 +61,13 @@ def read(
 ) -> Checkpoint:
     """Read a checkpoint file; ValueError/TypeError name what does not fit."""
     import mha_jax
-    from mha_jax.convert import _read_params  # the same reader as to_torch's, for the head counts
 
     path = os.fspath(path)
     layout = layout or (FLAX if path.endswith(".msgpack") else "mha_torch")
     if layout == FLAX:
         if prefix or ignore:
             raise ValueError("--prefix and --ignore apply to PyTorch-named weights, not to Flax parameters")
-        tree = _read_params(path)
-        tree = tree.get("params", tree)
+        tree = read_flax_tree(path)
         state = mha_jax.to_torch(tree)  # checks the tree: four projections, rank-3 kernels
         found = {"num_heads": tree["query"]["kernel"].shape[1], "num_kv_heads": tree["key"]["kernel"].shape[1]}
         for name, given in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -83,54 +82,77 @@ def read(
     return Checkpoint(path, layout, mha_jax.to_torch(params), num_heads, num_kv_heads, load)
 
 
-def check_loads(checkpoint: Checkpoint) -> None:
-    """Load the file into our module in each framework, each with its own loader, and require
-    both to hold exactly the checkpoint's bits (AssertionError naming the tensor otherwise)."""
+def read_flax_tree(path: str) -> dict:
+    """The nested parameter dict of a flax ``.msgpack`` file or of a ``.safetensors`` file with
+    dot-joined names (``query.kernel``); a ``{"params": ...}`` wrapper is taken off."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        if path.endswith(".msgpack"):
+            from flax.serialization import msgpack_restore
+
+            with open(path, "rb") as f:
+                tree = msgpack_restore(f.read())
+        else:
+            from safetensors.numpy import load_file
+
+            tree = {}
+            for name, array in load_file(path).items():
+                *parents, leaf = name.split(".")
+                node = tree
+                for parent in parents:
+                    node = node.setdefault(parent, {})
+                node[leaf] = array
+    except OSError:
+        raise
+    except Exception as error:  # msgpack and safetensors raise their own types for bad bytes
+        raise ValueError(f"{path} is not a readable parameter file: {error}") from error
+    return tree.get("params", tree)
+
+
+def build_ours(checkpoint: Checkpoint, dtype: str | None = None):
+    """Our module in each framework, in ``dtype`` (default: the file's), each loaded from the
+    file with its own loader (a Flax tree by ``nnx.update``): ``(nnx module, torch module)``."""
     import jax.numpy as jnp
     import torch
     from flax import nnx
 
     import mha_jax
     import mha_torch
-    from mha_jax.convert import _read_params
 
     c = checkpoint.config()
-    dtype = harness.numpy_dtype(checkpoint.dtype)
+    dtype = dtype or checkpoint.dtype
     model = mha_jax.MultiHeadAttention(
         c.num_heads, c.in_features, c.qkv_features, c.out_features, num_kv_heads=c.num_kv_heads,
-        in_kv_features=c.in_kv_features, use_bias=c.use_bias, param_dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
+        in_kv_features=c.in_kv_features, use_bias=c.use_bias, param_dtype=jnp.dtype(numpy_dtype(dtype)), rngs=nnx.Rngs(0),
     )
     module = mha_torch.MultiHeadAttention(
         c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=c.in_kv_features,
         vdim=c.in_kv_features, qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
-        dtype=getattr(torch, checkpoint.dtype),
+        dtype=getattr(torch, dtype),
     )
     if checkpoint.layout == FLAX:
-        tree = _read_params(checkpoint.path)
-        nnx.update(model, tree.get("params", tree))  # a Flax tree loads as it is
+        tree = read_flax_tree(checkpoint.path)
+        nnx.update(model, {m: {k: jnp.asarray(v, model.query.kernel.get_value().dtype) for k, v in leaves.items()}
+                           for m, leaves in tree.items()})  # a Flax tree loads as it is
         mha_torch.load_weights(module, mha_jax.to_torch(checkpoint.path))
     else:
         mha_jax.load_weights(model, checkpoint.path, **checkpoint.load)
         mha_torch.load_weights(module, checkpoint.path, **checkpoint.load)
-    held = {"jax": mha_jax.to_torch(model), "torch": {k: v for k, v in module.state_dict().items()}}
+    return model, module.eval()
+
+
+def check_loads(checkpoint: Checkpoint) -> None:
+    """Load the file into our module in each framework, each with its own loader, and require
+    both to hold exactly the checkpoint's bits (AssertionError naming the tensor otherwise)."""
+    import mha_jax
+
+    model, module = build_ours(checkpoint)
+    held = {"jax": mha_jax.to_torch(model), "torch": dict(module.state_dict())}
     for framework, state in held.items():
         for name, expected in checkpoint.state.items():
             if not same_bits(state[name], expected):
                 raise AssertionError(f"{framework} holds different values for {name} after loading {checkpoint.path}")
-
-
-def same_bits(a, b: np.ndarray) -> bool:
-    """Bitwise equality of an array-like (a torch tensor too, bfloat16 included) and ``b``."""
-    if hasattr(a, "detach"):
-        import torch
-
-        a = a.detach()
-        a = a.view(torch.int16) if a.dtype == torch.bfloat16 else a
-        a = a.numpy()
-    a = np.asarray(a)
-    if a.shape != b.shape or a.dtype.itemsize != b.dtype.itemsize:
-        return False
-    return np.array_equal(a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
 
 
 def cases(checkpoint: Checkpoint, dtypes=None, masks=None) -> list[harness.Case]:
@@ -141,19 +163,6 @@ def cases(checkpoint: Checkpoint, dtypes=None, masks=None) -> list[harness.Case]
         for mask in harness.MASKS if not masks or mask in masks
         for dtype in harness.DTYPES if not dtypes or dtype in dtypes
     ]
-
-
-def run_case(checkpoint: Checkpoint, case: harness.Case, *, jit: bool = False, seed: int = 0) -> harness.Result:
-    """``harness.run_case`` with the checkpoint's weights (rounded to the case's dtype)."""
-    data = harness.make_data(case, seed)
-    dtype = harness.numpy_dtype(case.dtype)
-    data = replace(data, params={k: v.astype(dtype).astype(np.float64) for k, v in checkpoint.state.items()})
-    results = {
-        "oracle": harness.run_oracle(case, data),
-        "jax": harness.run_jax(case, data, jit=jit),
-        "torch": harness.run_torch(case, data),
-    }
-    return harness.compare(case, results)
 
 
 def write(checkpoint: Checkpoint, out: str, to: str) -> None:

@@ -1,0 +1,278 @@
+"""``mha-parity``: cross-framework verification from the command line.
+
+``mha-parity verify`` runs the built-in grid (every mask form, self- and cross-attention,
+grouped and multi-query heads, float64/float32/bfloat16) through both frameworks (every
+implementation) and the float64 oracle, forward and gradients. With ``--weights FILE`` it
+loads a checkpoint into both frameworks, compares them with the implementation the weights
+came from (``--layout`` names it; ``--source`` says how many heads it has) and then runs the
+grid on the checkpoint's weights. ``mha-parity convert IN OUT --to {flax,torch}`` converts a
+checkpoint file and checks the result bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+from parity_tests.tool import harness  # NumPy only; the frameworks are imported when a case runs
+
+EXIT_CODES = """exit codes:
+  0  every comparison passed
+  1  a comparison failed (a case beyond its tolerance, our modules against the source, or a
+     framework holding other bits than the file after loading)
+  2  bad arguments or an unreadable or unfitting file (the message says which)"""
+
+IMPLEMENTATIONS = [
+    "mha_jax.MultiHeadAttention (nnx; implementations xla and blockwise)",
+    "mha_torch.MultiHeadAttention (implementations math and sdpa)",
+    "the float64 NumPy oracle",
+]
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # float64 cases need it; float32 ones are unaffected
+    from parity_tests.tool import report
+
+    dtypes = args.dtype or list(harness.DTYPES)
+    sections: dict[str, list[harness.Result]] = {}
+    start = time.perf_counter()
+    if args.weights:
+        from parity_tests.tool import ports, sources
+
+        checkpoint = ports.read(args.weights, **_naming(args))
+        source = sources.build(checkpoint, args.source)
+        c = checkpoint.config()
+        notes = list(source.notes) if source else [
+            "the file is in mha_torch's own names: our two modules are the source, compared with each other and the oracle"]
+        header = report.Header(
+            f"mha-parity verify --weights {checkpoint.path}: our modules against "
+            f"{source.name if source and source.build else 'each other'} and the float64 oracle",
+            implementations=IMPLEMENTATIONS, source=checkpoint.describe(), shapes=_shapes(c), seed=args.seed, notes=notes,
+        )
+        report.Printer(header)
+        try:
+            ports.check_loads(checkpoint)
+        except AssertionError as error:
+            print(f"FAILED: {error}")
+            return 1
+        print("loaded into both frameworks, bit for bit")
+        cases = ports.cases(checkpoint, args.dtype, args.mask)
+        masks = [m for m in _source_masks() if not args.mask or m in args.mask] if source and source.build else []
+        if masks:
+            # the grid runs in its worker processes while this one compares with the source
+            alongside = args.workers > 1 and not sys.stdout.isatty()
+            grid = _in_background(cases, checkpoint.state, args) if alongside else None
+            sections["against the source"] = _against_source(checkpoint, source, dtypes, masks, args.seed)
+            if grid:
+                sections["the twins and the oracle"] = grid()
+                return _finish(args, header, sections, start, checkpoint)
+        weights = checkpoint.state
+    else:
+        cases = [c for c in harness.default_grid() if c.dtype in dtypes and (not args.mask or c.mask in args.mask)]
+        weights = None
+        header = report.Header(
+            "mha-parity verify: mha_jax against mha_torch and the float64 oracle, the built-in grid",
+            implementations=IMPLEMENTATIONS,
+            shapes="".join(f"\n    {c.name}: {_shapes(c)}" for c in harness.CONFIGS.values()), seed=args.seed,
+        )
+        report.Printer(header)
+    with report.Printer(None, total=len(cases)) as printer:
+        sections["the twins and the oracle"] = harness.run_cases(
+            cases, weights=weights, jit=args.jit, seed=args.seed, workers=args.workers, done=printer.done)
+    return _finish(args, header, sections, start, checkpoint if args.weights else None)
+
+
+def _in_background(cases, weights, args):
+    """Start the grid in a thread (its cases run in ``args.workers`` processes); returns a
+    function that waits for its results."""
+    import threading
+
+    from parity_tests.tool import report
+
+    box: dict = {}
+    printer = report.Printer(None, total=len(cases))
+
+    def run():
+        try:
+            box["results"] = harness.run_cases(cases, weights=weights, jit=args.jit, seed=args.seed,
+                                               workers=args.workers, done=printer.done)
+        except BaseException as error:  # handed to the waiting thread
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["results"]
+
+    return wait
+
+
+def _finish(args, header, sections, start, checkpoint) -> int:
+    """The tables, the totals and the files asked for; the exit code."""
+    from parity_tests.tool import report
+
+    elapsed = time.perf_counter() - start
+    printer = report.Printer(None)
+    failed = []
+    for title, section in sections.items():
+        failed += printer.table(section, title=f"{title}: ")
+    print(f"{sum(map(len, sections.values()))} cases in {elapsed:.1f} s: "
+          + ("every comparison passed" if not failed else f"{len(failed)} FAILED"))
+    if args.json:
+        out = {"header": header.lines(), "passed": not failed, "seconds": elapsed,
+               "cases": [r.as_json() for r in sections["the twins and the oracle"]]}
+        if "against the source" in sections:
+            out["source_cases"] = [r.as_json() for r in sections["against the source"]]
+        if checkpoint is not None:
+            out["weights"] = checkpoint.describe()
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"JSON report written to {args.json}")
+    if args.report:
+        written = report.write_markdown(args.report, header, sections)
+        print(f"Markdown report written to {', '.join(written)}")
+    return 1 if failed else 0
+
+
+def _source_masks():
+    from parity_tests.tool import callables
+
+    return callables.MASKS
+
+
+def _against_source(checkpoint, source, dtypes, masks, seed) -> list[harness.Result]:
+    """Our modules (loaded by our loaders) and the source (loaded by its own) on the same inputs."""
+    from parity_tests.tool import callables, ports, report
+
+    c = checkpoint.config()
+
+    def ours(framework):
+        def build(dtype):
+            layer = ports.build_ours(checkpoint, dtype)[0 if framework == "jax" else 1]
+            return lambda q, kv, mask: layer(q, kv, mask=mask)
+        return framework, build
+
+    inputs = callables.Inputs(
+        c.num_heads, c.in_features, q_len=c.q_len,
+        kv_len=None if c.self_attention else c.kv_len, in_kv_features=c.in_kv_features,
+    )
+    implementations = {"source": (source.framework, source.build), "jax": ours("jax"), "torch": ours("torch")}
+    with report.Printer(None, total=len(dtypes) * len(masks)) as printer:
+        return callables.compare(
+            implementations, inputs, out_features=c.out_features or c.in_features, dtypes=dtypes, masks=masks, seed=seed,
+            weights=checkpoint.state, num_kv_heads=c.kv_heads, name="source", done=printer.done,
+        )
+
+
+def _shapes(c: harness.Config) -> str:
+    kv = f", kv_len {c.kv_len}, key/value features {c.in_kv_features}" if not c.self_attention else " (self-attention)"
+    return (f"batch {c.batch}, q_len {c.q_len}{kv}, features {c.in_features}, {c.num_heads} heads, "
+            f"{c.kv_heads} key/value heads, qkv {c.qkv_features or c.in_features}, out {c.out_features or c.in_features}")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # float64 weights stay float64
+    from parity_tests.tool import ports
+
+    if os.path.exists(args.output) and not args.force:
+        raise FileExistsError(f"{args.output} exists; pass --force to overwrite it")
+    checkpoint = ports.read(args.input, **_naming(args))
+    ports.write(checkpoint, args.output, args.to)
+    try:
+        ports.check_written(checkpoint, args.output, args.to)
+    except AssertionError as error:
+        print(f"FAILED: {error}", file=sys.stderr)
+        return 1
+    print(f"read {checkpoint.describe()}")
+    print(f"wrote {args.output} for {args.to}: {len(checkpoint.state)} tensors, read back bit for bit in both frameworks")
+    return 0
+
+
+def _naming(args: argparse.Namespace) -> dict:
+    return dict(layout=args.layout, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                prefix=args.prefix, ignore=tuple(args.ignore or ()))
+
+
+def cli_words(message: str) -> str:
+    """A loader's message in the command line's words: ``--prefix``, not ``prefix=``."""
+    for python, flag in (("num_kv_heads", "--num-kv-heads"), ("num_heads", "--num-heads")):
+        message = re.sub(rf"(?<![\w-]){python}=", f"{flag} ", message)
+        message = re.sub(rf"(?<![\w.-]){python}\b", flag, message)
+    for python, flag in (("prefix", "--prefix"), ("ignore", "--ignore"), ("layout", "--layout")):
+        message = re.sub(rf"(?<![\w-]){python}=", flag, message)
+    return re.sub(r"state_dict \(layout ", "the file (--layout ", message)
+
+
+def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--layout", metavar="NAME",
+        help="naming scheme of a .safetensors file: mha_torch (default), torch_mha, hf, bert, "
+             "fused_qkv, or flax (Flax parameter names; the default for .msgpack)",
+    )
+    parser.add_argument("--num-heads", type=int, metavar="N", help="query heads (needed for PyTorch names)")
+    parser.add_argument("--num-kv-heads", type=int, metavar="N", help="key/value heads (default: --num-heads)")
+    parser.add_argument("--prefix", default="", help="read only keys starting with this, e.g. encoder.layer.0.attention.")
+    parser.add_argument("--ignore", action="append", metavar="NAME",
+                        help="leave out keys under the prefix starting with NAME (repeatable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mha-parity", description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    verify = commands.add_parser(
+        "verify", help="run the cross-framework verification grid", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Our JAX and PyTorch modules against each other and the float64 oracle on the built-in grid, "
+                    "or on a checkpoint (--weights), then also against the implementation the checkpoint came from.",
+    )
+    verify.add_argument("--json", metavar="PATH", help="write a JSON report")
+    verify.add_argument("--report", metavar="PATH",
+                        help="write a Markdown report (tables, and a plot per dtype of error against tolerance when "
+                             "matplotlib can be imported)")
+    verify.add_argument("--dtype", action="append", choices=harness.DTYPES,
+                        help="only this dtype (repeatable)")
+    verify.add_argument("--mask", action="append", choices=harness.MASKS, help="only this mask form (repeatable)")
+    verify.add_argument("--jit", action="store_true", help="run the JAX xla side under jax.jit too (blockwise always is)")
+    verify.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
+    verify.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
+                        help="processes running the grid's cases (default: 2, or 1 on one core)")
+    verify.add_argument("--weights", metavar="FILE",
+                        help="a checkpoint (.safetensors or flax .msgpack) to verify instead of random weights")
+    verify.add_argument("--source", metavar="SPEC",
+                        help="with --weights, the model the weights came from: its Hugging Face config.json "
+                             "(a config.json beside FILE is read without this), or module:function / file.py:function "
+                             "returning the PyTorch model (the layer under --prefix is compared); without it the "
+                             "source is built with --num-heads")
+    _add_checkpoint_arguments(verify)
+    convert = commands.add_parser("convert", help="convert a checkpoint file and check the result", epilog=EXIT_CODES,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_argument("input", metavar="IN", help=".safetensors (PyTorch or Flax names) or flax .msgpack")
+    convert.add_argument("output", metavar="OUT", help=".safetensors, or .msgpack for --to flax")
+    convert.add_argument("--to", required=True, choices=("flax", "torch"), help="the framework OUT is for")
+    convert.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    _add_checkpoint_arguments(convert)
+    args = parser.parse_args(argv)
+    if args.command == "verify" and args.source and not args.weights:
+        parser.error("--source needs --weights")
+    try:
+        return _verify(args) if args.command == "verify" else _convert(args)
+    except (ValueError, TypeError, OSError) as error:  # a bad file or argument: say so, no traceback
+        print(f"mha-parity {args.command}: error: {cli_words(str(error))}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,610 @@
+"""The parity harness behind the pytest suite and ``mha-parity verify``.
+
+A ``Case`` is one module configuration, one mask form and one dtype. ``run_case`` draws random
+weights and inputs (float64, rounded to the dtype, so every side sees the same numbers), runs
+the JAX module, the PyTorch module and the float64 oracle, forward and backward, and compares
+each framework with the oracle and the two frameworks with each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parity_tests.tool import oracle
+from parity_tests.tool.arrays import cast, numpy_dtype, rounded, to_float64
+
+# Tolerances: (forward, gradients), relative error ||a - b|| / ||b||, also
+# applied to the largest elementwise error scaled by max |b|.
+TOLERANCES = {"float64": (1e-13, 1e-12), "float32": (1e-6, 1e-5), "bfloat16": (2e-2, 5e-2)}
+DTYPES = tuple(TOLERANCES)
+DROPOUT_RATE = 0.25
+
+
+@dataclass(frozen=True)
+class Config:
+    """A module configuration. ``in_kv_features=None`` means self-attention (one input)."""
+
+    name: str
+    batch: int = 2
+    q_len: int = 6
+    kv_len: int = 6
+    in_features: int = 16
+    in_kv_features: int | None = None
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    qkv_features: int | None = None
+    out_features: int | None = None
+    use_bias: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def self_attention(self) -> bool:
+        return self.in_kv_features is None
+
+    @property
+    def mask_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.num_heads, self.q_len, self.kv_len)
+
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("self"),
+        Config(
+            "cross-gqa", q_len=5, kv_len=7, in_kv_features=10, num_kv_heads=2,
+            qkv_features=24, out_features=12,
+        ),
+        Config(
+            "cross-mqa-nobias", q_len=5, kv_len=7, in_kv_features=10, num_kv_heads=1,
+            use_bias=False,
+        ),
+    )
+}
+
+# Every mask form; see ``make_data`` for what each one draws.
+MASKS = (
+    "none", "bool", "int", "float", "padding", "causal", "padding+causal", "per-head",
+    "bcast-qk", "bcast-k", "bcast-b11k-float", "fully-masked", "dropout",
+    "flax-float", "bias", "positions+causal", "window", "segments", "lengths", "everything",
+)
+# The masks that the positions-first terms add; the grid runs them on the first two configs.
+STRUCTURED = ("flax-float", "bias", "positions+causal", "window", "segments", "lengths", "everything")
+
+
+@dataclass(frozen=True)
+class Case:
+    config: Config
+    mask: str
+    dtype: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.config.name}/{self.mask}/{self.dtype}"
+
+
+def default_grid() -> list[Case]:
+    """Every mask form on self- and grouped cross-attention, a few on multi-query; all dtypes."""
+    few = ("none", "padding+causal", "fully-masked", "dropout", "everything")
+    return [
+        Case(config, mask, dtype)
+        for config in CONFIGS.values()
+        for mask in (few if config.name == "cross-mqa-nobias" else MASKS)
+        for dtype in DTYPES
+    ]
+
+
+@dataclass
+class Data:
+    """One case's numbers, as float64 NumPy arrays already rounded to the case's dtype."""
+
+    params: dict[str, np.ndarray]  # mha_torch state-dict names
+    xq: np.ndarray
+    xk: np.ndarray
+    xv: np.ndarray
+    d_out: np.ndarray
+    attention: oracle.Attention
+    padding_valid: np.ndarray | None = None  # built with each package's padding_mask helper
+
+
+def make_data(case: Case, seed: int = 0) -> Data:
+    c = case.config
+    rng = np.random.default_rng(seed)
+    in_kv = c.in_features if c.self_attention else c.in_kv_features
+    qkv = c.in_features if c.qkv_features is None else c.qkv_features
+    out = c.in_features if c.out_features is None else c.out_features
+    kv = c.kv_heads * qkv // c.num_heads
+    shapes = {"q_proj": (qkv, c.in_features), "k_proj": (kv, in_kv), "v_proj": (kv, in_kv), "out_proj": (out, qkv)}
+    params = {}
+    for name, (rows, cols) in shapes.items():
+        params[f"{name}.weight"] = rounded(rng.normal(size=(rows, cols)) / np.sqrt(cols), case.dtype)
+        if c.use_bias:
+            params[f"{name}.bias"] = rounded(0.1 * rng.normal(size=rows), case.dtype)
+    xq = rounded(rng.normal(size=(c.batch, c.q_len, c.in_features)), case.dtype)
+    if c.self_attention:
+        xk = xv = xq
+    else:
+        xk = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
+        xv = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
+    d_out = rounded(rng.normal(size=(c.batch, c.q_len, out)), case.dtype)
+
+    att = oracle.Attention()
+    valid = None
+    b, h, q, k = c.mask_shape
+    kind = case.mask
+    if kind == "bool":
+        att.mask = rng.random((b, h, q, k)) < 0.7
+    elif kind == "int":  # the tutorials' 0/1 masks
+        att.mask = (rng.random((b, 1, q, k)) < 0.7).astype(np.int32)
+    elif kind == "float":
+        bias = rng.normal(size=(b, h, q, k))
+        att.mask = rounded(np.where(rng.random((b, h, q, k)) < 0.2, -np.inf, bias), case.dtype)
+    elif kind in ("padding", "padding+causal"):
+        valid = np.arange(k)[None, :] < np.array([k, k // 2])[:, None]
+        att.mask = valid[:, None, None, :]
+    elif kind == "per-head":
+        att.mask = rng.random((1, h, q, k)) < 0.6
+    elif kind == "bcast-qk":
+        att.mask = rng.random((q, k)) < 0.6
+    elif kind == "bcast-k":
+        att.mask = (rng.random(k) < 0.6).astype(np.int64)
+    elif kind == "bcast-b11k-float":  # additive padding, as the tutorials' -1e9 filling
+        att.mask = np.where(np.arange(k)[None, None, None, :] < np.array([k, 3])[:, None, None, None], 0.0, -1e9)
+    elif kind == "fully-masked":
+        mask = rng.random((b, h, q, k)) < 0.7
+        mask[:, :, 0, :] = False  # the first query of every head sees no key
+        mask[1] = False  # nor does any query of the second batch element
+        att.mask = mask
+    elif kind == "dropout":
+        att.keep = rng.random((b, h, q, k)) >= DROPOUT_RATE
+        att.dropout_rate = DROPOUT_RATE
+    elif kind == "flax-float":  # flax's helpers' float32 0/1 (JAX: nonzero = attend; torch: as bool)
+        att.mask = np.tril(np.ones((q, k), bool), k - q)[None, None] & (rng.random((b, 1, 1, k)) < 0.8)
+    elif kind == "bias":
+        att.bias = rounded(rng.normal(size=(b, 1, q, k)), case.dtype)
+    elif kind in ("positions+causal", "window", "everything"):
+        # each batch element's queries at its own positions, keys at theirs (self-attention: the same)
+        att.query_positions = np.stack([rng.permutation(q) + 3, np.arange(q) + k - q])
+        att.key_positions = att.query_positions if c.self_attention else np.stack([np.arange(k), rng.permutation(k)])
+        if kind != "positions+causal":
+            att.window = (2, 1)
+    if kind in ("segments", "everything"):
+        att.query_segment_ids = np.stack([np.arange(q) * 3 // q, np.zeros(q, int)])
+        att.key_segment_ids = att.query_segment_ids if c.self_attention else np.stack([np.arange(k) * 3 // k, np.arange(k) % 2])
+    if kind in ("lengths", "everything"):
+        att.lengths = np.array([k, k // 2 + 1])
+    if kind == "everything":
+        att.mask = rng.random((b, h, q, k)) < 0.8
+        att.bias = rounded(rng.normal(size=(h, q, k)), case.dtype)
+    elif kind not in ("none", "causal", *MASKS[:13], *STRUCTURED):
+        raise ValueError(f"unknown mask kind {kind!r}")
+    att.is_causal = kind in ("causal", "padding+causal", "positions+causal", "everything")
+    return Data(params, xq, xk, xv, d_out, att, valid)
+
+
+# --- running each side -------------------------------------------------------------------
+
+
+def run_oracle(case: Case, data: Data) -> dict:
+    c = case.config
+    result = oracle.mha(
+        data.params, data.xq, data.xk, data.xv, data.attention,
+        num_heads=c.num_heads, num_kv_heads=c.kv_heads, d_out=data.d_out,
+    )
+    grads = result["grads"]
+    if c.self_attention:  # one input feeds query, key and value
+        grads["inputs_q"] = grads.pop("inputs_q") + grads.pop("inputs_k") + grads.pop("inputs_v")
+    return result
+
+
+def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", implementation: str = "xla",
+            canonical: bool = False) -> dict:
+    """Forward and VJP of ``mha_jax``'s nnx (or linen) module; arrays back as float64 NumPy.
+
+    Attention weights come back only from ``implementation="xla"``, the one that forms them.
+    The module is built once per configuration and dtype and given each case's weights with
+    the loaders; with ``jit`` one jitted program serves every case of the same shapes.
+
+    ``canonical``: instead of the case's mask in its own form, every term in one form whatever
+    the case (``canonical_terms``), jitted: one program per configuration, dtype and static
+    option (causality, window, dropout) serves every mask form."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import mha_jax
+
+    c, att = case.config, data.attention
+    as_jax = lambda x: None if x is None else jnp.asarray(cast(x, case.dtype))  # noqa: E731
+    keep = None if att.keep is None else jnp.asarray(att.keep)
+    with_weights = implementation == "xla"
+    arrays = dict(**masking_terms(att, as_jax), dropout_mask=keep)
+    static = (("is_causal", arrays.pop("is_causal")), ("local_window_size", arrays.pop("local_window_size")),
+              ("return_weights", with_weights))
+    if canonical:
+        arrays, jit = {k: as_jax(v) for k, v in canonical_terms(case, data).items()}, True
+        arrays["dropout_mask"] = keep
+    elif data.padding_valid is not None:
+        arrays["mask"] = mha_jax.padding_mask(jnp.asarray(data.padding_valid))
+    elif case.mask == "flax-float":
+        arrays["mask"] = as_jax(att.mask.astype(np.float32))
+    elif att.mask is not None and att.mask.dtype.kind == "f":  # additive: JAX's masks are nonzero = attend
+        arrays["mask"], arrays["bias"] = None, as_jax(att.mask) if att.bias is None else as_jax(att.mask + att.bias)
+    inputs = [as_jax(data.xq)] if c.self_attention else [as_jax(data.xq), as_jax(data.xk), as_jax(data.xv)]
+    torch_params = {k: cast(v, case.dtype) for k, v in data.params.items()}
+
+    apply, model = _jax_module(c, case.dtype, module, implementation, att.dropout_rate)
+    if module == "nnx":
+        mha_jax.load_weights(model, torch_params)
+        params = nnx.state(model, nnx.Param)
+    else:
+        params = mha_jax.from_torch(torch_params, num_heads=c.num_heads, num_kv_heads=c.kv_heads)
+    run = _jax_programs()[1 if jit else 0]
+    out, weights, grads = run(params, inputs, as_jax(data.d_out), arrays, apply=apply, static=static)
+    param_grads = mha_jax.to_torch(nnx.to_pure_dict(grads[0]) if isinstance(grads[0], nnx.State) else grads[0])
+    named = {k: to_float64(v) for k, v in param_grads.items()}
+    for name, g in zip(("inputs_q", "inputs_k", "inputs_v"), grads[1:]):
+        named[name] = to_float64(g)
+    return {"out": to_float64(out), "weights": None if weights is None else to_float64(weights), "grads": named}
+
+
+@functools.cache
+def _jax_module(config: Config, dtype: str, module: str, implementation: str, dropout_rate: float):
+    """``(apply(params, *inputs, **kwargs), model)`` for one configuration: ``model`` is the nnx
+    module that each case loads its weights into (None for linen, whose parameters are a tree)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import mha_jax
+
+    c = config
+    param_dtype = jnp.dtype(numpy_dtype(dtype))
+    if module == "nnx":
+        model = mha_jax.MultiHeadAttention(
+            c.num_heads, c.in_features, c.qkv_features, c.out_features,
+            num_kv_heads=c.num_kv_heads, in_kv_features=c.in_kv_features, use_bias=c.use_bias,
+            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
+            implementation=implementation, rngs=nnx.Rngs(0),
+        )
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+        def apply(params, *xs, **kwargs):
+            return nnx.merge(graphdef, params, rest)(*xs, **kwargs)
+
+        return apply, model
+    linen = mha_jax.linen.MultiHeadDotProductAttention(
+        c.num_heads, qkv_features=c.qkv_features, out_features=c.out_features, num_kv_heads=c.num_kv_heads,
+        use_bias=c.use_bias, dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
+        implementation=implementation,
+    )
+
+    def apply(params, *xs, **kwargs):
+        return linen.apply({"params": params}, *xs, **kwargs)
+
+    return apply, None
+
+
+@functools.cache
+def _jax_programs():
+    """(eager, jitted) forward and VJP of a module's ``apply``; the jitted one compiles once per
+    module, static options and argument shapes, and is shared by every case that has them."""
+    import jax
+    import jax.numpy as jnp
+
+    def forward_and_vjp(params, xs, d_out, arrays, *, apply, static):
+        kwargs = {**arrays, **dict(static)}
+        result, vjp = jax.vjp(lambda p, *x: apply(p, *x, **kwargs), params, *xs)
+        if kwargs["return_weights"]:
+            (out, weights), grads = result, vjp((d_out, jnp.zeros_like(result[1])))
+        else:
+            out, weights, grads = result, None, vjp(d_out)
+        return out, weights, grads
+
+    return forward_and_vjp, jax.jit(forward_and_vjp, static_argnames=("apply", "static"))
+
+
+def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
+    """Forward and backward of ``mha_torch.MultiHeadAttention``; arrays back as float64 NumPy.
+
+    Attention weights come back only from ``implementation="math"``."""
+    import torch
+
+    import mha_torch
+
+    c, att = case.config, data.attention
+    dtype = getattr(torch, case.dtype)
+    in_kv = c.in_kv_features
+    model = mha_torch.MultiHeadAttention(
+        c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=in_kv, vdim=in_kv,
+        qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
+        dropout=att.dropout_rate, implementation=implementation, dtype=dtype,
+    ).eval()
+    mha_torch.load_weights(model, {k: cast(v, case.dtype) for k, v in data.params.items()})
+    def as_torch(x):  # float64 -> dtype is exact here; integer and bool arrays as they are
+        x = torch.from_numpy(np.array(x))
+        return x.to(dtype) if x.is_floating_point() else x
+
+    kwargs = masking_terms(data.attention, lambda x: None if x is None else as_torch(x))
+    if data.padding_valid is not None:
+        kwargs["mask"] = mha_torch.padding_mask(torch.from_numpy(data.padding_valid))
+    keep = None if att.keep is None else torch.from_numpy(np.array(att.keep))
+    xs = [data.xq] if c.self_attention else [data.xq, data.xk, data.xv]
+    inputs = [as_torch(x).requires_grad_(True) for x in xs]
+    with_weights = implementation == "math"
+    result = model(*inputs, **kwargs, need_weights=with_weights, dropout_mask=keep)
+    out, weights = result if with_weights else (result, None)
+    out.backward(as_torch(data.d_out))
+    named = {name: to_float64(p.grad) for name, p in model.named_parameters()}
+    for name, x in zip(("inputs_q", "inputs_k", "inputs_v"), inputs):
+        named[name] = to_float64(x.grad)
+    return {"out": to_float64(out), "weights": None if weights is None else to_float64(weights), "grads": named}
+
+
+def masking_terms(att: oracle.Attention, convert) -> dict:
+    """The call's masking keywords, as ``convert`` makes arrays of them (in the case's dtype).
+    In self-attention the key positions and segment ids are left to default to the query's."""
+    same = att.key_positions is att.query_positions
+    return dict(
+        mask=convert(att.mask), bias=convert(att.bias),
+        is_causal=att.is_causal, local_window_size=att.window,
+        query_positions=convert(att.query_positions),
+        key_positions=None if same else convert(att.key_positions),
+        query_segment_ids=convert(att.query_segment_ids),
+        key_segment_ids=None if att.key_segment_ids is att.query_segment_ids else convert(att.key_segment_ids),
+        key_value_seq_lengths=convert(att.lengths),
+    )
+
+
+def canonical_terms(case: Case, data: Data) -> dict[str, np.ndarray]:
+    """What a case's terms mean, in one form for every case: a bool mask and a float bias of
+    ``(batch, heads, q_len, kv_len)`` (all True and all 0 where the case has none; a floating
+    mask is additive, a flax-style float mask nonzero = attend), positions and segment ids of
+    every query and key (``arange`` and 0 by default), and every row's key length."""
+    c, att = case.config, data.attention
+    shape = c.mask_shape
+    b, _, q, k = shape
+    mask, bias = np.ones(shape, bool), np.zeros(shape)
+    if data.padding_valid is not None:
+        mask &= data.padding_valid[:, None, None, :]
+    elif att.mask is not None and (att.mask.dtype.kind != "f" or case.mask == "flax-float"):
+        mask &= np.broadcast_to(att.mask != 0, shape)
+    elif att.mask is not None:
+        bias = bias + np.broadcast_to(att.mask, shape)
+    if att.bias is not None:
+        bias = bias + np.broadcast_to(att.bias, shape)
+
+    def rows(x, length, default):
+        return np.broadcast_to(default if x is None else x, (b, length)).copy()
+
+    return dict(
+        mask=mask, bias=bias,
+        query_positions=rows(att.query_positions, q, np.arange(q)), key_positions=rows(att.key_positions, k, np.arange(k)),
+        query_segment_ids=rows(att.query_segment_ids, q, 0), key_segment_ids=rows(att.key_segment_ids, k, 0),
+        key_value_seq_lengths=np.full(b, k) if att.lengths is None else np.asarray(att.lengths),
+    )
+
+
+# --- comparing ---------------------------------------------------------------------------
+
+
+def errors(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> tuple[float, float]:
+    """(relative error ||a - b|| / ||b||, max |a - b| / max |b|); inf if ``a`` is not finite.
+
+    ``scale``, when given, is a reference whose size is used where it exceeds ``b``'s (see
+    ``compare``). Where both are all zero (weights of a fully masked row) the errors are absolute.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"shapes differ: {a.shape} vs {b.shape}")
+    if not np.all(np.isfinite(a)):
+        return float("inf"), float("inf")
+    diff = np.abs(a - b)
+    ref = b if scale is None else np.asarray(scale, np.float64)
+    norm = max(np.linalg.norm(b), np.linalg.norm(ref))
+    peak = max(np.max(np.abs(b), initial=0.0), np.max(np.abs(ref), initial=0.0))
+    rel = float(np.linalg.norm(diff) / norm) if norm > 0 else float(np.linalg.norm(diff))
+    top = float(diff.max(initial=0.0) / peak) if peak > 0 else float(diff.max(initial=0.0))
+    return rel, top
+
+
+def grad_errors(name: str, grad: np.ndarray, reference: dict[str, np.ndarray]) -> tuple[float, float]:
+    """``errors`` of gradient ``name`` against ``reference[name]``.
+
+    A bias gradient is measured on the scale of its projection's weight gradient: the key
+    bias's is zero in exact arithmetic (softmax ignores a shift common to a row), so relative
+    to itself it would compare rounding noise with rounding noise.
+    """
+    scale = reference.get(name.replace(".bias", ".weight")) if name.endswith(".bias") else None
+    return errors(grad, reference[name], scale)
+
+
+@dataclass
+class Result:
+    """One case's comparisons: ``details[pair][quantity] = {"rel", "max_abs", "abs"}`` for every
+    pair of implementations (``"jax vs oracle"``, ...) and quantity (``out``, ``weights``,
+    ``grad:<name>``). Whether it passed is judged against ``TOLERANCES`` when asked."""
+
+    case: Case
+    details: dict = field(default_factory=dict)
+
+    def _worst(self, quantities, pairs=None) -> tuple[float, str]:
+        worst, where = 0.0, ""
+        for pair, entries in self.details.items():
+            if pairs is not None and not pairs(pair):
+                continue
+            for name, e in entries.items():
+                if quantities(name) and max(e["rel"], e["max_abs"]) >= worst:
+                    worst, where = max(e["rel"], e["max_abs"]), f"{pair}: {name}"
+        return worst, where
+
+    @property
+    def rel(self) -> float:
+        """Worst relative error (``||a - b|| / ||b||``) of outputs and weights, any pair."""
+        return max((e["rel"] for entries in self.details.values() for n, e in entries.items() if not n.startswith("grad:")), default=0.0)
+
+    @property
+    def max_abs(self) -> float:
+        """Worst ``max |a - b| / max |b|`` of outputs and weights, any pair."""
+        return max((e["max_abs"] for entries in self.details.values() for n, e in entries.items() if not n.startswith("grad:")), default=0.0)
+
+    @property
+    def abs(self) -> float:
+        """Worst absolute error ``max |a - b|`` of outputs and weights, any pair."""
+        return max((e["abs"] for entries in self.details.values() for n, e in entries.items() if not n.startswith("grad:")), default=0.0)
+
+    @property
+    def grad(self) -> float:
+        """Worst relative (and scaled max) error of any gradient, any pair."""
+        return self._worst(lambda n: n.startswith("grad:"))[0]
+
+    @property
+    def worst_pair(self) -> str:
+        """The pair and quantity furthest apart, relative to the quantity's tolerance."""
+        tol, grad_tol = TOLERANCES[self.case.dtype]
+        forward, f_where = self._worst(lambda n: not n.startswith("grad:"))
+        backward, b_where = self._worst(lambda n: n.startswith("grad:"))
+        return f_where if forward / tol >= backward / grad_tol else b_where
+
+    @property
+    def jax_vs_torch(self) -> float:
+        """Worst error, outputs, weights and gradients, between a JAX and a PyTorch implementation."""
+        return self._worst(lambda n: True, lambda pair: "jax" in pair and "torch" in pair)[0]
+
+    @property
+    def passed(self) -> bool:
+        tol, grad_tol = TOLERANCES[self.case.dtype]
+        forward = self._worst(lambda n: not n.startswith("grad:"))[0]
+        return forward <= tol and self.grad <= grad_tol
+
+    def as_json(self) -> dict:
+        return {
+            "case": self.case.id, "config": dataclasses.asdict(self.case.config),
+            "mask": self.case.mask, "dtype": self.case.dtype, "abs_error": self.abs,
+            "max_abs_error": self.max_abs, "relative_error": self.rel, "gradient_error": self.grad,
+            "jax_vs_torch": self.jax_vs_torch, "worst_pair": self.worst_pair, "passed": self.passed,
+            "tolerances": TOLERANCES[self.case.dtype], "details": self.details,
+        }
+
+
+def compare(case: Case, results: dict[str, dict]) -> Result:
+    """Every implementation against the oracle, and the implementations against each other."""
+    pairs = [(n, "oracle") for n in results if n != "oracle" and "oracle" in results]
+    others = [n for n in results if n != "oracle"]
+    pairs += [(a, b) for i, a in enumerate(others) for b in others[i + 1:]]
+    details: dict[str, dict] = {}
+    for a, b in pairs:
+        entry = {}
+        for key in ("out", "weights"):
+            if results[a][key] is None or results[b][key] is None:
+                continue  # an implementation that never forms the weights
+            rel, top = errors(results[a][key], results[b][key])
+            entry[key] = {"rel": rel, "max_abs": top, "abs": absolute_error(results[a][key], results[b][key])}
+        grads_b = results[b]["grads"]
+        if set(grads_b) != set(results[a]["grads"]):
+            raise AssertionError(f"gradient names differ: {sorted(results[a]['grads'])} vs {sorted(grads_b)}")
+        for name, g in results[a]["grads"].items():
+            rel, top = grad_errors(name, g, grads_b)
+            entry[f"grad:{name}"] = {"rel": rel, "max_abs": top, "abs": absolute_error(g, grads_b[name])}
+        details[f"{a} vs {b}"] = entry
+    return Result(case, details)
+
+
+def absolute_error(a, b) -> float:
+    """``max |a - b|`` (inf where ``a`` is not finite)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b), initial=0.0)) if np.all(np.isfinite(a)) else float("inf")
+
+
+# name -> (framework, implementation): every implementation the grid compares.
+IMPLEMENTATIONS = {
+    "jax": ("jax", "xla"), "jax-blockwise": ("jax", "blockwise"),
+    "torch": ("torch", "math"), "torch-sdpa": ("torch", "sdpa"),
+}
+
+
+def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0) -> Result:
+    """Every implementation of both frameworks against the oracle and each other.
+
+    ``weights`` (``mha_torch`` state-dict names, any float dtype) replaces the random weights,
+    rounded to the case's dtype: the same run for the built-in grid and for a checkpoint.
+    ``F.scaled_dot_product_attention`` takes no dropout mask, so the ``dropout`` case (a
+    mask shared across frameworks) runs PyTorch's explicit path only.
+    """
+    data = make_data(case, seed)
+    if weights is not None:
+        data = dataclasses.replace(data, params={k: rounded(v, case.dtype) for k, v in weights.items()})
+    results = {"oracle": run_oracle(case, data)}
+    for name, (framework, implementation) in IMPLEMENTATIONS.items():
+        if framework == "jax":  # blockwise: one program per configuration (the xla run reads each form)
+            results[name] = run_jax(case, data, jit=jit, implementation=implementation, canonical=implementation == "blockwise")
+        elif data.attention.keep is None or implementation == "math":
+            results[name] = run_torch(case, data, implementation=implementation)
+    return compare(case, results)
+
+
+def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0,
+              workers: int = 1, done=None) -> list[Result]:
+    """``run_case`` for every case, in ``workers`` processes (1: in this one); ``done(result)``
+    is called as each case finishes. Results come back in the order of ``cases``.
+
+    The cases of one configuration and dtype run in one process, one after the other: they share
+    its compiled programs."""
+    if workers <= 1 or len(cases) < 2:
+        results = []
+        for case in cases:
+            results.append(run_case(case, weights=weights, jit=jit, seed=seed))
+            if done:
+                done(results[-1])
+        return results
+    import multiprocessing
+    import queue
+    from concurrent.futures import ProcessPoolExecutor
+
+    import jax
+
+    groups: dict[tuple, list[int]] = {}
+    for i, case in enumerate(cases):
+        groups.setdefault((case.config, case.dtype), []).append(i)
+    results: list[Result | None] = [None] * len(cases)
+    context = multiprocessing.get_context("spawn")  # JAX's threads do not survive a fork
+    finished = context.Queue()
+    x64 = bool(jax.config.jax_enable_x64)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(x64, finished)) as pool:
+        futures = [pool.submit(_run_group, [(i, cases[i]) for i in group], weights, jit, seed)
+                   for group in sorted(groups.values(), key=len, reverse=True)]
+        for _ in cases:
+            while True:
+                try:
+                    i, result = finished.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    for future in futures:
+                        if future.done() and future.exception() is not None:
+                            raise future.exception() from None
+            results[i] = result
+            if done:
+                done(result)
+    return results
+
+
+_FINISHED = None  # in a worker: the queue each finished case goes to
+
+
+def _start_worker(x64: bool, finished) -> None:
+    global _FINISHED
+    import jax
+    import torch
+
+    jax.config.update("jax_enable_x64", x64)
+    torch.set_num_threads(1)  # one core per worker
+    _FINISHED = finished
+
+
+def _run_group(cases: list[tuple[int, Case]], weights, jit: bool, seed: int) -> None:
+    for i, case in cases:
+        _FINISHED.put((i, run_case(case, weights=weights, jit=jit, seed=seed)))
