@@ -39,6 +39,7 @@ class Config:
     qkv_features: int | None = None
     out_features: int | None = None
     use_bias: bool = True
+    normalize_qk: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -65,6 +66,7 @@ CONFIGS = {
             "cross-mqa-nobias", q_len=5, kv_len=7, in_kv_features=10, num_kv_heads=1,
             use_bias=False,
         ),
+        Config("normalize-qk", num_kv_heads=2, normalize_qk=True),
     )
 }
 
@@ -90,12 +92,13 @@ class Case:
 
 
 def default_grid() -> list[Case]:
-    """Every mask form on self- and grouped cross-attention, a few on multi-query; all dtypes."""
+    """Every mask form on self- and grouped cross-attention, a few on multi-query and on
+    normalised queries and keys; all dtypes."""
     few = ("none", "padding+causal", "fully-masked", "dropout", "everything")
     return [
         Case(config, mask, dtype)
         for config in CONFIGS.values()
-        for mask in (few if config.name == "cross-mqa-nobias" else MASKS)
+        for mask in (few if config.name in ("cross-mqa-nobias", "normalize-qk") else MASKS)
         for dtype in DTYPES
     ]
 
@@ -126,6 +129,9 @@ def make_data(case: Case, seed: int = 0) -> Data:
         params[f"{name}.weight"] = rounded(rng.normal(size=(rows, cols)) / np.sqrt(cols), case.dtype)
         if c.use_bias:
             params[f"{name}.bias"] = rounded(0.1 * rng.normal(size=rows), case.dtype)
+    if c.normalize_qk:  # LayerNorm scales away from 1, so that a dropped scale shows
+        for name in ("q_norm", "k_norm"):
+            params[f"{name}.weight"] = rounded(1.0 + 0.3 * rng.normal(size=qkv // c.num_heads), case.dtype)
     xq = rounded(rng.normal(size=(c.batch, c.q_len, c.in_features)), case.dtype)
     if c.self_attention:
         xk = xv = xq
@@ -268,7 +274,7 @@ def _jax_module(config: Config, dtype: str, module: str, implementation: str, dr
         model = mha_jax.MultiHeadAttention(
             c.num_heads, c.in_features, c.qkv_features, c.out_features,
             num_kv_heads=c.num_kv_heads, in_kv_features=c.in_kv_features, use_bias=c.use_bias,
-            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
+            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype, normalize_qk=c.normalize_qk,
             implementation=implementation, rngs=nnx.Rngs(0),
         )
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -280,7 +286,7 @@ def _jax_module(config: Config, dtype: str, module: str, implementation: str, dr
     linen = mha_jax.linen.MultiHeadDotProductAttention(
         c.num_heads, qkv_features=c.qkv_features, out_features=c.out_features, num_kv_heads=c.num_kv_heads,
         use_bias=c.use_bias, dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
-        implementation=implementation,
+        normalize_qk=c.normalize_qk, implementation=implementation,
     )
 
     def apply(params, *xs, **kwargs):
@@ -321,7 +327,7 @@ def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
     in_kv = c.in_kv_features
     model = mha_torch.MultiHeadAttention(
         c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=in_kv, vdim=in_kv,
-        qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
+        qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias, normalize_qk=c.normalize_qk,
         dropout=att.dropout_rate, implementation=implementation, dtype=dtype,
     ).eval()
     mha_torch.load_weights(model, {k: cast(v, case.dtype) for k, v in data.params.items()})

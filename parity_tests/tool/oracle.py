@@ -132,15 +132,39 @@ def _linear(params: Params, name: str, x):
     return y + params[f"{name}.bias"] if f"{name}.bias" in params else y
 
 
+NORM_EPS = 1e-6  # flax's LayerNorm epsilon, that of normalize_qk
+
+
+def _layer_norm(x, weight):
+    """LayerNorm without bias over the last axis: ``(output, normalised x, 1 / std)``."""
+    centred = x - x.mean(axis=-1, keepdims=True)
+    inv_std = 1.0 / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + NORM_EPS)
+    normalised = centred * inv_std
+    return normalised * weight, normalised, inv_std
+
+
+def _layer_norm_grad(dy, weight, normalised, inv_std):
+    """(d input, d weight) of ``_layer_norm``, by the textbook formula."""
+    d_norm = dy * weight
+    dx = inv_std * (d_norm - d_norm.mean(axis=-1, keepdims=True) - normalised * (d_norm * normalised).mean(axis=-1, keepdims=True))
+    return dx, (dy * normalised).reshape(-1, dy.shape[-1]).sum(axis=0)
+
+
 def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_heads: int, d_out=None):
     """Module forward and, given a cotangent ``d_out``, every gradient.
 
+    With ``q_norm.weight``/``k_norm.weight`` in ``params`` (``normalize_qk``), each head's
+    queries and keys go through a LayerNorm without bias (epsilon 1e-6) before attending.
     Returns a dict: ``out`` ``(B, Q, out)``, ``weights`` ``(B, H, Q, K)`` and, with ``d_out``,
     ``grads``: ``inputs_q``/``inputs_k``/``inputs_v`` and each parameter by state-dict name.
     """
     q = _split_heads(_linear(params, "q_proj", xq), num_heads)
     k = _split_heads(_linear(params, "k_proj", xk), num_kv_heads)
     v = _split_heads(_linear(params, "v_proj", xv), num_kv_heads)
+    normalize_qk = "q_norm.weight" in params
+    if normalize_qk:
+        q, q_norm, q_inv = _layer_norm(q, params["q_norm.weight"])
+        k, k_norm, k_inv = _layer_norm(k, params["k_norm.weight"])
     core, weights, cache = attention(q, k, v, att)
     merged = _merge_heads(core)
     out = _linear(params, "out_proj", merged)
@@ -158,6 +182,9 @@ def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_he
 
     d_core = _split_heads(linear_grad("out_proj", merged, d_out), num_heads)
     dq, dk, dv = attention_grad(cache, d_core)
+    if normalize_qk:
+        dq, grads["q_norm.weight"] = _layer_norm_grad(dq, params["q_norm.weight"], q_norm, q_inv)
+        dk, grads["k_norm.weight"] = _layer_norm_grad(dk, params["k_norm.weight"], k_norm, k_inv)
     grads["inputs_q"] = linear_grad("q_proj", xq, _merge_heads(dq))
     grads["inputs_k"] = linear_grad("k_proj", xk, _merge_heads(dk))
     grads["inputs_v"] = linear_grad("v_proj", xv, _merge_heads(dv))
