@@ -204,11 +204,11 @@ def test_grouped_heads_shard_with_their_group():
     _assert_close(got, _one_device("blockwise", "float64", cases, kv_heads=2), "float64")
 
 
-def _shard_mapped(mesh, specs, cases, kv_heads=H):
+def _shard_mapped(mesh, specs, implementation, cases, kv_heads=H, use_rng=False):
     (q, k, v, bias, cot), t = _placed(mesh, "float64", kv_heads, specs)
     grads = (specs["q"], specs["q"], specs["k"], specs["v"], specs["bias"])
     f = jax.shard_map(
-        functools.partial(_grads, "blockwise", cases, False), mesh=mesh,
+        functools.partial(_grads, implementation, cases, use_rng), mesh=mesh,
         in_specs=(specs["q"], specs["k"], specs["v"], specs["bias"], specs["cot"], {n: specs[n] for n in t}),
         out_specs={c: grads for c in cases}, check_vma=True,
     )
@@ -216,13 +216,14 @@ def _shard_mapped(mesh, specs, cases, kv_heads=H):
 
 
 @needs_8
-def test_inside_shard_map():
-    """Each device runs the core on its own batch and heads (blocks from local sizes); the bias,
-    replicated over "data", gets its gradient summed over it."""
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+def test_inside_shard_map(implementation):
+    """Each device runs the core on its own batch and heads (blockwise: blocks from the local
+    sizes); the bias, replicated over "data", gets its gradient summed over it."""
     mesh = _mesh((2, 4), AxisType.Explicit)
     with jax.set_mesh(mesh):
-        got = _shard_mapped(mesh, SPECS, CASES)
-    _assert_close(got, _one_device("blockwise", "float64", CASES), "float64")
+        got = _shard_mapped(mesh, SPECS, implementation, CASES)
+    _assert_close(got, _one_device(implementation, "float64", CASES), "float64")
 
 
 @needs_8
@@ -233,8 +234,23 @@ def test_inside_shard_map_with_replicated_keys():
     specs = dict(SPECS, k=P("data"), v=P("data"))
     cases = ("causal+dropout",)
     with jax.set_mesh(mesh):
-        got = _shard_mapped(mesh, specs, cases, kv_heads=1)
+        got = _shard_mapped(mesh, specs, "blockwise", cases, kv_heads=1)
     _assert_close(got, _one_device("blockwise", "float64", cases, kv_heads=1), "float64")
+
+
+@needs_8
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+def test_inside_shard_map_dropout_from_a_key(implementation):
+    """Dropout drawn inside shard_map: each device draws from the key it is given (here the same
+    one, so the same bits for its own batch elements; fold in ``jax.lax.axis_index`` for others)."""
+    mesh = _mesh((8, 1), AxisType.Auto)
+    cases = ("causal+dropout",)
+    with jax.set_mesh(mesh):
+        out, *grads = _shard_mapped(mesh, SPECS, implementation, cases, use_rng=True)["causal+dropout"]
+    out = np.asarray(out)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    without = dot_product_attention(*_data("float64")[0][:3], is_causal=True, implementation=implementation)
+    assert np.abs(out - np.asarray(without)).max() > 0.1
 
 
 @needs_8
