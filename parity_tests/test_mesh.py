@@ -40,6 +40,9 @@ def test_ci_runs_this_file_on_8_devices():
     assert CI_COMMAND in ci
 
 
+OWN_BLOCK_SIZES = dict(block_sizes=_blockwise.block_sizes, backward_block_sizes=_blockwise.backward_block_sizes)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def small_blocks():
     """Forward blocks of 32 queries x 16 keys (3 x 5), backward blocks of 16 x 32 (5 x 3)."""
@@ -304,3 +307,17 @@ def test_batch_not_divisible_by_its_axis_is_refused_by_jax():
     q = np.zeros((6, L, H, D), np.float32)
     with pytest.raises(ValueError, match="does not evenly divide the dimension size 6"):
         jax.device_put(q, NamedSharding(mesh, SPECS["q"]))
+
+
+@needs_8
+def test_readme_scaling_out_examples_run(monkeypatch):
+    """At the kernel's own block sizes; the README's figures are the same layouts' counts."""
+    for name, f in OWN_BLOCK_SIZES.items():
+        monkeypatch.setattr(_blockwise, name, f)
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Scaling out\n")[1].split("\n## ")[0]
+    blocks = section.split("```py\n")[1:]
+    assert len(blocks) == 1
+    names = {}
+    exec(compile(blocks[0].split("```")[0], "README.md", "exec"), names)
+    assert names["out"].sharding.spec == P("data", None, "model", None)
