@@ -115,7 +115,7 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
     args = (q, k, v, allowed, bias, keep, dropout_rng, terms)
-    explicit = jax.sharding.get_abstract_mesh().explicit_axes
+    explicit = getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ())
     if explicit:
         # Sharding in types: the kernel runs with those axes automatic, its layout propagated
         # from the inputs' (batch and heads stay axes of their own throughout); the output is
@@ -143,7 +143,9 @@ def _varying(xs, others):
 
     def vary(x):
         missing = tuple(sorted(axes - _vma(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
+        if not missing:
+            return x
+        return lax.pcast(x, missing, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, missing)  # pvary: older jax
 
     return tuple(None if x is None else vary(x) for x in xs)
 
