@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from mha_jax import masks
 
@@ -115,14 +116,59 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
     args = (q, k, v, allowed, bias, keep, dropout_rng, terms)
-    explicit = jax.sharding.get_abstract_mesh().explicit_axes
-    if explicit:
-        # Sharding in types: the kernel runs with those axes automatic, its layout propagated
-        # from the inputs' (batch and heads stay axes of their own throughout); the output is
-        # sharded as the query.
-        run = jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=jax.typeof(q).sharding.spec)
-        return run(*args)
-    return _run(cfg, *args)
+    explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
+    if not explicit:
+        return _run(cfg, *args)
+    # Sharding in types. Where only batch and heads are sharded, each device runs the kernel on
+    # its own examples and heads (unless dropout is drawn: the bits drawn for the whole batch are
+    # then sharded as they fall); otherwise it runs with the axes automatic, its layout
+    # propagated from the inputs' (batch and heads stay axes of their own throughout). The
+    # output is sharded as the query.
+    out_spec = jax.typeof(q).sharding.spec
+    batch, heads = _names(out_spec[0]), _names(out_spec[1])
+    if dropout_rng is None and (batch or heads) and not any(_names(e) for e in out_spec[2:]):
+        out = _per_device(functools.partial(_run, cfg), args, batch, heads, explicit)
+        return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)  # axes of 1 device
+    return jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=out_spec)(*args)
+
+
+def _names(entry) -> tuple:
+    """The names of the mesh axes of more than one device in one entry of a PartitionSpec."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in names if sizes[a] > 1)
+
+
+def _per_device(run, args, batch, heads, explicit):
+    """``run(*args)`` inside ``jax.shard_map`` over the Explicit axes: every array's batch (its
+    first axis, where not broadcast) split over the ``batch`` axes, the key/value heads of q,
+    k, v and the masks over the ``heads`` axes, the rest whole. Each device then decides which
+    blocks to visit from its own examples and heads, with no communication, and the gradient of
+    an input shared over an axis (a bias shared by the batch) is summed over it once, after the
+    backward (JAX's differentiation of ``shard_map``)."""
+    leaves, tree = jax.tree.flatten(args[:6])  # q, k, v and the masks: (batch|1, kv_heads|1, ...)
+    terms, terms_tree = jax.tree.flatten(args[6:])  # positions, segments (batch|1, len), lengths (batch,)
+    n, kv_heads = args[0].shape[:2]
+
+    def place(x, has_heads):
+        entries = [None] * x.ndim
+        if x.shape[0] == n:
+            entries[0] = batch or None
+        if has_heads and x.shape[1] == kv_heads:
+            entries[1] = heads or None
+        spec = P(*entries)
+        if jax.typeof(x).sharding.spec != spec:
+            x = jax.sharding.reshard(x, spec)
+        return x, spec
+
+    placed = [place(x, True) for x in leaves] + [place(x, False) for x in terms]
+
+    def local(*xs):
+        return run(*jax.tree.unflatten(tree, xs[: len(leaves)]), *jax.tree.unflatten(terms_tree, xs[len(leaves):]))
+
+    sharded = jax.shard_map(local, in_specs=tuple(spec for _, spec in placed), out_specs=P(batch or None, heads or None),
+                            axis_names=set(explicit), check_vma=True)
+    return sharded(*(x for x, _ in placed))
 
 
 def _run(cfg, q, k, v, allowed, bias, keep, rng, terms):
@@ -143,7 +189,9 @@ def _varying(xs, others):
 
     def vary(x):
         missing = tuple(sorted(axes - _vma(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
+        if not missing:
+            return x
+        return lax.pcast(x, missing, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, missing)  # pvary: older jax
 
     return tuple(None if x is None else vary(x) for x in xs)
 

@@ -118,6 +118,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
     implementation = _choose(implementation, return_weights, keep is not None or rng is not None, query.dtype)
     if implementation != "xla":
         _check_derivatives(implementation, query, key, value, spec.bias)
+    _check_head_sharding(query, heads, kv_heads)
 
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
@@ -151,6 +152,24 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
     return out
+
+
+def _check_head_sharding(query, heads, kv_heads):
+    """On a mesh with Explicit axes, query heads sharded over axes whose size does not divide
+    ``kv_heads`` would split a group of query heads from its key/value head; say so by name."""
+    sharding = getattr(jax.typeof(query), "sharding", None)
+    spec = getattr(sharding, "spec", ())
+    axes = spec[2] if len(spec) > 2 else None
+    if axes is None:
+        return
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    if kv_heads % shards:
+        raise ValueError(
+            f"query's {heads} heads are sharded over mesh axes {axes} ({shards} shards), which does not divide "
+            f"its {kv_heads} key/value heads: each group of {heads // kv_heads} query heads must stay with its "
+            f"key/value head; shard the heads over axes of a size that divides {kv_heads}, or not at all"
+        )
 
 
 def _choose(implementation, return_weights, dropout, dtype) -> str:

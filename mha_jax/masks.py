@@ -236,7 +236,8 @@ def _present(query_ids, key_ids):
     batch = max(query_ids.shape[0], key_ids.shape[0])
     ordered = jnp.broadcast_to(jnp.sort(query_ids, axis=1), (batch, query_ids.shape[1]))
     key_ids = jnp.broadcast_to(key_ids, (batch, key_ids.shape[1]))
-    index = jax.vmap(jnp.searchsorted)(ordered, key_ids)
+    # "sort": the default's loop, under vmap, fails on a batch sharded over an Explicit mesh axis
+    index = jax.vmap(lambda a, v: jnp.searchsorted(a, v, method="sort"))(ordered, key_ids)
     found = jnp.take_along_axis(ordered, jnp.minimum(index, ordered.shape[1] - 1), axis=1)
     return found == key_ids
 
