@@ -257,3 +257,15 @@ def test_markdown_report_without_matplotlib_says_so(tmp_path, monkeypatch):
     assert written == [str(path)] and "(no plots: matplotlib cannot be imported here)" in text
     assert "| self/padding | float32 | 3.00e-07 | 2.00e-06 | 0.00e+00 | 2.00e-06 | jax vs torch: out | NO |" in text
     assert "- seed: 3" in text and "a title" in text
+
+
+def test_a_source_that_does_not_fit_is_named(torch_mha_file, tmp_path, capsys):
+    """A config.json for a layout it cannot describe, and a model whose shapes the weights do not
+    fit, are errors (exit 2) that say so."""
+    (tmp_path / "config.json").write_text("{}")
+    args = ["--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "4", *FAST]
+    assert cli.main(["verify", *args, "--source", str(tmp_path / "config.json")]) == 2
+    assert "a config.json describes --layout hf or bert, not torch_mha" in capsys.readouterr().err
+    (tmp_path / "small.py").write_text("import torch\ndef build():\n    return torch.nn.MultiheadAttention(16, 4, batch_first=True)\n")
+    assert cli.main(["verify", *args, "--source", f"{tmp_path / 'small.py'}:build"]) == 2
+    assert "the weights do not fit --source" in capsys.readouterr().err

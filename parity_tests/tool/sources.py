@@ -119,6 +119,8 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
                   + (f" and --num-kv-heads {c.kv_heads}" if c.kv_heads != c.num_heads else "")
                   + ": the file does not say how many heads its model has, so the head count was not checked "
                   "(give --source with the model's config.json or a function that builds the model)")
+    if spec and layout not in ("hf", "bert"):
+        raise ValueError(f"--source {spec}: a config.json describes --layout hf or bert, not {layout}")
     if layout == "mha_torch":
         return None
     if layout == FLAX:
@@ -152,7 +154,10 @@ def _dtype(dtype: str):
 
 
 def _load(module, state: dict, what: str, allowed_missing=()) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # shapes that do not fit
+        raise ValueError(f"the weights do not fit {what}: {error}") from error
     missing = [k for k in missing if not k.startswith(tuple(allowed_missing) or ("\0",))]
     if missing or unexpected:
         raise ValueError(f"the weights do not fit {what}: missing {missing}, unexpected {unexpected}")
@@ -324,10 +329,7 @@ def _from_factory(checkpoint: Checkpoint, spec: str) -> Source:
         layer = model
         _load(layer, {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}, f"--source {spec}")
     else:
-        missing, unexpected = model.load_state_dict(whole, strict=False)
-        missing = [k for k in missing if k.startswith(prefix)]
-        if missing or unexpected:
-            raise ValueError(f"the weights do not fit --source {spec}: missing {missing}, unexpected {unexpected}")
+        _load(model, whole, f"--source {spec}", allowed_missing=tuple(k for k in own if not k.startswith(prefix)))
         layer = model.get_submodule(prefix.rstrip(".")) if prefix else model
     kind = type(layer).__name__
     if isinstance(layer, torch.nn.MultiheadAttention):
