@@ -269,3 +269,14 @@ def test_a_source_that_does_not_fit_is_named(torch_mha_file, tmp_path, capsys):
     (tmp_path / "small.py").write_text("import torch\ndef build():\n    return torch.nn.MultiheadAttention(16, 4, batch_first=True)\n")
     assert cli.main(["verify", *args, "--source", f"{tmp_path / 'small.py'}:build"]) == 2
     assert "the weights do not fit --source" in capsys.readouterr().err
+
+
+def test_fused_qkv_source(tmp_path, capsys):
+    """The tutorials' fused layer (grouped, Phi-3's rows [q; k; v]) is the source of ``fused_qkv``."""
+    from parity_tests.tool.sources import fused_qkv_attention
+
+    save_file(_random_(fused_qkv_attention(E, H, 2), seed=4).state_dict(), tmp_path / "fused.safetensors")
+    code, out = _verify(capsys, "--weights", str(tmp_path / "fused.safetensors"), "--layout", "fused_qkv",
+                        "--num-heads", str(H), "--num-kv-heads", "2", *FAST)
+    assert code == 0, out
+    assert "fused-QKV tutorial layer (4 heads, 2 key/value heads)" in out and "the head count was not checked" in out
