@@ -280,3 +280,14 @@ def test_fused_qkv_source(tmp_path, capsys):
                         "--num-heads", str(H), "--num-kv-heads", "2", *FAST)
     assert code == 0, out
     assert "fused-QKV tutorial layer (4 heads, 2 key/value heads)" in out and "the head count was not checked" in out
+
+
+def test_a_source_class_that_cannot_hold_the_shapes_is_not_built(tmp_path, capsys):
+    """Cross-attention weights in Hugging Face names: LlamaAttention has no key input of its own
+    size, so only the twins and the oracle are compared, and the header says so."""
+    module = mha_torch.MultiHeadAttention(12, 4, num_kv_heads=2, kdim=10, vdim=10)
+    save_file({k.replace("out_proj", "o_proj"): v for k, v in module.state_dict().items()}, tmp_path / "cross.safetensors")
+    code, out = _verify(capsys, "--weights", str(tmp_path / "cross.safetensors"), "--layout", "hf", "--num-heads", "4",
+                        "--num-kv-heads", "2", *FAST)
+    assert code == 0, out
+    assert "do not fit the hf source's class: it was not built" in out and "against the source" not in out

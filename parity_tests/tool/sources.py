@@ -123,6 +123,16 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
         raise ValueError(f"--source {spec}: a config.json describes --layout hf or bert, not {layout}")
     if layout == "mha_torch":
         return None
+    fits = {  # the shapes each source class can hold
+        "torch_mha": c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features) and c.kv_heads == c.num_heads,
+        "hf": c.self_attention and c.out_features in (None, c.in_features),
+        "bert": c.self_attention and c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features)
+        and c.kv_heads == c.num_heads,
+        "fused_qkv": c.self_attention and c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features),
+    }
+    if not fits.get(layout, True):
+        return Source("", "", None, [f"the checkpoint's shapes ({_shapes_of(c)}) do not fit the {layout} source's class: it was "
+                                     "not built, only our two implementations and the oracle were compared"])
     if layout == FLAX:
         return _flax_source(checkpoint)
     if layout == "torch_mha":
@@ -145,6 +155,11 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
             source.notes.append(heads_note)
         return source
     raise ValueError(f"no source implementation is known for --layout {layout}")
+
+
+def _shapes_of(c) -> str:
+    kv = "self-attention" if c.self_attention else f"key/value features {c.in_kv_features}"
+    return f"{kv}, features {c.in_features}, qkv {c.qkv_features}, out {c.out_features}, {c.num_heads}/{c.kv_heads} heads"
 
 
 def _dtype(dtype: str):
