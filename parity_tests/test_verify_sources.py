@@ -257,3 +257,37 @@ def test_markdown_report_without_matplotlib_says_so(tmp_path, monkeypatch):
     assert written == [str(path)] and "(no plots: matplotlib cannot be imported here)" in text
     assert "| self/padding | float32 | 3.00e-07 | 2.00e-06 | 0.00e+00 | 2.00e-06 | jax vs torch: out | NO |" in text
     assert "- seed: 3" in text and "a title" in text
+
+
+def test_a_source_that_does_not_fit_is_named(torch_mha_file, tmp_path, capsys):
+    """A config.json for a layout it cannot describe, and a model whose shapes the weights do not
+    fit, are errors (exit 2) that say so."""
+    (tmp_path / "config.json").write_text("{}")
+    args = ["--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "4", *FAST]
+    assert cli.main(["verify", *args, "--source", str(tmp_path / "config.json")]) == 2
+    assert "a config.json describes --layout hf or bert, not torch_mha" in capsys.readouterr().err
+    (tmp_path / "small.py").write_text("import torch\ndef build():\n    return torch.nn.MultiheadAttention(16, 4, batch_first=True)\n")
+    assert cli.main(["verify", *args, "--source", f"{tmp_path / 'small.py'}:build"]) == 2
+    assert "the weights do not fit --source" in capsys.readouterr().err
+
+
+def test_fused_qkv_source(tmp_path, capsys):
+    """The tutorials' fused layer (grouped, Phi-3's rows [q; k; v]) is the source of ``fused_qkv``."""
+    from parity_tests.tool.sources import fused_qkv_attention
+
+    save_file(_random_(fused_qkv_attention(E, H, 2), seed=4).state_dict(), tmp_path / "fused.safetensors")
+    code, out = _verify(capsys, "--weights", str(tmp_path / "fused.safetensors"), "--layout", "fused_qkv",
+                        "--num-heads", str(H), "--num-kv-heads", "2", *FAST)
+    assert code == 0, out
+    assert "fused-QKV tutorial layer (4 heads, 2 key/value heads)" in out and "the head count was not checked" in out
+
+
+def test_a_source_class_that_cannot_hold_the_shapes_is_not_built(tmp_path, capsys):
+    """Cross-attention weights in Hugging Face names: LlamaAttention has no key input of its own
+    size, so only the twins and the oracle are compared, and the header says so."""
+    module = mha_torch.MultiHeadAttention(12, 4, num_kv_heads=2, kdim=10, vdim=10)
+    save_file({k.replace("out_proj", "o_proj"): v for k, v in module.state_dict().items()}, tmp_path / "cross.safetensors")
+    code, out = _verify(capsys, "--weights", str(tmp_path / "cross.safetensors"), "--layout", "hf", "--num-heads", "4",
+                        "--num-kv-heads", "2", *FAST)
+    assert code == 0, out
+    assert "do not fit the hf source's class: it was not built" in out and "against the source" not in out

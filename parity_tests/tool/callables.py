@@ -201,10 +201,13 @@ def verify(
         "torch": ("torch", torch_fn if per_dtype else (lambda dtype: torch_fn)),
         "jax": ("jax", jax_fn if per_dtype else (lambda dtype: jax_fn)),
     }
+    def named(fn, framework):
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        return f"{framework}: " + ("a function" if "<lambda>" in name else name)
+
     header = reporting.Header(
         "your PyTorch attention against your JAX attention" + (" and the float64 oracle" if weights else ""),
-        implementations=[getattr(torch_fn, "__qualname__", type(torch_fn).__name__) + " (PyTorch)",
-                         getattr(jax_fn, "__qualname__", type(jax_fn).__name__) + " (JAX)"],
+        implementations=[named(torch_fn, "PyTorch"), named(jax_fn, "JAX")],
         shapes=f"batch {inputs.batch}, q_len {inputs.shape[2]}, kv_len {inputs.shape[3]}, features {inputs.in_features}, "
                f"{inputs.num_heads} heads",
         seed=seed,

@@ -50,10 +50,12 @@ def _verify(args: argparse.Namespace) -> int:
         c = checkpoint.config()
         notes = list(source.notes) if source else [
             "the file is in mha_torch's own names: our two modules are the source, compared with each other and the oracle"]
+        compared = source.name if source and source.build else None
         header = report.Header(
             f"mha-parity verify --weights {checkpoint.path}: our modules against "
-            f"{source.name if source and source.build else 'each other'} and the float64 oracle",
-            implementations=IMPLEMENTATIONS, source=checkpoint.describe(), shapes=_shapes(c), seed=args.seed, notes=notes,
+            f"{compared or 'each other'} and the float64 oracle",
+            implementations=IMPLEMENTATIONS, source=compared or "not built (see the note)", weights=checkpoint.describe(),
+            shapes=_shapes(c), seed=args.seed, notes=notes,
         )
         report.Printer(header)
         try:

@@ -3,7 +3,8 @@
 A ``Case`` is one module configuration, one mask form and one dtype. ``run_case`` draws random
 weights and inputs (float64, rounded to the dtype, so every side sees the same numbers), runs
 the JAX module, the PyTorch module and the float64 oracle, forward and backward, and compares
-each framework with the oracle and the two frameworks with each other.
+each framework with the oracle and the two frameworks with each other. The same ``run_case``
+runs a checkpoint's weights (``weights=``); ``run_cases`` runs many in worker processes.
 """
 
 from __future__ import annotations

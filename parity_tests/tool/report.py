@@ -15,7 +15,8 @@ COLUMNS = ("case", "dtype", "abs error", "rel error", "grad error", "JAX vs PyTo
 
 @dataclass
 class Header:
-    """What a run compares: ``title``, the implementations, their source, shapes and seed."""
+    """What a run compares: ``title``, the implementations, the source the weights came from,
+    the weights, shapes and seed."""
 
     title: str
     implementations: list[str]
@@ -23,11 +24,14 @@ class Header:
     seed: int
     source: str | None = None
     notes: list[str] = field(default_factory=list)
+    weights: str | None = None
 
     def lines(self) -> list[str]:
         lines = [self.title, "  implementations: " + ", ".join(self.implementations)]
         if self.source:
             lines.append(f"  source: {self.source}")
+        if self.weights:
+            lines.append(f"  weights: {self.weights}")
         lines += [f"  shapes: {self.shapes}", f"  seed: {self.seed}"]
         tolerances = ", ".join(f"{d} {f:.0e}/{g:.0e}" for d, (f, g) in harness.TOLERANCES.items())
         lines.append(f"  tolerances (forward/gradients): {tolerances}")

@@ -119,8 +119,20 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
                   + (f" and --num-kv-heads {c.kv_heads}" if c.kv_heads != c.num_heads else "")
                   + ": the file does not say how many heads its model has, so the head count was not checked "
                   "(give --source with the model's config.json or a function that builds the model)")
+    if spec and layout not in ("hf", "bert"):
+        raise ValueError(f"--source {spec}: a config.json describes --layout hf or bert, not {layout}")
     if layout == "mha_torch":
         return None
+    fits = {  # the shapes each source class can hold
+        "torch_mha": c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features) and c.kv_heads == c.num_heads,
+        "hf": c.self_attention and c.out_features in (None, c.in_features),
+        "bert": c.self_attention and c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features)
+        and c.kv_heads == c.num_heads,
+        "fused_qkv": c.self_attention and c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features),
+    }
+    if not fits.get(layout, True):
+        return Source("", "", None, [f"the checkpoint's shapes ({_shapes_of(c)}) do not fit the {layout} source's class: it was "
+                                     "not built, only our two implementations and the oracle were compared"])
     if layout == FLAX:
         return _flax_source(checkpoint)
     if layout == "torch_mha":
@@ -145,6 +157,11 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
     raise ValueError(f"no source implementation is known for --layout {layout}")
 
 
+def _shapes_of(c) -> str:
+    kv = "self-attention" if c.self_attention else f"key/value features {c.in_kv_features}"
+    return f"{kv}, features {c.in_features}, qkv {c.qkv_features}, out {c.out_features}, {c.num_heads}/{c.kv_heads} heads"
+
+
 def _dtype(dtype: str):
     import torch
 
@@ -152,7 +169,10 @@ def _dtype(dtype: str):
 
 
 def _load(module, state: dict, what: str, allowed_missing=()) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # shapes that do not fit
+        raise ValueError(f"the weights do not fit {what}: {error}") from error
     missing = [k for k in missing if not k.startswith(tuple(allowed_missing) or ("\0",))]
     if missing or unexpected:
         raise ValueError(f"the weights do not fit {what}: missing {missing}, unexpected {unexpected}")
@@ -324,10 +344,7 @@ def _from_factory(checkpoint: Checkpoint, spec: str) -> Source:
         layer = model
         _load(layer, {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}, f"--source {spec}")
     else:
-        missing, unexpected = model.load_state_dict(whole, strict=False)
-        missing = [k for k in missing if k.startswith(prefix)]
-        if missing or unexpected:
-            raise ValueError(f"the weights do not fit --source {spec}: missing {missing}, unexpected {unexpected}")
+        _load(model, whole, f"--source {spec}", allowed_missing=tuple(k for k in own if not k.startswith(prefix)))
         layer = model.get_submodule(prefix.rstrip(".")) if prefix else model
     kind = type(layer).__name__
     if isinstance(layer, torch.nn.MultiheadAttention):
