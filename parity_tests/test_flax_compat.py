@@ -411,3 +411,30 @@ def test_dot_general_and_metadata_reach_the_projections():
     for name in ("query", "key", "value", "out"):
         assert getattr(ours, name).kernel.get_metadata() == getattr(theirs, name).kernel.get_metadata()
     assert ours.out.kernel.get_metadata()["tag"] == "out" and ours.query.kernel.get_metadata()["tag"] == "in"
+
+
+def test_linen_scan_over_layers_and_remat_with_a_policy():
+    """``nn.scan`` over stacked layers of ``nn.remat``-ed attention, ours and flax's with the same
+    parameters: the same outputs and gradients."""
+
+    def stack(cls):
+        class Layer(linen.Module):
+            @linen.compact
+            def __call__(self, h, _):
+                attend = linen.remat(cls, policy=jax.checkpoint_policies.nothing_saveable)
+                causal = linen.make_causal_mask(jnp.ones(h.shape[:-1]))  # flax's linen call has no is_causal
+                return h + attend(4, param_dtype=jnp.float64, name="attention")(h, mask=causal), None
+
+        return linen.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
+
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, L, E)))
+    ours = stack(mha_jax.linen.MultiHeadDotProductAttention)
+    theirs = stack(linen.MultiHeadDotProductAttention)
+    variables = ours.init(jax.random.key(0), x, None)
+    assert jax.tree.all(jax.tree.map(np.array_equal, variables, theirs.init(jax.random.key(0), x, None)))
+
+    def loss(module, variables):
+        return jnp.sum(jnp.sin(module.apply(variables, x, None)[0]))
+
+    assert _rel(ours.apply(variables, x, None)[0], theirs.apply(variables, x, None)[0]) <= TOL["float64"]
+    _assert_trees_close(jax.grad(lambda v: loss(ours, v))(variables), jax.grad(lambda v: loss(theirs, v))(variables), 10 * TOL["float64"])
