@@ -117,6 +117,50 @@ def check_window(window) -> tuple[int, int] | None:
     return int(pair[0]), int(pair[1])
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Normalisation of queries and keys before the logits (QK-norm).
+
+    ``kind``: ``"layer"`` (mean and variance, no bias: flax's ``normalize_qk``, StableLM) or
+    ``"rms"`` (root mean square: Qwen3, Gemma 3, OLMo 2). ``per_head``: over each head's
+    ``head_dim`` features (scale ``(head_dim,)``), else over the whole projection, every head
+    together (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance.
+    ``offset``: the features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``, its
+    scale initialised to 0). Computed in float32 at least, cast back to the input dtype.
+    """
+
+    kind: str = "layer"
+    per_head: bool = True
+    eps: float = 1e-6
+    offset: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("layer", "rms"):
+            raise ValueError(f"QKNorm kind must be 'layer' or 'rms', got {self.kind!r}")
+        if not isinstance(self.per_head, bool):
+            raise TypeError(f"QKNorm per_head must be a bool, got {self.per_head!r}")
+        for name in ("eps", "offset"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):
+                raise ValueError(f"QKNorm {name} must be a finite number, got {value!r}")
+        if self.eps <= 0:
+            raise ValueError(f"QKNorm eps must be > 0, got {self.eps!r}")
+
+
+def check_qk_norm(normalize_qk) -> QKNorm | None:
+    """``normalize_qk`` as a ``QKNorm``: False/None -> None, True -> flax's (LayerNorm per head,
+    eps 1e-6), a ``QKNorm`` as it is."""
+    if normalize_qk is None or normalize_qk is False:
+        return None
+    if normalize_qk is True:
+        return QKNorm()
+    if isinstance(normalize_qk, QKNorm):
+        return normalize_qk
+    if type(normalize_qk).__name__ == "QKNorm":  # the twin package's (this file, imported there)
+        return QKNorm(normalize_qk.kind, normalize_qk.per_head, normalize_qk.eps, normalize_qk.offset)
+    raise TypeError(f"normalize_qk must be a bool or a QKNorm, got {type(normalize_qk).__name__}")
+
+
 def check_sequence_shape(name: str, shape: Sequence[int], batch: int, length: int, length_name: str) -> None:
     """ValueError unless ``shape`` is ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
     shape = tuple(shape)
@@ -205,8 +249,10 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 # Fused entries: their weight stacks the projections' rows in this order, q over k over v.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
 PARTS = ("weight", "bias")
-# Optional per-head LayerNorm scales on queries and keys (``normalize_qk``), ``(head_dim,)``.
+# Optional QK-norm scales (``normalize_qk``), ``(head_dim,)`` per head or ``(heads * head_dim,)``.
 NORMS = ("q_norm", "k_norm")
+# Optional learned sink logits, ``(num_heads,)``: a key of its own, no weight/bias part.
+SINKS = "sinks"
 
 
 @dataclass(frozen=True)
@@ -228,10 +274,12 @@ def _from_names(names: Mapping[str, str]) -> tuple[_Source, ...]:
 
 
 _QKV = FUSED["qkv_proj"]
+# QK-norm scales and sinks, named alike by this package and Hugging Face's attention classes
+_EXTRAS = tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS) + (_Source(SINKS, "", (SINKS,)),)
 LAYOUTS: dict[str, tuple[_Source, ...]] = {
     "mha_torch": _from_names(
         {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "out_proj"}
-    ) + tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS),
+    ) + _EXTRAS,
     # torch.nn.MultiheadAttention: a fused in_proj_weight when kdim == vdim == embed_dim, else
     # three separate weights; the input bias stays fused in both cases.
     "torch_mha": (
@@ -245,11 +293,11 @@ LAYOUTS: dict[str, tuple[_Source, ...]] = {
     ),
     "hf": _from_names(
         {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj"}
-    ),
+    ) + _EXTRAS,
     "bert": _from_names(
         {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}
     ),
-    "fused_qkv": _from_names({"qkv_proj": "qkv_proj", "out_proj": "o_proj"}),
+    "fused_qkv": _from_names({"qkv_proj": "qkv_proj", "out_proj": "o_proj"}) + _EXTRAS,
 }
 # Keys of options we do not have: an error naming the option, even under ``ignore``.
 _UNSUPPORTED = {"torch_mha": {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}}
@@ -306,7 +354,7 @@ def read_layout(
         full = prefix + source.key
         pieces = _split(selected[source.key], source.targets, num_heads, num_kv_heads, full, problems)
         for target, piece in zip(source.targets, pieces):
-            name = f"{target}.{source.part}"
+            name = f"{target}.{source.part}" if source.part else target
             if name in given:
                 problems.append(f"{name} is given twice, by {given[name]!r} and {full!r}")
             given[name], out[name] = full, piece
@@ -315,9 +363,10 @@ def read_layout(
     problems += [f"unexpected key {prefix + k!r}" for k in unexpected]
     if unexpected:
         problems[-1] += " (select one layer with prefix=, leave other keys out with ignore=)"
-    has_bias = any(name.endswith(".bias") for name in given)
+    # q/k/v biases come all or none; the output projection's bias on its own (Qwen2 has none there)
+    has_bias = any(f"{proj}.bias" in given for proj in PROJECTIONS[:3])
     for proj in PROJECTIONS:
-        for part in PARTS if has_bias else PARTS[:1]:
+        for part in PARTS if has_bias and proj != "out_proj" else PARTS[:1]:
             if f"{proj}.{part}" not in given:
                 problems.append(f"missing key {_expected(sources, proj, part, prefix)}")
     norms = [norm for norm in NORMS if f"{norm}.weight" in given]
@@ -417,11 +466,10 @@ def _some(state: Mapping[str, Any], n: int = 4) -> str:
 def check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int) -> int:
     """Validate shapes, collecting every problem; return head_dim.
 
-    ``state`` comes from ``read_layout``, which has checked the names: every weight, and
-    every bias or none.
+    ``state`` comes from ``read_layout``, which has checked the names: every weight, and the
+    query/key/value biases all or none (the output bias on its own).
     """
-    has_bias = "q_proj.bias" in state
-    expected = [f"{p}.{part}" for p in PROJECTIONS for part in (("weight", "bias") if has_bias else ("weight",))]
+    expected = [f"{p}.{part}" for p in PROJECTIONS for part in PARTS if f"{p}.{part}" in state]
     problems = []
     for k in expected:
         if state[k].ndim != (2 if k.endswith("weight") else 1):
@@ -441,15 +489,20 @@ def check_state(state: dict[str, np.ndarray], num_heads: int, num_kv_heads: int)
         problems.append(
             f"'out_proj.weight' has shape {state['out_proj.weight'].shape}, expected {q_rows} columns"
         )
-    if has_bias:
-        for name in PROJECTIONS:
-            w, b = state[f"{name}.weight"], state[f"{name}.bias"]
-            if b.shape != (w.shape[0],):
-                problems.append(f"'{name}.bias' has shape {b.shape}, expected ({w.shape[0]},)")
-    for name in NORMS:
+    for name in PROJECTIONS:
+        w, b = state[f"{name}.weight"], state.get(f"{name}.bias")
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            problems.append(f"'{name}.bias' has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
+    for name, heads in zip(NORMS, (num_heads, num_kv_heads)):
         w = state.get(f"{name}.weight")
-        if w is not None and tuple(w.shape) != (head_dim,):
-            problems.append(f"'{name}.weight' has shape {tuple(w.shape)}, expected (head_dim,) = ({head_dim},)")
+        if w is not None and tuple(w.shape) not in ((head_dim,), (heads * head_dim,)):
+            problems.append(
+                f"'{name}.weight' has shape {tuple(w.shape)}, expected (head_dim,) = ({head_dim},) "
+                f"or, over the whole projection, ({heads * head_dim},)"
+            )
+    sinks = state.get(SINKS)
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        problems.append(f"'{SINKS}' has shape {tuple(sinks.shape)}, expected (num_heads,) = ({num_heads},)")
     if problems:
         raise ValueError("state_dict: " + "; ".join(problems))
     return head_dim

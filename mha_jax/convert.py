@@ -16,6 +16,8 @@ torch name         torch shape            Flax name, shape
 ``out_proj.bias``  (out,)                 ``out.bias`` (out,)
 ``q_norm.weight``  (head_dim,)            ``query_ln.scale`` (head_dim,)  (``normalize_qk``)
 ``k_norm.weight``  (head_dim,)            ``key_ln.scale`` (head_dim,)
+``q_norm.weight``  (heads*head_dim,)      ``query_ln.scale`` (heads, head_dim)  (whole projection)
+``sinks``          (heads,)               ``sinks`` (heads,)  (``use_sinks``)
 =================  =====================  ===========================
 """
 
@@ -48,7 +50,8 @@ def from_torch(
     """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
     Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (and with
-    ``q_norm``/``k_norm`` weights, flax's ``normalize_qk`` scales ``query_ln``/``key_ln``) of NumPy
+    ``q_norm``/``k_norm`` weights, the ``normalize_qk`` scales ``query_ln``/``key_ln``; with
+    ``sinks``, ``"sinks"``) of NumPy
     arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
     ``linen`` params or through ``load_weights``.
 
@@ -81,7 +84,10 @@ def from_torch(
             params[flax_name]["bias"] = bias if flax_name == "out" else bias.reshape(-1, head_dim)
     for flax_name, torch_name in _FLAX_NORMS:
         if f"{torch_name}.weight" in state:
-            params[flax_name] = {"scale": state[f"{torch_name}.weight"]}
+            scale = state[f"{torch_name}.weight"]
+            params[flax_name] = {"scale": scale if scale.shape == (head_dim,) else scale.reshape(-1, head_dim)}
+    if _neutral.SINKS in state:
+        params[_neutral.SINKS] = state[_neutral.SINKS]
     return params
 
 
@@ -98,7 +104,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         params = _read_params(params)
     tree = _params_dict(params)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
-    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES + _FLAX_NORMS)]
+    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES + _FLAX_NORMS) and name != _neutral.SINKS]
     problems += [f"{name!r} has no 'scale'" for name, _ in _FLAX_NORMS if name in tree and "scale" not in tree[name]]
     problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
@@ -119,7 +125,9 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
             state[f"{torch_name}.bias"] = _to_numpy(tree[flax_name]["bias"]).reshape(-1)
     for flax_name, torch_name in _FLAX_NORMS:
         if flax_name in tree:
-            state[f"{torch_name}.weight"] = _to_numpy(tree[flax_name]["scale"])
+            state[f"{torch_name}.weight"] = _to_numpy(tree[flax_name]["scale"]).reshape(-1)
+    if _neutral.SINKS in tree:
+        state[_neutral.SINKS] = _to_numpy(tree[_neutral.SINKS])
     try:  # the projections must fit one module: heads from the query kernel, kv heads from the key's
         _neutral.check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
     except ValueError as error:
@@ -155,6 +163,10 @@ def load_weights(
         f"{flax_name} is absent from the {'module (normalize_qk=False)' if flax_name in params else 'state dict'}"
         for flax_name, _ in _FLAX_NORMS if (flax_name in params) != (flax_name in current)
     ]
+    if (_neutral.SINKS in params) != (_neutral.SINKS in current):
+        problems.append(f"sinks is absent from the {'module (use_sinks=False)' if _neutral.SINKS in params else 'state dict'}")
+    elif _neutral.SINKS in params and tuple(current[_neutral.SINKS].shape) != params[_neutral.SINKS].shape:
+        problems.append(f"sinks: module has {tuple(current[_neutral.SINKS].shape)}, state dict gives {params[_neutral.SINKS].shape}")
     for flax_name in [name for name, _ in _FLAX_NAMES + _FLAX_NORMS if name in params and name in current]:
         names = set(current[flax_name]) | set(params[flax_name])
         for name in sorted(names):
@@ -169,6 +181,9 @@ def load_weights(
     if problems:
         raise ValueError("state_dict does not fit the module: " + "; ".join(problems))
     for flax_name in params:
+        if flax_name == _neutral.SINKS:
+            module.sinks.set_value(jnp.asarray(params[flax_name], dtype=module.sinks.get_value().dtype))
+            continue
         layer = getattr(module, flax_name)
         for name, array in params[flax_name].items():
             variable = getattr(layer, name)
@@ -184,13 +199,13 @@ def _params_dict(params: Any) -> dict:
         params = params["params"]
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping or an nnx module, got {type(params).__name__}")
-    return {k: dict(v) for k, v in params.items()}
+    return {k: v if k == _neutral.SINKS else dict(v) for k, v in params.items()}
 
 
 def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
     """Name -> NumPy array (a copy: nothing the caller passed is shared or modified)."""
     if isinstance(state_dict_or_path, (str, os.PathLike)):
-        from safetensors.numpy import load_file  # a light import, only when a file is given
+        from safetensors.flax import load_file  # only when a file is given; bfloat16 too, unlike NumPy's reader
 
         path = os.fspath(state_dict_or_path)
         if not path.endswith(".safetensors"):
@@ -198,7 +213,7 @@ def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
         if not os.path.exists(path):
             raise FileNotFoundError(f"state_dict_or_path {path!r} does not exist")
         try:
-            return dict(load_file(path))
+            return {k: np.array(v) for k, v in load_file(path).items()}
         except Exception as error:  # safetensors raises its own types for bad headers
             raise ValueError(f"state_dict_or_path {path!r} is not a readable safetensors file: {error}") from error
     if not isinstance(state_dict_or_path, Mapping):

@@ -18,9 +18,20 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
-from mha_jax import _neutral, masks
+from mha_jax import _cache, _neutral, masks
+from mha_jax._neutral import QKNorm
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_jax.module import _attend, _Cache, _check_cache, _check_inputs, _decode_step, _prepare, _self_attention
+from mha_jax.module import (
+    _attend,
+    _Cache,
+    _check_cache,
+    _check_inputs,
+    _decode_step,
+    _prepare,
+    _qk_norm,
+    _rotate,
+    _self_attention,
+)
 
 # flax's mask helpers are exported beside the classes, as flax exports them
 __all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks", "make_attention_mask", "make_causal_mask"]
@@ -35,9 +46,11 @@ class MultiHeadDotProductAttention(nn.Module):
     ``attention_fn``, ``decode``, ``normalize_qk``, ``force_fp32_for_softmax``, the
     ``*_dot_general`` and einsum factories), meaning what they mean in
     ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention
-    (which always takes the softmax in float32 or wider); plus ``num_kv_heads`` and
-    ``implementation`` as in ``mha_jax.MultiHeadAttention``. Randomness: linen's ``'params'`` and
-    ``'dropout'`` RNG collections.
+    (which always takes the softmax in float32 or wider); plus ``num_kv_heads``,
+    ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``, ``logit_soft_cap``,
+    ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size`` and ``use_out_bias`` as in
+    ``mha_jax.MultiHeadAttention``. Randomness: linen's ``'params'`` and ``'dropout'`` RNG
+    collections.
     """
 
     num_heads: int
@@ -56,7 +69,7 @@ class MultiHeadDotProductAttention(nn.Module):
     use_bias: bool = True
     attention_fn: Callable[..., jax.Array] | None = None
     decode: bool = False
-    normalize_qk: bool = False
+    normalize_qk: bool | QKNorm = False
     force_fp32_for_softmax: bool = False
     qkv_dot_general: Callable | None = None
     out_dot_general: Callable | None = None
@@ -66,10 +79,20 @@ class MultiHeadDotProductAttention(nn.Module):
     attn_weights_value_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
     num_kv_heads: int | None = None
     implementation: str | None = None
+    scale: float | None = None
+    logit_soft_cap: float | None = None
+    use_sinks: bool = False
+    sinks_init: nn.initializers.Initializer = nn.initializers.zeros_init()
+    rotary: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+    local_window_size: int | tuple[int, int] | None = None
+    use_out_bias: bool | None = None
 
     def __post_init__(self):
-        # The other attributes wait for the inputs (feature sizes); this one needs none.
+        # The other attributes wait for the inputs (feature sizes); these need none.
         _neutral.check_implementation(self.implementation, IMPLEMENTATIONS)
+        _neutral.check_qk_norm(self.normalize_qk)
+        _neutral.check_scale(self.scale)
+        _neutral.check_window(self.local_window_size)
         super().__post_init__()
 
     @nn.compact
@@ -110,6 +133,7 @@ class MultiHeadDotProductAttention(nn.Module):
             warnings.warn("inputs_kv is deprecated in flax: pass inputs_k and inputs_v", DeprecationWarning, stacklevel=2)
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
+        local_window_size = self.local_window_size if local_window_size is None else local_window_size
         if decoding:
             forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
                              key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
@@ -143,15 +167,23 @@ class MultiHeadDotProductAttention(nn.Module):
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)
-        if self.normalize_qk:
+        qk_norm = _neutral.check_qk_norm(self.normalize_qk)
+        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
             def layer_norm(name):
-                return nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+                return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype, param_dtype=self.param_dtype)
             query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
+        elif qk_norm is not None:
+            query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
+            key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
+        if not decoding:
+            query, key = _rotate(self.rotary, query, key, *masks._positions(spec))
         if self.decode:
-            key, value, spec = self._cached(key, value, batch_shape, decoding, spec=None if decoding else spec, forbidden=forbidden if decoding else {},
-                                            mask=terms["mask"] if decoding else None, bias=terms["bias"] if decoding else None,
-                                            is_causal=is_causal, query_positions=terms["query_positions"] if decoding else None,
-                                            local_window_size=local_window_size)
+            query, key, value, spec = self._cached(
+                query, key, value, batch_shape, decoding, spec=None if decoding else spec, forbidden=forbidden if decoding else {},
+                mask=terms["mask"] if decoding else None, bias=terms["bias"] if decoding else None,
+                is_causal=is_causal, query_positions=terms["query_positions"] if decoding else None,
+                local_window_size=local_window_size,
+            )
         if dropout_mask is None and rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         else:
@@ -160,34 +192,38 @@ class MultiHeadDotProductAttention(nn.Module):
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
             zero_unused=not decoding,
+            sinks=self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype) if self.use_sinks else None,
         )
         if sown is not None:
             self.sow("intermediates", "attention_weights", sown)
         out = nn.DenseGeneral(
             out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
-            bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+            bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias if self.use_out_bias is None else self.use_out_bias, dtype=self.dtype,
             param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
             dot_general_cls=self.out_dot_general_cls, name="out",
         )(out)
         out = _neutral.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
 
-    def _cached(self, key, value, batch_shape, decoding, *, spec, forbidden, **terms):
+    def _cached(self, query, key, value, batch_shape, decoding, *, spec, forbidden, query_positions, **terms):
         """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
-        which attends as without a cache; later calls append to it and attend over it."""
+        which attends as without a cache; later calls rotate the new queries and keys at their
+        positions, append them to it and attend over it: ``(query, key, value, spec)``."""
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, kv_shape, value.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.zeros(batch_shape, jnp.int32))
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
-            return key, value, spec
+            return query, key, value, spec
         cache = _Cache(cached_key.value, cached_value.value, index.value, overflow.value)
         cache = _check_cache(cache, batch_shape, key.shape[0], key.shape[1], key.shape[2], key.shape[3], forbidden)
-        cache, spec = _decode_step(cache, key, value, self.num_heads, **terms)
+        pos = _cache.positions(cache.end, query.shape[1], query_positions)
+        query, key = _rotate(self.rotary, query, key, pos, pos)
+        cache, spec = _decode_step(cache, key, value, self.num_heads, query_positions=pos, **terms)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
         index.value, overflow.value = cache.end.reshape(index.value.shape), cache.overflow.reshape(overflow.value.shape)
-        return cache.key.astype(key.dtype), cache.value.astype(value.dtype), spec
+        return query, cache.key.astype(key.dtype), cache.value.astype(value.dtype), spec
 
     def _einsums(self) -> dict:
         """linen's extra ``attention_fn`` arguments (quantised einsums, fp32 softmax)."""
@@ -201,6 +237,20 @@ class MultiHeadDotProductAttention(nn.Module):
                 "pass one (flax.linen.dot_product_attention, say) to use them"
             )
         return dict(einsums, force_fp32_for_softmax=self.force_fp32_for_softmax)
+
+
+class _LinenNorm(nn.Module):
+    """A QK-norm other than flax's LayerNorm, as ``mha_jax.module._Norm``: ``scale``
+    ``(head_dim,)`` per head, else ``(heads, head_dim)``."""
+
+    qk_norm: QKNorm
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.zeros_init() if self.qk_norm.offset else nn.initializers.ones_init()
+        shape = x.shape[-1:] if self.qk_norm.per_head else x.shape[-2:]
+        return _qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

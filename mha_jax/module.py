@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from mha_jax import _cache, _checks, _neutral, masks
+from mha_jax._neutral import QKNorm
 from mha_jax.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(*batch, length, features)"
@@ -51,7 +52,9 @@ class MultiHeadAttention(nnx.Module):
         function with the signature of ``flax.nnx.dot_product_attention``, called as flax calls it;
         positions, windows, segments and lengths then reach it as a boolean ``mask``.
       decode: autoregressive decoding with the key/value cache of ``init_cache`` (default False).
-      normalize_qk: flax's LayerNorm (no bias) on each head's queries and keys.
+      normalize_qk: True: flax's LayerNorm (no bias) on each head's queries and keys
+        (``query_ln``/``key_ln``, each ``scale``); a ``QKNorm`` for another norm (RMS, over the
+        whole projection, ``1 + scale``, its epsilon).
       qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: dtype promotion of the query/key/value
         projections, the output projection and the LayerNorms, as in flax.
       qkv_dot_general, out_dot_general, qkv_dot_general_cls, out_dot_general_cls: the projections'
@@ -61,6 +64,16 @@ class MultiHeadAttention(nnx.Module):
       kernel_metadata, out_kernel_metadata, bias_metadata, out_bias_metadata,
         query_ln_scale_metadata, key_ln_scale_metadata: parameter metadata (sharding), as in flax.
       implementation: attention implementation, see ``mha_jax.dot_product_attention``.
+      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+      logit_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking (Gemma 2).
+      use_sinks: a learned logit per query head, ``sinks`` ``(num_heads,)``, joins each row's
+        softmax normaliser without a value (gpt-oss); initialised by ``sinks_init``.
+      rotary: a ``RotaryEmbedding`` applied to queries and keys (after ``normalize_qk``) at their
+        positions (``query_positions``/``key_positions``, default ``arange``; while decoding, the
+        cache's positions).
+      local_window_size: the call's default window (a sliding-window layer), see the call.
+      use_out_bias: a bias on the output projection; default ``use_bias`` (Qwen2: biases on the
+        query/key/value projections only).
     """
 
     def __init__(
@@ -102,6 +115,13 @@ class MultiHeadAttention(nnx.Module):
         query_ln_scale_metadata: Mapping[str, Any] = _NO_METADATA,
         key_ln_scale_metadata: Mapping[str, Any] = _NO_METADATA,
         implementation: str | None = None,
+        scale: float | None = None,
+        logit_soft_cap: float | None = None,
+        use_sinks: bool = False,
+        sinks_init: nnx.Initializer = nnx.initializers.zeros_init(),
+        rotary: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+        local_window_size: int | tuple[int, int] | None = None,
+        use_out_bias: bool | None = None,
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -123,6 +143,11 @@ class MultiHeadAttention(nnx.Module):
         self.normalize_qk = normalize_qk
         self.attention_fn = attention_fn
         self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
+        self.scale = _neutral.check_scale(scale)
+        self.logit_soft_cap = logit_soft_cap
+        self.rotary = rotary
+        self.local_window_size = _neutral.check_window(local_window_size)
+        qk_norm = _neutral.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
@@ -137,14 +162,17 @@ class MultiHeadAttention(nnx.Module):
         self.query = projection(in_features, (num_heads, self.head_dim))
         self.key = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
         self.value = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
-        if normalize_qk:
+        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
             def layer_norm(metadata):
                 return nnx.LayerNorm(
-                    self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                    self.head_dim, use_bias=False, epsilon=qk_norm.eps, dtype=dtype, param_dtype=param_dtype,
                     promote_dtype=ln_promote_dtype, rngs=rngs, scale_metadata=metadata,
                 )
             self.query_ln = layer_norm(query_ln_scale_metadata)
             self.key_ln = layer_norm(key_ln_scale_metadata)
+        elif qk_norm is not None:
+            self.query_ln = _Norm(qk_norm, num_heads, self.head_dim, param_dtype, query_ln_scale_metadata, rngs)
+            self.key_ln = _Norm(qk_norm, self.num_kv_heads, self.head_dim, param_dtype, key_ln_scale_metadata, rngs)
         else:
             self.query_ln = nnx.data(None)
             self.key_ln = nnx.data(None)
@@ -153,8 +181,9 @@ class MultiHeadAttention(nnx.Module):
             kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
             promote_dtype=out_promote_dtype, dot_general=out_dot_general, dot_general_cls=out_dot_general_cls,
             kernel_metadata=out_kernel_metadata or kernel_metadata, bias_metadata=out_bias_metadata or bias_metadata,
-            **common,
+            **dict(common, use_bias=use_bias if use_out_bias is None else use_out_bias),
         )
+        self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
@@ -215,6 +244,7 @@ class MultiHeadAttention(nnx.Module):
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
         if self.decode if decode is None else decode:
+            local_window_size = self.local_window_size if local_window_size is None else local_window_size
             return self._decode(
                 inputs_q, inputs_k, inputs_v, mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
                 local_window_size=local_window_size, rngs=rngs, deterministic=deterministic, sow_weights=sow_weights,
@@ -223,6 +253,7 @@ class MultiHeadAttention(nnx.Module):
                                key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
                                dropout_mask=dropout_mask),
             )
+        local_window_size = self.local_window_size if local_window_size is None else local_window_size
         batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
             inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
@@ -237,16 +268,20 @@ class MultiHeadAttention(nnx.Module):
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
         value = self.value(inputs_v, out_sharding=qkv_sharding)
-        if self.normalize_qk:
+        if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
+        query, key = _rotate(self.rotary, query, key, *masks._positions(spec))
         out, weights, sown = _attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
-            sow_weights=sow_weights, return_weights=return_weights,
+            sow_weights=sow_weights, return_weights=return_weights, sinks=self._sinks(),
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
         out = _neutral.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...]
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> None:
         """A key/value cache for ``decode=True``, as flax's: ``input_shape`` is
@@ -294,10 +329,12 @@ class MultiHeadAttention(nnx.Module):
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
         value = self.value(inputs_v, out_sharding=qkv_sharding)
-        if self.normalize_qk:
+        if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
+        pos = _cache.positions(cache.end, query.shape[1], terms["query_positions"])
+        query, key = _rotate(self.rotary, query, key, pos, pos)
         cache, spec = _decode_step(cache, key, value, self.num_heads, mask=terms["mask"], bias=terms["bias"],
-                                   is_causal=is_causal, query_positions=terms["query_positions"], local_window_size=local_window_size)
+                                   is_causal=is_causal, query_positions=pos, local_window_size=local_window_size)
         self.cached_key[...], self.cached_value[...] = (x.reshape(self.cached_key.shape) for x in (cache.key, cache.value))
         self.cache_index[...] = cache.end.reshape(self.cache_index.shape)
         self.cache_overflow[...] = cache.overflow.reshape(self.cache_overflow.shape)
@@ -306,7 +343,7 @@ class MultiHeadAttention(nnx.Module):
         out, weights, sown = _attend(
             self, query, cache.key.astype(query.dtype), cache.value.astype(query.dtype), spec, batch_shape,
             dropout_rng=dropout_rng, dropout_mask=None, sow_weights=sow_weights, return_weights=return_weights,
-            zero_unused=False,
+            zero_unused=False, sinks=self._sinks(),
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
@@ -405,35 +442,88 @@ def _self_attention(inputs_q, inputs_k, inputs_v):
 
 def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropout_rng, dropout_mask,
             sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping[str, Any] = _NO_METADATA,
-            zero_unused: bool = True):
+            zero_unused: bool = True, sinks: jax.Array | None = None):
     """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for
     the nnx and linen modules (``module`` gives the attributes): ``(out, weights, sown)``, the
     weights asked for by ``return_weights`` and those to sow (before dropout, as flax sows them),
-    each None unless asked for, with the inputs' batch axes."""
+    each None unless asked for, with the inputs' batch axes. ``sinks``: the module's ``(num_heads,)``
+    sink logits, if it has them."""
     rate = module.dropout_rate
     if module.attention_fn is not None:
         if return_weights:
             raise ValueError("return_weights=True needs attention_fn=None; with an attention_fn use sow_weights=True")
+        given = list(_logit_terms(module, sinks))
+        if given:
+            raise ValueError(f"{', '.join(given)} reach only this package's attention: leave attention_fn None to use them")
         out = _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, attention_fn_kwargs)
         return out, None, None
     if dropout_rng is not None:
         shape = (1, 1) + spec.shape[2:] if module.broadcast_dropout else spec.shape
         dropout_mask = jax.random.bernoulli(dropout_rng, 1.0 - rate, shape)
     dropped = dropout_mask is not None
-    want = return_weights or sow_weights and not dropped
+    # weights come from "xla", the implementation that forms them; sown ones are formed on the side
+    # when another implementation computes the output or dropout changes the applied weights
+    want = return_weights or sow_weights and not dropped and module.implementation in (None, "xla")
+    logits = _logit_terms(module, sinks)
     result = _attention(
         query, key, value, spec, dropout_rate=rate if dropped else 0.0, dropout_mask=dropout_mask,
         return_weights=want, precision=module.precision,
         implementation="xla" if want and module.implementation is None else module.implementation, zero_unused=zero_unused,
+        **logits,
     )
     out, weights = result if want else (result, None)
     sown = None
     if sow_weights:  # flax sows the weights before dropout
-        sown = weights if not dropped else _attention(
-            query, key, value, spec, return_weights=True, precision=module.precision, implementation="xla"
+        sown = weights if weights is not None and not dropped else _attention(
+            query, key, value, spec, return_weights=True, precision=module.precision, implementation="xla", **logits
         )[1]
         sown = _neutral.unflatten_batch(sown, batch_shape)
     return out, None if weights is None or not return_weights else _neutral.unflatten_batch(weights, batch_shape), sown
+
+
+def _logit_terms(module, sinks) -> dict:
+    """What a module adds to the logits and their softmax, those it has of ``scale``,
+    ``logit_soft_cap`` and ``sinks`` (an array ``(num_heads,)`` or None)."""
+    terms = dict(scale=module.scale, logit_soft_cap=module.logit_soft_cap, sinks=sinks)
+    return {name: value for name, value in terms.items() if value is not None}
+
+
+def _rotate(rotary, query, key, query_positions, key_positions):
+    """Queries ``(batch, q_len, heads, head_dim)`` and keys rotated at their positions
+    ``(batch|1, len)`` by ``rotary`` (nothing without one)."""
+    if rotary is None:
+        return query, key
+
+    def rows(positions, batch):  # one row of positions serves every batch row
+        return positions[0] if positions.ndim == 2 and positions.shape[0] == 1 and batch != 1 else positions
+
+    return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
+
+
+class _Norm(nnx.Module):
+    """A QK-norm other than flax's LayerNorm: ``scale`` ``(head_dim,)`` per head, else
+    ``(heads, head_dim)`` (the whole projection, in the kernel's layout)."""
+
+    def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, param_dtype, metadata, rngs: nnx.Rngs):
+        self.qk_norm = qk_norm
+        init = nnx.initializers.zeros_init() if qk_norm.offset else nnx.initializers.ones_init()
+        shape = (head_dim,) if qk_norm.per_head else (heads, head_dim)
+        self.scale = nnx.Param(init(rngs.params(), shape, param_dtype), **metadata)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _qk_norm(x, self.scale[...], self.qk_norm)
+
+
+def _qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
+    """``x`` ``(..., heads, head_dim)`` normalised over its last axis (per head) or its last two,
+    in float32 or wider, times ``offset + scale``; in ``x``'s dtype."""
+    axes = (-1,) if qk_norm.per_head else (-2, -1)
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    y = x.astype(compute)
+    if qk_norm.kind == "layer":
+        y = y - y.mean(axis=axes, keepdims=True)
+    y = y * jax.lax.rsqrt((y * y).mean(axis=axes, keepdims=True) + qk_norm.eps)
+    return (y * (qk_norm.offset + scale.astype(compute))).astype(x.dtype)
 
 
 def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):

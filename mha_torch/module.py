@@ -2,21 +2,23 @@
 
 Twin of ``mha_jax/module.py``. State dict: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
 each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.weight`` and
-``k_norm.weight`` ``(head_dim,)``.
+``k_norm.weight`` ``(head_dim,)`` (over the whole projection: ``(heads * head_dim,)``); with
+``use_sinks``, ``sinks`` ``(num_heads,)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from mha_torch import _cache, _checks, _neutral, masks
 from mha_torch._cache import KVCache
+from mha_torch._neutral import QKNorm
 from mha_torch.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(*batch, length, features)"
-# flax.nnx.LayerNorm's epsilon, so that normalize_qk computes what the Flax twin computes
-NORM_EPS = 1e-6
 
 
 class MultiHeadAttention(nn.Module):
@@ -33,10 +35,21 @@ class MultiHeadAttention(nn.Module):
       dropout: dropout on the attention weights, active in training mode.
       broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads
         (flax's default) instead of one per element (torch's, the default here).
-      normalize_qk: LayerNorm (no bias, epsilon 1e-6) on each head's queries and keys, as
-        flax's ``normalize_qk``: ``q_norm``, ``k_norm``.
+      normalize_qk: True: LayerNorm (no bias, epsilon 1e-6) on each head's queries and keys, as
+        flax's ``normalize_qk``: ``q_norm``, ``k_norm``; a ``QKNorm`` for another norm (RMS, over
+        the whole projection, ``1 + weight``, its epsilon).
       implementation: attention implementation, see ``mha_torch.dot_product_attention``
         (default: ``F.scaled_dot_product_attention`` unless weights are requested).
+      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+      logit_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking (Gemma 2).
+      use_sinks: a learned logit per query head, ``sinks`` ``(num_heads,)`` (zeros at first),
+        joins each row's softmax normaliser without a value (gpt-oss).
+      rotary: a ``RotaryEmbedding`` applied to queries and keys (after ``normalize_qk``) at their
+        positions (``query_positions``/``key_positions``, default ``arange``; while decoding,
+        the cache's positions).
+      local_window_size: the call's default window (a sliding-window layer), see ``forward``.
+      out_bias: a bias on the output projection; default ``bias`` (Qwen2: biases on the
+        query/key/value projections only).
       device, dtype: of the parameters.
     """
 
@@ -55,6 +68,12 @@ class MultiHeadAttention(nn.Module):
         broadcast_dropout: bool = False,
         normalize_qk: bool = False,
         implementation: str | None = None,
+        scale: float | None = None,
+        logit_soft_cap: float | None = None,
+        use_sinks: bool = False,
+        rotary: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        local_window_size: int | tuple[int, int] | None = None,
+        out_bias: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -73,19 +92,28 @@ class MultiHeadAttention(nn.Module):
         self.broadcast_dropout = broadcast_dropout
         self.normalize_qk = normalize_qk
         self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
+        self.scale = _neutral.check_scale(scale)
+        self.logit_soft_cap = logit_soft_cap
+        self.rotary = rotary
+        self.local_window_size = _neutral.check_window(local_window_size)
+        qk_norm = _neutral.check_qk_norm(normalize_qk)
 
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, self.qkv_dim, **factory)
         self.k_proj = nn.Linear(self.kdim, kv_dim, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_dim, **factory)
-        if normalize_qk:
-            norm = {"eps": NORM_EPS, "bias": False, "device": device, "dtype": dtype}
+        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
+            norm = {"eps": qk_norm.eps, "bias": False, "device": device, "dtype": dtype}
             self.q_norm = nn.LayerNorm(self.head_dim, **norm)
             self.k_norm = nn.LayerNorm(self.head_dim, **norm)
+        elif qk_norm is not None:
+            self.q_norm = _Norm(qk_norm, num_heads, self.head_dim, device=device, dtype=dtype)
+            self.k_norm = _Norm(qk_norm, self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **factory)
+        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **dict(factory, bias=bias if out_bias is None else out_bias))
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
 
     def forward(
         self,
@@ -131,6 +159,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
+        local_window_size = self.local_window_size if local_window_size is None else local_window_size
         if cache is not None:
             return self._decode(
                 query, key, value, cache, mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
@@ -153,19 +182,26 @@ class MultiHeadAttention(nn.Module):
 
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
         key, value = masks._zero_unused_inputs(key, value, spec)
-        q = self.q_proj(query).view(batch, q_len, heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(key).view(batch, kv_len, kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(query).view(batch, q_len, heads, self.head_dim)
+        k = self.k_proj(key).view(batch, kv_len, kv_heads, self.head_dim)
         v = self.v_proj(value).view(batch, kv_len, kv_heads, self.head_dim).transpose(1, 2)
-        if self.normalize_qk:
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), *masks._positions(spec))
         result = _attention(
             q, k, v, spec, dropout_p=dropout_p, dropout_mask=dropout_mask,
-            need_weights=need_weights, implementation=self.implementation,
+            need_weights=need_weights, implementation=self.implementation, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
         out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, heads * self.head_dim)), batch_shape)
         return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
 
+
+    def _logit_terms(self) -> dict:
+        """What the module adds to the logits and their softmax, those it has of ``scale``,
+        ``logit_soft_cap`` and ``sinks``."""
+        terms = dict(scale=self.scale, logit_soft_cap=self.logit_soft_cap, sinks=self.sinks)
+        return {name: value for name, value in terms.items() if value is not None}
 
     def _local_heads(self) -> tuple[int, int]:
         """(query heads, key/value heads) this process computes: all of them, or under tensor
@@ -198,11 +234,17 @@ class MultiHeadAttention(nn.Module):
         heads, kv_heads = self._local_heads()
         flat = _check_cache(cache, batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim, forbidden)
         batch, n = query.shape[0], query.shape[1]
-        q = self.q_proj(query).view(batch, n, heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(query).view(batch, n, heads, self.head_dim)
         k = self.k_proj(key).view(batch, n, kv_heads, self.head_dim)
         v = self.v_proj(value).view(batch, n, kv_heads, self.head_dim)
-        if self.normalize_qk:
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        pos = None
+        if self.rotary is not None:  # the new keys are cached rotated, at their positions
+            pos = _cache.positions(flat.index, n, terms["query_positions"])
+            q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), pos, pos)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q.transpose(1, 2)
         spec, slots = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
                                    query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
         dropout_p = self.dropout if self.training else 0.0
@@ -213,11 +255,49 @@ class MultiHeadAttention(nn.Module):
         result = _attention(
             q, flat._keys[:, :, :slots].to(q.dtype), flat._values[:, :, :slots].to(q.dtype), spec,
             dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights, implementation=self.implementation,
-            zero_unused=False,
+            zero_unused=False, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
         out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim)), batch_shape)
         return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+
+
+def _rotate(rotary, query, key, query_positions, key_positions):
+    """Queries ``(batch, heads, q_len, head_dim)`` and keys rotated at their positions
+    ``(batch|1, len)`` by ``rotary`` (nothing without one)."""
+    if rotary is None:
+        return query, key
+
+    def rows(positions, batch):  # one row of positions serves every batch row
+        return positions[0] if positions.ndim == 2 and positions.shape[0] == 1 and batch != 1 else positions
+
+    return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
+
+
+class _Norm(nn.Module):
+    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` per head, else
+    ``(heads * head_dim,)`` (the whole projection, as a checkpoint stores it)."""
+
+    def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.qk_norm = qk_norm
+        self.heads, self.head_dim = heads, head_dim
+        shape = (head_dim,) if qk_norm.per_head else (heads * head_dim,)
+        init = torch.zeros if qk_norm.offset else torch.ones
+        self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., heads, head_dim)`` normalised over its last axis (per head) or its last
+        two, in float32 or wider, times ``offset + weight``; in ``x``'s dtype."""
+        qk_norm = self.qk_norm
+        dims = (-1,) if qk_norm.per_head else (-2, -1)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        y = x.to(compute)
+        if qk_norm.kind == "layer":
+            y = y - y.mean(dim=dims, keepdim=True)
+        y = y * torch.rsqrt((y * y).mean(dim=dims, keepdim=True) + qk_norm.eps)
+        weight = self.weight.to(compute).view(x.shape[-1:] if qk_norm.per_head else x.shape[-2:])
+        return (y * (qk_norm.offset + weight)).to(x.dtype)
 
 
 def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int, forbidden) -> KVCache:

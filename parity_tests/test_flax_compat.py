@@ -148,8 +148,10 @@ def test_sow_weights_where_flax_sows_them(implementation):
     x, y, mask = _inputs("cross-gqa", (2, 3))
     ours(x, y, mask=mask, sow_weights=True)
     theirs(x, y, mask=mask, sow_weights=True)
+    ours(x, y, mask=mask, sow_weights=True, deterministic=True)  # no dropout: the weights applied
+    theirs(x, y, mask=mask, sow_weights=True, deterministic=True)
     a, b = nnx.state(ours, nnx.Intermediate), nnx.state(theirs, nnx.Intermediate)
-    assert a["attention_weights"][0].shape == (2, 3, 4, L, L)
+    assert len(a["attention_weights"]) == 2 and a["attention_weights"][0].shape == (2, 3, 4, L, L)
     _assert_trees_close(a, b, TOL["float64"])
     fresh, _ = _pair("cross-gqa")
     fresh(x, y, mask=mask)

@@ -228,10 +228,11 @@ def test_bad_arguments_are_named(kwargs, error, message):
         mha_torch.load_weights(_torch_module(), canonical(), **kwargs)
 
 
-def test_neutral_twins_are_one_file():
-    """Neither package may import the other, so the framework-neutral file is copied into both:
+@pytest.mark.parametrize("name", ["_neutral.py", "_families.py"])
+def test_neutral_twins_are_one_file(name):
+    """Neither package may import the other, so the framework-neutral files are copied into both:
     the same bytes, importing neither framework."""
-    jax_copy, torch_copy = ((ROOT / p / "_neutral.py").read_bytes() for p in ("mha_jax", "mha_torch"))
+    jax_copy, torch_copy = ((ROOT / p / name).read_bytes() for p in ("mha_jax", "mha_torch"))
     assert jax_copy == torch_copy
     imports = [line for line in jax_copy.decode().splitlines() if line.startswith(("import ", "from "))]
     assert not [line for line in imports if "jax" in line or "torch" in line or "flax" in line], imports

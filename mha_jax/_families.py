@@ -1,0 +1,177 @@
+"""Hugging Face model families: a layer's attention options read from a ``config.json`` dict.
+
+Byte-identical in ``mha_jax`` and ``mha_torch`` (a test compares the bytes), as ``_neutral.py``:
+plain Python, no array library and no transformers import. Each family's rules are read from
+transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x): which projections have
+biases, the scale, the window of each layer type, the QK-norm, soft-capping, sinks, and where
+the layer's weights sit in the whole model's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._neutral import QKNorm
+
+# model_type -> the key prefix of layer N's attention in the model's checkpoint, and its layout
+_PREFIX = "model.layers.{layer}.self_attn."
+FAMILIES = {
+    "llama": (_PREFIX, "hf"),
+    "mistral": (_PREFIX, "hf"),
+    "qwen2": (_PREFIX, "hf"),
+    "qwen3": (_PREFIX, "hf"),
+    "gemma2": (_PREFIX, "hf"),
+    "gemma3_text": (_PREFIX, "hf"),
+    "gpt_oss": (_PREFIX, "hf"),
+    "olmo2": (_PREFIX, "hf"),
+    "phi3": (_PREFIX, "fused_qkv"),
+}
+# Options that change the attention's function and that no family here reads: refused by name.
+_REFUSED = {
+    "attention_chunk_size": "chunked attention (Llama 4)",
+    "use_qk_norm": "Llama 4's QK-norm",
+    "use_bidirectional_attention": "bidirectional attention",
+}
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What one layer's attention needs, in neutral words; each package builds its module from it."""
+
+    model_type: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool
+    out_bias: bool
+    scale: float
+    logit_soft_cap: float | None
+    use_sinks: bool
+    window: tuple[int, int] | None
+    qk_norm: QKNorm | None
+    rope: dict  # a config dict for ``RotaryEmbedding.from_config``
+    prefix: str
+    layout: str
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
+    """A ``config.json`` as a dict (a path is read); a multimodal config's ``text_config``."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"config {path!r} does not exist")
+        with open(path) as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a config.json dict or its path, got {type(config).__name__}")
+    config = dict(config)
+    if "text_config" in config and "num_attention_heads" not in config:
+        config = dict(config["text_config"])
+    return config
+
+
+def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
+    """The attention options of layer ``layer`` of a transformers model's ``config``."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"config's model_type {model_type!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key)]
+    if refused:
+        raise ValueError(f"config ({model_type}) sets {', '.join(refused)}, which this attention does not compute")
+    layers = _required(config, "num_hidden_layers", model_type)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+        raise ValueError(f"layer must be an integer in [0, {layers}) (num_hidden_layers={layers}), got {layer!r}")
+    hidden = _required(config, "hidden_size", model_type)
+    heads = _required(config, "num_attention_heads", model_type)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    bias = bool(config.get("attention_bias", False))
+    qkv_bias, out_bias = {"qwen2": (True, False), "phi3": (False, False)}.get(model_type, (bias, bias))
+    scale = 1.0 / math.sqrt(head_dim)
+    if model_type in ("gemma2", "gemma3_text"):
+        scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
+    cap = config.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
+    eps = config.get("rms_norm_eps", 1e-6)
+    qk_norm = {
+        "qwen3": QKNorm("rms", True, eps),
+        "gemma3_text": QKNorm("rms", True, eps, offset=1.0),
+        "olmo2": QKNorm("rms", False, eps),
+    }.get(model_type)
+    layer_type = _layer_types(config, model_type, layers)[layer]
+    window = None
+    if layer_type == "sliding_attention" and config.get("sliding_window"):
+        # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
+        window = (int(config["sliding_window"]) - 1, 0)
+    prefix, layout = FAMILIES[model_type]
+    return LayerOptions(
+        model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale, cap, model_type == "gpt_oss",
+        window, qk_norm, _rope_config(config, model_type, layer_type, head_dim), prefix.format(layer=layer), layout,
+    )
+
+
+def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config ({model_type}) needs a positive integer {key}, got {value!r}")
+    return value
+
+
+def _layer_types(config: Mapping[str, Any], model_type: str, layers: int) -> list[str]:
+    """Each layer's ``"sliding_attention"``/``"full_attention"``: the config's ``layer_types``,
+    else the rule its transformers configuration class applies when it has none."""
+    types = config.get("layer_types")
+    if types:
+        if len(types) != layers:
+            raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
+        return list(types)
+    if model_type in ("gemma2", "gpt_oss"):  # alternating, the first sliding
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if model_type == "gemma3_text":
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if model_type in ("qwen2", "qwen3"):
+        sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+        first = config.get("max_window_layers", layers)
+        return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+    if model_type in ("mistral", "phi3") and config.get("sliding_window") is not None:
+        return ["sliding_attention"] * layers
+    return ["full_attention"] * layers
+
+
+def _rope_config(config: Mapping[str, Any], model_type: str, layer_type: str, head_dim: int) -> dict:
+    """The config the layer's ``RotaryEmbedding.from_config`` reads: the model's, with rope
+    parameters of the layer's type where the model keeps one set per type (Gemma 3)."""
+    rope = dict(config, head_dim=head_dim)
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
+        rope["rope_parameters"] = dict(parameters[layer_type])
+    elif model_type == "gemma3_text" and layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+        rope.pop("rope_scaling", None)  # older Gemma 3 configs: local layers, default rope at their own base
+        rope["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
+    return rope
+
+
+def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
+    """The ``.safetensors`` files holding the keys under ``prefix``: the file itself, or from a
+    sharded checkpoint's ``model.safetensors.index.json``, the shards its ``weight_map`` names."""
+    path = os.fspath(weights)
+    if not path.endswith(".json"):
+        return [path]
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"weights {path!r} does not exist")
+    with open(path) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, Mapping):
+        raise ValueError(f"weights {path!r} is not a safetensors index: it has no weight_map")
+    files = sorted({file for key, file in weight_map.items() if key.startswith(prefix)})
+    if not files:
+        raise ValueError(f"weights {path!r}: no key of its weight_map starts with {prefix!r}")
+    return [os.path.join(os.path.dirname(path), file) for file in files]
