@@ -94,7 +94,7 @@ def check_logit_soft_cap(cap) -> float | None:
     """None, or a positive finite real number (a Python or NumPy scalar: it is static under ``jit``)."""
     if cap is None:
         return None
-    if isinstance(cap, (bool, np.bool_)):
+    if isinstance(cap, (bool, np.bool_, str, bytes)):  # float() would read True or '50'
         raise TypeError(f"logit_soft_cap must be a positive finite number, got {cap!r}")
     try:
         value = float(cap)
