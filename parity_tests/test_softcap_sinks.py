@@ -39,13 +39,14 @@ MASKS = dict(
         key_segment_ids=np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1]]),
     ),
 )
-# name -> (soft-cap, sinks, learned bias, structured masks)
+DROPOUT_RATE = 0.3
+# name -> (soft-cap, sinks, learned bias, structured masks and an explicit dropout mask)
 CASES = {
     "cap": (True, False, True, False),
     "sinks": (False, True, True, False),
     "cap+sinks": (True, True, False, False),
     "sinks+masks": (False, True, False, True),
-    "cap+sinks+bias+masks": (True, True, True, True),
+    "cap+sinks+bias+masks+dropout": (True, True, True, True),
 }
 ORACLE_NAMES = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
                 "query_segment_ids": "query_segment_ids", "key_segment_ids": "key_segment_ids"}
@@ -66,7 +67,8 @@ def _inputs(dtype: str, seed: int = 0) -> dict:
     drawn = dict(q=rng.normal(size=(B, H, Q, D)) * 1.4, k=rng.normal(size=(B, HK, K, D)) * 1.4,
                  v=rng.normal(size=(B, HK, K, D)), d_out=rng.normal(size=(B, H, Q, D)),
                  bias=rng.normal(size=(1, H, Q, K)) * 0.5, sinks=rng.normal(size=(H,)))
-    return {name: arrays.rounded(x, dtype) for name, x in drawn.items()}
+    keep = rng.random((B, H, Q, K)) < 1.0 - DROPOUT_RATE
+    return {name: arrays.rounded(x, dtype) for name, x in drawn.items()} | {"keep": keep}
 
 
 def _call(case: str, x: dict) -> dict:
@@ -74,6 +76,8 @@ def _call(case: str, x: dict) -> dict:
     cap, sinks, bias, structured = CASES[case]
     kw = dict(logit_soft_cap=CAP if cap else None, sinks=x["sinks"] if sinks else None,
               bias=x["bias"] if bias else None)
+    if structured and "dropout" in case:
+        kw.update(dropout_mask=x["keep"], dropout_rate=DROPOUT_RATE)
     return dict(kw, **MASKS) if structured else kw
 
 
@@ -82,6 +86,7 @@ def _oracle(case: str, x: dict) -> dict:
     kw = _call(case, x)
     att = oracle.Attention(
         bias=kw["bias"], soft_cap=kw["logit_soft_cap"], sinks=kw["sinks"], is_causal=kw.get("is_causal", False),
+        keep=kw.get("dropout_mask"), dropout_rate=kw.get("dropout_rate", 0.0),
         **{ORACLE_NAMES[n]: t for n, t in kw.get("terms", {}).items()},
     )
     out, weights, cache = oracle.attention(x["q"], x["k"], x["v"], att)
@@ -92,9 +97,10 @@ def _oracle(case: str, x: dict) -> dict:
 
 
 def _implementations(case: str) -> list[tuple[str, str]]:
-    """(framework, implementation) pairs that take the case: SDPA cannot cap logits."""
+    """(framework, implementation) pairs that take the case: SDPA can neither cap logits nor
+    take an explicit dropout mask."""
     pairs = [("jax", "xla"), ("jax", "blockwise"), ("torch", "math")]
-    return pairs + ([] if CASES[case][0] else [("torch", "sdpa")])
+    return pairs + ([] if CASES[case][0] or "dropout" in case else [("torch", "sdpa")])
 
 
 def _worst(got: dict, want: dict) -> tuple[float, float]:
@@ -134,15 +140,17 @@ def test_every_implementation_matches_the_oracle_and_each_other(case, dtype):
 def test_oracle_gradients_match_central_differences():
     """The oracle's hand-written backward (cap and sinks included) against its own forward."""
     x = _inputs("float64", seed=1)
-    kw = _call("cap+sinks+bias+masks", x)
+    kw = _call("cap+sinks+bias+masks+dropout", x)
     terms = {ORACLE_NAMES[n]: t for n, t in kw["terms"].items()}
 
+    dropout = dict(keep=x["keep"], dropout_rate=DROPOUT_RATE)
+
     def loss(q, k, v, bias, sinks):
-        att = oracle.Attention(bias=bias, soft_cap=CAP, sinks=sinks, is_causal=True, **terms)
+        att = oracle.Attention(bias=bias, soft_cap=CAP, sinks=sinks, is_causal=True, **dropout, **terms)
         return float(np.sum(oracle.attention(q, k, v, att)[0] * x["d_out"]))
 
     primal = [x["q"], x["k"], x["v"], x["bias"], x["sinks"]]
-    att = oracle.Attention(bias=x["bias"], soft_cap=CAP, sinks=x["sinks"], is_causal=True, **terms)
+    att = oracle.Attention(bias=x["bias"], soft_cap=CAP, sinks=x["sinks"], is_causal=True, **dropout, **terms)
     g = oracle.attention_grads(oracle.attention(x["q"], x["k"], x["v"], att)[2], x["d_out"])
     analytic = [g["query"], g["key"], g["value"], g["logits"].sum(axis=0, keepdims=True), g["sinks"]]
     rng = np.random.default_rng(2)
