@@ -25,6 +25,11 @@ with no per-block transpose: keys are transposed once for the forward's
 ``Q K^T``, and the backward works on transposed scores ``S^T = K Q^T``, so that ``dV = P^T dO``,
 ``dK = dS^T Q`` and ``dQ^T = K^T dS^T`` all take their operands as stored. The softmax scale
 is folded into the queries once rather than applied to every score.
+
+A logit soft-cap is applied to each block's scores before the bias and masks (and its
+derivative ``1 - tanh^2`` to each block's score gradient); sinks start each row's running
+maximum and sum (``m = sink``, ``l = 1``), and their gradient is read off the saved log-sum-exp
+after the loops. Without them, the traced program is the one it was without these options.
 """
 
 from __future__ import annotations

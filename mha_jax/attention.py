@@ -84,9 +84,9 @@ def dot_product_attention(
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
         blocks, memory linear in length; blocks that causality, windows, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
-        GPUs, through ``jax.nn.dot_product_attention``; neither ``logit_soft_cap`` nor
-        ``sinks``), or None: ``"xla"`` at every size, as
-        flax (no behaviour changes with the length; ask for ``"blockwise"`` for long inputs).
+        GPUs, through ``jax.nn.dot_product_attention``; it takes neither ``logit_soft_cap``
+        nor ``sinks``), or None: ``"xla"`` at every size, as flax (no behaviour changes with
+        the length; ask for ``"blockwise"`` for long inputs).
         ``"blockwise"`` and ``"cudnn"`` have reverse-mode derivatives of first order only: under
         ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
 
