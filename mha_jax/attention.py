@@ -127,6 +127,8 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
         groups = heads // kv_heads
         empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
+        if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
+            empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
         return (out, empty.reshape(shape)) if return_weights else out
     implementation = _choose(

@@ -119,6 +119,8 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row (kept in the graph)
         groups = heads // kv_heads
         empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
+        if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
+            empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).to(empty.dtype)
         out = (empty @ value.unsqueeze(2)).reshape(query.shape)
         return (out, empty.reshape(shape)) if need_weights else out
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -242,8 +244,6 @@ def test_soft_cap_makes_torch_default_math_and_sdpa_refuses_it():
 
 def test_cudnn_refuses_soft_cap_and_sinks():
     """cuDNN (through ``jax.nn``) has neither; the message names what was given, on any backend."""
-    import jax.numpy as jnp
-
     q = jnp.zeros((B, Q, H, D), jnp.bfloat16)
     k = jnp.zeros((B, K, HK, D), jnp.bfloat16)
     with pytest.raises(ValueError, match="'cudnn' does not take logit_soft_cap and sinks"):
@@ -261,3 +261,19 @@ def test_user_sinks_are_not_modified():
     for impl in ("math", "sdpa"):
         mha_torch.dot_product_attention(q, k, v, sinks=sinks, implementation=impl).sum().backward()
     assert torch.equal(sinks.detach(), before) and sinks.grad is not None
+
+
+def test_no_key_at_all_gives_zeros_and_a_zero_sink_gradient():
+    """kv_len = 0: the output is 0 (the sink alone) and the sinks' gradient is 0, not missing."""
+    x = _inputs("float32")
+    q = x["q"].astype(np.float32)
+    empty = np.zeros((B, HK, 0, D), np.float32)
+    T = lambda a: jnp.asarray(a.transpose(0, 2, 1, 3))  # noqa: E731
+    out, vjp = jax.vjp(lambda s: mha_jax.dot_product_attention(T(q), T(empty), T(empty), sinks=s, logit_soft_cap=CAP),
+                       jnp.asarray(x["sinks"], jnp.float32))
+    assert out.dtype == jnp.float32 and not np.any(out)
+    assert np.array_equal(vjp(jnp.ones_like(out))[0], np.zeros(H, np.float32))
+    sinks = torch.tensor(x["sinks"], dtype=torch.float32, requires_grad=True)
+    out = mha_torch.dot_product_attention(torch.from_numpy(q), torch.from_numpy(empty), torch.from_numpy(empty), sinks=sinks)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and not out.any() and torch.equal(sinks.grad, torch.zeros(H))
