@@ -25,6 +25,11 @@ with no per-block transpose: keys are transposed once for the forward's
 ``Q K^T``, and the backward works on transposed scores ``S^T = K Q^T``, so that ``dV = P^T dO``,
 ``dK = dS^T Q`` and ``dQ^T = K^T dS^T`` all take their operands as stored. The softmax scale
 is folded into the queries once rather than applied to every score.
+
+A logit soft-cap is applied to each block's scores before the bias and masks (and its
+derivative ``1 - tanh^2`` to each block's score gradient); sinks start each row's running
+maximum and sum (``m = sink``, ``l = 1``), and their gradient is read off the saved log-sum-exp
+after the loops. Without them, the traced program is the one it was without these options.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class _Config:
     keep_scale: float
     dropout_rate: float
     precision: lax.PrecisionLike
+    soft_cap: float | None = None
 
     @property
     def n_q(self) -> int:
@@ -104,18 +110,21 @@ def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: 
 
 
 def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
-              keep_scale, precision, block_q, block_k):
+              keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None):
     """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``.
 
     ``spec`` gives the structured terms (positions, segments, lengths, causality, window);
     ``allowed``/``keep`` (bool) and ``bias`` (float) are None or 5-d in the interface layout.
     ``dropout_rng`` draws a keep-mask per block (a stream of its own, not the plain path's).
+    ``soft_cap`` (a float or None) caps each block's scores as ``cap * tanh(s / cap)`` before
+    the bias and masks; ``sinks`` ``(1, kv_heads, groups)`` in ``q.dtype``, or None, is each
+    query head's sink logit, the start of its rows' running maximum and sum.
     """
     cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
-                  keep_scale, dropout_rate, precision)
+                  keep_scale, dropout_rate, precision, soft_cap)
     positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
-    args = (q, k, v, allowed, bias, keep, dropout_rng, terms)
+    args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
         return _run(cfg, *args)
@@ -146,8 +155,8 @@ def _per_device(run, args, batch, heads, explicit):
     blocks to visit from its own examples and heads, with no communication, and the gradient of
     an input shared over an axis (a bias shared by the batch) is summed over it once, after the
     backward (JAX's differentiation of ``shard_map``)."""
-    leaves, tree = jax.tree.flatten(args[:6])  # q, k, v and the masks: (batch|1, kv_heads|1, ...)
-    terms, terms_tree = jax.tree.flatten(args[6:])  # positions, segments (batch|1, len), lengths (batch,)
+    leaves, tree = jax.tree.flatten(args[:7])  # q, k, v, the masks and sinks: (batch|1, kv_heads|1, ...)
+    terms, terms_tree = jax.tree.flatten(args[7:])  # positions, segments (batch|1, len), lengths (batch,)
     n, kv_heads = args[0].shape[:2]
 
     def place(x, has_heads):
@@ -171,9 +180,9 @@ def _per_device(run, args, batch, heads, explicit):
     return sharded(*(x for x, _ in placed))
 
 
-def _run(cfg, q, k, v, allowed, bias, keep, rng, terms):
-    q, k, v, bias = _varying((q, k, v, bias), (allowed, keep, rng, terms))
-    return _flash(cfg, q, k, v, allowed, bias, keep, rng, terms)
+def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
+    q, k, v, bias, sinks = _varying((q, k, v, bias, sinks), (allowed, keep, rng, terms))
+    return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
 
 
 def _varying(xs, others):
@@ -204,8 +213,8 @@ def _vma(x) -> frozenset:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, allowed, bias, keep, rng, terms):
-    return _forward(cfg, q, k, v, allowed, bias, keep, rng, terms)[0]
+def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
+    return _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)[0]
 
 
 def _pad(x, axis, size, broadcast=False):
@@ -411,7 +420,16 @@ def _dropped(cfg, x, keep, block5):
     return jnp.where(keep, x.reshape(block5) * cfg.keep_scale, 0.0).reshape(x.shape)
 
 
-def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
+def _capped(cfg, s):
+    """Scores capped as ``cap * tanh(s / cap)`` and the tanh (for the backward), or ``s`` and
+    None without a cap."""
+    if cfg.soft_cap is None:
+        return s, None
+    t = jnp.tanh(s / cfg.soft_cap)
+    return cfg.soft_cap * t, t
+
+
+def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     b, h, g, _, d = q.shape
     q_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
     kt_blocks = jnp.swapaxes(_key_rows(cfg, k), 3, 4)  # (n_k, b, h, d, block_k)
@@ -420,6 +438,8 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
     terms_p = _pad_terms(cfg, terms)
     order, n_whole, n_live = _schedule(*_classes(cfg, allowed, terms, padding=True))
     block5 = (b, h, g, cfg.block_q, cfg.block_k)
+    # (1, h, g * block_q): each query head's sink along the rows of a query block
+    sink_rows = None if sinks is None else jnp.repeat(sinks, cfg.block_q, axis=2)
 
     def query_block(args):
         i, q_i, order_i, whole_i, live_i = args
@@ -428,6 +448,7 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
             m, norm, acc = carry
             j = order_i[t]
             s = jnp.einsum("bhmd,bhdk->bhmk", q_i, kt_blocks[j], precision=cfg.precision)
+            s = _capped(cfg, s)[0]
             s = _masked(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)
             m_new = jnp.maximum(m, s.max(axis=-1))
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -440,7 +461,11 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
             pv = jnp.einsum("bhmk,bhkd->bhmd", p, v_blocks[j], precision=cfg.precision)
             return m_new, norm, alpha[..., None] * acc + pv
 
-        init = (jnp.full_like(q_i[..., 0], -jnp.inf), jnp.zeros_like(q_i[..., 0]), jnp.zeros_like(q_i))
+        if sinks is None:
+            init = (jnp.full_like(q_i[..., 0], -jnp.inf), jnp.zeros_like(q_i[..., 0]), jnp.zeros_like(q_i))
+        else:  # the sink is one more score of value 0: each row starts from m = sink, l = 1
+            zeros = jnp.zeros_like(q_i[..., 0])
+            init = (zeros + sink_rows, zeros + (sink_rows > -jnp.inf).astype(zeros.dtype), jnp.zeros_like(q_i))
         carry = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False), init)
         m, norm, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
         out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
@@ -450,11 +475,11 @@ def _forward(cfg, q, k, v, allowed, bias, keep, rng, terms):
 
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
     out, lse = _from_query_rows(cfg, out, b, h, g), _from_query_rows(cfg, lse, b, h, g)
-    return out, (q, k, v, allowed, bias, keep, rng, terms, out, lse)
+    return out, (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
 
 
 def _flash_bwd(cfg, residuals, d_out):
-    q, k, v, allowed, bias, keep, rng, terms, out, lse = residuals
+    q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse = residuals
     b, h, g, _, d = q.shape
     if rng is None:  # a drawn dropout mask is tied to the forward's blocks; otherwise re-block
         sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal or cfg.window is not None)
@@ -483,6 +508,7 @@ def _flash_bwd(cfg, residuals, d_out):
             dqt, dk_j, dv_j, d_bias = inner
             i = order_j[t]
             st = jnp.einsum("bhkd,bhdm->bhkm", k_j, qst_blocks[i], precision=cfg.precision)
+            st, tanh_t = _capped(cfg, st)
             st = _masked(cfg, st, i, j, allowed_t, terms_p, bias_t, block5_t, True, partial)
             # Exact scores never exceed their row's lse; the clamp only bounds the padded keys
             # (zero rows of K: score 0), whose terms then reach dQ as 0 * finite and are cut off
@@ -497,6 +523,8 @@ def _flash_bwd(cfg, residuals, d_out):
             dst = pt * (dpt - delta_blocks[i][:, :, None, :])  # gradient of the (scaled, biased) scores
             if d_bias is not None:
                 d_bias = _add_block(d_bias, dst.reshape(block5_t), i, j, cfg)
+            if tanh_t is not None:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+                dst = dst * (1.0 - tanh_t * tanh_t)
             dk_j = dk_j + jnp.einsum("bhkm,bhmd->bhkd", dst, qs_blocks[i], precision=cfg.precision)
             dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_j, dst, precision=cfg.precision)
             dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)
@@ -518,7 +546,13 @@ def _flash_bwd(cfg, residuals, d_out):
 
     if d_bias is not None:
         d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
-    return dq, keys(dk), keys(dv), None, d_bias, None, None, None
+    d_sinks = None
+    if sinks is not None:
+        # The sink's weight exp(sink - lse) times its score gradient 0 - rowsum(dP * P), summed
+        # over the batch and the queries of each head.
+        p_sink = jnp.exp(sinks[..., None] - lse)  # (b, h, g, q_len)
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(sinks.shape).astype(sinks.dtype)
+    return dq, keys(dk), keys(dv), None, d_bias, None, d_sinks, None, None
 
 
 def _add_block(d_bias, ds, i, j, cfg):

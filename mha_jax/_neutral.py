@@ -5,7 +5,7 @@ that the two copies are the same bytes. It uses only Python, NumPy and what NumP
 arrays and torch tensors share (``.shape``, ``.ndim``, ``.reshape``, slicing along the first axis):
 
 - argument checks that read no array library: head counts, broadcasting, rates, scales,
-  windows, sequence shapes;
+  logit soft-caps, windows, sequence and sink shapes;
 - the batch axes of the modules' inputs, merged into one and restored;
 - when a decoding cache overwrites what a query may still see;
 - checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check
@@ -88,6 +88,29 @@ def check_scale(scale) -> float | None:
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
     return value
+
+
+def check_logit_soft_cap(cap) -> float | None:
+    """None, or a positive finite real number (a Python or NumPy scalar: it is static under ``jit``)."""
+    if cap is None:
+        return None
+    if isinstance(cap, (bool, np.bool_, str, bytes)):  # float() would read True or '50'
+        raise TypeError(f"logit_soft_cap must be a positive finite number, got {cap!r}")
+    try:
+        value = float(cap)
+    except (TypeError, ValueError):
+        raise TypeError(f"logit_soft_cap must be a positive finite number, got {cap!r}") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"logit_soft_cap must be a positive finite number, got {value}")
+    return value
+
+
+def check_sinks_shape(shape: Sequence[int], heads: int) -> None:
+    """ValueError unless ``shape`` is ``(heads,)``: one sink logit per query head."""
+    if tuple(shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape (heads,) = ({heads},), one logit per query head, got {tuple(shape)}"
+        )
 
 
 def check_is_causal(is_causal) -> bool:

@@ -35,6 +35,8 @@ def dot_product_attention(
     key_segment_ids: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     dropout_mask: jax.Array | None = None,
@@ -64,6 +66,11 @@ def dot_product_attention(
         one row for every batch element), given together: a query sees keys of its own segment.
       key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+      logit_soft_cap: a positive finite ``cap``: the scaled logits become
+        ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
+      sinks: real floating ``(heads,)``, one learned logit per query head that joins each
+        query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
+        less than 1, and a query that may attend to no key still gets 0. Differentiable.
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
       dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (``"xla"`` and
@@ -71,13 +78,15 @@ def dot_product_attention(
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
         ``(batch, heads, q_len, kv_len)``; when given it is used instead of ``dropout_rng``.
       return_weights: also return the attention weights actually applied to ``value``
-        (``"xla"`` only: the other implementations never form them).
+        (``"xla"`` only: the other implementations never form them); with ``sinks`` the
+        sink's share is not among them.
       precision: passed to the matrix products.
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
         blocks, memory linear in length; blocks that causality, windows, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
-        GPUs, through ``jax.nn.dot_product_attention``), or None: ``"xla"`` at every size, as
-        flax (no behaviour changes with the length; ask for ``"blockwise"`` for long inputs).
+        GPUs, through ``jax.nn.dot_product_attention``; it takes neither ``logit_soft_cap``
+        nor ``sinks``), or None: ``"xla"`` at every size, as flax (no behaviour changes with
+        the length; ask for ``"blockwise"`` for long inputs).
         ``"blockwise"`` and ``"cudnn"`` have reverse-mode derivatives of first order only: under
         ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
 
@@ -94,30 +103,40 @@ def dot_product_attention(
         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
     )
     return _attention(
-        query, key, value, spec, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        dropout_mask=dropout_mask, return_weights=return_weights, precision=precision,
-        implementation=implementation,
+        query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+        return_weights=return_weights, precision=precision, implementation=implementation,
     )
 
 
-def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate=0.0, dropout_rng=None,
-               dropout_mask=None, return_weights=False, precision=None, implementation=None, zero_unused=True):
+def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_cap=None, sinks=None,
+               dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
+               implementation=None, zero_unused=True):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[2], query.shape[3]
     scale = _neutral.check_scale(scale)
+    soft_cap = _neutral.check_logit_soft_cap(logit_soft_cap)
+    if sinks is not None:
+        _checks.require_float("sinks", sinks)
+        _neutral.check_sinks_shape(sinks.shape, heads)
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
         groups = heads // kv_heads
         empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
+        if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
+            empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
         return (out, empty.reshape(shape)) if return_weights else out
-    implementation = _choose(implementation, return_weights, keep is not None or rng is not None, query.dtype)
+    implementation = _choose(
+        implementation, return_weights, keep is not None or rng is not None, query.dtype,
+        soft_cap is not None, sinks is not None,
+    )
     if implementation != "xla":
-        _check_derivatives(implementation, query, key, value, spec.bias)
+        _check_derivatives(implementation, query, key, value, spec.bias, sinks)
     _check_head_sharding(query, heads, kv_heads)
 
     dtype = query.dtype
@@ -129,10 +148,13 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
     q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
     k, v = key.astype(compute), value.astype(compute)
+    sinks = None if sinks is None else sinks.astype(compute)
     if implementation == "xla":
         if rng is not None:
             keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
-        out, weights = _xla(q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, precision)
+        out, weights = _xla(
+            q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, precision, soft_cap, sinks
+        )
     elif implementation == "blockwise":
         block_q, block_k = _blockwise.block_sizes(
             q_len, kv_len, batch * kv_heads, groups, spec.is_causal or spec.window is not None
@@ -142,7 +164,8 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_rate
             allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
             keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
             dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
-            block_q=block_q, block_k=block_k,
+            block_q=block_q, block_k=block_k, soft_cap=soft_cap,
+            sinks=None if sinks is None else sinks.reshape(1, kv_heads, groups),
         ).transpose(0, 3, 1, 2, 4)
         weights = None
     else:
@@ -172,12 +195,16 @@ def _check_head_sharding(query, heads, kv_heads):
         )
 
 
-def _choose(implementation, return_weights, dropout, dtype) -> str:
+def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> str:
     if implementation is None:
         return "xla"
     _neutral.check_implementation(implementation, IMPLEMENTATIONS)
     if return_weights and implementation != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
+    if implementation == "cudnn" and (soft_cap or sinks):
+        # jax.nn.dot_product_attention takes neither a cap on the logits nor a sink column.
+        names = " and ".join(n for n, given in (("logit_soft_cap", soft_cap), ("sinks", sinks)) if given)
+        raise ValueError(f"implementation='cudnn' does not take {names}; use 'xla' or 'blockwise'")
     if implementation == "cudnn":
         if jax.default_backend() != "gpu":
             raise ValueError(
@@ -207,13 +234,16 @@ def _check_derivatives(implementation: str, *arrays) -> None:
             )
 
 
-def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision):
-    """The plain formulation: q ``(b, q, kv_heads, groups, d)``, k/v ``(b, k, kv_heads, d)``."""
+def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=None, sinks=None):
+    """The plain formulation: q ``(b, q, kv_heads, groups, d)``, k/v ``(b, k, kv_heads, d)``,
+    ``sinks`` ``(heads,)`` or None."""
     batch, q_len, kv_heads, groups, _ = q.shape
     shape = (batch, kv_heads * groups, q_len, k.shape[1])
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=precision)
     logits = logits.reshape(shape) * scale
-    weights = _masked_softmax(logits, allowed, bias)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    weights = _masked_softmax(logits, allowed, bias, sinks)
     if keep is not None:
         weights = jnp.where(keep, weights * keep_scale, 0.0)
     out = jnp.einsum(
@@ -262,17 +292,27 @@ def _grouped(x, kv_heads):
     return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, x.shape[2], x.shape[3])
 
 
-def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None) -> jax.Array:
-    """Softmax over the last axis that gives 0 (not NaN, not uniform) on rows with no allowed key."""
+def _masked_softmax(
+    logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None, sinks: jax.Array | None = None
+) -> jax.Array:
+    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)`` logits that gives 0 (not
+    NaN, not uniform) on rows with no allowed key. ``sinks`` ``(heads,)`` joins each row's
+    normaliser as one more logit whose weight is not returned."""
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
     if allowed is not None:
         logits = jnp.where(allowed, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
     # The row maximum only shifts the exponent; softmax does not depend on it, so no gradient.
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jax.lax.stop_gradient(row_max)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - row_max)
     return exp / jnp.where(total == 0.0, 1.0, total)
 
 

@@ -32,6 +32,8 @@ def dot_product_attention(
     key_segment_ids: torch.Tensor | None = None,
     key_value_seq_lengths: torch.Tensor | None = None,
     scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
     need_weights: bool = False,
@@ -61,16 +63,24 @@ def dot_product_attention(
         one row for every batch element), given together: a query sees keys of its own segment.
       key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+      logit_soft_cap: a positive finite ``cap``: the scaled logits become
+        ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
+        ``F.scaled_dot_product_attention`` cannot apply it, so it needs ``"math"``.
+      sinks: real floating ``(heads,)``, one learned logit per query head that joins each
+        query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
+        less than 1, and a query that may attend to no key still gets 0. Differentiable.
       dropout_p: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
         ``(batch, heads, q_len, kv_len)`` (``"math"`` only).
       need_weights: also return the attention weights actually applied to ``value``
-        (``"math"`` only).
+        (``"math"`` only); with ``sinks`` the sink's share is not among them.
       implementation: ``"math"`` (the explicit formulation), ``"sdpa"``
         (``F.scaled_dot_product_attention``; causality alone at default positions goes to it
-        as ``is_causal``, any other term as one materialised ``attn_mask``), or None:
-        ``"sdpa"`` unless weights or an explicit dropout mask are asked for.
+        as ``is_causal``, any other term as one materialised ``attn_mask``; ``sinks`` as one
+        more key and value of zeros whose ``attn_mask`` column is the sink), or None:
+        ``"sdpa"`` unless weights, an explicit dropout mask or ``logit_soft_cap`` are asked
+        for, then ``"math"`` (whatever the sizes).
 
     Returns:
       ``(batch, heads, q_len, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -86,27 +96,34 @@ def dot_product_attention(
         device=query.device,
     )
     return _attention(
-        query, key, value, spec, scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
-        need_weights=need_weights, implementation=implementation,
+        query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
+        dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
+        implementation=implementation,
     )
 
 
-def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.0, dropout_mask=None,
-               need_weights=False, implementation=None, zero_unused=True):
+def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_cap=None, sinks=None,
+               dropout_p=0.0, dropout_mask=None, need_weights=False, implementation=None, zero_unused=True):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry).
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
     scale = _neutral.check_scale(scale)
+    soft_cap = _neutral.check_logit_soft_cap(logit_soft_cap)
+    if sinks is not None:
+        _checks.require_float("sinks", sinks)
+        _neutral.check_sinks_shape(sinks.shape, heads)
     keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row (kept in the graph)
         groups = heads // kv_heads
         empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
+        if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
+            empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).to(empty.dtype)
         out = (empty @ value.unsqueeze(2)).reshape(query.shape)
         return (out, empty.reshape(shape)) if need_weights else out
-    implementation = _choose(implementation, need_weights, keep is not None)
+    implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
 
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)
@@ -115,12 +132,13 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
         unused = unused[..., None]
         key, value = key.masked_fill(unused, 0), value.masked_fill(unused, 0)
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
+    sinks = None if sinks is None else sinks.to(compute)
     if implementation == "math":
         if keep is None and dropout_p > 0:
             keep = torch.rand(shape, device=query.device) >= dropout_p
-        out, weights = _math(q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale)
+        out, weights = _math(q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, soft_cap, sinks)
     else:
-        out = _sdpa(q, k, v, spec, scale, dropout_p)
+        out = _sdpa(q, k, v, spec, scale, dropout_p, sinks)
         weights = None
     out = out.to(dtype)
     if need_weights:
@@ -128,30 +146,38 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, dropout_p=0.
     return out
 
 
-def _choose(implementation, need_weights, explicit_dropout) -> str:
+def _choose(implementation, need_weights, explicit_dropout, soft_cap=False) -> str:
     if implementation is None:
-        return "math" if need_weights or explicit_dropout else "sdpa"
+        return "math" if need_weights or explicit_dropout or soft_cap else "sdpa"
     _neutral.check_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "sdpa" and (need_weights or explicit_dropout):
         raise ValueError("need_weights=True and dropout_mask need implementation='math', got 'sdpa'")
+    if implementation == "sdpa" and soft_cap:
+        raise ValueError(
+            "logit_soft_cap needs implementation='math' (F.scaled_dot_product_attention cannot apply "
+            "tanh to the logits), got 'sdpa'"
+        )
     return implementation
 
 
-def _math(q, k, v, allowed, bias, keep, keep_scale, scale):
-    """The explicit formulation: q ``(b, heads, q, d)``, k/v ``(b, kv_heads, k, d)``."""
+def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=None):
+    """The explicit formulation: q ``(b, heads, q, d)``, k/v ``(b, kv_heads, k, d)``,
+    ``sinks`` ``(heads,)`` or None."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     logits = q.reshape(batch, kv_heads, groups, q_len, head_dim) @ k.unsqueeze(2).transpose(-1, -2)
     logits = logits.reshape(batch, heads, q_len, kv_len) * scale
-    weights = _masked_softmax(logits, allowed, bias)
+    if soft_cap is not None:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    weights = _masked_softmax(logits, allowed, bias, sinks)
     if keep is not None:
         weights = torch.where(keep, weights * keep_scale, 0.0)
     out = weights.reshape(batch, kv_heads, groups, q_len, kv_len) @ v.unsqueeze(2)
     return out.reshape(batch, heads, q_len, head_dim), weights
 
 
-def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p):
+def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p, sinks=None):
     """``F.scaled_dot_product_attention`` with our semantics: causality alone at default
     positions as its ``is_causal`` (top-left, as ours there), anything else materialised into
     one ``attn_mask``: bool, or float with ``-inf`` where not allowed when there is a bias.
@@ -159,10 +185,14 @@ def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p):
     SDPA gives a row with no allowed key an output of 0 and gradients of 0, as ours (checked
     with torch 2.13 on CPU, float64/float32/bfloat16, bool and float masks), so those rows
     need no fixing here.
+
+    ``sinks`` ``(heads,)``: one more key and value of zeros, whose score ``q . 0 = 0`` plus its
+    ``attn_mask`` column, the sink, is the sink logit exactly; its value adds nothing to the
+    output, and the sink's gradient comes back through the float mask.
     """
     native_causal = (
         spec.is_causal and spec.default_positions and spec.window is None and spec.query_segment_ids is None
-        and spec.lengths is None and spec.allowed is None and spec.bias is None
+        and spec.lengths is None and spec.allowed is None and spec.bias is None and sinks is None
     )
     attn_mask = None
     if not native_causal:
@@ -173,25 +203,54 @@ def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p):
             )
     if attn_mask is not None and attn_mask.ndim < 4:  # SDPA wants at least (q_len, kv_len)
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
+    if sinks is not None:
+        q, k, v, attn_mask = _with_sink_key(q, k, v, attn_mask, sinks)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
 
 
+def _with_sink_key(q, k, v, attn_mask, sinks):
+    """(q, k, v, attn_mask) with one more key and value of zeros after the last, and a float
+    mask ``(batch|1, heads, q_len, kv_len + 1)`` whose last column is ``sinks``: the others
+    are the mask given (bool as 0/-inf), or 0 without one."""
+    batch, heads, q_len, _ = q.shape
+    kv_heads, kv_len, head_dim = k.shape[1], k.shape[2], k.shape[3]
+    zero = k.new_zeros(batch, kv_heads, 1, head_dim)
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    if attn_mask is None:
+        attn_mask = q.new_zeros(1, 1, 1, 1)
+    elif attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, q.new_zeros(()), -math.inf)
+    lead = attn_mask.shape[0]
+    attn_mask = attn_mask.expand(lead, heads, q_len, kv_len)
+    sink = sinks.reshape(1, heads, 1, 1).expand(lead, heads, q_len, 1)
+    return q, k, v, torch.cat([attn_mask, sink], dim=-1)
+
+
 def _masked_softmax(
-    logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None
+    logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax over the last axis that gives 0 (not NaN, not uniform) on rows with no allowed key."""
+    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)`` logits that gives 0 (not
+    NaN, not uniform) on rows with no allowed key. ``sinks`` ``(heads,)`` joins each row's
+    normaliser as one more logit whose weight is not returned."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, -math.inf)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     # The row maximum only shifts the exponent; softmax does not depend on it, so no gradient.
-    row_max = logits.amax(dim=-1, keepdim=True).detach()
+    row_max = row_max.detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     exp = torch.exp(logits - row_max)
     total = exp.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sink - row_max)
     return exp / torch.where(total == 0.0, 1.0, total)
 
 

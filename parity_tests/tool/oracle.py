@@ -9,6 +9,7 @@ state-dict names and shapes; arrays are float64 throughout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,9 @@ class Attention:
     ``mask``: bool/integer nonzero = attend, floating = added (PyTorch's convention; each
     framework's harness passes it in its own). ``bias``: added. Positions ``(batch|1, len)``
     default to ``arange``; ``window`` is ``(left, right)``; ``lengths`` ``(batch,)``.
+    ``soft_cap``: the scaled logits become ``soft_cap * tanh(logits / soft_cap)`` before the
+    bias and masks. ``sinks`` ``(heads,)``: one more logit per query head in each row's
+    normaliser, attached to no value.
     """
 
     mask: np.ndarray | None = None
@@ -36,6 +40,24 @@ class Attention:
     query_segment_ids: np.ndarray | None = None
     key_segment_ids: np.ndarray | None = None
     lengths: np.ndarray | None = None
+    soft_cap: float | None = None
+    sinks: np.ndarray | None = None
+
+
+@dataclass
+class Cache:
+    """What ``attention_grads`` reads of a forward pass (all float64, ``(B, H, Q, K)`` unless said)."""
+
+    q: np.ndarray
+    k_rep: np.ndarray  # keys and values repeated to the query heads, (B, H, K, D)
+    v_rep: np.ndarray
+    probs: np.ndarray  # softmax before dropout
+    drop: np.ndarray  # 0 or 1 / (1 - rate) per weight
+    weights: np.ndarray  # probs * drop
+    scale: float
+    groups: int
+    tanh: np.ndarray | None  # tanh(scaled logits / soft_cap), None without a cap
+    sink_probs: np.ndarray | None  # (B, H, Q, 1): the sink's share of each row, None without sinks
 
 
 def allowed_and_bias(att: Attention, shape: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -75,7 +97,7 @@ def allowed_and_bias(att: Attention, shape: tuple[int, int, int, int]) -> tuple[
 def attention(q, k, v, att: Attention):
     """Forward of the core in torch layout: q ``(B, H, Q, D)``, k/v ``(B, Hk, K, D)``.
 
-    Returns (out ``(B, H, Q, D)``, applied weights ``(B, H, Q, K)``, cache for ``attention_grad``).
+    Returns (out ``(B, H, Q, D)``, applied weights ``(B, H, Q, K)``, ``Cache`` for ``attention_grads``).
     """
     batch, heads, q_len, head_dim = q.shape
     groups = heads // k.shape[1]
@@ -84,37 +106,64 @@ def attention(q, k, v, att: Attention):
     shape = (batch, heads, q_len, k.shape[2])
     allowed, bias = allowed_and_bias(att, shape)
 
-    logits = np.einsum("bhqd,bhkd->bhqk", q, k_rep) * scale + bias
-    logits = np.where(allowed, logits, -np.inf)
+    logits = np.einsum("bhqd,bhkd->bhqk", q, k_rep) * scale
+    tanh = None
+    if att.soft_cap is not None:
+        tanh = np.tanh(logits / att.soft_cap)
+        logits = att.soft_cap * tanh
+    logits = np.where(allowed, logits + bias, -np.inf)
     live = np.isfinite(logits)
     has_key = live.any(axis=-1, keepdims=True)
     row_max = np.where(has_key, np.where(live, logits, -np.inf).max(axis=-1, keepdims=True), 0.0)
+    sink = None
+    if att.sinks is not None:  # the sink is one more finite logit in every row
+        sink = np.broadcast_to(np.asarray(att.sinks, np.float64).reshape(1, heads, 1, 1), (batch, heads, q_len, 1))
+        row_max = np.where(has_key, np.maximum(row_max, sink), sink)
     exp = np.where(live, np.exp(np.where(live, logits, 0.0) - row_max), 0.0)
-    probs = exp / np.where(has_key, exp.sum(axis=-1, keepdims=True), 1.0)
+    total = exp.sum(axis=-1, keepdims=True)
+    sink_probs = None
+    if sink is not None:
+        sink_exp = np.exp(sink - row_max)
+        total = total + sink_exp
+        sink_probs = sink_exp / total
+    probs = exp / np.where(total > 0.0, total, 1.0)
 
     drop = np.ones(shape)
     if att.keep is not None:
         drop = np.broadcast_to(np.asarray(att.keep) != 0, shape) / (1.0 - att.dropout_rate)
     weights = probs * drop
     out = np.einsum("bhqk,bhkd->bhqd", weights, v_rep)
-    return out, weights, (q, k_rep, v_rep, probs, drop, weights, scale, groups)
+    return out, weights, Cache(q, k_rep, v_rep, probs, drop, weights, scale, groups, tanh, sink_probs)
 
 
-def attention_grad(cache, d_out):
-    """Gradients (dq, dk, dv) of ``attention`` for the cotangent ``d_out``."""
-    q, k_rep, v_rep, probs, drop, weights, scale, groups = cache
-    d_weights = np.einsum("bhqd,bhkd->bhqk", d_out, v_rep)
-    dv_rep = np.einsum("bhqk,bhqd->bhkd", weights, d_out)
-    d_probs = d_weights * drop
-    d_logits = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True)) * scale
-    dq = np.einsum("bhqk,bhkd->bhqd", d_logits, k_rep)
-    dk_rep = np.einsum("bhqk,bhqd->bhkd", d_logits, q)
+def attention_grads(cache: Cache, d_out) -> dict[str, Any]:
+    """Every gradient of ``attention`` for the cotangent ``d_out``: ``query``, ``key``,
+    ``value``; ``logits`` ``(B, H, Q, K)``, that of the capped logits plus bias (an additive
+    bias's gradient before summing over its broadcast axes); ``sinks`` ``(H,)`` or None."""
+    c = cache
+    d_weights = np.einsum("bhqd,bhkd->bhqk", d_out, c.v_rep)
+    dv_rep = np.einsum("bhqk,bhqd->bhkd", c.weights, d_out)
+    d_probs = d_weights * c.drop
+    # softmax backward: dS = P * (dP - rowsum(dP * P)); the sink's own dP is 0 (it has no value)
+    row = (d_probs * c.probs).sum(axis=-1, keepdims=True)
+    d_logits = c.probs * (d_probs - row)
+    d_sinks = None if c.sink_probs is None else -(c.sink_probs * row).sum(axis=(0, 2, 3))
+    d_raw = d_logits if c.tanh is None else d_logits * (1.0 - c.tanh**2)  # d(cap tanh(x / cap)) / dx
+    d_scaled = d_raw * c.scale
+    dq = np.einsum("bhqk,bhkd->bhqd", d_scaled, c.k_rep)
+    dk_rep = np.einsum("bhqk,bhqd->bhkd", d_scaled, c.q)
 
     def fold(x):  # sum the query heads of each group back onto their key/value head
         b, h, n, d = x.shape
-        return x.reshape(b, h // groups, groups, n, d).sum(axis=2)
+        return x.reshape(b, h // c.groups, c.groups, n, d).sum(axis=2)
 
-    return dq, fold(dk_rep), fold(dv_rep)
+    return {"query": dq, "key": fold(dk_rep), "value": fold(dv_rep), "logits": d_logits, "sinks": d_sinks}
+
+
+def attention_grad(cache: Cache, d_out):
+    """Gradients (dq, dk, dv) of ``attention`` for the cotangent ``d_out``."""
+    grads = attention_grads(cache, d_out)
+    return grads["query"], grads["key"], grads["value"]
 
 
 def _split_heads(x, heads):
