@@ -275,6 +275,35 @@ def test_jit_with_traced_positions(name):
     assert _ulps(jax.jit(rope_jax.frequencies)(seq_len), rope_torch.frequencies(int(seq_len))) <= 1
 
 
+def test_without_x64():
+    """As JAX runs by default, without float64: the frequencies as with it, except dynamic's past
+    ``max_position_embeddings``, whose grown base XLA raises to a power in float32 (within 2e-6 of
+    torch's, where it is bitwise with x64). Rotations just past the threshold within 1e-6 of
+    torch's; at position 5000 further (about 1e-5), yet nearer than torch's float32 rotation is
+    to the same rotation in float64."""
+    with jax.enable_x64(False):
+        for name in SCALINGS:
+            rope_torch = mha_torch.RotaryEmbedding.from_config(_config(SCALINGS[name]))
+            rope_jax = mha_jax.RotaryEmbedding.from_config(_config(SCALINGS[name]))
+            for seq_len in (5, MAX_POS + 1, 2**20):
+                ours, theirs = rope_jax.frequencies(seq_len), rope_torch.frequencies(seq_len)
+                if name == "dynamic" and seq_len > MAX_POS:
+                    assert np.abs(np.asarray(ours) / theirs.numpy() - 1).max() < 2e-6
+                else:
+                    assert _ulps(ours, theirs) <= 1, (name, seq_len)
+        rope_torch = mha_torch.RotaryEmbedding.from_config(_config(SCALINGS["dynamic"]))
+        rope_jax = mha_jax.RotaryEmbedding.from_config(_config(SCALINGS["dynamic"]))
+        apply = jax.jit(lambda x, positions: rope_jax(x, positions))
+        x = _x(14)
+        for offset in (MAX_POS + 8, 5000):
+            positions = np.arange(L) + offset
+            ours = apply(jnp.asarray(x, jnp.float32), jnp.asarray(positions, jnp.int32))
+            theirs = _from_torch(rope_torch(_to_torch(x, torch.float32), torch.from_numpy(positions)))
+            exact = _from_torch(rope_torch(_to_torch(x), torch.from_numpy(positions)))
+            assert ours.dtype == jnp.float32
+            assert _rel(ours, theirs) < (1e-6 if offset < 100 else _rel(theirs, exact)), offset
+
+
 @pytest.mark.parametrize("name, interleaved", [("dynamic", False), ("yarn", True)])
 def test_gradient_matches_torch(name, interleaved):
     """d(sum(w * rope(x))) / dx, float64, JAX against torch autograd, partial rotary."""
