@@ -7,13 +7,14 @@ transformers divides a Python number by a tensor, torch computes ``reciprocal(x)
 ``_rdiv`` here, which keeps the twins on the same roundings.
 
 ``dynamic`` and ``longrope`` depend on the sequence length, which transformers reads from
-``max(position_ids) + 1`` in ``dynamic_rope_update`` and keeps in its module: dynamic NTK keeps the
-frequencies of the longest sequence seen until a sequence shorter than ``max_position_embeddings``
-resets them. Here nothing is kept: each call computes the length from its own ``positions``, so
-the result depends on the call alone and the length may be traced under ``jax.jit``. Both agree
-whenever the call's length is the longest seen so far (one forward pass, or decoding steps whose
-positions grow); after a longer sequence, transformers' dynamic NTK keeps the longer sequence's
-frequencies where this computes the current one's.
+``max(position_ids) + 1`` in ``dynamic_rope_update`` (one length for the whole batch, as here). For
+``longrope`` it picks the factors anew at each call, as this does. For ``dynamic`` its module keeps
+state: the frequencies of the longest sequence seen, until a sequence shorter than
+``max_position_embeddings`` resets them. Here nothing is kept: each call computes the length from
+its own ``positions`` (traced or not under ``jax.jit``), so the result depends on the call alone.
+The two agree whenever the call's length is the longest seen so far (a forward pass over a whole
+sequence, or decoding steps whose positions grow); after a longer sequence, transformers keeps that
+sequence's frequencies where this computes the current one's.
 """
 
 from __future__ import annotations

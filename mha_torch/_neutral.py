@@ -768,9 +768,23 @@ _INTERLEAVED_MODELS = ("gptj", "codegen")
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
     """``RotaryEmbedding``'s arguments from a transformers ``config.json`` dict, or None when it
-    names no rotary embedding. Reads the parameters as ``RotaryEmbeddingConfigMixin``
-    (``convert_rope_params_to_dict``, ``standardize_rope_params``) and the model config classes do;
-    ``config`` is not modified."""
+    has none of the keys in ``_ROPE_CONFIG_KEYS``. Read as ``RotaryEmbeddingConfigMixin``
+    (``convert_rope_params_to_dict``, ``standardize_rope_params``) and the model config classes
+    read them; ``config`` is not modified:
+
+    - the rope parameters: ``rope_scaling`` (older) or ``rope_parameters`` (transformers 5), whose
+      ``rope_type`` (or ``type``) and the keys it reads become ``scaling``;
+    - theta: ``rope_parameters['rope_theta']``, ``rope_theta``, ``rotary_emb_base`` (GPT-NeoX), 10000;
+    - head_dim: the argument, ``head_dim``, or ``hidden_size // num_attention_heads`` (GPT-J:
+      ``n_embd // n_head``);
+    - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)`` with the fraction from
+      ``partial_rotary_factor`` (in the rope parameters or beside them), ``rotary_pct``
+      (GPT-NeoX), the model's default (GPT-NeoX 0.25, Phi 0.5) or 1;
+    - max_position_embeddings (GPT-J: ``n_positions``), and for llama3, yarn and longrope
+      ``original_max_position_embeddings``: a top-level one (Phi-3) wins, else the rope
+      parameters' own, else max_position_embeddings;
+    - interleaved for GPT-J and CodeGen (``model_type``), whose attention rotates pairs
+      ``(2i, 2i + 1)``; every other model rotates halves."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
     if not any(key in config for key in _ROPE_CONFIG_KEYS):
