@@ -40,7 +40,12 @@ class RotaryEmbedding(_neutral.RotaryParameters):
     - ``interleaved``: rotate pairs ``(2i, 2i + 1)`` (GPT-J); else pairs ``(i, i + rotary_dim / 2)``
       (rotate-half: Llama, GPT-NeoX).
     - ``scaling``: None, or a mapping with ``rope_type`` and the keys transformers reads for it
-      (``rope_parameters`` without ``rope_theta``): see ``_neutral.ROPE_TYPES``.
+      (its ``rope_parameters`` without ``rope_theta``), optional ones in brackets: ``linear`` and
+      ``dynamic`` factor; ``yarn`` factor, original_max_position_embeddings [attention_factor,
+      beta_fast, beta_slow, mscale, mscale_all_dim, truncate]; ``longrope`` short_factor,
+      long_factor, original_max_position_embeddings [factor, attention_factor]; ``llama3``
+      factor, low_freq_factor, high_freq_factor, original_max_position_embeddings. Any other key
+      is an error, as is a missing one.
     - ``max_position_embeddings``: read by ``dynamic``, and by ``yarn``/``longrope`` without ``factor``.
 
     Precision: ``inv_freq`` is float32, computed as transformers computes it. For float64 ``x``
@@ -48,6 +53,9 @@ class RotaryEmbedding(_neutral.RotaryParameters):
     (which computes them in float32 and casts); for other dtypes they are computed in float32 as
     transformers does, and the rotation is applied in float32 (bfloat16 and float16 inputs
     included, where transformers rotates in the input's dtype) before casting back to ``x``'s dtype.
+
+    Immutable and hashable. Besides the call: ``inv_freq``, ``frequencies(seq_len)``,
+    ``attention_factor``, ``rope_type`` and ``seq_len_threshold()``.
     """
 
     @property
