@@ -534,6 +534,10 @@ class Scaling(Mapping):
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Scaling is immutable")
 
+    def __reduce__(self):
+        # copy and pickle rebuild it through __init__, not by setting its slot.
+        return Scaling, (self._items,)
+
     def __getitem__(self, key: str) -> Any:
         return self._items[key]
 

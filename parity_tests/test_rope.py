@@ -10,6 +10,7 @@ float64 from its float32 frequencies.
 """
 
 import copy
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -381,7 +382,7 @@ def test_default_positions_and_batch_axes():
 def test_from_config_reads_each_naming():
     """transformers 5's ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``
     (with ``type``) give one embedding; configs without rotary keys give None; the config dict is
-    left as it was; the embedding is hashable and equals its constructor's."""
+    left as it was; the embedding is hashable, equals its constructor's, copies and pickles."""
     new = _config(SCALINGS["llama3"])
     old = {**new, "rope_theta": THETA, "rope_scaling": {"type": "llama3", **{k: v for k, v in SCALINGS["llama3"].items() if k != "rope_type"}}}
     del old["rope_parameters"]
@@ -391,6 +392,7 @@ def test_from_config_reads_each_naming():
         assert rope == package.RotaryEmbedding.from_config(old) == package.RotaryEmbedding(
             D, theta=THETA, scaling=SCALINGS["llama3"], max_position_embeddings=MAX_POS)
         assert hash(rope) == hash(package.RotaryEmbedding.from_config(old))
+        assert copy.deepcopy(rope) == pickle.loads(pickle.dumps(rope)) == rope
         assert package.RotaryEmbedding.from_config({"model_type": "bert", "hidden_size": 48, "num_attention_heads": 3}) is None
     assert old == snapshot
 
