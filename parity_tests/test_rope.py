@@ -130,6 +130,32 @@ def test_frequencies_equal_transformers(name):
             assert torch.equal(module.inv_freq, grown)
 
 
+# Published models' rope parameters (head_dim, theta, max_position_embeddings, scaling).
+LARGE = {
+    "llama3.1": (128, 500000.0, 131072, {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2_yarn": (128, 1e6, 131072, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    "gemma3_linear": (256, 1e6, 131072, {"rope_type": "linear", "factor": 8.0}),
+    "phi3_longrope": (96, 1e4, 131072, {
+        "rope_type": "longrope", "original_max_position_embeddings": 4096,
+        "short_factor": [1.0 + 0.01 * i for i in range(48)], "long_factor": [1.0 + 0.5 * i for i in range(48)]}),
+}
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_frequencies_of_published_sizes(name):
+    """At published models' sizes and thetas, where XLA's float32 power and torch's part by an
+    ulp on some frequencies: torch twin bitwise, JAX within 1 ulp."""
+    head_dim, theta, max_pos, scaling = LARGE[name]
+    config = {"head_dim": head_dim, "hidden_size": 4 * head_dim, "num_attention_heads": 4,
+              "max_position_embeddings": max_pos, "rope_parameters": {**scaling, "rope_theta": theta}}
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](LlamaConfig(**copy.deepcopy(config)), None)
+    for package in (mha_torch, mha_jax):
+        rope = package.RotaryEmbedding.from_config(config)
+        assert rope.attention_factor == factor
+        assert _ulps(rope.inv_freq, inv_freq) <= (0 if package is mha_torch else 1)
+
+
 def test_lengths_grow_as_in_transformers_stateful_module():
     """Prefill then decoding steps, one position at a time across the thresholds: each call of the
     stateless embedding equals transformers' module, whose cache only ever grows here. After a
