@@ -13,9 +13,11 @@ from mha_jax.attention import dot_product_attention
 from mha_jax.convert import from_torch, load_weights, to_torch
 from mha_jax.masks import causal_mask, padding_mask
 from mha_jax.module import MultiHeadAttention
+from mha_jax.rope import RotaryEmbedding
 
 __all__ = [
     "MultiHeadAttention",
+    "RotaryEmbedding",
     "causal_mask",
     "combine_masks",
     "dot_product_attention",

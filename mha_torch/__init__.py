@@ -9,10 +9,12 @@ from mha_torch.attention import dot_product_attention
 from mha_torch.convert import from_torch_mha, load_weights, to_torch_mha
 from mha_torch.masks import causal_mask, padding_mask
 from mha_torch.module import MultiHeadAttention
+from mha_torch.rope import RotaryEmbedding
 
 __all__ = [
     "KVCache",
     "MultiHeadAttention",
+    "RotaryEmbedding",
     "causal_mask",
     "dot_product_attention",
     "from_torch_mha",

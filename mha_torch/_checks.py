@@ -53,6 +53,13 @@ def require_float(name: str, x) -> None:
         )
 
 
+def require_int(name: str, x) -> None:
+    """TypeError unless ``x`` is an integer tensor."""
+    require_array(name, x)
+    if _dtype_kind(x) != "int":
+        raise TypeError(f"{name} must be an integer array, got dtype {_dtype_name(x)} with shape {tuple(x.shape)}")
+
+
 def require_rank(name: str, x, rank: int, layout: str) -> None:
     if x.ndim != rank:
         raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
