@@ -4,9 +4,11 @@ Never imports jax or flax.
 """
 
 from mha_torch._cache import KVCache
+from mha_torch._neutral import QKNorm
 from mha_torch._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_torch.attention import dot_product_attention
 from mha_torch.convert import from_torch_mha, load_weights, to_torch_mha
+from mha_torch.hf import from_hf
 from mha_torch.masks import causal_mask, padding_mask
 from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
@@ -14,9 +16,11 @@ from mha_torch.rope import RotaryEmbedding
 __all__ = [
     "KVCache",
     "MultiHeadAttention",
+    "QKNorm",
     "RotaryEmbedding",
     "causal_mask",
     "dot_product_attention",
+    "from_hf",
     "from_torch_mha",
     "load_weights",
     "mask_from_torch_mha",

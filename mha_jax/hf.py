@@ -1,0 +1,84 @@
+"""A Hugging Face model's attention layer as an ``mha_jax.MultiHeadAttention``; twin of ``mha_torch/hf.py``.
+
+No transformers import: the model's ``config.json`` (a dict or its path) says what the layer
+computes, ``_families`` reads it as transformers' own classes do, and the weights come from the
+whole model's checkpoint under the layer's names (``model.layers.N.self_attn.*``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mha_jax import _families
+from mha_jax.convert import _read_state, load_weights
+from mha_jax.module import MultiHeadAttention
+from mha_jax.rope import RotaryEmbedding
+
+
+def from_hf(
+    config: Mapping[str, Any] | str | os.PathLike,
+    weights: Mapping[str, Any] | str | os.PathLike | None = None,
+    *,
+    layer: int = 0,
+    rngs: nnx.Rngs | None = None,
+    param_dtype: Any = jnp.float32,
+    implementation: str | None = None,
+) -> MultiHeadAttention:
+    """Layer ``layer``'s self-attention of a transformers model, as our module.
+
+    Args:
+      config: the model's ``config.json`` (dict or path); families: ``_families.FAMILIES``
+        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3). Rotary
+        embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
+        read from it; an unsupported family or option raises, naming it.
+      weights: the whole model's checkpoint, or None (parameters from ``rngs``): a state dict
+        (name -> array), a ``.safetensors`` file, or a sharded checkpoint's
+        ``model.safetensors.index.json`` (only the shards holding the layer are read). The
+        layer's keys are read under ``model.layers.{layer}.self_attn.``.
+      layer: the layer index.
+      rngs: initialises the parameters (default ``nnx.Rngs(0)``); overwritten by ``weights``.
+      param_dtype: the parameters' dtype.
+      implementation: see ``mha_jax.dot_product_attention``.
+
+    Returns:
+      An ``mha_jax.MultiHeadAttention`` taking ``(*batch, length, hidden_size)``: call it with
+      ``is_causal=True`` (a decoder's mask) and ``query_positions`` for the rotary embedding
+      (default ``arange``); the layer's window is its default ``local_window_size``.
+    """
+    config = _families.read_config(config)
+    options = _families.layer_options(config, layer)
+    module = MultiHeadAttention(
+        options.num_heads, options.hidden_size, options.num_heads * options.head_dim, options.hidden_size,
+        options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias, normalize_qk=options.qk_norm or False,
+        scale=options.scale, logit_soft_cap=options.logit_soft_cap, use_sinks=options.use_sinks,
+        rotary=RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
+        local_window_size=options.window, param_dtype=param_dtype, implementation=implementation,
+        rngs=nnx.Rngs(0) if rngs is None else rngs,
+    )
+    if weights is not None:
+        load_weights(module, _layer_state(weights, options.prefix), layout=options.layout, prefix=options.prefix)
+    return module
+
+
+def _layer_state(weights: Any, prefix: str) -> Mapping[str, Any]:
+    """The checkpoint's keys under ``prefix``, read from as few files as hold them (all of them
+    when none is, so that ``load_weights`` names the keys it found)."""
+    if not isinstance(weights, (str, os.PathLike)):
+        if not isinstance(weights, Mapping):
+            return _read_state(weights)  # its TypeError names what a checkpoint may be
+        return {k: v for k, v in weights.items() if str(k).startswith(prefix)} or weights
+    from safetensors import safe_open
+
+    state = {}
+    for path in _families.layer_files(weights, prefix):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weights {path!r} does not exist")
+        with safe_open(path, framework="flax") as f:  # "flax": bfloat16 too, which NumPy's reader refuses
+            state.update({k: np.array(f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)})
+    return state or _read_state(weights)

@@ -1,0 +1,242 @@
+"""transformers' own attention classes as oracles for ``from_hf`` in both frameworks.
+
+Each family's attention class is built from a small config with random weights (nothing is
+downloaded), with its real rotary embedding, and runs on a padded batch whose rows start at
+different positions, under a causal mask (and the layer's sliding window) that transformers
+receives as its 4-D additive mask. ``mha_jax.from_hf`` and ``mha_torch.from_hf`` load the layer
+from the whole model's state dict and must give its outputs and gradients (inputs and every
+weight): float32 to 1e-6 with transformers' arithmetic as it is; float64 to 1e-12, where two
+float32 steps that transformers takes whatever the input dtype are kept in float64 (its eager
+softmax, ``softmax(..., dtype=torch.float32)``, and its RMSNorm's cast to float32), and its
+rotary tables, which it computes in float32, come from its own ``inv_freq`` in float64.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import mha_jax
+import mha_torch
+from parity_tests.tool import arrays
+
+B, S, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2, 7, 32, 4, 2, 8, 2
+OFFSETS, LENGTHS = (3, 0), (7, 5)  # row 0 starts at position 3; row 1 holds 5 tokens and 2 of padding
+WINDOW = 3
+COMMON = dict(
+    hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+    num_hidden_layers=LAYERS, max_position_embeddings=16, intermediate_size=8, vocab_size=11,
+)
+# family -> (config class, attention class, layer, config keywords): each the feature it proves
+FAMILIES = {
+    "llama3": ("LlamaConfig", "LlamaAttention", 0, dict(
+        attention_bias=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8))),
+    "mistral-window": ("MistralConfig", "MistralAttention", 1, dict(sliding_window=WINDOW)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2Attention", 0, dict(layer_types=["full_attention"] * LAYERS)),
+    "qwen3-qk-norm": ("Qwen3Config", "Qwen3Attention", 1, dict(rms_norm_eps=1e-5)),
+    "gemma2-softcap": ("Gemma2Config", "Gemma2Attention", 0, dict(
+        query_pre_attn_scalar=12, attn_logit_softcapping=2.0, sliding_window=WINDOW)),
+    "gemma3-norm-window": ("Gemma3TextConfig", "Gemma3Attention", 0, dict(
+        query_pre_attn_scalar=12, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    "gpt-oss-sinks": ("GptOssConfig", "GptOssAttention", 0, dict(
+        sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, beta_fast=8.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=8))),
+    "olmo2-whole-norm": ("Olmo2Config", "Olmo2Attention", 0, dict()),
+    "phi3-fused-partial": ("Phi3Config", "Phi3Attention", 1, dict(
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+}
+
+
+def _modeling(config):
+    return __import__(f"transformers.models.{config.model_type.removesuffix('_text')}.modeling_{config.model_type.removesuffix('_text')}",
+                      fromlist=["_"])
+
+
+def _source(family: str):
+    """(config dict, transformers' attention layer (float64, eager), its rotary module, layer index)."""
+    config_cls, attention_cls, layer, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config._attn_implementation = "eager"
+    modeling = _modeling(config)
+    torch.manual_seed(0)
+    attention = getattr(modeling, attention_cls)(config, layer_idx=layer).double().eval()
+    with torch.no_grad():
+        for name, p in attention.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (0.5 if "norm" in name else 0.0))
+    rotary_cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding"))
+    rotary = rotary_cls(config)
+    return config, attention, rotary, layer
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B, S, HIDDEN))
+    positions = np.stack([np.arange(S) + o for o in OFFSETS])
+    live = np.arange(S)[None] < np.array(LENGTHS)[:, None]
+    return x, positions, live
+
+
+def _hf_mask(positions, live, window):
+    """transformers' 4-D additive mask: causal by position, the window, padded keys."""
+    q, k = positions[:, :, None], positions[:, None, :]
+    allowed = (k <= q) & live[:, None, :]
+    if window is not None:
+        allowed &= q - k <= window[0]
+    return np.where(allowed, 0.0, np.finfo(np.float64).min)[:, None]
+
+
+def _hf_run(family, dtype, monkeypatch):
+    """transformers' output and gradients (input, then each parameter by our names)."""
+    config, attention, rotary, layer = _source(family)
+    x, positions, live = _inputs()
+    window = mha_torch.from_hf(config.to_dict(), layer=layer).local_window_size
+    torch_dtype = getattr(torch, dtype)
+    attention = attention.to(torch_dtype)
+    hidden = torch.tensor(x, dtype=torch_dtype, requires_grad=True)
+    position_ids = torch.tensor(positions)
+    # its own tables (and its dynamic update); Gemma 3 keeps one set per layer type
+    layer_type = config.layer_types[layer] if "layer_type" in inspect.signature(rotary.forward).parameters else None
+    cos, sin = rotary(hidden.float(), position_ids, *([layer_type] if layer_type else []))
+    if dtype == "float64":
+        cos, sin = _tables64(rotary, position_ids, cos.shape[-1], layer_type)
+        _keep_float64(monkeypatch, attention)
+    mask = torch.tensor(_hf_mask(positions, live, window), dtype=torch_dtype)
+    out, _ = attention(hidden, position_embeddings=(cos.to(torch_dtype), sin.to(torch_dtype)), attention_mask=mask)
+    d_out = torch.tensor(np.random.default_rng(1).normal(size=out.shape), dtype=torch_dtype)
+    out.backward(d_out)
+    grads = {"input": hidden.grad}
+    grads.update({name: p.grad for name, p in attention.named_parameters()})
+    return config, layer, attention, (x, positions, live, d_out.double().numpy()), out.detach().double().numpy(), grads
+
+
+def _tables64(rotary, position_ids, width, layer_type=None):
+    """cos/sin as transformers forms them (its float32 ``inv_freq``, ``attention_scaling``), in float64."""
+    name = f"{layer_type}_" if layer_type else ""
+    inv_freq, scaling = getattr(rotary, f"{name}inv_freq"), getattr(rotary, f"{name}attention_scaling")
+    freqs = position_ids[..., None].double() * inv_freq.double()
+    emb = torch.cat((freqs, freqs), dim=-1)[..., :width]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _keep_float64(monkeypatch, attention):
+    """transformers' eager softmax and RMSNorm compute in float32 whatever the input; keep float64."""
+    softmax = torch.nn.functional.softmax
+
+    def softmax64(x, dim=None, dtype=None, **kwargs):
+        return softmax(x, dim=dim, dtype=x.dtype if x.dtype == torch.float64 else dtype, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
+    for module in attention.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            offset = 1.0 if "Gemma" in type(module).__name__ else 0.0
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+
+            def forward(h, module=module, offset=offset, eps=eps):
+                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (offset + module.weight)
+
+            monkeypatch.setattr(module, "forward", forward)
+
+
+def _ours_torch(config, layer, state, inputs, dtype):
+    x, positions, live, d_out = inputs
+    module = mha_torch.from_hf(config.to_dict(), state, layer=layer, dtype=getattr(torch, dtype))
+    hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
+    out = module(hidden, is_causal=True, query_positions=torch.tensor(positions),
+                 key_value_seq_lengths=torch.tensor(LENGTHS))
+    out.backward(torch.tensor(d_out, dtype=out.dtype))
+    grads = {"input": hidden.grad.double().numpy()}
+    grads.update({name: p.grad.double().numpy() for name, p in module.named_parameters()})
+    return out.detach().double().numpy(), grads
+
+
+def _ours_jax(config, layer, state, inputs, dtype):
+    x, positions, live, d_out = inputs
+    module = mha_jax.from_hf(config.to_dict(), state, layer=layer, param_dtype=getattr(jnp, dtype))
+    graph, params = nnx.split(module, nnx.Param)
+
+    def f(params, hidden):
+        return nnx.merge(graph, params)(hidden, is_causal=True, query_positions=jnp.asarray(positions),
+                                        key_value_seq_lengths=jnp.asarray(LENGTHS))
+
+    out, vjp = jax.vjp(f, params, jnp.asarray(x, getattr(jnp, dtype)))
+    d_params, d_hidden = vjp(jnp.asarray(d_out, out.dtype))
+    grads = {"input": arrays.to_float64(d_hidden)}
+    grads.update({k: np.asarray(v, np.float64) for k, v in mha_jax.to_torch(nnx.to_pure_dict(d_params)).items()})
+    return arrays.to_float64(out), grads
+
+
+def _theirs_by_our_names(grads, num_heads, num_kv_heads):
+    """transformers' gradient names -> ours (``o_proj`` is ``out_proj``; a fused ``qkv_proj`` splits)."""
+    ours = {}
+    for name, g in grads.items():
+        g = g.double().numpy() if isinstance(g, torch.Tensor) else g
+        if name.startswith("qkv_proj."):
+            part = name.split(".", 1)[1]
+            q_rows = num_heads * HEAD_DIM
+            kv_rows = num_kv_heads * HEAD_DIM
+            for proj, piece in zip(("q_proj", "k_proj", "v_proj"), np.split(g, [q_rows, q_rows + kv_rows])):
+                ours[f"{proj}.{part}"] = piece
+        else:
+            ours[name.replace("o_proj.", "out_proj.")] = g
+    return ours
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_from_hf_equals_transformers_attention(family, dtype, monkeypatch):
+    config, layer, attention, inputs, out_hf, grads_hf = _hf_run(family, dtype, monkeypatch)
+    prefix = f"model.layers.{layer}.self_attn."
+    # the whole model's checkpoint: this layer under its names, and another layer's keys beside it
+    state = {prefix + k: v.detach().clone() for k, v in attention.state_dict().items()}
+    state.update({f"model.layers.{1 - layer}.self_attn.{k}": v.detach().clone() for k, v in attention.state_dict().items()})
+    state["model.embed_tokens.weight"] = torch.zeros(3, HIDDEN, dtype=getattr(torch, dtype))
+    theirs = _theirs_by_our_names(grads_hf, HEADS, KV_HEADS)
+    tol, grad_tol = (1e-12, 1e-12) if dtype == "float64" else (1e-6, 1e-5)
+    for name, run in (("torch", _ours_torch), ("jax", _ours_jax)):
+        out, grads = run(config, layer, state, inputs, dtype)
+        assert _rel(out, out_hf) < tol, (name, _rel(out, out_hf))
+        assert sorted(grads) == sorted(theirs), (name, sorted(grads), sorted(theirs))
+        worst = max((_rel(grads[k], theirs[k]), k) for k in grads)
+        assert worst[0] < grad_tol, (name, worst)
+
+
+def test_a_wrong_setting_fails_against_transformers(monkeypatch):
+    """The comparison above catches a port that differs by one setting: a rotary base off by one
+    part in ten changes the output far beyond the float32 tolerance."""
+    config, layer, attention, inputs, out_hf, _ = _hf_run("llama3", "float32", monkeypatch)
+    state = {f"model.layers.{layer}.self_attn.{k}": v for k, v in attention.state_dict().items()}
+    wrong = config.to_dict()
+    wrong["rope_parameters"] = dict(wrong["rope_parameters"], rope_theta=550.0)
+    module = mha_torch.from_hf(wrong, state, layer=layer)
+    x, positions, _, _ = inputs
+    out = module(torch.tensor(x, dtype=torch.float32), is_causal=True, query_positions=torch.tensor(positions),
+                 key_value_seq_lengths=torch.tensor(LENGTHS)).detach().double().numpy()
+    assert _rel(out, out_hf) > 100 * 1e-6  # a hundred times the float32 tolerance
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_from_hf_names_what_it_cannot_build(framework):
+    from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
+    base = dict(COMMON, model_type="llama")
+    with pytest.raises(ValueError, match=r"model_type 'bert' is not a supported family; supported: gemma2, .*phi3"):
+        from_hf(dict(base, model_type="bert"))
+    with pytest.raises(ValueError, match=r"sets attention_chunk_size \(chunked attention \(Llama 4\)\)"):
+        from_hf(dict(base, attention_chunk_size=8))
+    with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\) \(num_hidden_layers=2\), got 2"):
+        from_hf(base, layer=2)
+    with pytest.raises(ValueError, match=r"no key starts with prefix 'model.layers.1.self_attn.'"):
+        from_hf(base, {"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32), np.float32)}, layer=1)
