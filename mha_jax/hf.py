@@ -34,13 +34,14 @@ def from_hf(
 
     Args:
       config: the model's ``config.json`` (dict or path); families: ``_families.FAMILIES``
-        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3). Rotary
+        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, GPT-NeoX, GPT-2). Rotary
         embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
         read from it; an unsupported family or option raises, naming it.
       weights: the whole model's checkpoint, or None (parameters from ``rngs``): a state dict
         (name -> array), a ``.safetensors`` file, or a sharded checkpoint's
         ``model.safetensors.index.json`` (only the shards holding the layer are read). The
-        layer's keys are read under ``model.layers.{layer}.self_attn.``.
+        layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
+        ``gpt_neox.layers.{layer}.attention.``; GPT-2: ``transformer.h.{layer}.attn.``).
       layer: the layer index.
       rngs: initialises the parameters (default ``nnx.Rngs(0)``); overwritten by ``weights``.
       param_dtype: the parameters' dtype.
@@ -57,12 +58,16 @@ def from_hf(
         options.num_heads, options.hidden_size, options.num_heads * options.head_dim, options.hidden_size,
         options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias, normalize_qk=options.qk_norm or False,
         scale=options.scale, logit_soft_cap=options.logit_soft_cap, use_sinks=options.use_sinks,
-        rotary=RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
+        rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
         local_window_size=options.window, param_dtype=param_dtype, implementation=implementation,
         rngs=nnx.Rngs(0) if rngs is None else rngs,
     )
     if weights is not None:
-        load_weights(module, _layer_state(weights, options.prefix), layout=options.layout, prefix=options.prefix)
+        state = _layer_state(weights, options.prefix)
+        if options.layout in ("gpt_neox", "gpt2"):  # fusions no loader layout reads: split here
+            load_weights(module, _families.layer_state(options, state))
+        else:
+            load_weights(module, state, layout=options.layout, prefix=options.prefix)
     return module
 
 

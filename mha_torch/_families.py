@@ -30,7 +30,14 @@ FAMILIES = {
     "gpt_oss": (_PREFIX, "hf"),
     "olmo2": (_PREFIX, "hf"),
     "phi3": (_PREFIX, "fused_qkv"),
+    # read by ``layer_state`` into this package's names: heads interleaved in one fused weight
+    # (GPT-NeoX), transposed ``Conv1D`` weights (GPT-2)
+    "gpt_neox": ("gpt_neox.layers.{layer}.attention.", "gpt_neox"),
+    "gpt2": ("transformer.h.{layer}.attn.", "gpt2"),
 }
+# GPT-2's configs name the sizes their own way (transformers' attribute_map)
+_ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+            "max_position_embeddings": "n_positions"}
 # Options that change the attention's function and that no family here reads: refused by name.
 _REFUSED = {
     "attention_chunk_size": "chunked attention (Llama 4)",
@@ -55,7 +62,7 @@ class LayerOptions:
     use_sinks: bool
     window: tuple[int, int] | None
     qk_norm: QKNorm | None
-    rope: dict  # a config dict for ``RotaryEmbedding.from_config``
+    rope: dict | None  # a config dict for ``RotaryEmbedding.from_config``; None: no rotary embedding
     prefix: str
     layout: str
 
@@ -73,6 +80,9 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     config = dict(config)
     if "text_config" in config and "num_attention_heads" not in config:
         config = dict(config["text_config"])
+    for name, alias in _ALIASES.items():
+        if name not in config and alias in config:
+            config[name] = config[alias]
     return config
 
 
@@ -93,11 +103,17 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     heads = _required(config, "num_attention_heads", model_type)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    bias = bool(config.get("attention_bias", False))
+    if model_type in ("gpt_neox", "gpt2"):  # their attention reads neither key: one key head per query head
+        kv_heads, head_dim = heads, hidden // heads
+    bias = bool(config.get("attention_bias", model_type == "gpt_neox"))  # GPTNeoXConfig's default is True
     qkv_bias, out_bias = {"qwen2": (True, False), "phi3": (False, False)}.get(model_type, (bias, bias))
     scale = 1.0 / math.sqrt(head_dim)
     if model_type in ("gemma2", "gemma3_text"):
         scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
+    if model_type == "gpt2":  # GPT2Attention: no bias key in its config, biases always
+        qkv_bias = out_bias = True
+        scale = scale if config.get("scale_attn_weights", True) else 1.0
+        scale = scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
     cap = config.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
     eps = config.get("rms_norm_eps", 1e-6)
     qk_norm = {
@@ -111,9 +127,10 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config["sliding_window"]) - 1, 0)
     prefix, layout = FAMILIES[model_type]
+    rope = None if model_type == "gpt2" else _rope_config(config, model_type, layer_type, head_dim)
     return LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale, cap, model_type == "gpt_oss",
-        window, qk_norm, _rope_config(config, model_type, layer_type, head_dim), prefix.format(layer=layer), layout,
+        window, qk_norm, rope, prefix.format(layer=layer), layout,
     )
 
 
@@ -150,6 +167,9 @@ def _rope_config(config: Mapping[str, Any], model_type: str, layer_type: str, he
     """The config the layer's ``RotaryEmbedding.from_config`` reads: the model's, with rope
     parameters of the layer's type where the model keeps one set per type (Gemma 3)."""
     rope = dict(config, head_dim=head_dim)
+    if model_type == "gpt_neox" and "rotary_pct" not in config and "partial_rotary_factor" not in (
+            config.get("rope_parameters") or {}):
+        rope["rotary_pct"] = 0.25  # GPTNeoXConfig's default: a quarter of each head rotates
     parameters = config.get("rope_parameters")
     if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
         rope["rope_parameters"] = dict(parameters[layer_type])
@@ -175,3 +195,60 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
     if not files:
         raise ValueError(f"weights {path!r}: no key of its weight_map starts with {prefix!r}")
     return [os.path.join(os.path.dirname(path), file) for file in files]
+
+
+# Keys under a layer's prefix that hold no weight: buffers older checkpoints saved (causal masks,
+# rotary tables), read by no layout.
+_BUFFERS = {"gpt_neox": ("bias", "masked_bias", "rotary_emb.inv_freq"), "gpt2": ("bias", "masked_bias")}
+_FUSED_NAMES = {"gpt_neox": ("query_key_value", "dense"), "gpt2": ("c_attn", "c_proj")}
+
+
+def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
+    """A GPT-NeoX or GPT-2 layer's keys (under ``options.prefix``) in this package's names.
+
+    GPT-NeoX's ``query_key_value`` rows are ``(heads, 3, head_dim)``: each head's query, key and
+    value rows together; GPT-2's ``Conv1D`` weights are ``(in, out)``, the transposes of a
+    ``Linear``'s, with ``c_attn``'s columns ``[q; k; v]``. Raises one ValueError listing every
+    missing, unexpected or mis-shaped key.
+    """
+    prefix, heads, head_dim, hidden = options.prefix, options.num_heads, options.head_dim, options.hidden_size
+    fused, out = _FUSED_NAMES[options.layout]
+    selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        raise ValueError(f"state_dict: no key starts with prefix {prefix!r}")
+    conv = options.layout == "gpt2"
+    expected = {  # key -> shape as stored
+        f"{fused}.weight": (hidden, 3 * hidden) if conv else (3 * hidden, hidden),
+        f"{fused}.bias": (3 * hidden,),
+        f"{out}.weight": (hidden, hidden),
+        f"{out}.bias": (hidden,),
+    }
+    if not options.qkv_bias:
+        expected.pop(f"{fused}.bias")
+    if not options.out_bias:
+        expected.pop(f"{out}.bias")
+    problems = [f"missing key {prefix + k!r}" for k in expected if k not in selected]
+    problems += [
+        f"{prefix + k!r} has shape {tuple(selected[k].shape)}, expected {shape}"
+        for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
+    ]
+    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in _BUFFERS[options.layout]]
+    if problems:
+        raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
+    weight = selected[f"{fused}.weight"]
+    bias = selected.get(f"{fused}.bias")
+    if conv:
+        weight = weight.T
+    if options.layout == "gpt_neox":  # rows (heads, 3, head_dim): part i of every head
+        parts = [weight.reshape(heads, 3, head_dim, hidden)[:, i].reshape(heads * head_dim, hidden) for i in range(3)]
+        bias_parts = None if bias is None else [bias.reshape(heads, 3, head_dim)[:, i].reshape(-1) for i in range(3)]
+    else:  # rows [q; k; v]
+        parts = [weight[i * hidden:(i + 1) * hidden] for i in range(3)]
+        bias_parts = None if bias is None else [bias[i * hidden:(i + 1) * hidden] for i in range(3)]
+    result = {f"{name}.weight": part for name, part in zip(("q_proj", "k_proj", "v_proj"), parts)}
+    if bias_parts is not None:
+        result.update({f"{name}.bias": part for name, part in zip(("q_proj", "k_proj", "v_proj"), bias_parts)})
+    result["out_proj.weight"] = selected[f"{out}.weight"].T if conv else selected[f"{out}.weight"]
+    if f"{out}.bias" in selected:
+        result["out_proj.bias"] = selected[f"{out}.bias"]
+    return result

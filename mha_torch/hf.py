@@ -32,13 +32,14 @@ def from_hf(
 
     Args:
       config: the model's ``config.json`` (dict or path); families: ``_families.FAMILIES``
-        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3). Rotary
+        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, GPT-NeoX, GPT-2). Rotary
         embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
         read from it; an unsupported family or option raises, naming it.
       weights: the whole model's checkpoint, or None (freshly initialised parameters): a state
         dict (name -> tensor or array), a ``.safetensors`` file, or a sharded checkpoint's
         ``model.safetensors.index.json`` (only the shards holding the layer are read). The
-        layer's keys are read under ``model.layers.{layer}.self_attn.``.
+        layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
+        ``gpt_neox.layers.{layer}.attention.``; GPT-2: ``transformer.h.{layer}.attn.``).
       layer: the layer index.
       dtype, device: of the parameters.
       implementation: see ``mha_torch.dot_product_attention``.
@@ -54,11 +55,16 @@ def from_hf(
         options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
-        use_sinks=options.use_sinks, rotary=RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
+        use_sinks=options.use_sinks,
+        rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
         local_window_size=options.window, implementation=implementation, dtype=dtype, device=device,
     )
     if weights is not None:
-        load_weights(module, _layer_state(weights, options.prefix), layout=options.layout, prefix=options.prefix)
+        state = _layer_state(weights, options.prefix)
+        if options.layout in ("gpt_neox", "gpt2"):  # fusions no loader layout reads: split here
+            load_weights(module, _families.layer_state(options, state))
+        else:
+            load_weights(module, state, layout=options.layout, prefix=options.prefix)
     return module
 
 
