@@ -4,7 +4,7 @@
 grouped and multi-query heads, float64/float32/bfloat16) through both frameworks (every
 implementation) and the float64 oracle, forward and gradients. With ``--weights FILE`` it
 loads a checkpoint into both frameworks, compares them with the implementation the weights
-came from (``--layout`` names it; ``--source`` says how many heads it has) and then runs the
+came from (``--layout`` names it, else the file's keys show it; ``--source`` says how many heads it has) and then runs the
 grid on the checkpoint's weights. ``mha-parity convert IN OUT --to {flax,torch}`` converts a
 checkpoint file and checks the result bit for bit.
 """
@@ -220,8 +220,8 @@ def cli_words(message: str) -> str:
 def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout", metavar="NAME",
-        help="naming scheme of a .safetensors file: mha_torch (default), torch_mha, hf, bert, "
-             "fused_qkv, or flax (Flax parameter names; the default for .msgpack)",
+        help="naming scheme of the file: mha_torch, torch_mha, hf, bert, fused_qkv, or flax (Flax parameter "
+             "names; always for .msgpack); default: the one the keys (under --prefix) show",
     )
     parser.add_argument("--num-heads", type=int, metavar="N", help="query heads (needed for PyTorch names)")
     parser.add_argument("--num-kv-heads", type=int, metavar="N", help="key/value heads (default: --num-heads)")
