@@ -24,7 +24,10 @@ EXIT_CODES = """exit codes:
   0  every comparison passed
   1  a comparison failed (a case beyond its tolerance, our modules against the source, or a
      framework holding other bits than the file after loading)
-  2  bad arguments or an unreadable or unfitting file (the message says which)"""
+  2  bad arguments, an unreadable or unfitting file, or a framework not installed (the message says which)"""
+
+# What verify and convert import, and the extra that installs each.
+FRAMEWORKS = (("jax", "jax"), ("flax", "jax"), ("torch", "torch"))
 
 IMPLEMENTATIONS = [
     "mha_jax.MultiHeadAttention (nnx; implementations xla and blockwise)",
@@ -230,6 +233,18 @@ def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave out keys under the prefix starting with NAME (repeatable)")
 
 
+def missing_frameworks() -> str | None:
+    """What to install when a framework is missing (a JAX-only or PyTorch-only install), else None."""
+    import importlib.util
+
+    missing = [name for name, _ in FRAMEWORKS if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    extras = sorted({extra for name, extra in FRAMEWORKS if name in missing})
+    return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed (the mha-parity[{', '.join(extras)}] "
+            "extra): verify and convert run both frameworks; install them with pip install \"mha-parity[parity]\"")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mha-parity", description=__doc__.splitlines()[0], epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "verify" and args.source and not args.weights:
         parser.error("--source needs --weights")
+    missing = missing_frameworks()
+    if missing:
+        print(f"mha-parity {args.command}: error: {missing}", file=sys.stderr)
+        return 2
     try:
         return _verify(args) if args.command == "verify" else _convert(args)
     except (ValueError, TypeError, OSError) as error:  # a bad file or argument: say so, no traceback
