@@ -217,6 +217,7 @@ def cli_words(message: str) -> str:
         message = re.sub(rf"(?<![\w.-]){python}\b", flag, message)
     for python, flag in (("prefix", "--prefix"), ("ignore", "--ignore"), ("layout", "--layout")):
         message = re.sub(rf"(?<![\w-]){python}=", flag, message)
+    message = message.replace("or mapping= for another naming scheme", "or, for another naming scheme, the Python API's mapping=")
     return re.sub(r"state_dict \(layout ", "the file (--layout ", message)
 
 
