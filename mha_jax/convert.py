@@ -58,19 +58,28 @@ def from_torch(
     ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
     (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"``
-    (``qkv_proj/o_proj``). ``mapping`` instead gives any other scheme: projection
+    (``qkv_proj/o_proj``), or ``"auto"``: the one the keys show (an error naming the likely
+    layouts when they show none or several). ``mapping`` instead gives any other scheme: projection
     (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, or the fused ``qkv_proj``/``kv_proj``) ->
     name, read as ``name.weight``/``name.bias``. Names are relative to ``prefix``; keys outside
     it are not read, and keys under it must be used or named (by their start) in ``ignore``.
-    Raises one ValueError listing every missing, unexpected or mis-shaped key.
+    Raises one ValueError listing every missing, unexpected or mis-shaped key, each with the
+    shape found and the shape expected.
     """
+    return _from_torch(state_dict_or_path, num_heads, num_kv_heads, layout=layout, mapping=mapping, prefix=prefix, ignore=ignore)
+
+
+def _from_torch(
+    state_dict_or_path: Mapping[str, Any] | str | os.PathLike, num_heads: int, num_kv_heads: int | None,
+    expected: Mapping[str, tuple[int, ...]] | None = None, **naming: Any,
+) -> dict[str, dict[str, np.ndarray]]:
+    """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names, checked with the names."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     state = _neutral.read_layout(
-        _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
-        ignore=ignore, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        _read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
     )
     _check_dtypes(state)
-    head_dim = _neutral.check_state(state, num_heads, num_kv_heads)
+    head_dim = _neutral.check_state(state, num_heads, num_kv_heads, expected)
     params: dict[str, dict[str, np.ndarray]] = {}
     for flax_name, torch_name in _FLAX_NAMES:
         weight = state[f"{torch_name}.weight"]
@@ -148,38 +157,17 @@ def load_weights(
 
     ``layout``, ``mapping``, ``prefix``, ``ignore``: as ``from_torch``. Values are cast to the
     module's parameter dtypes (as ``torch.nn.Module.load_state_dict`` does); shapes must match
-    the module's.
+    the module's: one ValueError lists every key the module lacks or has, and every shape that
+    differs from the module's, in the words of ``mha_torch.load_weights``.
     """
     if not isinstance(module, nnx.Module) or not hasattr(module, "num_kv_heads"):
         raise TypeError(
             f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
         )
-    params = from_torch(
-        state_dict_or_path, num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
+    params = _from_torch(
+        state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
-    current = _params_dict(module)
-    problems = [
-        f"{flax_name} is absent from the {'module (normalize_qk=False)' if flax_name in params else 'state dict'}"
-        for flax_name, _ in _FLAX_NORMS if (flax_name in params) != (flax_name in current)
-    ]
-    if (_neutral.SINKS in params) != (_neutral.SINKS in current):
-        problems.append(f"sinks is absent from the {'module (use_sinks=False)' if _neutral.SINKS in params else 'state dict'}")
-    elif _neutral.SINKS in params and tuple(current[_neutral.SINKS].shape) != params[_neutral.SINKS].shape:
-        problems.append(f"sinks: module has {tuple(current[_neutral.SINKS].shape)}, state dict gives {params[_neutral.SINKS].shape}")
-    for flax_name in [name for name, _ in _FLAX_NAMES + _FLAX_NORMS if name in params and name in current]:
-        names = set(current[flax_name]) | set(params[flax_name])
-        for name in sorted(names):
-            have, new = current[flax_name].get(name), params[flax_name].get(name)
-            if have is None or new is None:
-                where = "module" if have is None else "state dict"
-                problems.append(f"{flax_name}.{name} is absent from the {where}")
-            elif tuple(have.shape) != new.shape:
-                problems.append(
-                    f"{flax_name}.{name}: module has {tuple(have.shape)}, state dict gives {new.shape}"
-                )
-    if problems:
-        raise ValueError("state_dict does not fit the module: " + "; ".join(problems))
     for flax_name in params:
         if flax_name == _neutral.SINKS:
             module.sinks.set_value(jnp.asarray(params[flax_name], dtype=module.sinks.get_value().dtype))
@@ -188,6 +176,23 @@ def load_weights(
         for name, array in params[flax_name].items():
             variable = getattr(layer, name)
             variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
+
+
+def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """The module's parameter shapes under ``mha_torch`` names (``to_torch``'s reshapes, no copy)."""
+    tree = _params_dict(module)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for flax_name, torch_name in _FLAX_NAMES:
+        kernel = tuple(tree[flax_name]["kernel"].shape)
+        shapes[f"{torch_name}.weight"] = (kernel[2], kernel[0] * kernel[1]) if flax_name == "out" else (kernel[1] * kernel[2], kernel[0])
+        if "bias" in tree[flax_name]:
+            shapes[f"{torch_name}.bias"] = (int(np.prod(tree[flax_name]["bias"].shape)),)
+    for flax_name, torch_name in _FLAX_NORMS:
+        if flax_name in tree:
+            shapes[f"{torch_name}.weight"] = (int(np.prod(tree[flax_name]["scale"].shape)),)
+    if tree.get(_neutral.SINKS) is not None:
+        shapes[_neutral.SINKS] = tuple(tree[_neutral.SINKS].shape)
+    return shapes
 
 
 def _params_dict(params: Any) -> dict:

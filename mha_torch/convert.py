@@ -30,29 +30,21 @@ def load_weights(
     """Copy weights into ``module`` in place (cast to its parameter dtypes).
 
     ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in
-    ``mha_jax.from_torch`` (fused projections are split with the module's ``num_heads`` and
-    ``num_kv_heads``). Raises one ValueError listing every missing, unexpected or mis-shaped key.
+    ``mha_jax.from_torch`` (``"auto"`` included; fused projections are split with the module's
+    ``num_heads`` and ``num_kv_heads``). Raises one ValueError listing every missing, unexpected
+    or mis-shaped key, each with the shape found and the module's, as ``mha_jax.load_weights`` does.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
         )
+    current = module.state_dict()
     state = _neutral.read_layout(
         _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
         ignore=ignore, num_heads=getattr(module, "num_heads", None),
-        num_kv_heads=getattr(module, "num_kv_heads", None),
+        num_kv_heads=getattr(module, "num_kv_heads", None), expected={k: tuple(v.shape) for k, v in current.items()},
     )
     _check_dtypes(state)
-    current = module.state_dict()
-    problems = [f"missing key {k!r}" for k in current if k not in state]
-    problems += [f"unexpected key {k!r}" for k in state if k not in current]
-    problems += [
-        f"{k!r} has shape {tuple(v.shape)}, the module expects {tuple(current[k].shape)}"
-        for k, v in state.items()
-        if k in current and tuple(v.shape) != tuple(current[k].shape)
-    ]
-    if problems:
-        raise ValueError("state_dict does not fit the module: " + "; ".join(problems))
     with torch.no_grad():
         for name, tensor in state.items():
             current[name].copy_(tensor)

@@ -116,10 +116,13 @@ def test_from_torch_lists_every_problem():
 
 def test_from_torch_rejects_wrong_head_counts_and_shapes():
     state = _torch_module().state_dict()
-    with pytest.raises(ValueError, match="num_heads \\(5\\) must divide q_proj.weight.shape\\[0\\] \\(24\\)"):
+    with pytest.raises(ValueError, match="no head_dim fits num_heads=5 and num_kv_heads=5 \\(shapes: 'q_proj.weight' \\(24, 16\\)"):
         mha_jax.from_torch(state, num_heads=5)
-    with pytest.raises(ValueError, match="'k_proj.weight' has shape \\(12, 10\\), expected 24 rows"):
+    with pytest.raises(ValueError) as info:
         mha_jax.from_torch(state, num_heads=4)  # two kv heads read as four
+    assert "'k_proj.weight' has shape (12, 10), expected (24, 10) (num_kv_heads=4 x head_dim=6 rows)" in str(info.value)
+    assert "the key/value rows fit num_kv_heads=2 (head_dim=6), not num_kv_heads=4" in str(info.value)
+    assert "q_proj" not in str(info.value) and "out_proj" not in str(info.value)
     bad = dict(state, **{"q_proj.bias": torch.zeros(23), "out_proj.bias": torch.zeros(3)})
     with pytest.raises(ValueError) as info:
         mha_jax.from_torch(bad, num_heads=4, num_kv_heads=2)
@@ -131,13 +134,18 @@ def test_load_weights_list_every_mismatch_in_both_frameworks():
     small_jax = mha_jax.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError) as info:
         mha_jax.load_weights(small_jax, state)
-    assert "query.kernel: module has (16, 4, 4), state dict gives (16, 4, 6)" in str(info.value)
-    assert "key.kernel" in str(info.value) and "out.kernel" in str(info.value)
+    jax_message = str(info.value)
+    assert "'q_proj.weight' has shape (24, 16), expected (16, 16) (num_heads=4 x head_dim=4 rows)" in jax_message
+    assert "'k_proj.weight' has shape (12, 10), expected (8, 16)" in jax_message and "'out_proj.weight'" in jax_message
     small_torch = mha_torch.MultiHeadAttention(16, 4, num_kv_heads=2, bias=False)
     with pytest.raises(ValueError) as info:
         mha_torch.load_weights(small_torch, state)
     message = str(info.value)
-    assert "unexpected key 'q_proj.bias'" in message and "'q_proj.weight' has shape (24, 16)" in message
+    assert "unexpected key 'q_proj.bias'" in message and "'q_proj.weight' has shape (24, 16), expected (16, 16)" in message
+    small_jax = mha_jax.MultiHeadAttention(4, 16, num_kv_heads=2, use_bias=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError) as info:
+        mha_jax.load_weights(small_jax, state)
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize("bad", ["not-a-file.bin", 42])

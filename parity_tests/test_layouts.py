@@ -136,15 +136,18 @@ def test_layout_files_and_no_biases(tmp_path):
 
 
 def _both(state, **kwargs) -> list[str]:
-    """The ValueError message of each framework's loader."""
+    """The ValueError message of each framework's loader into a module, then ``from_torch``'s
+    (which knows no module, so says nothing of the keys a module has or lacks)."""
     messages = []
     with pytest.raises(ValueError) as info:
-        mha_jax.from_torch(state, num_heads=H, num_kv_heads=KV, **kwargs)
+        mha_jax.load_weights(mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, rngs=nnx.Rngs(0)), state, **kwargs)
     messages.append(str(info.value))
     with pytest.raises(ValueError) as info:
         mha_torch.load_weights(_torch_module(), {k: torch.from_numpy(v) for k, v in state.items()}, **kwargs)
     messages.append(str(info.value))
-    return messages
+    with pytest.raises(ValueError) as info:
+        mha_jax.from_torch(state, num_heads=H, num_kv_heads=KV, **kwargs)
+    return messages + [str(info.value)]
 
 
 def _bert_without_ignore():
@@ -193,7 +196,7 @@ ERRORS = {
     ),
     "unknown layout": (
         lambda: (canonical(), dict(layout="gpt2")),
-        ["layout must be one of ['bert', 'fused_qkv', 'hf', 'mha_torch', 'torch_mha'], got 'gpt2'"],
+        ["layout must be one of ['mha_torch', 'torch_mha', 'hf', 'bert', 'fused_qkv', 'flax', 'auto'], got 'gpt2'"],
     ),
     "mapping and layout": (
         lambda: (canonical(), dict(layout="hf", mapping={"qkv_proj": "c_attn", "out_proj": "c_proj"})),
@@ -210,10 +213,86 @@ ERRORS = {
 def test_bad_checkpoints_fail_alike_and_name_every_key(name):
     make, expected = ERRORS[name]
     state, kwargs = make()
-    jax_message, torch_message = _both(state, **kwargs)
+    jax_message, torch_message, no_module = _both(state, **kwargs)
     assert jax_message == torch_message
     for part in expected:
-        assert part in jax_message, (part, jax_message)
+        assert part in jax_message and part in no_module, (part, jax_message, no_module)
+
+
+def test_a_wrong_query_weight_is_named_alone():
+    """16 query rows where 4 heads x head_dim 3 = 12 fit: head_dim comes from what the key,
+    value and output weights and the biases agree on, so the query weight is the one named,
+    with its shape and the shape expected, the same in every loader."""
+    state = dict(canonical(), **{"q_proj.weight": np.zeros((16, E), np.float32)})
+    for message in _both(state):
+        assert message == "state_dict (layout 'mha_torch'): 'q_proj.weight' has shape (16, 10), expected (12, 10) (num_heads=4 x head_dim=3 rows)"
+
+
+def test_missing_and_misshaped_keys_in_one_error():
+    """A missing weight does not hide a mis-shaped bias, a mis-shaped output weight or a key
+    the module lacks; each is named once, as the file names it."""
+    state = {k: v for k, v in foreign("hf", canonical()).items() if k != "k_proj.weight"}
+    state.update({"q_proj.bias": np.zeros(7, np.float32), "o_proj.weight": np.zeros((E, 13), np.float32),
+                  "q_norm.weight": np.ones(D, np.float32), "k_norm.weight": np.ones(D, np.float32)})
+    jax_message, torch_message, no_module = _both(state, layout="hf")
+    assert jax_message == torch_message
+    for part in ("missing key 'k_proj.weight'", "'q_proj.bias' has shape (7,), expected (12,) (num_heads=4 x head_dim=3 rows)",
+                 "'o_proj.weight' has shape (10, 13), expected (10, 12) (num_heads=4 x head_dim=3 columns)"):
+        assert jax_message.count(part) == 1 and no_module.count(part) == 1, (part, jax_message, no_module)
+    assert "unexpected key 'q_norm.weight': the module has no q_norm.weight (normalize_qk=False)" in jax_message
+    assert "k_proj.bias" not in jax_message and "v_proj" not in jax_message and "k_norm.weight' has" not in jax_message
+
+
+def test_module_options_missing_from_the_file_are_named():
+    """A module with sinks, or an output bias, that the file lacks: named with the option and
+    the shape; a file without an output bias loads into a module without one."""
+    state = canonical()
+    for module in (mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, use_sinks=True, rngs=nnx.Rngs(0)),
+                   mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV, qkv_dim=H * D, use_sinks=True)):
+        with pytest.raises(ValueError, match=r"missing key 'sinks': the module has sinks \(use_sinks\) of shape \(4,\)"):
+            (mha_jax if isinstance(module, nnx.Module) else mha_torch).load_weights(module, state)
+    no_out_bias = {k: v for k, v in state.items() if k != "out_proj.bias"}
+    with pytest.raises(ValueError, match=r"missing key 'out_proj.bias': the module has out_proj.bias of shape \(10,\)"):
+        mha_torch.load_weights(_torch_module(), no_out_bias)
+    module = mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV, qkv_dim=H * D, out_bias=False)
+    mha_torch.load_weights(module, no_out_bias)
+    model = mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, use_out_bias=False, rngs=nnx.Rngs(0))
+    mha_jax.load_weights(model, no_out_bias)
+    assert all(same_bits(module.state_dict()[k], v) and same_bits(mha_jax.to_torch(model)[k], v) for k, v in no_out_bias.items())
+
+
+# layout -> what ``detect_layout`` says of the keys ``foreign`` writes
+DETECTED = {"torch_mha": "torch_mha", "torch_mha_kdim": "torch_mha", "hf": "hf", "bert": "bert", "fused_qkv": "fused_qkv"}
+
+
+@pytest.mark.parametrize("name", list(DETECTED))
+def test_layout_auto_reads_what_the_keys_show(name):
+    kv = H if name.startswith("torch_mha") else KV
+    state = canonical(kv)
+    theirs = foreign(name, state)
+    assert mha_jax._neutral.detect_layout(theirs) == DETECTED[name]
+    kwargs = dict(READ[name], layout="auto")
+    back = mha_jax.to_torch(mha_jax.from_torch(theirs, num_heads=H, num_kv_heads=kv, **kwargs))
+    assert all(same_bits(back[k], state[k]) for k in state)
+    module = _torch_module(kv)
+    mha_torch.load_weights(module, theirs, **kwargs)
+    assert all(same_bits(module.state_dict()[k], state[k]) for k in state)
+
+
+def test_detect_layout_names_ours_flax_and_the_likely_layouts():
+    detect = mha_jax._neutral.detect_layout
+    assert detect(canonical()) == "mha_torch"
+    assert detect(["params.query.kernel", "params.out.kernel"]) == "flax"
+    with pytest.raises(ValueError, match=r"fit more than one layout \(mha_torch, hf\)"):
+        detect(dict(canonical(), **{"o_proj.weight": 0}))
+    with pytest.raises(ValueError) as info:
+        detect(["attn.q.weight", "attn.qkv.weight"])
+    assert "likely layouts: fused_qkv;" in str(info.value)
+    assert "one of mha_torch, torch_mha, hf, bert, fused_qkv, flax" in str(info.value)
+    with pytest.raises(ValueError, match="layout 'flax' is Flax parameter names"):
+        mha_jax.from_torch({"query.kernel": np.zeros((E, H, D)), "out.kernel": np.zeros((H, D, E))}, num_heads=H, layout="auto")
+    with pytest.raises(ValueError, match="the keys look like layout 'hf'"):  # a layout given wrong
+        mha_jax.from_torch(foreign("hf", canonical()), num_heads=H, num_kv_heads=KV, layout="bert")
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -402,8 +481,9 @@ def test_bad_parameter_files_are_value_errors(tmp_path):
 
 
 def test_ranks_are_checked_after_renaming():
+    """Named as the file names it; the shape a module expects when there is one."""
     state = dict(foreign("hf", canonical()), **{"o_proj.weight": np.zeros((E, 12, 1), np.float32)})
-    with pytest.raises(ValueError, match=r"'out_proj.weight' has shape \(10, 12, 1\), expected rank 2"):
+    with pytest.raises(ValueError, match=r"'o_proj.weight' has shape \(10, 12, 1\), expected rank 2"):
         mha_jax.from_torch(state, num_heads=H, num_kv_heads=KV, layout="hf")
-    with pytest.raises(ValueError, match=r"'out_proj.weight' has shape \(10, 12, 1\), the module expects \(10, 12\)"):
-        mha_torch.load_weights(_torch_module(), state, layout="hf")
+    jax_message, torch_message, _ = _both(state, layout="hf")
+    assert jax_message == torch_message == "state_dict (layout 'hf'): 'o_proj.weight' has shape (10, 12, 1), expected (10, 12)"

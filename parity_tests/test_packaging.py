@@ -51,3 +51,15 @@ def test_readme_examples_run():
     assert len(blocks) >= 5  # Flax, switching from flax, PyTorch, decoding, porting
     for block in blocks:
         exec(compile(block.split("```")[0], "README.md", "exec"), {})
+
+
+def test_with_one_framework_missing_the_command_names_the_extra():
+    """A PyTorch-only install (torch present, JAX hidden) and a JAX-only one (torch hidden):
+    ``mha-parity`` exits 2 naming what is missing and the extra to install, no traceback."""
+    for hidden, named in ((("torch",), "torch is not installed (the mha-parity[torch] extra)"),
+                          (("jax", "flax"), "jax and flax are not installed (the mha-parity[jax] extra)")):
+        code = (f"import sys; sys.modules.update(dict.fromkeys({hidden!r})); from parity_tests.tool.cli import main; "
+                "sys.exit(main(['verify', '--dtype', 'float32']))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert named in out.stderr and 'pip install "mha-parity[parity]"' in out.stderr

@@ -4,6 +4,7 @@ import json
 import pathlib
 import shlex
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -136,12 +137,64 @@ def test_verify_weights_reads_flax_heads_from_the_kernels(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--layout", "hf"], "--num-heads is needed"),
     (["--layout", "bert", "--num-heads", "4", "--num-kv-heads", "2"], "missing key 'self.query.weight'"),
-    (["--layout", "hf", "--num-heads", "5"], "--num-heads (5) must divide q_proj.weight.shape[0] (12)"),
+    (["--layout", "hf", "--num-heads", "5"], "no head_dim fits --num-heads 5 and --num-kv-heads 5"),
+    (["--num-heads", "4", "--num-kv-heads", "4"], "the file (--layout 'hf'): 'k_proj.weight' has shape (6, 10), expected (12, 10) "
+                                                  "(--num-kv-heads 4 x head_dim=3 rows)"),
+    (["--layout", "flax"], "--layout flax: {path} holds no Flax parameter names (query.kernel, ...) but 'k_proj.bias', "),
 ])
 def test_verify_weights_names_what_does_not_fit(tmp_path, capsys, args, message):
     _hf_gqa_file(tmp_path / "hf.safetensors")
     assert cli.main(["verify", "--weights", str(tmp_path / "hf.safetensors"), *args]) == 2
-    assert message in capsys.readouterr().err
+    assert message.format(path=tmp_path / "hf.safetensors") in capsys.readouterr().err
+
+
+def test_the_layout_is_read_from_the_keys(tmp_path, capsys):
+    """Without --layout, a file's keys say its layout; keys that show none give an error that
+    names the likely layouts and every layout there is."""
+    original = _hf_gqa_file(tmp_path / "hf.safetensors")
+    assert cli.main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "out.safetensors"), "--to", "torch",
+                     "--num-heads", "4", "--num-kv-heads", "2"]) == 0
+    assert "(layout hf, detected from the keys, bfloat16)" in capsys.readouterr().out
+    back = load_torch(tmp_path / "out.safetensors")
+    assert all(same_bits(original[k], back[k]) for k in original)
+    save_numpy({"h.0.attn.qkv.weight": np.zeros((36, 12), np.float32), "h.0.attn.c_proj.weight": np.zeros((12, 12), np.float32)},
+               tmp_path / "gpt.safetensors")
+    assert cli.main(["convert", str(tmp_path / "gpt.safetensors"), str(tmp_path / "gpt.msgpack"), "--to", "flax", "--num-heads", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "show no layout" in err and "likely layouts: fused_qkv;" in err
+    assert "give --layout (one of mha_torch, torch_mha, hf, bert, fused_qkv, flax) or, for another naming scheme, the Python API's mapping=" in err
+
+
+def _normalize_qk_files(tmp_path) -> dict[str, np.ndarray]:
+    """A flax ``normalize_qk`` layer's msgpack, and the same weights in mha_torch names."""
+    model = nnx.MultiHeadAttention(4, 16, num_kv_heads=2, normalize_qk=True, decode=False,
+                                   bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(0))
+    for ln in (model.query_ln, model.key_ln):
+        scale = ln.scale.get_value()
+        ln.scale.set_value(scale + 0.25 * jax.random.normal(jax.random.key(1), scale.shape, scale.dtype))
+    (tmp_path / "flax.msgpack").write_bytes(msgpack_serialize(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    state = mha_jax.to_torch(model)
+    save_numpy(state, tmp_path / "ours.safetensors")
+    return state
+
+
+def test_normalize_qk_checkpoints_convert_and_verify(tmp_path, capsys):
+    """flax's normalize_qk scales (query_ln, key_ln) and ours (q_norm, k_norm) convert both
+    ways bit for bit, and verify runs on them (the flax file against flax.nnx.MultiHeadAttention)."""
+    state = _normalize_qk_files(tmp_path)
+    assert cli.main(["convert", str(tmp_path / "flax.msgpack"), str(tmp_path / "torch.safetensors"), "--to", "torch"]) == 0
+    back = load_torch(tmp_path / "torch.safetensors")
+    assert set(back) == set(state) and all(same_bits(back[k], state[k]) for k in state)
+    assert cli.main(["convert", str(tmp_path / "ours.safetensors"), str(tmp_path / "again.msgpack"), "--to", "flax",
+                     "--num-heads", "4", "--num-kv-heads", "2"]) == 0
+    again = mha_jax.to_torch(tmp_path / "again.msgpack")
+    assert all(same_bits(again[k], state[k]) for k in state)
+    assert "normalize_qk" in capsys.readouterr().out
+    fast = ["--dtype", "float32", "--mask", "padding", "--workers", "1"]
+    assert cli.main(["verify", "--weights", str(tmp_path / "flax.msgpack"), *fast]) == 0
+    out = capsys.readouterr().out
+    assert "against the source: 1 cases" in out and "with biases, normalize_qk" in out
+    assert cli.main(["verify", "--weights", str(tmp_path / "ours.safetensors"), "--num-heads", "4", "--num-kv-heads", "2", *fast]) == 0
 
 
 def test_verify_weights_fails_when_a_framework_loads_other_values(tmp_path, monkeypatch, capsys):

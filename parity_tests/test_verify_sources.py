@@ -194,25 +194,27 @@ def test_cli_messages_use_cli_words():
 # --- the Python API -------------------------------------------------------------------------------
 
 
-def _ours(num_heads=H, swap=False, torch_dtype=torch.float32):
-    """A 4-head mha_torch module and the mha_jax one it converts to (``num_heads`` and ``swap``
-    make the JAX side a wrong port of it)."""
+def _ours(num_heads=H, swap=False, transpose=False, torch_dtype=torch.float32):
+    """A 4-head mha_torch module and the mha_jax one it converts to (``num_heads``, ``swap``
+    and ``transpose``, the query weight read as ``x @ W``, make the JAX side a wrong port of it)."""
     torch.manual_seed(0)
     module = mha_torch.MultiHeadAttention(E, H, dtype=torch_dtype).eval()
     state = mha_jax.to_torch(mha_jax.from_torch(module.state_dict(), num_heads=H))
     if swap:
         state["k_proj.weight"], state["v_proj.weight"] = state["v_proj.weight"], state["k_proj.weight"]
+    if transpose:  # square (E x E): the shapes cannot tell
+        state["q_proj.weight"] = np.ascontiguousarray(state["q_proj.weight"].T)
     model = mha_jax.MultiHeadAttention(num_heads, E, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     mha_jax.load_weights(model, state)
     return module, model, state
 
 
-@pytest.mark.parametrize("wrong", [None, "heads", "swap", "scale"])
+@pytest.mark.parametrize("wrong", [None, "heads", "swap", "transpose", "scale"])
 def test_python_api_catches_a_wrong_port(wrong, capsys):
     """Our PyTorch module against a JAX module converted from it: with 8 heads instead of 4,
-    with key and value swapped, or against a PyTorch side that scales by 1, the API fails and
-    names the pair; converted right, it passes every mask form."""
-    module, model, state = _ours(num_heads=8 if wrong == "heads" else H, swap=wrong == "swap")
+    with key and value swapped, with the query weight transposed, or against a PyTorch side
+    that scales by 1, the API fails and names the pair; converted right, it passes every mask form."""
+    module, model, state = _ours(num_heads=8 if wrong == "heads" else H, swap=wrong == "swap", transpose=wrong == "transpose")
     unscaled = _as_handwritten(module, scale=1.0)
 
     def theirs(q, kv, mask):

@@ -4,7 +4,7 @@
 grouped and multi-query heads, float64/float32/bfloat16) through both frameworks (every
 implementation) and the float64 oracle, forward and gradients. With ``--weights FILE`` it
 loads a checkpoint into both frameworks, compares them with the implementation the weights
-came from (``--layout`` names it; ``--source`` says how many heads it has) and then runs the
+came from (``--layout`` names it, else the file's keys show it; ``--source`` says how many heads it has) and then runs the
 grid on the checkpoint's weights. ``mha-parity convert IN OUT --to {flax,torch}`` converts a
 checkpoint file and checks the result bit for bit.
 """
@@ -24,7 +24,10 @@ EXIT_CODES = """exit codes:
   0  every comparison passed
   1  a comparison failed (a case beyond its tolerance, our modules against the source, or a
      framework holding other bits than the file after loading)
-  2  bad arguments or an unreadable or unfitting file (the message says which)"""
+  2  bad arguments, an unreadable or unfitting file, or a framework not installed (the message says which)"""
+
+# What verify and convert import, and the extra that installs each.
+FRAMEWORKS = (("jax", "jax"), ("flax", "jax"), ("torch", "torch"))
 
 IMPLEMENTATIONS = [
     "mha_jax.MultiHeadAttention (nnx; implementations xla and blockwise)",
@@ -214,20 +217,33 @@ def cli_words(message: str) -> str:
         message = re.sub(rf"(?<![\w.-]){python}\b", flag, message)
     for python, flag in (("prefix", "--prefix"), ("ignore", "--ignore"), ("layout", "--layout")):
         message = re.sub(rf"(?<![\w-]){python}=", flag, message)
+    message = message.replace("or mapping= for another naming scheme", "or, for another naming scheme, the Python API's mapping=")
     return re.sub(r"state_dict \(layout ", "the file (--layout ", message)
 
 
 def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout", metavar="NAME",
-        help="naming scheme of a .safetensors file: mha_torch (default), torch_mha, hf, bert, "
-             "fused_qkv, or flax (Flax parameter names; the default for .msgpack)",
+        help="naming scheme of the file: mha_torch, torch_mha, hf, bert, fused_qkv, or flax (Flax parameter "
+             "names; always for .msgpack); default: the one the keys (under --prefix) show",
     )
     parser.add_argument("--num-heads", type=int, metavar="N", help="query heads (needed for PyTorch names)")
     parser.add_argument("--num-kv-heads", type=int, metavar="N", help="key/value heads (default: --num-heads)")
     parser.add_argument("--prefix", default="", help="read only keys starting with this, e.g. encoder.layer.0.attention.")
     parser.add_argument("--ignore", action="append", metavar="NAME",
                         help="leave out keys under the prefix starting with NAME (repeatable)")
+
+
+def missing_frameworks() -> str | None:
+    """What to install when a framework is missing (a JAX-only or PyTorch-only install), else None."""
+    import importlib.util
+
+    missing = [name for name, _ in FRAMEWORKS if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    extras = sorted({extra for name, extra in FRAMEWORKS if name in missing})
+    return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed (the mha-parity[{', '.join(extras)}] "
+            "extra): verify and convert run both frameworks; install them with pip install \"mha-parity[parity]\"")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "verify" and args.source and not args.weights:
         parser.error("--source needs --weights")
+    missing = missing_frameworks()
+    if missing:
+        print(f"mha-parity {args.command}: error: {missing}", file=sys.stderr)
+        return 2
     try:
         return _verify(args) if args.command == "verify" else _convert(args)
     except (ValueError, TypeError, OSError) as error:  # a bad file or argument: say so, no traceback

@@ -30,6 +30,7 @@ class Checkpoint:
     num_heads: int
     num_kv_heads: int
     load: dict = field(default_factory=dict)  # the loaders' naming arguments (layout, prefix, ignore)
+    detected: bool = False  # the layout was read from the keys, not given
 
     @property
     def dtype(self) -> str:
@@ -43,15 +44,22 @@ class Checkpoint:
         return harness.Config(
             "weights", in_features=in_features, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, qkv_features=s["q_proj.weight"].shape[0],
-            out_features=s["out_proj.weight"].shape[0], use_bias="q_proj.bias" in s, **cross,
+            out_features=s["out_proj.weight"].shape[0], use_bias="q_proj.bias" in s,
+            normalize_qk=self.normalize_qk, **cross,
         )
+
+    @property
+    def normalize_qk(self) -> bool:
+        """True with QK-norm scales (flax's ``normalize_qk``: LayerNorm per head, eps 1e-6)."""
+        return "q_norm.weight" in self.state
 
     def describe(self) -> str:
         c = self.config()
         return (
-            f"{self.path} (layout {self.layout}, {self.dtype}): num_heads {c.num_heads}, num_kv_heads "
-            f"{c.kv_heads}, features in {c.in_features}, key/value {c.in_kv_features or c.in_features}, "
-            f"qkv {c.qkv_features}, out {c.out_features}, {'with' if c.use_bias else 'no'} biases"
+            f"{self.path} (layout {self.layout}{', detected from the keys' if self.detected else ''}, {self.dtype}): "
+            f"num_heads {c.num_heads}, num_kv_heads {c.kv_heads}, features in {c.in_features}, key/value "
+            f"{c.in_kv_features or c.in_features}, qkv {c.qkv_features}, out {c.out_features}, "
+            f"{'with' if c.use_bias else 'no'} biases" + (", normalize_qk" if c.normalize_qk else "")
         )
 
 
@@ -59,27 +67,84 @@ def read(
     path: str, *, layout: str | None = None, num_heads: int | None = None,
     num_kv_heads: int | None = None, prefix: str = "", ignore: tuple[str, ...] = (),
 ) -> Checkpoint:
-    """Read a checkpoint file; ValueError/TypeError name what does not fit."""
+    """Read a checkpoint file; ValueError/TypeError name what does not fit. Without ``layout``,
+    a ``.msgpack`` file is Flax parameters and a ``.safetensors`` file is in the layout its keys
+    (under ``prefix``) show."""
     import mha_jax
+    from mha_jax import _neutral
 
     path = os.fspath(path)
-    layout = layout or (FLAX if path.endswith(".msgpack") else "mha_torch")
+    detected = layout is None and not path.endswith(".msgpack")
+    if detected:
+        keys = under_prefix(file_keys(path), prefix)
+        layout = _neutral.detect_layout(keys, where=f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else ""))
+    layout = layout or FLAX
     if layout == FLAX:
         if prefix or ignore:
             raise ValueError("--prefix and --ignore apply to PyTorch-named weights, not to Flax parameters")
+        if path.endswith(".safetensors"):
+            _check_flax_names(path)
         tree = read_flax_tree(path)
         state = mha_jax.to_torch(tree)  # checks the tree: four projections, rank-3 kernels
         found = {"num_heads": tree["query"]["kernel"].shape[1], "num_kv_heads": tree["key"]["kernel"].shape[1]}
         for name, given in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if given is not None and given != found[name]:
                 raise ValueError(f"{name}={given}, but the Flax kernels in {path} have {found[name]}")
-        return Checkpoint(path, layout, state, int(found["num_heads"]), int(found["num_kv_heads"]))
+        return Checkpoint(path, layout, state, int(found["num_heads"]), int(found["num_kv_heads"]), detected=detected)
     if num_heads is None:
-        raise ValueError(f"--num-heads is needed to read {path}: PyTorch names do not say how rows split into heads")
+        raise ValueError(f"--num-heads is needed to read {path} (layout {layout}): PyTorch names do not say how rows split into heads")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     load = {"layout": layout, "prefix": prefix, "ignore": tuple(ignore)}
     params = mha_jax.from_torch(path, num_heads=num_heads, num_kv_heads=num_kv_heads, **load)
-    return Checkpoint(path, layout, mha_jax.to_torch(params), num_heads, num_kv_heads, load)
+    state = mha_jax.to_torch(params)
+    checkpoint = Checkpoint(path, layout, state, num_heads, num_kv_heads, load, detected)
+    _check_norms(checkpoint)
+    return checkpoint
+
+
+def file_keys(path: str) -> list[str]:
+    """The tensor names of a ``.safetensors`` file, read from its header."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"{path}: a checkpoint is a .safetensors or flax .msgpack file")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, "numpy") as f:
+            return list(f.keys())
+    except Exception as error:  # safetensors raises its own types for bad headers
+        raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
+
+
+def under_prefix(keys: list[str], prefix: str) -> list[str]:
+    """The keys starting with ``prefix``, the prefix taken off (all keys if none does)."""
+    return [k[len(prefix):] for k in keys if k.startswith(prefix)] or keys
+
+
+def _check_flax_names(path: str) -> None:
+    """``--layout flax`` on a file of PyTorch names: say what it holds and which layout it looks like."""
+    from mha_jax import _neutral
+
+    keys = file_keys(path)
+    try:
+        shown = _neutral.detect_layout(keys)
+    except ValueError:
+        shown = None
+    if shown != FLAX:
+        looks = f"; it looks like --layout {shown}" if shown else ""
+        raise ValueError(f"--layout flax: {path} holds no Flax parameter names (query.kernel, ...) but {_neutral._some(keys)}{looks}")
+
+
+def _check_norms(checkpoint: Checkpoint) -> None:
+    """QK-norm scales: flax's per-head ones, ``(head_dim,)``, are what both modules and the oracle run."""
+    head_dim = checkpoint.config().qkv_features // checkpoint.num_heads
+    for name in ("q_norm.weight", "k_norm.weight"):
+        if name in checkpoint.state and checkpoint.state[name].shape != (head_dim,):
+            raise ValueError(
+                f"{name} has shape {checkpoint.state[name].shape}: a norm over the whole projection, which "
+                f"mha-parity runs only per head, (head_dim,) = ({head_dim},)"
+            )
 
 
 def read_flax_tree(path: str) -> dict:
@@ -124,12 +189,13 @@ def build_ours(checkpoint: Checkpoint, dtype: str | None = None):
     dtype = dtype or checkpoint.dtype
     model = mha_jax.MultiHeadAttention(
         c.num_heads, c.in_features, c.qkv_features, c.out_features, num_kv_heads=c.num_kv_heads,
-        in_kv_features=c.in_kv_features, use_bias=c.use_bias, param_dtype=jnp.dtype(numpy_dtype(dtype)), rngs=nnx.Rngs(0),
+        in_kv_features=c.in_kv_features, use_bias=c.use_bias, normalize_qk=c.normalize_qk,
+        param_dtype=jnp.dtype(numpy_dtype(dtype)), rngs=nnx.Rngs(0),
     )
     module = mha_torch.MultiHeadAttention(
         c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=c.in_kv_features,
         vdim=c.in_kv_features, qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
-        dtype=getattr(torch, dtype),
+        normalize_qk=c.normalize_qk, dtype=getattr(torch, dtype),
     )
     if checkpoint.layout == FLAX:
         tree = read_flax_tree(checkpoint.path)

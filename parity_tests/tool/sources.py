@@ -312,8 +312,8 @@ def _flax_source(checkpoint: Checkpoint) -> Source:
         jdtype = jnp.dtype(numpy_dtype(dtype))
         layer = nnx.MultiHeadAttention(
             c.num_heads, c.in_features, c.qkv_features, c.out_features, num_kv_heads=c.kv_heads,
-            in_kv_features=c.in_kv_features, use_bias=c.use_bias, param_dtype=jdtype, dtype=jdtype,
-            decode=False, rngs=nnx.Rngs(0),
+            in_kv_features=c.in_kv_features, use_bias=c.use_bias, normalize_qk=c.normalize_qk, param_dtype=jdtype,
+            dtype=jdtype, decode=False, rngs=nnx.Rngs(0),
         )
         nnx.update(layer, jax.tree.map(lambda a: jnp.asarray(a, jdtype), tree))
         graphdef, state = nnx.split(layer)
