@@ -76,33 +76,40 @@ def test_decoding_equals_the_full_causal_pass(heads, dtype):
         assert _rel(dt.float(), np.asarray(dj, np.float32)) <= TOL[dtype], name
 
 
+def _torch_of(x, dtype: str) -> torch.Tensor:
+    """A NumPy or JAX array as a PyTorch tensor of ``dtype`` (bfloat16 through float32, exactly)."""
+    return torch.from_numpy(np.array(x, np.float64 if dtype == "float64" else np.float32)).to(getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("padding", ["left", "right"])
-def test_ragged_batch_decodes_each_row_at_its_own_position(padding):
+def test_ragged_batch_decodes_each_row_at_its_own_position(padding, dtype):
     """Prompts of 6 and 3 tokens padded to 6, prefilled at once, then 3 tokens each, decode as
-    each row alone does."""
-    layer, twin, xj, xt = _pair(2, "float64")
+    each row alone does, in each dtype to its tolerance."""
+    layer, twin, xj, xt = _pair(2, dtype)
+    jdt = jnp.dtype(dtype)
     lengths = np.array([6, 3])
     real = np.arange(6)[None] < lengths[:, None] if padding == "right" else np.arange(6)[None] >= 6 - lengths[:, None]
     pos = np.where(real, np.cumsum(real, axis=1) - 1, -1)
     prompts = np.zeros((B, 6, E))
     for b, n in enumerate(lengths):
-        prompts[b, real[b]] = np.asarray(xj[b, :n])
-    steps = [np.asarray(xj[:, 6 + i:7 + i]) for i in range(3)]
-    layer.init_cache((B, T, E), jnp.float64)
-    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
-    out_j = [layer(jnp.asarray(prompts), decode=True, is_causal=True, query_positions=jnp.asarray(pos))]
+        prompts[b, real[b]] = np.asarray(xj[b, :n], np.float64)
+    steps = [np.asarray(xj[:, 6 + i:7 + i], np.float64) for i in range(3)]
+    layer.init_cache((B, T, E), jdt)
+    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=getattr(torch, dtype))
+    out_j = [layer(jnp.asarray(prompts, jdt), decode=True, is_causal=True, query_positions=jnp.asarray(pos))]
     with torch.no_grad():
-        out_t = [twin(torch.from_numpy(prompts), cache=cache, is_causal=True, query_positions=torch.from_numpy(pos))]
+        out_t = [twin(_torch_of(prompts, dtype), cache=cache, is_causal=True, query_positions=torch.from_numpy(pos))]
         for s in steps:
-            out_j.append(layer(jnp.asarray(s), decode=True, is_causal=True))
-            out_t.append(twin(torch.from_numpy(s), cache=cache, is_causal=True))
+            out_j.append(layer(jnp.asarray(s, jdt), decode=True, is_causal=True))
+            out_t.append(twin(_torch_of(s, dtype), cache=cache, is_causal=True))
     assert np.array_equal(np.asarray(layer.cache_index[...]), lengths + 3)
     assert np.array_equal(cache.index.numpy(), lengths + 3)
     for b, n in enumerate(lengths):
         alone = layer(jnp.concatenate([xj[b:b + 1, :n], xj[b:b + 1, 6:9]], axis=1), is_causal=True)[0]
         got_j = jnp.concatenate([out_j[0][b, real[b]]] + [o[b] for o in out_j[1:]])
-        got_t = torch.cat([out_t[0][b, torch.from_numpy(real[b])]] + [o[b] for o in out_t[1:]])
-        assert _rel(got_j, alone) <= TOL["float64"] and _rel(got_t, alone) <= TOL["float64"]
+        got_t = torch.cat([out_t[0][b, torch.from_numpy(real[b])]] + [o[b] for o in out_t[1:]]).double()
+        assert _rel(got_j, alone) <= TOL[dtype] and _rel(got_t, alone) <= TOL[dtype], b
 
 
 def test_sliding_window_keeps_a_rolling_buffer_of_the_window():
@@ -131,6 +138,8 @@ def test_overflow_inside_jit_is_flagged_not_silent():
 
 
 def test_one_compiled_step_serves_every_position():
+    """One trace (JAX) and one compilation (PyTorch) for every position; the donated JAX cache is
+    aliased; past the cache the compiled PyTorch step flags the row's ``overflow``."""
     layer, twin, xj, xt = _pair(2, "float32")
     traces = []
 
@@ -168,6 +177,15 @@ def test_one_compiled_step_serves_every_position():
         full = twin(xt, is_causal=True)
     assert after_first >= 1 and len(compiles) == after_first
     assert _rel(torch.cat([first] + rest, dim=1), full) <= TOL["float32"]
+    # past the cache the compiled step cannot raise: it sets the overflowing row's flag, which stays
+    assert not cache.overflow.any()
+    cache.index.copy_(torch.tensor([T, T - 1], dtype=torch.int32))
+    flags = []
+    with torch.no_grad():
+        for t in range(2):
+            compiled(xt[:, t:t + 1])
+            flags.append(cache.overflow.tolist())
+    assert flags == [[True, False], [True, True]] and cache.index.tolist() == [T + 2, T + 1]
 
 
 def test_a_cache_continues_in_the_other_framework():
@@ -184,6 +202,101 @@ def test_a_cache_continues_in_the_other_framework():
     layer.cached_key[...], layer.cached_value[...] = jnp.asarray(cache.key.numpy()), jnp.asarray(cache.value.numpy())
     layer.cache_index[...] = jnp.asarray(cache.index.numpy())
     assert _rel(layer(xj[:, 8:], decode=True, is_causal=True), full[:, 8:]) <= TOL["float64"]
+
+
+def test_masks_and_biases_span_the_cache():
+    """A user ``mask`` ``(batch, heads, n, max_length)`` and ``bias`` ``(batch, 1, n, max_length)``,
+    the rows of the full pass's ``(batch, heads, T, T)``/``(batch, 1, T, T)`` for the step's
+    queries, give the full causal pass with that mask and bias, in both frameworks: a prompt of
+    6 tokens, then one token a step."""
+    layer, twin, xj, xt = _pair(2, "float64")
+    rng = np.random.default_rng(3)
+    allowed = rng.random((B, H, T, T)) < 0.6
+    allowed[..., np.arange(T), np.arange(T)] = True  # every query sees itself
+    bias = rng.normal(size=(B, 1, T, T))
+    full_j = layer(xj, is_causal=True, mask=jnp.asarray(allowed), bias=jnp.asarray(bias))
+    with torch.no_grad():
+        full_t = twin(xt, is_causal=True, mask=torch.from_numpy(allowed), bias=torch.from_numpy(bias))
+    assert _rel(full_j, layer(xj, is_causal=True)) > 1e-2  # the mask and bias act
+    layer.init_cache((B, T, E), jnp.float64)
+    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
+    out_j, out_t, t = [], [], 0
+    with torch.no_grad():
+        for n in [6, 1, 1, 1, 1]:
+            rows = slice(t, t + n)
+            out_j.append(layer(xj[:, rows], decode=True, is_causal=True, mask=jnp.asarray(allowed[:, :, rows]),
+                               bias=jnp.asarray(bias[:, :, rows])))
+            out_t.append(twin(xt[:, rows], cache=cache, is_causal=True, mask=torch.from_numpy(allowed[:, :, rows]),
+                              bias=torch.from_numpy(bias[:, :, rows])))
+            t += n
+    dj, dt = jnp.concatenate(out_j, axis=1), torch.cat(out_t, dim=1)
+    assert _rel(dj, full_j) <= TOL["float64"]
+    assert _rel(dt, full_t) <= TOL["float64"]
+    assert _rel(dt, full_j) <= TOL["float64"]
+
+
+def test_torch_chunk_longer_than_the_room_left_raises_and_leaves_the_cache():
+    """Four tokens cached in six slots, a chunk of three: the error names the row and the
+    sizes, and the cache is as it was (as the JAX module, same message)."""
+    layer, twin, xj, xt = _pair(2, "float64")
+    cache = mha_torch.KVCache(B, 6, 2, E // H, dtype=torch.float64)
+    layer.init_cache((B, 6, E), jnp.float64)
+    message = r"the cache overflows: row 0 would hold positions up to 6 in max_length 6 slots"
+    with torch.no_grad():
+        twin(xt[:, :4], cache=cache, is_causal=True)
+        layer(xj[:, :4], decode=True, is_causal=True)
+        key, value = cache.key.clone(), cache.value.clone()
+        with pytest.raises(ValueError, match=message):
+            twin(xt[:, 4:7], cache=cache, is_causal=True)
+        with pytest.raises(ValueError, match=message):
+            layer(xj[:, 4:7], decode=True, is_causal=True)
+        assert cache.index.tolist() == [4, 4] and not cache.overflow.any()
+        assert torch.equal(cache.key, key) and torch.equal(cache.value, value)
+        rest = twin(xt[:, 4:6], cache=cache, is_causal=True)  # what fits still decodes
+        full = twin(xt[:, :6], is_causal=True)
+    assert _rel(rest, full[:, 4:6]) <= TOL["float64"]
+
+
+def test_torch_overflow_raises_outside_torch_compile():
+    """Rows at positions 0 and 2 of a 4-slot cache, one token a step: the step that would
+    overwrite row 1's first position raises naming the row and the sizes, and leaves the cache
+    as it was (under ``torch.compile`` it sets ``overflow`` instead, see the compiled-step test)."""
+    _, twin, _, xt = _pair(2, "float32")
+    cache = mha_torch.KVCache(B, 4, 2, E // H)
+    cache.index.copy_(torch.tensor([0, 2], dtype=torch.int32))
+    with torch.no_grad():
+        twin(xt[:, :1], cache=cache)
+        twin(xt[:, 1:2], cache=cache)
+        key = cache.key.clone()
+        with pytest.raises(ValueError, match="the cache overflows: row 1 would hold positions up to 4 in max_length 4 slots"):
+            twin(xt[:, 2:3], cache=cache)
+    assert cache.index.tolist() == [2, 4] and not cache.overflow.any() and torch.equal(cache.key, key)
+
+
+def test_linen_cache_overflow_is_flagged_under_jit():
+    """linen's ``'cache'`` collection: a jitted step that overflows a row sets that row's
+    ``cache_overflow``, which stays set; outside ``jit`` the same step raises."""
+    ours = mha_jax.linen.MultiHeadDotProductAttention(H, num_kv_heads=2, param_dtype=jnp.float64, decode=True)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(B, 4, E)))
+    variables = ours.init(jax.random.key(0), x)  # a cache of 4 slots
+    params, cache = {"params": variables["params"]}, variables["cache"]
+    assert set(cache) == {"cached_key", "cached_value", "cache_index", "cache_overflow"}
+    cache = dict(cache, cache_index=jnp.array([0, 2], jnp.int32))
+
+    @jax.jit
+    def step(cache, token):
+        out, state = ours.apply({**params, "cache": cache}, token, mutable=["cache"])
+        return out, state["cache"]
+
+    flags = []
+    for t in range(4):
+        _, cache = step(cache, x[:, t % 4:t % 4 + 1])
+        flags.append(np.asarray(cache["cache_overflow"]).tolist())
+    assert flags == [[False, False], [False, False], [False, True], [False, True]]
+    assert np.asarray(cache["cache_index"]).tolist() == [4, 6]
+    eager = dict(variables["cache"], cache_index=jnp.array([0, 4], jnp.int32))
+    with pytest.raises(ValueError, match="the cache overflows: row 1 would hold positions up to 4 in max_length 4"):
+        ours.apply({**params, "cache": eager}, x[:, :1], mutable=["cache"])
 
 
 def _flax_exact(query, key, value, module=None, **kwargs):
