@@ -26,7 +26,7 @@ from flax import nnx
 import mha_jax
 import mha_torch
 from mha_torch import _families
-from parity_tests.tool import arrays
+from parity_tests.tool import arrays, models
 
 B, S, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2, 7, 32, 4, 2, 8, 2
 OFFSETS, LENGTHS = (3, 0), (7, 5)  # row 0 starts at position 3; row 1 holds 5 tokens and 2 of padding
@@ -185,24 +185,10 @@ def _ours_jax(config, layer, state, inputs, dtype):
 
 
 def _theirs_by_our_names(grads, options):
-    """transformers' gradient names -> ours (``o_proj`` is ``out_proj``; a fused ``qkv_proj`` splits;
-    GPT-NeoX's and GPT-2's fused weights split as their checkpoints do, by ``layer_state``)."""
-    num_heads, num_kv_heads = options.num_heads, options.num_kv_heads
+    """transformers' gradients (the input's and each weight's) by our names."""
     grads = {name: g.double().numpy() for name, g in grads.items()}
-    if options.layout in ("gpt_neox", "gpt2"):
-        ours = _families.layer_state(options, {options.prefix + k: g for k, g in grads.items() if k != "input"})
-        return dict(ours, input=grads["input"])
-    ours = {}
-    for name, g in grads.items():
-        if name.startswith("qkv_proj."):
-            part = name.split(".", 1)[1]
-            q_rows = num_heads * HEAD_DIM
-            kv_rows = num_kv_heads * HEAD_DIM
-            for proj, piece in zip(("q_proj", "k_proj", "v_proj"), np.split(g, [q_rows, q_rows + kv_rows])):
-                ours[f"{proj}.{part}"] = piece
-        else:
-            ours[name.replace("o_proj.", "out_proj.")] = g
-    return ours
+    weights = models.by_our_names({k: g for k, g in grads.items() if k != "input"}, options)
+    return dict(weights, input=grads["input"])
 
 
 def _rel(a, b):

@@ -5,7 +5,9 @@ grouped and multi-query heads, float64/float32/bfloat16) through both frameworks
 implementation) and the float64 oracle, forward and gradients. With ``--weights FILE`` it
 loads a checkpoint into both frameworks, compares them with the implementation the weights
 came from (``--layout`` names it, else the file's keys show it; ``--source`` says how many heads it has) and then runs the
-grid on the checkpoint's weights. ``mha-parity convert IN OUT --to {flax,torch}`` converts a
+grid on the checkpoint's weights. With ``--config config.json --weights FILE`` it verifies each
+attention layer of a transformers model (``from_hf`` in both frameworks against the layer of
+transformers' own model, one row per layer). ``mha-parity convert IN OUT --to {flax,torch}`` converts a
 checkpoint file and checks the result bit for bit.
 """
 
@@ -37,6 +39,8 @@ IMPLEMENTATIONS = [
 
 
 def _verify(args: argparse.Namespace) -> int:
+    if args.config:
+        return _verify_model(args)
     import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 cases need it; float32 ones are unaffected
@@ -91,6 +95,47 @@ def _verify(args: argparse.Namespace) -> int:
         sections["the twins and the oracle"] = harness.run_cases(
             cases, weights=weights, jit=args.jit, seed=args.seed, workers=args.workers, done=printer.done)
     return _finish(args, header, sections, start, checkpoint if args.weights else None)
+
+
+def _verify_model(args: argparse.Namespace) -> int:
+    """``--config``: each layer of a transformers model against ours, one row per layer."""
+    from parity_tests.tool import models
+
+    start = time.perf_counter()
+    source = models.load(args.config, args.weights)
+    c = source.model.config
+    print(f"mha-parity verify --config {args.config}: each attention layer of transformers' "
+          f"{type(source.model).__name__} against mha_torch.from_hf and mha_jax.from_hf")
+    print(f"  weights: {', '.join(source.files)} ({len(source.state)} tensors; not in the model: "
+          f"{len(source.unexpected)}, model weights not in them: {len(source.missing)}"
+          + (f", e.g. {source.missing[0]}" if source.missing else "") + ")")
+    print(f"  inputs: batch {models.BATCH}, length {models.LENGTH}, the rows starting at positions {models.OFFSETS} "
+          f"and ending in {models.PADDING} padded tokens, causal; seed {args.seed}; hidden {c.hidden_size}, "
+          f"{c.num_attention_heads} heads")
+    print(f"  compared: the output and the gradients of the input and of every weight; ours against the source "
+          f"in float32 (tolerance {models.SOURCE_TOLERANCE:.0e}), JAX against PyTorch in float64 "
+          f"(tolerance {models.TWINS_TOLERANCE:.0e}); relative errors (norm of the difference / norm)", flush=True)
+
+    def done(r):
+        print(f"layer {r.layer} ({r.attention}): {'passed' if r.passed else 'FAILED'}; worst "
+              + ", ".join(f"{k} {v:.1e}" for k, v in r.errors.items()), flush=True)
+
+    _, results = models.verify(args.config, args.weights, layers=args.layer, seed=args.seed, done=done, source=source)
+    failed = [r for r in results if not r.passed]
+    for r in failed:
+        bad = {k: v for k, v in r.errors.items()
+               if v > (models.TWINS_TOLERANCE if k.startswith("JAX vs PyTorch") else models.SOURCE_TOLERANCE)}
+        print(f"FAILED: layer {r.layer}: " + "; ".join(
+            f"{k} {v:.2e}" + (f" (worst: {r.worst[k]})" if k in r.worst else "") for k, v in bad.items()))
+    elapsed = time.perf_counter() - start
+    print(f"{len(results)} layer{'' if len(results) == 1 else 's'} in {elapsed:.1f} s: "
+          + ("every comparison passed" if not failed else f"{len(failed)} FAILED"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "weights": source.files, "passed": not failed, "seconds": elapsed,
+                       "layers": [r.as_json() for r in results]}, f, indent=1)
+        print(f"JSON report written to {args.json}")
+    return 1 if failed else 0
 
 
 def _in_background(cases, weights, args):
@@ -274,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(a config.json beside FILE is read without this), or module:function / file.py:function "
                              "returning the PyTorch model (the layer under --prefix is compared); without it the "
                              "source is built with --num-heads")
+    verify.add_argument("--config", metavar="FILE",
+                        help="a transformers model's config.json: with --weights (the whole model's .safetensors or "
+                             "its model.safetensors.index.json), each attention layer is built by from_hf in both "
+                             "frameworks and compared with the layer of transformers' model, one row per layer")
+    verify.add_argument("--layer", type=int, action="append", metavar="N",
+                        help="with --config, only layer N (repeatable; default: every layer)")
     _add_checkpoint_arguments(verify)
     convert = commands.add_parser("convert", help="convert a checkpoint file and check the result", epilog=EXIT_CODES,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -285,6 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "verify" and args.source and not args.weights:
         parser.error("--source needs --weights")
+    if args.command == "verify" and args.config:
+        if not args.weights:
+            parser.error("--config needs --weights (the model's .safetensors or model.safetensors.index.json)")
+        given = [flag for flag, value in (("--source", args.source), ("--layout", args.layout), ("--num-heads", args.num_heads),
+                                          ("--num-kv-heads", args.num_kv_heads), ("--prefix", args.prefix),
+                                          ("--mask", args.mask), ("--dtype", args.dtype), ("--report", args.report)) if value]
+        if given:
+            parser.error(f"--config reads everything from the config; {', '.join(given)} cannot go with it")
+    if args.command == "verify" and args.layer and not args.config:
+        parser.error("--layer needs --config")
     missing = missing_frameworks()
     if missing:
         print(f"mha-parity {args.command}: error: {missing}", file=sys.stderr)

@@ -1,0 +1,119 @@
+"""``mha-parity verify --config config.json --weights FILE``: every attention layer of a model
+saved by transformers (``save_pretrained``: its config.json and safetensors, sharded or not)
+against the layer of transformers' own model, one row per layer, and a port that reads one
+setting of the config wrongly fails, naming the layer and the comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+
+import mha_jax
+import mha_torch
+from parity_tests.tool import cli, models
+
+SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=3, intermediate_size=16, vocab_size=50)
+MODELS = {
+    # alternating sliding and full layers, soft-cap, query_pre_attn_scalar; written in 4 shards
+    "gemma2": (transformers.Gemma2Config, dict(num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                               attn_logit_softcapping=5.0, query_pre_attn_scalar=12), "20KB"),
+    # transposed Conv1D weights, learned positions, no rotary
+    "gpt2": (transformers.GPT2Config, dict(n_positions=32), None),
+}
+
+
+def _saved(tmp_path_factory, name):
+    config_cls, extra, shard = MODELS[name]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**SMALL, **extra))
+    with torch.no_grad():  # trained-like logits of a few units (init's 0.02 gives ~0.01: every cap and scale alike)
+        for n, p in model.named_parameters():
+            if "attn" in n and p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    weights = path / ("model.safetensors.index.json" if shard else "model.safetensors")
+    return str(path / "config.json"), str(weights)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return {name: _saved(tmp_path_factory, name) for name in MODELS}
+
+
+def _verify(capsys, *args) -> tuple[int, str]:
+    code = cli.main(["verify", *args])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_layer_of_a_saved_model_against_transformers(saved, name, capsys, tmp_path):
+    config, weights = saved[name]
+    code, out = _verify(capsys, "--config", config, "--weights", weights, "--json", str(tmp_path / "r.json"))
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("layer ")]
+    assert [row.split(" (")[0] for row in rows] == ["layer 0", "layer 1", "layer 2"], out
+    assert all("passed" in row for row in rows)
+    if name == "gemma2":  # the config's alternation, as the model applies it
+        assert [row.split(")")[0].split("(")[1] for row in rows] == ["window 4", "full", "window 4"]
+        assert "model-00001-of-00004.safetensors" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] and len(report["layers"]) == 3
+    for layer in report["layers"]:
+        for key, value in layer["errors"].items():
+            assert value < (1e-12 if key.startswith("JAX vs PyTorch") else 1e-4), (key, value)
+
+
+def _misread(monkeypatch, **changes):
+    """Both packages read the config with ``changes`` made to what they read for every layer."""
+    for package in (mha_jax, mha_torch):
+        families = package._families
+        read = families.layer_options
+
+        def wrong(config, layer, read=read):
+            options = read(config, layer)
+            rope = changes.get("rope")
+            return dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "rope"},
+                                       **({"rope": rope(options.rope)} if rope else {}))
+
+        monkeypatch.setattr(families, "layer_options", wrong)
+
+
+@pytest.mark.parametrize("setting, changes", [
+    ("rotary base", dict(rope=lambda rope: dict(rope, rope_parameters=dict(rope["rope_parameters"], rope_theta=9000.0)))),
+    ("scale", dict(scale=8 ** -0.5)),  # 1/sqrt(head_dim) instead of query_pre_attn_scalar's 1/sqrt(12)
+    ("window", dict(window=(4, 0))),  # a key more than the model's sliding window
+    ("soft-cap", dict(logit_soft_cap=50.0)),
+])
+def test_a_port_that_misreads_one_setting_fails(saved, monkeypatch, capsys, setting, changes):
+    config, weights = saved["gemma2"]
+    _misread(monkeypatch, **changes)
+    code, out = _verify(capsys, "--config", config, "--weights", weights, "--layer", "0")
+    assert code == 1, (setting, out)
+    failed = next(line for line in out.splitlines() if line.startswith("FAILED: layer 0: "))
+    assert "PyTorch vs source" in failed and "JAX vs source" in failed, out
+    assert "1 layer in" in out and "1 FAILED" in out
+
+
+def test_python_api_one_row_per_layer(saved):
+    config, weights = saved["gpt2"]
+    source, results = models.verify(config, weights, layers=[2, 0])
+    assert [r.layer for r in results] == [2, 0] and all(r.passed for r in results)
+    assert type(source.model).__name__ == "GPT2LMHeadModel"
+
+
+def test_bad_arguments_are_named(saved, capsys):
+    config, weights = saved["gpt2"]
+    code, out = _verify(capsys, "--config", config, "--weights", weights, "--layer", "3")
+    assert code == 2 and "--layer 3: the model has layers 0 to 2" in out
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--config", config])
+    assert "--config needs --weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--config", config, "--weights", weights, "--layout", "hf"])
+    assert "--layout cannot go with it" in capsys.readouterr().err

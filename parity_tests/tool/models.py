@@ -1,0 +1,271 @@
+"""A transformers model's attention layers against ours, behind ``mha-parity verify --config``.
+
+The source is the whole model as transformers builds it from ``config.json`` (eager attention,
+float32), with the checkpoint's weights. It runs once on a padded batch whose rows start at
+different positions; a hook on each verified layer's attention module records what the model
+gave it: its input, its mask (causal, padding and the layer's window, as the model builds it) and
+its rotary tables. The layer is run again on that input with those arguments, with gradients.
+Ours (``mha_torch.from_hf`` and ``mha_jax.from_hf``, the same config and checkpoint) get the
+same input with ``is_causal=True``, the positions and the lengths, nothing else: everything a
+layer does differently (window, rotary, scale, soft-cap, norms, sinks) must come from reading the
+config. One row per layer: outputs and the gradients of the input and of every weight, ours
+against the source in float32, and our two frameworks against each other in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# float32 against transformers (relative, over the output and over every gradient); float64
+# between our two frameworks
+SOURCE_TOLERANCE, TWINS_TOLERANCE = 1e-4, 1e-12
+BATCH, LENGTH, OFFSETS, PADDING = 2, 16, (3, 0), (0, 5)  # row 0 starts at position 3; row 1 ends in 5 pads
+
+
+@dataclass
+class LayerResult:
+    """One layer: the worst relative errors (``errors``: name -> value) and whether each is
+    within its tolerance."""
+
+    layer: int
+    attention: str  # what the config makes of the layer: "full", "window 4", ...
+    errors: dict[str, float] = field(default_factory=dict)
+    worst: dict[str, str] = field(default_factory=dict)  # name -> the tensor with the worst error
+
+    @property
+    def passed(self) -> bool:
+        return all(v <= (TWINS_TOLERANCE if name.startswith("JAX vs PyTorch") else SOURCE_TOLERANCE)
+                   for name, v in self.errors.items())
+
+    def as_json(self) -> dict:
+        return {"layer": self.layer, "attention": self.attention, "errors": self.errors, "worst": self.worst,
+                "passed": self.passed}
+
+
+@dataclass
+class Model:
+    """The source model and what was read: ``raw`` the config dict, ``state`` the checkpoint."""
+
+    config_path: str
+    raw: dict
+    model: Any
+    state: dict
+    files: list[str]
+    missing: list[str]
+    unexpected: list[str]
+
+
+def read_raw(path: str | os.PathLike) -> dict:
+    with open(path) as f:
+        raw = json.load(f)
+    if "text_config" in raw and "num_attention_heads" not in raw:  # a multimodal model's text part
+        raw = dict(raw["text_config"])
+    return raw
+
+
+def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
+    """transformers' model for ``config_path`` (``AutoModelForCausalLM``, eager attention,
+    float32) with the checkpoint's tensors (a ``.safetensors`` file or a sharded index)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    raw = read_raw(config_path)
+    if "model_type" not in raw:
+        raise ValueError(f"--config {config_path}: no model_type; a transformers config.json names its family")
+    config = transformers.AutoConfig.for_model(**raw)
+    config._attn_implementation = "eager"
+    weights = os.fspath(weights)
+    if weights.endswith(".json"):
+        with open(weights) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(os.path.dirname(weights), name) for name in files]
+    else:
+        files = [weights]
+    state = {}
+    for path in files:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--weights: {path} does not exist")
+        state.update(load_file(path))
+    torch.manual_seed(0)  # weights the checkpoint lacks (none, for a whole model's) are random
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    return Model(os.fspath(config_path), raw, model, state, files, list(missing), list(unexpected))
+
+
+def _inputs(vocab: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, LENGTH), generator=g)
+    positions = torch.stack([torch.arange(LENGTH) + o for o in OFFSETS])
+    lengths = torch.tensor([LENGTH - p for p in PADDING])
+    attention_mask = (torch.arange(LENGTH)[None] < lengths[:, None]).long()
+    return ids, positions, lengths, attention_mask
+
+
+def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, tuple]:
+    """Each layer's attention module and the (input, keywords) the model called it with."""
+    import torch
+
+    seen: dict[int, tuple] = {}
+    handles = []
+    for layer, prefix in prefixes.items():
+        module = source.model.get_submodule(prefix.rstrip("."))
+
+        def hook(module, args, kwargs, output, layer=layer):
+            kwargs = dict(kwargs)
+            hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+            rest = args[1:]
+            seen[layer] = (module, hidden.detach().clone(), rest, kwargs)
+
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    ids, positions, _, attention_mask = _inputs(source.raw.get("vocab_size", 2), seed)
+    try:
+        with torch.no_grad():
+            source.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def by_our_names(grads: dict, options) -> dict:
+    """transformers' gradient names -> ours: ``o_proj`` is ``out_proj``, a fused ``qkv_proj``
+    splits into q/k/v rows, GPT-NeoX's and GPT-2's fused weights split as their checkpoints do."""
+    from mha_torch import _families
+
+    if options.layout in ("gpt_neox", "gpt2"):
+        return _families.layer_state(options, {options.prefix + k: g for k, g in grads.items()})
+    ours = {}
+    q_rows, kv_rows = options.num_heads * options.head_dim, options.num_kv_heads * options.head_dim
+    for name, g in grads.items():
+        if name.startswith("qkv_proj."):
+            part = name.split(".", 1)[1]
+            for proj, piece in zip(("q_proj", "k_proj", "v_proj"), np.split(g, [q_rows, q_rows + kv_rows])):
+                ours[f"{proj}.{part}"] = piece
+        else:
+            ours[name.replace("o_proj.", "out_proj.")] = g
+    return ours
+
+
+def _rel(a, b, floor: float) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), floor))
+
+
+def _worst(ours: dict, theirs: dict) -> tuple[float, str]:
+    """The worst relative error over matching tensors; a tensor whose norm is below a hundredth
+    of the input gradient's is compared to that: a gradient that is 0 in exact arithmetic (a key
+    bias without rotary shifts a row's logits alike) is rounding noise on both sides."""
+    if sorted(ours) != sorted(theirs):
+        raise AssertionError(f"gradients of {sorted(ours)} against the source's {sorted(theirs)}")
+    floor = 1e-2 * float(np.linalg.norm(theirs["input"]))
+    return max((_rel(ours[k], theirs[k], floor), k) for k in theirs)
+
+
+def _run_source(module, hidden, rest, kwargs, d_out):
+    x = hidden.detach().clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out = module(x, *rest, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(d_out)
+    grads = {"input": x.grad.double().numpy()}
+    grads.update({n: p.grad.double().numpy() for n, p in module.named_parameters() if p.grad is not None})
+    return out.detach().double().numpy(), grads
+
+
+def _run_torch(raw, state, layer, x, positions, lengths, d_out, dtype):
+    import torch
+
+    import mha_torch
+
+    module = mha_torch.from_hf(raw, state, layer=layer, dtype=dtype)
+    hidden = torch.tensor(x, dtype=dtype, requires_grad=True)
+    out = module(hidden, is_causal=True, query_positions=torch.as_tensor(positions), key_value_seq_lengths=torch.as_tensor(lengths))
+    out.backward(torch.tensor(d_out, dtype=dtype))
+    grads = {"input": hidden.grad.double().numpy()}
+    grads.update({n: p.grad.double().numpy() for n, p in module.named_parameters()})
+    return out.detach().double().numpy(), grads
+
+
+def _run_jax(raw, state, layer, x, positions, lengths, d_out, dtype):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import mha_jax
+
+    module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=dtype)
+    graph, params = nnx.split(module, nnx.Param)
+
+    def f(params, hidden):
+        return nnx.merge(graph, params)(hidden, is_causal=True, query_positions=jnp.asarray(positions),
+                                        key_value_seq_lengths=jnp.asarray(lengths))
+
+    out, vjp = jax.vjp(f, params, jnp.asarray(x, dtype))
+    d_params, d_hidden = vjp(jnp.asarray(d_out, out.dtype))
+    grads = {"input": np.asarray(d_hidden, np.float64)}
+    grads.update({k: np.asarray(v, np.float64) for k, v in mha_jax.to_torch(nnx.to_pure_dict(d_params)).items()})
+    return np.asarray(out, np.float64), grads
+
+
+def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0, done=None,
+           source: Model | None = None) -> tuple[Model, list[LayerResult]]:
+    """Every layer in ``layers`` (default: all) of the model, ours against the source; ``done``
+    is called with each layer's result as it finishes."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from mha_torch import _families
+
+    source = source or load(config_path, weights)
+    raw = _families.read_config(source.raw)
+    count = int(raw["num_hidden_layers"])
+    layers = list(range(count)) if layers is None else list(layers)
+    for layer in layers:
+        if not 0 <= layer < count:
+            raise ValueError(f"--layer {layer}: the model has layers 0 to {count - 1}")
+    options = {layer: _families.layer_options(raw, layer) for layer in layers}
+    missing = [k for k in source.missing if any(k.startswith(o.prefix) for o in options.values())]
+    if missing:
+        raise ValueError(f"--weights lacks the attention weights {missing}")
+    seen = _captured(source, {layer: o.prefix for layer, o in options.items()}, seed)
+    _, positions, lengths, _ = _inputs(2, seed)
+    results = []
+    with jax.enable_x64(True):
+        for layer in layers:
+            module, hidden, rest, kwargs = seen[layer]
+            x = hidden.double().numpy()
+            # padded queries' outputs mean nothing (transformers spreads a row that sees no key
+            # evenly, ours gives 0): they are neither compared nor sent a gradient
+            live = (np.arange(x.shape[1])[None] < np.asarray(lengths)[:, None])[..., None]
+            d_out = np.random.default_rng(seed + 1 + layer).normal(size=x.shape[:2] + (raw["hidden_size"],)) * live
+            out_src, grads_src = _run_source(module, hidden, rest, kwargs, torch.tensor(d_out, dtype=torch.float32))
+            grads_src = dict(by_our_names({k: v for k, v in grads_src.items() if k != "input"}, options[layer]),
+                             input=grads_src["input"])
+            window = options[layer].window
+            result = LayerResult(layer, "full" if window is None else f"window {window[0] + 1}")
+            runs = {
+                "torch": _run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float32),
+                "jax": _run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float32),
+            }
+            out_src = out_src * live
+            floor = 1e-6 * float(np.linalg.norm(out_src))
+            for name, (out, grads) in runs.items():
+                label = "PyTorch" if name == "torch" else "JAX"
+                result.errors[f"{label} vs source: output"] = _rel(out * live, out_src, floor)
+                result.errors[f"{label} vs source: gradients"], result.worst[f"{label} vs source: gradients"] = _worst(grads, grads_src)
+            out64_t, grads64_t = _run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float64)
+            out64_j, grads64_j = _run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float64)
+            result.errors["JAX vs PyTorch, float64: output"] = _rel(out64_j * live, out64_t * live, 1e-6 * float(np.linalg.norm(out64_t)))
+            result.errors["JAX vs PyTorch, float64: gradients"], result.worst["JAX vs PyTorch, float64: gradients"] = _worst(grads64_j, grads64_t)
+            results.append(result)
+            if done:
+                done(result)
+    return source, results
