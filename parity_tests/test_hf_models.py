@@ -156,9 +156,9 @@ def _keep_float64(monkeypatch, attention):
             monkeypatch.setattr(module, "forward", forward)
 
 
-def _ours_torch(config, layer, state, inputs, dtype):
+def _ours_torch(config, layer, state, inputs, dtype, implementation=None):
     x, positions, live, d_out = inputs
-    module = mha_torch.from_hf(config.to_dict(), state, layer=layer, dtype=getattr(torch, dtype))
+    module = mha_torch.from_hf(config.to_dict(), state, layer=layer, dtype=getattr(torch, dtype), implementation=implementation)
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
     out = module(hidden, is_causal=True, query_positions=torch.tensor(positions),
                  key_value_seq_lengths=torch.tensor(LENGTHS))
@@ -168,9 +168,9 @@ def _ours_torch(config, layer, state, inputs, dtype):
     return out.detach().double().numpy(), grads
 
 
-def _ours_jax(config, layer, state, inputs, dtype):
+def _ours_jax(config, layer, state, inputs, dtype, implementation=None):
     x, positions, live, d_out = inputs
-    module = mha_jax.from_hf(config.to_dict(), state, layer=layer, param_dtype=getattr(jnp, dtype))
+    module = mha_jax.from_hf(config.to_dict(), state, layer=layer, param_dtype=getattr(jnp, dtype), implementation=implementation)
     graph, params = nnx.split(module, nnx.Param)
 
     def f(params, hidden):
@@ -210,8 +210,14 @@ def test_from_hf_equals_transformers_attention(family, dtype, monkeypatch):
     state["model.embed_tokens.weight"] = torch.zeros(3, HIDDEN, dtype=getattr(torch, dtype))
     theirs = _theirs_by_our_names(grads_hf, options)
     tol, grad_tol = (1e-12, 1e-12) if dtype == "float64" else (1e-6, 1e-5)
-    for name, run in (("torch", _ours_torch), ("jax", _ours_jax)):
-        out, grads = run(config, layer, state, inputs, dtype)
+    # the defaults (JAX "xla"; PyTorch "sdpa", or "math" for a soft-cap, which SDPA cannot apply),
+    # and in float64 the others: JAX's "blockwise" kernel, PyTorch's "math"
+    runs = [("torch", _ours_torch, None), ("jax", _ours_jax, None)]
+    if dtype == "float64":
+        runs += [("jax blockwise", _ours_jax, "blockwise")]
+        runs += [] if config.to_dict().get("attn_logit_softcapping") else [("torch math", _ours_torch, "math")]
+    for name, run, implementation in runs:
+        out, grads = run(config, layer, state, inputs, dtype, implementation)
         assert _rel(out, out_hf) < tol, (name, _rel(out, out_hf))
         assert sorted(grads) == sorted(theirs), (name, sorted(grads), sorted(theirs))
         worst = max((_rel(grads[k], theirs[k]), k) for k in grads)
