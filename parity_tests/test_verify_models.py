@@ -117,3 +117,10 @@ def test_bad_arguments_are_named(saved, capsys):
     with pytest.raises(SystemExit):
         cli.main(["verify", "--config", config, "--weights", weights, "--layout", "hf"])
     assert "--layout cannot go with it" in capsys.readouterr().err
+
+
+def test_without_transformers_it_says_what_to_install(saved, capsys, monkeypatch):
+    config, weights = saved["gpt2"]
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    code, out = _verify(capsys, "--config", config, "--weights", weights)
+    assert code == 2 and 'transformers, which is not installed (pip install "transformers>=5")' in out

@@ -99,6 +99,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _verify_model(args: argparse.Namespace) -> int:
     """``--config``: each layer of a transformers model against ours, one row per layer."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("mha-parity verify: error: --config builds the model with transformers, which is not installed "
+              "(pip install \"transformers>=5\")", file=sys.stderr)
+        return 2
     from parity_tests.tool import models
 
     start = time.perf_counter()
