@@ -41,6 +41,13 @@ class Config:
     out_features: int | None = None
     use_bias: bool = True
     normalize_qk: bool = False
+    # what today's models add: an RMS QK-norm per head ("rms"), rotary embedding (theta 10000,
+    # rotate-half, over the whole head), a soft-cap, sinks, a scale other than 1/sqrt(head_dim)
+    qk_norm: str | None = None
+    rotary: bool = False
+    soft_cap: float | None = None
+    sinks: bool = False
+    scale: float | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -68,6 +75,8 @@ CONFIGS = {
             use_bias=False,
         ),
         Config("normalize-qk", num_kv_heads=2, normalize_qk=True),
+        # head_dim 4 makes the rotary frequencies exactly 1 and 0.01 in every framework
+        Config("rope-cap-sinks", num_kv_heads=2, qk_norm="rms", rotary=True, soft_cap=2.0, sinks=True, scale=0.4),
     )
 }
 
@@ -93,13 +102,13 @@ class Case:
 
 
 def default_grid() -> list[Case]:
-    """Every mask form on self- and grouped cross-attention, a few on multi-query and on
-    normalised queries and keys; all dtypes."""
+    """Every mask form on self- and grouped cross-attention, a few on multi-query, on
+    normalised queries and keys, and on today's models' terms; all dtypes."""
     few = ("none", "padding+causal", "fully-masked", "dropout", "everything")
     return [
         Case(config, mask, dtype)
         for config in CONFIGS.values()
-        for mask in (few if config.name in ("cross-mqa-nobias", "normalize-qk") else MASKS)
+        for mask in (few if config.name in ("cross-mqa-nobias", "normalize-qk", "rope-cap-sinks") else MASKS)
         for dtype in DTYPES
     ]
 
@@ -130,9 +139,11 @@ def make_data(case: Case, seed: int = 0) -> Data:
         params[f"{name}.weight"] = rounded(rng.normal(size=(rows, cols)) / np.sqrt(cols), case.dtype)
         if c.use_bias:
             params[f"{name}.bias"] = rounded(0.1 * rng.normal(size=rows), case.dtype)
-    if c.normalize_qk:  # LayerNorm scales away from 1, so that a dropped scale shows
+    if c.normalize_qk or c.qk_norm:  # norm scales away from 1, so that a dropped scale shows
         for name in ("q_norm", "k_norm"):
             params[f"{name}.weight"] = rounded(1.0 + 0.3 * rng.normal(size=qkv // c.num_heads), case.dtype)
+    if c.sinks:
+        params["sinks"] = rounded(rng.normal(size=c.num_heads), case.dtype)
     xq = rounded(rng.normal(size=(c.batch, c.q_len, c.in_features)), case.dtype)
     if c.self_attention:
         xk = xv = xq
@@ -141,7 +152,7 @@ def make_data(case: Case, seed: int = 0) -> Data:
         xv = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
     d_out = rounded(rng.normal(size=(c.batch, c.q_len, out)), case.dtype)
 
-    att = oracle.Attention()
+    att = oracle.Attention(soft_cap=c.soft_cap, scale=c.scale)
     valid = None
     b, h, q, k = c.mask_shape
     kind = case.mask
@@ -203,11 +214,33 @@ def run_oracle(case: Case, data: Data) -> dict:
     result = oracle.mha(
         data.params, data.xq, data.xk, data.xv, data.attention,
         num_heads=c.num_heads, num_kv_heads=c.kv_heads, d_out=data.d_out,
+        qk_norm=c.qk_norm or "layer", inv_freq=_inv_freq(c),
     )
     grads = result["grads"]
     if c.self_attention:  # one input feeds query, key and value
         grads["inputs_q"] = grads.pop("inputs_q") + grads.pop("inputs_k") + grads.pop("inputs_v")
     return result
+
+
+def _inv_freq(c: Config):
+    """The rotary frequencies ``1 / theta ** (2i / head_dim)`` the oracle rotates by, or None:
+    computed in float32, as transformers computes them (and both frameworks after it); head_dim
+    4 gives 1 and float32's 0.01, the same bits wherever they are computed."""
+    if not c.rotary:
+        return None
+    head_dim = (c.qkv_features or c.in_features) // c.num_heads
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / np.float32(10000.0) ** exponents).astype(np.float32)
+
+
+def _today(c: Config, package) -> dict:
+    """The module keywords of today's models' terms, for ``package`` (mha_jax or mha_torch)."""
+    head_dim = (c.qkv_features or c.in_features) // c.num_heads
+    kwargs = dict(scale=c.scale, logit_soft_cap=c.soft_cap, use_sinks=c.sinks,
+                  rotary=package.RotaryEmbedding(head_dim) if c.rotary else None)
+    if c.qk_norm:
+        kwargs["normalize_qk"] = package.QKNorm(c.qk_norm)
+    return kwargs
 
 
 def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", implementation: str = "xla",
@@ -275,8 +308,8 @@ def _jax_module(config: Config, dtype: str, module: str, implementation: str, dr
         model = mha_jax.MultiHeadAttention(
             c.num_heads, c.in_features, c.qkv_features, c.out_features,
             num_kv_heads=c.num_kv_heads, in_kv_features=c.in_kv_features, use_bias=c.use_bias,
-            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype, normalize_qk=c.normalize_qk,
-            implementation=implementation, rngs=nnx.Rngs(0),
+            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
+            implementation=implementation, rngs=nnx.Rngs(0), **{"normalize_qk": c.normalize_qk, **_today(c, mha_jax)},
         )
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
 
@@ -287,7 +320,7 @@ def _jax_module(config: Config, dtype: str, module: str, implementation: str, dr
     linen = mha_jax.linen.MultiHeadDotProductAttention(
         c.num_heads, qkv_features=c.qkv_features, out_features=c.out_features, num_kv_heads=c.num_kv_heads,
         use_bias=c.use_bias, dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
-        normalize_qk=c.normalize_qk, implementation=implementation,
+        implementation=implementation, **{"normalize_qk": c.normalize_qk, **_today(c, mha_jax)},
     )
 
     def apply(params, *xs, **kwargs):
@@ -328,8 +361,9 @@ def run_torch(case: Case, data: Data, *, implementation: str = "math") -> dict:
     in_kv = c.in_kv_features
     model = mha_torch.MultiHeadAttention(
         c.in_features, c.num_heads, num_kv_heads=c.num_kv_heads, kdim=in_kv, vdim=in_kv,
-        qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias, normalize_qk=c.normalize_qk,
+        qkv_dim=c.qkv_features, out_dim=c.out_features, bias=c.use_bias,
         dropout=att.dropout_rate, implementation=implementation, dtype=dtype,
+        **{"normalize_qk": c.normalize_qk, **_today(c, mha_torch)},
     ).eval()
     mha_torch.load_weights(model, {k: cast(v, case.dtype) for k, v in data.params.items()})
     def as_torch(x):  # float64 -> dtype is exact here; integer and bool arrays as they are
@@ -539,8 +573,9 @@ def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: b
 
     ``weights`` (``mha_torch`` state-dict names, any float dtype) replaces the random weights,
     rounded to the case's dtype: the same run for the built-in grid and for a checkpoint.
-    ``F.scaled_dot_product_attention`` takes no dropout mask, so the ``dropout`` case (a
-    mask shared across frameworks) runs PyTorch's explicit path only.
+    ``F.scaled_dot_product_attention`` takes no dropout mask and no soft-cap, so the
+    ``dropout`` case (a mask shared across frameworks) and a soft-capped configuration run
+    PyTorch's explicit path only.
     """
     data = make_data(case, seed)
     if weights is not None:
@@ -549,7 +584,7 @@ def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: b
     for name, (framework, implementation) in IMPLEMENTATIONS.items():
         if framework == "jax":  # blockwise: one program per configuration (the xla run reads each form)
             results[name] = run_jax(case, data, jit=jit, implementation=implementation, canonical=implementation == "blockwise")
-        elif data.attention.keep is None or implementation == "math":
+        elif implementation == "math" or (data.attention.keep is None and case.config.soft_cap is None):
             results[name] = run_torch(case, data, implementation=implementation)
     return compare(case, results)
 

@@ -8,6 +8,7 @@ state-dict names and shapes; arrays are float64 throughout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,21 +200,63 @@ def _layer_norm_grad(dy, weight, normalised, inv_std):
     return dx, (dy * normalised).reshape(-1, dy.shape[-1]).sum(axis=0)
 
 
-def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_heads: int, d_out=None):
+def _rms_norm(x, weight):
+    """RMSNorm over the last axis: ``(output, normalised x, 1 / rms)``."""
+    inv_rms = 1.0 / np.sqrt((x**2).mean(axis=-1, keepdims=True) + NORM_EPS)
+    normalised = x * inv_rms
+    return normalised * weight, normalised, inv_rms
+
+
+def _rms_norm_grad(dy, weight, normalised, inv_rms):
+    """(d input, d weight) of ``_rms_norm``."""
+    d_norm = dy * weight
+    dx = inv_rms * (d_norm - normalised * (d_norm * normalised).mean(axis=-1, keepdims=True))
+    return dx, (dy * normalised).reshape(-1, dy.shape[-1]).sum(axis=0)
+
+
+def _angles(positions, length: int, batch: int, inv_freq):
+    """cos and sin ``(B, 1, len, half)`` of each position times each frequency."""
+    positions = np.broadcast_to(np.arange(length) if positions is None else positions, (batch, length))
+    angles = positions[..., None].astype(np.float64) * np.asarray(inv_freq, np.float64)
+    return np.cos(angles)[:, None], np.sin(angles)[:, None]
+
+
+def _rotate(x, cos, sin, inverse: bool = False):
+    """Rotate-half rotary embedding over the whole head: pairs ``(i, i + head_dim / 2)``; the
+    inverse rotation (the transpose) is the gradient's."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    sin = -sin if inverse else sin
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_heads: int, d_out=None,
+        qk_norm: str = "layer", inv_freq=None):
     """Module forward and, given a cotangent ``d_out``, every gradient.
 
-    With ``q_norm.weight``/``k_norm.weight`` in ``params`` (``normalize_qk``), each head's
-    queries and keys go through a LayerNorm without bias (epsilon 1e-6) before attending.
-    Returns a dict: ``out`` ``(B, Q, out)``, ``weights`` ``(B, H, Q, K)`` and, with ``d_out``,
-    ``grads``: ``inputs_q``/``inputs_k``/``inputs_v`` and each parameter by state-dict name.
+    With ``q_norm.weight``/``k_norm.weight`` in ``params``, each head's queries and keys go
+    through a norm (epsilon 1e-6) before attending: ``qk_norm="layer"``, a LayerNorm without bias
+    (flax's ``normalize_qk``), or ``"rms"``. ``inv_freq`` ``(head_dim / 2,)``: queries and keys
+    (after the norm) are rotated, rotate-half, at ``att``'s positions (default ``arange``).
+    ``sinks`` in ``params``: each head's sink logit. Returns a dict: ``out`` ``(B, Q, out)``,
+    ``weights`` ``(B, H, Q, K)`` and, with ``d_out``, ``grads``: ``inputs_q``/``inputs_k``/
+    ``inputs_v`` and each parameter by state-dict name.
     """
     q = _split_heads(_linear(params, "q_proj", xq), num_heads)
     k = _split_heads(_linear(params, "k_proj", xk), num_kv_heads)
     v = _split_heads(_linear(params, "v_proj", xv), num_kv_heads)
+    norm, norm_grad = (_rms_norm, _rms_norm_grad) if qk_norm == "rms" else (_layer_norm, _layer_norm_grad)
     normalize_qk = "q_norm.weight" in params
     if normalize_qk:
-        q, q_norm, q_inv = _layer_norm(q, params["q_norm.weight"])
-        k, k_norm, k_inv = _layer_norm(k, params["k_norm.weight"])
+        q, q_norm, q_inv = norm(q, params["q_norm.weight"])
+        k, k_norm, k_inv = norm(k, params["k_norm.weight"])
+    if inv_freq is not None:
+        key_positions = att.query_positions if att.key_positions is None and q.shape[2] == k.shape[2] else att.key_positions
+        q_rot = _angles(att.query_positions, q.shape[2], q.shape[0], inv_freq)
+        k_rot = _angles(key_positions, k.shape[2], k.shape[0], inv_freq)
+        q, k = _rotate(q, *q_rot), _rotate(k, *k_rot)
+    if "sinks" in params:
+        att = dataclasses.replace(att, sinks=params["sinks"])
     core, weights, cache = attention(q, k, v, att)
     merged = _merge_heads(core)
     out = _linear(params, "out_proj", merged)
@@ -230,10 +273,15 @@ def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_he
         return dy @ params[f"{name}.weight"]
 
     d_core = _split_heads(linear_grad("out_proj", merged, d_out), num_heads)
-    dq, dk, dv = attention_grad(cache, d_core)
+    core_grads = attention_grads(cache, d_core)
+    dq, dk, dv = core_grads["query"], core_grads["key"], core_grads["value"]
+    if "sinks" in params:
+        grads["sinks"] = core_grads["sinks"]
+    if inv_freq is not None:
+        dq, dk = _rotate(dq, *q_rot, inverse=True), _rotate(dk, *k_rot, inverse=True)
     if normalize_qk:
-        dq, grads["q_norm.weight"] = _layer_norm_grad(dq, params["q_norm.weight"], q_norm, q_inv)
-        dk, grads["k_norm.weight"] = _layer_norm_grad(dk, params["k_norm.weight"], k_norm, k_inv)
+        dq, grads["q_norm.weight"] = norm_grad(dq, params["q_norm.weight"], q_norm, q_inv)
+        dk, grads["k_norm.weight"] = norm_grad(dk, params["k_norm.weight"], k_norm, k_inv)
     grads["inputs_q"] = linear_grad("q_proj", xq, _merge_heads(dq))
     grads["inputs_k"] = linear_grad("k_proj", xk, _merge_heads(dk))
     grads["inputs_v"] = linear_grad("v_proj", xv, _merge_heads(dv))
