@@ -628,7 +628,13 @@ def _rank(name: str) -> int:
 
 def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: Mapping[str, Sequence[int]] | None,
                   names: Mapping[str, str]) -> tuple[int, list[str]]:
-    """``(head_dim, problems)``; head_dim 0 when no head_dim fits."""
+    """``(head_dim, problems)``; head_dim 0 when no head_dim fits. Head counts that cannot be
+    raise first: no shape could fit them."""
+    for name, n in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    if heads % kv_heads:
+        raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
     shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
     shown = {k: names.get(k, repr(k)) for k in _ORDER}
     problems = [f"{shown[k]} has shape {s}, expected rank {_rank(k)}" for k, s in shapes.items()
