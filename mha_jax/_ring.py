@@ -1,0 +1,307 @@
+"""Ring attention: the query/key/value length sharded over one mesh axis (``sequence_axis``).
+
+Each of the axis's ``n`` devices holds a block of queries and a block of keys and values. The
+key/value blocks (with the per-key terms given as arrays: key positions, key segment ids) go
+round the ring with ``jax.lax.ppermute``, ``n - 1`` steps; each device combines its partial
+results with the log-sum-exp trick (online softmax), as the blockwise kernel does over blocks.
+The backward pass is a second ring: the key/value blocks travel with the gradients of their
+keys and values, which after ``n`` steps are home again; the gradient of a device's queries
+stays on it. Nothing is gathered.
+
+Zig-zag layout: the length is cut into ``2n`` chunks and device ``i`` works on chunks ``i`` and
+``2n - 1 - i``, one from the front and one from the back, so that under causality every
+device has as many visible (query, key) pairs as another. The inputs are sharded contiguously
+(device ``i`` holds chunks ``2i`` and ``2i + 1``, as ``P(None, sequence_axis)`` places them)
+and the output comes back so: the reordering is two ``ppermute`` of half a block per array on
+the way in and on the way out, outside the ring. Positions are the chunks' own (``arange`` in
+the user's order, or the given ones moved with their chunks), so the masks mean what they mean
+on one device.
+
+Each step computes a dense ``(q_block, kv_block)`` score tile per head (masked by the terms, not
+skipped), in float32 or wider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mha_jax import masks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    axis: str
+    size: int
+    scale: float
+    soft_cap: float | None
+    is_causal: bool
+    window: tuple[int, int] | None
+    precision: Any
+
+
+def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout: bool, return_weights: bool,
+          implementation) -> int:
+    """The axis's size, after refusing what a ring does not take, by name and size."""
+    if not isinstance(sequence_axis, str):
+        raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} needs a mesh: call under jax.set_mesh(mesh), with a mesh that has "
+            f"an axis {sequence_axis!r}"
+        )
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if sequence_axis not in sizes:
+        raise ValueError(f"sequence_axis={sequence_axis!r} is not an axis of the mesh, whose axes are {sizes}")
+    if sequence_axis in getattr(mesh, "manual_axes", ()):
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} is already manual here (inside jax.shard_map over it): call the "
+            "attention outside shard_map, or leave that axis out of the shard_map's axis_names"
+        )
+    n = sizes[sequence_axis]
+    if n == 1:
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} has size 1 in the mesh {sizes}: a ring needs 2 devices or more; "
+            "pass sequence_axis=None"
+        )
+    for name, length in (("q_len", q_len), ("kv_len", kv_len)):
+        if length % (2 * n):
+            raise ValueError(
+                f"sequence_axis={sequence_axis!r} of size {n} needs {name} to be a multiple of 2 x {n} = {2 * n} "
+                f"(each device holds a front and a back chunk), got {name}={length}"
+            )
+    for name, given in (("mask", spec.allowed), ("bias", spec.bias)):
+        if given is not None:
+            raise ValueError(
+                f"sequence_axis={sequence_axis!r} does not take a dense {name} (given with shape "
+                f"{tuple(given.shape)}); express it as is_causal, local_window_size, query_positions/key_positions, "
+                "query_segment_ids/key_segment_ids or key_value_seq_lengths"
+            )
+    if dropout:
+        raise ValueError(f"sequence_axis={sequence_axis!r} does not take dropout (dropout_rate > 0 or dropout_mask)")
+    if return_weights:
+        raise ValueError(f"sequence_axis={sequence_axis!r} does not take return_weights=True (the ring never forms them)")
+    if implementation == "cudnn":
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} does not take implementation='cudnn'; use None, 'xla' or 'blockwise' "
+            "(the ring computes each step itself)"
+        )
+    return n
+
+
+def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision):
+    """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)`` in the compute dtype;
+    ``sinks`` ``(kv_heads, groups)`` or None. Returns q's shape."""
+    cfg = _Config(axis, size, float(scale), soft_cap, spec.is_causal, spec.window, precision)
+    terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
+                 ks=spec.key_segment_ids, lengths=spec.lengths)
+    terms = {name: x for name, x in terms.items() if x is not None}
+    return _ring(cfg, q, k, v, sinks, terms)
+
+
+# --- the zig-zag layout ---------------------------------------------------------------------------
+
+def _to_zigzag(x, cfg: _Config, dim: int = 1):
+    """Contiguous chunks ``2i, 2i + 1`` on device ``i`` -> chunks ``i, 2n - 1 - i``."""
+    n, axis = cfg.size, cfg.axis
+    home = lambda chunk: chunk if chunk < n else 2 * n - 1 - chunk  # noqa: E731
+    first, second = jnp.split(x, 2, axis=dim)
+    even = jax.lax.ppermute(first, axis, [(i, home(2 * i)) for i in range(n)])
+    odd = jax.lax.ppermute(second, axis, [(i, home(2 * i + 1)) for i in range(n)])
+    me_even = jax.lax.axis_index(axis) % 2 == 0  # chunk i is even when i is
+    return jnp.concatenate([jnp.where(me_even, even, odd), jnp.where(me_even, odd, even)], axis=dim)
+
+
+def _from_zigzag(x, cfg: _Config, dim: int = 1):
+    """The inverse of ``_to_zigzag``."""
+    n, axis = cfg.size, cfg.axis
+    front, back = jnp.split(x, 2, axis=dim)
+    me_even = jax.lax.axis_index(axis) % 2 == 0
+    even, odd = jnp.where(me_even, front, back), jnp.where(me_even, back, front)
+    chunk = lambda e, parity: e if e % 2 == parity else 2 * n - 1 - e  # noqa: E731
+    first = jax.lax.ppermute(even, axis, [(e, chunk(e, 0) // 2) for e in range(n)])
+    second = jax.lax.ppermute(odd, axis, [(e, chunk(e, 1) // 2) for e in range(n)])
+    return jnp.concatenate([first, second], axis=dim)
+
+
+def _index(device, n: int, chunk: int):
+    """int32 ``(1, 2 * chunk)``: the indices, in the user's order, of a device's zig-zag block."""
+    r = jnp.arange(chunk, dtype=jnp.int32)
+    return jnp.concatenate([device * chunk + r, (2 * n - 1 - device) * chunk + r])[None]
+
+
+def _next(x, cfg: _Config):
+    """Each device's block to the next device of the ring."""
+    return jax.lax.ppermute(x, cfg.axis, [(i, (i + 1) % cfg.size) for i in range(cfg.size)])
+
+
+# --- one step: a query block against a key/value block ----------------------------------------
+
+def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
+    """bool ``(b|1, 1, 1, q_block, kv_block)`` or None. ``qt``: ``qp``, ``qs``; ``kt``: ``kp``,
+    ``ks``, ``index`` (key indices in the user's order), each ``(b|1, block)``."""
+    q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
+    k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
+    return masks._visible(
+        cfg.is_causal, cfg.window, q5(qt["qp"]), k5(kt["kp"]), q5(qt.get("qs")), k5(kt.get("ks")),
+        k5(kt["index"]), None if lengths is None else lengths[:, None, None, None, None],
+    )
+
+
+def _logits(cfg: _Config, q, k):
+    """(scaled and capped logits ``(b, kv_heads, groups, q_block, kv_block)``, tanh of the cap or None)."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision) * cfg.scale
+    if cfg.soft_cap is None:
+        return s, None
+    t = jnp.tanh(s / cfg.soft_cap)
+    return cfg.soft_cap * t, t
+
+
+def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
+    """The per-key terms of the block that came from device ``source``."""
+    index = _index(source, cfg.size, chunk)
+    return dict(kt, index=index, kp=kt.get("kp", index))
+
+
+# --- forward and backward rings ------------------------------------------------------------------
+
+def _local_terms(cfg: _Config, terms: dict, chunk_q: int):
+    """Zig-zag query terms and travelling key terms, on one device."""
+    zig = {name: _to_zigzag(x, cfg) for name, x in terms.items() if name != "lengths"}
+    me = jax.lax.axis_index(cfg.axis)
+    qt = dict(qp=zig.get("qp", _index(me, cfg.size, chunk_q)), qs=zig.get("qs"))
+    kt = {name: zig[name] for name in ("kp", "ks") if name in zig}
+    return qt, kt
+
+
+def _forward_body(cfg: _Config, q, k, v, sinks, terms):
+    n, me = cfg.size, jax.lax.axis_index(cfg.axis)
+    chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
+    q, k, v = (_to_zigzag(x, cfg) for x in (q, k, v))
+    qt, kt = _local_terms(cfg, terms, chunk_q)
+    lengths = terms.get("lengths")
+    if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
+        pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
+        k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
+    acc = jnp.zeros_like(q.transpose(0, 2, 3, 1, 4))  # (b, kv_heads, groups, q_block, d), as q is placed
+    l = jnp.zeros_like(acc[..., 0])  # noqa: E741
+    m = jnp.full_like(l, -jnp.inf)
+
+    def step(s, carry):
+        m, l, acc, k, v, kt = carry  # noqa: E741
+        s_logits, _ = _logits(cfg, q, k)
+        allowed = _allowed(cfg, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths)
+        if allowed is not None:
+            s_logits = jnp.where(allowed, s_logits, -jnp.inf)
+        m_new = jnp.maximum(m, s_logits.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s_logits - m_safe[..., None])
+        correction = jnp.exp(m - m_safe)
+        l = l * correction + p.sum(axis=-1)  # noqa: E741
+        acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v, precision=cfg.precision)
+        return m_new, l, acc, k, v, kt
+
+    def ring_step(s, carry):
+        *head, k, v, kt = carry
+        sent = _next((k, v, kt), cfg)  # on its way while this block is used
+        return (*step(s, carry)[:3], *sent)
+
+    carry = jax.lax.fori_loop(0, n - 1, ring_step, (m, l, acc, k, v, kt))
+    m, l, acc, *_ = step(n - 1, carry)  # noqa: E741
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    if sinks is not None:
+        sink = sinks[None, :, :, None]
+        m_all = jnp.maximum(m, sink)
+        correction = jnp.exp(m - m_all)
+        l, acc = l * correction + jnp.exp(sink - m_all), acc * correction[..., None]  # noqa: E741
+        m_safe = m_all
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    lse = jnp.where(l == 0.0, 0.0, m_safe + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+    result = _from_zigzag(out.transpose(0, 3, 1, 2, 4), cfg)
+    return result, (q, k, v, out, lse)
+
+
+def _backward_body(cfg: _Config, q, k, v, out, lse, sinks, terms, dout):
+    n, me = cfg.size, jax.lax.axis_index(cfg.axis)
+    chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
+    qt, kt = _local_terms(cfg, terms, chunk_q)
+    lengths = terms.get("lengths")
+    dout = _to_zigzag(dout, cfg).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
+    delta = jnp.sum(dout * out, axis=-1)
+    dq = jnp.zeros_like(dout)
+
+    def step(s, carry):
+        dq, k, v, dk, dv, kt = carry
+        logits, t = _logits(cfg, q, k)
+        p = jnp.exp(logits - lse[..., None])
+        allowed = _allowed(cfg, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths)
+        if allowed is not None:
+            p = jnp.where(allowed, p, 0.0)
+        dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dout, precision=cfg.precision)
+        dp = jnp.einsum("bhgqd,bkhd->bhgqk", dout, v, precision=cfg.precision)
+        ds = p * (dp - delta[..., None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        ds = ds * cfg.scale
+        dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k, precision=cfg.precision)
+        dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, q, precision=cfg.precision)
+        return dq, k, v, dk, dv, kt
+
+    def ring_step(s, carry):
+        dq, k, v, dk, dv, kt = carry
+        sent = _next((k, v, kt), cfg)
+        dq, _, _, dk, dv, _ = step(s, carry)
+        dk, dv = _next((dk, dv), cfg)  # the block's gradients travel with it
+        return dq, *sent[:2], dk, dv, sent[2]
+
+    zeros = jnp.zeros_like(k)
+    carry = jax.lax.fori_loop(0, n - 1, ring_step, (dq, k, v, zeros, zeros, kt))
+    dq, _, _, dk, dv, _ = step(n - 1, carry)
+    dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
+    dsinks = None
+    if sinks is not None:  # d lse / d sink = the sink's weight; its gradient is -weight * delta
+        weight = jnp.exp(sinks[None, :, :, None] - lse)
+        dsinks = jax.lax.psum(-jnp.sum(weight * delta, axis=(0, 3)), cfg.axis)
+    dq = _from_zigzag(dq.transpose(0, 3, 1, 2, 4), cfg)
+    return dq, _from_zigzag(dk, cfg), _from_zigzag(dv, cfg), dsinks
+
+
+def _specs(cfg: _Config, terms: dict):
+    seq = P(None, cfg.axis)
+    return {name: P() if name == "lengths" else seq for name in terms}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, sinks, terms):
+    return _ring_fwd(cfg, q, k, v, sinks, terms)[0]
+
+
+def _ring_fwd(cfg: _Config, q, k, v, sinks, terms):
+    seq, per_query = P(None, cfg.axis), P(None, None, None, cfg.axis)
+    f = jax.shard_map(
+        functools.partial(_forward_body, cfg), in_specs=(seq, seq, seq, P(), _specs(cfg, terms)),
+        out_specs=(seq, (seq, seq, seq, per_query, per_query)), axis_names={cfg.axis}, check_vma=True,
+    )
+    out, residuals = f(q, k, v, sinks, terms)
+    return out, (residuals, sinks, terms)
+
+
+def _ring_bwd(cfg: _Config, saved, dout):
+    residuals, sinks, terms = saved
+    seq, per_query = P(None, cfg.axis), P(None, None, None, cfg.axis)
+    f = jax.shard_map(
+        functools.partial(_backward_body, cfg),
+        in_specs=(seq, seq, seq, per_query, per_query, P(), _specs(cfg, terms), seq),
+        out_specs=(seq, seq, seq, P()), axis_names={cfg.axis}, check_vma=True,
+    )
+    dq, dk, dv, dsinks = f(*residuals, sinks, terms, dout)
+    return dq, dk, dv, dsinks, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
