@@ -43,6 +43,14 @@ class _Config:
     is_causal: bool
     window: tuple[int, int] | None
     precision: Any
+    batch_axes: tuple[str, ...] = ()  # Explicit mesh axes sharding the batch, manual in the ring too
+    head_axes: tuple[str, ...] = ()  # and the (key/value) heads
+    explicit: bool = False  # the sequence axis is Explicit: the ring's inputs are resharded to its specs
+
+    def spec(self, *dims):
+        """A PartitionSpec naming the axes of ``dims``: "b" batch, "s" sequence, "h" heads, None."""
+        axes = dict(b=self.batch_axes or None, s=self.axis, h=self.head_axes or None)
+        return P(*(None if d is None else axes[d] for d in dims))
 
 
 def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout: bool, return_weights: bool,
@@ -98,11 +106,30 @@ def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout:
 def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision):
     """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)`` in the compute dtype;
     ``sinks`` ``(kv_heads, groups)`` or None. Returns q's shape."""
-    cfg = _Config(axis, size, float(scale), soft_cap, spec.is_causal, spec.window, precision)
+    batch_axes, head_axes = _explicit_axes(q, axis)
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
+    cfg = _Config(axis, size, float(scale), soft_cap, spec.is_causal, spec.window, precision, batch_axes, head_axes,
+                  explicit)
     terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
                  ks=spec.key_segment_ids, lengths=spec.lengths)
     terms = {name: x for name, x in terms.items() if x is not None}
     return _ring(cfg, q, k, v, sinks, terms)
+
+
+def _explicit_axes(q, axis: str):
+    """The Explicit mesh axes over which q ``(b, len, kv_heads, groups, d)`` shards its batch and its
+    heads: the ring's ``shard_map`` takes them as manual too, so that each device keeps its own
+    examples and heads (left out, they would be gathered). Auto axes stay with the compiler."""
+    spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
+    as_tuple = lambda x: () if x is None else (x,) if isinstance(x, str) else tuple(x)  # noqa: E731
+    batch, heads = as_tuple(spec[0]), as_tuple(spec[2])
+    if axis in batch + heads:
+        raise ValueError(
+            f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
+            "shard the length over it, and the batch and heads over other axes"
+        )
+    return batch, heads
 
 
 # --- the zig-zag layout ---------------------------------------------------------------------------
@@ -267,14 +294,30 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, sinks, terms, dout):
     dsinks = None
     if sinks is not None:  # d lse / d sink = the sink's weight; its gradient is -weight * delta
         weight = jnp.exp(sinks[None, :, :, None] - lse)
-        dsinks = jax.lax.psum(-jnp.sum(weight * delta, axis=(0, 3)), cfg.axis)
+        dsinks = jax.lax.psum(-jnp.sum(weight * delta, axis=(0, 3)), (cfg.axis, *cfg.batch_axes))
     dq = _from_zigzag(dq.transpose(0, 3, 1, 2, 4), cfg)
     return dq, _from_zigzag(dk, cfg), _from_zigzag(dv, cfg), dsinks
 
 
 def _specs(cfg: _Config, terms: dict):
-    seq = P(None, cfg.axis)
-    return {name: P() if name == "lengths" else seq for name in terms}
+    """The terms' specs: ``(b|1, len)`` arrays and ``lengths`` ``(b,)``."""
+    return {
+        name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
+        for name, x in terms.items()
+    }
+
+
+def _manual(cfg: _Config):
+    return {cfg.axis, *cfg.batch_axes, *cfg.head_axes}
+
+
+def _placed(cfg: _Config, args, specs):
+    """On an Explicit sequence axis, ``args`` resharded to ``specs`` (a length not yet split over the
+    axis is split: each device keeps its slice); on an Auto one, as they are."""
+    if not cfg.explicit:
+        return args
+    return jax.tree.map(lambda x, spec: None if x is None else jax.reshard(x, spec), args, specs,
+                        is_leaf=lambda x: x is None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -283,24 +326,25 @@ def _ring(cfg: _Config, q, k, v, sinks, terms):
 
 
 def _ring_fwd(cfg: _Config, q, k, v, sinks, terms):
-    seq, per_query = P(None, cfg.axis), P(None, None, None, cfg.axis)
+    seq, per_query, heads = cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h")
+    in_specs = (seq, seq, seq, heads, _specs(cfg, terms))
     f = jax.shard_map(
-        functools.partial(_forward_body, cfg), in_specs=(seq, seq, seq, P(), _specs(cfg, terms)),
-        out_specs=(seq, (seq, seq, seq, per_query, per_query)), axis_names={cfg.axis}, check_vma=True,
+        functools.partial(_forward_body, cfg), in_specs=in_specs,
+        out_specs=(seq, (seq, seq, seq, per_query, per_query)), axis_names=_manual(cfg), check_vma=True,
     )
-    out, residuals = f(q, k, v, sinks, terms)
+    out, residuals = f(*_placed(cfg, (q, k, v, sinks, terms), in_specs))
     return out, (residuals, sinks, terms)
 
 
 def _ring_bwd(cfg: _Config, saved, dout):
     residuals, sinks, terms = saved
-    seq, per_query = P(None, cfg.axis), P(None, None, None, cfg.axis)
+    seq, per_query, heads = cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h")
+    in_specs = (seq, seq, seq, per_query, per_query, heads, _specs(cfg, terms), seq)
     f = jax.shard_map(
-        functools.partial(_backward_body, cfg),
-        in_specs=(seq, seq, seq, per_query, per_query, P(), _specs(cfg, terms), seq),
-        out_specs=(seq, seq, seq, P()), axis_names={cfg.axis}, check_vma=True,
+        functools.partial(_backward_body, cfg), in_specs=in_specs,
+        out_specs=(seq, seq, seq, heads), axis_names=_manual(cfg), check_vma=True,
     )
-    dq, dk, dv, dsinks = f(*residuals, sinks, terms, dout)
+    dq, dk, dv, dsinks = f(*_placed(cfg, (*residuals, sinks, terms, dout), in_specs))
     return dq, dk, dv, dsinks, None
 
 
