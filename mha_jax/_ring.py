@@ -104,8 +104,9 @@ def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout:
 
 
 def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision):
-    """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)`` in the compute dtype;
-    ``sinks`` ``(kv_heads, groups)`` or None. Returns q's shape."""
+    """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)``, in their dtype (what
+    travels); ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None. Returns q's shape and
+    dtype."""
     batch_axes, head_axes = _explicit_axes(q, axis)
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
@@ -168,11 +169,31 @@ def _next(x, cfg: _Config):
     return jax.lax.ppermute(x, cfg.axis, [(i, (i + 1) % cfg.size) for i in range(cfg.size)])
 
 
-# --- one step: a query block against a key/value block ----------------------------------------
+# --- one step: a query block against a key/value block, tile by tile ---------------------------
+
+TILE = 512  # the largest tile of queries (and of keys) a step scores at once
+
+
+def _tile(chunk: int) -> int:
+    """The largest divisor of ``chunk`` up to ``TILE``: tiles never straddle two chunks."""
+    return max(t for t in range(1, min(chunk, TILE) + 1) if chunk % t == 0)
+
+
+def _rows(x, start, size: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _put(x, update, start, axis: int):
+    return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
+
+
+def _sliced(terms: dict, start, size: int) -> dict:
+    return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
+
 
 def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
-    """bool ``(b|1, 1, 1, q_block, kv_block)`` or None. ``qt``: ``qp``, ``qs``; ``kt``: ``kp``,
-    ``ks``, ``index`` (key indices in the user's order), each ``(b|1, block)``."""
+    """bool ``(b|1, 1, 1, q_tile, k_tile)`` or None. ``qt``: ``qp``, ``qs``; ``kt``: ``kp``,
+    ``ks``, ``index`` (key indices in the user's order), each ``(b|1, tile)``."""
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
     return masks._visible(
@@ -181,8 +202,27 @@ def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
     )
 
 
+def _may_see(cfg: _Config, qp, kp):
+    """A scalar bool, False when causality or the window leave a tile empty for every example,
+    read from the tile's extreme positions; None (always computed) where the positions differ
+    between examples (deciding over a batch sharded elsewhere would need a reduction)."""
+    if not (cfg.is_causal or cfg.window is not None) or qp.shape[0] != 1 or kp.shape[0] != 1:
+        return None
+    q_lo, q_hi, k_lo, k_hi = qp.min(), qp.max(), kp.min(), kp.max()
+    ok = k_lo <= q_hi if cfg.is_causal else jnp.bool_(True)
+    if cfg.window is not None:
+        left, right = cfg.window
+        ok = ok & (k_lo <= q_hi + right) & (k_hi >= q_lo - left)
+    return ok
+
+
+def _if_visible(cfg: _Config, qt: dict, kt: dict, update, state):
+    may = _may_see(cfg, qt["qp"], kt["kp"])
+    return update(state) if may is None else jax.lax.cond(may, update, lambda state: state, state)
+
+
 def _logits(cfg: _Config, q, k):
-    """(scaled and capped logits ``(b, kv_heads, groups, q_block, kv_block)``, tanh of the cap or None)."""
+    """(scaled and capped logits ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None)."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision) * cfg.scale
     if cfg.soft_cap is None:
         return s, None
@@ -194,6 +234,85 @@ def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
     """The per-key terms of the block that came from device ``source``."""
     index = _index(source, cfg.size, chunk)
     return dict(kt, index=index, kp=kt.get("kp", index))
+
+
+def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, state):
+    """Online softmax of the query block ``q`` ``(b, q_block, kv_heads, groups, d)`` over one
+    key/value block: ``state`` = (running max, sum ``(b, kv_heads, groups, q_block)``, weighted
+    values ``(..., d)``), tile by tile."""
+    tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
+
+    def q_tile(i, state):
+        r = i * tq
+        qi, qti = _rows(q, r, tq, 1), _sliced(qt, r, tq)
+
+        def k_tile(j, tile_state):
+            c = j * tk
+            kj, vj = (_rows(x, c, tk, 1).astype(q.dtype) for x in (k, v))
+            ktj = _sliced(kt, c, tk)
+
+            def update(tile_state):
+                m, l, acc = tile_state  # noqa: E741
+                logits, _ = _logits(cfg, qi, kj)
+                allowed = _allowed(cfg, qti, ktj, lengths)
+                if allowed is not None:
+                    logits = jnp.where(allowed, logits, -jnp.inf)
+                m_new = jnp.maximum(m, logits.max(axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(logits - m_safe[..., None])
+                correction = jnp.exp(m - m_safe)
+                acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vj, precision=cfg.precision)
+                return m_new, l * correction + p.sum(axis=-1), acc
+
+            return _if_visible(cfg, qti, ktj, update, tile_state)
+
+        tile_state = tuple(_rows(x, r, tq, 3) for x in state)
+        tile_state = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, tile_state)
+        return tuple(_put(x, t, r, 3) for x, t in zip(state, tile_state))
+
+    return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
+
+
+def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, grads):
+    """The gradients ``grads`` = (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv
+    ``(b, kv_block, kv_heads, d)``) plus one key/value block's share, tile by tile."""
+    tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
+
+    def q_tile(i, grads):
+        r = i * tq
+        qi, qti = _rows(q, r, tq, 1), _sliced(qt, r, tq)
+        douti, lsei, deltai = _rows(dout, r, tq, 3), _rows(lse, r, tq, 3), _rows(delta, r, tq, 3)
+
+        def k_tile(j, grads):
+            dqi, dk, dv = grads
+            c = j * tk
+            kj, vj = (_rows(x, c, tk, 1).astype(q.dtype) for x in (k, v))
+            ktj = _sliced(kt, c, tk)
+
+            def update(tile_grads):
+                dqi, dkj, dvj = tile_grads
+                logits, t = _logits(cfg, qi, kj)
+                p = jnp.exp(logits - lsei[..., None])
+                allowed = _allowed(cfg, qti, ktj, lengths)
+                if allowed is not None:
+                    p = jnp.where(allowed, p, 0.0)
+                dvj = dvj + jnp.einsum("bhgqk,bhgqd->bkhd", p, douti, precision=cfg.precision)
+                ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", douti, vj, precision=cfg.precision) - deltai[..., None])
+                if t is not None:
+                    ds = ds * (1.0 - t * t)
+                ds = ds * cfg.scale
+                dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kj, precision=cfg.precision)
+                dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
+                return dqi, dkj, dvj
+
+            tile_grads = _if_visible(cfg, qti, ktj, update, (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1)))
+            return tile_grads[0], _put(dk, tile_grads[1], c, 1), _put(dv, tile_grads[2], c, 1)
+
+        dq, dk, dv = grads
+        dqi, dk, dv = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, (_rows(dq, r, tq, 3), dk, dv))
+        return _put(dq, dqi, r, 3), dk, dv
+
+    return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
 # --- forward and backward rings ------------------------------------------------------------------
@@ -208,6 +327,8 @@ def _local_terms(cfg: _Config, terms: dict, chunk_q: int):
 
 
 def _forward_body(cfg: _Config, q, k, v, sinks, terms):
+    """On one device: its blocks (contiguous), in the inputs' dtype; the keys and values travel
+    in it, each tile is computed in float32 or wider."""
     n, me = cfg.size, jax.lax.axis_index(cfg.axis)
     chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
     q, k, v = (_to_zigzag(x, cfg) for x in (q, k, v))
@@ -216,31 +337,21 @@ def _forward_body(cfg: _Config, q, k, v, sinks, terms):
     if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
         pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
-    acc = jnp.zeros_like(q.transpose(0, 2, 3, 1, 4))  # (b, kv_heads, groups, q_block, d), as q is placed
+    qc = q.astype(jnp.promote_types(q.dtype, jnp.float32))
+    acc = jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4))  # (b, kv_heads, groups, q_block, d), as q is placed
     l = jnp.zeros_like(acc[..., 0])  # noqa: E741
     m = jnp.full_like(l, -jnp.inf)
 
-    def step(s, carry):
-        m, l, acc, k, v, kt = carry  # noqa: E741
-        s_logits, _ = _logits(cfg, q, k)
-        allowed = _allowed(cfg, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths)
-        if allowed is not None:
-            s_logits = jnp.where(allowed, s_logits, -jnp.inf)
-        m_new = jnp.maximum(m, s_logits.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s_logits - m_safe[..., None])
-        correction = jnp.exp(m - m_safe)
-        l = l * correction + p.sum(axis=-1)  # noqa: E741
-        acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v, precision=cfg.precision)
-        return m_new, l, acc, k, v, kt
+    def step(s, state, k, v, kt):
+        return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, state)
 
     def ring_step(s, carry):
-        *head, k, v, kt = carry
+        state, k, v, kt = carry
         sent = _next((k, v, kt), cfg)  # on its way while this block is used
-        return (*step(s, carry)[:3], *sent)
+        return step(s, state, k, v, kt), *sent
 
-    carry = jax.lax.fori_loop(0, n - 1, ring_step, (m, l, acc, k, v, kt))
-    m, l, acc, *_ = step(n - 1, carry)  # noqa: E741
+    state, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, ((m, l, acc), k, v, kt))
+    m, l, acc = step(n - 1, state, k_last, v_last, kt_last)  # noqa: E741
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     if sinks is not None:
         sink = sinks[None, :, :, None]
@@ -250,7 +361,7 @@ def _forward_body(cfg: _Config, q, k, v, sinks, terms):
         m_safe = m_all
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     lse = jnp.where(l == 0.0, 0.0, m_safe + jnp.log(jnp.where(l == 0.0, 1.0, l)))
-    result = _from_zigzag(out.transpose(0, 3, 1, 2, 4), cfg)
+    result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg)
     return result, (q, k, v, out, lse)
 
 
@@ -259,44 +370,31 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, sinks, terms, dout):
     chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
     qt, kt = _local_terms(cfg, terms, chunk_q)
     lengths = terms.get("lengths")
-    dout = _to_zigzag(dout, cfg).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
+    qc = q.astype(out.dtype)
+    dout = _to_zigzag(dout, cfg).astype(out.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
     delta = jnp.sum(dout * out, axis=-1)
     dq = jnp.zeros_like(dout)
 
-    def step(s, carry):
-        dq, k, v, dk, dv, kt = carry
-        logits, t = _logits(cfg, q, k)
-        p = jnp.exp(logits - lse[..., None])
-        allowed = _allowed(cfg, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths)
-        if allowed is not None:
-            p = jnp.where(allowed, p, 0.0)
-        dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dout, precision=cfg.precision)
-        dp = jnp.einsum("bhgqd,bkhd->bhgqk", dout, v, precision=cfg.precision)
-        ds = p * (dp - delta[..., None])
-        if t is not None:
-            ds = ds * (1.0 - t * t)
-        ds = ds * cfg.scale
-        dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k, precision=cfg.precision)
-        dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, q, precision=cfg.precision)
-        return dq, k, v, dk, dv, kt
+    def step(s, grads, k, v, kt):
+        kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
+        return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, grads)
 
     def ring_step(s, carry):
-        dq, k, v, dk, dv, kt = carry
+        (dq, dk, dv), k, v, kt = carry
         sent = _next((k, v, kt), cfg)
-        dq, _, _, dk, dv, _ = step(s, carry)
-        dk, dv = _next((dk, dv), cfg)  # the block's gradients travel with it
-        return dq, *sent[:2], dk, dv, sent[2]
+        dq, dk, dv = step(s, (dq, dk, dv), k, v, kt)
+        return (dq, *_next((dk, dv), cfg)), *sent  # the block's gradients travel with it
 
-    zeros = jnp.zeros_like(k)
-    carry = jax.lax.fori_loop(0, n - 1, ring_step, (dq, k, v, zeros, zeros, kt))
-    dq, _, _, dk, dv, _ = step(n - 1, carry)
+    zeros = jnp.zeros_like(k, dtype=out.dtype)
+    grads, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, ((dq, zeros, zeros), k, v, kt))
+    dq, dk, dv = step(n - 1, grads, k_last, v_last, kt_last)
     dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
     dsinks = None
     if sinks is not None:  # d lse / d sink = the sink's weight; its gradient is -weight * delta
         weight = jnp.exp(sinks[None, :, :, None] - lse)
         dsinks = jax.lax.psum(-jnp.sum(weight * delta, axis=(0, 3)), (cfg.axis, *cfg.batch_axes))
-    dq = _from_zigzag(dq.transpose(0, 3, 1, 2, 4), cfg)
-    return dq, _from_zigzag(dk, cfg), _from_zigzag(dv, cfg), dsinks
+    dq = _from_zigzag(dq.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg)
+    return dq, _from_zigzag(dk.astype(k.dtype), cfg), _from_zigzag(dv.astype(v.dtype), cfg), dsinks
 
 
 def _specs(cfg: _Config, terms: dict):

@@ -158,8 +158,8 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     groups = heads // kv_heads
     if ring is not None:  # zeroes its own padding keys, block by block
         out = _ring.attention(
-            query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim), key.astype(compute),
-            value.astype(compute), spec, axis=sequence_axis, size=ring, scale=scale, soft_cap=soft_cap,
+            query.reshape(batch, q_len, kv_heads, groups, head_dim), key, value, spec,
+            axis=sequence_axis, size=ring, scale=scale, soft_cap=soft_cap,
             sinks=None if sinks is None else sinks.astype(compute).reshape(kv_heads, groups), precision=precision,
         )
         return out.reshape(batch, q_len, heads, head_dim).astype(dtype)
