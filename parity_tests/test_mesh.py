@@ -320,7 +320,7 @@ def test_readme_scaling_out_examples_run(monkeypatch):
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("\n## Scaling out\n")[1].split("\n## ")[0]
     blocks = section.split("```py\n")[1:]
-    assert len(blocks) == 1
+    assert len(blocks) == 2  # the second, ring attention's, runs in test_ring
     names = {}
     exec(compile(blocks[0].split("```")[0], "README.md", "exec"), names)
     assert names["out"].sharding.spec == P("data", None, "model", None)

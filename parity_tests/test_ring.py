@@ -334,7 +334,9 @@ def test_inside_shard_map_over_the_axis_is_refused():
 
 
 @needs_8
-def test_readme_ring_example_runs():
+def test_readme_ring_example_runs(monkeypatch):
+    """At the ring's own tile size."""
+    monkeypatch.setattr(_ring, "TILE", 512)
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("\n## Scaling out\n")[1].split("\n## ")[0]
     blocks = section.split("```py\n")[1:]
