@@ -238,6 +238,31 @@ def test_ring_communicates_key_value_blocks_only(axis_type):
 
 
 @needs_8
+def test_cross_lengths_one_key_value_head_nan_in_padding():
+    """32 queries at positions 16..47 over 48 keys, one key/value head for 4 query heads, causal
+    with a window, the second example's keys padded from 13 on and holding NaN there: as on one
+    device (float64), nothing NaN."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, L, H, D))
+    k, v = (rng.standard_normal((B, 48, 1, D)) for _ in range(2))
+    lengths = np.array([48, 13], np.int32)
+    k[1, 13:], v[1, 13:] = np.nan, np.nan
+    positions = np.arange(16, 16 + L)[None]
+
+    def grads(axis, q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(20, 0), query_positions=positions,
+            key_value_seq_lengths=lengths, sequence_axis=axis), q, k, v)
+        return {"cross": (out, *vjp(jnp.cos(out)), jnp.zeros(1))}
+
+    want = jax.tree.map(np.asarray, jax.jit(functools.partial(grads, None))(q, k, v))
+    with jax.set_mesh(jax.make_mesh((8,), ("seq",))):
+        got = jax.jit(functools.partial(grads, "seq"))(*(jax.device_put(x, P(None, "seq")) for x in (q, k, v)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in got["cross"])
+    _assert_close(got, want, "float64")
+
+
+@needs_8
 def test_modules_take_sequence_axis():
     """The nnx and linen modules with ``sequence_axis``: the same output and parameter gradients as
     without it, inputs ``(batch, length, features)`` over data x seq = 2 x 4 (float64)."""
