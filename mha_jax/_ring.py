@@ -17,8 +17,10 @@ the way in and on the way out, outside the ring. Positions are the chunks' own (
 the user's order, or the given ones moved with their chunks), so the masks mean what they mean
 on one device.
 
-Each step computes a dense ``(q_block, kv_block)`` score tile per head (masked by the terms, not
-skipped), in float32 or wider.
+Each step goes over its blocks in tiles of at most ``TILE`` queries x ``TILE`` keys, scored in
+float32 or wider; a tile that causality or the window leave empty for every example is skipped
+(under causality, with the zig-zag layout, half of each step's tiles but the first step's).
+Keys and values travel in the inputs' dtype, their gradients in the compute dtype.
 """
 
 from __future__ import annotations
