@@ -153,7 +153,8 @@ class MultiHeadDotProductAttention(nn.Module):
                 query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
                 key_value_seq_lengths=key_value_seq_lengths,
             )
-            inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
+            # a length sharded for the ring: segments absent from the queries are not looked for
+            inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=self.sequence_axis is None)
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads

@@ -269,7 +269,8 @@ class MultiHeadAttention(nnx.Module):
         dropping = dropout_mask is None and self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
 
-        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
+        # a length sharded for the ring: segments absent from the queries are not looked for
+        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=self.sequence_axis is None)
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
         value = self.value(inputs_v, out_sharding=qkv_sharding)

@@ -264,15 +264,18 @@ def test_cross_lengths_one_key_value_head_nan_in_padding():
 
 @needs_8
 def test_modules_take_sequence_axis():
-    """The nnx and linen modules with ``sequence_axis``: the same output and parameter gradients as
-    without it, inputs ``(batch, length, features)`` over data x seq = 2 x 4 (float64)."""
+    """The nnx and linen modules with ``sequence_axis``, causal, padded and packed: the same output
+    and parameter gradients as without it, inputs ``(batch, length, features)`` over data x seq =
+    2 x 4 (float64); the training step gathers nothing (the reductions are the parameters'
+    gradients over "data")."""
     from flax import nnx
 
     from mha_jax import linen
     from mha_jax.module import MultiHeadAttention
 
     x = np.random.default_rng(1).standard_normal((B, L, 16))
-    lengths = np.array([L, 13], np.int32)
+    (_, t) = _data("float64")
+    terms = dict(key_value_seq_lengths=t["lengths"], query_segment_ids=t["segments"])
     mesh = jax.make_mesh((2, 4), ("data", "seq"))
 
     def nnx_step(axis):
@@ -280,32 +283,36 @@ def test_modules_take_sequence_axis():
                                    sequence_axis=axis, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
 
-        def loss(state, x, lengths):
-            out = nnx.merge(graphdef, state)(x, is_causal=True, key_value_seq_lengths=lengths)
+        def loss(state, x, terms):
+            out = nnx.merge(graphdef, state)(x, is_causal=True, **terms)
             return jnp.sum(out * jnp.cos(out)), out
 
-        return jax.jit(jax.value_and_grad(loss, has_aux=True)), state
+        return jax.value_and_grad(loss, has_aux=True), state
 
     def linen_step(axis):
         layer = linen.MultiHeadDotProductAttention(num_heads=H, num_kv_heads=KVH, param_dtype=jnp.float64,
                                                   sequence_axis=axis)
         params = layer.init(jax.random.key(0), x)
 
-        def loss(params, x, lengths):
-            out = layer.apply(params, x, is_causal=True, key_value_seq_lengths=lengths)
+        def loss(params, x, terms):
+            out = layer.apply(params, x, is_causal=True, **terms)
             return jnp.sum(out * jnp.cos(out)), out
 
-        return jax.jit(jax.value_and_grad(loss, has_aux=True)), params
+        return jax.value_and_grad(loss, has_aux=True), params
 
     for make in (nnx_step, linen_step):
         step, params = make(None)
-        want = jax.tree.map(np.asarray, step(params, x, lengths))
+        want = jax.tree.map(np.asarray, jax.jit(step)(params, x, terms))
         with jax.set_mesh(mesh):
             step, params = make("seq")
-            got = step(params, jax.device_put(x, P("data", "seq")), jax.device_put(lengths, P("data")))
+            placed = dict(key_value_seq_lengths=jax.device_put(t["lengths"], P("data")),
+                          query_segment_ids=jax.device_put(t["segments"], P("data", "seq")))
+            got, text = _compiled(step, params, jax.device_put(x, P("data", "seq")), placed)
         scale = max(np.abs(b).max() for b in jax.tree.leaves(want))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert np.abs(np.asarray(a) - b).max() <= 1e-12 * scale, make.__name__
+        found = _collectives(text.splitlines())
+        assert not found["all-gather"] and not found["all-to-all"], (make.__name__, found)
 
 
 def _refusal(mesh_shape, names, message, **kwargs):
