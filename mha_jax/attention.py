@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _blockwise, _checks, _neutral, masks
+from mha_jax import _blockwise, _checks, _neutral, _ring, masks
 from mha_jax.masks import MASK_LAYOUT
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
@@ -43,6 +43,7 @@ def dot_product_attention(
     return_weights: bool = False,
     precision: jax.lax.PrecisionLike = None,
     implementation: str | None = None,
+    sequence_axis: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head scaled dot-product attention.
 
@@ -89,6 +90,14 @@ def dot_product_attention(
         the length; ask for ``"blockwise"`` for long inputs).
         ``"blockwise"`` and ``"cudnn"`` have reverse-mode derivatives of first order only: under
         ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
+      sequence_axis: the name of a mesh axis (of the mesh set by ``jax.set_mesh``) over which the
+        query and key/value lengths are sharded: ring attention, key/value blocks passed from
+        device to device (``jax.lax.ppermute``), never gathered; the inputs and the output are
+        laid out as ``P(None, sequence_axis)`` places them (contiguous blocks), the zig-zag order
+        that balances causal work is taken inside. Both lengths must be multiples of twice the
+        axis's size. It takes every structured term (positions, causality, windows, segments,
+        lengths), ``scale``, ``logit_soft_cap`` and ``sinks``, but no dense ``mask``/``bias``, no
+        dropout and no ``return_weights``; first-order reverse-mode derivatives only.
 
     Returns:
       ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -106,12 +115,13 @@ def dot_product_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
         return_weights=return_weights, precision=precision, implementation=implementation,
+        sequence_axis=sequence_axis,
     )
 
 
 def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_cap=None, sinks=None,
                dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
-               implementation=None, zero_unused=True):
+               implementation=None, zero_unused=True, sequence_axis=None):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
@@ -124,6 +134,10 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
         _neutral.check_sinks_shape(sinks.shape, heads)
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    ring = None if sequence_axis is None else _ring.check(
+        sequence_axis, q_len, kv_len, spec, dropout=keep is not None or rng is not None,
+        return_weights=return_weights, implementation=implementation,
+    )
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
         groups = heads // kv_heads
         empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
@@ -142,6 +156,13 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
+    if ring is not None:  # zeroes its own padding keys, block by block
+        out = _ring.attention(
+            query.reshape(batch, q_len, kv_heads, groups, head_dim), key, value, spec,
+            axis=sequence_axis, size=ring, scale=scale, soft_cap=soft_cap,
+            sinks=None if sinks is None else sinks.astype(compute).reshape(kv_heads, groups), precision=precision,
+        )
+        return out.reshape(batch, q_len, heads, head_dim).astype(dtype)
     unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]

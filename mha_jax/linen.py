@@ -26,6 +26,7 @@ from mha_jax.module import (
     _Cache,
     _check_cache,
     _check_inputs,
+    _check_sequence_axis,
     _decode_step,
     _prepare,
     _qk_norm,
@@ -48,8 +49,8 @@ class MultiHeadDotProductAttention(nn.Module):
     ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention
     (which always takes the softmax in float32 or wider); plus ``num_kv_heads``,
     ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``, ``logit_soft_cap``,
-    ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size`` and ``use_out_bias`` as in
-    ``mha_jax.MultiHeadAttention``. Randomness: linen's ``'params'`` and ``'dropout'`` RNG
+    ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias`` and
+    ``sequence_axis`` (ring attention over that mesh axis) as in ``mha_jax.MultiHeadAttention``. Randomness: linen's ``'params'`` and ``'dropout'`` RNG
     collections.
     """
 
@@ -86,6 +87,7 @@ class MultiHeadDotProductAttention(nn.Module):
     rotary: Callable[[jax.Array, jax.Array], jax.Array] | None = None
     local_window_size: int | tuple[int, int] | None = None
     use_out_bias: bool | None = None
+    sequence_axis: str | None = None
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); these need none.
@@ -93,6 +95,7 @@ class MultiHeadDotProductAttention(nn.Module):
         _neutral.check_qk_norm(self.normalize_qk)
         _neutral.check_scale(self.scale)
         _neutral.check_window(self.local_window_size)
+        _check_sequence_axis(self.sequence_axis)
         super().__post_init__()
 
     @nn.compact
@@ -150,7 +153,8 @@ class MultiHeadDotProductAttention(nn.Module):
                 query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
                 key_value_seq_lengths=key_value_seq_lengths,
             )
-            inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
+            # a length sharded for the ring: segments absent from the queries are not looked for
+            inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=self.sequence_axis is None)
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -191,7 +195,7 @@ class MultiHeadDotProductAttention(nn.Module):
         out, weights, sown = _attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
-            zero_unused=not decoding,
+            zero_unused=not decoding, sequence_axis=None if decoding else self.sequence_axis,
             sinks=self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype) if self.use_sinks else None,
         )
         if sown is not None:

@@ -189,7 +189,7 @@ def _dense(spec: _Spec):
     return visible if spec.allowed is None else spec.allowed & visible
 
 
-def _unused_keys(spec: _Spec, kv_heads: int = 1):
+def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
     """bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
     head (with ``kv_heads=1``, of any head) may attend to the key; None when none is found.
 
@@ -198,7 +198,8 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1):
     lengths, causality and windows from the extreme query positions, and segments absent from
     the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
     outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
-    projection's weight gradient.
+    projection's weight gradient. ``segments=False`` leaves the segments' term out (it sorts the
+    query ids along the length, which a length sharded over a mesh axis cannot be).
     """
     batch, _, _, kv_len = spec.shape
     excluded = []
@@ -223,7 +224,7 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1):
         if spec.window is not None:
             left, right = spec.window
             keys.append((kp < lo - left) | (kp > hi + right))
-    if spec.query_segment_ids is not None and spec.shape[2] > 0:
+    if segments and spec.query_segment_ids is not None and spec.shape[2] > 0:
         keys.append(~_present(spec.query_segment_ids, spec.key_segment_ids))
     for ex in keys:
         ex = ex[:, None, :]
@@ -242,10 +243,11 @@ def _present(query_ids, key_ids):
     return found == key_ids
 
 
-def _zero_unused_inputs(inputs_k, inputs_v, spec: _Spec):
+def _zero_unused_inputs(inputs_k, inputs_v, spec: _Spec, segments: bool = True):
     """The modules' ``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` with zeros at the
-    keys that no query of any head may attend to, before they are projected."""
-    unused = _unused_keys(spec)
+    keys that no query of any head may attend to, before they are projected (``segments`` as in
+    ``_unused_keys``)."""
+    unused = _unused_keys(spec, segments=segments)
     if unused is None:
         return inputs_k, inputs_v
     unused = unused[:, 0, :, None]

@@ -74,6 +74,9 @@ class MultiHeadAttention(nnx.Module):
       local_window_size: the call's default window (a sliding-window layer), see the call.
       use_out_bias: a bias on the output projection; default ``use_bias`` (Qwen2: biases on the
         query/key/value projections only).
+      sequence_axis: a mesh axis over which the length is sharded: ring attention, see
+        ``mha_jax.dot_product_attention`` (not while decoding, whose steps attend over the cache
+        as without it).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class MultiHeadAttention(nnx.Module):
         rotary: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
         local_window_size: int | tuple[int, int] | None = None,
         use_out_bias: bool | None = None,
+        sequence_axis: str | None = None,
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -147,6 +151,7 @@ class MultiHeadAttention(nnx.Module):
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
         self.local_window_size = _neutral.check_window(local_window_size)
+        self.sequence_axis = _check_sequence_axis(sequence_axis)
         qk_norm = _neutral.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -264,7 +269,8 @@ class MultiHeadAttention(nnx.Module):
         dropping = dropout_mask is None and self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
 
-        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec)
+        # a length sharded for the ring: segments absent from the queries are not looked for
+        inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=self.sequence_axis is None)
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
         value = self.value(inputs_v, out_sharding=qkv_sharding)
@@ -273,7 +279,7 @@ class MultiHeadAttention(nnx.Module):
         query, key = _rotate(self.rotary, query, key, *masks._positions(spec))
         out, weights, sown = _attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
-            sow_weights=sow_weights, return_weights=return_weights, sinks=self._sinks(),
+            sow_weights=sow_weights, return_weights=return_weights, sinks=self._sinks(), sequence_axis=self.sequence_axis,
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
@@ -442,13 +448,15 @@ def _self_attention(inputs_q, inputs_k, inputs_v):
 
 def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropout_rng, dropout_mask,
             sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping[str, Any] = _NO_METADATA,
-            zero_unused: bool = True, sinks: jax.Array | None = None):
+            zero_unused: bool = True, sinks: jax.Array | None = None, sequence_axis: str | None = None):
     """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for
     the nnx and linen modules (``module`` gives the attributes): ``(out, weights, sown)``, the
     weights asked for by ``return_weights`` and those to sow (before dropout, as flax sows them),
     each None unless asked for, with the inputs' batch axes. ``sinks``: the module's ``(num_heads,)``
-    sink logits, if it has them."""
+    sink logits, if it has them; ``sequence_axis``: the ring's mesh axis, or None."""
     rate = module.dropout_rate
+    if module.attention_fn is not None and sequence_axis is not None:
+        raise ValueError("sequence_axis reaches only this package's attention: leave attention_fn None to use it")
     if module.attention_fn is not None:
         if return_weights:
             raise ValueError("return_weights=True needs attention_fn=None; with an attention_fn use sow_weights=True")
@@ -469,7 +477,7 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
         query, key, value, spec, dropout_rate=rate if dropped else 0.0, dropout_mask=dropout_mask,
         return_weights=want, precision=module.precision,
         implementation="xla" if want and module.implementation is None else module.implementation, zero_unused=zero_unused,
-        **logits,
+        sequence_axis=sequence_axis, **logits,
     )
     out, weights = result if want else (result, None)
     sown = None
@@ -479,6 +487,12 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
         )[1]
         sown = _neutral.unflatten_batch(sown, batch_shape)
     return out, None if weights is None or not return_weights else _neutral.unflatten_batch(weights, batch_shape), sown
+
+
+def _check_sequence_axis(sequence_axis):
+    if sequence_axis is not None and not isinstance(sequence_axis, str):
+        raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
+    return sequence_axis
 
 
 def _logit_terms(module, sinks) -> dict:

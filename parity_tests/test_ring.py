@@ -1,0 +1,378 @@
+"""Ring attention (``sequence_axis``) on 8 devices: the length sharded over a mesh axis of 8, of
+4 beside a batch axis of 2, and of 4 beside a heads axis of 2, on Auto and Explicit meshes;
+forward and gradients against the same function on one device; what the compiled program
+communicates (inside the ring's loops: collective-permutes of one key/value block, nothing else);
+the modules; and the refusals.
+
+Needs 8 devices, so it runs in a process of its own, with ``test_mesh.py`` (``.ci/run``):
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q parity_tests/test_mesh.py
+parity_tests/test_ring.py``. In the main run (1 device) only the checks that need no mesh of 8
+run. Shapes are small and shared (each new one compiles anew): a length of 32 is 16 chunks of 2
+over 8 devices, 8 chunks of 4 over 4.
+"""
+
+import functools
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from mha_jax import _ring
+from mha_jax.attention import dot_product_attention
+
+B, L, H, KVH, D = 2, 32, 4, 2, 8
+TOLERANCE = {"float32": 1e-6, "float64": 1e-12}  # max |ring - one device| / max |one device|
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+CI_COMMAND = (
+    "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q parity_tests/test_mesh.py parity_tests/test_ring.py"
+)
+
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason=f"needs 8 devices; CI runs: {CI_COMMAND}")
+
+
+def test_ci_runs_this_file_on_8_devices():
+    ci = (pathlib.Path(__file__).resolve().parent.parent / ".ci" / "run").read_text().splitlines()
+    assert CI_COMMAND in ci
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_tiles():
+    """Tiles of 2 queries x 2 keys: over 8 devices one per chunk, over 4 two, so that causality
+    and windows leave whole, partial and empty tiles (skipped)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_ring, "TILE", 2)
+        yield
+
+
+@functools.cache
+def _data(dtype):
+    """q, k, v, sinks, cotangent, and the masking terms, as NumPy arrays."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, L, H, D)).astype(dtype)
+    k, v = (rng.standard_normal((B, L, KVH, D)).astype(dtype) for _ in range(2))
+    sinks = rng.standard_normal(H).astype(dtype)
+    cot = rng.standard_normal((B, L, H, D)).astype(dtype)
+    terms = dict(
+        lengths=np.array([L, 13], np.int32),  # 13: inside a chunk, on any of the layouts
+        segments=np.stack([np.cumsum(rng.random(L) < 0.15) for _ in range(B)]).astype(np.int32),
+        positions=(np.arange(L)[None] + rng.integers(0, 9, (B, 1))).astype(np.int32),
+    )
+    return (q, k, v, sinks, cot), terms
+
+
+CASES = ("padding", "causal", "window+positions+lengths", "segments+causal", "sinks+soft_cap+causal+lengths")
+GRADS = ("output", "dq", "dk", "dv", "dsinks")
+
+
+def _case(case, axis, q, k, v, sinks, t):
+    common = dict(sequence_axis=axis)
+    if case == "padding":
+        return dot_product_attention(q, k, v, key_value_seq_lengths=t["lengths"], **common)
+    if case == "causal":
+        return dot_product_attention(q, k, v, is_causal=True, **common)
+    if case == "window+positions+lengths":
+        return dot_product_attention(q, k, v, local_window_size=(7, 2), query_positions=t["positions"],
+                                     key_positions=t["positions"], key_value_seq_lengths=t["lengths"], **common)
+    if case == "segments+causal":
+        return dot_product_attention(q, k, v, is_causal=True, query_segment_ids=t["segments"],
+                                     key_segment_ids=t["segments"], **common)
+    assert case == "sinks+soft_cap+causal+lengths"
+    return dot_product_attention(q, k, v, sinks=sinks, logit_soft_cap=2.0, is_causal=True,
+                                 key_value_seq_lengths=t["lengths"], **common)
+
+
+def _grads(axis, cases, q, k, v, sinks, cot, t):
+    """Per case: the output and the gradients of <output, cot> by q, k, v and the sinks."""
+    results = {}
+    for case in cases:
+        out, vjp = jax.vjp(functools.partial(lambda c, *args: _case(c, axis, *args, t), case), q, k, v, sinks)
+        results[case] = (out, *vjp(cot.astype(out.dtype)))
+    return results
+
+
+@functools.cache
+def _one_device(dtype, cases=CASES):
+    (q, k, v, sinks, cot), t = _data(dtype)
+    return jax.tree.map(np.asarray, jax.jit(functools.partial(_grads, None, cases))(q, k, v, sinks, cot, t))
+
+
+def _errors(got, want):
+    """{(case, name): max |got - want| / max |want|}."""
+    errors = {}
+    for case in want:
+        for name, a, b in zip(GRADS, got[case], want[case]):
+            a, b = np.asarray(a), np.asarray(b)
+            errors[case, name] = np.abs(a - b).max() / max(np.abs(b).max(), np.finfo(b.dtype).tiny)
+    return errors
+
+
+def _assert_close(got, want, dtype):
+    worst = max(_errors(got, want).items(), key=lambda item: item[1])
+    assert worst[1] <= TOLERANCE[dtype], f"{worst[0]} relative error {worst[1]:.2e}"
+
+
+def _placed(dtype, batch, heads):
+    """The inputs placed with the length over "seq" and the batch and heads over the named axes."""
+    (q, k, v, sinks, cot), t = _data(dtype)
+    seq = P(batch, "seq", heads)
+    arrays = [jax.device_put(x, seq) for x in (q, k, v)] + [sinks, jax.device_put(cot, seq)]
+    terms = dict(lengths=jax.device_put(t["lengths"], P(batch)),
+                 **{n: jax.device_put(t[n], P(batch, "seq")) for n in ("segments", "positions")})
+    return arrays, terms
+
+
+def _computations(text):
+    """{name: lines} of an HLO module's computations."""
+    computations, name = {}, None
+    for line in text.splitlines():
+        found = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if found and line.rstrip().endswith("{"):
+            name = found.group(1)
+            computations[name] = []
+        elif name is not None:
+            computations[name].append(line)
+    return computations
+
+
+def _collectives(lines):
+    return {op: [x for x in lines if re.search(rf"[ )]{op}(-start)?\(", x)] for op in COLLECTIVES}
+
+
+def _loop_bodies(text):
+    """[lines of each while loop's body, with what it calls (the loops over tiles inside the
+    ring's loops too)], in the order of the loops."""
+    computations = _computations(text)
+
+    def closure(name, seen):
+        if name in seen or name not in computations:
+            return []
+        seen.add(name)
+        lines = list(computations[name])
+        for line in computations[name]:
+            for called in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)", line):
+                lines += closure(called, seen)
+        return lines
+
+    return [closure(body, set()) for body in re.findall(r" while\(.*body=%([\w.\-]+)", text)]
+
+
+def _compiled(f, *args):
+    compiled = jax.jit(f).lower(*args).compile()
+    return compiled(*args), compiled.as_text()
+
+
+def _ids(x):
+    return "x".join(map(str, x)) if isinstance(x, tuple) else getattr(x, "name", x)
+
+
+# (mesh shape, axis names, the axes of the batch and the heads, axis type, dtype): each a compilation.
+LAYOUTS = [
+    ((8,), ("seq",), None, None, AxisType.Explicit, "float64"),
+    ((8,), ("seq",), None, None, AxisType.Auto, "float32"),
+    ((2, 4), ("data", "seq"), "data", None, AxisType.Explicit, "float32"),
+    ((2, 4), ("data", "seq"), "data", None, AxisType.Auto, "float64"),
+    ((4, 2), ("seq", "model"), None, "model", AxisType.Explicit, "float64"),
+]
+
+
+@needs_8
+@pytest.mark.parametrize("shape, names, batch, heads, axis_type, dtype", LAYOUTS, ids=_ids)
+def test_ring_matches_one_device(shape, names, batch, heads, axis_type, dtype):
+    """Every case, the output and the gradients of q, k, v and the sinks, against one device;
+    nothing gathered. The output and the gradients come back as the inputs were placed."""
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+    with jax.set_mesh(mesh):
+        (q, k, v, sinks, cot), t = _placed(dtype, batch, heads)
+        got, text = _compiled(functools.partial(_grads, "seq", CASES), q, k, v, sinks, cot, t)
+    _assert_close(got, _one_device(dtype), dtype)
+    found = _collectives(text.splitlines())
+    assert not found["all-gather"] and not found["all-to-all"], found
+    # the sinks' gradient, summed over the devices of the length (and the batch): one all-reduce
+    # (Auto meshes: one more, of the batch's share)
+    assert 1 <= len(found["all-reduce"]) <= 2, found["all-reduce"]
+    if axis_type == AxisType.Explicit:
+        for name in GRADS[:4]:
+            assert tuple(got["causal"][GRADS.index(name)].sharding.spec)[:3] == (batch, "seq", heads), name
+
+
+@needs_8
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=_ids)
+def test_ring_communicates_key_value_blocks_only(axis_type):
+    """Causal with padding, length over 8 devices. In the forward loop, 2 collective-permutes (the
+    key and value blocks) per step; in the backward loop 4 (with them, their gradients); in
+    neither anything else. Outside the loops: the zig-zag reordering, two half blocks per array
+    (q, k, v and the output; the output's cotangent and the three gradients), and the last step
+    taking the key/value gradients home: 24 collective-permutes in all, no gather, no reduction."""
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=(axis_type,))
+    cases = ("causal+lengths",)
+    def grads(q, k, v, cot, lengths, axis="seq"):
+        out, vjp = jax.vjp(lambda q, k, v: dot_product_attention(
+            q, k, v, is_causal=True, key_value_seq_lengths=lengths, sequence_axis=axis), q, k, v)
+        return {cases[0]: (out, *vjp(cot), jnp.zeros(1))}
+
+    (q, k, v, _, cot), t = _data("float32")
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, P(None, "seq")) for x in (q, k, v, cot)]
+        got, text = _compiled(grads, *placed, t["lengths"])
+    want = jax.tree.map(np.asarray, jax.jit(functools.partial(grads, axis=None))(q, k, v, cot, t["lengths"]))
+    _assert_close(got, want, "float32")
+
+    loops = [lines for lines in _loop_bodies(text) if any(_collectives(lines).values())]
+    per_loop = sorted(len(_collectives(lines)["collective-permute"]) for lines in loops)
+    assert per_loop == [2, 4], per_loop  # the ring's loops; those over tiles communicate nothing
+    block = f"f32[{B},{L // 8},{KVH},{D}]"  # one device's key (or value) block, and nothing bigger
+    ring = "source_target_pairs={" + ",".join(f"{{{i},{(i + 1) % 8}}}" for i in range(8)) + "}"
+    for lines in loops:
+        found = _collectives(lines)
+        assert not found["all-gather"] and not found["all-reduce"] and not found["all-to-all"], found
+        for line in found["collective-permute"]:
+            assert block in line and ring in line, line
+    found = _collectives(text.splitlines())
+    assert not found["all-gather"] and not found["all-to-all"] and not found["all-reduce"], found
+    assert len(found["collective-permute"]) == 24, len(found["collective-permute"])
+
+
+@needs_8
+def test_cross_lengths_one_key_value_head_nan_in_padding():
+    """32 queries at positions 16..47 over 48 keys, one key/value head for 4 query heads, causal
+    with a window, the second example's keys padded from 13 on and holding NaN there: as on one
+    device (float64), nothing NaN."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, L, H, D))
+    k, v = (rng.standard_normal((B, 48, 1, D)) for _ in range(2))
+    lengths = np.array([48, 13], np.int32)
+    k[1, 13:], v[1, 13:] = np.nan, np.nan
+    positions = np.arange(16, 16 + L)[None]
+
+    def grads(axis, q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(20, 0), query_positions=positions,
+            key_value_seq_lengths=lengths, sequence_axis=axis), q, k, v)
+        return {"cross": (out, *vjp(jnp.cos(out)), jnp.zeros(1))}
+
+    want = jax.tree.map(np.asarray, jax.jit(functools.partial(grads, None))(q, k, v))
+    with jax.set_mesh(jax.make_mesh((8,), ("seq",))):
+        got = jax.jit(functools.partial(grads, "seq"))(*(jax.device_put(x, P(None, "seq")) for x in (q, k, v)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in got["cross"])
+    _assert_close(got, want, "float64")
+
+
+@needs_8
+def test_modules_take_sequence_axis():
+    """The nnx and linen modules with ``sequence_axis``, causal, padded and packed: the same output
+    and parameter gradients as without it, inputs ``(batch, length, features)`` over data x seq =
+    2 x 4 (float64); the training step gathers nothing (the reductions are the parameters'
+    gradients over "data")."""
+    from flax import nnx
+
+    from mha_jax import linen
+    from mha_jax.module import MultiHeadAttention
+
+    x = np.random.default_rng(1).standard_normal((B, L, 16))
+    (_, t) = _data("float64")
+    terms = dict(key_value_seq_lengths=t["lengths"], query_segment_ids=t["segments"])
+    mesh = jax.make_mesh((2, 4), ("data", "seq"))
+
+    def nnx_step(axis):
+        model = MultiHeadAttention(num_heads=H, num_kv_heads=KVH, in_features=16, param_dtype=jnp.float64,
+                                   sequence_axis=axis, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+
+        def loss(state, x, terms):
+            out = nnx.merge(graphdef, state)(x, is_causal=True, **terms)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.value_and_grad(loss, has_aux=True), state
+
+    def linen_step(axis):
+        layer = linen.MultiHeadDotProductAttention(num_heads=H, num_kv_heads=KVH, param_dtype=jnp.float64,
+                                                  sequence_axis=axis)
+        params = layer.init(jax.random.key(0), x)
+
+        def loss(params, x, terms):
+            out = layer.apply(params, x, is_causal=True, **terms)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.value_and_grad(loss, has_aux=True), params
+
+    for make in (nnx_step, linen_step):
+        step, params = make(None)
+        want = jax.tree.map(np.asarray, jax.jit(step)(params, x, terms))
+        with jax.set_mesh(mesh):
+            step, params = make("seq")
+            placed = dict(key_value_seq_lengths=jax.device_put(t["lengths"], P("data")),
+                          query_segment_ids=jax.device_put(t["segments"], P("data", "seq")))
+            got, text = _compiled(step, params, jax.device_put(x, P("data", "seq")), placed)
+        scale = max(np.abs(b).max() for b in jax.tree.leaves(want))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.abs(np.asarray(a) - b).max() <= 1e-12 * scale, make.__name__
+        found = _collectives(text.splitlines())
+        assert not found["all-gather"] and not found["all-to-all"], (make.__name__, found)
+
+
+def _refusal(mesh_shape, names, message, **kwargs):
+    (q, k, v, *_), _ = _data("float32")
+    length = kwargs.pop("length", L)
+    q, k, v = (x[:, :length] for x in (q, k, v))
+    with jax.set_mesh(jax.make_mesh(mesh_shape, names)):
+        with pytest.raises(ValueError, match=message):
+            jax.jit(functools.partial(dot_product_attention, **kwargs)).trace(q, k, v)
+
+
+def test_no_mesh_is_refused():
+    (q, k, v, *_), _ = _data("float32")
+    with pytest.raises(ValueError, match=r"sequence_axis='seq' needs a mesh: call under jax.set_mesh"):
+        dot_product_attention(q, k, v, sequence_axis="seq")
+
+
+@needs_8
+@pytest.mark.parametrize("case", ["not in mesh", "size 1", "length", "mask", "bias", "dropout", "weights", "cudnn"])
+def test_bad_input_is_refused_by_name(case):
+    """Each refusal names the argument and the sizes."""
+    rng = np.random.default_rng(2)
+    refusals = {
+        "not in mesh": ((8,), ("data",), r"sequence_axis='seq' is not an axis of the mesh, whose axes are \{'data': 8\}",
+                        dict(sequence_axis="seq")),
+        "size 1": ((8, 1), ("data", "seq"), r"sequence_axis='seq' has size 1 in the mesh \{'data': 8, 'seq': 1\}: a ring "
+                   r"needs 2 devices or more", dict(sequence_axis="seq")),
+        "length": ((8,), ("seq",), r"sequence_axis='seq' of size 8 needs q_len to be a multiple of 2 x 8 = 16 \(each "
+                   r"device holds a front and a back chunk\), got q_len=24", dict(sequence_axis="seq", length=24)),
+        "mask": ((8,), ("seq",), r"does not take a dense mask \(given with shape \(2, 1, 1, 32\)\)",
+                 dict(sequence_axis="seq", mask=np.ones((B, 1, 1, L), bool))),
+        "bias": ((8,), ("seq",), r"does not take a dense bias \(given with shape \(1, 4, 32, 32\)\)",
+                 dict(sequence_axis="seq", bias=rng.standard_normal((1, H, L, L)).astype(np.float32))),
+        "dropout": ((8,), ("seq",), r"does not take dropout",
+                    dict(sequence_axis="seq", dropout_rate=0.1, dropout_rng=jax.random.key(0))),
+        "weights": ((8,), ("seq",), r"does not take return_weights=True", dict(sequence_axis="seq", return_weights=True)),
+        "cudnn": ((8,), ("seq",), r"does not take implementation='cudnn'", dict(sequence_axis="seq", implementation="cudnn")),
+    }
+    shape, names, message, kwargs = refusals[case]
+    _refusal(shape, names, message, **kwargs)
+
+
+@needs_8
+def test_inside_shard_map_over_the_axis_is_refused():
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+    (q, k, v, *_), _ = _data("float32")
+    f = jax.shard_map(functools.partial(dot_product_attention, sequence_axis="seq"), mesh=mesh,
+                      in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"sequence_axis='seq' is already manual here \(inside jax.shard_map over it\)"):
+        jax.jit(f).trace(q, k, v)
+
+
+@needs_8
+def test_readme_ring_example_runs(monkeypatch):
+    """At the ring's own tile size."""
+    monkeypatch.setattr(_ring, "TILE", 512)
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Scaling out\n")[1].split("\n## ")[0]
+    blocks = section.split("```py\n")[1:]
+    assert len(blocks) == 2
+    names = {}
+    exec(compile(blocks[1].split("```")[0], "README.md", "exec"), names)
+    assert tuple(names["out"].sharding.spec)[:2] == ("data", "seq")
