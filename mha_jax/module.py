@@ -543,7 +543,11 @@ def _qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
 def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):
     """A user's flax-style ``attention_fn``, called with flax's arguments on the inputs' batch
     axes; what the spec holds beyond a native causal flag reaches it as a boolean mask."""
-    native_causal = spec.is_causal and spec.default_positions
+    parameters = inspect.signature(module.attention_fn).parameters
+    # is_causal as flax passes it: always from nnx's class, never from linen's (whose function has
+    # none: a linen attention_fn taking **kwargs may forward them to it), unless the function names it
+    passes_causal = isinstance(module, nnx.Module) or "is_causal" in parameters
+    native_causal = spec.is_causal and spec.default_positions and passes_causal
     allowed = masks._dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal))
 
     def logits_shaped(x):  # masks of fewer than 4 axes broadcast from the right as they are
@@ -553,9 +557,12 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
         mask=logits_shaped(allowed), bias=logits_shaped(spec.bias), dropout_rng=dropout_rng,
         dropout_rate=module.dropout_rate, broadcast_dropout=module.broadcast_dropout,
         deterministic=dropout_rng is None, dtype=module.dtype, precision=module.precision,
-        module=module if sow_weights else None, is_causal=native_causal, **extra,
+        module=module if sow_weights else None, **extra,
     )
-    parameters = inspect.signature(module.attention_fn).parameters
+    if passes_causal:
+        kwargs["is_causal"] = native_causal
+    if spec.bias is None:  # neither flax class passes bias: not to a function taking **kwargs either
+        del kwargs["bias"]
     if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         dropped = [name for name, value in kwargs.items() if name not in parameters and value not in (None, False)]
         if dropped:

@@ -361,8 +361,6 @@ def test_linen_attention_fn_and_force_fp32_for_softmax(force_fp32_for_softmax):
     assert a.dtype == b.dtype == jnp.bfloat16 and _rel(a, b) <= 2e-2
 
 
-@pytest.mark.xfail(strict=True, reason="mha_jax/module.py _call_attention_fn passes is_causal (and bias) to a linen "
-                   "attention_fn taking **kwargs; flax's linen never passes them and linen.dot_product_attention has no is_causal")
 def test_linen_attention_fn_taking_any_keywords():
     """A linen ``attention_fn`` that forwards ``**kwargs`` to ``linen.dot_product_attention``
     works as that function given directly."""
@@ -375,6 +373,10 @@ def test_linen_attention_fn_taking_any_keywords():
     variables = direct.init(jax.random.key(0), x)
     ours = mha_jax.linen.MultiHeadDotProductAttention(4, attention_fn=forwarding)
     assert _rel(ours.apply(variables, x, mask=mask), direct.apply(variables, x, mask=mask)) <= TOL["float32"]
+    # causality at default positions reaches it folded into the mask, as to a linen function
+    causal = linen.make_causal_mask(jnp.ones(x.shape[:-1]))
+    assert _rel(ours.apply(variables, x, mask=mask, is_causal=True),
+                direct.apply(variables, x, mask=linen.combine_masks(mask, causal))) <= TOL["float32"]
 
 
 # --- transformations -----------------------------------------------------------------------
