@@ -107,6 +107,16 @@ def test_python_api_one_row_per_layer(saved):
     assert type(source.model).__name__ == "GPT2LMHeadModel"
 
 
+def test_python_api_fails_a_port_with_the_wrong_rotary_base(saved, monkeypatch):
+    config, weights = saved["gemma2"]
+    _misread(monkeypatch, rope=lambda rope: dict(rope, rope_parameters=dict(rope["rope_parameters"], rope_theta=9000.0)))
+    _, (result,) = models.verify(config, weights, layers=[1])
+    assert not result.passed
+    assert result.errors["JAX vs source: gradients"] > models.SOURCE_TOLERANCE
+    assert result.errors["PyTorch vs source: gradients"] > models.SOURCE_TOLERANCE
+    assert result.errors["JAX vs PyTorch, float64: gradients"] < 1e-12  # the twins agree: the port is wrong in both
+
+
 def test_bad_arguments_are_named(saved, capsys):
     config, weights = saved["gpt2"]
     code, out = _verify(capsys, "--config", config, "--weights", weights, "--layer", "3")
