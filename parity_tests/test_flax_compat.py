@@ -565,3 +565,15 @@ def test_linen_scan_over_layers_and_remat_with_a_policy():
 
     assert _rel(ours.apply(variables, x, None)[0], theirs.apply(variables, x, None)[0]) <= TOL["float64"]
     _assert_trees_close(jax.grad(lambda v: loss(ours, v))(variables), jax.grad(lambda v: loss(theirs, v))(variables), 10 * TOL["float64"])
+
+
+def test_flax_function_is_not_our_core_and_says_so():
+    """A documented difference: ``mha_jax.dot_product_attention`` is our core (keywords only, in
+    ``jax.nn``'s terms), not flax's function; flax's own arguments are refused by name, not
+    taken with another meaning. Given to our class as ``attention_fn``, flax's function is called
+    as flax calls it (above)."""
+    q = jnp.ones((2, 3, 4, 8), jnp.float32)
+    with pytest.raises(TypeError, match="positional"):
+        mha_jax.dot_product_attention(q, q, q, None, None)
+    with pytest.raises(TypeError, match="deterministic"):
+        mha_jax.dot_product_attention(q, q, q, deterministic=True)
