@@ -29,21 +29,31 @@ import numpy as np
 # --- argument checks ---------------------------------------------------------------------
 
 
-def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name: str) -> int:
-    """Validate head counts against a feature size; return head_dim."""
+def _require_counts(num_heads: int, num_kv_heads: int) -> None:
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name} must be a positive integer, got {n!r}")
+
+
+def check_head_counts(num_heads: int, num_kv_heads: int) -> None:
+    """Both counts positive integers, the key/value heads dividing the query heads."""
+    _require_counts(num_heads, num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
+        )
+
+
+def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name: str) -> int:
+    """Validate head counts against a feature size; return head_dim."""
+    _require_counts(num_heads, num_kv_heads)
     if not isinstance(features, (int, np.integer)) or isinstance(features, bool) or features < 1:
         raise ValueError(f"{features_name} must be a positive integer, got {features!r}")
     if features % num_heads:
         raise ValueError(
             f"num_heads ({num_heads}) must divide {features_name} ({features})"
         )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
-        )
+    check_head_counts(num_heads, num_kv_heads)
     return features // num_heads
 
 
@@ -630,11 +640,7 @@ def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: M
                   names: Mapping[str, str]) -> tuple[int, list[str]]:
     """``(head_dim, problems)``; head_dim 0 when no head_dim fits. Head counts that cannot be
     raise first: no shape could fit them."""
-    for name, n in (("num_heads", heads), ("num_kv_heads", kv_heads)):
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
-    if heads % kv_heads:
-        raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
+    check_head_counts(heads, kv_heads)
     shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
     shown = {k: names.get(k, repr(k)) for k in _ORDER}
     problems = [f"{shown[k]} has shape {s}, expected rank {_rank(k)}" for k, s in shapes.items()
