@@ -251,9 +251,8 @@ def mha(params: Params, xq, xk, xv, att: Attention, *, num_heads: int, num_kv_he
         q, q_norm, q_inv = norm(q, params["q_norm.weight"])
         k, k_norm, k_inv = norm(k, params["k_norm.weight"])
     if inv_freq is not None:
-        key_positions = att.query_positions if att.key_positions is None and q.shape[2] == k.shape[2] else att.key_positions
         q_rot = _angles(att.query_positions, q.shape[2], q.shape[0], inv_freq)
-        k_rot = _angles(key_positions, k.shape[2], k.shape[0], inv_freq)
+        k_rot = _angles(att.key_positions, k.shape[2], k.shape[0], inv_freq)
         q, k = _rotate(q, *q_rot), _rotate(k, *k_rot)
     if "sinks" in params:
         att = dataclasses.replace(att, sinks=params["sinks"])
