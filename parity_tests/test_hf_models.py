@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import inspect
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 
 import mha_jax
 import mha_torch
 from mha_torch import _families
-from parity_tests.tool import arrays, models
+from parity_tests.tool import models
 
 B, S, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2, 7, 32, 4, 2, 8, 2
 OFFSETS, LENGTHS = (3, 0), (7, 5)  # row 0 starts at position 3; row 1 holds 5 tokens and 2 of padding
@@ -157,31 +155,13 @@ def _keep_float64(monkeypatch, attention):
 
 
 def _ours_torch(config, layer, state, inputs, dtype, implementation=None):
-    x, positions, live, d_out = inputs
-    module = mha_torch.from_hf(config.to_dict(), state, layer=layer, dtype=getattr(torch, dtype), implementation=implementation)
-    hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
-    out = module(hidden, is_causal=True, query_positions=torch.tensor(positions),
-                 key_value_seq_lengths=torch.tensor(LENGTHS))
-    out.backward(torch.tensor(d_out, dtype=out.dtype))
-    grads = {"input": hidden.grad.double().numpy()}
-    grads.update({name: p.grad.double().numpy() for name, p in module.named_parameters()})
-    return out.detach().double().numpy(), grads
+    x, positions, _, d_out = inputs
+    return models.run_torch(config.to_dict(), state, layer, x, positions, LENGTHS, d_out, getattr(torch, dtype), implementation)
 
 
 def _ours_jax(config, layer, state, inputs, dtype, implementation=None):
-    x, positions, live, d_out = inputs
-    module = mha_jax.from_hf(config.to_dict(), state, layer=layer, param_dtype=getattr(jnp, dtype), implementation=implementation)
-    graph, params = nnx.split(module, nnx.Param)
-
-    def f(params, hidden):
-        return nnx.merge(graph, params)(hidden, is_causal=True, query_positions=jnp.asarray(positions),
-                                        key_value_seq_lengths=jnp.asarray(LENGTHS))
-
-    out, vjp = jax.vjp(f, params, jnp.asarray(x, getattr(jnp, dtype)))
-    d_params, d_hidden = vjp(jnp.asarray(d_out, out.dtype))
-    grads = {"input": arrays.to_float64(d_hidden)}
-    grads.update({k: np.asarray(v, np.float64) for k, v in mha_jax.to_torch(nnx.to_pure_dict(d_params)).items()})
-    return arrays.to_float64(out), grads
+    x, positions, _, d_out = inputs
+    return models.run_jax(config.to_dict(), state, layer, x, positions, LENGTHS, d_out, getattr(jnp, dtype), implementation)
 
 
 def _theirs_by_our_names(grads, options):

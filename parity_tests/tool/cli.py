@@ -129,10 +129,8 @@ def _verify_model(args: argparse.Namespace) -> int:
     _, results = models.verify(args.config, args.weights, layers=args.layer, seed=args.seed, done=done, source=source)
     failed = [r for r in results if not r.passed]
     for r in failed:
-        bad = {k: v for k, v in r.errors.items()
-               if v > (models.TWINS_TOLERANCE if k.startswith("JAX vs PyTorch") else models.SOURCE_TOLERANCE)}
         print(f"FAILED: layer {r.layer}: " + "; ".join(
-            f"{k} {v:.2e}" + (f" (worst: {r.worst[k]})" if k in r.worst else "") for k, v in bad.items()))
+            f"{k} {v:.2e}" + (f" (worst: {r.worst[k]})" if k in r.worst else "") for k, v in r.failures().items()))
     elapsed = time.perf_counter() - start
     print(f"{len(results)} layer{'' if len(results) == 1 else 's'} in {elapsed:.1f} s: "
           + ("every comparison passed" if not failed else f"{len(failed)} FAILED"))

@@ -37,10 +37,14 @@ class LayerResult:
     errors: dict[str, float] = field(default_factory=dict)
     worst: dict[str, str] = field(default_factory=dict)  # name -> the tensor with the worst error
 
+    def failures(self) -> dict[str, float]:
+        """The errors beyond their tolerance."""
+        return {name: v for name, v in self.errors.items()
+                if v > (TWINS_TOLERANCE if name.startswith("JAX vs PyTorch") else SOURCE_TOLERANCE)}
+
     @property
     def passed(self) -> bool:
-        return all(v <= (TWINS_TOLERANCE if name.startswith("JAX vs PyTorch") else SOURCE_TOLERANCE)
-                   for name, v in self.errors.items())
+        return not self.failures()
 
     def as_json(self) -> dict:
         return {"layer": self.layer, "attention": self.attention, "errors": self.errors, "worst": self.worst,
@@ -136,22 +140,15 @@ def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, t
 
 
 def by_our_names(grads: dict, options) -> dict:
-    """transformers' gradient names -> ours: ``o_proj`` is ``out_proj``, a fused ``qkv_proj``
-    splits into q/k/v rows, GPT-NeoX's and GPT-2's fused weights split as their checkpoints do."""
-    from mha_torch import _families
+    """transformers' gradient names -> ours, renamed and split as the loaders read the layer's
+    checkpoint (``read_layout``; GPT-NeoX's and GPT-2's fused weights by ``layer_state``)."""
+    from mha_torch import _families, _neutral
 
+    state = {options.prefix + k: g for k, g in grads.items()}
     if options.layout in ("gpt_neox", "gpt2"):
-        return _families.layer_state(options, {options.prefix + k: g for k, g in grads.items()})
-    ours = {}
-    q_rows, kv_rows = options.num_heads * options.head_dim, options.num_kv_heads * options.head_dim
-    for name, g in grads.items():
-        if name.startswith("qkv_proj."):
-            part = name.split(".", 1)[1]
-            for proj, piece in zip(("q_proj", "k_proj", "v_proj"), np.split(g, [q_rows, q_rows + kv_rows])):
-                ours[f"{proj}.{part}"] = piece
-        else:
-            ours[name.replace("o_proj.", "out_proj.")] = g
-    return ours
+        return _families.layer_state(options, state)
+    return _neutral.read_layout(state, layout=options.layout, prefix=options.prefix,
+                                num_heads=options.num_heads, num_kv_heads=options.num_kv_heads)
 
 
 def _rel(a, b, floor: float) -> float:
@@ -179,12 +176,14 @@ def _run_source(module, hidden, rest, kwargs, d_out):
     return out.detach().double().numpy(), grads
 
 
-def _run_torch(raw, state, layer, x, positions, lengths, d_out, dtype):
+def run_torch(raw, state, layer, x, positions, lengths, d_out, dtype, implementation=None):
+    """``mha_torch.from_hf``'s layer on ``x`` (causal, at ``positions``, keys past ``lengths``
+    padding): its output and the gradients of the input and of every weight, float64 NumPy."""
     import torch
 
     import mha_torch
 
-    module = mha_torch.from_hf(raw, state, layer=layer, dtype=dtype)
+    module = mha_torch.from_hf(raw, state, layer=layer, dtype=dtype, implementation=implementation)
     hidden = torch.tensor(x, dtype=dtype, requires_grad=True)
     out = module(hidden, is_causal=True, query_positions=torch.as_tensor(positions), key_value_seq_lengths=torch.as_tensor(lengths))
     out.backward(torch.tensor(d_out, dtype=dtype))
@@ -193,14 +192,15 @@ def _run_torch(raw, state, layer, x, positions, lengths, d_out, dtype):
     return out.detach().double().numpy(), grads
 
 
-def _run_jax(raw, state, layer, x, positions, lengths, d_out, dtype):
+def run_jax(raw, state, layer, x, positions, lengths, d_out, dtype, implementation=None):
+    """``run_torch`` with ``mha_jax.from_hf``'s layer (gradients in ``mha_torch`` names)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     import mha_jax
 
-    module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=dtype)
+    module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=dtype, implementation=implementation)
     graph, params = nnx.split(module, nnx.Param)
 
     def f(params, hidden):
@@ -237,14 +237,14 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
         raise ValueError(f"--weights lacks the attention weights {missing}")
     seen = _captured(source, {layer: o.prefix for layer, o in options.items()}, seed)
     _, positions, lengths, _ = _inputs(2, seed)
+    # padded queries' outputs mean nothing (transformers spreads a row that sees no key evenly,
+    # ours gives 0): they are neither compared nor sent a gradient
+    live = (np.arange(LENGTH)[None] < np.asarray(lengths)[:, None])[..., None]
     results = []
     with jax.enable_x64(True):
         for layer in layers:
             module, hidden, rest, kwargs = seen[layer]
             x = hidden.double().numpy()
-            # padded queries' outputs mean nothing (transformers spreads a row that sees no key
-            # evenly, ours gives 0): they are neither compared nor sent a gradient
-            live = (np.arange(x.shape[1])[None] < np.asarray(lengths)[:, None])[..., None]
             d_out = np.random.default_rng(seed + 1 + layer).normal(size=x.shape[:2] + (raw["hidden_size"],)) * live
             out_src, grads_src = _run_source(module, hidden, rest, kwargs, torch.tensor(d_out, dtype=torch.float32))
             grads_src = dict(by_our_names({k: v for k, v in grads_src.items() if k != "input"}, options[layer]),
@@ -252,8 +252,8 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
             window = options[layer].window
             result = LayerResult(layer, "full" if window is None else f"window {window[0] + 1}")
             runs = {
-                "torch": _run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float32),
-                "jax": _run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float32),
+                "torch": run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float32),
+                "jax": run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float32),
             }
             out_src = out_src * live
             floor = 1e-6 * float(np.linalg.norm(out_src))
@@ -261,8 +261,8 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
                 label = "PyTorch" if name == "torch" else "JAX"
                 result.errors[f"{label} vs source: output"] = _rel(out * live, out_src, floor)
                 result.errors[f"{label} vs source: gradients"], result.worst[f"{label} vs source: gradients"] = _worst(grads, grads_src)
-            out64_t, grads64_t = _run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float64)
-            out64_j, grads64_j = _run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float64)
+            out64_t, grads64_t = run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float64)
+            out64_j, grads64_j = run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float64)
             result.errors["JAX vs PyTorch, float64: output"] = _rel(out64_j * live, out64_t * live, 1e-6 * float(np.linalg.norm(out64_t)))
             result.errors["JAX vs PyTorch, float64: gradients"], result.worst["JAX vs PyTorch, float64: gradients"] = _worst(grads64_j, grads64_t)
             results.append(result)
