@@ -84,13 +84,9 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
         raise ValueError(f"--config {config_path}: no model_type; a transformers config.json names its family")
     config = transformers.AutoConfig.for_model(**raw)
     config._attn_implementation = "eager"
-    weights = os.fspath(weights)
-    if weights.endswith(".json"):
-        with open(weights) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(os.path.dirname(weights), name) for name in files]
-    else:
-        files = [weights]
+    from mha_torch import _families
+
+    files = _families.layer_files(weights, "")  # every shard: the whole model runs
     state = {}
     for path in files:
         if not os.path.exists(path):
