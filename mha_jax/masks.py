@@ -176,8 +176,10 @@ def _positions(spec: _Spec):
 def _dense(spec: _Spec):
     """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
     _, _, _, kv_len = spec.shape
-    qp, kp = _positions(spec)
     qs, ks = spec.query_segment_ids, spec.key_segment_ids
+    if not spec.is_causal and spec.window is None and qs is None and spec.lengths is None:
+        return spec.allowed  # positions alone restrict nothing
+    qp, kp = _positions(spec)
     visible = _visible(
         spec.is_causal, spec.window, qp[:, :, None], kp[:, None, :], None if qs is None else qs[:, :, None],
         None if ks is None else ks[:, None, :], jnp.arange(kv_len)[None, None, :],

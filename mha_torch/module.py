@@ -253,7 +253,7 @@ class MultiHeadAttention(nn.Module):
         else:
             dropout_mask = None
         result = _attention(
-            q, flat._keys[:, :, :slots].to(q.dtype), flat._values[:, :, :slots].to(q.dtype), spec,
+            q, flat._keys.narrow(2, 0, slots).to(q.dtype), flat._values.narrow(2, 0, slots).to(q.dtype), spec,
             dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights, implementation=self.implementation,
             zero_unused=False, **self._logit_terms(),
         )
@@ -306,8 +306,9 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     given = [name for name, value in forbidden.items() if value is not None]
     if given:
         raise ValueError(f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths")
-    expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
-    if tuple(cache.key.shape) != expected or tuple(cache.index.shape) != tuple(batch_shape):
+    keys = cache._keys.shape  # (*batch, kv_heads, max_length, head_dim)
+    expected = (*batch_shape, keys[-2], kv_heads, head_dim)
+    if tuple(keys[:-3]) + (keys[-2], keys[-3], keys[-1]) != expected or tuple(cache.index.shape) != tuple(batch_shape):
         raise ValueError(
             f"the cache holds key {tuple(cache.key.shape)} and index {tuple(cache.index.shape)}, but the inputs "
             f"need (*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {tuple(batch_shape)}; "
@@ -315,6 +316,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
         )
     if n > cache.max_length:
         raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {cache.max_length}")
+    if len(batch_shape) == 1:
+        return cache
     flat = KVCache.__new__(KVCache)
     flat._keys, flat._values = (x.view((batch,) + tuple(x.shape[len(batch_shape):])) for x in (cache._keys, cache._values))
     flat.index, flat.overflow = cache.index.view(batch), cache.overflow.view(batch)
@@ -325,16 +328,32 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` in place; the spec
     of the new queries over the cache's first slots, and how many slots that is."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
-    if cache.key.dtype != key.dtype:
+    if cache._keys.dtype != key.dtype:
         raise TypeError(
             f"the cache's key has dtype {str(cache.key.dtype).removeprefix('torch.')} but the keys are "
             f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
         )
+    window, is_causal = _neutral.check_window(local_window_size), _neutral.check_is_causal(is_causal)
+    # Fast path, in eager mode: when every row is at one position `start` with room for the new
+    # tokens, and every query sees exactly the slots up to its own (nothing but the cache
+    # restricting), write the slots by slicing and attend over the filled ones with no mask, as
+    # a hand-written SDPA step does: a handful of tensor operations instead of about thirty.
+    # Otherwise (and under torch.compile, whose shapes stay fixed) attend over every slot with
+    # the cache's positions. Both give the same attention; only the work differs.
+    plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal)
+    if plain and not torch.compiler.is_compiling():
+        starts = cache.index.tolist()
+        start = starts[0] if starts else -1
+        if 0 <= start <= max_length - n and all(row == start for row in starts):
+            with torch.no_grad():
+                cache._keys.narrow(-2, start, n).copy_(key.transpose(1, 2))
+                cache._values.narrow(-2, start, n).copy_(value.transpose(1, 2))
+                cache.index.add_(n)
+            return masks._parse((batch, num_heads, n, start + n), device=device), start + n
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    window = _neutral.check_window(local_window_size)
-    overflow = _neutral.cache_overflows(start, end, max_length, window, _neutral.check_is_causal(is_causal))
+    overflow = _neutral.cache_overflows(start, end, max_length, window, is_causal)
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(
@@ -346,15 +365,6 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
         _cache.write(cache.value, value.detach(), pos, start, padded=query_positions is not None)
         cache.index.copy_(end)
         cache.overflow.logical_or_(overflow)
-    # Fast path, in eager mode: when every query sees exactly the first `filled` slots of every
-    # row (rows at one position, default positions, nothing but the cache restricting), attend
-    # over those slots with no mask, as a hand-written SDPA step does. Otherwise (and under
-    # torch.compile, whose shapes stay fixed) attend over every slot with the cache's positions.
-    plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal)
-    if plain and not torch.compiler.is_compiling():
-        filled = int(end[0])
-        if filled <= max_length and bool((end == filled).all()):
-            return masks._parse((batch, num_heads, n, filled), device=device), filled
     held, lengths = _cache.slot_positions(end, max_length)
     spec = masks._parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
