@@ -159,7 +159,10 @@ def _torch_rows(args: argparse.Namespace) -> list[dict]:
                     out = F.scaled_dot_product_attention(q, k_cache[:, :, :index + 1], v_cache[:, :, :index + 1], enable_gqa=True)
                     layer.out_proj(out.transpose(1, 2).reshape(batch, 1, FEATURES))
 
-            def run_rows(layer=layer, token=token, k_cache=k_cache, v_cache=v_cache, index=index, batch=batch):
+            k_rows = torch.zeros(batch, KV_HEADS, length, HEAD_DIM)  # buffers of its own: none is warm from another's call
+            v_rows = torch.zeros(batch, KV_HEADS, length, HEAD_DIM)
+
+            def run_rows(layer=layer, token=token, k_cache=k_rows, v_cache=v_rows, index=index, batch=batch):
                 with torch.no_grad():  # the same step with each group of query heads as rows of one head
                     q = layer.q_proj(token).view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
                     k_cache[:, :, index] = layer.k_proj(token).view(batch, KV_HEADS, HEAD_DIM)

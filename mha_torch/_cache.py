@@ -23,7 +23,9 @@ class KVCache:
     continues in the other as arrays):
       key, value: ``(*batch, max_length, num_kv_heads, head_dim)``, views of storage laid out as
         ``F.scaled_dot_product_attention`` reads it, ``(*batch, num_kv_heads, max_length,
-        head_dim)`` (writing into the views writes the cache).
+        head_dim)`` (writing into the views writes the cache). A step updates them in place, or,
+        under autograd (grad mode on and the new keys requiring gradients), replaces them with
+        new tensors, so that gradients flow through the cache from step to step.
       index: int32 ``(*batch,)``, each row's next position.
       overflow: bool ``(*batch,)``; True once a step under ``torch.compile`` overwrote a position a
         query could still see (outside compilation that step raises instead).

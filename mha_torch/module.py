@@ -247,6 +247,8 @@ class MultiHeadAttention(nn.Module):
         q = q.transpose(1, 2)
         spec, slots = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
                                    query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
+        if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
+            cache._keys, cache._values = (x.view(y.shape) for x, y in ((flat._keys, cache._keys), (flat._values, cache._values)))
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
@@ -325,8 +327,9 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
 
 
 def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size, device):
-    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` in place; the spec
-    of the new queries over the cache's first slots, and how many slots that is."""
+    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (in place, or
+    under autograd into new tensors); the spec of the new queries over the cache's first slots,
+    and how many slots that is."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
     if cache._keys.dtype != key.dtype:
         raise TypeError(
@@ -334,6 +337,11 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
         )
     window, is_causal = _neutral.check_window(local_window_size), _neutral.check_is_causal(is_causal)
+    # Under autograd the attention keeps the keys and values it reads for the backward pass, so
+    # the cache is then written out of place (new tensors, the old ones left to the graph), with
+    # the new keys and values live: gradients flow through the cache from step to step, as in
+    # the full causal pass and as JAX's functional cache gives them. Otherwise in place.
+    live = torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache._keys, cache._values))
     # Fast path, in eager mode: when every row is at one position `start` with room for the new
     # tokens, and every query sees exactly the slots up to its own (nothing but the cache
     # restricting), write the slots by slicing and attend over the filled ones with no mask, as
@@ -345,10 +353,15 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
         starts = cache.index.tolist()
         start = starts[0] if starts else -1
         if 0 <= start <= max_length - n and all(row == start for row in starts):
-            with torch.no_grad():
+            if live:
+                cache._keys, cache._values = (
+                    torch.slice_scatter(x, new.transpose(1, 2).to(x.dtype), dim=-2, start=start, end=start + n)
+                    for x, new in ((cache._keys, key), (cache._values, value))
+                )
+            else:
                 cache._keys.narrow(-2, start, n).copy_(key.transpose(1, 2))
                 cache._values.narrow(-2, start, n).copy_(value.transpose(1, 2))
-                cache.index.add_(n)
+            cache.index.add_(n)
             return masks._parse((batch, num_heads, n, start + n), device=device), start + n
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
@@ -360,11 +373,12 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length {max_length} "
             f"slots, overwriting positions its queries may still see (a window of left + chunk <= max_length makes it a rolling buffer)"
         )
-    with torch.no_grad():
-        _cache.write(cache.key, key.detach(), pos, start, padded=query_positions is not None)
-        _cache.write(cache.value, value.detach(), pos, start, padded=query_positions is not None)
-        cache.index.copy_(end)
-        cache.overflow.logical_or_(overflow)
+    if live:
+        cache._keys, cache._values = cache._keys.clone(), cache._values.clone()
+    _cache.write(cache.key, key, pos, start, padded=query_positions is not None)
+    _cache.write(cache.value, value, pos, start, padded=query_positions is not None)
+    cache.index.copy_(end)
+    cache.overflow.logical_or_(overflow)
     held, lengths = _cache.slot_positions(end, max_length)
     spec = masks._parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,

@@ -257,6 +257,42 @@ def test_torch_chunk_longer_than_the_room_left_raises_and_leaves_the_cache():
     assert _rel(rest, full[:, 4:6]) <= TOL["float64"]
 
 
+def test_decoding_gradients_equal_the_full_causal_pass():
+    """Differentiated through a decode loop (a prompt of 4, tokens, chunks), the gradients of the
+    input and of the key projection are those of the full causal pass, in both frameworks: the
+    PyTorch cache is written out of place under autograd, so that gradients flow from step to
+    step as through JAX's functional cache; the input is left as it was."""
+    layer, twin, xj, xt = _pair(2, "float64")
+    chunks = [4, 1, 1, 2, 2]
+    cotangent = np.random.default_rng(1).normal(size=(B, T, E))
+    ct_j, ct_t = jnp.asarray(cotangent), torch.from_numpy(cotangent)
+
+    def decoded(layer, x):
+        return (_decode_jax(layer, x, chunks) * ct_j).sum()
+
+    def full(layer, x):
+        return (layer(x, is_causal=True) * ct_j).sum()
+
+    (dlayer, dx), (flayer, fx) = (nnx.grad(f, argnums=(0, 1))(layer, xj) for f in (decoded, full))
+    x = xt.clone().requires_grad_(True)
+    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
+    outs, t = [], 0
+    for n in chunks:
+        outs.append(twin(x[:, t:t + n], cache=cache, is_causal=True))
+        t += n
+    (torch.cat(outs, dim=1) * ct_t).sum().backward()
+    grads = (x.grad.clone(), twin.k_proj.weight.grad.clone())
+    twin.zero_grad()
+    y = xt.clone().requires_grad_(True)
+    (twin(y, is_causal=True) * ct_t).sum().backward()
+    assert torch.equal(x.detach(), xt)
+    assert _rel(grads[0], y.grad) <= TOL["float64"] and _rel(grads[1], twin.k_proj.weight.grad) <= TOL["float64"]
+    assert _rel(dx, fx) <= TOL["float64"] and _rel(dlayer["key"]["kernel"][...], flayer["key"]["kernel"][...]) <= TOL["float64"]
+    assert _rel(grads[0], dx) <= TOL["float64"]
+    with torch.no_grad():  # and the cache decodes on, in place
+        twin(xt[:, :1], cache=mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64))
+
+
 def test_torch_overflow_raises_outside_torch_compile():
     """Rows at positions 0 and 2 of a 4-slot cache, one token a step: the step that would
     overwrite row 1's first position raises naming the row and the sizes, and leaves the cache
