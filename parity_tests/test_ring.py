@@ -154,8 +154,11 @@ def _loop_bodies(text):
         seen.add(name)
         lines = list(computations[name])
         for line in computations[name]:
-            for called in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)", line):
-                lines += closure(called, seen)
+            called = re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)", line)
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):  # every branch of a cond
+                called += re.findall(r"%([\w.\-]+)", branches)
+            for name_called in called:
+                lines += closure(name_called, seen)
         return lines
 
     return [closure(body, set()) for body in re.findall(r" while\(.*body=%([\w.\-]+)", text)]
