@@ -17,20 +17,48 @@ the way in and on the way out, outside the ring. Positions are the chunks' own (
 the user's order, or the given ones moved with their chunks), so the masks mean what they mean
 on one device.
 
+Dense terms (a boolean ``mask``, an additive ``bias``, an explicit dropout keep-mask), each
+broadcasting to ``(batch, heads, q_len, kv_len)``, are held as the queries are: each device has
+the rows of its own queries (the query axis sharded over the ring's axis and reordered to
+zig-zag with the queries, two half-block ``ppermute`` outside the ring) and every key column;
+an axis of 1 stays whole (a padding mask ``(batch, 1, 1, kv_len)`` is on every device), and the
+heads axis splits into key/value heads x groups as the blockwise kernel lays it out. Nothing of
+them goes round the ring: a step slices out the key columns of the block visiting it (its
+source device tells which two chunks of keys it holds). The bias's gradient is accumulated
+where its rows are, in the backward ring, and goes back as the bias came (summed, once after
+the ring, over the devices of an axis the bias is broadcast along: its query axis, or a batch
+or heads axis the ring holds). Keys that no query of a tile may see by the mask or a ``-inf``
+bias are zeroed in that tile, so that whatever they hold (NaN) reaches nothing, as on one
+device. A query that may see no key gets 0 and gradients 0.
+
+Drawn dropout (``dropout_rate > 0`` with a key) hashes each weight's bit from the key and the
+weight's global index (example, head, query, key) with ``threefry2x32``, as
+``jax.random.bernoulli(key, 1 - rate, (batch, heads, q_len, kv_len))`` does for a threefry key
+(under ``jax_threefry_partitionable``, the default): the bits are those that
+``implementation="xla"`` draws on one device, whatever the number of devices, the ring's order
+or the tile sizes. The backward recomputes them; they are never stored. A key of another
+implementation (``rbg``) first draws a threefry key from itself: its bits are then not
+``"xla"``'s, but still the same on any mesh.
+
 Each step goes over its blocks in tiles of at most ``TILE`` queries x ``TILE`` keys, scored in
 float32 or wider; a tile that causality or the window leave empty for every example is skipped
-(under causality, with the zig-zag layout, half of each step's tiles but the first step's).
-Keys and values travel in the inputs' dtype, their gradients in the compute dtype.
+(under causality, with the zig-zag layout, half of each step's tiles but the first step's), and
+so is a tile that the dense mask leaves empty, where every device can tell alone (a mask shared
+by the examples and heads, or split over axes the ring holds). Keys and values travel in the
+inputs' dtype, their gradients in the compute dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
 from mha_jax import masks
@@ -48,6 +76,11 @@ class _Config:
     batch_axes: tuple[str, ...] = ()  # Explicit mesh axes sharding the batch, manual in the ring too
     head_axes: tuple[str, ...] = ()  # and the (key/value) heads
     explicit: bool = False  # the sequence axis is Explicit: the ring's inputs are resharded to its specs
+    auto: bool = True  # the mesh has Auto axes: a batch or heads axis may be sharded where the ring cannot see it
+    shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # (batch, heads, q_len, kv_len), globally
+    dropout_rate: float = 0.0  # of drawn dropout (a "seed" among the dense terms)
+    keep_scale: float = 1.0  # of kept weights, drawn or given
+    uniform: str = "float32"  # the dtype in which jax.random.bernoulli draws: float64 under jax_enable_x64
 
     def spec(self, *dims):
         """A PartitionSpec naming the axes of ``dims``: "b" batch, "s" sequence, "h" heads, None."""
@@ -55,9 +88,11 @@ class _Config:
         return P(*(None if d is None else axes[d] for d in dims))
 
 
-def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout: bool, return_weights: bool,
-          implementation) -> int:
-    """The axis's size, after refusing what a ring does not take, by name and size."""
+def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation) -> int:
+    """The axis's size, after refusing by name and size what a ring cannot run on (no mesh, an
+    axis not in it, already manual or of size 1, lengths that do not split into ``2n`` chunks, a
+    ``dropout_rng`` that is not one key) and what it does not take (``return_weights``, cuDNN).
+    Every masking term and dropout it takes; their shapes are checked where they are parsed."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
     mesh = jax.sharding.get_abstract_mesh()
@@ -86,15 +121,8 @@ def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout:
                 f"sequence_axis={sequence_axis!r} of size {n} needs {name} to be a multiple of 2 x {n} = {2 * n} "
                 f"(each device holds a front and a back chunk), got {name}={length}"
             )
-    for name, given in (("mask", spec.allowed), ("bias", spec.bias)):
-        if given is not None:
-            raise ValueError(
-                f"sequence_axis={sequence_axis!r} does not take a dense {name} (given with shape "
-                f"{tuple(given.shape)}); express it as is_causal, local_window_size, query_positions/key_positions, "
-                "query_segment_ids/key_segment_ids or key_value_seq_lengths"
-            )
-    if dropout:
-        raise ValueError(f"sequence_axis={sequence_axis!r} does not take dropout (dropout_rate > 0 or dropout_mask)")
+    if dropout_rng is not None:
+        _check_key(sequence_axis, dropout_rng)
     if return_weights:
         raise ValueError(f"sequence_axis={sequence_axis!r} does not take return_weights=True (the ring never forms them)")
     if implementation == "cudnn":
@@ -105,19 +133,66 @@ def check(sequence_axis, q_len: int, kv_len: int, spec: masks._Spec, *, dropout:
     return n
 
 
-def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision):
+def _check_key(sequence_axis, rng):
+    """One PRNG key: typed of shape ``()``, or raw uint32 of rank 1 (``jax.random.PRNGKey``)."""
+    dtype, shape = getattr(rng, "dtype", None), tuple(getattr(rng, "shape", ()))
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if (typed and shape == ()) or (not typed and dtype == jnp.uint32 and len(shape) == 1):
+        return
+    error = ValueError if typed or dtype == jnp.uint32 else TypeError  # keys of another shape, or no key
+    raise error(
+        f"sequence_axis={sequence_axis!r} with dropout_rate > 0 needs dropout_rng to be one PRNG key "
+        f"(jax.random.key(seed)), got {type(rng).__name__} with shape {shape} and dtype {dtype}"
+    )
+
+
+def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
+              allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
+              keep_scale: float = 1.0):
     """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)``, in their dtype (what
-    travels); ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None. Returns q's shape and
-    dtype."""
+    travels); ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None; ``allowed``, ``keep``
+    (bool) and ``bias`` (real floating) 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``, or
+    None; ``dropout_rng`` a key to draw dropout at ``dropout_rate`` (when ``keep`` is None).
+    Returns q's shape and dtype."""
     batch_axes, head_axes = _explicit_axes(q, axis)
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
+    drawn = keep is None and dropout_rng is not None
     cfg = _Config(axis, size, float(scale), soft_cap, spec.is_causal, spec.window, precision, batch_axes, head_axes,
-                  explicit)
+                  explicit, bool(mesh.auto_axes), tuple(spec.shape), float(dropout_rate) if drawn else 0.0,
+                  float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))))
     terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
                  ks=spec.key_segment_ids, lengths=spec.lengths)
     terms = {name: x for name, x in terms.items() if x is not None}
-    return _ring(cfg, q, k, v, sinks, terms)
+    dense = dict(allowed=allowed, keep=keep, **_indices(cfg, q.shape[0], k.shape[2], drawn))
+    if drawn:
+        dense["seed"] = _seed(dropout_rng)
+    dense = {name: x for name, x in dense.items() if x is not None}
+    return _ring(cfg, q, k, v, sinks, bias, terms, dense)
+
+
+def _indices(cfg: _Config, batch: int, kv_heads: int, drawn: bool) -> dict:
+    """Arrays that give each device its index along the ring (``device``, int32 ``(n,)`` over the
+    axis) and, for drawn dropout, the global indices of its examples and key/value heads
+    (uint32, over the axes that split them). Given as inputs rather than read with
+    ``jax.lax.axis_index``: inside a ``shard_map`` manual over some axes only (an Auto mesh),
+    ``axis_index`` lowers to a ``partition-id`` in a nested manual computation, which XLA's
+    partitioner was seen to reject in a larger program (jax 0.10.2: "PartitionId instruction is
+    not supported for SPMD partitioning")."""
+    indices = dict(device=jnp.arange(cfg.size, dtype=jnp.int32))
+    if drawn:
+        indices.update(examples=jnp.arange(batch, dtype=jnp.uint32), kv_heads=jnp.arange(kv_heads, dtype=jnp.uint32))
+    return indices
+
+
+def _seed(rng):
+    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with: the key's own data for a
+    threefry key (typed, or raw as ``jax.random.PRNGKey`` makes it under the default
+    implementation), two words drawn from it for another implementation."""
+    key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+    if str(jax.random.key_impl(key)) == "threefry2x32":
+        return jax.random.key_data(key)
+    return jax.random.bits(key, (2,), jnp.uint32)
 
 
 def _explicit_axes(q, axis: str):
@@ -137,22 +212,22 @@ def _explicit_axes(q, axis: str):
 
 # --- the zig-zag layout ---------------------------------------------------------------------------
 
-def _to_zigzag(x, cfg: _Config, dim: int = 1):
-    """Contiguous chunks ``2i, 2i + 1`` on device ``i`` -> chunks ``i, 2n - 1 - i``."""
+def _to_zigzag(x, cfg: _Config, me, dim: int = 1):
+    """Contiguous chunks ``2i, 2i + 1`` on device ``i`` (``me``) -> chunks ``i, 2n - 1 - i``."""
     n, axis = cfg.size, cfg.axis
     home = lambda chunk: chunk if chunk < n else 2 * n - 1 - chunk  # noqa: E731
     first, second = jnp.split(x, 2, axis=dim)
     even = jax.lax.ppermute(first, axis, [(i, home(2 * i)) for i in range(n)])
     odd = jax.lax.ppermute(second, axis, [(i, home(2 * i + 1)) for i in range(n)])
-    me_even = jax.lax.axis_index(axis) % 2 == 0  # chunk i is even when i is
+    me_even = me % 2 == 0  # chunk i is even when i is
     return jnp.concatenate([jnp.where(me_even, even, odd), jnp.where(me_even, odd, even)], axis=dim)
 
 
-def _from_zigzag(x, cfg: _Config, dim: int = 1):
+def _from_zigzag(x, cfg: _Config, me, dim: int = 1):
     """The inverse of ``_to_zigzag``."""
     n, axis = cfg.size, cfg.axis
     front, back = jnp.split(x, 2, axis=dim)
-    me_even = jax.lax.axis_index(axis) % 2 == 0
+    me_even = me % 2 == 0
     even, odd = jnp.where(me_even, front, back), jnp.where(me_even, back, front)
     chunk = lambda e, parity: e if e % 2 == parity else 2 * n - 1 - e  # noqa: E731
     first = jax.lax.ppermute(even, axis, [(e, chunk(e, 0) // 2) for e in range(n)])
@@ -169,6 +244,116 @@ def _index(device, n: int, chunk: int):
 def _next(x, cfg: _Config):
     """Each device's block to the next device of the ring."""
     return jax.lax.ppermute(x, cfg.axis, [(i, (i + 1) % cfg.size) for i in range(cfg.size)])
+
+
+# --- dense terms: rows of the device's queries, the visiting block's columns ---------------------
+
+DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1), their rows in zig-zag order
+
+
+def _local_dense(cfg: _Config, dense: dict, bias, me, q_index, groups: int) -> dict:
+    """On one device: the dense terms with their rows (if not broadcast) in zig-zag order, and for
+    drawn dropout the seed and the 64-bit counters (``hi``, ``lo`` uint32 ``(b, kv_heads, groups,
+    q_block)``) of the device's rows at key 0."""
+    local = {name: x for name, x in dense.items() if name in DENSE or name == "seed"}
+    if bias is not None:
+        local["bias"] = bias
+    for name in DENSE:
+        if name in local and local[name].shape[3] > 1:
+            local[name] = _to_zigzag(local[name], cfg, me, dim=3)
+    if "seed" in local:
+        local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], groups, q_index)
+    return local
+
+
+def _dense_rows(local: dict, start, size: int) -> dict:
+    """The terms of ``size`` rows from ``start`` (a broadcast query axis as it is)."""
+    rows = dict(local)
+    for name in (*DENSE, "hi", "lo"):
+        if name in rows and rows[name].shape[3] > 1:
+            rows[name] = _rows(rows[name], start, size, 3)
+    return rows
+
+
+def _dense_tile(cfg: _Config, rows: dict, keys):
+    """(mask, bias, keep) of one tile, each None or 5-d: the columns of the global key indices
+    ``keys`` (int32 ``(tile,)``, consecutive) of a row tile's terms; keep drawn if dropout is."""
+    cols = lambda x: x if x is None or x.shape[4] == 1 else _rows(x, keys[0], keys.shape[0], 4)  # noqa: E731
+    mask, bias, keep = (cols(rows.get(name)) for name in DENSE)
+    if "seed" in rows:
+        keep = _drawn(cfg, rows["seed"], rows["hi"], rows["lo"], keys)
+    return mask, bias, keep
+
+
+def _mul64(x, c: int):
+    """(hi, lo) uint32 of ``x * c mod 2**64``: ``x`` uint32, ``c`` a Python int (no uint64 needed)."""
+    u = np.uint32
+    c &= (1 << 64) - 1
+    xl, xh = x & u(0xFFFF), x >> u(16)
+    cl, ch = u(c & 0xFFFF), u((c >> 16) & 0xFFFF)
+    ll, lh, hl, hh = xl * cl, xl * ch, xh * cl, xh * ch
+    lo1 = ll + (lh << u(16))
+    lo = lo1 + (hl << u(16))
+    carry = (lo1 < ll).astype(jnp.uint32) + (lo < lo1).astype(jnp.uint32)
+    return hh + (lh >> u(16)) + (hl >> u(16)) + carry + x * u(c >> 32), lo
+
+
+def _add64(a, b):
+    lo = a[1] + b[1]
+    return a[0] + b[0] + (lo < a[1]).astype(jnp.uint32), lo
+
+
+def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
+    """(hi, lo) uint32 ``(b, kv_heads, groups, q_block)``: the flat index in ``cfg.shape`` of each
+    of the device's (example, head, query) rows at key 0, as ``jax.random.bernoulli`` counts.
+    ``examples``, ``kv_heads``: uint32, the global indices of the device's examples and key/value
+    heads; ``q_index``: int32, of its queries."""
+    _, heads, q_len, kv_len = cfg.shape
+    u32 = jnp.uint32
+    head = (kv_heads[:, None] * u32(groups) + jnp.arange(groups, dtype=u32))[None, :, :, None]
+    query = q_index.astype(u32)[None, None, None, :]
+    hi, lo = functools.reduce(_add64, (_mul64(examples[:, None, None, None], heads * q_len * kv_len),
+                                       _mul64(head, q_len * kv_len), _mul64(query, kv_len)))
+    shape = (examples.shape[0], kv_heads.shape[0], groups, q_index.shape[0])
+    return jnp.broadcast_to(hi, shape), jnp.broadcast_to(lo, shape)
+
+
+def _drawn(cfg: _Config, seed, hi, lo, keys):
+    """bool ``(b, kv_heads, groups, q_tile, k_tile)``: the keep bits of a tile, each hashed from
+    its flat index as ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` does (threefry2x32 of
+    the 64-bit index; its uniform in ``cfg.uniform`` from the top mantissa bits, kept below
+    ``1 - rate``), so that they are the bits of one device's draw."""
+    keys = keys.astype(jnp.uint32)
+    lo = lo[..., None] + keys
+    hi = hi[..., None] + (lo < keys).astype(jnp.uint32)
+    b1, b2 = threefry2x32_p.bind(seed[0], seed[1], hi, lo)
+    if cfg.uniform == "float64":
+        bits, mantissa, kind = (b1.astype(jnp.uint64) << np.uint64(32)) | b2.astype(jnp.uint64), 52, np.uint64
+    else:
+        bits, mantissa, kind = b1 ^ b2, 23, np.uint32
+    p = float(np.asarray(1.0 - cfg.dropout_rate, cfg.uniform))  # as bernoulli rounds it
+    # uniform = (bits >> (width - mantissa)) * 2**-mantissa exactly; uniform < p <=> that integer < ceil(p * 2**mantissa)
+    width = 64 if cfg.uniform == "float64" else 32
+    return (bits >> kind(width - mantissa)) < kind(math.ceil(p * 2.0**mantissa))
+
+
+def _unseen_zeroed(kj, vj, mask, bias):
+    """The tile's keys and values with zeros at the keys that no query of the tile may see by the
+    dense mask or a ``-inf`` bias (per key/value head)."""
+    seen = None
+    if mask is not None:
+        seen = mask
+    if bias is not None:
+        finite = bias > -jnp.inf
+        seen = finite if seen is None else seen & finite
+    if seen is None:
+        return kj, vj
+    seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as kj
+    return jnp.where(seen, kj, 0), jnp.where(seen, vj, 0)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
 
 
 # --- one step: a query block against a key/value block, tile by tile ---------------------------
@@ -204,32 +389,39 @@ def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
     )
 
 
-def _may_see(cfg: _Config, qp, kp):
+def _may_see(cfg: _Config, qp, kp, mask):
     """A scalar bool, False when causality or the window leave a tile empty for every example,
-    read from the tile's extreme positions; None (always computed) where the positions differ
-    between examples (deciding over a batch sharded elsewhere would need a reduction)."""
-    if not (cfg.is_causal or cfg.window is not None) or qp.shape[0] != 1 or kp.shape[0] != 1:
-        return None
-    q_lo, q_hi, k_lo, k_hi = qp.min(), qp.max(), kp.min(), kp.max()
-    ok = k_lo <= q_hi if cfg.is_causal else jnp.bool_(True)
-    if cfg.window is not None:
-        left, right = cfg.window
-        ok = ok & (k_lo <= q_hi + right) & (k_hi >= q_lo - left)
+    read from the tile's extreme positions, or the dense mask leaves it empty; None (always
+    computed) where neither can tell. The positions must be the batch's (deciding over a batch
+    sharded elsewhere would need a reduction), and the mask shared by the examples and heads or
+    split only over axes the ring holds as manual."""
+    ok = None
+    if (cfg.is_causal or cfg.window is not None) and qp.shape[0] == 1 and kp.shape[0] == 1:
+        q_lo, q_hi, k_lo, k_hi = qp.min(), qp.max(), kp.min(), kp.max()
+        ok = k_lo <= q_hi if cfg.is_causal else jnp.bool_(True)
+        if cfg.window is not None:
+            left, right = cfg.window
+            ok = ok & (k_lo <= q_hi + right) & (k_hi >= q_lo - left)
+    if mask is not None and (not cfg.auto or (mask.shape[0] == 1 or cfg.batch_axes)
+                             and (mask.shape[1] == 1 or cfg.head_axes)):
+        ok = _and(ok, mask.any())
     return ok
 
 
-def _if_visible(cfg: _Config, qt: dict, kt: dict, update, state):
-    may = _may_see(cfg, qt["qp"], kt["kp"])
+def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
+    may = _may_see(cfg, qt["qp"], kt["kp"], mask)
     return update(state) if may is None else jax.lax.cond(may, update, lambda state: state, state)
 
 
-def _logits(cfg: _Config, q, k):
-    """(scaled and capped logits ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None)."""
+def _logits(cfg: _Config, q, k, bias):
+    """(scaled and capped logits ``(b, kv_heads, groups, q_tile, k_tile)`` plus the bias, tanh of
+    the cap or None)."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision) * cfg.scale
-    if cfg.soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / cfg.soft_cap)
-    return cfg.soft_cap * t, t
+    t = None
+    if cfg.soft_cap is not None:
+        t = jnp.tanh(s / cfg.soft_cap)
+        s = cfg.soft_cap * t
+    return s if bias is None else s + bias.astype(s.dtype), t
 
 
 def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
@@ -238,7 +430,7 @@ def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
     return dict(kt, index=index, kp=kt.get("kp", index))
 
 
-def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, state):
+def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dict, state):
     """Online softmax of the query block ``q`` ``(b, q_block, kv_heads, groups, d)`` over one
     key/value block: ``state`` = (running max, sum ``(b, kv_heads, groups, q_block)``, weighted
     values ``(..., d)``), tile by tile."""
@@ -246,27 +438,32 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, state):
 
     def q_tile(i, state):
         r = i * tq
-        qi, qti = _rows(q, r, tq, 1), _sliced(qt, r, tq)
+        qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
 
         def k_tile(j, tile_state):
             c = j * tk
             kj, vj = (_rows(x, c, tk, 1).astype(q.dtype) for x in (k, v))
             ktj = _sliced(kt, c, tk)
+            mask, bias, keep = _dense_tile(cfg, rows, ktj["index"][0])
 
             def update(tile_state):
                 m, l, acc = tile_state  # noqa: E741
-                logits, _ = _logits(cfg, qi, kj)
-                allowed = _allowed(cfg, qti, ktj, lengths)
+                kz, vz = _unseen_zeroed(kj, vj, mask, bias)
+                logits, _ = _logits(cfg, qi, kz, bias)
+                allowed = _and(_allowed(cfg, qti, ktj, lengths), mask)
                 if allowed is not None:
                     logits = jnp.where(allowed, logits, -jnp.inf)
                 m_new = jnp.maximum(m, logits.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(logits - m_safe[..., None])
                 correction = jnp.exp(m - m_safe)
-                acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vj, precision=cfg.precision)
-                return m_new, l * correction + p.sum(axis=-1), acc
+                l = l * correction + p.sum(axis=-1)  # noqa: E741
+                if keep is not None:  # dropped after the normaliser: the kept weights scaled
+                    p = jnp.where(keep, p * cfg.keep_scale, 0.0)
+                acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
+                return m_new, l, acc
 
-            return _if_visible(cfg, qti, ktj, update, tile_state)
+            return _if_visible(cfg, qti, ktj, mask, update, tile_state)
 
         tile_state = tuple(_rows(x, r, tq, 3) for x in state)
         tile_state = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, tile_state)
@@ -275,66 +472,91 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, state):
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
 
 
-def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, grads):
+def _bias_tile(d_bias, r, keys, tq: int):
+    """(start, size) of a tile in the bias gradient (its broadcast axes whole)."""
+    start = [jnp.int32(0)] * 5
+    size = list(d_bias.shape)
+    if d_bias.shape[3] > 1:
+        start[3], size[3] = jnp.asarray(r, jnp.int32), tq
+    if d_bias.shape[4] > 1:
+        start[4], size[4] = keys[0], keys.shape[0]
+    return start, size
+
+
+def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, dense: dict, grads):
     """The gradients ``grads`` = (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv
-    ``(b, kv_block, kv_heads, d)``) plus one key/value block's share, tile by tile."""
+    ``(b, kv_block, kv_heads, d)``, the bias's (its local shape) or None) plus one key/value
+    block's share, tile by tile."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
 
     def q_tile(i, grads):
         r = i * tq
-        qi, qti = _rows(q, r, tq, 1), _sliced(qt, r, tq)
+        qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
         douti, lsei, deltai = _rows(dout, r, tq, 3), _rows(lse, r, tq, 3), _rows(delta, r, tq, 3)
 
         def k_tile(j, grads):
-            dqi, dk, dv = grads
+            dqi, dk, dv, d_bias = grads
             c = j * tk
             kj, vj = (_rows(x, c, tk, 1).astype(q.dtype) for x in (k, v))
             ktj = _sliced(kt, c, tk)
+            mask, bias, keep = _dense_tile(cfg, rows, ktj["index"][0])
 
             def update(tile_grads):
-                dqi, dkj, dvj = tile_grads
-                logits, t = _logits(cfg, qi, kj)
+                dqi, dkj, dvj, d_bias_t = tile_grads
+                kz, vz = _unseen_zeroed(kj, vj, mask, bias)
+                logits, t = _logits(cfg, qi, kz, bias)
                 p = jnp.exp(logits - lsei[..., None])
-                allowed = _allowed(cfg, qti, ktj, lengths)
+                allowed = _and(_allowed(cfg, qti, ktj, lengths), mask)
                 if allowed is not None:
                     p = jnp.where(allowed, p, 0.0)
-                dvj = dvj + jnp.einsum("bhgqk,bhgqd->bkhd", p, douti, precision=cfg.precision)
-                ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", douti, vj, precision=cfg.precision) - deltai[..., None])
+                dp = jnp.einsum("bhgqd,bkhd->bhgqk", douti, vz, precision=cfg.precision)
+                p_used = p
+                if keep is not None:  # the weights used and their gradient, through the kept entries only
+                    p_used, dp = (jnp.where(keep, x * cfg.keep_scale, 0.0) for x in (p, dp))
+                dvj = dvj + jnp.einsum("bhgqk,bhgqd->bkhd", p_used, douti, precision=cfg.precision)
+                ds = p * (dp - deltai[..., None])  # the gradient of the (capped, biased) logits
+                if d_bias_t is not None:
+                    axes = tuple(a for a in range(5) if d_bias_t.shape[a] == 1 and ds.shape[a] != 1)
+                    d_bias_t = d_bias_t + ds.sum(axis=axes, keepdims=True)
                 if t is not None:
                     ds = ds * (1.0 - t * t)
                 ds = ds * cfg.scale
-                dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kj, precision=cfg.precision)
+                dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kz, precision=cfg.precision)
                 dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
-                return dqi, dkj, dvj
+                return dqi, dkj, dvj, d_bias_t
 
-            tile_grads = _if_visible(cfg, qti, ktj, update, (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1)))
-            return tile_grads[0], _put(dk, tile_grads[1], c, 1), _put(dv, tile_grads[2], c, 1)
+            tile = None if d_bias is None else _bias_tile(d_bias, r, ktj["index"][0], tq)
+            d_bias_t = None if tile is None else jax.lax.dynamic_slice(d_bias, *tile)
+            tile_grads = _if_visible(cfg, qti, ktj, mask, update, (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1), d_bias_t))
+            if tile is not None:
+                d_bias = jax.lax.dynamic_update_slice(d_bias, tile_grads[3], tile[0])
+            return tile_grads[0], _put(dk, tile_grads[1], c, 1), _put(dv, tile_grads[2], c, 1), d_bias
 
-        dq, dk, dv = grads
-        dqi, dk, dv = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, (_rows(dq, r, tq, 3), dk, dv))
-        return _put(dq, dqi, r, 3), dk, dv
+        dq, dk, dv, d_bias = grads
+        dqi, dk, dv, d_bias = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, (_rows(dq, r, tq, 3), dk, dv, d_bias))
+        return _put(dq, dqi, r, 3), dk, dv, d_bias
 
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
 # --- forward and backward rings ------------------------------------------------------------------
 
-def _local_terms(cfg: _Config, terms: dict, chunk_q: int):
-    """Zig-zag query terms and travelling key terms, on one device."""
-    zig = {name: _to_zigzag(x, cfg) for name, x in terms.items() if name != "lengths"}
-    me = jax.lax.axis_index(cfg.axis)
+def _local_terms(cfg: _Config, terms: dict, me, chunk_q: int):
+    """Zig-zag query terms and travelling key terms, on device ``me``."""
+    zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
     qt = dict(qp=zig.get("qp", _index(me, cfg.size, chunk_q)), qs=zig.get("qs"))
     kt = {name: zig[name] for name in ("kp", "ks") if name in zig}
     return qt, kt
 
 
-def _forward_body(cfg: _Config, q, k, v, sinks, terms):
+def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
     """On one device: its blocks (contiguous), in the inputs' dtype; the keys and values travel
     in it, each tile is computed in float32 or wider."""
-    n, me = cfg.size, jax.lax.axis_index(cfg.axis)
+    n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see _indices)
     chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
-    q, k, v = (_to_zigzag(x, cfg) for x in (q, k, v))
-    qt, kt = _local_terms(cfg, terms, chunk_q)
+    q, k, v = (_to_zigzag(x, cfg, me) for x in (q, k, v))
+    qt, kt = _local_terms(cfg, terms, me, chunk_q)
+    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
     lengths = terms.get("lengths")
     if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
         pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
@@ -345,7 +567,7 @@ def _forward_body(cfg: _Config, q, k, v, sinks, terms):
     m = jnp.full_like(l, -jnp.inf)
 
     def step(s, state, k, v, kt):
-        return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, state)
+        return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
 
     def ring_step(s, carry):
         state, k, v, kt = carry
@@ -363,40 +585,53 @@ def _forward_body(cfg: _Config, q, k, v, sinks, terms):
         m_safe = m_all
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     lse = jnp.where(l == 0.0, 0.0, m_safe + jnp.log(jnp.where(l == 0.0, 1.0, l)))
-    result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg)
+    result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
     return result, (q, k, v, out, lse)
 
 
-def _backward_body(cfg: _Config, q, k, v, out, lse, sinks, terms, dout):
-    n, me = cfg.size, jax.lax.axis_index(cfg.axis)
+def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, terms, dense, dout):
+    """``shared``: the manual axes the bias is not split over (its gradient is summed over them)."""
+    n, me = cfg.size, dense["device"][0]
     chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
-    qt, kt = _local_terms(cfg, terms, chunk_q)
+    qt, kt = _local_terms(cfg, terms, me, chunk_q)
+    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
     lengths = terms.get("lengths")
     qc = q.astype(out.dtype)
-    dout = _to_zigzag(dout, cfg).astype(out.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
-    delta = jnp.sum(dout * out, axis=-1)
+    dout = _to_zigzag(dout, cfg, me).astype(out.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
+    delta = jnp.sum(dout * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
     dq = jnp.zeros_like(dout)
+    d_bias = None if bias is None else _varying(cfg, jnp.zeros(local["bias"].shape, out.dtype))
 
     def step(s, grads, k, v, kt):
         kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
-        return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, grads)
+        return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, local, grads)
 
     def ring_step(s, carry):
-        (dq, dk, dv), k, v, kt = carry
+        (dq, dk, dv, d_bias), k, v, kt = carry
         sent = _next((k, v, kt), cfg)
-        dq, dk, dv = step(s, (dq, dk, dv), k, v, kt)
-        return (dq, *_next((dk, dv), cfg)), *sent  # the block's gradients travel with it
+        dq, dk, dv, d_bias = step(s, (dq, dk, dv, d_bias), k, v, kt)
+        return (dq, *_next((dk, dv), cfg), d_bias), *sent  # the block's gradients travel with it
 
     zeros = jnp.zeros_like(k, dtype=out.dtype)
-    grads, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, ((dq, zeros, zeros), k, v, kt))
-    dq, dk, dv = step(n - 1, grads, k_last, v_last, kt_last)
+    grads, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, ((dq, zeros, zeros, d_bias), k, v, kt))
+    dq, dk, dv, d_bias = step(n - 1, grads, k_last, v_last, kt_last)
     dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
     dsinks = None
     if sinks is not None:  # d lse / d sink = the sink's weight; its gradient is -weight * delta
         weight = jnp.exp(sinks[None, :, :, None] - lse)
         dsinks = jax.lax.psum(-jnp.sum(weight * delta, axis=(0, 3)), (cfg.axis, *cfg.batch_axes))
-    dq = _from_zigzag(dq.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg)
-    return dq, _from_zigzag(dk.astype(k.dtype), cfg), _from_zigzag(dv.astype(v.dtype), cfg), dsinks
+    if d_bias is not None:  # rows home; summed over the devices that share the bias
+        if bias.shape[3] > 1:
+            d_bias = _from_zigzag(d_bias, cfg, me, dim=3)
+        d_bias = (jax.lax.psum(d_bias, shared) if shared else d_bias).astype(bias.dtype)
+    dq = _from_zigzag(dq.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
+    return dq, _from_zigzag(dk.astype(k.dtype), cfg, me), _from_zigzag(dv.astype(v.dtype), cfg, me), dsinks, d_bias
+
+
+def _varying(cfg: _Config, x):
+    """``x`` made varying over every manual axis, as what the loops add to it is."""
+    axes = tuple(sorted(_manual(cfg)))
+    return jax.lax.pcast(x, axes, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, axes)  # pvary: older jax
 
 
 def _specs(cfg: _Config, terms: dict):
@@ -405,6 +640,24 @@ def _specs(cfg: _Config, terms: dict):
         name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
         for name, x in terms.items()
     }
+
+
+def _dense_spec(cfg: _Config, x, name: str = "bias"):
+    """A dense term's spec: its rows over the sequence axis, its examples and heads as the
+    query's; a broadcast axis (of 1) and the key axis whole. The indices of devices, examples
+    and key/value heads over their axes; the seed replicated."""
+    if name in ("device", "examples", "kv_heads"):
+        return cfg.spec(dict(device="s", examples="b", kv_heads="h")[name])
+    if x is None or name == "seed":
+        return P()
+    b, h, _, rows, _ = x.shape
+    return cfg.spec("b" if b > 1 else None, "h" if h > 1 else None, None, "s" if rows > 1 else None, None)
+
+
+def _shared(cfg: _Config, x) -> tuple:
+    """The manual axes over which a dense term of this (global) shape is not split."""
+    named = {a for entry in _dense_spec(cfg, x) if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+    return tuple(sorted(_manual(cfg) - named))
 
 
 def _manual(cfg: _Config):
@@ -421,31 +674,34 @@ def _placed(cfg: _Config, args, specs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, sinks, terms):
-    return _ring_fwd(cfg, q, k, v, sinks, terms)[0]
+def _ring(cfg: _Config, q, k, v, sinks, bias, terms, dense):
+    return _ring_fwd(cfg, q, k, v, sinks, bias, terms, dense)[0]
 
 
-def _ring_fwd(cfg: _Config, q, k, v, sinks, terms):
+def _ring_fwd(cfg: _Config, q, k, v, sinks, bias, terms, dense):
     seq, per_query, heads = cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h")
-    in_specs = (seq, seq, seq, heads, _specs(cfg, terms))
+    dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
+    in_specs = (seq, seq, seq, heads, _dense_spec(cfg, bias), _specs(cfg, terms), dense_specs)
     f = jax.shard_map(
         functools.partial(_forward_body, cfg), in_specs=in_specs,
         out_specs=(seq, (seq, seq, seq, per_query, per_query)), axis_names=_manual(cfg), check_vma=True,
     )
-    out, residuals = f(*_placed(cfg, (q, k, v, sinks, terms), in_specs))
-    return out, (residuals, sinks, terms)
+    out, residuals = f(*_placed(cfg, (q, k, v, sinks, bias, terms, dense), in_specs))
+    return out, (residuals, sinks, bias, terms, dense)
 
 
 def _ring_bwd(cfg: _Config, saved, dout):
-    residuals, sinks, terms = saved
+    residuals, sinks, bias, terms, dense = saved
     seq, per_query, heads = cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h")
-    in_specs = (seq, seq, seq, per_query, per_query, heads, _specs(cfg, terms), seq)
+    bias_spec = _dense_spec(cfg, bias)
+    dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
+    in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, _specs(cfg, terms), dense_specs, seq)
     f = jax.shard_map(
-        functools.partial(_backward_body, cfg), in_specs=in_specs,
-        out_specs=(seq, seq, seq, heads), axis_names=_manual(cfg), check_vma=True,
+        functools.partial(_backward_body, cfg, _shared(cfg, bias)), in_specs=in_specs,
+        out_specs=(seq, seq, seq, heads, bias_spec), axis_names=_manual(cfg), check_vma=True,
     )
-    dq, dk, dv, dsinks = f(*_placed(cfg, (*residuals, sinks, terms, dout), in_specs))
-    return dq, dk, dv, dsinks, None
+    dq, dk, dv, dsinks, d_bias = f(*_placed(cfg, (*residuals, sinks, bias, terms, dense, dout), in_specs))
+    return dq, dk, dv, dsinks, d_bias, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

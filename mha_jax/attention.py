@@ -95,9 +95,11 @@ def dot_product_attention(
         device to device (``jax.lax.ppermute``), never gathered; the inputs and the output are
         laid out as ``P(None, sequence_axis)`` places them (contiguous blocks), the zig-zag order
         that balances causal work is taken inside. Both lengths must be multiples of twice the
-        axis's size. It takes every structured term (positions, causality, windows, segments,
-        lengths), ``scale``, ``logit_soft_cap`` and ``sinks``, but no dense ``mask``/``bias``, no
-        dropout and no ``return_weights``; first-order reverse-mode derivatives only.
+        axis's size. It takes every masking term (a dense ``mask``, ``bias`` or ``dropout_mask``
+        is held by query rows, as the queries are, and never sent round the ring), ``scale``,
+        ``logit_soft_cap``, ``sinks`` and dropout (drawn from a threefry key: the bits ``"xla"``
+        draws on one device, on any mesh), but no ``return_weights``; first-order reverse-mode
+        derivatives only (the bias's included).
 
     Returns:
       ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -135,8 +137,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     ring = None if sequence_axis is None else _ring.check(
-        sequence_axis, q_len, kv_len, spec, dropout=keep is not None or rng is not None,
-        return_weights=return_weights, implementation=implementation,
+        sequence_axis, q_len, kv_len, dropout_rng=rng, return_weights=return_weights, implementation=implementation,
     )
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
         groups = heads // kv_heads
@@ -156,11 +157,13 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
-    if ring is not None:  # zeroes its own padding keys, block by block
+    if ring is not None:  # zeroes its own padding (and masked) keys, block by block
         out = _ring.attention(
             query.reshape(batch, q_len, kv_heads, groups, head_dim), key, value, spec,
             axis=sequence_axis, size=ring, scale=scale, soft_cap=soft_cap,
             sinks=None if sinks is None else sinks.astype(compute).reshape(kv_heads, groups), precision=precision,
+            allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
+            keep=_grouped(keep, kv_heads), dropout_rng=rng, dropout_rate=dropout_rate, keep_scale=keep_scale,
         )
         return out.reshape(batch, q_len, heads, head_dim).astype(dtype)
     unused = masks._unused_keys(spec, kv_heads) if zero_unused else None

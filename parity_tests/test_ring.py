@@ -1,8 +1,10 @@
 """Ring attention (``sequence_axis``) on 8 devices: the length sharded over a mesh axis of 8, of
 4 beside a batch axis of 2, and of 4 beside a heads axis of 2, on Auto and Explicit meshes;
-forward and gradients against the same function on one device; what the compiled program
-communicates (inside the ring's loops: collective-permutes of one key/value block, nothing else);
-the modules; and the refusals.
+forward and gradients against the same function on one device, with the structured masking
+terms and with dense masks, biases (and their gradient) and dropout (a keep-mask, and bits drawn
+from a key: one device's bits); what the compiled program communicates (inside the ring's
+loops: collective-permutes of one key/value block, nothing else; a mask's or bias's rows
+reordered once, outside them); the modules; and the refusals.
 
 Needs 8 devices, so it runs in a process of its own, with ``test_mesh.py`` (``.ci/run``):
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q parity_tests/test_mesh.py
@@ -154,8 +156,11 @@ def _loop_bodies(text):
         seen.add(name)
         lines = list(computations[name])
         for line in computations[name]:
-            for called in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)", line):
-                lines += closure(called, seen)
+            called = re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)", line)
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):  # every branch of a cond
+                called += re.findall(r"%([\w.\-]+)", branches)
+            for name_called in called:
+                lines += closure(name_called, seen)
         return lines
 
     return [closure(body, set()) for body in re.findall(r" while\(.*body=%([\w.\-]+)", text)]
@@ -315,6 +320,202 @@ def test_modules_take_sequence_axis():
         assert not found["all-gather"] and not found["all-to-all"], (make.__name__, found)
 
 
+# --- dense terms: masks, biases, dropout -------------------------------------------------------
+
+RATE = 0.3  # of drawn dropout
+DENSE_CASES = (
+    "mask(B,1,L,L)+bias(1,H,L,L)+keep(1,H,L,L)+causal",
+    "mask(L,L)+bias(B,1,1,L)+window+positions+segments+lengths",
+    "mask(B,1,1,L)+drawn+soft_cap+causal+NaN keys",
+)
+DENSE_GRADS = ("output", "dq", "dk", "dv", "dbias")
+
+
+@functools.cache
+def _dense_data(dtype):
+    """Masks of three broadcast shapes, biases of two (with -inf), a keep-mask of a fourth, as
+    NumPy. Rows that see no key: example 1's query 5 (``rows``), head 1's query 3 (a -inf
+    ``bias``); example 1's keys from 19 on are masked by ``keys`` (and hold NaN)."""
+    rng = np.random.default_rng(4)
+    rows = rng.random((B, 1, L, L)) < 0.7
+    rows[1, 0, 5] = False
+    bias = rng.standard_normal((1, H, L, L)).astype(dtype)
+    bias[0, 1, 3], bias[0, 2, 7, 4] = -np.inf, -np.inf
+    return dict(
+        rows=rows, square=rng.random((L, L)) < 0.8,
+        keys=np.arange(L)[None, None, None] < np.array([L, 19])[:, None, None, None],
+        bias=bias, key_bias=rng.standard_normal((B, 1, 1, L)).astype(dtype),
+        keep=rng.random((1, H, L, L)) < 0.75,
+    )
+
+
+def _dense_case(case, axis, q, k, v, bias, t, d):
+    """``bias`` is the case's differentiated bias (``d["bias"]`` or ``d["key_bias"]``), or unused."""
+    common = dict(sequence_axis=axis)
+    if case == DENSE_CASES[0]:
+        return dot_product_attention(q, k, v, mask=d["rows"], bias=bias, dropout_mask=d["keep"], dropout_rate=0.25,
+                                     is_causal=True, **common)
+    if case == DENSE_CASES[1]:
+        return dot_product_attention(q, k, v, mask=d["square"], bias=bias, local_window_size=(7, 2),
+                                     query_positions=t["positions"], key_positions=t["positions"],
+                                     query_segment_ids=t["segments"], key_segment_ids=t["segments"],
+                                     key_value_seq_lengths=t["lengths"], **common)
+    assert case == DENSE_CASES[2]
+    nan = jnp.logical_not(d["keys"][:, 0, 0, :, None, None])  # (B, L, 1, 1): the masked keys
+    k, v = jnp.where(nan, jnp.nan, k), jnp.where(nan, jnp.nan, v)
+    return dot_product_attention(q, k, v, mask=d["keys"], dropout_rate=RATE, dropout_rng=jax.random.key(7),
+                                 logit_soft_cap=2.0, is_causal=True, **common)
+
+
+def _dense_grads(axis, q, k, v, cot, t, d):
+    """Per case: the output and the gradients of <output, cot> by q, k, v and the bias (0 without)."""
+    results = {}
+    for i, case in enumerate(DENSE_CASES):
+        bias = (d["bias"], d["key_bias"], jnp.zeros(1, q.dtype))[i]
+        f = functools.partial(lambda c, q, k, v, b: _dense_case(c, axis, q, k, v, b, t, d), case)
+        out, vjp = jax.vjp(f, q, k, v, bias)
+        results[case] = (out, *vjp(cot.astype(out.dtype)))
+    return results
+
+
+@functools.cache
+def _dense_one_device(dtype):
+    (q, k, v, _, cot), t = _data(dtype)
+    return jax.tree.map(np.asarray, jax.jit(functools.partial(_dense_grads, None))(q, k, v, cot, t, _dense_data(dtype)))
+
+
+def _dense_errors(got, want):
+    """{(case, name): max |got - want| / max |want|} (a gradient that is 0 everywhere: max |got|)."""
+    errors = {}
+    for case in want:
+        for name, a, b in zip(DENSE_GRADS, got[case], want[case]):
+            a, b = np.asarray(a), np.asarray(b)
+            error = np.abs(a - b).max() / max(np.abs(b).max(), 1.0 if not b.any() else 0.0)
+            errors[case, name] = np.inf if np.isnan(error) else error  # NaN where one device has none
+    return errors
+
+
+def _dense_placed(d, batch, heads):
+    """Each term with its query axis over "seq", its examples and heads as the query's (an axis of
+    1 left whole): device i holds its rows, every key column."""
+    def place(x):
+        x4 = x.reshape((1,) * (4 - x.ndim) + x.shape)
+        entries = (batch if x4.shape[0] > 1 else None, heads if x4.shape[1] > 1 else None,
+                   "seq" if x4.shape[2] > 1 else None, None)[4 - x.ndim:]
+        return jax.device_put(x, P(*entries))
+
+    return {name: place(x) for name, x in d.items()}
+
+
+@needs_8
+@pytest.mark.parametrize("shape, names, batch, heads, axis_type, dtype", LAYOUTS, ids=_ids)
+def test_ring_takes_masks_bias_dropout(shape, names, batch, heads, axis_type, dtype):
+    """Dense masks of three broadcast shapes, biases of two (with their gradient), an explicit
+    keep-mask and dropout drawn from a key, with structured terms, against one device: the
+    output and the gradients of q, k, v and the bias (drawn dropout: the bits one device draws,
+    on a ring of 8 or 4). Rows that see no key give exactly 0 and gradients 0; NaN in keys
+    the mask hides reaches nothing. Nothing gathered; in the ring's loops, collective-permutes of
+    key/value blocks only (on an Auto mesh with the batch over "data", the gradient of a bias
+    shared by the batch is all-reduced over it tile by tile, as the blockwise kernel does)."""
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+    with jax.set_mesh(mesh):
+        (q, k, v, _, cot), t = _placed(dtype, batch, heads)
+        d = _dense_placed(_dense_data(dtype), batch, heads)
+        got, text = _compiled(functools.partial(_dense_grads, "seq"), q, k, v, cot, t, d)
+    errors = _dense_errors(got, _dense_one_device(dtype))
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] <= TOLERANCE[dtype], f"{worst[0]} relative error {worst[1]:.2e}"
+    out, dq, dk, dv, dbias = (np.asarray(x) for x in got[DENSE_CASES[0]])
+    assert not out[1, 5].any() and not dq[1, 5].any()  # the mask's empty row
+    assert not out[:, 3, 1].any() and not dq[:, 3, 1].any() and not dbias[0, 1, 3].any()  # the bias's
+    assert all(np.isfinite(np.asarray(x)).all() for x in got[DENSE_CASES[2]])
+    found = _collectives(text.splitlines())
+    assert not found["all-gather"] and not found["all-to-all"], found
+    b, length = B // (2 if batch else 1), L // mesh.shape["seq"]
+    # a key/value block (or its gradient), or its per-key terms (key positions, segment ids)
+    blocks = (f"[{b},{length},{KVH // (2 if heads else 1)},{D}]", f"s32[{b},{length}]", f"s32[1,{length}]")
+    for lines in _loop_bodies(text):
+        inside = _collectives(lines)
+        assert all(any(x in line for x in blocks) for line in inside["collective-permute"]), inside["collective-permute"]
+        assert not inside["all-reduce"] or (axis_type == AxisType.Auto and batch), inside["all-reduce"]
+
+
+@needs_8
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=_ids)
+def test_ring_with_mask_and_bias_communicates_their_rows_once(axis_type):
+    """As ``test_ring_communicates_key_value_blocks_only``, with a mask ``(B, 1, L, L)`` and a bias
+    ``(1, H, L, L)`` (and its gradient) placed by query rows: the loops are the same (2 and 4
+    collective-permutes of a key/value block, nothing else: the terms' columns are sliced where
+    they are, their rows never travel round the ring); outside them, 6 collective-permutes more,
+    the mask's and the bias's rows reordered once each (two half blocks: ``B x L/16 x L``
+    booleans, ``H x L/16 x L`` floats; the backward's reordering is the forward's, XLA computes it
+    once) and the bias's gradient taken back to the user's order. No gather, no reduction."""
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=(axis_type,))
+    d = _dense_data("float32")
+
+    def grads(q, k, v, cot, lengths, mask, bias, axis="seq"):
+        out, vjp = jax.vjp(lambda q, k, v, bias: dot_product_attention(
+            q, k, v, mask=mask, bias=bias, is_causal=True, key_value_seq_lengths=lengths, sequence_axis=axis),
+            q, k, v, bias)
+        return {"mask+bias": (out, *vjp(cot))}
+
+    (q, k, v, _, cot), t = _data("float32")
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, P(None, "seq")) for x in (q, k, v, cot)]
+        dense = [jax.device_put(d[name], P(None, None, "seq")) for name in ("rows", "bias")]
+        got, text = _compiled(grads, *placed, t["lengths"], *dense)
+    want = jax.jit(functools.partial(grads, axis=None))(q, k, v, cot, t["lengths"], d["rows"], d["bias"])
+    errors = _dense_errors(got, jax.tree.map(np.asarray, want))
+    assert max(errors.values()) <= TOLERANCE["float32"], errors
+
+    loops = [lines for lines in _loop_bodies(text) if any(_collectives(lines).values())]
+    per_loop = sorted(len(_collectives(lines)["collective-permute"]) for lines in loops)
+    assert per_loop == [2, 4], per_loop
+    block = f"f32[{B},{L // 8},{KVH},{D}]"
+    for lines in loops:
+        found = _collectives(lines)
+        assert not found["all-gather"] and not found["all-reduce"] and not found["all-to-all"], found
+        assert all(block in line for line in found["collective-permute"]), found["collective-permute"]
+    found = _collectives(text.splitlines())
+    assert not found["all-gather"] and not found["all-to-all"] and not found["all-reduce"], found
+    permutes = found["collective-permute"]
+    mask_rows = [line for line in permutes if re.search(r"= pred\[", line)]
+    bias_rows = [line for line in permutes if f"f32[1,{KVH},{H // KVH},{L // 16},{L}]" in line]
+    assert len(mask_rows) == 2 and all(f"pred[{B},1,1,{L // 16},{L}]" in line for line in mask_rows), mask_rows
+    assert len(bias_rows) == 4, bias_rows  # the bias's rows in, its gradient's out
+    assert len(permutes) == 30, len(permutes)
+
+
+@needs_8
+def test_drawn_dropout_is_one_devices_draw_on_rings_of_8_and_4():
+    """Queries 0 (every weight 1/L) and values 1: each output is (kept keys of its row) x
+    keep_scale / L, so the ring's output reads off how many keys each row keeps. On a ring of 8
+    and one of 4 (beside a batch axis of 2) these counts are those of ``jax.random.bernoulli(key,
+    1 - rate, (B, H, L, L))``, the draw of ``implementation="xla"`` on one device; the kept
+    fraction is within 0.02 of ``1 - rate`` (8192 draws: 5 standard deviations); rate 0 with a
+    key is no dropout."""
+    key = jax.random.key(11)
+    q = np.zeros((B, L, H, D), np.float32)
+    k = np.random.default_rng(5).standard_normal((B, L, KVH, D)).astype(np.float32)
+    v = np.ones((B, L, KVH, D), np.float32)
+
+    def attend(q, k, v, axis="seq"):
+        drawn = dot_product_attention(q, k, v, dropout_rate=RATE, dropout_rng=key, sequence_axis=axis)
+        return drawn, dot_product_attention(q, k, v, dropout_rate=0.0, dropout_rng=key, sequence_axis=axis)
+
+    want = np.asarray(jax.random.bernoulli(key, 1.0 - RATE, (B, H, L, L))).sum(axis=-1).transpose(0, 2, 1)  # (B, L, H)
+    assert abs(want.mean() / L - (1.0 - RATE)) <= 0.02
+    counts = {}
+    for shape, names, batch in (((8,), ("seq",), None), ((2, 4), ("data", "seq"), "data")):
+        with jax.set_mesh(jax.make_mesh(shape, names)):
+            drawn, kept = jax.jit(attend)(*(jax.device_put(x, P(batch, "seq")) for x in (q, k, v)))
+        counts[shape] = np.asarray(drawn)[..., 0] * L * (1.0 - RATE)
+        np.testing.assert_array_equal(np.round(counts[shape]), want)
+        np.testing.assert_allclose(counts[shape], want, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(kept), 1.0, atol=1e-6)
+    np.testing.assert_allclose(counts[(8,)], counts[(2, 4)], atol=1e-4)
+
+
 def _refusal(mesh_shape, names, message, **kwargs):
     (q, k, v, *_), _ = _data("float32")
     length = kwargs.pop("length", L)
@@ -331,10 +532,9 @@ def test_no_mesh_is_refused():
 
 
 @needs_8
-@pytest.mark.parametrize("case", ["not in mesh", "size 1", "length", "mask", "bias", "dropout", "weights", "cudnn"])
+@pytest.mark.parametrize("case", ["not in mesh", "size 1", "length", "dropout_rng", "weights", "cudnn"])
 def test_bad_input_is_refused_by_name(case):
     """Each refusal names the argument and the sizes."""
-    rng = np.random.default_rng(2)
     refusals = {
         "not in mesh": ((8,), ("data",), r"sequence_axis='seq' is not an axis of the mesh, whose axes are \{'data': 8\}",
                         dict(sequence_axis="seq")),
@@ -342,12 +542,9 @@ def test_bad_input_is_refused_by_name(case):
                    r"needs 2 devices or more", dict(sequence_axis="seq")),
         "length": ((8,), ("seq",), r"sequence_axis='seq' of size 8 needs q_len to be a multiple of 2 x 8 = 16 \(each "
                    r"device holds a front and a back chunk\), got q_len=24", dict(sequence_axis="seq", length=24)),
-        "mask": ((8,), ("seq",), r"does not take a dense mask \(given with shape \(2, 1, 1, 32\)\)",
-                 dict(sequence_axis="seq", mask=np.ones((B, 1, 1, L), bool))),
-        "bias": ((8,), ("seq",), r"does not take a dense bias \(given with shape \(1, 4, 32, 32\)\)",
-                 dict(sequence_axis="seq", bias=rng.standard_normal((1, H, L, L)).astype(np.float32))),
-        "dropout": ((8,), ("seq",), r"does not take dropout",
-                    dict(sequence_axis="seq", dropout_rate=0.1, dropout_rng=jax.random.key(0))),
+        "dropout_rng": ((8,), ("seq",), r"sequence_axis='seq' with dropout_rate > 0 needs dropout_rng to be one PRNG "
+                        r"key \(jax.random.key\(seed\)\), got \w+ with shape \(3,\) and dtype key<fry>",
+                        dict(sequence_axis="seq", dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0), 3))),
         "weights": ((8,), ("seq",), r"does not take return_weights=True", dict(sequence_axis="seq", return_weights=True)),
         "cudnn": ((8,), ("seq",), r"does not take implementation='cudnn'", dict(sequence_axis="seq", implementation="cudnn")),
     }
