@@ -308,9 +308,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     given = [name for name, value in forbidden.items() if value is not None]
     if given:
         raise ValueError(f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths")
-    keys = cache._keys.shape  # (*batch, kv_heads, max_length, head_dim)
-    expected = (*batch_shape, keys[-2], kv_heads, head_dim)
-    if tuple(keys[:-3]) + (keys[-2], keys[-3], keys[-1]) != expected or tuple(cache.index.shape) != tuple(batch_shape):
+    expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
+    if tuple(cache.key.shape) != expected or tuple(cache.index.shape) != tuple(batch_shape):
         raise ValueError(
             f"the cache holds key {tuple(cache.key.shape)} and index {tuple(cache.index.shape)}, but the inputs "
             f"need (*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {tuple(batch_shape)}; "
@@ -353,14 +352,9 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
         starts = cache.index.tolist()
         start = starts[0] if starts else -1
         if 0 <= start <= max_length - n and all(row == start for row in starts):
-            if live:
-                cache._keys, cache._values = (
-                    torch.slice_scatter(x, new.transpose(1, 2).to(x.dtype), dim=-2, start=start, end=start + n)
-                    for x, new in ((cache._keys, key), (cache._values, value))
-                )
-            else:
-                cache._keys.narrow(-2, start, n).copy_(key.transpose(1, 2))
-                cache._values.narrow(-2, start, n).copy_(value.transpose(1, 2))
+            _writable(cache, live)
+            cache._keys.narrow(-2, start, n).copy_(key.transpose(1, 2))
+            cache._values.narrow(-2, start, n).copy_(value.transpose(1, 2))
             cache.index.add_(n)
             return masks._parse((batch, num_heads, n, start + n), device=device), start + n
     start = cache.index.clone()
@@ -373,8 +367,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length {max_length} "
             f"slots, overwriting positions its queries may still see (a window of left + chunk <= max_length makes it a rolling buffer)"
         )
-    if live:
-        cache._keys, cache._values = cache._keys.clone(), cache._values.clone()
+    _writable(cache, live)
     _cache.write(cache.key, key, pos, start, padded=query_positions is not None)
     _cache.write(cache.value, value, pos, start, padded=query_positions is not None)
     cache.index.copy_(end)
@@ -385,6 +378,13 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
     )
     return spec, max_length
+
+
+def _writable(cache: KVCache, live: bool) -> None:
+    """Under autograd (``live``) the cache takes copies to write into, the tensors a step's
+    attention read left as they were for its backward pass; otherwise it is written in place."""
+    if live:
+        cache._keys, cache._values = cache._keys.clone(), cache._values.clone()
 
 
 def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, *,
