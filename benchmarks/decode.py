@@ -130,7 +130,6 @@ def _jax_rows(args: argparse.Namespace) -> list[dict]:
 
 def _torch_rows(args: argparse.Namespace) -> list[dict]:
     import torch
-    import torch.nn.functional as F
 
     import mha_torch
 
@@ -142,8 +141,6 @@ def _torch_rows(args: argparse.Namespace) -> list[dict]:
             layer = mha_torch.MultiHeadAttention(FEATURES, HEADS, num_kv_heads=KV_HEADS).eval()
             cache = mha_torch.KVCache(batch, length, KV_HEADS, HEAD_DIM)
             token = torch.randn(batch, 1, FEATURES)
-            k_cache = torch.zeros(batch, KV_HEADS, length, HEAD_DIM)
-            v_cache = torch.zeros(batch, KV_HEADS, length, HEAD_DIM)
             index = length - 1
 
             def run_ours(cache=cache, layer=layer, token=token, index=index):
@@ -151,26 +148,9 @@ def _torch_rows(args: argparse.Namespace) -> list[dict]:
                 with torch.no_grad():
                     layer(token, cache=cache)
 
-            def run_sdpa(layer=layer, token=token, k_cache=k_cache, v_cache=v_cache, index=index, batch=batch):
-                with torch.no_grad():
-                    q = layer.q_proj(token).view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
-                    k_cache[:, :, index] = layer.k_proj(token).view(batch, KV_HEADS, HEAD_DIM)
-                    v_cache[:, :, index] = layer.v_proj(token).view(batch, KV_HEADS, HEAD_DIM)
-                    out = F.scaled_dot_product_attention(q, k_cache[:, :, :index + 1], v_cache[:, :, :index + 1], enable_gqa=True)
-                    layer.out_proj(out.transpose(1, 2).reshape(batch, 1, FEATURES))
-
-            k_rows = torch.zeros(batch, KV_HEADS, length, HEAD_DIM)  # buffers of its own: none is warm from another's call
-            v_rows = torch.zeros(batch, KV_HEADS, length, HEAD_DIM)
-
-            def run_rows(layer=layer, token=token, k_cache=k_rows, v_cache=v_rows, index=index, batch=batch):
-                with torch.no_grad():  # the same step with each group of query heads as rows of one head
-                    q = layer.q_proj(token).view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-                    k_cache[:, :, index] = layer.k_proj(token).view(batch, KV_HEADS, HEAD_DIM)
-                    v_cache[:, :, index] = layer.v_proj(token).view(batch, KV_HEADS, HEAD_DIM)
-                    out = F.scaled_dot_product_attention(q, k_cache[:, :, :index + 1], v_cache[:, :, :index + 1])
-                    layer.out_proj(out.reshape(batch, 1, FEATURES))
-
-            timed = _interleaved({"ours": run_ours, ANCHOR["torch"]: run_sdpa, ROWS: run_rows}, args.reps, args.min_seconds)
+            steps = {"ours": run_ours, ANCHOR["torch"]: _sdpa_step(layer, token, length, rows=False),
+                     ROWS: _sdpa_step(layer, token, length, rows=True)}
+            timed = _interleaved(steps, args.reps, args.min_seconds)
             recompute = None
             if length <= args.recompute_limit:
                 prefix = torch.randn(batch, length, FEATURES)
@@ -183,6 +163,30 @@ def _torch_rows(args: argparse.Namespace) -> list[dict]:
             cache_bytes = cache.key.nbytes + cache.value.nbytes
             rows.append(_row("torch", batch, length, cache_bytes, timed, recompute))
     return rows
+
+
+def _sdpa_step(layer, token, length: int, rows: bool) -> Callable[[], None]:
+    """A plain one-token step of ``layer``'s projections and ``F.scaled_dot_product_attention``
+    at position ``length - 1`` of a hand-written cache of its own (so that no other step's call
+    leaves it warm): ``enable_gqa=True``, or with ``rows`` each key/value head's group of query
+    heads passed as rows of one head."""
+    import torch
+    import torch.nn.functional as F
+
+    batch, index = token.shape[0], length - 1
+    k_cache, v_cache = (torch.zeros(batch, KV_HEADS, length, HEAD_DIM) for _ in range(2))
+    q_shape = (batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM) if rows else (batch, 1, HEADS, HEAD_DIM)
+
+    def step():
+        with torch.no_grad():
+            q = layer.q_proj(token).view(q_shape)
+            q = q if rows else q.transpose(1, 2)
+            k_cache[:, :, index] = layer.k_proj(token).view(batch, KV_HEADS, HEAD_DIM)
+            v_cache[:, :, index] = layer.v_proj(token).view(batch, KV_HEADS, HEAD_DIM)
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :index + 1], v_cache[:, :, :index + 1], enable_gqa=not rows)
+            layer.out_proj((out if rows else out.transpose(1, 2)).reshape(batch, 1, FEATURES))
+
+    return step
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
