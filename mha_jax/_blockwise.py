@@ -200,9 +200,14 @@ def _varying(xs, others):
         missing = tuple(sorted(axes - _vma(x)))
         if not missing:
             return x
-        return lax.pcast(x, missing, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, missing)  # pvary: older jax
+        return _to_varying(x, missing)
 
     return tuple(None if x is None else vary(x) for x in xs)
+
+
+def _to_varying(x, axes: tuple[str, ...]):
+    """``x`` cast to varying over the manual mesh ``axes`` (``jax.lax.pcast``; ``pvary`` in older jax)."""
+    return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
 
 
 def _vma(x) -> frozenset:
@@ -247,7 +252,8 @@ def _tile(cfg, x, i, j, transposed):
 
 
 def _and(a, b):
-    return b if a is None else a & b
+    """``a & b``, either of which may be None (nothing excluded)."""
+    return b if a is None else a if b is None else a & b
 
 
 def _query_rows(cfg, x):

@@ -61,7 +61,7 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import masks
+from mha_jax import _blockwise, masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +352,6 @@ def _unseen_zeroed(kj, vj, mask, bias):
     return jnp.where(seen, kj, 0), jnp.where(seen, vj, 0)
 
 
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
 # --- one step: a query block against a key/value block, tile by tile ---------------------------
 
 TILE = 512  # the largest tile of queries (and of keys) a step scores at once
@@ -404,7 +400,7 @@ def _may_see(cfg: _Config, qp, kp, mask):
             ok = ok & (k_lo <= q_hi + right) & (k_hi >= q_lo - left)
     if mask is not None and (not cfg.auto or (mask.shape[0] == 1 or cfg.batch_axes)
                              and (mask.shape[1] == 1 or cfg.head_axes)):
-        ok = _and(ok, mask.any())
+        ok = _blockwise._and(ok, mask.any())
     return ok
 
 
@@ -450,7 +446,7 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
                 m, l, acc = tile_state  # noqa: E741
                 kz, vz = _unseen_zeroed(kj, vj, mask, bias)
                 logits, _ = _logits(cfg, qi, kz, bias)
-                allowed = _and(_allowed(cfg, qti, ktj, lengths), mask)
+                allowed = _blockwise._and(_allowed(cfg, qti, ktj, lengths), mask)
                 if allowed is not None:
                     logits = jnp.where(allowed, logits, -jnp.inf)
                 m_new = jnp.maximum(m, logits.max(axis=-1))
@@ -506,7 +502,7 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
                 kz, vz = _unseen_zeroed(kj, vj, mask, bias)
                 logits, t = _logits(cfg, qi, kz, bias)
                 p = jnp.exp(logits - lsei[..., None])
-                allowed = _and(_allowed(cfg, qti, ktj, lengths), mask)
+                allowed = _blockwise._and(_allowed(cfg, qti, ktj, lengths), mask)
                 if allowed is not None:
                     p = jnp.where(allowed, p, 0.0)
                 dp = jnp.einsum("bhgqd,bkhd->bhgqk", douti, vz, precision=cfg.precision)
@@ -631,7 +627,7 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
 def _varying(cfg: _Config, x):
     """``x`` made varying over every manual axis, as what the loops add to it is."""
     axes = tuple(sorted(_manual(cfg)))
-    return jax.lax.pcast(x, axes, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, axes)  # pvary: older jax
+    return _blockwise._to_varying(x, axes)
 
 
 def _specs(cfg: _Config, terms: dict):
