@@ -51,10 +51,10 @@ def _decode_jax(layer, x, chunks, max_length=T, **kw):
     return jnp.concatenate(outs, axis=1)
 
 
-def _decode_torch(twin, x, chunks, kv_heads, max_length=T, **kw):
+def _decode_torch(twin, x, chunks, kv_heads, max_length=T, grad=False, **kw):
     cache = mha_torch.KVCache(B, max_length, kv_heads, E // H, dtype=x.dtype)
     outs, t = [], 0
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for n in chunks:
             outs.append(twin(x[:, t:t + n], cache=cache, is_causal=True, **kw))
             t += n
@@ -275,12 +275,7 @@ def test_decoding_gradients_equal_the_full_causal_pass():
 
     (dlayer, dx), (flayer, fx) = (nnx.grad(f, argnums=(0, 1))(layer, xj) for f in (decoded, full))
     x = xt.clone().requires_grad_(True)
-    cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
-    outs, t = [], 0
-    for n in chunks:
-        outs.append(twin(x[:, t:t + n], cache=cache, is_causal=True))
-        t += n
-    (torch.cat(outs, dim=1) * ct_t).sum().backward()
+    (_decode_torch(twin, x, chunks, 2, grad=True) * ct_t).sum().backward()
     grads = (x.grad.clone(), twin.k_proj.weight.grad.clone())
     twin.zero_grad()
     y = xt.clone().requires_grad_(True)
