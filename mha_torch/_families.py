@@ -34,7 +34,12 @@ FAMILIES = {
     # (GPT-NeoX), transposed ``Conv1D`` weights (GPT-2)
     "gpt_neox": ("gpt_neox.layers.{layer}.attention.", "gpt_neox"),
     "gpt2": ("transformer.h.{layer}.attn.", "gpt2"),
+    # an encoder: bidirectional unless the config makes it a decoder; the keys as BERT's task
+    # models save them (``bert.`` before the base model's names)
+    "bert": ("bert.encoder.layer.{layer}.attention.", "bert"),
 }
+# Keys under a layer's prefix that belong to the block, not to the attention: left unread.
+_OUTSIDE = {"bert": ("output.LayerNorm",)}
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
@@ -65,6 +70,8 @@ class LayerOptions:
     rope: dict | None  # a config dict for ``RotaryEmbedding.from_config``; None: no rotary embedding
     prefix: str
     layout: str
+    is_causal: bool = True  # a decoder's mask; BERT's encoder sees every key
+    ignore: tuple[str, ...] = ()  # keys under ``prefix`` that are not the attention's (BERT's LayerNorm)
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -103,15 +110,19 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     heads = _required(config, "num_attention_heads", model_type)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    if model_type in ("gpt_neox", "gpt2"):  # their attention reads neither key: one key head per query head
+    if model_type in ("gpt_neox", "gpt2", "bert"):  # their attention reads neither key: one key head per query head
         kv_heads, head_dim = heads, hidden // heads
+    if model_type == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"config (bert) sets position_embedding_type={config['position_embedding_type']!r}, "
+                         "which this attention does not compute (only 'absolute' embeddings, added before it)")
     bias = bool(config.get("attention_bias", model_type == "gpt_neox"))  # GPTNeoXConfig's default is True
     qkv_bias, out_bias = {"qwen2": (True, False), "phi3": (False, False)}.get(model_type, (bias, bias))
     scale = 1.0 / math.sqrt(head_dim)
     if model_type in ("gemma2", "gemma3_text"):
         scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
-    if model_type == "gpt2":  # GPT2Attention: no bias key in its config, biases always
+    if model_type in ("gpt2", "bert"):  # no bias key in their configs, biases always
         qkv_bias = out_bias = True
+    if model_type == "gpt2":
         scale = scale if config.get("scale_attn_weights", True) else 1.0
         scale = scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
     cap = config.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
@@ -127,10 +138,11 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config["sliding_window"]) - 1, 0)
     prefix, layout = FAMILIES[model_type]
-    rope = None if model_type == "gpt2" else _rope_config(config, model_type, layer_type, head_dim)
+    rope = None if model_type in ("gpt2", "bert") else _rope_config(config, model_type, layer_type, head_dim)
     return LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale, cap, model_type == "gpt_oss",
         window, qk_norm, rope, prefix.format(layer=layer), layout,
+        is_causal=model_type != "bert" or bool(config.get("is_decoder", False)), ignore=_OUTSIDE.get(model_type, ()),
     )
 
 

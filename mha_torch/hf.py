@@ -32,21 +32,22 @@ def from_hf(
 
     Args:
       config: the model's ``config.json`` (dict or path); families: ``_families.FAMILIES``
-        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, GPT-NeoX, GPT-2). Rotary
+        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, GPT-NeoX, GPT-2, BERT). Rotary
         embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
         read from it; an unsupported family or option raises, naming it.
       weights: the whole model's checkpoint, or None (freshly initialised parameters): a state
         dict (name -> tensor or array), a ``.safetensors`` file, or a sharded checkpoint's
         ``model.safetensors.index.json`` (only the shards holding the layer are read). The
         layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
-        ``gpt_neox.layers.{layer}.attention.``; GPT-2: ``transformer.h.{layer}.attn.``).
+        ``gpt_neox.layers.{layer}.attention.``; GPT-2: ``transformer.h.{layer}.attn.``; BERT:
+        ``bert.encoder.layer.{layer}.attention.``, its ``output.LayerNorm`` left unread).
       layer: the layer index.
       dtype, device: of the parameters.
       implementation: see ``mha_torch.dot_product_attention``.
 
     Returns:
       An ``mha_torch.MultiHeadAttention`` taking ``(*batch, length, hidden_size)``: call it with
-      ``is_causal=True`` (a decoder's mask) and ``query_positions`` for the rotary embedding
+      ``is_causal=True`` (a decoder's mask; BERT's encoder takes none) and ``query_positions`` for the rotary embedding
       (default ``arange``); the layer's window is its default ``local_window_size``.
     """
     config = _families.read_config(config)
@@ -64,7 +65,7 @@ def from_hf(
         if options.layout in ("gpt_neox", "gpt2"):  # fusions no loader layout reads: split here
             load_weights(module, _families.layer_state(options, state))
         else:
-            load_weights(module, state, layout=options.layout, prefix=options.prefix)
+            load_weights(module, state, layout=options.layout, prefix=options.prefix, ignore=options.ignore)
     return module
 
 

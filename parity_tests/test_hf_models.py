@@ -222,8 +222,10 @@ def test_a_wrong_setting_fails_against_transformers(monkeypatch):
 def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
-    with pytest.raises(ValueError, match=r"model_type 'bert' is not a supported family; supported: gemma2, .*phi3"):
-        from_hf(dict(base, model_type="bert"))
+    with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; supported: bert, gemma2, .*phi3"):
+        from_hf(dict(base, model_type="t5"))
+    with pytest.raises(ValueError, match=r"position_embedding_type='relative_key', which this attention does not compute"):
+        from_hf(dict(base, model_type="bert", position_embedding_type="relative_key"))
     with pytest.raises(ValueError, match=r"sets attention_chunk_size \(chunked attention \(Llama 4\)\)"):
         from_hf(dict(base, attention_chunk_size=8))
     with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\) \(num_hidden_layers=2\), got 2"):

@@ -1,12 +1,15 @@
 """``mha-parity verify --config config.json --weights FILE``: every attention layer of a model
 saved by transformers (``save_pretrained``: its config.json and safetensors, sharded or not)
 against the layer of transformers' own model, one row per layer, and a port that reads one
-setting of the config wrongly fails, naming the layer and the comparison."""
+setting of the config wrongly fails, naming the layer and the comparison; the same for a real
+pre-trained model's checkpoint that a package ships."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
+import os
 
 import pytest
 import torch
@@ -134,3 +137,42 @@ def test_without_transformers_it_says_what_to_install(saved, capsys, monkeypatch
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     code, out = _verify(capsys, "--config", config, "--weights", weights)
     assert code == 2 and 'transformers, which is not installed (pip install "transformers>=5")' in out
+
+
+def _shipped_bert() -> tuple[str, str]:
+    """A real model's checkpoint that a package ships: rxnfp's pre-trained BERT (12 layers, 4 heads,
+    hidden 256, a ``pytorch_model.bin`` and a config from before transformers' ``model_type``),
+    inside its wheel. README's test command installs it (``--no-deps``: only its files are read)."""
+    try:
+        dist = importlib.metadata.distribution("rxnfp")
+    except importlib.metadata.PackageNotFoundError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("rxnfp, which ships a pre-trained BERT, is not installed: pip install --no-deps rxnfp==0.1.0")
+    folder = dist.locate_file("rxnfp/models/transformers/bert_pretrained")
+    return str(folder / "config.json"), str(folder / "pytorch_model.bin")
+
+
+def test_every_layer_of_a_shipped_pretrained_bert_against_transformers(capsys, tmp_path):
+    config, weights = _shipped_bert()
+    code, out = _verify(capsys, "--config", config, "--weights", weights, "--json", str(tmp_path / "r.json"))
+    assert code == 0, out
+    assert "transformers' BertForMaskedLM" in out and "bidirectional" in out, out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] and [r["layer"] for r in report["layers"]] == list(range(12))
+    for layer in report["layers"]:
+        for key, value in layer["errors"].items():
+            assert value < (1e-12 if key.startswith("JAX vs PyTorch") else 1e-4), (layer["layer"], key, value)
+
+
+@pytest.mark.parametrize("setting, changes", [
+    ("head count", dict(num_heads=8, num_kv_heads=8, head_dim=32, scale=32 ** -0.5)),  # the same weights, cut in 8 heads
+    ("causality", dict(is_causal=True)),  # an encoder read as a decoder
+])
+def test_a_wrong_port_of_the_shipped_bert_fails(monkeypatch, capsys, setting, changes):
+    config, weights = _shipped_bert()
+    _misread(monkeypatch, **changes)
+    code, out = _verify(capsys, "--config", config, "--weights", weights, "--layer", "5")
+    assert code == 1, (setting, out)
+    failed = next(line for line in out.splitlines() if line.startswith("FAILED: layer 5: "))
+    assert "PyTorch vs source" in failed and "JAX vs source" in failed, out

@@ -116,7 +116,8 @@ def _verify_model(args: argparse.Namespace) -> int:
           f"{len(source.unexpected)}, model weights not in them: {len(source.missing)}"
           + (f", e.g. {source.missing[0]}" if source.missing else "") + ")")
     print(f"  inputs: batch {models.BATCH}, length {models.LENGTH}, the rows starting at positions {models.OFFSETS} "
-          f"and ending in {models.PADDING} padded tokens, causal; seed {args.seed}; hidden {c.hidden_size}, "
+          f"and ending in {models.PADDING} padded tokens, {'causal' if models.is_causal(source) else 'bidirectional'}; "
+          f"seed {args.seed}; hidden {c.hidden_size}, "
           f"{c.num_attention_heads} heads")
     print(f"  compared: the output and the gradients of the input and of every weight; ours against the source "
           f"in float32 (tolerance {models.SOURCE_TOLERANCE:.0e}), JAX against PyTorch in float64 "

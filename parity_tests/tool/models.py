@@ -1,13 +1,14 @@
 """A transformers model's attention layers against ours, behind ``mha-parity verify --config``.
 
 The source is the whole model as transformers builds it from ``config.json`` (eager attention,
-float32), with the checkpoint's weights. It runs once on a padded batch whose rows start at
+float32; a causal language model, or for an encoder such as BERT a masked one), with the
+checkpoint's weights. It runs once on a padded batch whose rows start at
 different positions; a hook on each verified layer's attention module records what the model
 gave it: its input, its mask (causal, padding and the layer's window, as the model builds it) and
 its rotary tables. The layer is run again on that input with those arguments, with gradients.
 Ours (``mha_torch.from_hf`` and ``mha_jax.from_hf``, the same config and checkpoint) get the
-same input with ``is_causal=True``, the positions and the lengths, nothing else: everything a
-layer does differently (window, rotary, scale, soft-cap, norms, sinks) must come from reading the
+same input with ``is_causal=True`` (a decoder's), the positions and the lengths, nothing else:
+everything a layer does differently (window, rotary, scale, soft-cap, norms, sinks) must come from reading the
 config. One row per layer: outputs and the gradients of the input and of every weight, ours
 against the source in float32, and our two frameworks against each other in float64.
 """
@@ -72,30 +73,67 @@ def read_raw(path: str | os.PathLike) -> dict:
     return raw
 
 
-def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
-    """transformers' model for ``config_path`` (``AutoModelForCausalLM``, eager attention,
-    float32) with the checkpoint's tensors (a ``.safetensors`` file or a sharded index)."""
-    import torch
+def _model_type(raw: dict, config_path: str | os.PathLike) -> str:
+    """The config's ``model_type``; a config older than that key gets the family transformers'
+    ``AutoConfig`` reads off its path (the longest family name the path contains)."""
     import transformers
+
+    if "model_type" in raw:
+        return raw["model_type"]
+    names = sorted(transformers.CONFIG_MAPPING.keys(), key=len, reverse=True)
+    found = next((name for name in names if name in os.fspath(config_path)), None)
+    if found is None:
+        raise ValueError(f"--config {config_path}: no model_type, and its path names no transformers family")
+    return found
+
+
+def _read_weights(path: str) -> dict:
+    """One checkpoint file's tensors: ``.safetensors``, or a PyTorch pickle (``.bin``, ``.pt``,
+    read with ``weights_only=True``: tensors only, no code)."""
+    import torch
     from safetensors.torch import load_file
 
-    raw = read_raw(config_path)
-    if "model_type" not in raw:
-        raise ValueError(f"--config {config_path}: no model_type; a transformers config.json names its family")
-    config = transformers.AutoConfig.for_model(**raw)
-    config._attn_implementation = "eager"
+    if path.endswith((".bin", ".pt", ".pth")):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    return load_file(path)
+
+
+def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
+    """transformers' model for ``config_path`` (``AutoModelForCausalLM``, or
+    ``AutoModelForMaskedLM`` for an encoder; eager attention, float32) with the checkpoint's
+    tensors (a ``.safetensors`` file, a sharded index, or a PyTorch ``.bin``)."""
+    import torch
+    import transformers
+
     from mha_torch import _families
 
+    raw = read_raw(config_path)
+    raw = dict(raw, model_type=_model_type(raw, config_path))
+    config = transformers.AutoConfig.for_model(**raw)
+    config._attn_implementation = "eager"
     files = _families.layer_files(weights, "")  # every shard: the whole model runs
     state = {}
     for path in files:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--weights: {path} does not exist")
-        state.update(load_file(path))
+        state.update(_read_weights(path))
     torch.manual_seed(0)  # weights the checkpoint lacks (none, for a whole model's) are random
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    auto = transformers.AutoModelForCausalLM if _causal(raw, 0) else transformers.AutoModelForMaskedLM
+    model = auto.from_config(config).float().eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
     return Model(os.fspath(config_path), raw, model, state, files, list(missing), list(unexpected))
+
+
+def _causal(raw: dict, layer: int) -> bool:
+    """Whether the layer's attention is a decoder's (every family's but an encoder's, BERT's)."""
+    from mha_torch import _families
+
+    return _families.layer_options(_families.read_config(raw), layer).is_causal
+
+
+def is_causal(source: Model) -> bool:
+    """Whether the model is a decoder (its first layer's attention causal)."""
+    return _causal(source.raw, 0)
 
 
 def _inputs(vocab: int, seed: int):
@@ -161,10 +199,16 @@ def _worst(ours: dict, theirs: dict) -> tuple[float, str]:
     return max((_rel(ours[k], theirs[k], floor), k) for k in theirs)
 
 
-def _run_source(module, hidden, rest, kwargs, d_out):
+def _run_source(module, hidden, rest, kwargs, d_out, ignore: tuple[str, ...] = ()):
+    """The hooked module on ``hidden`` with the model's arguments; where the module holds more
+    than the attention (``ignore``: BERT's residual and LayerNorm after ``output.dense``), its
+    self-attention and output projection only, as ours computes."""
     x = hidden.detach().clone().requires_grad_(True)
     module.zero_grad(set_to_none=True)
-    out = module(x, *rest, **kwargs)
+    if ignore:
+        out = module.output.dense(module.self(x, *rest, **kwargs)[0])
+    else:
+        out = module(x, *rest, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     out.backward(d_out)
     grads = {"input": x.grad.double().numpy()}
@@ -173,15 +217,16 @@ def _run_source(module, hidden, rest, kwargs, d_out):
 
 
 def run_torch(raw, state, layer, x, positions, lengths, d_out, dtype, implementation=None):
-    """``mha_torch.from_hf``'s layer on ``x`` (causal, at ``positions``, keys past ``lengths``
+    """``mha_torch.from_hf``'s layer on ``x`` (causal for a decoder, at ``positions``, keys past ``lengths``
     padding): its output and the gradients of the input and of every weight, float64 NumPy."""
     import torch
 
     import mha_torch
 
     module = mha_torch.from_hf(raw, state, layer=layer, dtype=dtype, implementation=implementation)
+    causal = _causal(raw, layer)
     hidden = torch.tensor(x, dtype=dtype, requires_grad=True)
-    out = module(hidden, is_causal=True, query_positions=torch.as_tensor(positions), key_value_seq_lengths=torch.as_tensor(lengths))
+    out = module(hidden, is_causal=causal, query_positions=torch.as_tensor(positions), key_value_seq_lengths=torch.as_tensor(lengths))
     out.backward(torch.tensor(d_out, dtype=dtype))
     grads = {"input": hidden.grad.double().numpy()}
     grads.update({n: p.grad.double().numpy() for n, p in module.named_parameters()})
@@ -197,10 +242,11 @@ def run_jax(raw, state, layer, x, positions, lengths, d_out, dtype, implementati
     import mha_jax
 
     module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=dtype, implementation=implementation)
+    causal = _causal(raw, layer)
     graph, params = nnx.split(module, nnx.Param)
 
     def f(params, hidden):
-        return nnx.merge(graph, params)(hidden, is_causal=True, query_positions=jnp.asarray(positions),
+        return nnx.merge(graph, params)(hidden, is_causal=causal, query_positions=jnp.asarray(positions),
                                         key_value_seq_lengths=jnp.asarray(lengths))
 
     out, vjp = jax.vjp(f, params, jnp.asarray(x, dtype))
@@ -242,7 +288,8 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
             module, hidden, rest, kwargs = seen[layer]
             x = hidden.double().numpy()
             d_out = np.random.default_rng(seed + 1 + layer).normal(size=x.shape[:2] + (raw["hidden_size"],)) * live
-            out_src, grads_src = _run_source(module, hidden, rest, kwargs, torch.tensor(d_out, dtype=torch.float32))
+            out_src, grads_src = _run_source(module, hidden, rest, kwargs, torch.tensor(d_out, dtype=torch.float32),
+                                             options[layer].ignore)
             grads_src = dict(by_our_names({k: v for k, v in grads_src.items() if k != "input"}, options[layer]),
                              input=grads_src["input"])
             window = options[layer].window
