@@ -9,7 +9,9 @@ of positions, segment ids and key indices (and the boolean mask's block summary,
 given), every block is whole (no score masked: no mask is applied), partial (masked) or empty
 (never visited, in either pass). Each query block visits its whole key blocks, then its partial
 ones; the backward does the same per key block over query blocks. Sliding windows therefore cost
-O(length x window), and packed segments only the blocks within each segment.
+O(length x window), and packed segments only the blocks within each segment. A window over
+default positions with nothing else per score (no dense mask, bias, dropout, sinks or cap) runs
+as ``_band`` instead: one slice of keys per block of 128 queries, with no tiles.
 
 Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
 ``(batch, kv_heads, kv_len, head_dim)``; masks keep their own (broadcast) shape
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import masks
+from mha_jax import _band, masks
 
 # Scores of one block, over batch x heads x rows x keys. Blocks above ~4M float32 scores
 # (16 MiB) fall out of cache on the machines measured; below it each product is too small for
@@ -64,6 +66,7 @@ class _Config:
     dropout_rate: float
     precision: lax.PrecisionLike
     soft_cap: float | None = None
+    band: tuple[int, int, int] | None = None  # (block, left, right): computed by ``_band``
 
     @property
     def n_q(self) -> int:
@@ -120,8 +123,14 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     the bias and masks; ``sinks`` ``(1, kv_heads, groups)`` in ``q.dtype``, or None, is each
     query head's sink logit, the start of its rows' running maximum and sum.
     """
+    if q.shape[3] == 0:  # no query: nothing to visit (and no block to slice one from)
+        return jnp.zeros_like(q)
+    # A window over default positions, with nothing else per score, is a band per query block.
+    plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
+    b, h, g = q.shape[:3]
+    bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.is_causal, spec.window) if plain and spec.default_positions else None
     cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
-                  keep_scale, dropout_rate, precision, soft_cap)
+                  keep_scale, dropout_rate, precision, soft_cap, bands)
     positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
     args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
@@ -182,6 +191,10 @@ def _per_device(run, args, batch, heads, explicit):
 
 def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     q, k, v, bias, sinks = _varying((q, k, v, bias, sinks), (allowed, keep, rng, terms))
+    if cfg.band is not None:
+        block, left, right = cfg.band
+        return _band.attention(q, k, v, terms, block=block, left=left, right=right, scale=cfg.scale,
+                               precision=cfg.precision)
     return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
 
 

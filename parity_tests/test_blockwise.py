@@ -158,3 +158,68 @@ def test_default_is_one_implementation_at_every_length():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
             mha_jax.dot_product_attention(q, q, q, implementation="cudnn")
+
+
+BAND_CASES = {  # (is_causal, structured terms), all over default positions
+    "window+causal": (True, dict(window=(5, 0))),
+    "window both sides": (False, dict(window=(3, 6))),
+    "window wider than the keys": (True, dict(window=(40, 0))),
+    "window+segments+lengths": (True, dict(window=(4, 0), lengths=np.array([7, 11]), segments=True)),
+}
+
+
+@pytest.mark.parametrize("shape", [(Q, K), (K, Q)], ids=["keys longer", "queries longer"])
+@pytest.mark.parametrize("name", list(BAND_CASES))
+def test_windows_over_default_positions_run_as_bands(name, shape, monkeypatch):
+    """A window over default positions, with no dense mask, bias, dropout, sinks or cap, takes
+    one band of keys per query block (``_band``); bands of 4 queries here, the last one padded,
+    against the float64 oracle, outputs and gradients, grouped heads."""
+    from mha_jax import _band
+
+    monkeypatch.setattr(_band, "_BLOCK", 4)
+    ran = []
+    monkeypatch.setattr(_band, "_band", lambda cfg, *args, run=_band._band: ran.append(cfg) or run(cfg, *args))
+    q_len, kv_len = shape
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(B, H, q_len, D)), rng.normal(size=(B, HK, kv_len, D)), rng.normal(size=(B, HK, kv_len, D))
+    causal, terms = BAND_CASES[name]
+    terms = {n: np.minimum(x, kv_len) if n == "lengths" else x for n, x in terms.items()}
+    if terms.pop("segments", False):  # ids of documents of 4 and 6 tokens
+        terms.update({f"{side}_segment_ids": np.stack([np.arange(n) // 4, np.arange(n) // 6])
+                      for side, n in (("query", q_len), ("key", kv_len))})
+    want, _, cache = oracle.attention(q, k, v, oracle.Attention(is_causal=causal, **terms))
+    d_out = rng.normal(size=want.shape)
+    want_grads = oracle.attention_grad(cache, d_out)
+    T = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3))  # noqa: E731
+    structured = {NAMES[n]: x if n == "window" else jnp.asarray(x) for n, x in terms.items()}
+    out, vjp = jax.vjp(lambda q, k, v: mha_jax.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="blockwise", **structured), T(q), T(k), T(v))
+    grads = vjp(T(d_out))
+    assert [(c.block_q, c.n_q) for c in ran] == [(4, -(-q_len // 4))]
+    assert max(harness.errors(np.asarray(out).transpose(0, 2, 1, 3), want)) <= 1e-13
+    for got, w in zip(grads, want_grads):
+        assert max(harness.errors(np.asarray(got).transpose(0, 2, 1, 3), w)) <= 1e-12
+
+
+def test_bands_only_where_nothing_else_is_per_score(monkeypatch):
+    """A bias, a mask, explicit positions or a soft-cap send a window to the tiles."""
+    from mha_jax import _band
+
+    ran = []
+    monkeypatch.setattr(_band, "_band", lambda cfg, *args, run=_band._band: ran.append(cfg) or run(cfg, *args))
+    x = jnp.ones((1, 16, 2, 4))
+    for extra in (dict(bias=jnp.zeros((16, 16))), dict(mask=jnp.ones((16, 16), bool)),
+                  dict(query_positions=jnp.arange(16)), dict(logit_soft_cap=5.0), {}):
+        mha_jax.dot_product_attention(x, x, x, is_causal=True, local_window_size=(3, 0), implementation="blockwise", **extra)
+    assert len(ran) == 1  # the last call only
+
+
+@pytest.mark.parametrize("terms", [dict(is_causal=True), dict(is_causal=True, local_window_size=(3, 0))], ids=["causal", "window"])
+def test_no_query_gives_an_empty_output(terms):
+    """Zero queries over keys: an empty output and zero key gradients, as ``"xla"`` gives (the
+    blocks used to be sliced from the empty queries and fail to trace)."""
+    q, k = jnp.ones((1, 0, 2, 4)), jnp.ones((1, 5, 2, 4))
+    f = lambda q, k: mha_jax.dot_product_attention(q, k, k, implementation="blockwise", **terms)  # noqa: E731
+    assert f(q, k).shape == (1, 0, 2, 4)
+    dk = jax.grad(lambda k: f(q, k).sum())(k)
+    assert dk.shape == k.shape and not np.asarray(dk).any()

@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _blockwise
+from mha_jax import _band, _blockwise
 from mha_jax.attention import dot_product_attention
 
 B, L, H, D = 8, 72, 8, 8
@@ -45,10 +45,12 @@ OWN_BLOCK_SIZES = dict(block_sizes=_blockwise.block_sizes, backward_block_sizes=
 
 @pytest.fixture(autouse=True, scope="module")
 def small_blocks():
-    """Forward blocks of 32 queries x 16 keys (3 x 5), backward blocks of 16 x 32 (5 x 3)."""
+    """Forward blocks of 32 queries x 16 keys (3 x 5), backward blocks of 16 x 32 (5 x 3), bands
+    of 16 queries (5)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_blockwise, "block_sizes", lambda *shape: (32, 16))
         patch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (16, 32))
+        patch.setattr(_band, "_BLOCK", 16)  # a window over default positions: bands of 16 queries
         yield
 
 
@@ -74,7 +76,7 @@ def _data(dtype, kv_heads=H):
 SPECS = dict(q=P("data", None, "model"), k=P("data", None, "model"), v=P("data", None, "model"),
              bias=P(None, "model"), cot=P("data", None, "model"), lengths=P("data"), valid=P("data"),
              segments=P("data"), positions=P("data"), keep=P("data", "model"))
-CASES = ("padding+bias", "causal+dropout", "window+positions+lengths", "segments+causal")
+CASES = ("padding+bias", "causal+dropout", "window+positions+lengths", "segments+causal", "window+segments+lengths")
 GRADS = ("output", "dq", "dk", "dv", "dbias")
 
 
@@ -91,6 +93,9 @@ def _case(case, implementation, q, k, v, bias, t, rng):
     if case == "window+positions+lengths":
         return dot_product_attention(q, k, v, local_window_size=(20, 5), query_positions=t["positions"],
                                      key_positions=t["positions"], key_value_seq_lengths=t["lengths"], **common)
+    if case == "window+segments+lengths":  # over default positions: the bands of ``_band``
+        return dot_product_attention(q, k, v, is_causal=True, local_window_size=(20, 0), query_segment_ids=t["segments"],
+                                     key_segment_ids=t["segments"], key_value_seq_lengths=t["lengths"], **common)
     assert case == "segments+causal"
     return dot_product_attention(q, k, v, is_causal=True, query_segment_ids=t["segments"], key_segment_ids=t["segments"], **common)
 

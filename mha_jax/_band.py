@@ -1,0 +1,208 @@
+"""Sliding-window attention over default positions as one band per query block.
+
+With default positions (query ``i`` and key ``j`` at positions ``i`` and ``j``) and a window
+``(left, right)``, the keys a block of ``block`` queries starting at ``i0`` may see are the
+``width = block + left + right`` keys starting at ``i0 - left``. Each query block therefore
+takes its band with one slice and one product, with one softmax over it: no loop over key
+blocks, no online rescaling, and which scores the window excludes is the same pattern for every
+block (relative offsets), so no positions are read. ``blockwise`` visits the same keys as 512 x
+256 tiles, which cover a band of ``512 + left`` keys for every 512 queries (twice the window's
+pairs at ``left = 512``) with a loop step per tile; here a band of 128 queries covers ``128 +
+left``.
+
+Interface and layout as ``_blockwise``: query ``(batch, kv_heads, groups, q_len, head_dim)``,
+key/value ``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (the
+positions None: default), the scale folded into the queries once. A custom VJP recomputes each
+band's scores from the saved row log-sum-exp and adds each band's key and value gradients into
+theirs in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mha_jax import _blockwise  # its query-block layout (imported as a module: it imports this one)
+
+# Scores of one band, over batch x heads x rows x keys: as ``_blockwise._BLOCK_SCORES``.
+_BAND_SCORES = 1 << 22
+_BLOCK = 128  # queries per band: chosen by timing 512, 256, 128 and 64 at length 16384, window 512
+
+
+@dataclass(frozen=True)
+class _Band:
+    block_q: int  # named as ``_blockwise._Config``'s, whose query-block helpers take it
+    q_len: int
+    kv_len: int
+    left: int
+    right: int
+    scale: float
+    precision: lax.PrecisionLike
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def width(self) -> int:
+        return self.block_q + self.left + self.right
+
+
+def band(q_len: int, kv_len: int, batch_heads: int, groups: int, causal: bool, window) -> tuple[int, int, int] | None:
+    """(block, left, right) when a window over default positions is cheaper as bands than as
+    tiles (its band's scores fit in ``_BAND_SCORES``), else None. Causality makes ``right`` 0;
+    a side wider than the keys is cut to them."""
+    if window is None or q_len == 0 or kv_len == 0:
+        return None
+    left, right = window
+    left, right = min(left, q_len), min(0 if causal else right, kv_len)
+    block = min(_BLOCK, max(8, 1 << (q_len - 1).bit_length()))
+    if batch_heads * groups * block * (block + left + right) > _BAND_SCORES:
+        return None
+    return block, left, right
+
+
+def attention(q, k, v, terms, *, block, left, right, scale, precision):
+    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype`` over
+    ``terms`` = (None, None, query segment ids, key segment ids, lengths), the window ``(left,
+    right)`` (causality folded into ``right``)."""
+    cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision)
+    return _band(cfg, q, k, v, terms[2:])
+
+
+def _padded_keys(cfg, x, axis):
+    """Keys laid so that band ``i`` is ``[i * block, i * block + width)`` along ``axis``: ``left``
+    zeros before key 0, and zeros (or a cut) after, to ``n * block + left + right``."""
+    size = cfg.n_q * cfg.block_q + cfg.left + cfg.right
+    x = lax.slice_in_dim(x, 0, min(x.shape[axis], size - cfg.left), axis=axis)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (cfg.left, size - cfg.left - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _visible(cfg, i, g, terms):
+    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the window (the same
+    offsets in every band), keys that exist (not the padding before 0 or past ``kv_len``), and
+    segments and lengths where given."""
+    col = np.arange(cfg.width)
+    offset = col[None, :] - cfg.left - np.arange(cfg.block_q)[:, None]  # key - query
+    # the same in every band: a constant, read rather than recomputed for every score
+    window = jnp.asarray((offset >= -cfg.left) & (offset <= cfg.right))
+    key = i * cfg.block_q - cfg.left + jnp.asarray(col, jnp.int32)  # the key's index
+    ok = window & ((key >= 0) & (key < cfg.kv_len))[None]
+    ok = ok[None, None, None]
+    qs, ks, lengths = terms
+    if qs is not None:
+        q_ids = lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)  # (b|1, block)
+        k_ids = lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)  # (b|1, width)
+        ok = ok & (q_ids[:, None, None, :, None] == k_ids[:, None, None, None, :])
+    if lengths is not None:
+        ok = ok & (key[None] < lengths[:, None, None])[:, None, None]
+    return ok
+
+
+def _segments(cfg, terms):
+    """(query segment ids padded as the queries' blocks, key segment ids laid as the keys'
+    bands, lengths); the padding's ids are never read unmasked."""
+    qs, ks, lengths = terms
+    if qs is None:
+        return terms
+    qs = jnp.pad(qs, ((0, 0), (0, cfg.n_q * cfg.block_q - qs.shape[1])), constant_values=-1)
+    return qs, _padded_keys(cfg, ks, 1), lengths
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _band(cfg, q, k, v, terms):
+    return _forward(cfg, q, k, v, terms)[0]
+
+
+def _scores(cfg, q_i, k_band, i, g, terms):
+    """One band's scores ``(b, h, g * block, width)``, -inf where not visible."""
+    b, h = q_i.shape[:2]
+    s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
+    ok = _visible(cfg, i, g, terms)
+    s = jnp.where(ok, s.reshape(b, h, g, cfg.block_q, cfg.width), -jnp.inf)
+    return s.reshape(b, h, g * cfg.block_q, cfg.width)
+
+
+def _queries(cfg, x):
+    """``(b, h, g, q_len, ...)`` zero-padded to whole blocks along the queries."""
+    pad = cfg.n_q * cfg.block_q - x.shape[3]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * 3 + [(0, pad)] + [(0, 0)] * (x.ndim - 4))
+
+
+def _block_rows(cfg, x, i):
+    """Query block ``i`` of padded ``(b, h, g, n * block, ...)`` as rows ``(b, h, g * block, ...)``
+    (sliced in the loop: no blocked copy of the queries is made)."""
+    b, h, g = x.shape[:3]
+    x = lax.dynamic_slice_in_dim(x, i * cfg.block_q, cfg.block_q, 3)
+    return x.reshape((b, h, g * cfg.block_q) + x.shape[4:])
+
+
+def _forward(cfg, q, k, v, terms):
+    b, h, g, _, d = q.shape
+    terms = _segments(cfg, terms)
+    qs = _queries(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (b, h, g, padded, d)
+    kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
+
+    def block(i):
+        start = i * cfg.block_q
+        s = _scores(cfg, _block_rows(cfg, qs, i), lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms)
+        m = s.max(axis=-1)
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - shift[..., None])
+        norm = p.sum(axis=-1)
+        out = jnp.einsum("bhmk,bhkd->bhmd", p, lax.dynamic_slice_in_dim(vp, start, cfg.width, 2),
+                         precision=cfg.precision)
+        out = out / jnp.where(norm == 0.0, 1.0, norm)[..., None]
+        # A row with no visible key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
+        lse = jnp.where(norm > 0.0, shift + jnp.log(jnp.where(norm > 0.0, norm, 1.0)), jnp.inf)
+        return out, lse
+
+    out, lse = lax.map(block, jnp.arange(cfg.n_q))
+    out = _blockwise._from_query_rows(cfg, out, b, h, g)
+    return out, (q, k, v, terms, out, lse)
+
+
+def _backward(cfg, residuals, d_out):
+    q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
+    b, h, g, _, d = q.shape
+    delta = _blockwise._query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
+    qs = _queries(cfg, q * jnp.asarray(cfg.scale, q.dtype))
+    dos = _queries(cfg, d_out)
+    kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
+
+    def block(carry, args):
+        dk, dv = carry
+        i, lse_i, delta_i = args
+        start = i * cfg.block_q
+        q_i, do_i = _block_rows(cfg, qs, i), _block_rows(cfg, dos, i)
+        k_band = lax.dynamic_slice_in_dim(kp, start, cfg.width, 2)
+        v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
+        s = _scores(cfg, q_i, k_band, i, g, terms)
+        p = jnp.exp(s - lse_i[..., None])  # 0 where not visible, and in rows that see nothing
+        dp = jnp.einsum("bhmd,bhkd->bhmk", do_i, v_band, precision=cfg.precision)
+        ds = p * (dp - delta_i[..., None])
+        dq_i = jnp.einsum("bhmk,bhkd->bhmd", ds, k_band, precision=cfg.precision)
+        dk_band = jnp.einsum("bhmk,bhmd->bhkd", ds, q_i, precision=cfg.precision)
+        dv_band = jnp.einsum("bhmk,bhmd->bhkd", p, do_i, precision=cfg.precision)
+        dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start, cfg.width, 2) + dk_band, start, 2)
+        dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, start, cfg.width, 2) + dv_band, start, 2)
+        return (dk, dv), dq_i
+
+    (dk, dv), dq = lax.scan(block, (jnp.zeros_like(kp), jnp.zeros_like(vp)), (jnp.arange(cfg.n_q), lse, delta))
+    dq = _blockwise._from_query_rows(cfg, dq * jnp.asarray(cfg.scale, q.dtype), b, h, g)
+
+    def keys(x):  # the padded keys' gradient -> the keys'
+        x = lax.slice_in_dim(x, cfg.left, min(x.shape[2], cfg.left + cfg.kv_len), axis=2)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, cfg.kv_len - x.shape[2]), (0, 0)))
+
+    return dq, keys(dk), keys(dv), None
+
+
+_band.defvjp(_forward, _backward)
