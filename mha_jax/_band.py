@@ -12,7 +12,7 @@ left``.
 
 Interface and layout as ``_blockwise``: query ``(batch, kv_heads, groups, q_len, head_dim)``,
 key/value ``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (the
-positions None: default), the scale folded into the queries once. A custom VJP recomputes each
+positions None: default), the scale applied to each band's scores. A custom VJP recomputes each
 band's scores from the saved row log-sum-exp and adds each band's key and value gradients into
 theirs in place.
 """
@@ -126,28 +126,41 @@ def _scores(cfg, q_i, k_band, i, g, terms):
     b, h = q_i.shape[:2]
     s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
     ok = _visible(cfg, i, g, terms)
-    s = jnp.where(ok, s.reshape(b, h, g, cfg.block_q, cfg.width), -jnp.inf)
+    # scaled here rather than in the queries: one pass over scores already made, instead of a
+    # pass over the queries that XLA:CPU splits from their transpose
+    s = s.reshape(b, h, g, cfg.block_q, cfg.width) * jnp.asarray(cfg.scale, s.dtype) + jnp.where(ok, 0.0, -jnp.inf).astype(s.dtype)
     return s.reshape(b, h, g * cfg.block_q, cfg.width)
 
 
 def _queries(cfg, x):
-    """``(b, h, g, q_len, ...)`` zero-padded to whole blocks along the queries."""
-    pad = cfg.n_q * cfg.block_q - x.shape[3]
-    return x if pad == 0 else jnp.pad(x, [(0, 0)] * 3 + [(0, pad)] + [(0, 0)] * (x.ndim - 4))
+    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``: the queries' axis back before
+    the heads, as the caller's arrays hold it (its transpose and this one cancel: no copy), and
+    zero-padded to whole blocks."""
+    x = jnp.moveaxis(x, 3, 1)
+    pad = cfg.n_q * cfg.block_q - x.shape[1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _block_rows(cfg, x, i):
-    """Query block ``i`` of padded ``(b, h, g, n * block, ...)`` as rows ``(b, h, g * block, ...)``
-    (sliced in the loop: no blocked copy of the queries is made)."""
-    b, h, g = x.shape[:3]
-    x = lax.dynamic_slice_in_dim(x, i * cfg.block_q, cfg.block_q, 3)
+    """Query block ``i`` of ``_queries``' layout as rows ``(b, h, g * block, ...)``: each block
+    is transposed in the loop, in cache, rather than all the queries before it."""
+    b, _, h, g = x.shape[:4]
+    x = jnp.moveaxis(lax.dynamic_slice_in_dim(x, i * cfg.block_q, cfg.block_q, 1), 1, 3)
     return x.reshape((b, h, g * cfg.block_q) + x.shape[4:])
+
+
+def _unblocked(cfg, x, b, h, g):
+    """Per-block rows ``(n, b, h, g * block, ...)`` -> ``(b, h, g, q_len, ...)``, through the
+    caller's layout ``(b, q_len, h, g, ...)`` (its transpose back cancels this one)."""
+    x = x.reshape((cfg.n_q, b, h, g, cfg.block_q) + x.shape[4:])
+    x = jnp.moveaxis(x, (0, 4), (1, 2)).reshape((b, cfg.n_q * cfg.block_q, h, g) + x.shape[5:])
+    return jnp.moveaxis(x[:, : cfg.q_len], 1, 3)
 
 
 def _forward(cfg, q, k, v, terms):
     b, h, g, _, d = q.shape
     terms = _segments(cfg, terms)
-    qs = _queries(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (b, h, g, padded, d)
+    qs = _queries(cfg, q)  # (b, padded, h, g, d)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
 
     def block(i):
@@ -165,7 +178,7 @@ def _forward(cfg, q, k, v, terms):
         return out, lse
 
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
-    out = _blockwise._from_query_rows(cfg, out, b, h, g)
+    out = _unblocked(cfg, out, b, h, g)
     return out, (q, k, v, terms, out, lse)
 
 
@@ -173,7 +186,7 @@ def _backward(cfg, residuals, d_out):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
     b, h, g, _, d = q.shape
     delta = _blockwise._query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
-    qs = _queries(cfg, q * jnp.asarray(cfg.scale, q.dtype))
+    qs = _queries(cfg, q)
     dos = _queries(cfg, d_out)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
 
@@ -187,7 +200,7 @@ def _backward(cfg, residuals, d_out):
         s = _scores(cfg, q_i, k_band, i, g, terms)
         p = jnp.exp(s - lse_i[..., None])  # 0 where not visible, and in rows that see nothing
         dp = jnp.einsum("bhmd,bhkd->bhmk", do_i, v_band, precision=cfg.precision)
-        ds = p * (dp - delta_i[..., None])
+        ds = p * (dp - delta_i[..., None]) * jnp.asarray(cfg.scale, p.dtype)  # of the unscaled products
         dq_i = jnp.einsum("bhmk,bhkd->bhmd", ds, k_band, precision=cfg.precision)
         dk_band = jnp.einsum("bhmk,bhmd->bhkd", ds, q_i, precision=cfg.precision)
         dv_band = jnp.einsum("bhmk,bhmd->bhkd", p, do_i, precision=cfg.precision)
@@ -196,7 +209,7 @@ def _backward(cfg, residuals, d_out):
         return (dk, dv), dq_i
 
     (dk, dv), dq = lax.scan(block, (jnp.zeros_like(kp), jnp.zeros_like(vp)), (jnp.arange(cfg.n_q), lse, delta))
-    dq = _blockwise._from_query_rows(cfg, dq * jnp.asarray(cfg.scale, q.dtype), b, h, g)
+    dq = _unblocked(cfg, dq, b, h, g)
 
     def keys(x):  # the padded keys' gradient -> the keys'
         x = lax.slice_in_dim(x, cfg.left, min(x.shape[2], cfg.left + cfg.kv_len), axis=2)
