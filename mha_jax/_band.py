@@ -5,16 +5,17 @@ With default positions (query ``i`` and key ``j`` at positions ``i`` and ``j``) 
 ``width = block + left + right`` keys starting at ``i0 - left``. Each query block therefore
 takes its band with one slice and one product, with one softmax over it: no loop over key
 blocks, no online rescaling, and which scores the window excludes is the same pattern for every
-block (relative offsets), so no positions are read. ``blockwise`` visits the same keys as 512 x
-256 tiles, which cover a band of ``512 + left`` keys for every 512 queries (twice the window's
-pairs at ``left = 512``) with a loop step per tile; here a band of 128 queries covers ``128 +
-left``.
+block (relative offsets), so no positions are read. The tiles of ``_blockwise`` (512 x 256)
+would cover ``512 + left`` keys for every 512 queries, twice the window's pairs at ``left =
+512``, with a loop step per tile; a band of 128 queries covers ``128 + left``.
 
-Interface and layout as ``_blockwise``: query ``(batch, kv_heads, groups, q_len, head_dim)``,
-key/value ``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (the
-positions None: default), the scale applied to each band's scores. A custom VJP recomputes each
-band's scores from the saved row log-sum-exp and adds each band's key and value gradients into
-theirs in place.
+Interface as ``_blockwise``'s: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
+``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (the positions
+None: default). Inside, the queries and the output stay in the caller's layout ``(batch,
+q_len, kv_heads, groups, head_dim)`` (the caller's transposes cancel) and each block is
+transposed in the loop; the scale is applied to each band's scores. A custom VJP recomputes
+each band's transposed scores from the saved row log-sum-exp (so that every product takes its
+operands as stored) and adds each band's key and value gradients into theirs in place.
 """
 
 from __future__ import annotations
@@ -121,14 +122,22 @@ def _band(cfg, q, k, v, terms):
     return _forward(cfg, q, k, v, terms)[0]
 
 
-def _scores(cfg, q_i, k_band, i, g, terms):
-    """One band's scores ``(b, h, g * block, width)``, -inf where not visible."""
+def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
+    """One band's scores ``(b, h, g * block, width)``, -inf where not visible; with
+    ``transposed`` the transposed scores ``(b, h, width, g * block)``, which the backward's
+    products take as stored (XLA:CPU runs a product with a transposed left operand as a slower
+    kernel)."""
     b, h = q_i.shape[:2]
-    s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
-    ok = _visible(cfg, i, g, terms)
+    bias = jnp.where(_visible(cfg, i, g, terms), 0.0, -jnp.inf).astype(q_i.dtype)  # (b|1, 1, 1|g, block, width)
     # scaled here rather than in the queries: one pass over scores already made, instead of a
     # pass over the queries that XLA:CPU splits from their transpose
-    s = s.reshape(b, h, g, cfg.block_q, cfg.width) * jnp.asarray(cfg.scale, s.dtype) + jnp.where(ok, 0.0, -jnp.inf).astype(s.dtype)
+    scale = jnp.asarray(cfg.scale, q_i.dtype)
+    if transposed:
+        s = jnp.einsum("bhkd,bhmd->bhkm", k_band, q_i, precision=cfg.precision)
+        s = s.reshape(b, h, cfg.width, g, cfg.block_q) * scale + jnp.moveaxis(bias, 4, 2)
+        return s.reshape(b, h, cfg.width, g * cfg.block_q)
+    s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
+    s = s.reshape(b, h, g, cfg.block_q, cfg.width) * scale + bias
     return s.reshape(b, h, g * cfg.block_q, cfg.width)
 
 
@@ -149,16 +158,24 @@ def _block_rows(cfg, x, i):
     return x.reshape((b, h, g * cfg.block_q) + x.shape[4:])
 
 
-def _unblocked(cfg, x, b, h, g):
-    """Per-block rows ``(n, b, h, g * block, ...)`` -> ``(b, h, g, q_len, ...)``, through the
-    caller's layout ``(b, q_len, h, g, ...)`` (its transpose back cancels this one)."""
-    x = x.reshape((cfg.n_q, b, h, g, cfg.block_q) + x.shape[4:])
-    x = jnp.moveaxis(x, (0, 4), (1, 2)).reshape((b, cfg.n_q * cfg.block_q, h, g) + x.shape[5:])
+def _in_caller_layout(cfg, x):
+    """One block's rows ``(b, h, g * block, d)`` -> ``(b, block, h, g, d)``, the caller's layout
+    (transposed in the loop, in cache)."""
+    b, h, _, d = x.shape
+    return jnp.moveaxis(x.reshape(b, h, -1, cfg.block_q, d), 3, 1)
+
+
+def _unblocked(cfg, x):
+    """The blocks ``(n, b, block, h, g, d)`` -> ``(b, h, g, q_len, d)``, through the caller's
+    layout ``(b, q_len, h, g, d)``: with one example a reshape, and the caller's transpose back
+    cancels the last one."""
+    n, b = x.shape[:2]
+    x = jnp.moveaxis(x, 0, 1).reshape((b, n * cfg.block_q) + x.shape[3:])
     return jnp.moveaxis(x[:, : cfg.q_len], 1, 3)
 
 
 def _forward(cfg, q, k, v, terms):
-    b, h, g, _, d = q.shape
+    g = q.shape[2]
     terms = _segments(cfg, terms)
     qs = _queries(cfg, q)  # (b, padded, h, g, d)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
@@ -175,41 +192,43 @@ def _forward(cfg, q, k, v, terms):
         out = out / jnp.where(norm == 0.0, 1.0, norm)[..., None]
         # A row with no visible key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
         lse = jnp.where(norm > 0.0, shift + jnp.log(jnp.where(norm > 0.0, norm, 1.0)), jnp.inf)
-        return out, lse
+        return _in_caller_layout(cfg, out), lse
 
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
-    out = _unblocked(cfg, out, b, h, g)
+    out = _unblocked(cfg, out)
     return out, (q, k, v, terms, out, lse)
 
 
 def _backward(cfg, residuals, d_out):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
-    b, h, g, _, d = q.shape
+    g = q.shape[2]
     delta = _blockwise._query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
     qs = _queries(cfg, q)
     dos = _queries(cfg, d_out)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
+    kt = jnp.swapaxes(kp, 2, 3)  # (b, h, d, padded): dQ^T = K^T dS^T as stored
 
+    # On transposed scores S^T (keys by queries), as ``_blockwise``'s backward: dV = P^T dO,
+    # dK = dS^T Q and dQ^T = K^T dS^T all take their operands as stored.
     def block(carry, args):
         dk, dv = carry
         i, lse_i, delta_i = args
         start = i * cfg.block_q
         q_i, do_i = _block_rows(cfg, qs, i), _block_rows(cfg, dos, i)
-        k_band = lax.dynamic_slice_in_dim(kp, start, cfg.width, 2)
         v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
-        s = _scores(cfg, q_i, k_band, i, g, terms)
-        p = jnp.exp(s - lse_i[..., None])  # 0 where not visible, and in rows that see nothing
-        dp = jnp.einsum("bhmd,bhkd->bhmk", do_i, v_band, precision=cfg.precision)
-        ds = p * (dp - delta_i[..., None]) * jnp.asarray(cfg.scale, p.dtype)  # of the unscaled products
-        dq_i = jnp.einsum("bhmk,bhkd->bhmd", ds, k_band, precision=cfg.precision)
-        dk_band = jnp.einsum("bhmk,bhmd->bhkd", ds, q_i, precision=cfg.precision)
-        dv_band = jnp.einsum("bhmk,bhmd->bhkd", p, do_i, precision=cfg.precision)
+        st = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms, transposed=True)
+        pt = jnp.exp(st - lse_i[:, :, None, :])  # 0 where not visible, and in rows that see nothing
+        dpt = jnp.einsum("bhkd,bhmd->bhkm", v_band, do_i, precision=cfg.precision)
+        dst = pt * (dpt - delta_i[:, :, None, :]) * jnp.asarray(cfg.scale, pt.dtype)  # of the unscaled products
+        dqt_i = jnp.einsum("bhdk,bhkm->bhdm", lax.dynamic_slice_in_dim(kt, start, cfg.width, 3), dst, precision=cfg.precision)
+        dk_band = jnp.einsum("bhkm,bhmd->bhkd", dst, q_i, precision=cfg.precision)
+        dv_band = jnp.einsum("bhkm,bhmd->bhkd", pt, do_i, precision=cfg.precision)
         dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start, cfg.width, 2) + dk_band, start, 2)
         dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, start, cfg.width, 2) + dv_band, start, 2)
-        return (dk, dv), dq_i
+        return (dk, dv), _in_caller_layout(cfg, jnp.swapaxes(dqt_i, 2, 3))
 
     (dk, dv), dq = lax.scan(block, (jnp.zeros_like(kp), jnp.zeros_like(vp)), (jnp.arange(cfg.n_q), lse, delta))
-    dq = _unblocked(cfg, dq, b, h, g)
+    dq = _unblocked(cfg, dq)
 
     def keys(x):  # the padded keys' gradient -> the keys'
         x = lax.slice_in_dim(x, cfg.left, min(x.shape[2], cfg.left + cfg.kv_len), axis=2)
