@@ -2,14 +2,14 @@
 
 The source is the whole model as transformers builds it from ``config.json`` (eager attention,
 float32; a causal language model, or for an encoder such as BERT a masked one), with the
-checkpoint's weights. It runs once on a padded batch whose rows start at
-different positions; a hook on each verified layer's attention module records what the model
-gave it: its input, its mask (causal, padding and the layer's window, as the model builds it) and
-its rotary tables. The layer is run again on that input with those arguments, with gradients.
-Ours (``mha_torch.from_hf`` and ``mha_jax.from_hf``, the same config and checkpoint) get the
-same input with ``is_causal=True`` (a decoder's), the positions and the lengths, nothing else:
-everything a layer does differently (window, rotary, scale, soft-cap, norms, sinks) must come from reading the
-config. One row per layer: outputs and the gradients of the input and of every weight, ours
+checkpoint's weights. It runs once on a padded batch whose rows start at different positions; a
+hook on each verified layer's attention module records what the model gave it: its input, its
+mask (causal, padding and the layer's window, as the model builds it) and its rotary tables. The
+layer is run again on that input with those arguments, with gradients. Ours
+(``mha_torch.from_hf`` and ``mha_jax.from_hf``, the same config and checkpoint) get the same
+input with ``is_causal=True`` (a decoder's), the positions and the lengths, nothing else:
+everything a layer does differently (window, rotary, scale, soft-cap, norms, sinks) must come
+from reading the config. One row per layer: outputs and the gradients of the input and of every weight, ours
 against the source in float32, and our two frameworks against each other in float64.
 """
 
