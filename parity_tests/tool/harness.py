@@ -305,12 +305,15 @@ def _jax_module(config: Config, dtype: str, module: str, implementation: str, dr
     c = config
     param_dtype = jnp.dtype(numpy_dtype(dtype))
     if module == "nnx":
-        model = mha_jax.MultiHeadAttention(
+        # Built abstractly: every parameter is replaced by each case's (load_weights checks that
+        # it names them all), so drawing initial ones would only compile the initialisers. The
+        # grid's dropout is always a drawn mask (dropout_mask), never a stream kept by the module.
+        model = nnx.eval_shape(lambda: mha_jax.MultiHeadAttention(
             c.num_heads, c.in_features, c.qkv_features, c.out_features,
             num_kv_heads=c.num_kv_heads, in_kv_features=c.in_kv_features, use_bias=c.use_bias,
-            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
+            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype, keep_rngs=False,
             implementation=implementation, rngs=nnx.Rngs(0), **{"normalize_qk": c.normalize_qk, **_today(c, mha_jax)},
-        )
+        ))
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
 
         def apply(params, *xs, **kwargs):
