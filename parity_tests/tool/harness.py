@@ -104,13 +104,15 @@ class Case:
 def default_grid() -> list[Case]:
     """Every mask form on self- and grouped cross-attention, a few on multi-query, on
     normalised queries and keys, and on today's models' terms; all dtypes."""
-    few = ("none", "padding+causal", "fully-masked", "dropout", "everything")
-    return [
-        Case(config, mask, dtype)
-        for config in CONFIGS.values()
-        for mask in (few if config.name in ("cross-mqa-nobias", "normalize-qk", "rope-cap-sinks") else MASKS)
-        for dtype in DTYPES
-    ]
+    return [Case(config, mask, dtype) for config in CONFIGS.values() for mask in grid_masks(config) for dtype in DTYPES]
+
+
+def grid_masks(config: Config) -> tuple[str, ...]:
+    """The mask forms the built-in grid runs on ``config``: every one, or a few on the
+    configurations whose point is elsewhere (and every one on a configuration not in the grid)."""
+    if CONFIGS.get(config.name) == config and config.name in ("cross-mqa-nobias", "normalize-qk", "rope-cap-sinks"):
+        return ("none", "padding+causal", "fully-masked", "dropout", "everything")
+    return MASKS
 
 
 @dataclass
@@ -251,9 +253,10 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
     The module is built once per configuration and dtype and given each case's weights with
     the loaders; with ``jit`` one jitted program serves every case of the same shapes.
 
-    ``canonical``: instead of the case's mask in its own form, every term in one form whatever
+    ``canonical``: instead of the case's mask in its own form, its terms in one form whatever
     the case (``canonical_terms``), jitted: one program per configuration, dtype and static
-    option (causality, window, dropout) serves every mask form."""
+    option (causality, window, dropout) serves every mask form. Of the terms, the program takes
+    those that some mask form with the same static options sets (``program_terms``)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -267,7 +270,9 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
     static = (("is_causal", arrays.pop("is_causal")), ("local_window_size", arrays.pop("local_window_size")),
               ("return_weights", with_weights))
     if canonical:
-        arrays, jit = {k: as_jax(v) for k, v in canonical_terms(case, data).items()}, True
+        terms = canonical_terms(case, data)
+        taken = program_terms(c, static_options(att)) | set_terms(terms, c)
+        arrays, jit = {k: as_jax(v) if _TERM_OF[k] in taken else None for k, v in terms.items()}, True
         arrays["dropout_mask"] = keep
     elif data.padding_valid is not None:
         arrays["mask"] = mha_jax.padding_mask(jnp.asarray(data.padding_valid))
@@ -431,6 +436,47 @@ def canonical_terms(case: Case, data: Data) -> dict[str, np.ndarray]:
         query_segment_ids=rows(att.query_segment_ids, q, 0), key_segment_ids=rows(att.key_segment_ids, k, 0),
         key_value_seq_lengths=np.full(b, k) if att.lengths is None else np.asarray(att.lengths),
     )
+
+
+# ``canonical_terms``' keys by the term they belong to: a term's keys are given or left out together
+_TERM_OF = {
+    "mask": "mask", "bias": "bias", "query_positions": "positions", "key_positions": "positions",
+    "query_segment_ids": "segments", "key_segment_ids": "segments", "key_value_seq_lengths": "lengths",
+}
+
+
+def static_options(att: oracle.Attention) -> tuple[bool, tuple[int, int] | None, bool]:
+    """What a jitted program is specialised on besides shapes: causality, the window, and
+    whether a dropout mask is drawn."""
+    return att.is_causal, att.window, att.keep is not None
+
+
+def set_terms(terms: dict[str, np.ndarray], config: Config) -> frozenset[str]:
+    """The terms (``_TERM_OF``'s values) that ``terms`` (``canonical_terms``' output) sets to
+    other than their defaults, which are the terms of the ``none`` case."""
+    default = _default_terms(config)
+    return frozenset(_TERM_OF[k] for k, v in terms.items() if not np.array_equal(v, default[k]))
+
+
+@functools.cache
+def _default_terms(config: Config) -> dict[str, np.ndarray]:
+    case = Case(config, "none", "float64")
+    return canonical_terms(case, make_data(case))
+
+
+@functools.cache
+def program_terms(config: Config, static: tuple) -> frozenset[str]:
+    """The terms that some mask form of ``grid_masks(config)`` with static options ``static``
+    sets. A jitted program for those options takes just these: a term that no such form sets is
+    left to the module's default, which means what the canonical default does, and every term
+    costs compilation (the blockwise path builds block summaries from each)."""
+    taken: frozenset[str] = frozenset()
+    for kind in grid_masks(config):
+        case = Case(config, kind, "float64")
+        data = make_data(case)
+        if static_options(data.attention) == static:
+            taken |= set_terms(canonical_terms(case, data), config)
+    return taken
 
 
 # --- comparing ---------------------------------------------------------------------------
