@@ -615,6 +615,8 @@ IMPLEMENTATIONS = {
     "jax": ("jax", "xla"), "jax-blockwise": ("jax", "blockwise"),
     "torch": ("torch", "math"), "torch-sdpa": ("torch", "sdpa"),
 }
+# The oracle, then every implementation: the order ``compare`` pairs them in.
+SIDES = ("oracle", *IMPLEMENTATIONS)
 
 
 def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0) -> Result:
@@ -626,16 +628,28 @@ def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: b
     ``dropout`` case (a mask shared across frameworks) and a soft-capped configuration run
     PyTorch's explicit path only.
     """
+    return compare(case, run_sides(case, SIDES, weights=weights, jit=jit, seed=seed))
+
+
+def run_sides(case: Case, names: tuple[str, ...], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False,
+              seed: int = 0) -> dict[str, dict]:
+    """``run_case``'s runs of ``names`` (of ``SIDES``, in that order) on the case's data:
+    ``{name: {"out", "weights", "grads"}}``, leaving out an implementation that does not run
+    the case. Run apart, as the worker processes do, the parts merge into ``run_case``'s."""
     data = make_data(case, seed)
     if weights is not None:
         data = dataclasses.replace(data, params={k: rounded(v, case.dtype) for k, v in weights.items()})
-    results = {"oracle": run_oracle(case, data)}
-    for name, (framework, implementation) in IMPLEMENTATIONS.items():
+    results = {}
+    for name in names:
+        if name == "oracle":
+            results[name] = run_oracle(case, data)
+            continue
+        framework, implementation = IMPLEMENTATIONS[name]
         if framework == "jax":  # blockwise: one program per configuration (the xla run reads each form)
             results[name] = run_jax(case, data, jit=jit, implementation=implementation, canonical=implementation == "blockwise")
         elif implementation == "math" or (data.attention.keep is None and case.config.soft_cap is None):
             results[name] = run_torch(case, data, implementation=implementation)
-    return compare(case, results)
+    return results
 
 
 def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0,
@@ -644,7 +658,7 @@ def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None
     is called as each case finishes. Results come back in the order of ``cases``.
 
     The cases of one configuration and dtype run in one process, one after the other: they share
-    its compiled programs."""
+    its compiled programs (see ``parity_tests.tool.workers``)."""
     if workers <= 1 or len(cases) < 2:
         results = []
         for case in cases:
@@ -652,50 +666,6 @@ def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None
             if done:
                 done(results[-1])
         return results
-    import multiprocessing
-    import queue
-    from concurrent.futures import ProcessPoolExecutor
+    from parity_tests.tool import workers as pool
 
-    import jax
-
-    groups: dict[tuple, list[int]] = {}
-    for i, case in enumerate(cases):
-        groups.setdefault((case.config, case.dtype), []).append(i)
-    results: list[Result | None] = [None] * len(cases)
-    context = multiprocessing.get_context("spawn")  # JAX's threads do not survive a fork
-    finished = context.Queue()
-    x64 = bool(jax.config.jax_enable_x64)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(x64, finished)) as pool:
-        futures = [pool.submit(_run_group, [(i, cases[i]) for i in group], weights, jit, seed)
-                   for group in sorted(groups.values(), key=len, reverse=True)]
-        for _ in cases:
-            while True:
-                try:
-                    i, result = finished.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    for future in futures:
-                        if future.done() and future.exception() is not None:
-                            raise future.exception() from None
-            results[i] = result
-            if done:
-                done(result)
-    return results
-
-
-_FINISHED = None  # in a worker: the queue each finished case goes to
-
-
-def _start_worker(x64: bool, finished) -> None:
-    global _FINISHED
-    import jax
-    import torch
-
-    jax.config.update("jax_enable_x64", x64)
-    torch.set_num_threads(1)  # one core per worker
-    _FINISHED = finished
-
-
-def _run_group(cases: list[tuple[int, Case]], weights, jit: bool, seed: int) -> None:
-    for i, case in cases:
-        _FINISHED.put((i, run_case(case, weights=weights, jit=jit, seed=seed)))
+    return pool.run(cases, weights=weights, jit=jit, seed=seed, workers=workers, done=done)
