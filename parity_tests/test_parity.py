@@ -65,3 +65,15 @@ def test_a_wrong_weight_is_caught(dtype):
     data.params["v_proj.weight"][0, 0] += 0.05
     results["torch"] = harness.run_torch(case, data)
     assert not harness.compare(case, results).passed
+
+
+def test_one_blockwise_program_serves_every_mask_form_with_the_same_static_options():
+    """The blockwise side compiles one program per configuration, dtype and static option:
+    every mask form's terms, in their one form, fit the program of its static options."""
+    cases = [c for c in GRID if c.config.name == "self" and c.dtype == "float32"]
+    jitted = harness._jax_programs()[1]
+    jitted.clear_cache()
+    for case in cases:
+        harness.run_jax(case, harness.make_data(case), implementation="blockwise", canonical=True)
+    options = {harness.static_options(harness.make_data(c).attention) for c in cases}
+    assert jitted._cache_size() == len(options) == 5

@@ -104,13 +104,15 @@ class Case:
 def default_grid() -> list[Case]:
     """Every mask form on self- and grouped cross-attention, a few on multi-query, on
     normalised queries and keys, and on today's models' terms; all dtypes."""
-    few = ("none", "padding+causal", "fully-masked", "dropout", "everything")
-    return [
-        Case(config, mask, dtype)
-        for config in CONFIGS.values()
-        for mask in (few if config.name in ("cross-mqa-nobias", "normalize-qk", "rope-cap-sinks") else MASKS)
-        for dtype in DTYPES
-    ]
+    return [Case(config, mask, dtype) for config in CONFIGS.values() for mask in grid_masks(config) for dtype in DTYPES]
+
+
+def grid_masks(config: Config) -> tuple[str, ...]:
+    """The mask forms the built-in grid runs on ``config``: every one, or a few on the
+    configurations whose point is elsewhere (and every one on a configuration not in the grid)."""
+    if CONFIGS.get(config.name) == config and config.name in ("cross-mqa-nobias", "normalize-qk", "rope-cap-sinks"):
+        return ("none", "padding+causal", "fully-masked", "dropout", "everything")
+    return MASKS
 
 
 @dataclass
@@ -251,9 +253,10 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
     The module is built once per configuration and dtype and given each case's weights with
     the loaders; with ``jit`` one jitted program serves every case of the same shapes.
 
-    ``canonical``: instead of the case's mask in its own form, every term in one form whatever
+    ``canonical``: instead of the case's mask in its own form, its terms in one form whatever
     the case (``canonical_terms``), jitted: one program per configuration, dtype and static
-    option (causality, window, dropout) serves every mask form."""
+    option (causality, window, dropout) serves every mask form. Of the terms, the program takes
+    those that some mask form with the same static options sets (``program_terms``)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -267,7 +270,9 @@ def run_jax(case: Case, data: Data, *, jit: bool = False, module: str = "nnx", i
     static = (("is_causal", arrays.pop("is_causal")), ("local_window_size", arrays.pop("local_window_size")),
               ("return_weights", with_weights))
     if canonical:
-        arrays, jit = {k: as_jax(v) for k, v in canonical_terms(case, data).items()}, True
+        terms = canonical_terms(case, data)
+        taken = program_terms(c, static_options(att)) | set_terms(terms, c)
+        arrays, jit = {k: as_jax(v) if _TERM_OF[k] in taken else None for k, v in terms.items()}, True
         arrays["dropout_mask"] = keep
     elif data.padding_valid is not None:
         arrays["mask"] = mha_jax.padding_mask(jnp.asarray(data.padding_valid))
@@ -305,12 +310,15 @@ def _jax_module(config: Config, dtype: str, module: str, implementation: str, dr
     c = config
     param_dtype = jnp.dtype(numpy_dtype(dtype))
     if module == "nnx":
-        model = mha_jax.MultiHeadAttention(
+        # Built abstractly: every parameter is replaced by each case's (load_weights checks that
+        # it names them all), so drawing initial ones would only compile the initialisers. The
+        # grid's dropout is always a drawn mask (dropout_mask), never a stream kept by the module.
+        model = nnx.eval_shape(lambda: mha_jax.MultiHeadAttention(
             c.num_heads, c.in_features, c.qkv_features, c.out_features,
             num_kv_heads=c.num_kv_heads, in_kv_features=c.in_kv_features, use_bias=c.use_bias,
-            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype,
+            dropout_rate=dropout_rate, deterministic=True, param_dtype=param_dtype, keep_rngs=False,
             implementation=implementation, rngs=nnx.Rngs(0), **{"normalize_qk": c.normalize_qk, **_today(c, mha_jax)},
-        )
+        ))
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
 
         def apply(params, *xs, **kwargs):
@@ -428,6 +436,47 @@ def canonical_terms(case: Case, data: Data) -> dict[str, np.ndarray]:
         query_segment_ids=rows(att.query_segment_ids, q, 0), key_segment_ids=rows(att.key_segment_ids, k, 0),
         key_value_seq_lengths=np.full(b, k) if att.lengths is None else np.asarray(att.lengths),
     )
+
+
+# ``canonical_terms``' keys by the term they belong to: a term's keys are given or left out together
+_TERM_OF = {
+    "mask": "mask", "bias": "bias", "query_positions": "positions", "key_positions": "positions",
+    "query_segment_ids": "segments", "key_segment_ids": "segments", "key_value_seq_lengths": "lengths",
+}
+
+
+def static_options(att: oracle.Attention) -> tuple[bool, tuple[int, int] | None, bool]:
+    """What a jitted program is specialised on besides shapes: causality, the window, and
+    whether a dropout mask is drawn."""
+    return att.is_causal, att.window, att.keep is not None
+
+
+def set_terms(terms: dict[str, np.ndarray], config: Config) -> frozenset[str]:
+    """The terms (``_TERM_OF``'s values) that ``terms`` (``canonical_terms``' output) sets to
+    other than their defaults, which are the terms of the ``none`` case."""
+    default = _default_terms(config)
+    return frozenset(_TERM_OF[k] for k, v in terms.items() if not np.array_equal(v, default[k]))
+
+
+@functools.cache
+def _default_terms(config: Config) -> dict[str, np.ndarray]:
+    case = Case(config, "none", "float64")
+    return canonical_terms(case, make_data(case))
+
+
+@functools.cache
+def program_terms(config: Config, static: tuple) -> frozenset[str]:
+    """The terms that some mask form of ``grid_masks(config)`` with static options ``static``
+    sets. A jitted program for those options takes just these: a term that no such form sets is
+    left to the module's default, which means what the canonical default does, and every term
+    costs compilation (the blockwise path builds block summaries from each)."""
+    taken: frozenset[str] = frozenset()
+    for kind in grid_masks(config):
+        case = Case(config, kind, "float64")
+        data = make_data(case)
+        if static_options(data.attention) == static:
+            taken |= set_terms(canonical_terms(case, data), config)
+    return taken
 
 
 # --- comparing ---------------------------------------------------------------------------
@@ -566,6 +615,8 @@ IMPLEMENTATIONS = {
     "jax": ("jax", "xla"), "jax-blockwise": ("jax", "blockwise"),
     "torch": ("torch", "math"), "torch-sdpa": ("torch", "sdpa"),
 }
+# The oracle, then every implementation: the order ``compare`` pairs them in.
+SIDES = ("oracle", *IMPLEMENTATIONS)
 
 
 def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0) -> Result:
@@ -577,16 +628,28 @@ def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: b
     ``dropout`` case (a mask shared across frameworks) and a soft-capped configuration run
     PyTorch's explicit path only.
     """
+    return compare(case, run_sides(case, SIDES, weights=weights, jit=jit, seed=seed))
+
+
+def run_sides(case: Case, names: tuple[str, ...], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False,
+              seed: int = 0) -> dict[str, dict]:
+    """``run_case``'s runs of ``names`` (of ``SIDES``, in that order) on the case's data:
+    ``{name: {"out", "weights", "grads"}}``, leaving out an implementation that does not run
+    the case. Run apart, as the worker processes do, the parts merge into ``run_case``'s."""
     data = make_data(case, seed)
     if weights is not None:
         data = dataclasses.replace(data, params={k: rounded(v, case.dtype) for k, v in weights.items()})
-    results = {"oracle": run_oracle(case, data)}
-    for name, (framework, implementation) in IMPLEMENTATIONS.items():
+    results = {}
+    for name in names:
+        if name == "oracle":
+            results[name] = run_oracle(case, data)
+            continue
+        framework, implementation = IMPLEMENTATIONS[name]
         if framework == "jax":  # blockwise: one program per configuration (the xla run reads each form)
             results[name] = run_jax(case, data, jit=jit, implementation=implementation, canonical=implementation == "blockwise")
         elif implementation == "math" or (data.attention.keep is None and case.config.soft_cap is None):
             results[name] = run_torch(case, data, implementation=implementation)
-    return compare(case, results)
+    return results
 
 
 def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0,
@@ -595,7 +658,7 @@ def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None
     is called as each case finishes. Results come back in the order of ``cases``.
 
     The cases of one configuration and dtype run in one process, one after the other: they share
-    its compiled programs."""
+    its compiled programs (see ``parity_tests.tool.workers``)."""
     if workers <= 1 or len(cases) < 2:
         results = []
         for case in cases:
@@ -603,50 +666,6 @@ def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None
             if done:
                 done(results[-1])
         return results
-    import multiprocessing
-    import queue
-    from concurrent.futures import ProcessPoolExecutor
+    from parity_tests.tool import workers as pool
 
-    import jax
-
-    groups: dict[tuple, list[int]] = {}
-    for i, case in enumerate(cases):
-        groups.setdefault((case.config, case.dtype), []).append(i)
-    results: list[Result | None] = [None] * len(cases)
-    context = multiprocessing.get_context("spawn")  # JAX's threads do not survive a fork
-    finished = context.Queue()
-    x64 = bool(jax.config.jax_enable_x64)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(x64, finished)) as pool:
-        futures = [pool.submit(_run_group, [(i, cases[i]) for i in group], weights, jit, seed)
-                   for group in sorted(groups.values(), key=len, reverse=True)]
-        for _ in cases:
-            while True:
-                try:
-                    i, result = finished.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    for future in futures:
-                        if future.done() and future.exception() is not None:
-                            raise future.exception() from None
-            results[i] = result
-            if done:
-                done(result)
-    return results
-
-
-_FINISHED = None  # in a worker: the queue each finished case goes to
-
-
-def _start_worker(x64: bool, finished) -> None:
-    global _FINISHED
-    import jax
-    import torch
-
-    jax.config.update("jax_enable_x64", x64)
-    torch.set_num_threads(1)  # one core per worker
-    _FINISHED = finished
-
-
-def _run_group(cases: list[tuple[int, Case]], weights, jit: bool, seed: int) -> None:
-    for i, case in cases:
-        _FINISHED.put((i, run_case(case, weights=weights, jit=jit, seed=seed)))
+    return pool.run(cases, weights=weights, jit=jit, seed=seed, workers=workers, done=done)

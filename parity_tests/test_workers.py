@@ -1,0 +1,66 @@
+"""The grid in worker processes: how its cases are split into tasks by what their compiled
+programs share, and that what the workers send back merges into what one process computes."""
+
+import numpy as np
+import pytest
+import torch
+
+from parity_tests.tool import harness, workers
+
+GRID = harness.default_grid()
+
+
+def _program(case: harness.Case) -> tuple:
+    """What a blockwise program is specialised on: configuration, dtype, static options."""
+    return case.config, case.dtype, harness.static_options(harness.make_data(case).attention)
+
+
+def test_every_case_is_in_one_task_of_each_kind():
+    tasks = workers.tasks(GRID, seed=0)
+    assert sorted(workers.EAGER + workers.BLOCKWISE) == sorted(harness.SIDES)
+    for kind, key in ((workers.EAGER, lambda c: (c.config, c.dtype)), (workers.BLOCKWISE, _program)):
+        mine = [t for t in tasks if t.sides == kind]
+        assert sorted(i for t in mine for i in t.indices) == list(range(len(GRID))), kind
+        keys = [{key(GRID[i]) for i in t.indices} for t in mine]
+        assert all(len(k) == 1 for k in keys), kind  # a task's cases share their programs
+        assert len({k.pop() for k in keys}) == len(mine), kind  # and no other task has them
+
+
+def test_the_first_worker_takes_the_eager_tasks_the_others_the_blockwise_ones():
+    eager = [workers.Task(workers.EAGER, [0]), workers.Task(workers.EAGER, [1])]
+    blockwise = [workers.Task(workers.BLOCKWISE, [0]), workers.Task(workers.BLOCKWISE, [1])]
+    pending = eager + blockwise
+    assert workers.next_task(pending, 1) is blockwise[0]
+    assert workers.next_task(pending, 0) is eager[0]
+    assert workers.next_task(pending, 0) is eager[1]
+    assert workers.next_task(pending, 0) is blockwise[1]  # none of its own kind left
+    assert workers.next_task(pending, 1) is None and not pending
+
+
+def test_the_workers_give_what_one_process_gives():
+    """Each case's eager and blockwise parts, run in two processes, merge into ``run_case``'s
+    comparisons, in the same order, to the bit (a case without PyTorch's SDPA included). The
+    workers run PyTorch on one thread, whose float32 sums differ in the last bits from two's."""
+    cases = [c for c in GRID if c.config.name == "cross-gqa" and c.dtype == "float32" and c.mask in ("padding", "dropout", "window")]
+    in_workers = harness.run_cases(cases, workers=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        in_one = [harness.run_case(case) for case in cases]
+    finally:
+        torch.set_num_threads(threads)
+    for case, result, alone in zip(cases, in_workers, in_one):
+        assert result.case == case
+        assert "torch-sdpa vs oracle" in alone.details or case.mask == "dropout"
+        assert list(result.details) == list(alone.details)
+        for pair, entries in alone.details.items():
+            assert list(result.details[pair]) == list(entries)
+            for name, e in entries.items():
+                assert result.details[pair][name] == e, (case.id, pair, name)
+
+
+def test_an_error_in_a_worker_is_raised_by_the_caller():
+    cases = [c for c in GRID if c.config.name == "self" and c.dtype == "float32"][:3]
+    weights = dict(harness.make_data(cases[0]).params, stray=np.zeros(3))
+    with pytest.raises(ValueError, match="unexpected key 'stray'"):
+        harness.run_cases(cases, weights=weights, workers=2)
