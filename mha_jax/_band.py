@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mha_jax import _blockwise  # its query-block layout (imported as a module: it imports this one)
+from mha_jax import _blockwise, masks  # _blockwise: its query-block layout (imported as a module: it imports this one)
 
 # Scores of one band, over batch x heads x rows x keys: as ``_blockwise._BLOCK_SCORES``.
 _BAND_SCORES = 1 << 22
@@ -87,24 +87,19 @@ def _padded_keys(cfg, x, axis):
 
 
 def _visible(cfg, i, g, terms):
-    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the window (the same
-    offsets in every band), keys that exist (not the padding before 0 or past ``kv_len``), and
-    segments and lengths where given."""
-    col = np.arange(cfg.width)
-    offset = col[None, :] - cfg.left - np.arange(cfg.block_q)[:, None]  # key - query
-    # the same in every band: a constant, read rather than recomputed for every score
-    window = jnp.asarray((offset >= -cfg.left) & (offset <= cfg.right))
-    key = i * cfg.block_q - cfg.left + jnp.asarray(col, jnp.int32)  # the key's index
-    ok = window & ((key >= 0) & (key < cfg.kv_len))[None]
-    ok = ok[None, None, None]
+    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: ``masks._visible``'s
+    window, segments and lengths, and keys that exist (not the padding before 0 or past
+    ``kv_len``). The window is read on positions relative to the band's first query, the same
+    in every band: NumPy operands, so it is a constant rather than recomputed for every score."""
+    rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)
+    cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left  # relative key positions
+    key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
     qs, ks, lengths = terms
-    if qs is not None:
-        q_ids = lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)  # (b|1, block)
-        k_ids = lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)  # (b|1, width)
-        ok = ok & (q_ids[:, None, None, :, None] == k_ids[:, None, None, None, :])
-    if lengths is not None:
-        ok = ok & (key[None] < lengths[:, None, None])[:, None, None]
-    return ok
+    q_ids = None if qs is None else lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
+    k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
+    visible = masks._visible(False, (cfg.left, cfg.right), rows, cols, q_ids, k_ids, key,
+                             None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
+    return visible & (key >= 0) & (key < cfg.kv_len)
 
 
 def _segments(cfg, terms):
