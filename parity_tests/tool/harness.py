@@ -657,8 +657,10 @@ def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None
     """``run_case`` for every case, in ``workers`` processes (1: in this one); ``done(result)``
     is called as each case finishes. Results come back in the order of ``cases``.
 
-    The cases of one configuration and dtype run in one process, one after the other: they share
-    its compiled programs (see ``parity_tests.tool.workers``)."""
+    With more than one worker the work is split by what the compiled programs share
+    (``parity_tests.tool.workers``): the eager sides (the ``xla`` side, the oracle, PyTorch) of
+    every case in one process, whose per-operation programs serve every configuration and dtype,
+    and the ``blockwise`` programs between the processes."""
     if workers <= 1 or len(cases) < 2:
         results = []
         for case in cases:
