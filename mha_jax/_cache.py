@@ -33,12 +33,15 @@ def positions(end: jax.Array, n: int, query_positions) -> jax.Array:
 
 
 def write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
-    """``cache`` ``(batch, max_length, ...)`` with ``new`` ``(batch, n, ...)`` at slots
-    ``pos % max_length``; padding tokens (``pos < 0``) are dropped."""
-    max_length = cache.shape[1]
+    """``cache`` ``(batch, max_length, kv_heads, head_dim)`` with ``new`` ``(batch, n, kv_heads,
+    head_dim)`` at slots ``pos % max_length``; padding tokens (``pos < 0``) are dropped."""
+    batch, max_length, kv_heads, head_dim = cache.shape
     slots = jnp.where(pos >= 0, pos % max_length, max_length)  # out of range: dropped
-    rows = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
+    # One more slot, always dropped: XLA:CPU turns a one-slot scatter (one batch row, one token)
+    # into a dynamic-update-slice, which it fuses apart for each reader, copying the cache each time.
+    slots = jnp.pad(slots, ((0, 0), (0, 1)), constant_values=max_length)
+    new = jnp.pad(new.astype(cache.dtype), ((0, 0), (0, 1), (0, 0), (0, 0)))
+    return cache.at[jnp.arange(batch)[:, None], slots].set(new, mode="drop")
 
 
 def advance(end: jax.Array, pos: jax.Array) -> jax.Array:

@@ -263,18 +263,59 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=No
     ``sinks`` ``(heads,)`` or None."""
     batch, q_len, kv_heads, groups, _ = q.shape
     shape = (batch, kv_heads * groups, q_len, k.shape[1])
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=precision)
-    logits = logits.reshape(shape) * scale
+    logits = _scores(q, k, precision).reshape(shape) * scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     weights = _masked_softmax(logits, allowed, bias, sinks)
     if keep is not None:
         weights = jnp.where(keep, weights * keep_scale, 0.0)
-    out = jnp.einsum(
-        "bhgqk,bkhd->bqhgd", weights.reshape(batch, kv_heads, groups, q_len, k.shape[1]), v,
-        precision=precision,
-    )
+    out = _mix(weights.reshape(batch, kv_heads, groups, q_len, k.shape[1]), v, precision)
     return out, weights
+
+
+# A product per key/value head batches matrix-vector products over heads, and XLA:CPU first
+# copies the keys and values into head-major order: for a few queries over a long cache (a
+# decoding step) that copy and the narrow products cost 3x to 7x the work. With few query rows,
+# one product of every query row with every head's keys (and of every row's weights with every
+# head's values) reads the cache in place, and each head keeps the block that is its own: it
+# does kv_heads times the multiplications (none more with one key/value head), cheaper while
+# rows x kv_heads stays small. Nothing from another head's block enters a head's result (no NaN
+# crosses heads); the result differs from the per-head products only by rounding.
+_ROWS_OVER_HEADS = 1024
+
+
+def _over_all_heads(q_len, groups: int, kv_heads: int) -> bool:
+    if not isinstance(q_len, int):  # a symbolic length (jax.export): the per-head products
+        return False
+    return q_len * groups * kv_heads * kv_heads <= _ROWS_OVER_HEADS
+
+
+def _own_blocks(x, axis1: int, axis2: int):
+    """The diagonal of two kv_heads axes, moved to ``axis1``."""
+    return jnp.moveaxis(jnp.diagonal(x, axis1=axis1, axis2=axis2), -1, axis1)
+
+
+def _scores(q, k, precision):
+    """Logits ``(b, kv_heads, groups, q, k)`` of q ``(b, q, kv_heads, groups, d)`` against k
+    ``(b, k, kv_heads, d)``."""
+    batch, q_len, kv_heads, groups, head_dim = q.shape
+    kv_len = k.shape[1]
+    if not _over_all_heads(q_len, groups, kv_heads):
+        return jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=precision)
+    rows = q.transpose(0, 2, 3, 1, 4).reshape(batch, -1, head_dim)
+    every = jnp.einsum("bmd,bcd->bmc", rows, k.reshape(batch, kv_len * kv_heads, head_dim), precision=precision)
+    return _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_len, kv_heads), 1, 5)
+
+
+def _mix(weights, v, precision):
+    """Outputs ``(b, q, kv_heads, groups, d)`` of weights ``(b, kv_heads, groups, q, k)`` over v
+    ``(b, k, kv_heads, d)``."""
+    batch, kv_heads, groups, q_len, kv_len = weights.shape
+    if not _over_all_heads(q_len, groups, kv_heads):
+        return jnp.einsum("bhgqk,bkhd->bqhgd", weights, v, precision=precision)
+    every = jnp.einsum("bmk,bkc->bmc", weights.reshape(batch, -1, kv_len), v.reshape(batch, kv_len, -1), precision=precision)
+    out = _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_heads, v.shape[-1]), 1, 4)
+    return out.transpose(0, 3, 1, 2, 4)
 
 
 def _cudnn(query, key, value, spec: masks._Spec, scale):

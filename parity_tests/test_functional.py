@@ -197,3 +197,62 @@ def test_nan_and_inf_in_padded_keys_do_not_leak(poison):
             assert max(harness.errors(got, want)) <= 1e-13, name
             for g, w in zip(got_grads, want_grads):
                 assert np.all(np.isfinite(g)) and max(harness.errors(g, w)) <= 1e-12, name
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])
+@pytest.mark.parametrize("rows_over_heads", [0, 10**9], ids=["per-head", "over-all-heads"])
+def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, kv_heads, monkeypatch):
+    """Both ways the ``xla`` core forms its two products (per key/value head, or one product over
+    every head keeping each head's own block, which few queries over many keys take) give the
+    oracle's outputs, weights and gradients, with a mask, a bias, causality, sinks, a soft cap and
+    dropout at once; a NaN in one key/value head's values reaches only that head's queries."""
+    monkeypatch.setattr(mha_jax.attention, "_ROWS_OVER_HEADS", rows_over_heads)
+    rng = np.random.default_rng(12)
+    q, k, v = _inputs(rng, kv_heads, "float64")
+    att = oracle.Attention(
+        mask=rng.random((B, 1, Q, K)) < 0.8, bias=rng.normal(size=(1, H, Q, K)), is_causal=True,
+        keep=rng.random((B, H, Q, K)) < 0.7, dropout_rate=0.3, soft_cap=2.0, sinks=rng.normal(size=H),
+    )
+    want, want_w, cache = oracle.attention(q, k, v, att)
+    d_out = rng.normal(size=want.shape)
+    want_grads = oracle.attention_grad(cache, d_out)
+    t = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3))  # noqa: E731
+
+    def f(q, k, v):
+        return mha_jax.dot_product_attention(
+            q, k, v, mask=jnp.asarray(att.mask), bias=jnp.asarray(att.bias), is_causal=True, dropout_rate=0.3,
+            dropout_mask=jnp.asarray(att.keep), logit_soft_cap=2.0, sinks=jnp.asarray(att.sinks),
+            implementation="xla", return_weights=True,
+        )
+
+    (out, w), vjp = jax.vjp(f, t(q), t(k), t(v))
+    grads = vjp((t(d_out), jnp.zeros_like(w)))
+    assert max(harness.errors(np.asarray(out).transpose(0, 2, 1, 3), want)) <= 1e-13
+    assert max(harness.errors(np.asarray(w), want_w)) <= 1e-13
+    for got, want_grad in zip(grads, want_grads):
+        assert max(harness.errors(np.asarray(got).transpose(0, 2, 1, 3), want_grad)) <= 1e-12
+    if kv_heads == 1:
+        return
+    v[:, 1] = np.nan
+    poisoned = np.asarray(mha_jax.dot_product_attention(t(q), t(k), t(v), is_causal=True)).transpose(0, 2, 1, 3)
+    heads_of = np.arange(H) // (H // kv_heads)
+    clean, _, _ = oracle.attention(q, k, np.where(np.isnan(v), 0.0, v), oracle.Attention(is_causal=True))
+    assert np.isnan(poisoned[:, heads_of == 1]).all()
+    assert max(harness.errors(poisoned[:, heads_of != 1], clean[:, heads_of != 1])) <= 1e-13
+
+
+def test_xla_products_over_all_heads_only_for_few_query_rows(monkeypatch):
+    """A one-token step over a long cache takes the product over all heads, with grouped,
+    multi-query and multi-head attention alike; a prompt's queries take the per-head products."""
+    taken = []
+    own_blocks = mha_jax.attention._own_blocks
+    monkeypatch.setattr(mha_jax.attention, "_own_blocks", lambda *a: taken.append(a[0].shape) or own_blocks(*a))
+    x = lambda q_len, heads: jnp.ones((1, q_len, heads, 16))  # noqa: E731
+    for kv_heads in (2, 1, 8):
+        taken.clear()
+        mha_jax.dot_product_attention(x(1, 8), x(512, kv_heads), x(512, kv_heads))
+        assert len(taken) == 2  # the logits and the outputs
+    for q_len, kv_heads in ((512, 2), (512, 1), (64, 8)):
+        taken.clear()
+        mha_jax.dot_product_attention(x(q_len, 8), x(512, kv_heads), x(512, kv_heads))
+        assert taken == []
