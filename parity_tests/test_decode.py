@@ -403,3 +403,39 @@ def test_greedy_generation_example_gives_the_same_tokens_in_both_frameworks():
     assert np.array_equal(flax_tokens, torch_tokens)
     alone, _ = example["generate"](prompts[1:, 2:], positions[1:, 2:], steps=8)
     assert np.array_equal(flax_tokens[1], alone[0])
+
+
+@pytest.mark.parametrize("heads", sorted(KV_HEADS))
+def test_torch_one_token_steps_take_the_short_path_and_give_the_general_ones_outputs(heads, monkeypatch):
+    """A one-token step without autograd, with nothing but the cache restricting the keys
+    (rotary embedding, RMS QK-norm and a scale included), skips the general step's machinery
+    and gives the full causal pass's outputs, as the general step does (taken here by giving the
+    same positions explicitly); a prompt, autograd and a mask take the general step."""
+    kv_heads = KV_HEADS[heads]
+    twin = mha_torch.MultiHeadAttention(
+        E, H, num_kv_heads=kv_heads, rotary=mha_torch.RotaryEmbedding(E // H), normalize_qk=mha_torch.QKNorm("rms"),
+        scale=0.3, dtype=torch.float64,
+    ).eval()
+    x = torch.from_numpy(np.random.default_rng(3).normal(size=(B, T, E)))
+    general = []
+    monkeypatch.setattr(mha_torch.module, "_decode_step", lambda *a, run=mha_torch.module._decode_step, **kw: general.append(1) or run(*a, **kw))
+    with torch.no_grad():
+        full = twin(x, is_causal=True)
+        short, explicit = (mha_torch.KVCache(B, T, kv_heads, E // H, dtype=torch.float64) for _ in range(2))
+        got = [twin(x[:, :4], cache=short, is_causal=True), twin(x[:, :4], cache=explicit, is_causal=True)]
+        assert len(general) == 2  # prompts
+        for t in range(4, T):
+            before = len(general)
+            got.append(twin(x[:, t:t + 1], cache=short, is_causal=True))
+            assert len(general) == before, t
+            positions = torch.full((B, 1), t, dtype=torch.int32)
+            got.append(twin(x[:, t:t + 1], cache=explicit, is_causal=True, query_positions=positions))
+            assert len(general) == before + 1, t
+        twin(x[:, :1], cache=mha_torch.KVCache(B, T, kv_heads, E // H, dtype=torch.float64), mask=torch.ones(1, dtype=torch.bool))
+        assert len(general) == 2 + (T - 4) + 1
+    with torch.enable_grad():
+        twin(x[:, :1], cache=mha_torch.KVCache(B, T, kv_heads, E // H, dtype=torch.float64))
+    assert len(general) == 2 + (T - 4) + 2
+    short_out, explicit_out = torch.cat(got[0::2], dim=1), torch.cat(got[1::2], dim=1)
+    assert _rel(short_out, full) <= 1e-12 and _rel(explicit_out, full) <= 1e-12
+    assert torch.equal(short.index, explicit.index) and torch.allclose(short.key, explicit.key, rtol=0, atol=1e-14)
