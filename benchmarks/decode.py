@@ -93,6 +93,7 @@ def _row(framework: str, batch: int, length: int, cache_bytes: int, timed: dict,
 def _jax_rows(args: argparse.Namespace) -> list[dict]:
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     import mha_jax
@@ -108,12 +109,13 @@ def _jax_rows(args: argparse.Namespace) -> list[dict]:
             ours_step = nnx.jit(lambda m, x: m(x, decode=True), donate_argnums=0)
             flax_step = nnx.jit(lambda m, x: m(x), donate_argnums=0)
 
+            # each step's index from the host alike (the step donates the one it is given)
             def run_ours(ours=ours, step=ours_step, token=token, length=length):
-                ours.cache_index[...] = jnp.full(ours.cache_index.shape, length - 1, jnp.int32)
+                ours.cache_index[...] = jnp.asarray(np.full(ours.cache_index.shape, length - 1, np.int32))
                 jax.block_until_ready(step(ours, token))
 
             def run_flax(theirs=theirs, step=flax_step, token=token, length=length):
-                theirs.cache_index[...] = jnp.array(length - 1, jnp.int32)
+                theirs.cache_index[...] = jnp.asarray(np.full(theirs.cache_index.shape, length - 1, np.int32))
                 jax.block_until_ready(step(theirs, token))
 
             timed = _interleaved({"ours": run_ours, ANCHOR["jax"]: run_flax}, args.reps, args.min_seconds)

@@ -6,6 +6,7 @@ outputs, one compiled step serves every position, and bad caches fail by name.
 """
 
 import pathlib
+import re
 import runpy
 
 import jax
@@ -186,6 +187,34 @@ def test_one_compiled_step_serves_every_position():
             compiled(xt[:, t:t + 1])
             flags.append(cache.overflow.tolist())
     assert flags == [[True, False], [True, True]] and cache.index.tolist() == [T + 2, T + 1]
+
+
+@pytest.mark.parametrize("batch, kv_heads", [(1, 2), (1, 1), (2, 2), (2, 4)])
+def test_the_compiled_step_reads_and_writes_the_cache_in_place(batch, kv_heads):
+    """No instruction of the compiled one-token step (cache donated) makes an array the size of
+    the cache but the two writes into it: the attention reads the cache where it lies (no
+    head-major copy), and the write is not split into copies per reader (batch 1 included)."""
+    heads, features, max_length = 4, 64, 48
+    layer = mha_jax.MultiHeadAttention(heads, features, num_kv_heads=kv_heads, rngs=nnx.Rngs(0))
+    layer.init_cache((batch, max_length, features), jnp.float32)
+    graphdef, state = nnx.split(layer)
+
+    def pure_step(state, token):
+        model = nnx.merge(graphdef, state)
+        return model(token, decode=True), nnx.state(model)
+
+    token = jnp.ones((batch, 1, features), jnp.float32)
+    text = jax.jit(pure_step, donate_argnums=0).lower(state, token).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    size = batch * max_length * kv_heads * (features // heads)
+    cache_sized = []
+    for line in entry.splitlines():
+        shape = re.match(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\{[^}]*\} (\w+)", line)
+        if shape and shape.group(2) not in ("parameter", "bitcast", "get-tuple-element"):
+            dims = [int(d) for d in shape.group(1).split(",") if d]
+            if int(np.prod(dims)) == size:
+                cache_sized.append(line.strip()[:120])
+    assert len(cache_sized) == 2, cache_sized
 
 
 def test_a_cache_continues_in_the_other_framework():
