@@ -280,14 +280,16 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=No
 # head's values) reads the cache in place, and each head keeps the block that is its own: it
 # does kv_heads times the multiplications (none more with one key/value head), cheaper while
 # rows x kv_heads stays small. Nothing from another head's block enters a head's result (no NaN
-# crosses heads); the result differs from the per-head products only by rounding.
+# crosses heads); the result differs from the per-head products only by rounding. Over few keys
+# neither costs much to run, and the per-head products compile to fewer operations.
 _ROWS_OVER_HEADS = 1024
+_MANY_KEYS = 128
 
 
-def _over_all_heads(q_len, groups: int, kv_heads: int) -> bool:
-    if not isinstance(q_len, int):  # a symbolic length (jax.export): the per-head products
+def _over_all_heads(q_len, kv_len, groups: int, kv_heads: int) -> bool:
+    if not (isinstance(q_len, int) and isinstance(kv_len, int)):  # symbolic (jax.export): per head
         return False
-    return q_len * groups * kv_heads * kv_heads <= _ROWS_OVER_HEADS
+    return kv_len >= _MANY_KEYS and q_len * groups * kv_heads * kv_heads <= _ROWS_OVER_HEADS
 
 
 def _own_blocks(x, axis1: int, axis2: int):
@@ -300,7 +302,7 @@ def _scores(q, k, precision):
     ``(b, k, kv_heads, d)``."""
     batch, q_len, kv_heads, groups, head_dim = q.shape
     kv_len = k.shape[1]
-    if not _over_all_heads(q_len, groups, kv_heads):
+    if not _over_all_heads(q_len, kv_len, groups, kv_heads):
         rows = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * q_len, head_dim)
         logits = jnp.einsum("bhmd,bhkd->bhmk", rows, k.transpose(0, 2, 1, 3), precision=precision)
         return logits.reshape(batch, kv_heads, groups, q_len, kv_len)
@@ -313,7 +315,7 @@ def _mix(weights, v, precision):
     """Outputs ``(b, q, kv_heads, groups, d)`` of weights ``(b, kv_heads, groups, q, k)`` over v
     ``(b, k, kv_heads, d)``."""
     batch, kv_heads, groups, q_len, kv_len = weights.shape
-    if not _over_all_heads(q_len, groups, kv_heads):
+    if not _over_all_heads(q_len, kv_len, groups, kv_heads):
         rows = weights.reshape(batch, kv_heads, groups * q_len, kv_len)
         out = jnp.einsum("bhmk,bhkd->bhmd", rows, v.transpose(0, 2, 1, 3), precision=precision)
         return out.reshape(batch, kv_heads, groups, q_len, -1).transpose(0, 3, 1, 2, 4)

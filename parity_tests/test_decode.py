@@ -194,7 +194,7 @@ def test_the_compiled_step_reads_and_writes_the_cache_in_place(batch, kv_heads):
     """No instruction of the compiled one-token step (cache donated) makes an array the size of
     the cache but the two writes into it: the attention reads the cache where it lies (no
     head-major copy), and the write is not split into copies per reader (batch 1 included)."""
-    heads, features, max_length = 4, 64, 48
+    heads, features, max_length = 4, 64, 160
     layer = mha_jax.MultiHeadAttention(heads, features, num_kv_heads=kv_heads, rngs=nnx.Rngs(0))
     layer.init_cache((batch, max_length, features), jnp.float32)
     graphdef, state = nnx.split(layer)

@@ -207,6 +207,7 @@ def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, 
     oracle's outputs, weights and gradients, with a mask, a bias, causality, sinks, a soft cap and
     dropout at once; a NaN in one key/value head's values reaches only that head's queries."""
     monkeypatch.setattr(mha_jax.attention, "_ROWS_OVER_HEADS", rows_over_heads)
+    monkeypatch.setattr(mha_jax.attention, "_MANY_KEYS", 1)
     rng = np.random.default_rng(12)
     q, k, v = _inputs(rng, kv_heads, "float64")
     att = oracle.Attention(
@@ -243,7 +244,8 @@ def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, 
 
 def test_xla_products_over_all_heads_only_for_few_query_rows(monkeypatch):
     """A one-token step over a long cache takes the product over all heads, with grouped,
-    multi-query and multi-head attention alike; a prompt's queries take the per-head products."""
+    multi-query and multi-head attention alike; a prompt's queries, and a step over few keys,
+    take the per-head products."""
     taken = []
     own_blocks = mha_jax.attention._own_blocks
     monkeypatch.setattr(mha_jax.attention, "_own_blocks", lambda *a: taken.append(a[0].shape) or own_blocks(*a))
@@ -252,7 +254,7 @@ def test_xla_products_over_all_heads_only_for_few_query_rows(monkeypatch):
         taken.clear()
         mha_jax.dot_product_attention(x(1, 8), x(512, kv_heads), x(512, kv_heads))
         assert len(taken) == 2  # the logits and the outputs
-    for q_len, kv_heads in ((512, 2), (512, 1), (64, 8)):
+    for q_len, kv_len, kv_heads in ((512, 512, 2), (512, 512, 1), (64, 512, 8), (1, 64, 2)):
         taken.clear()
-        mha_jax.dot_product_attention(x(q_len, 8), x(512, kv_heads), x(512, kv_heads))
+        mha_jax.dot_product_attention(x(q_len, 8), x(kv_len, kv_heads), x(kv_len, kv_heads))
         assert taken == []
