@@ -302,12 +302,13 @@ def _scores(q, k, precision):
     ``(b, k, kv_heads, d)``."""
     batch, q_len, kv_heads, groups, head_dim = q.shape
     kv_len = k.shape[1]
+    rows = q.transpose(0, 2, 3, 1, 4)  # each key/value head's queries as rows
     if not _over_all_heads(q_len, kv_len, groups, kv_heads):
-        rows = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * q_len, head_dim)
-        logits = jnp.einsum("bhmd,bhkd->bhmk", rows, k.transpose(0, 2, 1, 3), precision=precision)
+        logits = jnp.einsum("bhmd,bhkd->bhmk", rows.reshape(batch, kv_heads, groups * q_len, head_dim),
+                            k.transpose(0, 2, 1, 3), precision=precision)
         return logits.reshape(batch, kv_heads, groups, q_len, kv_len)
-    rows = q.transpose(0, 2, 3, 1, 4).reshape(batch, -1, head_dim)
-    every = jnp.einsum("bmd,bcd->bmc", rows, k.reshape(batch, kv_len * kv_heads, head_dim), precision=precision)
+    every = jnp.einsum("bmd,bcd->bmc", rows.reshape(batch, -1, head_dim), k.reshape(batch, kv_len * kv_heads, head_dim),
+                       precision=precision)
     return _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_len, kv_heads), 1, 5)
 
 
@@ -316,11 +317,13 @@ def _mix(weights, v, precision):
     ``(b, k, kv_heads, d)``."""
     batch, kv_heads, groups, q_len, kv_len = weights.shape
     if not _over_all_heads(q_len, kv_len, groups, kv_heads):
-        rows = weights.reshape(batch, kv_heads, groups * q_len, kv_len)
-        out = jnp.einsum("bhmk,bhkd->bhmd", rows, v.transpose(0, 2, 1, 3), precision=precision)
-        return out.reshape(batch, kv_heads, groups, q_len, -1).transpose(0, 3, 1, 2, 4)
-    every = jnp.einsum("bmk,bkc->bmc", weights.reshape(batch, -1, kv_len), v.reshape(batch, kv_len, -1), precision=precision)
-    out = _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_heads, v.shape[-1]), 1, 4)
+        out = jnp.einsum("bhmk,bhkd->bhmd", weights.reshape(batch, kv_heads, groups * q_len, kv_len),
+                         v.transpose(0, 2, 1, 3), precision=precision)
+        out = out.reshape(batch, kv_heads, groups, q_len, -1)
+    else:
+        every = jnp.einsum("bmk,bkc->bmc", weights.reshape(batch, -1, kv_len), v.reshape(batch, kv_len, -1),
+                           precision=precision)
+        out = _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_heads, v.shape[-1]), 1, 4)
     return out.transpose(0, 3, 1, 2, 4)
 
 

@@ -290,9 +290,8 @@ class MultiHeadAttention(nn.Module):
             or hasattr(self.q_proj.weight, "to_local") or hasattr(self.k_proj.weight, "to_local")  # tensor-parallel
         ):
             return None
-        starts = cache.index.tolist()
-        start = starts[0] if starts else -1
-        if not 0 <= start < keys.shape[2] or any(row != start for row in starts):
+        start = _shared_start(cache, 1)
+        if start is None:
             return None
         q = self.q_proj(query).view(batch, 1, heads, head_dim)
         k = self.k_proj(query).view(batch, 1, kv_heads, head_dim)
@@ -302,9 +301,7 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             pos = cache.index.view(batch, 1)
             q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), pos, pos)
-        keys.narrow(2, start, 1).copy_(k.view(batch, kv_heads, 1, head_dim))
-        values.narrow(2, start, 1).copy_(v)
-        cache.index.add_(1)
+        _append(cache, k.view(batch, kv_heads, 1, head_dim), v, start)
         out = F.scaled_dot_product_attention(
             q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys.narrow(2, 0, start + 1),
             values.narrow(2, 0, start + 1), scale=self.scale,
@@ -397,13 +394,10 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     # the cache's positions. Both give the same attention; only the work differs.
     plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal)
     if plain and not torch.compiler.is_compiling():
-        starts = cache.index.tolist()
-        start = starts[0] if starts else -1
-        if 0 <= start <= max_length - n and all(row == start for row in starts):
+        start = _shared_start(cache, n)
+        if start is not None:
             _writable(cache, live)
-            cache._keys.narrow(-2, start, n).copy_(key.transpose(1, 2))
-            cache._values.narrow(-2, start, n).copy_(value.transpose(1, 2))
-            cache.index.add_(n)
+            _append(cache, key.transpose(1, 2), value.transpose(1, 2), start)
             return masks._parse((batch, num_heads, n, start + n), device=device), start + n
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
@@ -426,6 +420,22 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
     )
     return spec, max_length
+
+
+def _shared_start(cache: KVCache, n: int) -> int | None:
+    """The position every row of ``cache`` is at, when they share one and ``n`` more tokens
+    fit before the end of the slots; else None."""
+    starts = cache.index.tolist()
+    start = starts[0] if starts else -1
+    return start if 0 <= start <= cache.max_length - n and all(row == start for row in starts) else None
+
+
+def _append(cache: KVCache, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
+    """Write ``key``/``value`` ``(batch, kv_heads, n, head_dim)`` into slots ``start..start+n-1``
+    of every row, by slicing, and advance the rows' index by ``n``."""
+    cache._keys.narrow(-2, start, key.shape[-2]).copy_(key)
+    cache._values.narrow(-2, start, value.shape[-2]).copy_(value)
+    cache.index.add_(key.shape[-2])
 
 
 def _writable(cache: KVCache, live: bool) -> None:
