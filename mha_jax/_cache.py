@@ -41,7 +41,8 @@ def write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
     # into a dynamic-update-slice, which it fuses apart for each reader, copying the cache each time.
     slots = jnp.pad(slots, ((0, 0), (0, 1)), constant_values=max_length)
     new = jnp.pad(new.astype(cache.dtype), ((0, 0), (0, 1), (0, 0), (0, 0)))
-    return cache.at[jnp.arange(batch)[:, None], slots].set(new, mode="drop")
+    # the cache's own sharding, which an Explicit mesh (jax.make_mesh's) cannot infer for a scatter
+    return cache.at[jnp.arange(batch)[:, None], slots].set(new, mode="drop", out_sharding=jax.typeof(cache).sharding)
 
 
 def advance(end: jax.Array, pos: jax.Array) -> jax.Array:

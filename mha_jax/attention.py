@@ -286,8 +286,12 @@ _ROWS_OVER_HEADS = 1024
 _MANY_KEYS = 128
 
 
-def _over_all_heads(q_len, kv_len, groups: int, kv_heads: int) -> bool:
+def _over_all_heads(x, q_len, kv_len, groups: int, kv_heads: int) -> bool:
     if not (isinstance(q_len, int) and isinstance(kv_len, int)):  # symbolic (jax.export): per head
+        return False
+    # An Explicit mesh's sharding (jax.make_mesh's) is in the arrays' types, and merging heads
+    # into rows would have to say how each reshape is sharded: per head there.
+    if any(axis is not None for axis in getattr(jax.typeof(x).sharding, "spec", ())):
         return False
     return kv_len >= _MANY_KEYS and q_len * groups * kv_heads * kv_heads <= _ROWS_OVER_HEADS
 
@@ -303,7 +307,7 @@ def _scores(q, k, precision):
     batch, q_len, kv_heads, groups, head_dim = q.shape
     kv_len = k.shape[1]
     rows = q.transpose(0, 2, 3, 1, 4)  # each key/value head's queries as rows
-    if not _over_all_heads(q_len, kv_len, groups, kv_heads):
+    if not _over_all_heads(k, q_len, kv_len, groups, kv_heads):
         logits = jnp.einsum("bhmd,bhkd->bhmk", rows.reshape(batch, kv_heads, groups * q_len, head_dim),
                             k.transpose(0, 2, 1, 3), precision=precision)
         return logits.reshape(batch, kv_heads, groups, q_len, kv_len)
@@ -316,7 +320,7 @@ def _mix(weights, v, precision):
     """Outputs ``(b, q, kv_heads, groups, d)`` of weights ``(b, kv_heads, groups, q, k)`` over v
     ``(b, k, kv_heads, d)``."""
     batch, kv_heads, groups, q_len, kv_len = weights.shape
-    if not _over_all_heads(q_len, kv_len, groups, kv_heads):
+    if not _over_all_heads(v, q_len, kv_len, groups, kv_heads):
         out = jnp.einsum("bhmk,bhkd->bhmd", weights.reshape(batch, kv_heads, groups * q_len, kv_len),
                          v.transpose(0, 2, 1, 3), precision=precision)
         out = out.reshape(batch, kv_heads, groups, q_len, -1)

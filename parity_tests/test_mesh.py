@@ -329,3 +329,31 @@ def test_readme_scaling_out_examples_run(monkeypatch):
     names = {}
     exec(compile(blocks[0].split("```")[0], "README.md", "exec"), names)
     assert names["out"].sharding.spec == P("data", None, "model", None)
+
+
+@needs_8
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=_ids)
+def test_decoding_with_the_cache_sharded_over_the_batch(axis_type):
+    """Our nnx module decodes on ``jax.make_mesh``'s mesh with its cache and inputs sharded over
+    the batch (a prompt, then one-token steps over 136 slots, which take the product over all
+    heads where the mesh is Auto): the outputs of the full causal pass on one device, and the
+    cache stays sharded."""
+    from flax import nnx
+
+    from mha_jax import MultiHeadAttention
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    slots, features = 136, 32
+    layer = MultiHeadAttention(4, features, num_kv_heads=2, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(B, slots, features)))
+    full = layer(x, is_causal=True)
+    layer.init_cache((B, slots, features), jnp.float64)
+    sharded = NamedSharding(mesh, P("data"))
+    nnx.update(layer, jax.tree.map(lambda a: jax.device_put(a, sharded), nnx.state(layer, nnx.Cache)))
+    step = nnx.jit(lambda m, x: m(x, decode=True, is_causal=True))
+    xs = jax.device_put(x, sharded)
+    with jax.set_mesh(mesh):
+        out = jnp.concatenate([step(layer, xs[:, :128])] + [step(layer, xs[:, t:t + 1]) for t in range(128, slots)], axis=1)
+    assert layer.cached_key[...].sharding.spec[0] == "data"
+    err = np.abs(np.asarray(out) - np.asarray(full)).max() / np.abs(np.asarray(full)).max()
+    assert err <= TOLERANCE["float64"], err
