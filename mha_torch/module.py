@@ -177,6 +177,7 @@ class MultiHeadAttention(nn.Module):
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
             key_value_seq_lengths=key_value_seq_lengths,
         )
+        _check_parameter_dtype(query, self.q_proj.weight)
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
@@ -234,6 +235,7 @@ class MultiHeadAttention(nn.Module):
                 return out
         _, query, key, value = _self_attention(query, key, value)
         _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
+        _check_parameter_dtype(query, self.q_proj.weight)
         batch_shape, (query, key, value), terms = _neutral.flatten_batch(
             (query, key, value), _expand, mask=mask, bias=bias, query_positions=query_positions,
         )
@@ -286,7 +288,7 @@ class MultiHeadAttention(nn.Module):
             or self.sinks is not None or self.logit_soft_cap is not None or self.implementation not in (None, "sdpa")
             or query.ndim != 3 or query.shape[1] != 1 or query.shape[2] != self.embed_dim
             or keys.shape != (batch, kv_heads, keys.shape[2], head_dim) or keys.dtype != query.dtype
-            or keys.device != query.device or not query.is_floating_point()
+            or keys.device != query.device or query.dtype != self.q_proj.weight.dtype
             or hasattr(self.q_proj.weight, "to_local") or hasattr(self.k_proj.weight, "to_local")  # tensor-parallel
         ):
             return None
@@ -458,6 +460,16 @@ def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim:
     spec = _spec(inputs[0], inputs[1], num_heads, self_attention, is_causal=is_causal,
                  local_window_size=local_window_size, **terms)
     return batch_shape, inputs, spec, dropout_mask
+
+
+def _check_parameter_dtype(query: torch.Tensor, weight: torch.Tensor) -> None:
+    """The inputs (one dtype, checked) in the parameters' dtype, as ``torch.nn.Linear`` needs
+    them: its own error names neither. Under autocast, which casts both, any float dtype."""
+    if query.dtype != weight.dtype and not torch.is_autocast_enabled(query.device.type):
+        raise TypeError(
+            f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {weight.dtype}: pass "
+            f"{weight.dtype} inputs, or convert the module with .to({query.dtype})"
+        )
 
 
 def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

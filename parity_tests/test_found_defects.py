@@ -93,6 +93,32 @@ def test_module_inputs_of_different_dtypes_fail_alike():
             call()
 
 
+def test_torch_module_names_inputs_of_another_dtype_than_its_parameters():
+    """Symptom: a float64 (or bfloat16) input to a float32 ``mha_torch.MultiHeadAttention``
+    raises ``RuntimeError: mat1 and mat2 must have the same dtype, but got Double and Float``
+    from ``F.linear``, naming neither the input nor the module, in the forward and in both
+    decoding paths (the one-token step and the general one).
+
+    Fix: ``mha_torch/module.py``, ``_check_parameter_dtype``, called once the inputs are checked:
+    ``TypeError("query (shape (2, 3, 16)) has dtype torch.float64 but the module's parameters
+    are torch.float32: ...")``; under autocast, which casts inputs and weights, none. The JAX
+    module promotes instead, as flax's ``nnx.Linear`` does."""
+    module = mha_torch.MultiHeadAttention(16, 4)
+    x = torch.zeros(2, 3, 16)
+    calls = {
+        "forward": lambda x: module(x),
+        "one-token decode": lambda x: module(x[:, :1], cache=mha_torch.KVCache(2, 8, 4, 4, dtype=x.dtype)),
+        "chunk decode": lambda x: module(x, cache=mha_torch.KVCache(2, 8, 4, 4, dtype=x.dtype)),
+    }
+    for name, call in calls.items():
+        for dtype in (torch.float64, torch.bfloat16):
+            with torch.no_grad(), pytest.raises(TypeError, match=rf"query \(shape .*\) has dtype {dtype} but the module's parameters are torch.float32"):
+                call(x.to(dtype))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert call(x.to(torch.bfloat16)).dtype == torch.bfloat16, name
+    assert module(x.double().float()).dtype == torch.float32
+
+
 def test_to_torch_names_what_is_wrong_with_a_tree():
     """Symptom: ``mha_jax.to_torch`` raises a bare ``KeyError: 'kernel'`` for a projection
     without a kernel, and silently returns a state dict that fits no module when the
