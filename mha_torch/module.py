@@ -169,6 +169,7 @@ class MultiHeadAttention(nn.Module):
                                key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
                                dropout_mask=dropout_mask),
             )
+        _check_parameter_dtype(query, self.q_proj.weight)
         heads, kv_heads = self._local_heads()
         batch_shape, (query, key, value), spec, dropout_mask = _prepare(
             query, key, value, heads, self.embed_dim, self.kdim, self.vdim,
@@ -177,7 +178,6 @@ class MultiHeadAttention(nn.Module):
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
             key_value_seq_lengths=key_value_seq_lengths,
         )
-        _check_parameter_dtype(query, self.q_proj.weight)
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
@@ -463,9 +463,11 @@ def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim:
 
 
 def _check_parameter_dtype(query: torch.Tensor, weight: torch.Tensor) -> None:
-    """The inputs (one dtype, checked) in the parameters' dtype, as ``torch.nn.Linear`` needs
-    them: its own error names neither. Under autocast, which casts both, any float dtype."""
-    if query.dtype != weight.dtype and not torch.is_autocast_enabled(query.device.type):
+    """A floating ``query`` in the parameters' dtype, as ``torch.nn.Linear`` needs it (its own
+    error names neither); any other query is left to ``_check_inputs``, which names what is
+    wrong with it. Under autocast, which casts both, any float dtype."""
+    if isinstance(query, torch.Tensor) and query.is_floating_point() and query.dtype != weight.dtype \
+            and not torch.is_autocast_enabled(query.device.type):
         raise TypeError(
             f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {weight.dtype}: pass "
             f"{weight.dtype} inputs, or convert the module with .to({query.dtype})"

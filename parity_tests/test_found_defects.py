@@ -116,6 +116,10 @@ def test_torch_module_names_inputs_of_another_dtype_than_its_parameters():
                 call(x.to(dtype))
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             assert call(x.to(torch.bfloat16)).dtype == torch.bfloat16, name
+    with pytest.raises(TypeError, match=r"query \(shape \(4, 2, 3, 16\)\) has dtype torch.float64"):  # the shape given
+        module(torch.zeros(4, 2, 3, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="query must be a real floating-point array"):  # not a float: named as before
+        module(torch.zeros(2, 3, 16, dtype=torch.int64))
     assert module(x.double().float()).dtype == torch.float32
 
 
