@@ -32,7 +32,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_verify_writes_a_report_and_exits_zero(tmp_path, capsys):
     path = tmp_path / "report.json"
-    code = cli.main(["verify", "--dtype", "float32", "--mask", "padding+causal", "--json", str(path)])
+    code = cli.main(["verify", "--dtype", "float32", "--mask", "padding+causal", "--workers", "1", "--json", str(path)])
     report = json.loads(path.read_text())
     assert code == 0 and report["passed"]
     assert [c["case"] for c in report["cases"]] == [
@@ -43,7 +43,7 @@ def test_verify_writes_a_report_and_exits_zero(tmp_path, capsys):
 
 def test_verify_exits_nonzero_when_a_case_fails(monkeypatch, tmp_path):
     monkeypatch.setitem(harness.TOLERANCES, "float32", (1e-12, 1e-12))
-    assert cli.main(["verify", "--dtype", "float32", "--mask", "none"]) == 1
+    assert cli.main(["verify", "--dtype", "float32", "--mask", "none", "--workers", "1"]) == 1
 
 
 def test_readme_examples_run():

@@ -178,7 +178,7 @@ def test_without_transformers_only_the_twins_are_compared(tmp_path, capsys, monk
 
 
 def test_progress_is_a_line_per_case_when_not_a_terminal(capsys):
-    code, out = _verify(capsys, "--dtype", "float32", "--mask", "none", "--mask", "causal")
+    code, out = _verify(capsys, "--dtype", "float32", "--mask", "none", "--mask", "causal", "--workers", "1")
     lines = [line for line in out.splitlines() if line.startswith("[")]
     n = sum(c.dtype == "float32" and c.mask in ("none", "causal") for c in harness.default_grid())
     assert n >= 4  # every configuration without a mask, and causal on some
