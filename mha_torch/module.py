@@ -169,10 +169,9 @@ class MultiHeadAttention(nn.Module):
                                key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
                                dropout_mask=dropout_mask),
             )
-        _check_parameter_dtype(query, self.q_proj.weight)
         heads, kv_heads = self._local_heads()
         batch_shape, (query, key, value), spec, dropout_mask = _prepare(
-            query, key, value, heads, self.embed_dim, self.kdim, self.vdim,
+            query, key, value, heads, self.embed_dim, self.kdim, self.vdim, self.q_proj.weight.dtype,
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
             query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
@@ -235,7 +234,7 @@ class MultiHeadAttention(nn.Module):
                 return out
         _, query, key, value = _self_attention(query, key, value)
         _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
-        _check_parameter_dtype(query, self.q_proj.weight)
+        _check_parameter_dtype(query, self.q_proj.weight.dtype)
         batch_shape, (query, key, value), terms = _neutral.flatten_batch(
             (query, key, value), _expand, mask=mask, bias=bias, query_positions=query_positions,
         )
@@ -447,12 +446,13 @@ def _writable(cache: KVCache, live: bool) -> None:
         cache._keys, cache._values = cache._keys.clone(), cache._values.clone()
 
 
-def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, *,
+def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, dtype: torch.dtype, *,
              is_causal, local_window_size, dropout_mask, **terms):
-    """The checked call of the module: ``(batch_shape, inputs, spec, dropout_mask)``, the
-    inputs and terms with their batch axes merged into one."""
+    """The checked call of the module (``dtype``: its parameters'): ``(batch_shape, inputs,
+    spec, dropout_mask)``, the inputs and terms with their batch axes merged into one."""
     self_attention, query, key, value = _self_attention(query, key, value)
     _check_inputs(query, key, value, embed_dim, kdim, vdim)
+    _check_parameter_dtype(query, dtype)
     batch_shape, inputs, terms = _neutral.flatten_batch(
         (query, key, value), _expand, dropout_mask=dropout_mask, **terms
     )
@@ -462,15 +462,13 @@ def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim:
     return batch_shape, inputs, spec, dropout_mask
 
 
-def _check_parameter_dtype(query: torch.Tensor, weight: torch.Tensor) -> None:
-    """A floating ``query`` in the parameters' dtype, as ``torch.nn.Linear`` needs it (its own
-    error names neither); any other query is left to ``_check_inputs``, which names what is
-    wrong with it. Under autocast, which casts both, any float dtype."""
-    if isinstance(query, torch.Tensor) and query.is_floating_point() and query.dtype != weight.dtype \
-            and not torch.is_autocast_enabled(query.device.type):
+def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
+    """The inputs (checked, one dtype) in the parameters' ``dtype``, as ``torch.nn.Linear``
+    needs them (its own error names neither); under autocast, which casts both, any."""
+    if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
         raise TypeError(
-            f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {weight.dtype}: pass "
-            f"{weight.dtype} inputs, or convert the module with .to({query.dtype})"
+            f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {dtype}: pass "
+            f"{dtype} inputs, or convert the module with .to({query.dtype})"
         )
 
 
