@@ -70,8 +70,15 @@ def test_python_block_runs(page, code, tmp_path, monkeypatch):
     exec(compile(code, str(page.relative_to(ROOT)), "exec"), {})
 
 
+class _Loader(yaml.SafeLoader):
+    """mkdocs.yml as YAML, its tags (``!relative``) read as nothing."""
+
+
+_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
 def test_navigation_lists_every_page():
-    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    nav = yaml.load((ROOT / "mkdocs.yml").read_text(), _Loader)["nav"]
 
     def entries(items):
         for item in items:
