@@ -86,7 +86,8 @@ def dot_product_attention(
     Returns:
       ``(batch, heads, q_len, head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
-      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
+      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32 (on a CUDA
+      device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks._parse(
@@ -127,7 +128,11 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
 
     dtype = query.dtype
-    compute = torch.promote_types(dtype, torch.float32)
+    # On a GPU, SDPA's fused kernels (flash, cuDNN, memory-efficient) take half-precision inputs
+    # and accumulate in float32 themselves; cast to float32 first, they fall back to the math
+    # kernel, which forms every score (bfloat16, 32 heads of 16K queries: 32 GiB).
+    fused = implementation == "sdpa" and query.is_cuda and dtype in (torch.bfloat16, torch.float16)
+    compute = dtype if fused else torch.promote_types(dtype, torch.float32)
     unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_heads, kv_len, 1)
         unused = unused[..., None]
