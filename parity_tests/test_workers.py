@@ -42,7 +42,7 @@ def test_the_workers_give_what_one_process_gives():
     comparisons, in the same order, to the bit (a case without PyTorch's SDPA included). The
     workers run PyTorch on one thread, whose float32 sums differ in the last bits from two's."""
     cases = [c for c in GRID if c.config.name == "cross-gqa" and c.dtype == "float32" and c.mask in ("padding", "dropout", "window")]
-    in_workers = harness.run_cases(cases, workers=2)
+    in_workers = workers.run_cases(cases, workers=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -63,4 +63,4 @@ def test_an_error_in_a_worker_is_raised_by_the_caller():
     cases = [c for c in GRID if c.config.name == "self" and c.dtype == "float32"][:3]
     weights = dict(harness.make_data(cases[0]).params, stray=np.zeros(3))
     with pytest.raises(ValueError, match="unexpected key 'stray'"):
-        harness.run_cases(cases, weights=weights, workers=2)
+        workers.run_cases(cases, weights=weights, workers=2)

@@ -1,0 +1,63 @@
+"""JAX's persistent compilation cache for ``mha-parity verify``.
+
+Nearly all of a run's time is XLA compiling small programs; with the cache, a second run of the
+same grid reads them back from disk instead. The cache is a directory of compiled programs keyed
+by the program, the compile options, and the JAX, jaxlib and XLA versions (a new JAX compiles
+afresh); deleting the directory is always safe. Every program is kept, however quick to compile
+or small: the grid's are both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+ENVIRONMENT = "MHA_PARITY_COMPILE_CACHE"  # a directory that overrides the default one
+
+# The settings ``use`` makes, and the values that keep every program.
+SETTINGS = {
+    "jax_compilation_cache_dir": None,  # the directory, set by ``use``
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,  # no minimum size, and none chosen for the filesystem
+}
+
+
+def default_directory() -> str:
+    """``$MHA_PARITY_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/mha-parity/jax``, else
+    ``~/.cache/mha-parity/jax``."""
+    if os.environ.get(ENVIRONMENT):
+        return os.environ[ENVIRONMENT]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mha-parity", "jax")
+
+
+def use(directory: str) -> None:
+    """Every JAX program this process compiles from now on is looked up in ``directory``
+    first and written there after compiling (the directory is made when first needed)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    for name, value in SETTINGS.items():
+        jax.config.update(name, directory if value is None else value)
+    compilation_cache.reset_cache()  # a cache this process opened before gives way to this one
+
+
+@contextlib.contextmanager
+def using(directory: str | None) -> Iterator[None]:
+    """``use(directory)`` within the block, then the settings as they were before (and the
+    cache closed); None: nothing changes."""
+    if directory is None:
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = {name: getattr(jax.config, name) for name in SETTINGS}
+    use(directory)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
