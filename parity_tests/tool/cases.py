@@ -117,7 +117,8 @@ class Case:
         """The oracle and the case's implementations that run it, in ``SIDES``' order.
         ``F.scaled_dot_product_attention`` takes no dropout mask and no soft-cap, so PyTorch's
         ``sdpa`` sits out the ``dropout`` form and a soft-capped configuration."""
-        return tuple(n for n in SIDES if n == "oracle" or (n in self.implementations and runs(n, self.config, self.mask)))
+        running = {n for n in self.implementations if runs(n, self.config, self.mask)}
+        return tuple(n for n in SIDES if n == "oracle" or n in running)
 
 
 def runs(implementation: str, config: Config, mask: str) -> bool:
@@ -208,4 +209,5 @@ def _new_programs(row: tuple, chosen: list[tuple]) -> float:
     if j == "jax-blockwise":
         return 1.5 * (program(row) not in {program(r) for r in chosen if r[3] == j})
     eager = [r for r in chosen if r[3] == j]
-    return 3.0 * ((config, dtype) not in {(r[0], r[2]) for r in eager}) + 0.3 * ((config, mask, dtype) not in {r[:3] for r in eager})
+    new_group = (config, dtype) not in {(r[0], r[2]) for r in eager}
+    return 3.0 * new_group + 0.3 * ((config, mask, dtype) not in {r[:3] for r in eager})

@@ -24,7 +24,7 @@ import sys
 import time
 
 from parity_tests.tool import cases as grids
-from parity_tests.tool import compile_cache, harness, workers  # NumPy only; the frameworks are imported when a case runs
+from parity_tests.tool import compile_cache, harness, workers  # the frameworks are imported when a case runs
 
 EXIT_CODES = """exit codes:
   0  every comparison passed
