@@ -184,7 +184,10 @@ def all_pairs(rows: Sequence[tuple], cost: Callable[[tuple, list[tuple]], float]
     uncovered = set().union(*pairs)
     chosen: list[tuple] = []
     while uncovered:
-        best = min(range(len(rows)), key=lambda r: (-len(pairs[r] & uncovered), cost(rows[r], chosen) if cost else 0))
+        gains = [len(p & uncovered) for p in pairs]
+        top = max(gains)
+        most = [r for r, gain in enumerate(gains) if gain == top]
+        best = min(most, key=lambda r: cost(rows[r], chosen)) if cost else most[0]
         chosen.append(rows[best])
         uncovered -= pairs[best]
     return chosen
