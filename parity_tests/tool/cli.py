@@ -336,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a Markdown report (tables, and a plot per dtype of error against tolerance when "
                              "matplotlib can be imported)")
     verify.add_argument("--dtype", action="append", choices=harness.DTYPES,
-                        help="only this dtype (repeatable)")
-    verify.add_argument("--mask", action="append", choices=harness.MASKS, help="only this mask form (repeatable)")
+                        help="only this dtype (repeatable; the covering grid covers the pairs of what is left)")
+    verify.add_argument("--mask", action="append", choices=harness.MASKS,
+                        help="only this mask form (repeatable; the covering grid covers the pairs of what is left)")
     verify.add_argument("--grid", choices=("covering", "full"),
                         help="the built-in grid: covering (the default: every pair of configuration, mask form, "
                              "dtype and implementation at least once) or full (every implementation on every case)")
