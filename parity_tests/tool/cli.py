@@ -5,8 +5,8 @@ grouped and multi-query heads, float64/float32/bfloat16) through both frameworks
 float64 oracle, forward and gradients: by default a covering grid, in which every pair of
 configuration, mask form, dtype and implementation runs, and with ``--grid full`` every
 implementation on every case. JAX's persistent compilation cache (``--compile-cache``, on
-unless ``--no-compile-cache``) makes a second run mostly reading compiled programs back. With ``--weights FILE`` it
-loads a checkpoint into both frameworks, compares them with the implementation the weights
+unless ``--no-compile-cache``) lets a second run read its compiled programs back. With
+``--weights FILE`` it loads a checkpoint into both frameworks, compares them with the implementation the weights
 came from (``--layout`` names it, else the file's keys show it; ``--source`` says how many heads it has) and then runs the
 grid on the checkpoint's weights. With ``--config config.json --weights FILE`` it verifies each
 attention layer of a transformers model (``from_hf`` in both frameworks against the layer of
