@@ -140,14 +140,16 @@ def test_verify_keeps_the_compile_cache_where_asked_and_only_while_it_runs(recor
     before = {name: getattr(jax.config, name) for name in compile_cache.SETTINGS}
     default = recorded("--mask", "none")
     assert default["compile_cache"] == os.environ[compile_cache.ENVIRONMENT]  # the tests' own directory
-    assert default["settings"] == {"jax_compilation_cache_dir": default["compile_cache"],
-                                   "jax_persistent_cache_min_compile_time_secs": 0.0,
-                                   "jax_persistent_cache_min_entry_size_bytes": -1}
+    assert default["settings"] == {
+        "jax_enable_compilation_cache": True, "jax_compilation_cache_dir": default["compile_cache"],
+        "jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
     assert {name: getattr(jax.config, name) for name in compile_cache.SETTINGS} == before
     asked = recorded("--mask", "none", "--compile-cache", str(tmp_path))
     assert asked["compile_cache"] == asked["settings"]["jax_compilation_cache_dir"] == str(tmp_path)
     off = recorded("--mask", "none", "--no-compile-cache")
-    assert off["compile_cache"] is None and off["settings"] == before
+    assert off["compile_cache"] is None and off["settings"] == {**before, "jax_enable_compilation_cache": False}
+    assert {name: getattr(jax.config, name) for name in compile_cache.SETTINGS} == before
     monkeypatch.delenv(compile_cache.ENVIRONMENT)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache.default_directory() == str(tmp_path / "xdg" / "mha-parity" / "jax")

@@ -15,9 +15,11 @@ from collections.abc import Iterator
 
 ENVIRONMENT = "MHA_PARITY_COMPILE_CACHE"  # a directory that overrides the default one
 
-# The settings ``use`` makes, and the values that keep every program.
+# The settings ``use`` makes: the cache on, in the directory given (None here), keeping every
+# program; or off.
 SETTINGS = {
-    "jax_compilation_cache_dir": None,  # the directory, set by ``use``
+    "jax_enable_compilation_cache": True,
+    "jax_compilation_cache_dir": None,
     "jax_persistent_cache_min_compile_time_secs": 0.0,
     "jax_persistent_cache_min_entry_size_bytes": -1,  # no minimum size, and none chosen for the filesystem
 }
@@ -32,24 +34,24 @@ def default_directory() -> str:
     return os.path.join(base, "mha-parity", "jax")
 
 
-def use(directory: str) -> None:
+def use(directory: str | None) -> None:
     """Every JAX program this process compiles from now on is looked up in ``directory``
-    first and written there after compiling (the directory is made when first needed)."""
+    first and written there after compiling (the directory is made when first needed); None:
+    no persistent cache at all, not even one that JAX's own settings ask for."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
-    for name, value in SETTINGS.items():
-        jax.config.update(name, directory if value is None else value)
-    compilation_cache.reset_cache()  # a cache this process opened before gives way to this one
+    if directory is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        for name, value in SETTINGS.items():
+            jax.config.update(name, directory if value is None else value)
+    compilation_cache.reset_cache()  # a cache this process opened before gives way
 
 
 @contextlib.contextmanager
 def using(directory: str | None) -> Iterator[None]:
-    """``use(directory)`` within the block, then the settings as they were before (and the
-    cache closed); None: nothing changes."""
-    if directory is None:
-        yield
-        return
+    """``use(directory)`` within the block, then the settings as they were before."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 

@@ -22,6 +22,7 @@ import queue
 import traceback
 from dataclasses import dataclass
 
+from parity_tests.tool import compile_cache as caching
 from parity_tests.tool import harness
 from parity_tests.tool.cases import SIDES, Case
 
@@ -73,7 +74,8 @@ def run_cases(cases: list[Case], *, weights=None, jit: bool = False, seed: int =
 
     With more than one worker the work is split by what the compiled programs share (see the
     module's docstring). ``compile_cache``: the directory of JAX's persistent compilation cache
-    for the workers (``compile_cache.use``), or None; this process keeps its own settings."""
+    for the workers, or None for none (``compile_cache.use``); this process keeps its own
+    settings."""
     if workers <= 1 or len(cases) < 2:
         results = []
         for case in cases:
@@ -164,10 +166,7 @@ def _work(w: int, inbox, outbox, x64: bool, compile_cache: str | None, weights, 
         import jax
 
         jax.config.update("jax_enable_x64", x64)
-        if compile_cache:
-            from parity_tests.tool import compile_cache as cache
-
-            cache.use(compile_cache)
+        caching.use(compile_cache)
         for sides, indexed in iter(inbox.get, None):
             if any(harness.IMPLEMENTATIONS[n][0] == "torch" for n in sides if n != "oracle"):
                 import torch  # not before: a worker of blockwise tasks never needs it
