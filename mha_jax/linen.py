@@ -128,12 +128,13 @@ class MultiHeadDotProductAttention(nn.Module):
         ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection, and later
         calls append to it as ``mha_jax.MultiHeadAttention``'s decoding does."""
         if inputs_kv is not None:
-            if inputs_k is not None or inputs_v is not None:
+            if inputs_k is not None or inputs_v is not None:  # flax's texts, which code matches
                 raise ValueError(
-                    "inputs_kv cannot be given with inputs_k or inputs_v; pass inputs_k and inputs_v "
-                    "(inputs_kv is deprecated in flax)"
+                    "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k and "
+                    "inputs_v (inputs_kv is deprecated in flax)"
                 )
-            warnings.warn("inputs_kv is deprecated in flax: pass inputs_k and inputs_v", DeprecationWarning, stacklevel=2)
+            warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
+                          DeprecationWarning, stacklevel=2)
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         local_window_size = self.local_window_size if local_window_size is None else local_window_size

@@ -437,7 +437,7 @@ def _self_attention(inputs_q, inputs_k, inputs_v):
     """flax's defaults for absent key and value inputs; True when keys are the queries."""
     if inputs_k is None and inputs_v is not None:
         raise ValueError(
-            "inputs_k cannot be None if inputs_v is not None; to use one array for both, pass it "
+            "`inputs_k` cannot be None if `inputs_v` is not None. To use one array for both, pass it "
             "as inputs_k and leave inputs_v as None"
         )
     self_attention = inputs_k is None or inputs_k is inputs_q
@@ -455,6 +455,10 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     each None unless asked for, with the inputs' batch axes. ``sinks``: the module's ``(num_heads,)``
     sink logits, if it has them; ``sequence_axis``: the ring's mesh axis, or None."""
     rate = module.dropout_rate
+    if module.attention_fn is None and _checks._dtype_kind(query) == "complex":
+        return _attend_complex(module, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+                               sow_weights=sow_weights, return_weights=return_weights, sinks=sinks, sequence_axis=sequence_axis,
+                               attention_fn_kwargs=attention_fn_kwargs)
     if module.attention_fn is not None and sequence_axis is not None:
         raise ValueError("sequence_axis reaches only this package's attention: leave attention_fn None to use it")
     if module.attention_fn is not None:
@@ -481,12 +485,41 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     )
     out, weights = result if want else (result, None)
     sown = None
+    # linen's force_fp32_for_softmax: flax sows a narrower dtype's weights as the float32 softmax gave them
+    wide = attention_fn_kwargs.get("force_fp32_for_softmax") and jnp.finfo(query.dtype).bits < 32
     if sow_weights:  # flax sows the weights before dropout
-        sown = weights if weights is not None and not dropped else _attention(
-            query, key, value, spec, return_weights=True, precision=module.precision, implementation="xla", **logits
+        sown = weights if weights is not None and not dropped and not wide else _attention(
+            *(x.astype(jnp.float32) if wide else x for x in (query, key, value)), spec, return_weights=True,
+            precision=module.precision, implementation="xla", **logits,
         )[1]
         sown = _neutral.unflatten_batch(sown, batch_shape)
     return out, None if weights is None or not return_weights else _neutral.unflatten_batch(weights, batch_shape), sown
+
+
+def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng, dropout_mask, sow_weights,
+                    return_weights, sinks, sequence_axis, attention_fn_kwargs):
+    """``_attend`` of complex inputs, which flax's classes take: flax's own
+    ``dot_product_attention`` (linen's or nnx's, as the module's class), called as flax calls
+    it; this package's additions to the attention need real inputs."""
+    given = [name for name, value in dict(
+        **_logit_terms(module, sinks), implementation=module.implementation, sequence_axis=sequence_axis,
+        dropout_mask=dropout_mask, return_weights=return_weights or None,
+    ).items() if value is not None]
+    if given:
+        raise ValueError(
+            f"complex inputs are attended by flax's dot_product_attention, which takes no {', '.join(given)}: "
+            f"pass real floating-point inputs to use {'them' if len(given) > 1 else 'it'}"
+        )
+    flax_fn = nnx.dot_product_attention if isinstance(module, nnx.Module) else _linen_attention()
+    out = _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, attention_fn_kwargs,
+                             attention_fn=flax_fn)
+    return out, None, None
+
+
+def _linen_attention():
+    from flax.linen import dot_product_attention  # linen is imported only where a linen module needs it
+
+    return dot_product_attention
 
 
 def _check_sequence_axis(sequence_axis):
@@ -540,10 +573,12 @@ def _qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
     return (y * (qk_norm.offset + scale.astype(compute))).astype(x.dtype)
 
 
-def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):
-    """A user's flax-style ``attention_fn``, called with flax's arguments on the inputs' batch
-    axes; what the spec holds beyond a native causal flag reaches it as a boolean mask."""
-    parameters = inspect.signature(module.attention_fn).parameters
+def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra, attention_fn=None):
+    """A user's flax-style ``attention_fn`` (default ``module.attention_fn``), called with flax's
+    arguments on the inputs' batch axes; what the spec holds beyond a native causal flag reaches
+    it as a boolean mask."""
+    attention_fn = module.attention_fn if attention_fn is None else attention_fn
+    parameters = inspect.signature(attention_fn).parameters
     # is_causal as flax passes it: always from nnx's class, never from linen's (whose function has
     # none: a linen attention_fn taking **kwargs may forward them to it), unless the function names it
     passes_causal = isinstance(module, nnx.Module) or "is_causal" in parameters
@@ -567,12 +602,12 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
         dropped = [name for name, value in kwargs.items() if name not in parameters and value not in (None, False)]
         if dropped:
             raise TypeError(
-                f"attention_fn {getattr(module.attention_fn, '__name__', module.attention_fn)!r} takes no "
+                f"attention_fn {getattr(attention_fn, '__name__', attention_fn)!r} takes no "
                 f"{', '.join(dropped)}, which this call needs"
             )
         kwargs = {name: value for name, value in kwargs.items() if name in parameters}
     q, k, v = (_neutral.unflatten_batch(x, batch_shape) for x in (query, key, value))
-    out = module.attention_fn(q, k, v, **kwargs)
+    out = attention_fn(q, k, v, **kwargs)
     return out.reshape(query.shape[:2] + out.shape[-2:])
 
 
@@ -597,7 +632,9 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features
         ("inputs_k", inputs_k, in_kv_features, "in_kv_features"),
         ("inputs_v", inputs_v, in_kv_features, "in_kv_features"),
     ):
-        _checks.require_float(name, x)
+        _checks.require_array(name, x)
+        if _checks._dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
+            _checks.require_float(name, x)
         if x.ndim < 2:
             raise ValueError(f"{name} must have rank 2 or more {INPUT_LAYOUT}, got shape {tuple(x.shape)}")
         if x.shape[-1] != features:
