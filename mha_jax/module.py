@@ -190,10 +190,10 @@ class MultiHeadAttention(nnx.Module):
         )
         self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
-        self.cached_key = nnx.data(None)
-        self.cached_value = nnx.data(None)
-        self.cache_index = nnx.data(None)
-        self.cache_overflow = nnx.data(None)
+
+    # No cache until init_cache (or nnx.update with a cache's state, ours or flax's): as in flax's
+    # class, the instance has no such attributes, so that nnx.update can add them.
+    cached_key = cached_value = cache_index = cache_overflow = None
 
     def __call__(
         self,
@@ -295,7 +295,9 @@ class MultiHeadAttention(nnx.Module):
         ``(*batch, max_length, num_kv_heads, head_dim)`` (key/value heads only), ``cache_index``
         holds each row's next position ``(*batch,)`` (flax: one for all rows, ``()``), and
         ``cache_overflow`` ``(*batch,)`` turns True when a step inside ``jit`` overwrote a position
-        a query could still see (outside ``jit`` that step raises instead)."""
+        a query could still see (outside ``jit`` that step raises instead). A cache flax's class
+        made, given by ``nnx.update`` (a scalar ``cache_index``, no flag), is taken as every row
+        at that position; the next step leaves one index per row and the flag."""
         input_shape = tuple(input_shape)
         if len(input_shape) < 2 or not all(isinstance(n, int) and n >= 0 for n in input_shape) or input_shape[-2] < 1:
             raise ValueError(f"input_shape must be (*batch, max_length, features) with max_length >= 1, got {input_shape}")
@@ -327,10 +329,11 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or nnx.view(..., decode=True, batch_size=, max_length=) first")
         _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
         _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
-        cache = _Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], self.cache_overflow[...])
         batch_shape, (inputs_q, inputs_k, inputs_v), terms = _neutral.flatten_batch(
             (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
         )
+        overflow = None if self.cache_overflow is None else self.cache_overflow[...]
+        cache = _as_ours(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow, batch_shape)
         cache = _check_cache(cache, batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads, self.head_dim, forbidden)
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
@@ -342,8 +345,11 @@ class MultiHeadAttention(nnx.Module):
         cache, spec = _decode_step(cache, key, value, self.num_heads, mask=terms["mask"], bias=terms["bias"],
                                    is_causal=is_causal, query_positions=pos, local_window_size=local_window_size)
         self.cached_key[...], self.cached_value[...] = (x.reshape(self.cached_key.shape) for x in (cache.key, cache.value))
-        self.cache_index[...] = cache.end.reshape(self.cache_index.shape)
-        self.cache_overflow[...] = cache.overflow.reshape(self.cache_overflow.shape)
+        self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
+        if self.cache_overflow is None:  # flax's cache has no flag: it is made here
+            self.cache_overflow = nnx.Cache(cache.overflow.reshape(batch_shape))
+        else:
+            self.cache_overflow[...] = cache.overflow.reshape(batch_shape)
         dropping = self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
         out, weights, sown = _attend(
@@ -366,6 +372,14 @@ class _Cache:
     value: jax.Array
     end: jax.Array
     overflow: jax.Array
+
+
+def _as_ours(key, value, index, overflow, batch_shape) -> _Cache:
+    """A cache of ours, or one flax's class made (a scalar ``cache_index``: every row at that
+    position; no ``cache_overflow``: nothing overwritten), as ours: ``index`` ``(*batch,)``."""
+    index = jnp.asarray(index)
+    index = jnp.broadcast_to(index, batch_shape) if index.ndim == 0 else index
+    return _Cache(key, value, index, jnp.zeros(index.shape, bool) if overflow is None else overflow)
 
 
 def _check_cache(cache: _Cache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int, forbidden) -> _Cache:
