@@ -462,6 +462,50 @@ def test_a_cache_made_by_flax_decodes_in_ours(framework):
     assert np.array_equal(later_tokens, tokens[:, 3:]) and _rel(later_outs, outs[:, 3:]) <= TOL["float64"]
 
 
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_flax_float_masks_while_decoding(framework):
+    """flax's own float32 0/1 masks (``make_attention_mask`` of keys with holes combined by
+    ``combine_masks`` with ``make_causal_mask``), their rows for each step spanning the cache,
+    while decoding in chunks (nnx ``decode=True``, linen's ``'cache'``): the full pass with the
+    whole mask, and the same decoding with the mask as bool (nonzero = attend, never additive)."""
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(B, T, E)))
+    keys = np.ones((B, T), np.int32)
+    keys[0, [1, 4, 7]] = keys[1, [2, 3]] = 0  # holes; every query still sees key 0
+    make = nnx if framework == "nnx" else linen
+    mask = make.combine_masks(make.make_attention_mask(jnp.ones((B, T)), jnp.asarray(keys)), make.make_causal_mask(jnp.ones((B, T))))
+    assert mask.dtype == jnp.float32 and mask.shape == (B, 1, T, T)
+    if framework == "nnx":
+        layer = mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True, rngs=nnx.Rngs(0))
+
+        def full_pass(mask):
+            return layer(x, mask=mask, decode=False)
+
+        def decode(mask):
+            layer.init_cache((B, T, E), jnp.float64)
+            return [layer(x[:, t:t + n], mask=mask[:, :, t:t + n]) for t, n in ((0, 3), (3, 1), (4, 4), (8, 2))]
+    else:
+        module = mha_jax.linen.MultiHeadDotProductAttention(H, num_kv_heads=2, param_dtype=jnp.float64, decode=True)
+        variables = module.init(jax.random.key(0), x)
+
+        def full_pass(mask):
+            plain = mha_jax.linen.MultiHeadDotProductAttention(H, num_kv_heads=2, param_dtype=jnp.float64)
+            return plain.apply({"params": variables["params"]}, x, mask=mask)
+
+        def decode(mask):
+            outs, state = [], variables
+            for t, n in ((0, 3), (3, 1), (4, 4), (8, 2)):
+                out, cache = module.apply(state, x[:, t:t + n], mask=mask[:, :, t:t + n], mutable=["cache"])
+                outs.append(out)
+                state = {**state, **cache}
+            return outs
+
+    full = full_pass(mask)
+    assert _rel(full, full_pass(make.make_causal_mask(jnp.ones((B, T))))) > 1e-2  # the holes act
+    floats, bools = jnp.concatenate(decode(mask), axis=1), jnp.concatenate(decode(mask != 0), axis=1)
+    assert _rel(floats, full) <= TOL["float64"]
+    assert _rel(floats, bools) <= TOL["float64"]
+
+
 def test_bad_caches_fail_by_name():
     layer, twin, xj, xt = _pair(2, "float32")
     with pytest.raises(ValueError, match="decode=True needs a cache: call init_cache"):
