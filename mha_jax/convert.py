@@ -42,7 +42,7 @@ def from_torch(
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
-    layout: str = "mha_torch",
+    layout: str | None = None,
     mapping: Mapping[str, str] | None = None,
     prefix: str = "",
     ignore: Sequence[str] = (),
@@ -59,7 +59,8 @@ def from_torch(
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
     (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"``
     (``qkv_proj/o_proj``), or ``"auto"``: the one the keys show (an error naming the likely
-    layouts when they show none or several). ``mapping`` instead gives any other scheme: projection
+    layouts when they show none or several). Not given: the one the keys show when exactly one
+    fits, else ``"mha_torch"`` (whose errors then name the likely layouts too). ``mapping`` instead gives any other scheme: projection
     (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, or the fused ``qkv_proj``/``kv_proj``) ->
     name, read as ``name.weight``/``name.bias``. Names are relative to ``prefix``; keys outside
     it are not read, and keys under it must be used or named (by their start) in ``ignore``.
@@ -148,7 +149,7 @@ def load_weights(
     module: Any,
     state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
     *,
-    layout: str = "mha_torch",
+    layout: str | None = None,
     mapping: Mapping[str, str] | None = None,
     prefix: str = "",
     ignore: Sequence[str] = (),

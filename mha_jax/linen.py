@@ -21,8 +21,8 @@ from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 from mha_jax import _cache, masks
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_jax.module import (
+    _as_ours,
     _attend,
-    _Cache,
     _check_cache,
     _check_inputs,
     _check_sequence_axis,
@@ -129,12 +129,13 @@ class MultiHeadDotProductAttention(nn.Module):
         ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection, and later
         calls append to it as ``mha_jax.MultiHeadAttention``'s decoding does."""
         if inputs_kv is not None:
-            if inputs_k is not None or inputs_v is not None:
+            if inputs_k is not None or inputs_v is not None:  # flax's texts, which code matches
                 raise ValueError(
-                    "inputs_kv cannot be given with inputs_k or inputs_v; pass inputs_k and inputs_v "
-                    "(inputs_kv is deprecated in flax)"
+                    "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k and "
+                    "inputs_v (inputs_kv is deprecated in flax)"
                 )
-            warnings.warn("inputs_kv is deprecated in flax: pass inputs_k and inputs_v", DeprecationWarning, stacklevel=2)
+            warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
+                          DeprecationWarning, stacklevel=2)
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         local_window_size = self.local_window_size if local_window_size is None else local_window_size
@@ -213,7 +214,9 @@ class MultiHeadDotProductAttention(nn.Module):
     def _cached(self, query, key, value, batch_shape, decoding, *, spec, forbidden, query_positions, **terms):
         """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
         which attends as without a cache; later calls rotate the new queries and keys at their
-        positions, append them to it and attend over it: ``(query, key, value, spec)``."""
+        positions, append them to it and attend over it: ``(query, key, value, spec)``. A cache
+        flax's class made (a scalar ``cache_index``, no ``cache_overflow``) is taken as every
+        row at that position, and leaves as ours."""
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, kv_shape, value.dtype)
@@ -221,13 +224,14 @@ class MultiHeadDotProductAttention(nn.Module):
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
             return query, key, value, spec
-        cache = _Cache(cached_key.value, cached_value.value, index.value, overflow.value)
+        cache = _as_ours(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape)
         cache = _check_cache(cache, batch_shape, key.shape[0], key.shape[1], key.shape[2], key.shape[3], forbidden)
         pos = _cache.positions(cache.end, query.shape[1], query_positions)
         query, key = _rotate(self.rotary, query, key, pos, pos)
         cache, spec = _decode_step(cache, key, value, self.num_heads, query_positions=pos, **terms)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
-        index.value, overflow.value = cache.end.reshape(index.value.shape), cache.overflow.reshape(overflow.value.shape)
+        # flax's cache (a scalar index, no flag: made above) becomes ours
+        index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)
         return query, cache.key.astype(key.dtype), cache.value.astype(value.dtype), spec
 
     def _einsums(self) -> dict:

@@ -191,10 +191,10 @@ class MultiHeadAttention(nnx.Module):
         )
         self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
-        self.cached_key = nnx.data(None)
-        self.cached_value = nnx.data(None)
-        self.cache_index = nnx.data(None)
-        self.cache_overflow = nnx.data(None)
+
+    # No cache until init_cache (or nnx.update with a cache's state, ours or flax's): as in flax's
+    # class, the instance has no such attributes, so that nnx.update can add them.
+    cached_key = cached_value = cache_index = cache_overflow = None
 
     def __call__(
         self,
@@ -296,7 +296,9 @@ class MultiHeadAttention(nnx.Module):
         ``(*batch, max_length, num_kv_heads, head_dim)`` (key/value heads only), ``cache_index``
         holds each row's next position ``(*batch,)`` (flax: one for all rows, ``()``), and
         ``cache_overflow`` ``(*batch,)`` turns True when a step inside ``jit`` overwrote a position
-        a query could still see (outside ``jit`` that step raises instead)."""
+        a query could still see (outside ``jit`` that step raises instead). A cache flax's class
+        made, given by ``nnx.update`` (a scalar ``cache_index``, no flag), is taken as every row
+        at that position; the next step leaves one index per row and the flag."""
         input_shape = tuple(input_shape)
         if len(input_shape) < 2 or not all(isinstance(n, int) and n >= 0 for n in input_shape) or input_shape[-2] < 1:
             raise ValueError(f"input_shape must be (*batch, max_length, features) with max_length >= 1, got {input_shape}")
@@ -328,10 +330,11 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or nnx.view(..., decode=True, batch_size=, max_length=) first")
         _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
         _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
-        cache = _Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], self.cache_overflow[...])
         batch_shape, (inputs_q, inputs_k, inputs_v), terms = batch_axes.flatten_batch(
             (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
         )
+        overflow = None if self.cache_overflow is None else self.cache_overflow[...]
+        cache = _as_ours(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow, batch_shape)
         cache = _check_cache(cache, batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads, self.head_dim, forbidden)
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
@@ -343,8 +346,11 @@ class MultiHeadAttention(nnx.Module):
         cache, spec = _decode_step(cache, key, value, self.num_heads, mask=terms["mask"], bias=terms["bias"],
                                    is_causal=is_causal, query_positions=pos, local_window_size=local_window_size)
         self.cached_key[...], self.cached_value[...] = (x.reshape(self.cached_key.shape) for x in (cache.key, cache.value))
-        self.cache_index[...] = cache.end.reshape(self.cache_index.shape)
-        self.cache_overflow[...] = cache.overflow.reshape(self.cache_overflow.shape)
+        self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
+        if self.cache_overflow is None:  # flax's cache has no flag: it is made here
+            self.cache_overflow = nnx.Cache(cache.overflow.reshape(batch_shape))
+        else:
+            self.cache_overflow[...] = cache.overflow.reshape(batch_shape)
         dropping = self.dropout_rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
         out, weights, sown = _attend(
@@ -367,6 +373,14 @@ class _Cache:
     value: jax.Array
     end: jax.Array
     overflow: jax.Array
+
+
+def _as_ours(key, value, index, overflow, batch_shape) -> _Cache:
+    """A cache of ours, or one flax's class made (a scalar ``cache_index``: every row at that
+    position; no ``cache_overflow``: nothing overwritten), as ours: ``index`` ``(*batch,)``."""
+    index = jnp.asarray(index)
+    index = jnp.broadcast_to(index, batch_shape) if index.ndim == 0 else index
+    return _Cache(key, value, index, jnp.zeros(index.shape, bool) if overflow is None else overflow)
 
 
 def _check_cache(cache: _Cache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int, forbidden) -> _Cache:
@@ -438,7 +452,7 @@ def _self_attention(inputs_q, inputs_k, inputs_v):
     """flax's defaults for absent key and value inputs; True when keys are the queries."""
     if inputs_k is None and inputs_v is not None:
         raise ValueError(
-            "inputs_k cannot be None if inputs_v is not None; to use one array for both, pass it "
+            "`inputs_k` cannot be None if `inputs_v` is not None. To use one array for both, pass it "
             "as inputs_k and leave inputs_v as None"
         )
     self_attention = inputs_k is None or inputs_k is inputs_q
@@ -456,6 +470,10 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     each None unless asked for, with the inputs' batch axes. ``sinks``: the module's ``(num_heads,)``
     sink logits, if it has them; ``sequence_axis``: the ring's mesh axis, or None."""
     rate = module.dropout_rate
+    if module.attention_fn is None and _checks._dtype_kind(query) == "complex":
+        return _attend_complex(module, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+                               sow_weights=sow_weights, return_weights=return_weights, sinks=sinks, sequence_axis=sequence_axis,
+                               attention_fn_kwargs=attention_fn_kwargs)
     if module.attention_fn is not None and sequence_axis is not None:
         raise ValueError("sequence_axis reaches only this package's attention: leave attention_fn None to use it")
     if module.attention_fn is not None:
@@ -482,12 +500,41 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     )
     out, weights = result if want else (result, None)
     sown = None
+    # linen's force_fp32_for_softmax: flax sows a narrower dtype's weights as the float32 softmax gave them
+    wide = attention_fn_kwargs.get("force_fp32_for_softmax") and jnp.finfo(query.dtype).bits < 32
     if sow_weights:  # flax sows the weights before dropout
-        sown = weights if weights is not None and not dropped else _attention(
-            query, key, value, spec, return_weights=True, precision=module.precision, implementation="xla", **logits
+        sown = weights if weights is not None and not dropped and not wide else _attention(
+            *(x.astype(jnp.float32) if wide else x for x in (query, key, value)), spec, return_weights=True,
+            precision=module.precision, implementation="xla", **logits,
         )[1]
         sown = batch_axes.unflatten_batch(sown, batch_shape)
     return out, None if weights is None or not return_weights else batch_axes.unflatten_batch(weights, batch_shape), sown
+
+
+def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng, dropout_mask, sow_weights,
+                    return_weights, sinks, sequence_axis, attention_fn_kwargs):
+    """``_attend`` of complex inputs, which flax's classes take: flax's own
+    ``dot_product_attention`` (linen's or nnx's, as the module's class), called as flax calls
+    it; this package's additions to the attention need real inputs."""
+    given = [name for name, value in dict(
+        **_logit_terms(module, sinks), implementation=module.implementation, sequence_axis=sequence_axis,
+        dropout_mask=dropout_mask, return_weights=return_weights or None,
+    ).items() if value is not None]
+    if given:
+        raise ValueError(
+            f"complex inputs are attended by flax's dot_product_attention, which takes no {', '.join(given)}: "
+            f"pass real floating-point inputs to use {'them' if len(given) > 1 else 'it'}"
+        )
+    flax_fn = nnx.dot_product_attention if isinstance(module, nnx.Module) else _linen_attention()
+    out = _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, attention_fn_kwargs,
+                             attention_fn=flax_fn)
+    return out, None, None
+
+
+def _linen_attention():
+    from flax.linen import dot_product_attention  # linen is imported only where a linen module needs it
+
+    return dot_product_attention
 
 
 def _check_sequence_axis(sequence_axis):
@@ -541,10 +588,12 @@ def _qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
     return (y * (qk_norm.offset + scale.astype(compute))).astype(x.dtype)
 
 
-def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):
-    """A user's flax-style ``attention_fn``, called with flax's arguments on the inputs' batch
-    axes; what the spec holds beyond a native causal flag reaches it as a boolean mask."""
-    parameters = inspect.signature(module.attention_fn).parameters
+def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra, attention_fn=None):
+    """A user's flax-style ``attention_fn`` (default ``module.attention_fn``), called with flax's
+    arguments on the inputs' batch axes; what the spec holds beyond a native causal flag reaches
+    it as a boolean mask."""
+    attention_fn = module.attention_fn if attention_fn is None else attention_fn
+    parameters = inspect.signature(attention_fn).parameters
     # is_causal as flax passes it: always from nnx's class, never from linen's (whose function has
     # none: a linen attention_fn taking **kwargs may forward them to it), unless the function names it
     passes_causal = isinstance(module, nnx.Module) or "is_causal" in parameters
@@ -568,12 +617,12 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
         dropped = [name for name, value in kwargs.items() if name not in parameters and value not in (None, False)]
         if dropped:
             raise TypeError(
-                f"attention_fn {getattr(module.attention_fn, '__name__', module.attention_fn)!r} takes no "
+                f"attention_fn {getattr(attention_fn, '__name__', attention_fn)!r} takes no "
                 f"{', '.join(dropped)}, which this call needs"
             )
         kwargs = {name: value for name, value in kwargs.items() if name in parameters}
     q, k, v = (batch_axes.unflatten_batch(x, batch_shape) for x in (query, key, value))
-    out = module.attention_fn(q, k, v, **kwargs)
+    out = attention_fn(q, k, v, **kwargs)
     return out.reshape(query.shape[:2] + out.shape[-2:])
 
 
@@ -598,7 +647,9 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features
         ("inputs_k", inputs_k, in_kv_features, "in_kv_features"),
         ("inputs_v", inputs_v, in_kv_features, "in_kv_features"),
     ):
-        _checks.require_float(name, x)
+        _checks.require_array(name, x)
+        if _checks._dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
+            _checks.require_float(name, x)
         if x.ndim < 2:
             raise ValueError(f"{name} must have rank 2 or more {INPUT_LAYOUT}, got shape {tuple(x.shape)}")
         if x.shape[-1] != features:

@@ -117,7 +117,7 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
 def read_layout(
     state: Mapping[str, Any],
     *,
-    layout: str = "mha_torch",
+    layout: str | None = None,
     mapping: Mapping[str, str] | None = None,
     prefix: str = "",
     ignore: Sequence[str] = (),
@@ -128,7 +128,9 @@ def read_layout(
     """``mha_torch`` names -> arrays, from a checkpoint in another naming scheme.
 
     ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"`` (read by ``mha_jax.to_torch``), or
-    ``"auto"``: the layout the keys under the prefix show (``detect_layout``). Only keys
+    ``"auto"``: the layout the keys under the prefix show (``detect_layout``), or None (not
+    given): that layout when exactly one fits, else ``"mha_torch"``, whose errors then also name
+    the layouts the keys fit or look like (``mapping`` given: ``"mha_torch"``). Only keys
     starting with ``prefix`` are read; the rest of a bigger checkpoint is left alone. Every key
     under the prefix must be used, or named (by its start, relative to the prefix) in
     ``ignore``. Fused weights ``((heads + 2 * kv_heads) * head_dim, in)`` are split by rows into
@@ -142,9 +144,19 @@ def read_layout(
     if isinstance(ignore, str) or not all(isinstance(i, str) and i for i in ignore):
         raise TypeError(f"ignore must be a sequence of non-empty str, got {ignore!r}")
     selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    where = f"the keys under prefix {prefix!r}" if prefix else "the keys"
     detected = layout == AUTO and mapping is None
-    if detected and selected:
-        layout = detect_layout(selected, where=f"the keys under prefix {prefix!r}" if prefix else "the keys")
+    undetected = None  # layout not given, and the keys fit no layout or several: why, for the errors
+    if layout is None:
+        layout = "mha_torch"  # as before layouts were read from the keys
+        if mapping is None and selected:
+            try:
+                layout = detect_layout(selected, where=where)
+            except ValueError as error:
+                undetected = str(error)
+            detected = layout != "mha_torch"
+    elif detected and selected:
+        layout = detect_layout(selected, where=where)
     sources = _sources(layout, mapping)
     if not selected:
         raise ValueError(
@@ -204,6 +216,7 @@ def read_layout(
         if not detected and mapping is None:
             problems += _looks_like(selected, layout)
     if problems:
+        problems += [undetected] if undetected else []
         named = _name(layout, mapping) + (", detected from the keys" if detected else "")
         raise ValueError(f"state_dict (layout {named}): " + "; ".join(dict.fromkeys(problems)))
     return out

@@ -22,7 +22,7 @@ def load_weights(
     module: torch.nn.Module,
     state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
     *,
-    layout: str = "mha_torch",
+    layout: str | None = None,
     mapping: Mapping[str, str] | None = None,
     prefix: str = "",
     ignore: Sequence[str] = (),

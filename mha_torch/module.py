@@ -481,7 +481,7 @@ def _self_attention(query, key, value):
     """The defaults for absent key and value inputs; True when the keys are the queries."""
     if key is None and value is not None:
         raise ValueError(
-            "key cannot be None if value is not None; to use one tensor for both, pass it "
+            "`key` cannot be None if `value` is not None. To use one tensor for both, pass it "
             "as key and leave value as None"
         )
     self_attention = key is None or key is query

@@ -394,6 +394,118 @@ def test_flax_decode_loops_give_our_outputs():
     assert _rel(jnp.concatenate(a, axis=1), jnp.concatenate(b, axis=1)) <= TOL["float64"]
 
 
+def _greedy(step, embed, first, n):
+    """``n`` greedy steps of a one-layer toy decoder from tokens ``first`` ``(batch,)``: ``step``
+    maps an embedded token ``(batch, 1, E)`` to ``(batch, 1, E)``, scored against ``embed``
+    ``(vocab, E)``; the tokens ``(batch, n + 1)`` and outputs ``(batch, n, E)``."""
+    tokens, outs = [first], []
+    for _ in range(n):
+        out = step(embed[tokens[-1]][:, None])
+        outs.append(out)
+        tokens.append(jnp.argmax(out[:, 0] @ embed.T, axis=-1))
+    return jnp.stack(tokens, axis=1), jnp.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_a_cache_made_by_flax_decodes_in_ours(framework):
+    """A cache flax's class made (a scalar ``cache_index``, no ``cache_overflow``), fresh or after
+    3 of flax's steps, taken by ours (linen: as the ``'cache'`` collection; nnx: ``nnx.update``
+    of its state): the same greedy tokens and outputs as flax's own loop, and ours' per-row
+    index and flag after."""
+    embed = jnp.asarray(np.random.default_rng(8).normal(size=(11, E)))
+    first = jnp.array([3, 7])
+    if framework == "nnx":
+        def flax_module():
+            module = nnx.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True,
+                                            attention_fn=_flax_exact, rngs=nnx.Rngs(0))
+            module.init_cache((B, T, E), jnp.float64)
+            return module
+
+        def continue_in_ours(theirs, n, tokens):
+            ours = mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True, rngs=nnx.Rngs(0))
+            nnx.update(ours, nnx.state(theirs, nnx.Cache))
+            assert ours.cache_overflow is None  # flax's cache: the step makes the flag
+            out = _greedy(ours, embed, tokens, n)
+            return out, (ours.cache_index[...], ours.cache_overflow[...])
+    else:
+        ours_linen = mha_jax.linen.MultiHeadDotProductAttention(H, param_dtype=jnp.float64, decode=True)
+        flax_linen = linen.MultiHeadDotProductAttention(H, param_dtype=jnp.float64, decode=True)
+        variables = flax_linen.init(jax.random.key(0), jnp.zeros((B, T, E)))
+
+        class Looped:  # a linen module with its variables, called as the nnx one
+            def __init__(self, module, variables):
+                self.module, self.variables = module, variables
+
+            def __call__(self, x):
+                out, cache = self.module.apply(self.variables, x, mutable=["cache"])
+                self.variables = {**self.variables, **cache}
+                return out
+
+        def flax_module():
+            return Looped(flax_linen, variables)
+
+        def continue_in_ours(theirs, n, tokens):
+            assert set(theirs.variables["cache"]) == {"cached_key", "cached_value", "cache_index"}
+            assert theirs.variables["cache"]["cache_index"].shape == ()
+            ours = Looped(ours_linen, theirs.variables)
+            out = _greedy(ours, embed, tokens, n)
+            return out, (ours.variables["cache"]["cache_index"], ours.variables["cache"]["cache_overflow"])
+
+    tokens, outs = _greedy(flax_module(), embed, first, 8)  # flax's own loop
+    assert len(np.unique(np.asarray(tokens))) > 3  # tokens that depend on what came before
+    (fresh_tokens, fresh_outs), (index, overflow) = continue_in_ours(flax_module(), 8, first)
+    assert np.array_equal(fresh_tokens, tokens) and _rel(fresh_outs, outs) <= TOL["float64"]
+    assert index.tolist() == [8, 8] and overflow.tolist() == [False, False]
+    theirs = flax_module()
+    _greedy(theirs, embed, first, 3)
+    (later_tokens, later_outs), _ = continue_in_ours(theirs, 5, tokens[:, 3])
+    assert np.array_equal(later_tokens, tokens[:, 3:]) and _rel(later_outs, outs[:, 3:]) <= TOL["float64"]
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_flax_float_masks_while_decoding(framework):
+    """flax's own float32 0/1 masks (``make_attention_mask`` of keys with holes combined by
+    ``combine_masks`` with ``make_causal_mask``), their rows for each step spanning the cache,
+    while decoding in chunks (nnx ``decode=True``, linen's ``'cache'``): the full pass with the
+    whole mask, and the same decoding with the mask as bool (nonzero = attend, never additive)."""
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(B, T, E)))
+    keys = np.ones((B, T), np.int32)
+    keys[0, [1, 4, 7]] = keys[1, [2, 3]] = 0  # holes; every query still sees key 0
+    make = nnx if framework == "nnx" else linen
+    mask = make.combine_masks(make.make_attention_mask(jnp.ones((B, T)), jnp.asarray(keys)), make.make_causal_mask(jnp.ones((B, T))))
+    assert mask.dtype == jnp.float32 and mask.shape == (B, 1, T, T)
+    if framework == "nnx":
+        layer = mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True, rngs=nnx.Rngs(0))
+
+        def full_pass(mask):
+            return layer(x, mask=mask, decode=False)
+
+        def decode(mask):
+            layer.init_cache((B, T, E), jnp.float64)
+            return [layer(x[:, t:t + n], mask=mask[:, :, t:t + n]) for t, n in ((0, 3), (3, 1), (4, 4), (8, 2))]
+    else:
+        module = mha_jax.linen.MultiHeadDotProductAttention(H, num_kv_heads=2, param_dtype=jnp.float64, decode=True)
+        variables = module.init(jax.random.key(0), x)
+
+        def full_pass(mask):
+            plain = mha_jax.linen.MultiHeadDotProductAttention(H, num_kv_heads=2, param_dtype=jnp.float64)
+            return plain.apply({"params": variables["params"]}, x, mask=mask)
+
+        def decode(mask):
+            outs, state = [], variables
+            for t, n in ((0, 3), (3, 1), (4, 4), (8, 2)):
+                out, cache = module.apply(state, x[:, t:t + n], mask=mask[:, :, t:t + n], mutable=["cache"])
+                outs.append(out)
+                state = {**state, **cache}
+            return outs
+
+    full = full_pass(mask)
+    assert _rel(full, full_pass(make.make_causal_mask(jnp.ones((B, T))))) > 1e-2  # the holes act
+    floats, bools = jnp.concatenate(decode(mask), axis=1), jnp.concatenate(decode(mask != 0), axis=1)
+    assert _rel(floats, full) <= TOL["float64"]
+    assert _rel(floats, bools) <= TOL["float64"]
+
+
 def test_bad_caches_fail_by_name():
     layer, twin, xj, xt = _pair(2, "float32")
     with pytest.raises(ValueError, match="decode=True needs a cache: call init_cache"):

@@ -315,6 +315,11 @@ def test_linen_equals_flax_linen(options):
     _assert_trees_close(grads_a, grads_b, 10 * TOL["float64"])
 
 
+FLAX_INPUTS_KV_WARNING = "The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead."
+FLAX_INPUTS_KV_ERROR = "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None."
+FLAX_INPUTS_K_ERROR = "`inputs_k` cannot be None if `inputs_v` is not None."
+
+
 def test_linen_dropout_aliases_and_inputs_kv():
     x, _, mask = _inputs("self", (2,))
     kw = dict(num_heads=4, dropout_rate=0.3, deterministic=False, param_dtype=jnp.float64)
@@ -324,9 +329,14 @@ def test_linen_dropout_aliases_and_inputs_kv():
     for ours, theirs in pairs:
         a, variables = ours.init_with_output(rngs, x, x, mask=mask)
         assert _rel(a, theirs.apply(variables, x, x, mask=mask, rngs={"dropout": jax.random.key(1)})) <= TOL["float64"]
-        with pytest.warns(DeprecationWarning):
-            b = ours.apply(variables, x, inputs_kv=x, mask=mask, rngs={"dropout": jax.random.key(1)})
-        assert np.array_equal(a, b)
+        b = {}
+        for name, module in (("ours", ours), ("flax", theirs)):  # flax's text, which code matches
+            with pytest.warns(DeprecationWarning, match=re.escape(FLAX_INPUTS_KV_WARNING)):
+                b[name] = module.apply(variables, x, inputs_kv=x, mask=mask, rngs={"dropout": jax.random.key(1)})
+            for kwargs, message in (dict(inputs_kv=x, inputs_v=x), FLAX_INPUTS_KV_ERROR), (dict(inputs_v=x), FLAX_INPUTS_K_ERROR):
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    module.apply(variables, x, **kwargs)
+        assert np.array_equal(a, b["ours"]) and _rel(b["ours"], b["flax"]) <= TOL["float64"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         ours, theirs = mha_jax.linen.SelfAttention(4, param_dtype=jnp.float64), linen.SelfAttention(4, param_dtype=jnp.float64)
@@ -360,6 +370,58 @@ def test_linen_attention_fn_and_force_fp32_for_softmax(force_fp32_for_softmax):
     ours, theirs = mha_jax.linen.MultiHeadDotProductAttention(**kw), linen.MultiHeadDotProductAttention(**kw)
     a, b = ours.apply(variables, x, mask=mask), theirs.apply(variables, x, mask=mask)
     assert a.dtype == b.dtype == jnp.bfloat16 and _rel(a, b) <= 2e-2
+
+
+@pytest.mark.parametrize("force_fp32_for_softmax", [False, True])
+def test_linen_force_fp32_for_softmax_sows_float32_weights(force_fp32_for_softmax):
+    """In bfloat16, flax sows the weights as its float32 softmax gave them when
+    ``force_fp32_for_softmax`` is set (else in bfloat16); ours sow the same dtype, within
+    bfloat16's tolerance of flax's (flax forms the logits in bfloat16, ours in float32)."""
+    x, _, mask = _inputs("self", (2,), jnp.float32)
+    kw = dict(num_heads=4, dtype=jnp.bfloat16, force_fp32_for_softmax=force_fp32_for_softmax)
+    ours, theirs = mha_jax.linen.MultiHeadDotProductAttention(**kw), linen.MultiHeadDotProductAttention(**kw)
+    variables = theirs.init(jax.random.key(0), x)
+    sown = [m.apply(variables, x, mask=mask, sow_weights=True, mutable=["intermediates"])[1]["intermediates"]["attention_weights"][0]
+            for m in (ours, theirs)]
+    assert sown[0].dtype == sown[1].dtype == (jnp.float32 if force_fp32_for_softmax else jnp.bfloat16)
+    assert sown[0].shape == (2, 4, L, L) and _rel(sown[0], sown[1]) <= 2e-2
+    returned = ours.apply(variables, x, mask=mask, return_weights=True)[1]  # the returned weights keep the inputs' dtype
+    assert returned.dtype == jnp.bfloat16 and _rel(returned, sown[0]) <= 1e-2
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_complex_inputs_as_flax_takes_them(framework):
+    """flax's classes take complex inputs (its dtype inferred from them): ours give flax's complex
+    output, sown weights and gradients; what flax's attention has no argument for is refused."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, L, E)) + 1j * rng.normal(size=(2, L, E)), jnp.complex64)
+    _, _, mask = _inputs("self", (2,))
+    if framework == "nnx":
+        ours, theirs = _pair("self", jnp.float32, bias_init=nnx.initializers.normal(0.5))
+
+        def run(model, x, sow_weights=True, **kw):
+            out = model(x, mask=mask, sow_weights=sow_weights, **kw)
+            return out, nnx.pop(model, nnx.Intermediate)["attention_weights"][0] if sow_weights else None
+
+        params = None
+    else:
+        ours, theirs = (cls(4, bias_init=nnx.initializers.normal(0.5)) for cls in
+                        (mha_jax.linen.MultiHeadDotProductAttention, linen.MultiHeadDotProductAttention))
+        params = theirs.init(jax.random.key(0), x)
+
+        def run(model, x, sow_weights=True, **kw):
+            out, state = model.apply(params, x, mask=mask, sow_weights=sow_weights, mutable=["intermediates"], **kw)
+            return out, state["intermediates"]["attention_weights"][0] if sow_weights else None
+
+    (a, weights_a), (b, weights_b) = run(ours, x), run(theirs, x)
+    assert a.dtype == b.dtype == jnp.complex64 and a.shape == x.shape
+    assert _rel(a, b) <= TOL["float32"] and _rel(weights_a, weights_b) <= TOL["float32"]
+    grads = [jax.grad(lambda x, m=m: jnp.sum(jnp.abs(run(m, x, sow_weights=False)[0]) ** 2))(x) for m in (ours, theirs)]
+    assert _rel(*grads) <= 10 * TOL["float32"]
+    with pytest.raises(ValueError, match="complex inputs are attended by flax's dot_product_attention, which takes no return_weights"):
+        run(ours, x, return_weights=True)
+    with pytest.raises(TypeError, match="inputs_q must be a real floating-point array, got dtype int32"):
+        run(ours, x.real.astype(jnp.int32))
 
 
 def test_linen_attention_fn_taking_any_keywords():

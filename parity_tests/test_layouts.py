@@ -266,18 +266,61 @@ def test_module_options_missing_from_the_file_are_named():
 DETECTED = {"torch_mha": "torch_mha", "torch_mha_kdim": "torch_mha", "hf": "hf", "bert": "bert", "fused_qkv": "fused_qkv"}
 
 
+@pytest.mark.parametrize("layout", ["auto", None], ids=["auto", "not given"])
 @pytest.mark.parametrize("name", list(DETECTED))
-def test_layout_auto_reads_what_the_keys_show(name):
+def test_layout_auto_reads_what_the_keys_show(name, layout):
+    """``layout="auto"``, and no layout given: the one the keys show, in ``from_torch`` and
+    both ``load_weights`` (as ``mha-parity verify`` reads a file)."""
     kv = H if name.startswith("torch_mha") else KV
     state = canonical(kv)
     theirs = foreign(name, state)
     assert layouts.detect_layout(theirs) == DETECTED[name]
-    kwargs = dict(READ[name], layout="auto")
+    kwargs = {k: v for k, v in READ[name].items() if k != "layout"}
+    kwargs = kwargs if layout is None else dict(kwargs, layout=layout)
     back = mha_jax.to_torch(mha_jax.from_torch(theirs, num_heads=H, num_kv_heads=kv, **kwargs))
     assert all(same_bits(back[k], state[k]) for k in state)
     module = _torch_module(kv)
     mha_torch.load_weights(module, theirs, **kwargs)
     assert all(same_bits(module.state_dict()[k], state[k]) for k in state)
+    model = mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=kv, rngs=nnx.Rngs(0))
+    mha_jax.load_weights(model, theirs, **kwargs)
+    assert all(same_bits(v, state[k]) for k, v in mha_jax.to_torch(model).items())
+
+
+def test_a_torch_multihead_attention_state_dict_as_it_is():
+    """``torch.nn.MultiheadAttention``'s state dict, no layout given: its weights, in both
+    frameworks, and its output."""
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    state = theirs.state_dict()
+    params = mha_jax.from_torch(state, num_heads=4)
+    named = mha_jax.from_torch(state, num_heads=4, layout="torch_mha")
+    assert all(same_bits(params[m][k], named[m][k]) for m in named for k in named[m])
+    ours = mha_torch.MultiHeadAttention(32, 4).eval()
+    mha_torch.load_weights(ours, state)
+    model = mha_jax.MultiHeadAttention(4, 32, rngs=nnx.Rngs(0))
+    mha_jax.load_weights(model, state)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        expected = theirs(x, x, x, need_weights=False)[0]
+        assert torch.allclose(ours(x), expected, atol=1e-6)
+    assert np.allclose(np.asarray(model(jnp.asarray(x.numpy()))), expected.numpy(), atol=1e-6)
+
+
+def test_a_layout_not_given_that_the_keys_do_not_show_is_today_s_error_with_the_candidates():
+    """No layout given and keys that fit several layouts or none: read as ``mha_torch`` (the
+    default before layouts were read from the keys), whose error names each key and then the
+    layouts the keys fit or may be, the same from every loader."""
+    several = dict(canonical(), **{"o_proj.weight": canonical()["out_proj.weight"]})
+    for message in _both(several):
+        assert message.startswith("state_dict (layout 'mha_torch'): unexpected key 'o_proj.weight'")
+        assert message.endswith("the keys fit more than one layout (mha_torch, hf); choose one with layout= "
+                                "('k_proj.bias', 'k_proj.weight', 'o_proj.weight', 'out_proj.bias', ... (9 in all))")
+    none = {"attn.q.weight": np.zeros((H * D, E), np.float32), "attn.qkv.weight": np.zeros((3 * H * D, E), np.float32)}
+    for message in _both(none):
+        assert "missing key 'q_proj.weight'" in message and "unexpected key 'attn.qkv.weight'" in message
+        assert "the keys show no layout ('attn.q.weight', 'attn.qkv.weight'): likely layouts: fused_qkv;" in message
+    assert mha_jax.to_torch(mha_jax.from_torch(several, num_heads=H, num_kv_heads=KV, ignore=["o_proj"])).keys() == canonical().keys()
 
 
 def test_detect_layout_names_ours_flax_and_the_likely_layouts():

@@ -108,6 +108,92 @@ def test_convert_refuses_to_overwrite_unless_forced(tmp_path, capsys):
     assert "--to torch writes a .safetensors file" in capsys.readouterr().err
 
 
+def _truncating(*args, **kwargs):
+    """A writer ``(what, path)`` (safetensors' ``save_file``, a figure's ``savefig``) that stops
+    halfway, as a full disk leaves a file."""
+    pathlib.Path(args[1]).write_bytes(b"half a fi")
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("to, name", [("torch", "out.safetensors"), ("flax", "out.msgpack")])
+def test_a_failed_conversion_leaves_out_as_it_was(tmp_path, monkeypatch, capsys, to, name):
+    """``convert --force`` over an existing OUT whose read-back fails, whose writer raises, or
+    which is interrupted: OUT keeps its bytes (or is not made) and no temporary file is left; a
+    conversion that succeeds replaces OUT, keeping its permissions."""
+    from parity_tests.tool import ports
+
+    _hf_gqa_file(tmp_path / "hf.safetensors")
+    out = tmp_path / name
+    out.write_bytes(b"keep me")
+    out.chmod(0o640)
+    args = ["convert", str(tmp_path / "hf.safetensors"), str(out), "--to", to, "--layout", "hf", "--num-heads", "4",
+            "--num-kv-heads", "2", "--force"]
+
+    def left():
+        assert out.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["hf.safetensors", name]
+
+    with monkeypatch.context() as m:  # the read-back finds other bits
+        m.setattr(ports, "same_bits", lambda a, b: False)
+        assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "holds different values for q_proj.weight after loading" in err and f"{out} is left as it was" in err
+    left()
+    import flax.serialization
+    import safetensors.numpy
+    writer = (safetensors.numpy, "save_file") if to == "torch" else (flax.serialization, "msgpack_serialize")
+    with monkeypatch.context() as m:
+        if to == "torch":
+            m.setattr(*writer, _truncating)
+        else:
+            m.setattr(*writer, lambda params: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        assert cli.main(args) == 2
+        assert "No space left on device" in capsys.readouterr().err
+        left()
+        out.unlink()
+        assert cli.main(args) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["hf.safetensors"]  # no OUT made
+        out.write_bytes(b"keep me")
+        out.chmod(0o640)
+        m.setattr(*writer, lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(args)
+        left()
+    assert cli.main(args) == 0 and out.read_bytes() != b"keep me" and out.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf.safetensors", name]
+
+
+def test_failed_report_writes_leave_the_old_reports(tmp_path, monkeypatch):
+    """``--json`` and ``--report`` files (and a report's plots): a write that fails its
+    byte-for-byte read-back or whose writer raises leaves each file as it was and no temporary
+    file."""
+    from parity_tests.tool import files, report
+
+    save_numpy(mha_jax.to_torch(mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))), tmp_path / "w.safetensors")
+    olds = {"r.json": b"old json", "r.md": b"old report", "r-float32.png": b"old plot"}
+    for name, data in olds.items():
+        (tmp_path / name).write_bytes(data)
+    real_write_bytes = pathlib.Path.write_bytes
+
+    def left():
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "w.safetensors"} == olds
+
+    case = harness.Case(harness.CONFIGS["self"], "padding", "float32")
+    result = harness.Result(case, {"jax vs torch": {"out": {"rel": 2e-6, "max_abs": 1e-7, "abs": 3e-7}}})
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # the Markdown alone
+    with monkeypatch.context() as m:  # every text file written one byte short: its read-back fails
+        m.setattr(pathlib.Path, "write_bytes", lambda self, data: real_write_bytes(self, data[:-1]))
+        args = ["verify", "--weights", str(tmp_path / "w.safetensors"), "--num-heads", "4", "--dtype", "float32", "--mask", "none"]
+        assert cli.main(args + ["--json", str(tmp_path / "r.json")]) == 2
+        left()
+        with pytest.raises(OSError, match="does not read back as written"):
+            report.write_markdown(str(tmp_path / "r.md"), report.Header("a title", ["a"], "shapes", 3), [result])
+        left()
+    with pytest.raises(OSError, match="No space left on device"):  # a plot's writer (a figure's savefig) stops halfway
+        files.write_atomically(str(tmp_path / "r-float32.png"), lambda path: _truncating(None, path))
+    left()
+    report.write_markdown(str(tmp_path / "r.md"), report.Header("a title", ["a"], "shapes", 3), [result])
+    assert "a title" in (tmp_path / "r.md").read_text() and len(list(tmp_path.iterdir())) == 4
+
+
 def test_verify_weights_reads_flax_heads_from_the_kernels(tmp_path):
     model = nnx.MultiHeadAttention(4, 16, 24, 12, num_kv_heads=2, decode=False,
                                    bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(0))

@@ -24,7 +24,7 @@ import sys
 import time
 
 from parity_tests.tool import cases as grids
-from parity_tests.tool import compile_cache, harness, workers  # the frameworks are imported when a case runs
+from parity_tests.tool import compile_cache, files, harness, workers  # the frameworks are imported when a case runs
 
 EXIT_CODES = """exit codes:
   0  every comparison passed
@@ -149,9 +149,8 @@ def _verify_model(args: argparse.Namespace) -> int:
     print(f"{len(results)} layer{'' if len(results) == 1 else 's'} in {elapsed:.1f} s: "
           + ("every comparison passed" if not failed else f"{len(failed)} FAILED"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "weights": source.files, "passed": not failed, "seconds": elapsed,
-                       "layers": [r.as_json() for r in results]}, f, indent=1)
+        files.write_text(args.json, json.dumps({"config": args.config, "weights": source.files, "passed": not failed,
+                                                "seconds": elapsed, "layers": [r.as_json() for r in results]}, indent=1))
         print(f"JSON report written to {args.json}")
     return 1 if failed else 0
 
@@ -215,8 +214,7 @@ def _finish(args, header, sections, start, checkpoint) -> int:
             out["source_cases"] = [r.as_json() for r in sections["against the source"]]
         if checkpoint is not None:
             out["weights"] = checkpoint.describe()
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        files.write_text(args.json, json.dumps(out, indent=1))
         print(f"JSON report written to {args.json}")
     if args.report:
         written = report.write_markdown(args.report, header, sections)
@@ -269,11 +267,10 @@ def _convert(args: argparse.Namespace) -> int:
     if os.path.exists(args.output) and not args.force:
         raise FileExistsError(f"{args.output} exists; pass --force to overwrite it")
     checkpoint = ports.read(args.input, **_naming(args))
-    ports.write(checkpoint, args.output, args.to)
     try:
-        ports.check_written(checkpoint, args.output, args.to)
+        ports.write(checkpoint, args.output, args.to)  # read back bit for bit before it replaces OUT
     except AssertionError as error:
-        print(f"FAILED: {error}", file=sys.stderr)
+        print(f"FAILED: {error}; {args.output} is left as it was", file=sys.stderr)
         return 1
     print(f"read {checkpoint.describe()}")
     print(f"wrote {args.output} for {args.to}: {len(checkpoint.state)} tensors, read back bit for bit in both frameworks")

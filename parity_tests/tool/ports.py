@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.tool import harness
+from parity_tests.tool import files, harness
 from parity_tests.tool.arrays import numpy_dtype, same_bits
 
 FLAX = "flax"
@@ -233,7 +233,8 @@ def cases(checkpoint: Checkpoint, dtypes=None, masks=None) -> list[harness.Case]
 
 def write(checkpoint: Checkpoint, out: str, to: str) -> None:
     """Write ``checkpoint`` for ``to`` = "torch" (``.safetensors``, mha_torch names) or "flax"
-    (``.msgpack`` or dot-named ``.safetensors`` of the parameter tree)."""
+    (``.msgpack`` or dot-named ``.safetensors`` of the parameter tree), read back bit for bit
+    (``check_written``) before it replaces ``out``: on any failure ``out`` is as it was."""
     import mha_jax
 
     if to == "torch":
@@ -241,20 +242,25 @@ def write(checkpoint: Checkpoint, out: str, to: str) -> None:
             raise ValueError(f"--to torch writes a .safetensors file, got {out!r}")
         from safetensors.numpy import save_file
 
-        save_file(checkpoint.state, out)
-        return
-    params = mha_jax.from_torch(checkpoint.state, num_heads=checkpoint.num_heads, num_kv_heads=checkpoint.num_kv_heads)
-    if out.endswith(".msgpack"):
-        from flax.serialization import msgpack_serialize
-
-        with open(out, "wb") as f:
-            f.write(msgpack_serialize(params))
-    elif out.endswith(".safetensors"):
-        from safetensors.numpy import save_file
-
-        save_file({f"{module}.{name}": array for module, leaves in params.items() for name, array in leaves.items()}, out)
-    else:
+        def save(path):
+            save_file(checkpoint.state, path)
+    elif not out.endswith((".msgpack", ".safetensors")):
         raise ValueError(f"--to flax writes a .msgpack or .safetensors file, got {out!r}")
+    else:
+        params = mha_jax.from_torch(checkpoint.state, num_heads=checkpoint.num_heads, num_kv_heads=checkpoint.num_kv_heads)
+
+        def save(path):
+            if out.endswith(".msgpack"):
+                from flax.serialization import msgpack_serialize
+
+                with open(path, "wb") as f:
+                    f.write(msgpack_serialize(params))
+            else:
+                from safetensors.numpy import save_file
+
+                save_file({f"{module}.{name}": array for module, leaves in params.items() for name, array in leaves.items()}, path)
+
+    files.write_atomically(out, save, lambda path: check_written(checkpoint, path, to))
 
 
 def check_written(checkpoint: Checkpoint, out: str, to: str) -> None:

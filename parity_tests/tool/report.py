@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from parity_tests.tool import harness
+from parity_tests.tool import files, harness
 
 COLUMNS = ("case", "dtype", "abs error", "rel error", "grad error", "JAX vs PyTorch", "worst pair", "pass")
 
@@ -156,10 +156,9 @@ def write_markdown(path: str, header: Header, sections: dict[str, list[harness.R
             ax.legend(fontsize=7)
             fig.tight_layout()
             png = f"{stem}-{dtype}.png"
-            fig.savefig(png, dpi=100)
+            files.write_atomically(png, lambda path, fig=fig: fig.savefig(path, dpi=100))
             plt.close(fig)
             written.append(png)
             lines.append(f"![{dtype}]({os.path.basename(png)})")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    files.write_text(path, "\n".join(lines) + "\n")
     return written
