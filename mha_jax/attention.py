@@ -6,16 +6,47 @@ here it is that of ``jax.nn.dot_product_attention``: query ``(batch, q_len, head
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from mha_jax import _blockwise, _checks, _neutral, _ring, masks
+from mha_jax import _blockwise, _checks, _neutral, _ring, _splash, masks
 from mha_jax.masks import MASK_LAYOUT
 
-IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """What one implementation takes; the choice and its error messages are read from these."""
+
+    name: str
+    weights: bool = False  # return_weights (only a kernel that forms the weights)
+    dropout: bool = True
+    soft_cap: bool = True
+    sinks: bool = True
+    forward_mode: bool = False  # jax.jvp, jacfwd, derivatives of derivatives (custom-VJP kernels have none)
+    dtypes: tuple[str, ...] = ()  # the query/key/value dtypes it takes; () for every floating dtype
+    platform: str | None = None  # the platform it is compiled for; None for every platform
+    interpret_elsewhere: bool = False  # on other platforms: Pallas interpret mode (else: an error when lowered)
+    ring: bool = False  # runs under ``sequence_axis`` (the ring computes each step itself)
+    # per platform where the program is lowered, the kernel it runs (``"flash"``); "default": elsewhere
+    per_platform: tuple[tuple[str, str], ...] = ()
+
+
+_KERNELS = {k.name: k for k in (
+    _Kernel("xla", weights=True, forward_mode=True, ring=True),
+    _Kernel("blockwise", ring=True),
+    _Kernel("cudnn", dropout=False, soft_cap=False, sinks=False, dtypes=("bfloat16", "float16"), platform="cuda"),
+    _Kernel("splash", dropout=False, platform="tpu", interpret_elsewhere=True),
+    _Kernel("flash", per_platform=(("cuda", "cudnn"), ("tpu", "splash"), ("default", "blockwise"))),
+)}
+IMPLEMENTATIONS = tuple(_KERNELS)
+_PLATFORM_NAMES = {"cuda": "an NVIDIA GPU", "tpu": "a TPU"}
 # AD tracers: a blockwise call under forward mode or under two of them is refused by name.
 _AD_TRACERS = ("JVPTracer", "LinearizeTracer")
 
@@ -146,12 +177,17 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
             empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
         return (out, empty.reshape(shape)) if return_weights else out
-    implementation = _choose(
+    kernel = _choose(
         implementation, return_weights, keep is not None or rng is not None, query.dtype,
         soft_cap is not None, sinks is not None,
     )
-    if implementation != "xla":
-        _check_derivatives(implementation, query, key, value, spec.bias, sinks)
+    if not kernel.forward_mode:
+        _check_derivatives(kernel.name, query, key, value, spec.bias, sinks)
+    if ring is not None and not kernel.ring:
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} does not take implementation={kernel.name!r}; use None, 'xla' or "
+            "'blockwise' (the ring computes each step itself)"
+        )
     _check_head_sharding(query, heads, kv_heads)
 
     dtype = query.dtype
@@ -170,31 +206,13 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
-    q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
-    k, v = key.astype(compute), value.astype(compute)
-    sinks = None if sinks is None else sinks.astype(compute)
-    if implementation == "xla":
-        if rng is not None:
-            keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
-        out, weights = _xla(
-            q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, precision, soft_cap, sinks
-        )
-    elif implementation == "blockwise":
-        block_q, block_k = _blockwise.block_sizes(
-            q_len, kv_len, batch * kv_heads, groups, spec.is_causal or spec.window is not None
-        )
-        out = _blockwise.attention(
-            q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
-            allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
-            keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
-            dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
-            block_q=block_q, block_k=block_k, soft_cap=soft_cap,
-            sinks=None if sinks is None else sinks.reshape(1, kv_heads, groups),
-        ).transpose(0, 3, 1, 2, 4)
-        weights = None
+    call = dict(spec=spec, scale=scale, soft_cap=soft_cap, sinks=sinks, keep=keep, rng=rng, dropout_rate=dropout_rate,
+                keep_scale=keep_scale, precision=precision, compute=compute)
+    weights = None
+    if kernel.name == "xla":
+        out, weights = _run_xla(query, key, value, **call)
     else:
-        out = _cudnn(query, key, value, spec, scale).reshape(q.shape)
-        weights = None
+        out = _per_platform(kernel, query, key, value, call)
     out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
@@ -219,26 +237,163 @@ def _check_head_sharding(query, heads, kv_heads):
         )
 
 
-def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> str:
+def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> _Kernel:
+    """The record of the implementation asked for, after the checks that hold on every platform."""
     if implementation is None:
-        return "xla"
+        return _KERNELS["xla"]
     _neutral.check_implementation(implementation, IMPLEMENTATIONS)
-    if return_weights and implementation != "xla":
+    kernel = _KERNELS[implementation]
+    if return_weights and not kernel.weights:
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
-    if implementation == "cudnn" and (soft_cap or sinks):
-        # jax.nn.dot_product_attention takes neither a cap on the logits nor a sink column.
-        names = " and ".join(n for n, given in (("logit_soft_cap", soft_cap), ("sinks", sinks)) if given)
-        raise ValueError(f"implementation='cudnn' does not take {names}; use 'xla' or 'blockwise'")
-    if implementation == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ValueError(
-                f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
-            )
-        if dropout:
-            raise ValueError("implementation='cudnn' does not take dropout here; use 'blockwise' or 'xla'")
-        if dtype not in (jnp.bfloat16, jnp.float16):
-            raise TypeError(f"implementation='cudnn' needs bfloat16 or float16 query/key/value, got {dtype}")
-    return implementation
+    if kernel.per_platform:  # what a platform's kernel cannot take is decided where it is lowered
+        return kernel
+    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks)
+    if refused is not None:
+        error, message = refused
+        raise error(message)
+    return kernel
+
+
+def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks) -> tuple[type, str] | None:
+    """(exception type, message) when ``kernel`` cannot take a call of these options, else None."""
+    name = kernel.name
+    missing = [n for n, given, takes in (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks))
+               if given and not takes]
+    if missing:
+        return ValueError, f"implementation={name!r} does not take {' and '.join(missing)}; use 'xla' or 'blockwise'"
+    if dropout and not kernel.dropout:
+        return ValueError, f"implementation={name!r} does not take dropout here; use 'blockwise' or 'xla'"
+    if kernel.dtypes and jnp.dtype(dtype).name not in kernel.dtypes:
+        wanted = " or ".join(kernel.dtypes)
+        return TypeError, f"implementation={name!r} needs {wanted} query/key/value, got {dtype}"
+    return None
+
+
+def _per_platform(kernel: _Kernel, query, key, value, call):
+    """Output ``(batch, q_len, heads, head_dim)`` in the compute dtype, from the kernel of the
+    platform the program is lowered for (``jax.lax.platform_dependent``): a CPU host traces
+    every branch and lowers only the target's, so it can export or compile for GPUs and TPUs."""
+    pairs = kernel.per_platform or ((kernel.platform or "default", kernel.name),)
+    if kernel.interpret_elsewhere:
+        pairs += (("default", kernel.name),)
+    branches = {platform: _branch(kernel.name, platform, name, query, key, value, call) for platform, name in pairs}
+    if "default" not in branches:  # elsewhere, a clear error when (and only when) lowered
+        branches["default"] = _unavailable(
+            f"implementation={kernel.name!r} needs {_PLATFORM_NAMES[kernel.platform]}; the program is being "
+            "lowered for {platform!r}"
+        )
+    default = branches.pop("default")
+    return jax.lax.platform_dependent(query, key, value, default=default, **branches)
+
+
+def _branch(asked: str, platform: str, name: str, query, key, value, call):
+    """The function run on ``platform`` for ``implementation=asked``: ``name``'s kernel, or, for
+    ``"flash"`` where that kernel cannot express the call, ``"blockwise"``."""
+    spec = call["spec"]
+    if asked != name:  # "flash": the platform's kernel where it takes the call
+        refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, query.dtype,
+                           call["soft_cap"] is not None, call["sinks"] is not None)
+        if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
+            name = "blockwise"
+    elif name == "splash":
+        why = _splash.refusal(spec, dropout=call["rng"] is not None or call["keep"] is not None)
+        if why is not None:
+            raise ValueError(f"implementation='splash' does not take {why}; use 'xla' or 'blockwise'")
+    run = {"blockwise": _run_blockwise, "cudnn": _run_cudnn, "splash": _run_splash}[name]
+    if name == "splash":
+        run = functools.partial(_run_splash, interpret=platform != "tpu")
+    return lambda q, k, v: run(q, k, v, **call).astype(call["compute"])
+
+
+def _run_xla(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
+             compute):
+    batch, heads, q_len, _ = spec.shape
+    q = query.astype(compute).reshape(batch, q_len, key.shape[2], heads // key.shape[2], query.shape[3])
+    if rng is not None:
+        keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, spec.shape)
+    return _xla(q, key.astype(compute), value.astype(compute), masks._dense(spec), spec.bias, keep, keep_scale, scale,
+                precision, soft_cap, None if sinks is None else sinks.astype(compute))
+
+
+def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
+                   compute):
+    batch, heads, q_len, kv_len = spec.shape
+    kv_heads, head_dim = key.shape[2], query.shape[3]
+    groups = heads // kv_heads
+    q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
+    k, v = key.astype(compute), value.astype(compute)
+    causal = spec.is_causal or spec.window is not None
+    block_q, block_k = _blockwise.block_sizes(q_len, kv_len, batch * kv_heads, groups, causal)
+    out = _blockwise.attention(
+        q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
+        allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
+        keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
+        dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
+        block_q=block_q, block_k=block_k, soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups),
+    )
+    return out.transpose(0, 3, 1, 2, 4).reshape(query.shape)
+
+
+def _run_cudnn(query, key, value, *, spec, scale, **_):
+    with _cudnn_traced_anywhere():
+        return _cudnn(query, key, value, spec, scale)
+
+
+def _run_splash(query, key, value, *, spec, scale, soft_cap, sinks, interpret, **_):
+    return _splash.attention(query, key, value, spec, scale=scale, soft_cap=soft_cap, sinks=sinks, interpret=interpret)
+
+
+@contextlib.contextmanager
+def _cudnn_traced_anywhere():
+    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without
+    CUDA (to export or compile for a GPU from a CPU host). Its wrapper asks the local cuDNN for
+    its version while tracing and stops when there is none; the version only gates checks for
+    GPUs newer than this package's (compute capability 10.3, latent attention), and the GPU that
+    compiles the program checks what it supports. Where CUDA is installed nothing changes."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    if fused.cuda_versions is not None:
+        yield
+        return
+    ask = fused.check_cudnn_version
+    fused.check_cudnn_version = lambda: 90000  # cuDNN 9.0, the least jax's cuDNN attention supports
+    try:
+        yield
+    finally:
+        fused.check_cudnn_version = ask
+
+
+# A primitive that stands for a kernel where its platform is not the target: it traces as the
+# identity and fails, with its message, only when lowered (so a CPU host can trace and export
+# the GPU/TPU branches, and running such a program on the wrong platform says why).
+_unavailable_p = Primitive("mha_kernel_unavailable")
+_unavailable_p.def_abstract_eval(lambda x, *, message: x)
+ad.defjvp(_unavailable_p, lambda t, x, *, message: t)
+batching.primitive_batchers[_unavailable_p] = lambda args, dims, *, message: (
+    _unavailable_p.bind(*args, message=message), dims[0])
+
+
+def _refuse_lowering(ctx, x, *, message):
+    platforms = getattr(ctx.module_context, "platforms", None) or ("this platform",)
+    raise ValueError(message.format(platform=platforms[0] if len(platforms) == 1 else platforms))
+
+
+mlir.register_lowering(_unavailable_p, _refuse_lowering)
+
+
+def _refuse_running(x, *, message):  # run eagerly (outside jit), on the default backend's devices
+    raise ValueError(message.format(platform=jax.default_backend()))
+
+
+_unavailable_p.def_impl(_refuse_running)
+
+
+def _unavailable(message: str):
+    def branch(query, key, value):
+        return _unavailable_p.bind(query.astype(jnp.promote_types(query.dtype, jnp.float32)), message=message)
+
+    return branch
 
 
 def _check_derivatives(implementation: str, *arrays) -> None:
