@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from mha_jax import masks
+from mha_jax import _platform, masks
 
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
 _BLOCKS = (512, 256, 128)
@@ -60,7 +60,8 @@ def padded(length: int) -> int:
 def attention(query, key, value, spec: masks._Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
     """Output ``(batch, q_len, heads, head_dim)`` in float32 of query ``(batch, q_len, heads,
     head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``, in their own dtype
-    (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None."""
+    (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None. Compiled for a TPU
+    (and lowered for the TPU alone in a program for several platforms), or in interpret mode."""
     batch, heads, q_len, kv_len = spec.shape
     q_pad, kv_pad = padded(q_len), padded(kv_len)
     kernel = _kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, soft_cap, interpret)
@@ -69,12 +70,15 @@ def attention(query, key, value, spec: masks._Spec, *, scale: float, soft_cap=No
     q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
     sinks = None if sinks is None else sinks.astype(jnp.float32)
 
-    def one(q, k, v, q_ids, kv_ids):
+    def one(q, k, v, q_ids, kv_ids, sinks):
         ids = None if q_ids is None else splash.SegmentIds(q_ids, kv_ids)
         return kernel(q, k, v, segment_ids=ids, sinks=sinks)
 
-    id_axes = None if q_ids is None else 0
-    out = jax.vmap(one, in_axes=(0, 0, 0, id_axes, id_axes))(q, k, v, q_ids, kv_ids)
+    def batched(q, k, v, q_ids, kv_ids, sinks):
+        id_axes = None if q_ids is None else 0
+        return jax.vmap(one, in_axes=(0, 0, 0, id_axes, id_axes, None))(q, k, v, q_ids, kv_ids, sinks)
+
+    out = _platform.on(None if interpret else "tpu", batched, q, k, v, q_ids, kv_ids, sinks, x32=True)
     out = out[:, :, :q_len].astype(jnp.float32).transpose(0, 2, 1, 3)
     return jnp.where(_has_key(spec), out, 0.0)
 
@@ -93,8 +97,9 @@ def _kernel(heads, q_len, kv_len, causal, window, soft_cap, interpret):
     bq, bk = block_size(q_len), block_size(kv_len)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                               block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    return splash.make_splash_mha(splash.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                  attn_logits_soft_cap=soft_cap, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # its block tables are constants, even when first built inside a trace
+        return splash.make_splash_mha(splash.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
+                                      q_seq_shards=1, attn_logits_soft_cap=soft_cap, interpret=interpret)
 
 
 def _pad(x, length):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from mha_jax import _blockwise, _checks, _neutral, _ring, _splash, masks
+from mha_jax import _blockwise, _checks, _neutral, _platform, _ring, _splash, masks
 from mha_jax.masks import MASK_LAYOUT
 
 
@@ -336,8 +336,12 @@ def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng
 
 
 def _run_cudnn(query, key, value, *, spec, scale, **_):
-    with _cudnn_traced_anywhere():
-        return _cudnn(query, key, value, spec, scale)
+    def kernel(q, k, v, arrays):
+        with _cudnn_traced_anywhere():
+            return _cudnn(q, k, v, dataclasses.replace(spec, **arrays), scale)
+
+    # the kernel's program, lowered for cuda alone in a multi-platform one
+    return _platform.on("cuda", kernel, query, key, value, _platform.spec_arrays(spec))
 
 
 def _run_splash(query, key, value, *, spec, scale, soft_cap, sinks, interpret, **_):
