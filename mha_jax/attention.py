@@ -247,6 +247,8 @@ def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sink
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
     if kernel.per_platform:  # what a platform's kernel cannot take is decided where it is lowered
         return kernel
+    if kernel.platform is not None and not kernel.interpret_elsewhere:
+        dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
     refused = _refusal(kernel, dropout, dtype, soft_cap, sinks)
     if refused is not None:
         error, message = refused
@@ -263,7 +265,7 @@ def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks) -> tuple[type, st
         return ValueError, f"implementation={name!r} does not take {' and '.join(missing)}; use 'xla' or 'blockwise'"
     if dropout and not kernel.dropout:
         return ValueError, f"implementation={name!r} does not take dropout here; use 'blockwise' or 'xla'"
-    if kernel.dtypes and jnp.dtype(dtype).name not in kernel.dtypes:
+    if kernel.dtypes and dtype is not None and jnp.dtype(dtype).name not in kernel.dtypes:
         wanted = " or ".join(kernel.dtypes)
         return TypeError, f"implementation={name!r} needs {wanted} query/key/value, got {dtype}"
     return None
@@ -290,11 +292,13 @@ def _branch(asked: str, platform: str, name: str, query, key, value, call):
     """The function run on ``platform`` for ``implementation=asked``: ``name``'s kernel, or, for
     ``"flash"`` where that kernel cannot express the call, ``"blockwise"``."""
     spec = call["spec"]
+    refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, query.dtype,
+                       call["soft_cap"] is not None, call["sinks"] is not None)
     if asked != name:  # "flash": the platform's kernel where it takes the call
-        refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, query.dtype,
-                           call["soft_cap"] is not None, call["sinks"] is not None)
         if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
             name = "blockwise"
+    elif refused is not None:  # asked for by name: refused where it is lowered for its platform
+        return _unavailable(refused[1].replace("{", "{{").replace("}", "}}"), refused[0])
     elif name == "splash":
         why = _splash.refusal(spec, dropout=call["rng"] is not None or call["keep"] is not None)
         if why is not None:
@@ -372,30 +376,34 @@ def _cudnn_traced_anywhere():
 # identity and fails, with its message, only when lowered (so a CPU host can trace and export
 # the GPU/TPU branches, and running such a program on the wrong platform says why).
 _unavailable_p = Primitive("mha_kernel_unavailable")
-_unavailable_p.def_abstract_eval(lambda x, *, message: x)
-ad.defjvp(_unavailable_p, lambda t, x, *, message: t)
-batching.primitive_batchers[_unavailable_p] = lambda args, dims, *, message: (
-    _unavailable_p.bind(*args, message=message), dims[0])
+_unavailable_p.def_abstract_eval(lambda x, **_: x)
+ad.defjvp(_unavailable_p, lambda t, x, **_: t)
+batching.primitive_batchers[_unavailable_p] = lambda args, dims, **kw: (_unavailable_p.bind(*args, **kw), dims[0])
 
 
-def _refuse_lowering(ctx, x, *, message):
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+def _refuse_lowering(ctx, x, *, message, error):
     platforms = getattr(ctx.module_context, "platforms", None) or ("this platform",)
-    raise ValueError(message.format(platform=platforms[0] if len(platforms) == 1 else platforms))
+    raise _ERRORS[error](message.format(platform=platforms[0] if len(platforms) == 1 else platforms))
 
 
 mlir.register_lowering(_unavailable_p, _refuse_lowering)
 
 
-def _refuse_running(x, *, message):  # run eagerly (outside jit), on the default backend's devices
-    raise ValueError(message.format(platform=jax.default_backend()))
+def _refuse_running(x, *, message, error):  # run eagerly (outside jit), on the default backend's devices
+    raise _ERRORS[error](message.format(platform=jax.default_backend()))
 
 
 _unavailable_p.def_impl(_refuse_running)
 
 
-def _unavailable(message: str):
+def _unavailable(message: str, error: type = ValueError):
+    """A branch that fails with ``message`` (``{platform}`` filled in) where it is lowered."""
     def branch(query, key, value):
-        return _unavailable_p.bind(query.astype(jnp.promote_types(query.dtype, jnp.float32)), message=message)
+        compute = jnp.promote_types(query.dtype, jnp.float32)
+        return _unavailable_p.bind(query.astype(compute), message=message, error=error.__name__)
 
     return branch
 
