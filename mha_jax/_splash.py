@@ -63,6 +63,8 @@ def attention(query, key, value, spec: masks._Spec, *, scale: float, soft_cap=No
     (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None. Compiled for a TPU
     (and lowered for the TPU alone in a program for several platforms), or in interpret mode."""
     batch, heads, q_len, kv_len = spec.shape
+    if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
+        query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     q_pad, kv_pad = padded(q_len), padded(kv_len)
     kernel = _kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, soft_cap, interpret)
     q = _pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), q_pad)
