@@ -23,11 +23,14 @@ for tests and for checking a program before a TPU job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _kernels
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _info
 
 from mha_jax import _platform, masks
 
@@ -61,7 +64,17 @@ def attention(query, key, value, spec: masks._Spec, *, scale: float, soft_cap=No
     """Output ``(batch, q_len, heads, head_dim)`` in float32 of query ``(batch, q_len, heads,
     head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``, in their own dtype
     (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None. Compiled for a TPU
-    (and lowered for the TPU alone in a program for several platforms), or in interpret mode."""
+    (and lowered for the TPU alone in a program for several platforms), or in interpret mode.
+
+    On a mesh, ``attention.py`` calls it on each device's examples and heads (a Pallas kernel
+    is not partitioned by the compiler)."""
+    return _local(query, key, value, _platform.spec_arrays(spec), sinks, spec=spec, scale=scale, soft_cap=soft_cap,
+                  interpret=interpret)
+
+
+def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret):
+    """``attention`` on one device's examples and heads."""
+    spec = dataclasses.replace(spec, **arrays)
     batch, heads, q_len, kv_len = spec.shape
     if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
@@ -99,9 +112,18 @@ def _kernel(heads, q_len, kv_len, causal, window, soft_cap, interpret):
     bq, bk = block_size(q_len), block_size(kv_len)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                               block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    with jax.ensure_compile_time_eval():  # its block tables are constants, even when first built inside a trace
-        return splash.make_splash_mha(splash.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
-                                      q_seq_shards=1, attn_logits_soft_cap=soft_cap, interpret=interpret)
+    # ``make_splash_mha`` less its ``jnp.array`` of the block tables: NumPy constants, so that the
+    # kernel can be built inside a trace and on a mesh of devices that are only described (a
+    # topology compiled for from a CPU host)
+    mask = splash.MultiHeadMask([one] * heads)
+    shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+    fwd, function = _info.process_mask(mask, (bq, bk), **shards)
+    dq, _ = _info.process_mask(mask, (bq, bk), **shards)
+    dkv, _ = _info.process_mask_dkv(mask, (bq, bk), shrink_grid=True, **shards)
+    return _kernels.SplashAttentionKernel(
+        fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False, mask_value=_kernels.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=function, interpret=interpret,
+    )
 
 
 def _pad(x, length):

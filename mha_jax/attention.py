@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec as P
 
 from mha_jax import _blockwise, _checks, _platform, _ring, _splash, masks
 from mha_jax.masks import MASK_LAYOUT
@@ -279,7 +280,17 @@ def _per_platform(kernel: _Kernel, query, key, value, call):
     pairs = kernel.per_platform or ((kernel.platform or "default", kernel.name),)
     if kernel.interpret_elsewhere:
         pairs += (("default", kernel.name),)
-    branches = {platform: _branch(kernel.name, platform, name, query, key, value, call) for platform, name in pairs}
+    names = {platform: _resolve(kernel.name, name, query.dtype, call) for platform, name in pairs}
+    if set(names.values()) == {"blockwise"}:  # one kernel everywhere (it places its own blocks on a mesh)
+        return _run_blockwise(query, key, value, **call)
+    sharded = _sharded_axes(query, key)
+    if sharded is not None:  # Pallas and cuDNN kernels are not partitioned: one call per device
+        return _per_device(kernel, names, query, key, value, call, *sharded)
+    return _dispatch(kernel, names, query, key, value, call)
+
+
+def _dispatch(kernel: _Kernel, names: dict, query, key, value, call):
+    branches = {platform: _branch(platform, name, call) for platform, name in names.items()}
     if "default" not in branches:  # elsewhere, a clear error when (and only when) lowered
         branches["default"] = _unavailable(
             f"implementation={kernel.name!r} needs {_PLATFORM_NAMES[kernel.platform]}; the program is being "
@@ -289,21 +300,77 @@ def _per_platform(kernel: _Kernel, query, key, value, call):
     return jax.lax.platform_dependent(query, key, value, default=default, **branches)
 
 
-def _branch(asked: str, platform: str, name: str, query, key, value, call):
-    """The function run on ``platform`` for ``implementation=asked``: ``name``'s kernel, or, for
-    ``"flash"`` where that kernel cannot express the call, ``"blockwise"``."""
+def _sharded_axes(query, key):
+    """(batch axes, heads axes) where a mesh's Explicit axes shard the query's batch or heads,
+    else None; the lengths must not be sharded then (``sequence_axis`` is the way)."""
+    if not tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ())):
+        return None
+    q_spec, k_spec = (tuple(jax.typeof(x).sharding.spec) + (None,) * 4 for x in (query, key))
+    if not (q_spec[0] or q_spec[2]):
+        return None
+    if q_spec[1] or q_spec[3] or k_spec[1] or k_spec[3]:
+        raise ValueError(
+            f"this implementation runs on each device's whole sequences: the query is sharded as {q_spec[:4]} and the "
+            f"key as {k_spec[:4]}; shard the batch and heads only (sequence_axis shards the lengths)"
+        )
+    return q_spec[0], q_spec[2]
+
+
+def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
+    """``_dispatch`` inside ``jax.shard_map`` over the mesh's Explicit axes: each device runs the
+    kernel on its own examples and heads (with the masking terms of its examples)."""
+    spec, b = call["spec"], call["spec"].shape[0]
+
+    def place(x, entries):
+        return None if x is None else jax.sharding.reshard(x, P(*entries))
+
+    arrays = {n: place(x, (batch if x.shape[0] == b else None,) + (None,) * (x.ndim - 1)) if x is not None else None
+              for n, x in _platform.spec_arrays(spec).items()}
+    if spec.allowed is not None or spec.bias is not None:  # (batch|1, heads|1, q, k): heads too
+        for n in ("allowed", "bias"):
+            x = getattr(spec, n)
+            if x is not None:
+                x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+                entries = (batch if x.shape[0] == b else None, heads if x.shape[1] > 1 else None, None, None)
+                arrays[n] = place(x, entries)
+    layout = (batch, None, heads, None)
+    args = (place(query, layout), place(key, layout), place(value, layout), arrays, place(call["sinks"], (heads,)))
+    in_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, args)
+
+    def local(q, k, v, arrays, sinks):
+        shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        here = dict(call, spec=dataclasses.replace(spec, shape=shape, **arrays), sinks=sinks)
+        return _dispatch(kernel, names, q, k, v, here)
+
+    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P(*layout), axis_names=explicit, check_vma=False)(*args)
+
+
+def _resolve(asked: str, name: str, dtype, call):
+    """What runs where ``implementation=asked`` names ``name``'s kernel: that kernel; for
+    ``"flash"``, ``"blockwise"`` where the kernel cannot express the call; asked for by name, a
+    refusal ``(exception type, message)`` raised where the program is lowered for its platform
+    (or, for splash's terms, now)."""
     spec = call["spec"]
-    refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, query.dtype,
+    refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
                        call["soft_cap"] is not None, call["sinks"] is not None)
     if asked != name:  # "flash": the platform's kernel where it takes the call
         if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
-            name = "blockwise"
-    elif refused is not None:  # asked for by name: refused where it is lowered for its platform
-        return _unavailable(refused[1].replace("{", "{{").replace("}", "}}"), refused[0])
-    elif name == "splash":
+            return "blockwise"
+        return name
+    if refused is not None:
+        return refused
+    if name == "splash":
         why = _splash.refusal(spec, dropout=call["rng"] is not None or call["keep"] is not None)
         if why is not None:
             raise ValueError(f"implementation='splash' does not take {why}; use 'xla' or 'blockwise'")
+    return name
+
+
+def _branch(platform: str, name, call):
+    """The function run on ``platform``: ``name``'s kernel, or a refusal when lowered."""
+    if isinstance(name, tuple):
+        return _unavailable(name[1].replace("{", "{{").replace("}", "}}"), name[0])
     run = {"blockwise": _run_blockwise, "cudnn": _run_cudnn, "splash": _run_splash}[name]
     if name == "splash":
         run = functools.partial(_run_splash, interpret=platform != "tpu")
