@@ -118,11 +118,21 @@ def dot_product_attention(
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
         blocks, memory linear in length; blocks that causality, windows, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
-        GPUs, through ``jax.nn.dot_product_attention``; it takes neither ``logit_soft_cap``
-        nor ``sinks``), or None: ``"xla"`` at every size, as flax (no behaviour changes with
-        the length; ask for ``"blockwise"`` for long inputs).
-        ``"blockwise"`` and ``"cudnn"`` have reverse-mode derivatives of first order only: under
-        ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
+        GPUs, through ``jax.nn.dot_product_attention``; bfloat16/float16, neither
+        ``logit_soft_cap``, ``sinks`` nor dropout), ``"splash"`` (JAX's Pallas TPU kernel:
+        causality and windows at default positions, segments, lengths, ``logit_soft_cap`` and
+        ``sinks``; no ``mask``, ``bias``, dropout or position arrays with causality/windows;
+        computed in float32 at most; off a TPU, the same kernel in Pallas interpret mode,
+        slow), ``"flash"`` (the fast kernel of the chip the program is compiled for:
+        ``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, ``"blockwise"`` elsewhere, and
+        ``"blockwise"`` too where the chip's kernel cannot express the call), or None:
+        ``"xla"`` at every size, as flax (no behaviour changes with the length; ask for
+        ``"blockwise"`` or ``"flash"`` for long inputs). The platform is that of the target
+        where the program is lowered (``jax.lax.platform_dependent``), not the host's: a CPU
+        host exports (``jax.export``) and compiles for GPUs and TPUs; a kernel lowered for a
+        platform it does not run on fails then, by name.
+        Every implementation but ``"xla"`` has reverse-mode derivatives of first order only:
+        under ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
       sequence_axis: the name of a mesh axis (of the mesh set by ``jax.set_mesh``) over which the
         query and key/value lengths are sharded: ring attention, key/value blocks passed from
         device to device (``jax.lax.ppermute``), never gathered; the inputs and the output are
