@@ -131,6 +131,7 @@ def compile_case(chip: str, case: str, block: int | None = None) -> dict:
 
 def run_chip(chip: str, cases: list[str], block: int | None = None) -> list[dict]:
     """Every case for one chip, in this process (one libtpu)."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # before JAX loads libtpu (see ``child_env``)
     return [compile_case(chip, case, block) for case in cases]
 
 
@@ -140,11 +141,11 @@ def child_env() -> dict:
     return dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
 
 
-def run_parallel(jobs: dict[str, list[str]], block: int | None = None) -> list[dict]:
-    """``{chip: cases}``, each chip in a process of its own (they run side by side)."""
+def run_parallel(jobs: list[tuple[str, list[str], int | None]]) -> list[dict]:
+    """``(chip, cases, block)`` jobs, each in a process of its own (they run side by side)."""
     env = child_env()
     procs = []
-    for chip, cases in jobs.items():
+    for chip, cases, block in jobs:
         cmd = [sys.executable, "-m", "benchmarks.tpu_memory", "--chip", chip, "--json", *cases]
         if block is not None:
             cmd += ["--block", str(block)]
@@ -185,7 +186,7 @@ def main(argv=None) -> None:
     if args.chip:
         results = run_chip(args.chip, cases, args.block)
     else:
-        results = run_parallel({chip: cases for chip in CHIPS}, args.block)
+        results = run_parallel([(chip, cases, args.block) for chip in CHIPS])
     if args.json:
         print(json.dumps(results))
         return
