@@ -83,7 +83,10 @@ def _fit(n: int, cap: int) -> int:
 
 def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
     """Powers of two up to the caps, halved (larger first, down to 64) until one block's
-    scores fit in ``_BLOCK_SCORES``."""
+    scores fit in ``_BLOCK_SCORES``. A symbolic size (``jax.export.symbolic_shape``) counts as
+    a long length, or as 8 batch x heads: the blocks must not depend on the size it takes."""
+    q_len, kv_len = (n if isinstance(n, int) else cap for n, cap in ((q_len, cap_q), (kv_len, cap_k)))
+    batch_heads = batch_heads if isinstance(batch_heads, int) else 8
     block_q, block_k = _fit(q_len, cap_q), _fit(kv_len, cap_k)
     while batch_heads * groups * block_q * block_k > _BLOCK_SCORES and max(block_q, block_k) > 64:
         if block_q * groups >= block_k:
