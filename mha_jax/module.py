@@ -400,7 +400,8 @@ def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_ca
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
     window = arguments.check_window(local_window_size)
-    overflow = terms.cache_overflows(start, end, max_length, window, arguments.check_is_causal(is_causal))
+    overflow = terms.cache_overflows(start, end, max_length,
+                                     terms.of(arguments.check_is_causal(is_causal), window, None, False, False))
     if _checks._concrete(overflow) and bool(overflow.any()):
         row = int(jnp.argmax(overflow))
         raise ValueError(

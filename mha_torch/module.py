@@ -404,7 +404,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    overflow = terms.cache_overflows(start, end, max_length, window, is_causal)
+    overflow = terms.cache_overflows(start, end, max_length, terms.of(is_causal, window, None, False, False))
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(
