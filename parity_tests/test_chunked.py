@@ -4,7 +4,8 @@ chunk of positions, with causality where the layer has it.
 Every implementation against the float64 oracle, forward and gradients, in both frameworks (so
 the frameworks against each other); the blocks ``blockwise`` skips for chunks, counted; the
 modules (nnx, linen, PyTorch) against the same call with the chunks given as a dense mask, and
-decoding with the cache (a cache of one chunk is a rolling buffer) against the full pass.
+decoding with the cache (a cache of one chunk is a rolling buffer) against the full pass;
+``from_hf`` of a Llama 4 text config against transformers' own attention class.
 """
 
 import functools
@@ -14,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from flax import nnx
+from transformers import masking_utils
+from transformers.models.llama4 import modeling_llama4
 
 import mha_jax
 import mha_torch
@@ -207,3 +211,81 @@ def test_cudnn_takes_the_chunks_as_a_mask():
     got = mha_jax.dot_product_attention(*(jnp.asarray(x.transpose(0, 2, 1, 3), jnp.bfloat16) for x in (q, k, v)),
                                         is_causal=True, attention_chunk_size=5, implementation="cudnn")
     assert max(harness.errors(np.asarray(got, np.float64).transpose(0, 2, 1, 3), want)) <= 2e-2
+
+
+def _llama4(layer: int, **overrides):
+    """transformers' Llama 4 text attention (float64, random weights) of a two-layer config:
+    layer 0 chunked (chunks of 3) with its rotary embedding, layer 1 a NoPE layer of full
+    attention; and the config."""
+    config = transformers.Llama4TextConfig(**{**dict(
+        hidden_size=E, num_attention_heads=H, num_key_value_heads=KV, head_dim=E // H, num_hidden_layers=2,
+        intermediate_size=8, intermediate_size_mlp=8, vocab_size=11, max_position_embeddings=32,
+        use_qk_norm=False, no_rope_layers=[1, 0], attn_temperature_tuning=False, attention_chunk_size=3,
+        rope_parameters=dict(rope_type="default", rope_theta=500.0)), **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attention = modeling_llama4.Llama4TextAttention(config, layer_idx=layer).double().eval()
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return config, attention
+
+
+def _rotated64(xq, xk, freqs_cis):
+    """``modeling_llama4.apply_rotary_emb`` (pairs as complex numbers) kept in float64."""
+    def rotate(x):
+        return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs_cis[:, :, None]).flatten(3)
+
+    return rotate(xq), rotate(xk)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_from_hf_equals_transformers_llama4_attention(layer, monkeypatch):
+    """``from_hf`` of a chunked layer (its interleaved rotary embedding at each position) and of
+    a NoPE layer (full attention, no rotary embedding) against ``Llama4TextAttention`` under transformers' own chunked causal mask
+    function (``masking_utils``), on a batch with a padded row: outputs and input gradients to
+    1e-12 in float64 (transformers' rotary step, in float32 whatever the input, kept in float64)."""
+    config, attention = _llama4(layer)
+    lengths, s = torch.tensor([7, 5]), 7
+    x = torch.tensor(np.random.default_rng(4).normal(size=(B, s, E)), requires_grad=True)
+    idx = torch.arange(s)
+    if layer == 0:
+        seen = masking_utils.chunked_causal_mask_function(3, torch.zeros(B, dtype=torch.long))(
+            torch.arange(B)[:, None, None, None], 0, idx[None, None, :, None], idx[None, None, None, :])
+        assert torch.equal(seen[0, 0], torch.from_numpy(_mask(True, 3, s)))  # our chunks, as transformers'
+    else:
+        seen = idx[None, None, None, :] <= idx[None, None, :, None]
+    seen = seen & (idx < lengths[:, None])[:, None, None, :]
+    rotary = modeling_llama4.Llama4TextRotaryEmbedding(config)
+    freqs = idx[None].double()[..., None] * rotary.inv_freq.double()
+    monkeypatch.setattr(modeling_llama4, "apply_rotary_emb", _rotated64)
+    out, _ = attention(x, position_embeddings=torch.polar(torch.ones_like(freqs), freqs).expand(B, -1, -1),
+                       attention_mask=torch.where(seen, torch.tensor(0.0).double(), torch.finfo(torch.float64).min))
+    # a padded query that sees no key (row 1's query 6, alone in its chunk): ours 0, transformers' the
+    # mean of the values; compared, and differentiated, where a query sees some key
+    sees = seen.any(dim=-1)[:, 0, :, None]  # (B, s, 1)
+    out = torch.where(sees, out, 0.0)
+    d_out = torch.tensor(np.random.default_rng(5).normal(size=out.shape)) * sees
+    (want_dx,) = torch.autograd.grad(out, x, d_out)
+    state = {f"model.layers.{layer}.self_attn.{k}": v.detach() for k, v in attention.state_dict().items()}
+    options = mha_torch.from_hf(config.to_dict(), state, layer=layer, dtype=torch.float64)
+    assert options.attention_chunk_size == (3 if layer == 0 else None) and (options.rotary is None) == (layer == 1)
+    got = options(x, is_causal=True, key_value_seq_lengths=lengths)
+    (dx,) = torch.autograd.grad(got, x, d_out)
+    ours = mha_jax.from_hf(config.to_dict(), {k: v.numpy() for k, v in state.items()}, layer=layer, param_dtype=jnp.float64)
+    out_j, vjp = jax.vjp(lambda h: ours(h, is_causal=True, key_value_seq_lengths=jnp.asarray(lengths)), jnp.asarray(x.detach()))
+    for a, b in ((got, out), (dx, want_dx), (out_j, out), (vjp(jnp.asarray(d_out))[0], want_dx)):
+        a, b = np.asarray(a.detach() if isinstance(a, torch.Tensor) else a), b.detach().numpy()
+        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()
+
+
+def test_from_hf_refuses_what_llama4_computes_and_this_attention_does_not():
+    config, _ = _llama4(0)
+    base = config.to_dict()
+    with pytest.raises(ValueError, match=r"sets use_qk_norm \(Llama 4's QK-norm\)"):
+        mha_torch.from_hf(dict(base, use_qk_norm=True))
+    with pytest.raises(ValueError, match="attn_temperature_tuning, which scales the queries of its NoPE layer 1"):
+        mha_jax.from_hf(dict(base, attn_temperature_tuning=True), layer=1)
+    mha_jax.from_hf(dict(base, attn_temperature_tuning=True), layer=0)  # a layer that rotates: no tuning
+    defaults = {k: v for k, v in base.items() if k not in ("no_rope_layers", "layer_types", "attention_chunk_size")}
+    assert mha_torch.from_hf(dict(defaults, num_hidden_layers=4), layer=2).attention_chunk_size == 8192  # the default
