@@ -67,6 +67,7 @@ def dot_product_attention(
     query_segment_ids: jax.Array | None = None,
     key_segment_ids: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
@@ -99,6 +100,8 @@ def dot_product_attention(
       query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
         one row for every batch element), given together: a query sees keys of its own segment.
       key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
+      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
+        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
       logit_soft_cap: a positive finite ``cap``: the scaled logits become
         ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
@@ -155,6 +158,7 @@ def dot_product_attention(
         query_positions=query_positions, key_positions=key_positions,
         local_window_size=local_window_size, query_segment_ids=query_segment_ids,
         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+        attention_chunk_size=attention_chunk_size,
     )
     return _attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
