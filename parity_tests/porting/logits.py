@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from parity_tests.compare.arrays import max_abs_error, relative_error
+from parity_tests.porting.arrays import max_abs_error, relative_error
 from parity_tests.tool.arrays import to_float64
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.compare import arrays, names
-from parity_tests.compare.recording import Call
+from parity_tests.porting import arrays, names
+from parity_tests.porting.recording import Call
 
 
 @dataclass
@@ -34,8 +34,7 @@ class Flax:
             from flax import nnx
 
             state = nnx.state(self.module, nnx.Param)
-            return {names.normalize(path): value[...] if hasattr(value, "get_value") or hasattr(value, "value") else value
-                    for path, value in nnx.to_flat_state(state)}
+            return {names.normalize(path): value[...] for path, value in nnx.to_flat_state(state)}
         flat = jax.tree_util.tree_flatten_with_path(self.variables.get("params", {}))[0]
         return {names.linen([getattr(k, "key", str(k)) for k in path]): leaf for path, leaf in flat}
 

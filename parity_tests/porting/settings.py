@@ -35,7 +35,8 @@ def numerics(matmul_precision: str = "highest", *, torch_needed: bool = True):
     torch = sys.modules.get("torch") if not torch_needed else _torch()
     saved = None
     if torch is not None:
-        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+        backends = torch.backends
+        saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from parity_tests.compare import arrays, jax_side, logits, names, settings
-from parity_tests.compare.recording import Recording
-from parity_tests.compare.report import ModuleResult, OutputResult, Report
+from parity_tests.porting import arrays, jax_side, logits, names, settings
+from parity_tests.porting.recording import Recording
+from parity_tests.porting.report import ModuleResult, OutputResult, Report
 
 
 def _is_ours(cls: str) -> bool:
@@ -24,10 +24,17 @@ def reference(torch_model, inputs, dtype: str | None, *, modules: bool = True) -
         if inputs and not all(np.array_equal(np.asarray(a), b) for a, b in zip(inputs, torch_model.inputs)):
             raise ValueError("the inputs given are not the saved reference's: leave them out to use its own")
         return torch_model
-    from parity_tests.compare import torch_side
+    from parity_tests.porting import torch_side
 
     found = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), dtype)
     return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found, modules=modules)
+
+
+def record(torch_model, *inputs, dtype: str | None = None, matmul_precision: str = "highest") -> Recording:
+    """The PyTorch side of ``compare`` alone: its inputs, outputs and every module call, as NumPy
+    (give it to ``compare`` in place of the model, or keep it with ``save_reference``)."""
+    with settings.numerics(matmul_precision):
+        return reference(torch_model, inputs, dtype)
 
 
 def _torch():
@@ -120,8 +127,8 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
     for name, mine, theirs in _pair_outputs(output, ref.outputs):
         if not arrays.is_float(theirs):
             continue
-        outputs.append(OutputResult(name, arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid),
-                                    tolerance))
+        errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
+        outputs.append(OutputResult(name, *errors, tolerance))
         if name == "logits":
             metrics = logits.metrics(mine, theirs, k=top_k, valid=valid)
     return Report(modules, outputs, metrics, recorded, unpaired, unpaired_jax)

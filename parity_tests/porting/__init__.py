@@ -8,7 +8,7 @@ each the error it inherits and the error it adds, naming the first module that a
 Importing this package imports neither framework; each function imports what it runs.
 """
 
-from parity_tests.compare.core import compare
-from parity_tests.compare.report import ModuleResult, Report
+from parity_tests.porting.core import compare, record
+from parity_tests.porting.report import ModuleResult, Report
 
-__all__ = ["ModuleResult", "Report", "compare"]
+__all__ = ["ModuleResult", "Report", "compare", "record"]

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from parity_tests.compare.logits import LogitMetrics
+from parity_tests.porting.logits import LogitMetrics
 
 
 @dataclass
@@ -111,8 +111,9 @@ class Report:
             g = self.logits
             lines.append(f"logits: KL mean {g.kl_mean:.2e}, max {g.kl_max:.2e} at token {g.kl_max_token}; "
                          f"top-1 agreement {g.top1:.3f}, top-{g.k} overlap {g.topk:.3f}")
-        lines.append(f"{len(self.modules)} paired modules; " + (
-            f"first divergence: {self.first_divergence}" if self.first_divergence else "none adds more than its tolerance"))
+        first = self.first_divergence
+        lines.append(f"{len(self.modules)} paired modules; "
+                     + (f"first divergence: {first}" if first else "none adds more than its tolerance"))
         if self.unpaired_torch:
             lines.append(f"PyTorch modules without a JAX pair ({len(self.unpaired_torch)}): "
                          + ", ".join(self.unpaired_torch[:8]) + (" ..." if len(self.unpaired_torch) > 8 else ""))

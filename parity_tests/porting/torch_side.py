@@ -9,8 +9,8 @@ from collections import Counter
 
 import numpy as np
 
-from parity_tests.compare import arrays
-from parity_tests.compare.recording import Call, Recording
+from parity_tests.porting import arrays
+from parity_tests.porting.recording import Call, Recording
 
 
 def parameter_dtypes(model) -> set[str]:
@@ -95,8 +95,9 @@ def recording(model, calls: list[Call]):
 def check_eval(model) -> None:
     training = [n or "the model" for n, m in model.named_modules() if m.training]
     if training:
-        raise ValueError(f"the PyTorch model is in training mode ({training[0]}{' and more' if len(training) > 1 else ''}: "
-                         "dropout would differ between the sides); call model.eval() first")
+        more = " and more" if len(training) > 1 else ""
+        raise ValueError(f"the PyTorch model is in training mode ({training[0]}{more}: dropout would differ "
+                         "between the sides); call model.eval() first")
 
 
 def record(model, inputs, *, settings: dict, dtype: str, modules: bool = True) -> Recording:
