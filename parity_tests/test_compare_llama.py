@@ -1,0 +1,97 @@
+"""A small Llama (transformers' ``LlamaForCausalLM``, weights from ``save_pretrained``) against its
+Flax port (``examples/llama.py``): every module and the logits, gradients, one AdamW step, 16
+greedy tokens against ``generate``; and defects planted in the port found at their module."""
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from parity_tests import compare
+from parity_tests.porting import compare_decoding, compare_gradients, compare_step, record
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    llama.save_random(folder)
+    return llama.transformers_model(folder), llama.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Two rows of 12 tokens, the second left-padded by 3 (its tokens at positions 0 to 8)."""
+    ids = np.random.default_rng(0).integers(3, llama.CONFIG["vocab_size"], (2, 12))
+    mask = np.ones((2, 12), np.int64)
+    mask[1, :3] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return ids, mask, positions
+
+
+@pytest.fixture(scope="module")
+def reference(models, batch):
+    return record(models[0], *batch)
+
+
+def test_every_module_and_the_logits_agree(models, batch):
+    torch_model, port = models
+    report = compare(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool))
+    assert report.passed and report.first_divergence is None, report.table()
+    attention = [m for m in report.modules if m.attention]
+    assert [m.name for m in attention] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(m.tolerance == 1e-6 for m in attention) and all(not m.attention for m in report.modules if "proj" in m.name)
+    assert len(report.modules) == 28 and report.unpaired_jax == [], report.table()
+    assert report.logits.top1 == 1.0 and report.logits.kl_max < 1e-10, report.logits
+
+
+def test_gradients_and_one_adamw_step_agree(models, batch):
+    torch_model, port = models
+    before = {n: p.detach().clone() for n, p in torch_model.named_parameters()}
+    for check in (compare_gradients, compare_step):
+        report = check(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool))
+        assert report.passed and len(report.parameters) == 21 and not report.unpaired_jax, report.table()
+        assert report.worst.error < 1e-5, report.table()
+    assert all((p == before[n]).all() and p.grad is None for n, p in torch_model.named_parameters())
+
+
+def test_sixteen_greedy_tokens_as_generate_alone_and_in_padded_batches(models):
+    torch_model, port = models
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, llama.CONFIG["vocab_size"], n) for n in (5, 9, 3)]
+    report = compare_decoding(torch_model, port, prompts, steps=16)
+    assert report.passed, report.table()
+    assert {r.what for r in report.results} == {"JAX, the row alone", "JAX, left-padded batch",
+                                                "JAX, right-padded batch", "PyTorch, left-padded batch"}
+    assert all(len(r.tokens) == 16 for r in report.results)
+
+
+def _planted(monkeypatch, port, defect):
+    layers = port.model.layers
+    if defect == "rotary halves interleaved":
+        attention = layers[1].self_attn
+        monkeypatch.setattr(attention, "rotary", dataclasses.replace(attention.rotary, interleaved=True))
+        return "model.layers.1.self_attn"
+    if defect == "residual twice":
+        class Doubled(llama.DecoderLayer):
+            def __call__(self, hidden_states, **kwargs):
+                return super().__call__(hidden_states, **kwargs) + hidden_states
+
+        monkeypatch.setattr(layers[0], "__class__", Doubled)
+        return "model.layers.0"
+    monkeypatch.setattr(layers[1].self_attn, "scale", 1 / layers[1].self_attn.head_dim)
+    return "model.layers.1.self_attn"
+
+
+@pytest.mark.parametrize("defect", ["rotary halves interleaved", "residual twice", "attention scale"])
+def test_a_planted_defect_is_found_where_it_is(models, reference, batch, monkeypatch, defect):
+    port = models[1]
+    where = _planted(monkeypatch, port, defect)
+    report = compare(reference, port, mapping=llama.MAPPING, valid=batch[1].astype(bool))
+    assert report.first_divergence == where, report.table()
+    names = [m.name for m in report.modules]
+    assert all(m.passed for m in report.modules[: names.index(where)]) and not report.passed
