@@ -44,7 +44,8 @@ def test_every_module_and_the_logits_agree(models, batch):
     assert report.passed and report.first_divergence is None, report.table()
     attention = [m for m in report.modules if m.attention]
     assert [m.name for m in attention] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert all(m.tolerance == 1e-6 for m in attention) and all(not m.attention for m in report.modules if "proj" in m.name)
+    assert all(m.tolerance == 1e-6 for m in attention)
+    assert all(not m.attention and m.tolerance == 1e-5 for m in report.modules if "proj" in m.name)
     assert len(report.modules) == 28 and report.unpaired_jax == [], report.table()
     assert report.logits.top1 == 1.0 and report.logits.kl_max < 1e-10, report.logits
 

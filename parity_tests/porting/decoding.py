@@ -11,6 +11,7 @@ n)`` at ``positions`` (``-1``: padding, not cached) and returns logits ``(batch,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,15 +74,26 @@ def padded(prompts: list[np.ndarray], left: bool, pad: int = 0) -> tuple[np.ndar
     return tokens, positions
 
 
-def greedy_jax(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens ``(batch, steps)`` and the logits that chose them ``(batch, steps, vocab)``."""
+@functools.cache
+def _decode_call():
+    from flax import nnx
+
+    # one compiled call per shape (eager execution compiles every operation of every shape)
+    return nnx.jit(lambda model, tokens, positions: model(tokens, position_ids=positions, decode=True))
+
+
+def greedy_jax(model, tokens: np.ndarray, positions: np.ndarray, steps: int,
+               max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens ``(batch, steps)`` and the logits that chose them ``(batch, steps, vocab)``; the cache
+    holds ``max_length`` tokens a row (default: the prompts' and the steps')."""
     import jax.numpy as jnp
     from flax import nnx
 
     model = nnx.clone(model)
     batch, width = tokens.shape
-    model.init_cache(batch, width + steps)
-    logits = model(jnp.asarray(tokens), position_ids=jnp.asarray(positions), decode=True)
+    model.init_cache(batch, max_length or width + steps)
+    call = _decode_call()
+    logits = call(model, jnp.asarray(tokens), jnp.asarray(positions))
     lengths = positions.max(axis=1) + 1
     logits = logits[np.arange(batch), positions.argmax(axis=1)]  # each row's last token
     chosen, every = [], []
@@ -90,7 +102,7 @@ def greedy_jax(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -> 
         chosen.append(np.asarray(token))
         every.append(arrays.numpy(logits))
         if step + 1 < steps:
-            logits = model(token[:, None], position_ids=jnp.asarray(lengths[:, None] + step), decode=True)[:, -1]
+            logits = call(model, token[:, None], jnp.asarray(lengths[:, None] + step))[:, -1]
     return np.stack(chosen, axis=1), np.stack(every, axis=1)
 
 
@@ -113,7 +125,8 @@ def greedy_torch(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -
     return arrays.numpy(new), np.stack([arrays.numpy(x) for x in out.logits], axis=1)
 
 
-def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16, tolerance: float | None = None) -> DecodeReport:
+def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16,
+                     tolerance: float | None = None) -> DecodeReport:
     """Each prompt (1-D integer arrays of different lengths) decoded greedily for ``steps`` tokens:
     transformers' ``generate`` on each row alone is the reference; the JAX model decodes each row
     alone and the rows in a left- and a right-padded batch, and PyTorch the left-padded batch."""
@@ -139,10 +152,12 @@ def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16, toler
                 results.append(DecodeResult(what, row, tokens[i].tolist(), expected_tokens[0].tolist(),
                                             arrays.relative_error(logits[i], expected_logits[0]), tolerance))
 
+        longest = max(map(len, prompts)) + steps  # one cache shape for every run
         for i, p in enumerate(prompts):
-            check("JAX, the row alone", *greedy_jax(flax.module, p[None], np.arange(len(p))[None], steps), [i])
+            check("JAX, the row alone", *greedy_jax(flax.module, p[None], np.arange(len(p))[None], steps, longest), [i])
         rows = list(range(len(prompts)))
-        check("JAX, left-padded batch", *greedy_jax(flax.module, *padded(prompts, left=True), steps), rows)
-        check("JAX, right-padded batch", *greedy_jax(flax.module, *padded(prompts, left=False), steps), rows)
+        for side in ("left", "right"):
+            decoded = greedy_jax(flax.module, *padded(prompts, left=side == "left"), steps, longest)
+            check(f"JAX, {side}-padded batch", *decoded, rows)
         check("PyTorch, left-padded batch", *greedy_torch(torch_model, *padded(prompts, left=True), steps), rows)
     return DecodeReport(results, steps, {**numerics, "dtype": dtype})

@@ -166,7 +166,7 @@ def _jax_run(flax: jax_side.Flax, inputs, g: np.ndarray, step: Mapping | None) -
         out = arrays.primary(call(p))
         return jnp.sum(out * jnp.asarray(g, out.dtype))
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)  # compiled once: faster than running it operation by operation
     if step is not None:
         import optax
 
@@ -192,8 +192,10 @@ def _compare(what, torch_model, flax_model, inputs, mapping, valid, seed, tolera
     shapes = {n: p.shape for n, p in theirs.items()}
     pairs, unpaired = pair_parameters(list(theirs), list(mine), mapping)
     tolerance = tolerance if tolerance is not None else settings.GRADIENT_TOLERANCES.get(dtype, 1e-4)
-    results = [ParameterResult(t, j, arrays.relative_error(as_torch_layout(mine[j], shapes[t], j.rsplit(".", 1)[-1]), theirs[t]),
-                               tolerance) for t, j in pairs.items()]
+    results = []
+    for t, j in pairs.items():
+        error = arrays.relative_error(as_torch_layout(mine[j], shapes[t], j.rsplit(".", 1)[-1]), theirs[t])
+        results.append(ParameterResult(t, j, error, tolerance))
     used = set(pairs.values())
     recorded = {**numerics, "dtype": dtype, "seed": seed, **({"optimizer": dict(step)} if step else {})}
     return ParameterReport(what, results, recorded, unpaired, [j for j in mine if j not in used])
@@ -211,4 +213,5 @@ def compare_step(torch_model, flax_model, *inputs, mapping=None, valid=None, see
     """Every paired parameter after one AdamW step on the loss's gradients: ``torch.optim.AdamW``
     against ``optax.adamw`` with the same hyper-parameters (on copies of both models)."""
     step = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    return _compare("parameters after one AdamW step", torch_model, flax_model, inputs, mapping, valid, seed, tolerance, step)
+    what = "parameters after one AdamW step"
+    return _compare(what, torch_model, flax_model, inputs, mapping, valid, seed, tolerance, step)
