@@ -2,12 +2,14 @@
 Flax port (``examples/llama.py``): every module and the logits, gradients, one AdamW step, 16
 greedy tokens against ``generate``; and defects planted in the port found at their module."""
 
+import copy
 import dataclasses
 import os
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from parity_tests import compare
 from parity_tests.porting import compare_decoding, compare_gradients, compare_step, record
@@ -96,3 +98,74 @@ def test_a_planted_defect_is_found_where_it_is(models, reference, batch, monkeyp
     assert report.first_divergence == where, report.table()
     names = [m.name for m in report.modules]
     assert all(m.passed for m in report.modules[: names.index(where)]) and not report.passed
+
+
+NO_TORCH = """
+import json, sys
+sys.modules["torch"] = None  # importing torch fails from here on, as where it is not installed
+sys.path.insert(0, {examples!r})
+import llama
+from parity_tests import compare
+from parity_tests.porting import load_reference
+reference = load_reference({reference!r})
+report = compare(reference, llama.from_pretrained({folder!r}), mapping=llama.MAPPING,
+                 valid=reference.inputs[1].astype(bool))
+assert sys.modules["torch"] is None and "transformers" not in sys.modules
+print(json.dumps(report.as_json()))
+"""
+
+
+def test_a_saved_reference_is_compared_where_torch_cannot_be_imported(models, batch, tmp_path):
+    import json
+    import subprocess
+
+    from parity_tests.porting import load_reference, save_reference
+
+    torch_model, port = models
+    folder = tmp_path / "model"
+    torch_model.save_pretrained(folder)
+    saved = save_reference(tmp_path / "reference", torch_model, *batch)
+    assert sorted(os.listdir(tmp_path / "reference")) == ["arrays.safetensors", "reference.json"]
+    loaded = load_reference(tmp_path / "reference")
+    assert [c.key for c in loaded.calls] == [c.key for c in saved.calls] and loaded.dtype == "float32"
+    assert all(np.array_equal(a, b) for a, b in zip(loaded.inputs, batch)) and loaded.inputs[0].dtype == np.int64
+    script = NO_TORCH.format(examples=os.path.dirname(llama.__file__), reference=str(tmp_path / "reference"),
+                             folder=str(folder))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    away = json.loads(run.stdout.strip().splitlines()[-1])
+    here = compare(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool)).as_json()
+    assert away["passed"] and away["settings"]["saved_reference"] and "torch_allow_tf32_matmul" in away["settings"]
+    assert [(m["name"], m["added"], m["inherited"]) for m in away["modules"]] == [
+        (m["name"], m["added"], m["inherited"]) for m in here["modules"]]
+    assert away["logits"] == here["logits"]
+
+
+def test_a_reference_or_a_model_in_another_dtype_is_an_error(models, reference):
+    torch_model, port = models
+    with pytest.raises(ValueError, match="the saved reference is float32, not the bfloat16 asked for"):
+        compare(reference, port, dtype="bfloat16")
+    with pytest.raises(ValueError, match="the PyTorch side holds float32 parameters, not the float64 asked for"):
+        compare(torch_model, port, *reference.inputs, dtype="float64")
+    half = copy.deepcopy(torch_model).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="the JAX side holds float32 parameters, not the bfloat16 asked for"):
+        compare(half, port, *reference.inputs)
+
+
+def test_the_precision_is_set_recorded_and_put_back(models, reference):
+    import jax
+
+    torch_model, port = models
+    old = torch.backends.cuda.matmul.allow_tf32, jax.config.jax_default_matmul_precision
+    torch.backends.cuda.matmul.allow_tf32 = True
+    jax.config.update("jax_default_matmul_precision", "bfloat16")
+    try:
+        report = compare(torch_model, port, *reference.inputs, mapping=llama.MAPPING)
+        assert torch.backends.cuda.matmul.allow_tf32 and jax.config.jax_default_matmul_precision == "bfloat16"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old[0]
+        jax.config.update("jax_default_matmul_precision", old[1])
+    s = report.settings
+    assert s["jax_default_matmul_precision"] == "highest" and s["torch_allow_tf32_matmul"] is False
+    assert s["torch_float32_matmul_precision"] == "highest" and s["torch_dtype"] == s["jax_dtype"] == "float32"

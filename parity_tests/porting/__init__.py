@@ -10,7 +10,12 @@ Importing this package imports neither framework; each function imports what it 
 
 from parity_tests.porting.core import compare, record
 from parity_tests.porting.decoding import compare_decoding
+from parity_tests.porting.recording import Recording
+from parity_tests.porting.reference import load_reference, save_reference
 from parity_tests.porting.report import ModuleResult, Report
 from parity_tests.porting.training import compare_gradients, compare_step
 
-__all__ = ["ModuleResult", "Report", "compare", "compare_decoding", "compare_gradients", "compare_step", "record"]
+__all__ = [
+    "ModuleResult", "Recording", "Report", "compare", "compare_decoding", "compare_gradients", "compare_step",
+    "load_reference", "record", "save_reference",
+]

@@ -27,7 +27,7 @@ class LogitMetrics:
     k: int
 
     def as_json(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), kl_max_token=list(self.kl_max_token))
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
