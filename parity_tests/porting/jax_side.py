@@ -112,7 +112,8 @@ class Interceptor:
     counts: Counter = field(default_factory=Counter)
     replaying: bool = False
 
-    def __call__(self, name: str, cls: str, fn, signature: inspect.Signature, args: tuple, kwargs: dict):
+    def __call__(self, name: str, cls: str, fn, signature: inspect.Signature, args: tuple, kwargs: dict, again=None):
+        """``fn(*args, **kwargs)``, recorded; ``again`` (default ``fn``) runs it on PyTorch's inputs."""
         if self.replaying:
             return fn(*args, **kwargs)
         occurrence = self.counts[name]
@@ -127,7 +128,7 @@ class Interceptor:
                 replaced = substitute(signature, args, reference.inputs)
                 self.replaying = True
                 try:
-                    added = arrays.primary(fn(*replaced, **kwargs))
+                    added = arrays.primary((again or fn)(*replaced, **kwargs))
                 finally:
                     self.replaying = False
                 call.added = arrays.relative_error(added, reference.output, self.valid)
@@ -187,7 +188,12 @@ def _linen_intercepted(interceptor: Interceptor):
         if context.method_name != "__call__" or not module.path:
             return next_fun(*args, **kwargs)
         signature = inspect.signature(types.MethodType(context.orig_method, module))
-        return interceptor(names.linen(module.path), _class_name(module), next_fun, signature, args, kwargs)
+
+        def again(*args, **kwargs):  # a second call inside one linen call would declare its parameters twice
+            unbound, variables = module.unbind()
+            return unbound.apply(variables, *args, **kwargs)
+
+        return interceptor(names.linen(module.path), _class_name(module), next_fun, signature, args, kwargs, again)
 
     with linen.intercept_methods(intercept):
         yield
