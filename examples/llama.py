@@ -141,16 +141,30 @@ def transformers_model(folder: str | os.PathLike):
     return transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
 
 
+def inputs(batch: int = 2, length: int = 12, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids, an attention mask whose second row is left-padded by 3, and each token's position."""
+    ids = np.random.default_rng(seed).integers(3, CONFIG["vocab_size"], (batch, length))
+    mask = np.ones((batch, length), np.int64)
+    mask[1, :3] = 0
+    return ids, mask, np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+
+
 def main() -> None:
     import tempfile
 
-    from parity_tests import compare
+    from parity_tests.porting import compare, compare_decoding, compare_gradients, compare_step
 
     with tempfile.TemporaryDirectory() as folder:
         save_random(folder)
         torch_model, port = transformers_model(folder), from_pretrained(folder)
-    ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 12))
-    print(compare(torch_model, port, ids, mapping=MAPPING).table())
+    batch = inputs()
+    valid = batch[1].astype(bool)
+    print(compare(torch_model, port, *batch, mapping=MAPPING, valid=valid).table(), end="\n\n")
+    for check in (compare_gradients, compare_step):
+        print(check(torch_model, port, *batch, mapping=MAPPING, valid=valid).table(), end="\n\n")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, CONFIG["vocab_size"], n) for n in (5, 9, 3)]
+    print(compare_decoding(torch_model, port, prompts, steps=16).table())
 
 
 if __name__ == "__main__":

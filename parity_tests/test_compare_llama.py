@@ -28,11 +28,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def batch():
     """Two rows of 12 tokens, the second left-padded by 3 (its tokens at positions 0 to 8)."""
-    ids = np.random.default_rng(0).integers(3, llama.CONFIG["vocab_size"], (2, 12))
-    mask = np.ones((2, 12), np.int64)
-    mask[1, :3] = 0
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return ids, mask, positions
+    return llama.inputs()
 
 
 @pytest.fixture(scope="module")
