@@ -202,3 +202,12 @@ def test_the_command_line(capsys, tmp_path, monkeypatch):
     assert code == 2 and "give one of --torch" in out
     code, out = _cli(capsys, "--torch", f"{here}:nothing", "--flax", f"{here}:nnx_tiny", *common)
     assert code == 2 and "--torch: parity_tests.test_compare_api has no 'nothing'" in out
+
+
+def test_the_guide_example_runs(capsys):
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "porting-models.md").read_text()
+    (block,) = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    exec(compile(block, "docs/porting-models.md", "exec"), {})
+    assert "first divergence: 1" in capsys.readouterr().out
