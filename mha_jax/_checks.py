@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mha_jax import _neutral
+from mha_spec import arguments
 
 # The functional core's layout, named in messages.
 QKV_LAYOUT = "(batch, q_len, heads, head_dim)"
@@ -99,7 +99,7 @@ def check_sequence(name: str, x, batch: int, length: int, length_name: str) -> N
     require_array(name, x)
     if _dtype_kind(x) != "int":
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype} with shape {tuple(x.shape)}")
-    _neutral.check_sequence_shape(name, x.shape, batch, length, length_name)
+    arguments.check_sequence_shape(name, x.shape, batch, length, length_name)
 
 
 def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
@@ -108,9 +108,9 @@ def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
     require_array(name, lengths)
     if _dtype_kind(lengths) != "int":
         raise TypeError(f"{name} must be an integer array, got dtype {lengths.dtype} with shape {tuple(lengths.shape)}")
-    _neutral.check_lengths_shape(name, lengths.shape, batch)
+    arguments.check_lengths_shape(name, lengths.shape, batch)
     if _concrete(lengths):
-        _neutral.check_lengths_range(name, np.asarray(lengths), kv_len)
+        arguments.check_lengths_range(name, np.asarray(lengths), kv_len)
 
 
 def _concrete(x) -> bool:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks, _neutral, masks
+from mha_jax import _checks, masks
+from mha_spec import torch_mha
 
 
 def mask_from_torch_mha(
@@ -52,11 +53,11 @@ def mask_from_torch_mha(
     if attn_mask is not None:
         _checks.require_array("attn_mask", attn_mask)
         _check_kind("attn_mask", attn_mask)
-        parts.append(jnp.asarray(attn_mask).reshape(_neutral.torch_mha_attn_shape(attn_mask.shape, num_heads)))
+        parts.append(jnp.asarray(attn_mask).reshape(torch_mha.torch_mha_attn_shape(attn_mask.shape, num_heads)))
     if key_padding_mask is not None:
         _checks.require_array("key_padding_mask", key_padding_mask)
         _check_kind("key_padding_mask", key_padding_mask)
-        _neutral.check_torch_mha_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
+        torch_mha.check_torch_mha_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
         parts.append(jnp.asarray(key_padding_mask)[:, None, None, :])
     # Each part stays in its own kind: a float 0/-inf "mask" would read as nonzero = attend here.
     allowed = [~p for p in parts if p.dtype == jnp.bool_]
@@ -101,7 +102,7 @@ def mask_to_torch_mha(
 def _torch_mha_layout(theirs: jax.Array, shape: tuple[int, int, int, int]) -> jax.Array:
     """``(q_len, kv_len)`` if ``theirs`` is one for every batch element and head, else
     ``(batch * num_heads, q_len, kv_len)``."""
-    target = _neutral.torch_mha_layout(theirs.shape, shape)
+    target = torch_mha.torch_mha_layout(theirs.shape, shape)
     theirs = theirs.reshape((1,) * (4 - theirs.ndim) + tuple(theirs.shape))
     if len(target) == 2:  # the same for every batch element and head
         return jnp.broadcast_to(theirs[0, 0], target)

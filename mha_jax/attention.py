@@ -12,8 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _blockwise, _checks, _neutral, _ring, masks
+from mha_jax import _blockwise, _checks, _ring, masks
 from mha_jax.masks import MASK_LAYOUT
+from mha_spec import arguments
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
 # AD tracers: a blockwise call under forward mode or under two of them is refused by name.
@@ -129,11 +130,11 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[2], query.shape[3]
-    scale = _neutral.check_scale(scale)
-    soft_cap = _neutral.check_logit_soft_cap(logit_soft_cap)
+    scale = arguments.check_scale(scale)
+    soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
     if sinks is not None:
         _checks.require_float("sinks", sinks)
-        _neutral.check_sinks_shape(sinks.shape, heads)
+        arguments.check_sinks_shape(sinks.shape, heads)
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     ring = None if sequence_axis is None else _ring.check(
@@ -222,7 +223,7 @@ def _check_head_sharding(query, heads, kv_heads):
 def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> str:
     if implementation is None:
         return "xla"
-    _neutral.check_implementation(implementation, IMPLEMENTATIONS)
+    arguments.check_implementation(implementation, IMPLEMENTATIONS)
     if return_weights and implementation != "xla":
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
     if implementation == "cudnn" and (soft_cap or sinks):
@@ -396,10 +397,10 @@ def _masked_softmax(
 
 def _dropout_keep(rate, rng, dropout_mask, shape):
     """(bool keep-mask or None, PRNG key to draw one or None, scale of kept weights)."""
-    rate = _neutral.check_dropout_rate("dropout_rate", rate)
+    rate = arguments.check_dropout_rate("dropout_rate", rate)
     if dropout_mask is not None:
         _checks.require_array("dropout_mask", dropout_mask)
-        _neutral.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
+        arguments.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
         if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
             raise TypeError(
                 f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax import _neutral
+from mha_spec import layouts
 
 _FLAX_NAMES = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
 _FLAX_NORMS = (("query_ln", "q_norm"), ("key_ln", "k_norm"))  # flax's normalize_qk LayerNorm scales
@@ -75,11 +75,11 @@ def _from_torch(
 ) -> dict[str, dict[str, np.ndarray]]:
     """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names, checked with the names."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    state = _neutral.read_layout(
+    state = layouts.read_layout(
         _read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
     )
     _check_dtypes(state)
-    head_dim = _neutral.check_state(state, num_heads, num_kv_heads, expected)
+    head_dim = layouts.check_state(state, num_heads, num_kv_heads, expected)
     params: dict[str, dict[str, np.ndarray]] = {}
     for flax_name, torch_name in _FLAX_NAMES:
         weight = state[f"{torch_name}.weight"]
@@ -95,8 +95,8 @@ def _from_torch(
         if f"{torch_name}.weight" in state:
             scale = state[f"{torch_name}.weight"]
             params[flax_name] = {"scale": scale if scale.shape == (head_dim,) else scale.reshape(-1, head_dim)}
-    if _neutral.SINKS in state:
-        params[_neutral.SINKS] = state[_neutral.SINKS]
+    if layouts.SINKS in state:
+        params[layouts.SINKS] = state[layouts.SINKS]
     return params
 
 
@@ -113,7 +113,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         params = _read_params(params)
     tree = _params_dict(params)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
-    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES + _FLAX_NORMS) and name != _neutral.SINKS]
+    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES + _FLAX_NORMS) and name != layouts.SINKS]
     problems += [f"{name!r} has no 'scale'" for name, _ in _FLAX_NORMS if name in tree and "scale" not in tree[name]]
     problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
@@ -135,10 +135,10 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     for flax_name, torch_name in _FLAX_NORMS:
         if flax_name in tree:
             state[f"{torch_name}.weight"] = _to_numpy(tree[flax_name]["scale"]).reshape(-1)
-    if _neutral.SINKS in tree:
-        state[_neutral.SINKS] = _to_numpy(tree[_neutral.SINKS])
+    if layouts.SINKS in tree:
+        state[layouts.SINKS] = _to_numpy(tree[layouts.SINKS])
     try:  # the projections must fit one module: heads from the query kernel, kv heads from the key's
-        _neutral.check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
+        layouts.check_state(state, tree["query"]["kernel"].shape[1], tree["key"]["kernel"].shape[1])
     except ValueError as error:
         raise ValueError(f"params do not form one attention layer: {error}") from None
     return state
@@ -169,7 +169,7 @@ def load_weights(
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
     for flax_name in params:
-        if flax_name == _neutral.SINKS:
+        if flax_name == layouts.SINKS:
             module.sinks.set_value(jnp.asarray(params[flax_name], dtype=module.sinks.get_value().dtype))
             continue
         layer = getattr(module, flax_name)
@@ -190,8 +190,8 @@ def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
     for flax_name, torch_name in _FLAX_NORMS:
         if flax_name in tree:
             shapes[f"{torch_name}.weight"] = (int(np.prod(tree[flax_name]["scale"].shape)),)
-    if tree.get(_neutral.SINKS) is not None:
-        shapes[_neutral.SINKS] = tuple(tree[_neutral.SINKS].shape)
+    if tree.get(layouts.SINKS) is not None:
+        shapes[layouts.SINKS] = tuple(tree[layouts.SINKS].shape)
     return shapes
 
 
@@ -204,7 +204,7 @@ def _params_dict(params: Any) -> dict:
         params = params["params"]
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping or an nnx module, got {type(params).__name__}")
-    return {k: v if k == _neutral.SINKS else dict(v) for k, v in params.items()}
+    return {k: v if k == layouts.SINKS else dict(v) for k, v in params.items()}
 
 
 def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:

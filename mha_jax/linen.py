@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
-from mha_jax import _cache, _neutral, masks
-from mha_jax._neutral import QKNorm
+from mha_jax import _cache, masks
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_jax.module import (
     _attend,
@@ -33,6 +32,8 @@ from mha_jax.module import (
     _rotate,
     _self_attention,
 )
+from mha_spec import arguments, batch_axes
+from mha_spec.qk_norm import QKNorm
 
 # flax's mask helpers are exported beside the classes, as flax exports them
 __all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks", "make_attention_mask", "make_causal_mask"]
@@ -91,10 +92,10 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); these need none.
-        _neutral.check_implementation(self.implementation, IMPLEMENTATIONS)
-        _neutral.check_qk_norm(self.normalize_qk)
-        _neutral.check_scale(self.scale)
-        _neutral.check_window(self.local_window_size)
+        arguments.check_implementation(self.implementation, IMPLEMENTATIONS)
+        arguments.check_qk_norm(self.normalize_qk)
+        arguments.check_scale(self.scale)
+        arguments.check_window(self.local_window_size)
         _check_sequence_axis(self.sequence_axis)
         super().__post_init__()
 
@@ -142,7 +143,7 @@ class MultiHeadDotProductAttention(nn.Module):
                              key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
             _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
             _check_inputs(inputs_q, inputs_k, inputs_v, *(x.shape[-1] if getattr(x, "ndim", 0) >= 1 else 0 for x in (inputs_q, inputs_k)))
-            batch_shape, (inputs_q, inputs_k, inputs_v), terms = _neutral.flatten_batch(
+            batch_shape, (inputs_q, inputs_k, inputs_v), terms = batch_axes.flatten_batch(
                 (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
             )
         else:
@@ -158,8 +159,8 @@ class MultiHeadDotProductAttention(nn.Module):
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-        head_dim = _neutral.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
-        rate = _neutral.check_dropout_rate("dropout_rate", self.dropout_rate)
+        head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
+        rate = arguments.check_dropout_rate("dropout_rate", self.dropout_rate)
 
         def projection(features, name):
             return nn.DenseGeneral(
@@ -171,7 +172,7 @@ class MultiHeadDotProductAttention(nn.Module):
         query = projection((self.num_heads, head_dim), "query")(inputs_q)
         key = projection((num_kv_heads, head_dim), "key")(inputs_k)
         value = projection((num_kv_heads, head_dim), "value")(inputs_v)
-        qk_norm = _neutral.check_qk_norm(self.normalize_qk)
+        qk_norm = arguments.check_qk_norm(self.normalize_qk)
         if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
             def layer_norm(name):
                 return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -188,7 +189,7 @@ class MultiHeadDotProductAttention(nn.Module):
                 is_causal=is_causal, query_positions=terms["query_positions"] if decoding else None,
                 local_window_size=local_window_size,
             )
-        if dropout_mask is None and rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic):
+        if dropout_mask is None and rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         else:
             dropout_rng = None
@@ -206,7 +207,7 @@ class MultiHeadDotProductAttention(nn.Module):
             param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
             dot_general_cls=self.out_dot_general_cls, name="out",
         )(out)
-        out = _neutral.unflatten_batch(out, batch_shape)
+        out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
 
     def _cached(self, query, key, value, batch_shape, decoding, *, spec, forbidden, query_positions, **terms):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks, _neutral
+from mha_jax import _checks
+from mha_spec import arguments
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -98,7 +99,7 @@ def _parse(
     allowed = None
     if mask is not None:
         _checks.require_array("mask", mask)
-        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         if _checks._dtype_kind(mask) not in ("bool", "int", "float"):
             raise TypeError(
                 f"mask must be bool, integer or real floating (nonzero = attend), got dtype "
@@ -107,13 +108,13 @@ def _parse(
         allowed = jnp.asarray(mask) if mask.dtype == jnp.bool_ else jnp.asarray(mask) != 0
     if bias is not None:
         _checks.require_float("bias", bias)
-        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        arguments.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = jnp.asarray(bias)
     return _Spec(
-        shape, allowed, bias, _neutral.check_is_causal(is_causal),
+        shape, allowed, bias, arguments.check_is_causal(is_causal),
         _sequence("query_positions", query_positions, batch, q_len, "q_len"),
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
-        _neutral.check_window(local_window_size),
+        arguments.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
         _lengths(key_value_seq_lengths, batch, kv_len),
     )

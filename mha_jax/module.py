@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from mha_jax import _cache, _checks, _neutral, masks
-from mha_jax._neutral import QKNorm
+from mha_jax import _cache, _checks, masks
 from mha_jax.attention import IMPLEMENTATIONS, _attention
+from mha_spec import arguments, batch_axes, terms
+from mha_spec.qk_norm import QKNorm
 
 INPUT_LAYOUT = "(*batch, length, features)"
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
@@ -134,9 +135,9 @@ class MultiHeadAttention(nnx.Module):
         self.qkv_features = in_features if qkv_features is None else qkv_features
         self.out_features = in_features if out_features is None else out_features
         for name in ("in_features", "in_kv_features", "out_features"):
-            _neutral.check_heads(1, 1, getattr(self, name), name)
-        self.head_dim = _neutral.check_heads(num_heads, self.num_kv_heads, self.qkv_features, "qkv_features")
-        self.dropout_rate = _neutral.check_dropout_rate("dropout_rate", dropout_rate)
+            arguments.check_heads(1, 1, getattr(self, name), name)
+        self.head_dim = arguments.check_heads(num_heads, self.num_kv_heads, self.qkv_features, "qkv_features")
+        self.dropout_rate = arguments.check_dropout_rate("dropout_rate", dropout_rate)
         self.broadcast_dropout = broadcast_dropout
         self.deterministic = deterministic
         self.decode = decode
@@ -146,13 +147,13 @@ class MultiHeadAttention(nnx.Module):
         self.use_bias = use_bias
         self.normalize_qk = normalize_qk
         self.attention_fn = attention_fn
-        self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
-        self.scale = _neutral.check_scale(scale)
+        self.implementation = arguments.check_implementation(implementation, IMPLEMENTATIONS)
+        self.scale = arguments.check_scale(scale)
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
-        self.local_window_size = _neutral.check_window(local_window_size)
+        self.local_window_size = arguments.check_window(local_window_size)
         self.sequence_axis = _check_sequence_axis(sequence_axis)
-        qk_norm = _neutral.check_qk_norm(normalize_qk)
+        qk_norm = arguments.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
@@ -266,7 +267,7 @@ class MultiHeadAttention(nnx.Module):
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
             key_value_seq_lengths=key_value_seq_lengths,
         )
-        dropping = dropout_mask is None and self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
+        dropping = dropout_mask is None and self.dropout_rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
 
         # a length sharded for the ring: segments absent from the queries are not looked for
@@ -283,7 +284,7 @@ class MultiHeadAttention(nnx.Module):
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
-        out = _neutral.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
+        out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 
     def _sinks(self) -> jax.Array | None:
@@ -328,7 +329,7 @@ class MultiHeadAttention(nnx.Module):
         _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
         _check_inputs(inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features)
         cache = _Cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], self.cache_overflow[...])
-        batch_shape, (inputs_q, inputs_k, inputs_v), terms = _neutral.flatten_batch(
+        batch_shape, (inputs_q, inputs_k, inputs_v), terms = batch_axes.flatten_batch(
             (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
         )
         cache = _check_cache(cache, batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads, self.head_dim, forbidden)
@@ -344,7 +345,7 @@ class MultiHeadAttention(nnx.Module):
         self.cached_key[...], self.cached_value[...] = (x.reshape(self.cached_key.shape) for x in (cache.key, cache.value))
         self.cache_index[...] = cache.end.reshape(self.cache_index.shape)
         self.cache_overflow[...] = cache.overflow.reshape(self.cache_overflow.shape)
-        dropping = self.dropout_rate > 0 and not _neutral.resolve_deterministic(deterministic, self.deterministic)
+        dropping = self.dropout_rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
         out, weights, sown = _attend(
             self, query, cache.key.astype(query.dtype), cache.value.astype(query.dtype), spec, batch_shape,
@@ -353,7 +354,7 @@ class MultiHeadAttention(nnx.Module):
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
-        out = _neutral.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
+        out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 
 
@@ -398,8 +399,8 @@ def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_ca
     start = cache.end
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    window = _neutral.check_window(local_window_size)
-    overflow = _neutral.cache_overflows(start, end, max_length, window, _neutral.check_is_causal(is_causal))
+    window = arguments.check_window(local_window_size)
+    overflow = terms.cache_overflows(start, end, max_length, window, arguments.check_is_causal(is_causal))
     if _checks._concrete(overflow) and bool(overflow.any()):
         row = int(jnp.argmax(overflow))
         raise ValueError(
@@ -424,7 +425,7 @@ def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | No
     if in_features is None:
         in_features, in_kv_features = (x.shape[-1] if getattr(x, "ndim", 0) >= 1 else 0 for x in (inputs_q, inputs_k))
     _check_inputs(inputs_q, inputs_k, inputs_v, in_features, in_kv_features)
-    batch_shape, inputs, terms = _neutral.flatten_batch(
+    batch_shape, inputs, terms = batch_axes.flatten_batch(
         (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, dropout_mask=dropout_mask, **terms
     )
     dropout_mask = terms.pop("dropout_mask")
@@ -485,8 +486,8 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
         sown = weights if weights is not None and not dropped else _attention(
             query, key, value, spec, return_weights=True, precision=module.precision, implementation="xla", **logits
         )[1]
-        sown = _neutral.unflatten_batch(sown, batch_shape)
-    return out, None if weights is None or not return_weights else _neutral.unflatten_batch(weights, batch_shape), sown
+        sown = batch_axes.unflatten_batch(sown, batch_shape)
+    return out, None if weights is None or not return_weights else batch_axes.unflatten_batch(weights, batch_shape), sown
 
 
 def _check_sequence_axis(sequence_axis):
@@ -551,7 +552,7 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
     allowed = masks._dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal))
 
     def logits_shaped(x):  # masks of fewer than 4 axes broadcast from the right as they are
-        return x if x is None or x.ndim < 4 else _neutral.unflatten_batch(x, batch_shape)
+        return x if x is None or x.ndim < 4 else batch_axes.unflatten_batch(x, batch_shape)
 
     kwargs = dict(
         mask=logits_shaped(allowed), bias=logits_shaped(spec.bias), dropout_rng=dropout_rng,
@@ -571,7 +572,7 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
                 f"{', '.join(dropped)}, which this call needs"
             )
         kwargs = {name: value for name, value in kwargs.items() if name in parameters}
-    q, k, v = (_neutral.unflatten_batch(x, batch_shape) for x in (query, key, value))
+    q, k, v = (batch_axes.unflatten_batch(x, batch_shape) for x in (query, key, value))
     out = module.attention_fn(q, k, v, **kwargs)
     return out.reshape(query.shape[:2] + out.shape[-2:])
 

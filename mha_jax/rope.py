@@ -24,12 +24,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks, _neutral
+from mha_jax import _checks
+from mha_spec import arguments, rotary
 
 LAYOUT = "(*batch, len, heads, head_dim)"
 
 
-class RotaryEmbedding(_neutral.RotaryParameters):
+class RotaryEmbedding(rotary.RotaryParameters):
     """Rotary position embedding of queries or keys ``(*batch, len, heads, head_dim)``.
 
     ``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
@@ -98,7 +99,7 @@ class RotaryEmbedding(_neutral.RotaryParameters):
         if positions is None:
             positions = jnp.arange(length)
         _checks.require_int("positions", positions)
-        _neutral.check_positions_shape(positions.shape, x.shape[:-3], length)
+        arguments.check_positions_shape(positions.shape, x.shape[:-3], length)
         dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
         cos, sin = self._cos_sin(jnp.asarray(positions), dtype)
         # (*batch, len, half) -> (*batch, len, 1, half): the same angle for every head.
@@ -169,7 +170,7 @@ def _dynamic_init_inv_freq(rope: RotaryEmbedding) -> jax.Array:
     """``_compute_dynamic_ntk_parameters`` at construction: the base computed in Python floats at
     ``max_position_embeddings`` (where it barely changes)."""
     max_pos = rope.max_position_embeddings
-    theta = _neutral.dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
+    theta = rotary.dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
     return _default_inv_freq(theta, rope.rotary_dim)
 
 
@@ -185,11 +186,11 @@ def _dynamic_inv_freq(rope: RotaryEmbedding, seq_len: jax.Array) -> jax.Array:
 def _yarn_inv_freq(rope: RotaryEmbedding) -> jax.Array:
     """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
     extrapolated (unchanged) above it, blended linearly along it."""
-    factor = _neutral.scaling_factor(rope.scaling, rope.max_position_embeddings)
+    factor = rotary.scaling_factor(rope.scaling, rope.max_position_embeddings)
     pos_freqs = rope.theta ** _exponents(rope.rotary_dim)
     extrapolation = _rdiv(1.0, pos_freqs)
     interpolation = _rdiv(1.0, factor * pos_freqs)
-    low, high = _neutral.yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
+    low, high = rotary.yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
     ramp = jnp.clip(_div(jnp.arange(rope.rotary_dim // 2, dtype=jnp.float32) - low, high - low), 0, 1)
     extrapolation_factor = 1 - ramp
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor

@@ -3,8 +3,8 @@
 Never imports jax or flax.
 """
 
+from mha_spec.qk_norm import QKNorm
 from mha_torch._cache import KVCache
-from mha_torch._neutral import QKNorm
 from mha_torch._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_torch.attention import dot_product_attention
 from mha_torch.convert import from_torch_mha, load_weights, to_torch_mha

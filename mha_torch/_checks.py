@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mha_torch import _neutral
+from mha_spec import arguments
 
 # The functional core's layout, named in messages.
 QKV_LAYOUT = "(batch, heads, q_len, head_dim)"
@@ -105,7 +105,7 @@ def check_sequence(name: str, x, batch: int, length: int, length_name: str) -> N
     require_array(name, x)
     if _dtype_kind(x) != "int":
         raise TypeError(f"{name} must be an integer array, got dtype {_dtype_name(x)} with shape {tuple(x.shape)}")
-    _neutral.check_sequence_shape(name, x.shape, batch, length, length_name)
+    arguments.check_sequence_shape(name, x.shape, batch, length, length_name)
 
 
 def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
@@ -114,5 +114,5 @@ def check_lengths(name: str, lengths, batch: int, kv_len: int) -> None:
     require_array(name, lengths)
     if _dtype_kind(lengths) != "int":
         raise TypeError(f"{name} must be an integer array, got dtype {_dtype_name(lengths)} with shape {tuple(lengths.shape)}")
-    _neutral.check_lengths_shape(name, lengths.shape, batch)
-    _neutral.check_lengths_range(name, lengths.detach().cpu().numpy(), kv_len)
+    arguments.check_lengths_shape(name, lengths.shape, batch)
+    arguments.check_lengths_range(name, lengths.detach().cpu().numpy(), kv_len)

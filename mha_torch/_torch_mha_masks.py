@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from mha_torch import _checks, _neutral, masks
+from mha_spec import torch_mha
+from mha_torch import _checks, masks
 
 
 def mask_from_torch_mha(
@@ -53,11 +54,11 @@ def mask_from_torch_mha(
     if attn_mask is not None:
         _checks.require_array("attn_mask", attn_mask)
         _check_kind("attn_mask", attn_mask)
-        parts.append(attn_mask.reshape(_neutral.torch_mha_attn_shape(attn_mask.shape, num_heads)))
+        parts.append(attn_mask.reshape(torch_mha.torch_mha_attn_shape(attn_mask.shape, num_heads)))
     if key_padding_mask is not None:
         _checks.require_array("key_padding_mask", key_padding_mask)
         _check_kind("key_padding_mask", key_padding_mask)
-        _neutral.check_torch_mha_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
+        torch_mha.check_torch_mha_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
         parts.append(key_padding_mask[:, None, None, :])
     # Each part stays in its own kind: bool parts never become 0/-inf floats (nothing is made
     # on a default device, and a float "mask" would mean nonzero = attend in mha_jax).
@@ -105,7 +106,7 @@ def mask_to_torch_mha(
 def _torch_mha_layout(theirs: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """``(q_len, kv_len)`` if ``theirs`` is one for every batch element and head, else
     ``(batch * num_heads, q_len, kv_len)``; a copy either way."""
-    target = _neutral.torch_mha_layout(theirs.shape, shape)
+    target = torch_mha.torch_mha_layout(theirs.shape, shape)
     theirs = theirs.reshape((1,) * (4 - theirs.ndim) + tuple(theirs.shape))
     if len(target) == 2:  # the same for every batch element and head
         return theirs[0, 0].expand(target).clone()

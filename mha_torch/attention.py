@@ -11,7 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mha_torch import _checks, _neutral, masks
+from mha_spec import arguments
+from mha_torch import _checks, masks
 from mha_torch.masks import MASK_LAYOUT
 
 IMPLEMENTATIONS = ("math", "sdpa")
@@ -109,11 +110,11 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
-    scale = _neutral.check_scale(scale)
-    soft_cap = _neutral.check_logit_soft_cap(logit_soft_cap)
+    scale = arguments.check_scale(scale)
+    soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
     if sinks is not None:
         _checks.require_float("sinks", sinks)
-        _neutral.check_sinks_shape(sinks.shape, heads)
+        arguments.check_sinks_shape(sinks.shape, heads)
     keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row (kept in the graph)
@@ -149,7 +150,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
 def _choose(implementation, need_weights, explicit_dropout, soft_cap=False) -> str:
     if implementation is None:
         return "math" if need_weights or explicit_dropout or soft_cap else "sdpa"
-    _neutral.check_implementation(implementation, IMPLEMENTATIONS)
+    arguments.check_implementation(implementation, IMPLEMENTATIONS)
     if implementation == "sdpa" and (need_weights or explicit_dropout):
         raise ValueError("need_weights=True and dropout_mask need implementation='math', got 'sdpa'")
     if implementation == "sdpa" and soft_cap:
@@ -265,10 +266,10 @@ def _masked_softmax(
 
 def _dropout_keep(rate, dropout_mask, shape):
     """(explicit keep-mask or None, scale of kept weights)."""
-    rate = _neutral.check_dropout_rate("dropout_p", rate)
+    rate = arguments.check_dropout_rate("dropout_p", rate)
     if dropout_mask is not None:
         _checks.require_array("dropout_mask", dropout_mask)
-        _neutral.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
+        arguments.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
         if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
             raise TypeError(
                 f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha_torch import _neutral
+from mha_spec import layouts
 from mha_torch.module import MultiHeadAttention
 
 
@@ -39,7 +39,7 @@ def load_weights(
             f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
         )
     current = module.state_dict()
-    state = _neutral.read_layout(
+    state = layouts.read_layout(
         _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
         ignore=ignore, num_heads=getattr(module, "num_heads", None),
         num_kv_heads=getattr(module, "num_kv_heads", None), expected={k: tuple(v.shape) for k, v in current.items()},
@@ -102,11 +102,11 @@ def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
     ours = module.state_dict()
     state = {"out_proj.weight": ours["out_proj.weight"]}
     if theirs._qkv_same_embed_dim:  # it fuses the three input weights exactly when their shapes agree
-        state["in_proj_weight"] = torch.cat([ours[f"{p}.weight"] for p in _neutral.PROJECTIONS[:3]])
+        state["in_proj_weight"] = torch.cat([ours[f"{p}.weight"] for p in layouts.PROJECTIONS[:3]])
     else:
-        state.update({f"{p}_weight": ours[f"{p}.weight"] for p in _neutral.PROJECTIONS[:3]})
+        state.update({f"{p}_weight": ours[f"{p}.weight"] for p in layouts.PROJECTIONS[:3]})
     if theirs.in_proj_bias is not None:
-        state["in_proj_bias"] = torch.cat([ours[f"{p}.bias"] for p in _neutral.PROJECTIONS[:3]])
+        state["in_proj_bias"] = torch.cat([ours[f"{p}.bias"] for p in layouts.PROJECTIONS[:3]])
         state["out_proj.bias"] = ours["out_proj.bias"]
     theirs.load_state_dict(state)  # strict: every key of theirs is set
     return theirs.train(module.training)

@@ -1,7 +1,7 @@
 """A Hugging Face model's attention layer as an ``mha_torch.MultiHeadAttention``; twin of ``mha_jax/hf.py``.
 
 No transformers import: the model's ``config.json`` (a dict or its path) says what the layer
-computes, ``_families`` reads it as transformers' own classes do, and the weights come from the
+computes, ``mha_spec.families`` reads it as transformers' own classes do, and the weights come from the
 whole model's checkpoint under the layer's names (``model.layers.N.self_attn.*``).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mha_torch import _families
+from mha_spec import families
 from mha_torch.convert import _read_state, load_weights
 from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
@@ -31,7 +31,7 @@ def from_hf(
     """Layer ``layer``'s self-attention of a transformers model, as our module.
 
     Args:
-      config: the model's ``config.json`` (dict or path); families: ``_families.FAMILIES``
+      config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``
         (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, GPT-NeoX, GPT-2, BERT). Rotary
         embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
         read from it; an unsupported family or option raises, naming it.
@@ -50,8 +50,8 @@ def from_hf(
       ``is_causal=True`` (a decoder's mask; BERT's encoder takes none) and ``query_positions`` for the rotary embedding
       (default ``arange``); the layer's window is its default ``local_window_size``.
     """
-    config = _families.read_config(config)
-    options = _families.layer_options(config, layer)
+    config = families.read_config(config)
+    options = families.layer_options(config, layer)
     module = MultiHeadAttention(
         options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
@@ -63,7 +63,7 @@ def from_hf(
     if weights is not None:
         state = _layer_state(weights, options.prefix)
         if options.layout in ("gpt_neox", "gpt2"):  # fusions no loader layout reads: split here
-            load_weights(module, _families.layer_state(options, state))
+            load_weights(module, families.layer_state(options, state))
         else:
             load_weights(module, state, layout=options.layout, prefix=options.prefix, ignore=options.ignore)
     return module
@@ -79,7 +79,7 @@ def _layer_state(weights: Any, prefix: str) -> Mapping[str, Any]:
     from safetensors import safe_open
 
     state = {}
-    for path in _families.layer_files(weights, prefix):
+    for path in families.layer_files(weights, prefix):
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights {path!r} does not exist")
         with safe_open(path, framework="pt") as f:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha_torch import _checks, _neutral
+from mha_spec import arguments
+from mha_torch import _checks
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -108,7 +109,7 @@ def _parse(
     allowed = additive = None
     if mask is not None:
         _checks.require_array("mask", mask)
-        _neutral.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         kind = _checks._dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
             raise TypeError(
@@ -123,7 +124,7 @@ def _parse(
             allowed = mask if kind == "bool" else mask != 0
     if bias is not None:
         _checks.require_float("bias", bias)
-        _neutral.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
+        arguments.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = bias.to(device)
         if additive is not None:  # both broadcast to shape, so their sum does too
             dtype = torch.promote_types(additive.dtype, bias.dtype)  # not left to a 0-d operand
@@ -131,10 +132,10 @@ def _parse(
     else:
         bias = additive
     return _Spec(
-        shape, allowed, bias, _neutral.check_is_causal(is_causal),
+        shape, allowed, bias, arguments.check_is_causal(is_causal),
         _sequence("query_positions", query_positions, batch, q_len, "q_len", device),
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len", device),
-        _neutral.check_window(local_window_size),
+        arguments.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len, device),
         _lengths(key_value_seq_lengths, batch, kv_len, device), device,
     )

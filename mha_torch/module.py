@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_torch import _cache, _checks, _neutral, masks
+from mha_spec import arguments, batch_axes, terms
+from mha_spec.qk_norm import QKNorm
+from mha_torch import _cache, _checks, masks
 from mha_torch._cache import KVCache
-from mha_torch._neutral import QKNorm
 from mha_torch.attention import IMPLEMENTATIONS, _attention
 
 INPUT_LAYOUT = "(*batch, length, features)"
@@ -87,17 +88,17 @@ class MultiHeadAttention(nn.Module):
         self.qkv_dim = embed_dim if qkv_dim is None else qkv_dim
         self.out_dim = embed_dim if out_dim is None else out_dim
         for name in ("embed_dim", "kdim", "vdim", "out_dim"):
-            _neutral.check_heads(1, 1, getattr(self, name), name)
-        self.head_dim = _neutral.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
-        self.dropout = _neutral.check_dropout_rate("dropout", dropout)
+            arguments.check_heads(1, 1, getattr(self, name), name)
+        self.head_dim = arguments.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
+        self.dropout = arguments.check_dropout_rate("dropout", dropout)
         self.broadcast_dropout = broadcast_dropout
         self.normalize_qk = normalize_qk
-        self.implementation = _neutral.check_implementation(implementation, IMPLEMENTATIONS)
-        self.scale = _neutral.check_scale(scale)
+        self.implementation = arguments.check_implementation(implementation, IMPLEMENTATIONS)
+        self.scale = arguments.check_scale(scale)
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
-        self.local_window_size = _neutral.check_window(local_window_size)
-        qk_norm = _neutral.check_qk_norm(normalize_qk)
+        self.local_window_size = arguments.check_window(local_window_size)
+        qk_norm = arguments.check_qk_norm(normalize_qk)
 
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
@@ -194,8 +195,8 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights, implementation=self.implementation, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
-        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, heads * self.head_dim)), batch_shape)
-        return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+        out = batch_axes.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, heads * self.head_dim)), batch_shape)
+        return (out, batch_axes.unflatten_batch(weights, batch_shape)) if need_weights else out
 
 
     def _logit_terms(self) -> dict:
@@ -235,7 +236,7 @@ class MultiHeadAttention(nn.Module):
         _, query, key, value = _self_attention(query, key, value)
         _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
         _check_parameter_dtype(query, self.q_proj.weight.dtype)
-        batch_shape, (query, key, value), terms = _neutral.flatten_batch(
+        batch_shape, (query, key, value), terms = batch_axes.flatten_batch(
             (query, key, value), _expand, mask=mask, bias=bias, query_positions=query_positions,
         )
         heads, kv_heads = self._local_heads()
@@ -267,8 +268,8 @@ class MultiHeadAttention(nn.Module):
             zero_unused=False, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
-        out = _neutral.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim)), batch_shape)
-        return (out, _neutral.unflatten_batch(weights, batch_shape)) if need_weights else out
+        out = batch_axes.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim)), batch_shape)
+        return (out, batch_axes.unflatten_batch(weights, batch_shape)) if need_weights else out
 
     def _one_token_step(self, query: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """The hot loop of generation, ``query`` ``(batch, 1, embed_dim)``: self-attention of one
@@ -381,7 +382,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"the cache's key has dtype {str(cache.key.dtype).removeprefix('torch.')} but the keys are "
             f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
         )
-    window, is_causal = _neutral.check_window(local_window_size), _neutral.check_is_causal(is_causal)
+    window, is_causal = arguments.check_window(local_window_size), arguments.check_is_causal(is_causal)
     # Under autograd the attention keeps the keys and values it reads for the backward pass, so
     # the cache is then written out of place (new tensors, the old ones left to the graph), with
     # the new keys and values live: gradients flow through the cache from step to step, as in
@@ -403,7 +404,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    overflow = _neutral.cache_overflows(start, end, max_length, window, is_causal)
+    overflow = terms.cache_overflows(start, end, max_length, window, is_causal)
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(
@@ -453,7 +454,7 @@ def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim:
     self_attention, query, key, value = _self_attention(query, key, value)
     _check_inputs(query, key, value, embed_dim, kdim, vdim)
     _check_parameter_dtype(query, dtype)
-    batch_shape, inputs, terms = _neutral.flatten_batch(
+    batch_shape, inputs, terms = batch_axes.flatten_batch(
         (query, key, value), _expand, dropout_mask=dropout_mask, **terms
     )
     dropout_mask = terms.pop("dropout_mask")

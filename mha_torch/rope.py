@@ -23,12 +23,13 @@ import math
 
 import torch
 
-from mha_torch import _checks, _neutral
+from mha_spec import arguments, rotary
+from mha_torch import _checks
 
 LAYOUT = "(*batch, heads, len, head_dim)"
 
 
-class RotaryEmbedding(_neutral.RotaryParameters):
+class RotaryEmbedding(rotary.RotaryParameters):
     """Rotary position embedding of queries or keys ``(*batch, heads, len, head_dim)``.
 
     ``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
@@ -93,7 +94,7 @@ class RotaryEmbedding(_neutral.RotaryParameters):
         if positions is None:
             positions = torch.arange(length, device=x.device)
         _checks.require_int("positions", positions)
-        _neutral.check_positions_shape(positions.shape, x.shape[:-3], length)
+        arguments.check_positions_shape(positions.shape, x.shape[:-3], length)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self._cos_sin(positions.to(x.device), dtype)
         # (*batch, len, half) -> (*batch, 1, len, half): the same angle for every head.
@@ -161,7 +162,7 @@ def _dynamic_init_inv_freq(rope: RotaryEmbedding) -> torch.Tensor:
     """``_compute_dynamic_ntk_parameters`` at construction: the base computed in Python floats at
     ``max_position_embeddings`` (where it barely changes)."""
     max_pos = rope.max_position_embeddings
-    theta = _neutral.dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
+    theta = rotary.dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
     return _default_inv_freq(theta, rope.rotary_dim)
 
 
@@ -178,11 +179,11 @@ def _dynamic_inv_freq(rope: RotaryEmbedding, seq_len: torch.Tensor) -> torch.Ten
 def _yarn_inv_freq(rope: RotaryEmbedding) -> torch.Tensor:
     """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
     extrapolated (unchanged) above it, blended linearly along it."""
-    factor = _neutral.scaling_factor(rope.scaling, rope.max_position_embeddings)
+    factor = rotary.scaling_factor(rope.scaling, rope.max_position_embeddings)
     pos_freqs = rope.theta ** _exponents(rope.rotary_dim)
     extrapolation = _rdiv(1.0, pos_freqs)
     interpolation = _rdiv(1.0, factor * pos_freqs)
-    low, high = _neutral.yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
+    low, high = rotary.yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
     ramp = torch.clamp(_div(torch.arange(rope.rotary_dim // 2, dtype=torch.float32) - low, high - low), 0, 1)
     extrapolation_factor = 1 - ramp
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor

@@ -130,7 +130,7 @@ def test_to_torch_names_what_is_wrong_with_a_tree():
     projections disagree (here a key kernel of head_dim 3 beside a query of head_dim 4).
 
     Fix: ``mha_jax/convert.py``, ``to_torch``: list projections lacking ``kernel`` among the
-    problems it already collects, and check the state dict it builds with ``_neutral.check_state``
+    problems it already collects, and check the state dict it builds with ``layouts.check_state``
     (heads and kv heads read from the query and key kernels), raising one ValueError that
     starts with ``params``."""
     params = mha_jax.from_torch(mha_torch.MultiHeadAttention(16, 4).state_dict(), num_heads=4)

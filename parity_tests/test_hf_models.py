@@ -23,7 +23,7 @@ import transformers
 
 import mha_jax
 import mha_torch
-from mha_torch import _families
+from mha_spec import families
 from parity_tests.tool import models
 
 B, S, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2, 7, 32, 4, 2, 8, 2
@@ -182,8 +182,8 @@ def _rel(a, b):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_from_hf_equals_transformers_attention(family, dtype, monkeypatch):
     config, layer, attention, inputs, out_hf, grads_hf = _hf_run(family, dtype, monkeypatch)
-    options = _families.layer_options(_families.read_config(config.to_dict()), layer)
-    other = _families.layer_options(_families.read_config(config.to_dict()), 1 - layer).prefix
+    options = families.layer_options(families.read_config(config.to_dict()), layer)
+    other = families.layer_options(families.read_config(config.to_dict()), 1 - layer).prefix
     # the whole model's checkpoint: this layer under its names, and another layer's keys beside it
     state = {options.prefix + k: v.detach().clone() for k, v in attention.state_dict().items()}
     state.update({other + k: v.detach().clone() for k, v in attention.state_dict().items()})

@@ -18,6 +18,7 @@ from safetensors.torch import save_file as save_torch
 
 import mha_jax
 import mha_torch
+from mha_spec import layouts
 from parity_tests.tool.arrays import same_bits
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -270,7 +271,7 @@ def test_layout_auto_reads_what_the_keys_show(name):
     kv = H if name.startswith("torch_mha") else KV
     state = canonical(kv)
     theirs = foreign(name, state)
-    assert mha_jax._neutral.detect_layout(theirs) == DETECTED[name]
+    assert layouts.detect_layout(theirs) == DETECTED[name]
     kwargs = dict(READ[name], layout="auto")
     back = mha_jax.to_torch(mha_jax.from_torch(theirs, num_heads=H, num_kv_heads=kv, **kwargs))
     assert all(same_bits(back[k], state[k]) for k in state)
@@ -280,7 +281,7 @@ def test_layout_auto_reads_what_the_keys_show(name):
 
 
 def test_detect_layout_names_ours_flax_and_the_likely_layouts():
-    detect = mha_jax._neutral.detect_layout
+    detect = layouts.detect_layout
     assert detect(canonical()) == "mha_torch"
     assert detect(["params.query.kernel", "params.out.kernel"]) == "flax"
     with pytest.raises(ValueError, match=r"fit more than one layout \(mha_torch, hf\)"):
@@ -307,14 +308,11 @@ def test_bad_arguments_are_named(kwargs, error, message):
         mha_torch.load_weights(_torch_module(), canonical(), **kwargs)
 
 
-@pytest.mark.parametrize("name", ["_neutral.py", "_families.py"])
-def test_neutral_twins_are_one_file(name):
-    """Neither package may import the other, so the framework-neutral files are copied into both:
-    the same bytes, importing neither framework."""
-    jax_copy, torch_copy = ((ROOT / p / name).read_bytes() for p in ("mha_jax", "mha_torch"))
-    assert jax_copy == torch_copy
-    imports = [line for line in jax_copy.decode().splitlines() if line.startswith(("import ", "from "))]
-    assert not [line for line in imports if "jax" in line or "torch" in line or "flax" in line], imports
+def test_the_specification_imports_no_framework():
+    """Both twins import the one specification package, so it may import neither framework."""
+    for path in sorted((ROOT / "mha_spec").glob("*.py")):
+        imports = [line for line in path.read_text().splitlines() if line.startswith(("import ", "from "))]
+        assert not [line for line in imports if "jax" in line or "torch" in line or "flax" in line], (path, imports)
 
 
 # --- torch.nn.MultiheadAttention, both ways ---------------------------------------------------

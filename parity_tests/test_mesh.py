@@ -318,16 +318,15 @@ def test_batch_not_divisible_by_its_axis_is_refused_by_jax():
 
 
 @needs_8
-def test_readme_scaling_out_examples_run(monkeypatch):
-    """At the kernel's own block sizes; the README's figures are the same layouts' counts."""
+def test_docs_scaling_out_examples_run(monkeypatch):
+    """At the kernel's own block sizes; the page's figures are the same layouts' counts."""
     for name, f in OWN_BLOCK_SIZES.items():
         monkeypatch.setattr(_blockwise, name, f)
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Scaling out\n")[1].split("\n## ")[0]
-    blocks = section.split("```py\n")[1:]
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
+    blocks = page.read_text().split("```py\n")[1:]
     assert len(blocks) == 2  # the second, ring attention's, runs in test_ring
     names = {}
-    exec(compile(blocks[0].split("```")[0], "README.md", "exec"), names)
+    exec(compile(blocks[0].split("```")[0], "docs/scaling.md", "exec"), names)
     assert names["out"].sharding.spec == P("data", None, "model", None)
 
 

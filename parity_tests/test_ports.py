@@ -1,4 +1,4 @@
-"""``mha-parity verify --weights`` and ``mha-parity convert``, and the README's examples of them."""
+"""``mha-parity verify --weights`` and ``mha-parity convert``, and the examples of them in docs/porting.md."""
 
 import json
 import pathlib
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "porting.md").read_text()
     return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
@@ -31,28 +31,16 @@ def _blocks(section: str, fence: str) -> list[str]:
     return [b.split("```", 1)[0] for b in section.split(f"```{fence}\n")[1:]]
 
 
-def test_readme_python_api_example_runs(capsys):
-    (block,) = _blocks(_section("Verifying your own attention (Python API)"), "py")
-    exec(compile(block, "README.md", "exec"), {})
-    assert "5 passed, 0 failed" in capsys.readouterr().out
-
-
-def test_readme_loading_examples_run():
-    blocks = _blocks(_section("Loading existing checkpoints"), "py")
-    assert len(blocks) == 1
-    exec(compile(blocks[0], "README.md", "exec"), {})
-
-
-def test_readme_porting_example_runs(tmp_path, monkeypatch, capsys):
+def test_docs_porting_example_runs(tmp_path, monkeypatch, capsys):
     """The whole example as a user runs it: the Python, then each command (its time is a figure
-    in README.md, measured on a quiet machine, not asserted here)."""
+    in docs/porting.md, measured on a quiet machine, not asserted here)."""
     section = _section("Porting a model: an example")
     (code,) = _blocks(section, "py")
     (shell,) = _blocks(section, "bash")
     commands = [shlex.split(line) for line in shell.splitlines() if line.strip()]
     assert [c[:2] for c in commands] == [["mha-parity", "verify"], ["mha-parity", "convert"]]
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/porting.md", "exec"), {})
     for command in commands:
         assert cli.main(command[1:]) == 0, command
     out = capsys.readouterr().out
@@ -64,8 +52,8 @@ def test_readme_porting_example_runs(tmp_path, monkeypatch, capsys):
     assert np.array_equal(fused, whole["layers.0.self_attn.in_proj_weight"].numpy())
 
 
-def test_readme_source_example_catches_a_wrong_head_count(tmp_path, monkeypatch, capsys):
-    """The README's ``--source encoder_def.py:build``: with --num-heads 8 the port fails against
+def test_docs_source_example_catches_a_wrong_head_count(tmp_path, monkeypatch, capsys):
+    """The docs' ``--source encoder_def.py:build``: with --num-heads 8 the port fails against
     the 4-head layer of the model, with 4 it passes."""
     section = _section("Porting a model: an example")
     (definition,) = [b for b in _blocks(section, "") if b.startswith("# encoder_def.py")]
@@ -75,7 +63,7 @@ def test_readme_source_example_catches_a_wrong_head_count(tmp_path, monkeypatch,
     (tmp_path / "encoder_def.py").write_text(definition)
     torch.manual_seed(0)
     exec(compile(definition + "\nfrom safetensors.torch import save_file\nsave_file(build().state_dict(), 'encoder.safetensors')",
-                 "README.md", "exec"), {})
+                 "docs/porting.md", "exec"), {})
     fast = ["--dtype", "float32", "--mask", "padding", "--workers", "1"]
     assert cli.main(shlex.split(command) + fast) == 1
     assert "torch.nn.MultiheadAttention (4 heads) from --source encoder_def.py:build" in capsys.readouterr().out

@@ -563,13 +563,12 @@ def test_inside_shard_map_over_the_axis_is_refused():
 
 
 @needs_8
-def test_readme_ring_example_runs(monkeypatch):
+def test_docs_ring_example_runs(monkeypatch):
     """At the ring's own tile size."""
     monkeypatch.setattr(_ring, "TILE", 512)
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Scaling out\n")[1].split("\n## ")[0]
-    blocks = section.split("```py\n")[1:]
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
+    blocks = page.read_text().split("```py\n")[1:]
     assert len(blocks) == 2
     names = {}
-    exec(compile(blocks[1].split("```")[0], "README.md", "exec"), names)
+    exec(compile(blocks[1].split("```")[0], "docs/scaling.md", "exec"), names)
     assert tuple(names["out"].sharding.spec)[:2] == ("data", "seq")

@@ -15,8 +15,7 @@ import pytest
 import torch
 import transformers
 
-import mha_jax
-import mha_torch
+from mha_spec import families
 from parity_tests.tool import cli, models
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=3, intermediate_size=16, vocab_size=50)
@@ -73,18 +72,16 @@ def test_every_layer_of_a_saved_model_against_transformers(saved, name, capsys, 
 
 
 def _misread(monkeypatch, **changes):
-    """Both packages read the config with ``changes`` made to what they read for every layer."""
-    for package in (mha_jax, mha_torch):
-        families = package._families
-        read = families.layer_options
+    """The specification reads the config with ``changes`` made to what they read for every layer."""
+    read = families.layer_options
 
-        def wrong(config, layer, read=read):
-            options = read(config, layer)
-            rope = changes.get("rope")
-            return dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "rope"},
-                                       **({"rope": rope(options.rope)} if rope else {}))
+    def wrong(config, layer):
+        options = read(config, layer)
+        rope = changes.get("rope")
+        return dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "rope"},
+                                   **({"rope": rope(options.rope)} if rope else {}))
 
-        monkeypatch.setattr(families, "layer_options", wrong)
+    monkeypatch.setattr(families, "layer_options", wrong)
 
 
 @pytest.mark.parametrize("setting, changes", [

@@ -105,13 +105,13 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
     import torch
     import transformers
 
-    from mha_torch import _families
+    from mha_spec import families
 
     raw = read_raw(config_path)
     raw = dict(raw, model_type=_model_type(raw, config_path))
     config = transformers.AutoConfig.for_model(**raw)
     config._attn_implementation = "eager"
-    files = _families.layer_files(weights, "")  # every shard: the whole model runs
+    files = families.layer_files(weights, "")  # every shard: the whole model runs
     state = {}
     for path in files:
         if not os.path.exists(path):
@@ -126,9 +126,9 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
 
 def _causal(raw: dict, layer: int) -> bool:
     """Whether the layer's attention is a decoder's (every family's but an encoder's, BERT's)."""
-    from mha_torch import _families
+    from mha_spec import families
 
-    return _families.layer_options(_families.read_config(raw), layer).is_causal
+    return families.layer_options(families.read_config(raw), layer).is_causal
 
 
 def is_causal(source: Model) -> bool:
@@ -176,12 +176,12 @@ def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, t
 def by_our_names(grads: dict, options) -> dict:
     """transformers' gradient names -> ours, renamed and split as the loaders read the layer's
     checkpoint (``read_layout``; GPT-NeoX's and GPT-2's fused weights by ``layer_state``)."""
-    from mha_torch import _families, _neutral
+    from mha_spec import families, layouts
 
     state = {options.prefix + k: g for k, g in grads.items()}
     if options.layout in ("gpt_neox", "gpt2"):
-        return _families.layer_state(options, state)
-    return _neutral.read_layout(state, layout=options.layout, prefix=options.prefix,
+        return families.layer_state(options, state)
+    return layouts.read_layout(state, layout=options.layout, prefix=options.prefix,
                                 num_heads=options.num_heads, num_kv_heads=options.num_kv_heads)
 
 
@@ -264,16 +264,16 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
     import jax.numpy as jnp
     import torch
 
-    from mha_torch import _families
+    from mha_spec import families
 
     source = source or load(config_path, weights)
-    raw = _families.read_config(source.raw)
+    raw = families.read_config(source.raw)
     count = int(raw["num_hidden_layers"])
     layers = list(range(count)) if layers is None else list(layers)
     for layer in layers:
         if not 0 <= layer < count:
             raise ValueError(f"--layer {layer}: the model has layers 0 to {count - 1}")
-    options = {layer: _families.layer_options(raw, layer) for layer in layers}
+    options = {layer: families.layer_options(raw, layer) for layer in layers}
     missing = [k for k in source.missing if any(k.startswith(o.prefix) for o in options.values())]
     if missing:
         raise ValueError(f"--weights lacks the attention weights {missing}")

@@ -71,13 +71,13 @@ def read(
     a ``.msgpack`` file is Flax parameters and a ``.safetensors`` file is in the layout its keys
     (under ``prefix``) show."""
     import mha_jax
-    from mha_jax import _neutral
+    from mha_spec import layouts
 
     path = os.fspath(path)
     detected = layout is None and not path.endswith(".msgpack")
     if detected:
         keys = under_prefix(file_keys(path), prefix)
-        layout = _neutral.detect_layout(keys, where=f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else ""))
+        layout = layouts.detect_layout(keys, where=f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else ""))
     layout = layout or FLAX
     if layout == FLAX:
         if prefix or ignore:
@@ -124,16 +124,16 @@ def under_prefix(keys: list[str], prefix: str) -> list[str]:
 
 def _check_flax_names(path: str) -> None:
     """``--layout flax`` on a file of PyTorch names: say what it holds and which layout it looks like."""
-    from mha_jax import _neutral
+    from mha_spec import layouts
 
     keys = file_keys(path)
     try:
-        shown = _neutral.detect_layout(keys)
+        shown = layouts.detect_layout(keys)
     except ValueError:
         shown = None
     if shown != FLAX:
         looks = f"; it looks like --layout {shown}" if shown else ""
-        raise ValueError(f"--layout flax: {path} holds no Flax parameter names (query.kernel, ...) but {_neutral._some(keys)}{looks}")
+        raise ValueError(f"--layout flax: {path} holds no Flax parameter names (query.kernel, ...) but {layouts._some(keys)}{looks}")
 
 
 def _check_norms(checkpoint: Checkpoint) -> None:

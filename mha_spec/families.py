@@ -1,7 +1,6 @@
 """Hugging Face model families: a layer's attention options read from a ``config.json`` dict.
 
-Byte-identical in ``mha_jax`` and ``mha_torch`` (a test compares the bytes), as ``_neutral.py``:
-plain Python, no array library and no transformers import. Each family's rules are read from
+Plain Python, no array library and no transformers import. Each family's rules are read from
 transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x): which projections have
 biases, the scale, the window of each layer type, the QK-norm, soft-capping, sinks, and where
 the layer's weights sit in the whole model's checkpoint.
@@ -16,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._neutral import QKNorm
+from mha_spec.qk_norm import QKNorm
 
 # model_type -> the key prefix of layer N's attention in the model's checkpoint, and its layout
 _PREFIX = "model.layers.{layer}.self_attn."

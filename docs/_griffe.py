@@ -1,0 +1,17 @@
+"""griffe extension for the API reference: an ``Args:`` entry of the twins' docstrings may name
+several arguments, and when their names run over a line (``a, b, c,`` then ``d: ...`` indented
+below) this joins them into one ``a, b, c, d: ...`` line, which the Google-style parser reads
+as one entry. The docstrings themselves stay as written."""
+
+import re
+
+import griffe
+
+# a line of names only, ending with a comma, then the rest of the names and the colon, indented
+_SPLIT_NAMES = re.compile(r"^( *)((?:\w+, )*\w+,)\n +(?=(?:\w+, )*\w+:)", re.MULTILINE)
+
+
+class JoinArgumentNames(griffe.Extension):
+    def on_instance(self, *, node, obj, agent, **kwargs) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = _SPLIT_NAMES.sub(r"\1\2 ", obj.docstring.value)

@@ -1,0 +1,445 @@
+"""Checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check of a
+loaded state."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mha_spec.arguments import check_head_counts
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+# Fused entries: their weight stacks the projections' rows in this order, q over k over v.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "kv_proj": ("k_proj", "v_proj")}
+PARTS = ("weight", "bias")
+# Optional QK-norm scales (``normalize_qk``), ``(head_dim,)`` per head or ``(heads * head_dim,)``.
+NORMS = ("q_norm", "k_norm")
+# Optional learned sink logits, ``(num_heads,)``: a key of its own, no weight/bias part.
+SINKS = "sinks"
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One key of a checkpoint: ``key`` (relative to the prefix) holds ``part`` of ``targets``."""
+
+    key: str
+    part: str
+    targets: tuple[str, ...]
+
+
+def _from_names(names: Mapping[str, str]) -> tuple[_Source, ...]:
+    """Sources of a per-projection mapping: entry ``ours -> name`` reads ``name.weight``/``.bias``."""
+    return tuple(
+        _Source(f"{name}.{part}", part, FUSED.get(ours, (ours,)))
+        for ours, name in names.items()
+        for part in PARTS
+    )
+
+
+_QKV = FUSED["qkv_proj"]
+# QK-norm scales and sinks, named alike by this package and Hugging Face's attention classes
+_EXTRAS = tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS) + (_Source(SINKS, "", (SINKS,)),)
+LAYOUTS: dict[str, tuple[_Source, ...]] = {
+    "mha_torch": _from_names(
+        {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "out_proj"}
+    ) + _EXTRAS,
+    # torch.nn.MultiheadAttention: a fused in_proj_weight when kdim == vdim == embed_dim, else
+    # three separate weights; the input bias stays fused in both cases.
+    "torch_mha": (
+        _Source("in_proj_weight", "weight", _QKV),
+        _Source("q_proj_weight", "weight", ("q_proj",)),
+        _Source("k_proj_weight", "weight", ("k_proj",)),
+        _Source("v_proj_weight", "weight", ("v_proj",)),
+        _Source("in_proj_bias", "bias", _QKV),
+        _Source("out_proj.weight", "weight", ("out_proj",)),
+        _Source("out_proj.bias", "bias", ("out_proj",)),
+    ),
+    "hf": _from_names(
+        {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj"}
+    ) + _EXTRAS,
+    "bert": _from_names(
+        {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}
+    ),
+    "fused_qkv": _from_names({"qkv_proj": "qkv_proj", "out_proj": "o_proj"}) + _EXTRAS,
+}
+# Keys of options we do not have: an error naming the option, even under ``ignore``.
+_UNSUPPORTED = {"torch_mha": {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}}
+FLAX = "flax"  # Flax parameter names (query.kernel), read by mha_jax.to_torch, not by read_layout
+AUTO = "auto"  # the layout detected from the keys
+# Every layout a file may be in, as errors list them.
+LAYOUT_NAMES = ("mha_torch", "torch_mha", "hf", "bert", "fused_qkv", FLAX)
+# The keys that show a layout (a key shows ``name`` when it is ``name`` or ends with ``.name``),
+# and, for a file that shows none, the words that make a layout likely.
+_SIGNATURES = {
+    "mha_torch": (("q_proj.weight", "out_proj.weight"),),
+    "torch_mha": (("in_proj_weight",), ("q_proj_weight",)),
+    "hf": (("q_proj.weight", "o_proj.weight"),),
+    "bert": (("self.query.weight",),),
+    "fused_qkv": (("qkv_proj.weight",),),
+    FLAX: (("query.kernel",), ("out.kernel",)),
+}
+_WORDS = {
+    "mha_torch": ("q_proj", "out_proj"), "torch_mha": ("in_proj", "out_proj"), "hf": ("q_proj", "o_proj"),
+    "bert": ("query", "output.dense"), "fused_qkv": ("qkv",), FLAX: ("kernel", "query"),
+}
+
+
+def _shows(keys: Sequence[str], name: str) -> bool:
+    return any(k == name or k.endswith("." + name) for k in keys)
+
+
+def detect_layout(keys: Any, *, where: str = "the keys") -> str:
+    """The layout of a checkpoint from its key names (a mapping's keys or any iterable of str).
+
+    ``in_proj_weight``/``q_proj_weight``: ``torch_mha``; ``q_proj.weight`` with
+    ``out_proj.weight``: ``mha_torch``, with ``o_proj.weight``: ``hf``; ``self.query.weight``:
+    ``bert``; ``qkv_proj.weight``: ``fused_qkv``; ``query.kernel``: ``flax``. A key may carry a
+    prefix (``encoder.layer.0.attention.self.query.weight``). ValueError naming the likely
+    layouts when none or several fit.
+    """
+    keys = sorted(map(str, keys))
+    fits = [name for name, alternatives in _SIGNATURES.items() if any(all(_shows(keys, k) for k in group) for group in alternatives)]
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        raise ValueError(f"{where} fit more than one layout ({', '.join(fits)}); choose one with layout= ({_some(keys)})")
+    likely = sorted((-sum(w in k for k in keys for w in words), name) for name, words in _WORDS.items())
+    likely = [name for hits, name in likely if hits]
+    hint = f"likely layouts: {', '.join(likely)}; " if likely else ""
+    raise ValueError(
+        f"{where} show no layout ({_some(keys)}): {hint}give layout= (one of {', '.join(LAYOUT_NAMES)}) "
+        "or mapping= for another naming scheme"
+    )
+
+
+def read_layout(
+    state: Mapping[str, Any],
+    *,
+    layout: str = "mha_torch",
+    mapping: Mapping[str, str] | None = None,
+    prefix: str = "",
+    ignore: Sequence[str] = (),
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    expected: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, Any]:
+    """``mha_torch`` names -> arrays, from a checkpoint in another naming scheme.
+
+    ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"`` (read by ``mha_jax.to_torch``), or
+    ``"auto"``: the layout the keys under the prefix show (``detect_layout``). Only keys
+    starting with ``prefix`` are read; the rest of a bigger checkpoint is left alone. Every key
+    under the prefix must be used, or named (by its start, relative to the prefix) in
+    ``ignore``. Fused weights ``((heads + 2 * kv_heads) * head_dim, in)`` are split by rows into
+    views, which is why ``num_heads``/``num_kv_heads`` are needed. With them, every shape is
+    checked too (``shape_problems``); ``expected`` (``mha_torch`` name -> shape, a module's
+    parameters) adds the keys the module has and lacks. Raises one ValueError listing every
+    missing, repeated, unsupported, unexpected or mis-shaped key, each once, in the file's names.
+    """
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    if isinstance(ignore, str) or not all(isinstance(i, str) and i for i in ignore):
+        raise TypeError(f"ignore must be a sequence of non-empty str, got {ignore!r}")
+    selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    detected = layout == AUTO and mapping is None
+    if detected and selected:
+        layout = detect_layout(selected, where=f"the keys under prefix {prefix!r}" if prefix else "the keys")
+    sources = _sources(layout, mapping)
+    if not selected:
+        raise ValueError(
+            f"state_dict: no key starts with prefix {prefix!r} (keys: {_some(state)})"
+        )
+
+    problems: list[str] = []
+    ignored = set()
+    for entry in ignore:
+        hits = {k for k in selected if k.startswith(entry)}
+        if not hits:
+            problems.append(f"ignore entry {entry!r} matches no key under prefix {prefix!r}")
+        ignored |= hits
+    unsupported = _UNSUPPORTED.get(layout, {}) if mapping is None else {}
+    for key, option in unsupported.items():
+        if key in selected:
+            problems.append(f"key {prefix + key!r} comes from {option}, which this attention does not have")
+
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # our name -> the key it came from
+    shown: dict[str, str] = {}  # our name -> how messages name it
+    used = set()
+    for source in sources:
+        if source.key not in selected or source.key in ignored:
+            continue
+        used.add(source.key)
+        full = prefix + source.key
+        pieces = _split(selected[source.key], source.targets, num_heads, num_kv_heads, full, problems)
+        for target, piece in zip(source.targets, pieces):
+            name = f"{target}.{source.part}" if source.part else target
+            if name in given:
+                problems.append(f"{name} is given twice, by {given[name]!r} and {full!r}")
+            given[name], out[name] = full, piece
+            shown[name] = repr(full) if len(source.targets) == 1 else f"{full!r} (its {target} rows)"
+
+    unexpected = sorted(k for k in selected if k not in used and k not in ignored and k not in unsupported)
+    problems += [f"unexpected key {prefix + k!r}" for k in unexpected]
+    if unexpected:
+        problems[-1] += " (select one layer with prefix=, leave other keys out with ignore=)"
+    # q/k/v biases come all or none; the output projection's bias on its own (Qwen2 has none there)
+    has_bias = any(f"{proj}.bias" in given for proj in PROJECTIONS[:3])
+    for proj in PROJECTIONS:
+        for part in PARTS if has_bias and proj != "out_proj" else PARTS[:1]:
+            if f"{proj}.{part}" not in given:
+                problems.append(f"missing key {_expected(sources, proj, part, prefix)}")
+    norms = [norm for norm in NORMS if f"{norm}.weight" in given]
+    if len(norms) == 1:
+        other = NORMS[1 - NORMS.index(norms[0])]
+        problems.append(f"missing key {prefix + other + '.weight'!r} (normalize_qk takes both q_norm and k_norm)")
+    if expected is not None:
+        problems += _module_fit(out, given, expected, sources, prefix, problems)
+    if _positive_int(num_heads) and _positive_int(num_kv_heads):
+        present = {name: array for name, array in out.items() if expected is None or name in expected}
+        problems += shape_problems(present, num_heads, num_kv_heads, expected, names=shown)
+    if any(p.startswith("missing key") for p in problems):
+        problems += _fitting_prefixes(state, sources, prefix)
+        if not detected and mapping is None:
+            problems += _looks_like(selected, layout)
+    if problems:
+        named = _name(layout, mapping) + (", detected from the keys" if detected else "")
+        raise ValueError(f"state_dict (layout {named}): " + "; ".join(dict.fromkeys(problems)))
+    return out
+
+
+# What a module option adds, for the messages about keys a module has or lacks.
+_OPTIONS = {"q_norm.weight": "normalize_qk", "k_norm.weight": "normalize_qk", SINKS: "use_sinks"}
+
+
+def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapping[str, Sequence[int]],
+                sources: tuple[_Source, ...], prefix: str, problems: list[str]) -> list[str]:
+    """Keys the module has and the checkpoint lacks, and the reverse; names already reported
+    missing, and the biases of missing weights, are not repeated."""
+    found = []
+    for name in expected:
+        proj, _, part = name.partition(".")
+        if name not in out and not (part == "bias" and f"{proj}.weight" not in out):  # a missing weight says it all
+            key = _expected(sources, proj, part, prefix) if proj in PROJECTIONS else repr(prefix + name)
+            if f"missing key {key}" not in problems:
+                option = f" ({_OPTIONS[name]})" if name in _OPTIONS else ""
+                found.append(f"missing key {key}: the module has {name}{option} of shape {tuple(expected[name])}")
+    for name in out:
+        if name not in expected:
+            option = f" ({_OPTIONS[name]}=False)" if name in _OPTIONS else ""
+            found.append(f"unexpected key {given[name]!r}: the module has no {name}{option}")
+    return found
+
+
+def _looks_like(keys: Any, layout: str) -> list[str]:
+    """A hint when a layout's weights are missing: the layout the keys show, if another."""
+    try:
+        shown = detect_layout(keys)
+    except ValueError:
+        return []
+    return [f"the keys look like layout {shown!r}"] if shown != layout else []
+
+
+def _sources(layout: str, mapping: Mapping[str, str] | None) -> tuple[_Source, ...]:
+    """The layout's sources, or the mapping's after checking that it names each projection once."""
+    if mapping is None:
+        if layout == FLAX:
+            raise ValueError(
+                "layout 'flax' is Flax parameter names (query.kernel, ...): mha_jax.to_torch reads them "
+                "(the command line: mha-parity convert)"
+            )
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUT_NAMES) + [AUTO]}, got {layout!r}")
+        return LAYOUTS[layout]
+    if layout not in ("mha_torch", AUTO):
+        raise ValueError(f"give layout or mapping, not both: got layout={layout!r} and a mapping")
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"mapping must be a mapping of projection to name, got {type(mapping).__name__}")
+    allowed = PROJECTIONS + tuple(FUSED)
+    problems = [f"unknown entry {k!r} (entries: {', '.join(allowed)})" for k in mapping if k not in allowed]
+    problems += [f"{k!r} -> {v!r} is not a non-empty str" for k, v in mapping.items() if not (isinstance(v, str) and v)]
+    covered = [t for k in mapping if k in allowed for t in FUSED.get(k, (k,))]
+    problems += [f"{p} is named {covered.count(p)} times" for p in PROJECTIONS if covered.count(p) > 1]
+    problems += [f"{p} is not named" for p in PROJECTIONS if p not in covered]
+    if problems:
+        raise ValueError("mapping: " + "; ".join(problems))
+    return _from_names(mapping)
+
+
+def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: str, problems: list[str]) -> list:
+    """Rows of a fused weight or bias, one view per target; ``[]`` after recording a problem."""
+    if len(targets) == 1:
+        return [array]
+    heads = [_positive_int(num_heads if t == "q_proj" else num_kv_heads) for t in targets]
+    if not all(heads):
+        problems.append(f"splitting {key!r} needs positive num_heads and num_kv_heads, got {num_heads!r}, {num_kv_heads!r}")
+        return []
+    rows = array.shape[0] if array.ndim in (1, 2) else 0
+    if rows == 0 or rows % sum(heads):
+        problems.append(
+            f"{key!r} has shape {tuple(array.shape)}, but a fused {'/'.join(targets)} needs rank 1 or 2 "
+            f"and {' + '.join(map(str, heads))} = {sum(heads)} x head_dim rows "
+            f"(num_heads={num_heads}, num_kv_heads={num_kv_heads})"
+        )
+        return []
+    head_dim = rows // sum(heads)
+    starts = [sum(heads[:i]) * head_dim for i in range(len(heads) + 1)]
+    return [array[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def _fitting_prefixes(state: Mapping[str, Any], sources: tuple[_Source, ...], prefix: str) -> list[str]:
+    """A hint when weights are missing: the prefixes under which the layout's weights are found."""
+    fits = {
+        key[: len(key) - len(s.key)]
+        for key in state for s in sources
+        if s.part == "weight" and key.endswith(s.key) and key[: len(key) - len(s.key)] in ("", *_dotted_heads(key))
+    }
+    fits.discard(prefix)
+    shown = ", ".join(map(repr, sorted(fits)[:4])) + (", ..." if len(fits) > 4 else "")
+    return [f"the layout's weights are found under prefix {shown}"] if fits else []
+
+
+def _dotted_heads(key: str) -> list[str]:
+    """Every start of ``key`` that ends with a dot: 'a.b.c' -> ['a.', 'a.b.']."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) + "." for i in range(1, len(parts))]
+
+
+def _positive_int(n: Any) -> int:
+    """``n`` as an int if it is a positive integer (NumPy's included), else 0."""
+    try:
+        return max(operator.index(n), 0) if not isinstance(n, bool) else 0
+    except TypeError:
+        return 0
+
+
+def _expected(sources: tuple[_Source, ...], proj: str, part: str, prefix: str) -> str:
+    """The key(s) that would have given ``proj``'s ``part``, for a 'missing key' message."""
+    keys = [repr(prefix + s.key) for s in sources if s.part == part and proj in s.targets]
+    return keys[0] if len(keys) == 1 else f"{keys[0]} (or {' or '.join(keys[1:])})"
+
+
+def _name(layout: str, mapping: Mapping[str, str] | None) -> str:
+    return repr(layout) if mapping is None else f"mapping {dict(mapping)!r}"
+
+
+def _some(state: Mapping[str, Any], n: int = 4) -> str:
+    keys = sorted(state)
+    return ", ".join(map(repr, keys[:n])) + (f", ... ({len(keys)} in all)" if len(keys) > n else "") or "none"
+
+
+def check_state(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
+                expected: Mapping[str, Sequence[int]] | None = None) -> int:
+    """Validate the shapes of a state in ``mha_torch`` names, collecting every problem; return head_dim.
+
+    ``state`` has every weight, and the query/key/value biases all or none (the output bias on
+    its own), as ``read_layout`` returns it. ``expected``: a module's shapes, when one is known.
+    """
+    head_dim, problems = _check_shapes(state, num_heads, num_kv_heads, expected, {})
+    if problems:
+        raise ValueError("state_dict: " + "; ".join(problems))
+    return head_dim
+
+
+def shape_problems(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
+                   expected: Mapping[str, Sequence[int]] | None = None, *, names: Mapping[str, str] | None = None) -> list[str]:
+    """Every mis-shaped entry of ``state`` (``mha_torch`` names; any may be absent), each once,
+    as ``"'key' has shape (found), expected (shape)"``; ``names`` gives the key a message shows.
+
+    The shapes expected are ``expected``'s (a module's) where given; otherwise they follow from
+    ``num_heads``, ``num_kv_heads`` and the head_dim that the most entries agree on: query rows
+    and output columns ``num_heads * head_dim``, key/value rows ``num_kv_heads * head_dim``,
+    biases ``(rows,)``, norms ``(head_dim,)`` or ``(heads * head_dim,)``, sinks ``(num_heads,)``.
+    So one wrong entry is named, not the others that disagree with it.
+    """
+    return _check_shapes(state, num_heads, num_kv_heads, expected, names or {})[1]
+
+
+_WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
+_ORDER = tuple(f"{p}.{part}" for p in PROJECTIONS for part in PARTS) + tuple(f"{n}.weight" for n in NORMS) + (SINKS,)
+_KV = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+
+
+def _rank(name: str) -> int:
+    return 2 if name in _WEIGHTS else 1
+
+
+def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: Mapping[str, Sequence[int]] | None,
+                  names: Mapping[str, str]) -> tuple[int, list[str]]:
+    """``(head_dim, problems)``; head_dim 0 when no head_dim fits. Head counts that cannot be
+    raise first: no shape could fit them."""
+    check_head_counts(heads, kv_heads)
+    shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
+    shown = {k: names.get(k, repr(k)) for k in _ORDER}
+    problems = [f"{shown[k]} has shape {s}, expected rank {_rank(k)}" for k, s in shapes.items()
+                if len(s) != _rank(k) and not (module and k in module)]
+    ranked = {k: s for k, s in shapes.items() if len(s) == _rank(k)}
+    if module and "q_proj.weight" in module:
+        head_dim = module["q_proj.weight"][0] // heads
+    else:
+        head_dim = _head_dim(ranked, heads, kv_heads)
+    if not head_dim and not any(k in ranked for k in _WEIGHTS):
+        return 0, problems  # nothing to split into heads: the missing weights are reported by name
+    if not head_dim:
+        sizes = ", ".join(f"{shown[k]} {s}" for k, s in ranked.items() if k in _WEIGHTS)
+        return 0, problems + [f"no head_dim fits num_heads={heads} and num_kv_heads={kv_heads} (shapes: {sizes})"]
+    allowed = _allowed(ranked, heads, kv_heads, head_dim)
+    for k, s in shapes.items():
+        want = [tuple(module[k])] if module and k in module else allowed.get(k) if k in ranked else None
+        if want and s not in want:
+            problems.append(f"{shown[k]} has shape {s}, expected {' or '.join(map(str, want))}{_why(k, s, want[0], heads, kv_heads, head_dim)}")
+    kv_rows = {ranked[k][0] for k in _KV if k in ranked}
+    if len(kv_rows) == 1 and (n := kv_rows.pop()) != kv_heads * head_dim and n % head_dim == 0 and heads % (n // head_dim) == 0:
+        problems.append(f"the key/value rows fit num_kv_heads={n // head_dim} (head_dim={head_dim}), not num_kv_heads={kv_heads}")
+    return head_dim, problems
+
+
+def _why(name: str, found: tuple, want: tuple, heads: int, kv_heads: int, head_dim: int) -> str:
+    """What an expected row or column count is made of, when that is what differs."""
+    if len(found) != len(want):
+        return ""
+    if name == "out_proj.weight" and found[1:] != want[1:]:
+        return f" (num_heads={heads} x head_dim={head_dim} columns)"
+    if name.split(".")[0] in PROJECTIONS[:3] and found[:1] != want[:1]:
+        n, what = (heads, "num_heads") if name.startswith("q_") else (kv_heads, "num_kv_heads")
+        return f" ({what}={n} x head_dim={head_dim} rows)"
+    return ""
+
+
+def _allowed(shapes: Mapping[str, tuple], heads: int, kv_heads: int, head_dim: int) -> dict[str, list[tuple]]:
+    """The shapes each entry of ``shapes`` (ranks right) may have for this head_dim; free axes
+    (input features, output features) as found."""
+    rows = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
+    allowed: dict[str, list[tuple]] = {}
+    for proj, n in rows.items():
+        if f"{proj}.weight" in shapes:
+            allowed[f"{proj}.weight"] = [(n, shapes[f"{proj}.weight"][1])]
+        allowed[f"{proj}.bias"] = [(n,)]
+    if "out_proj.weight" in shapes:
+        allowed["out_proj.weight"] = [(shapes["out_proj.weight"][0], heads * head_dim)]
+        allowed["out_proj.bias"] = [(shapes["out_proj.weight"][0],)]
+    for norm, n in zip(NORMS, (heads, kv_heads)):
+        allowed[f"{norm}.weight"] = [(head_dim,), (n * head_dim,)] if n > 1 else [(head_dim,)]
+    allowed[SINKS] = [(heads,)]
+    return {k: v for k, v in allowed.items() if k in shapes}
+
+
+def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
+    """The head_dim under which the fewest entries are mis-shaped (key/value rows that all agree
+    on another key/value head count count once: that count is the one mistake); 0 if none fits.
+    Candidates: each query, key, value row count and output column count over its heads."""
+    counts = [(shapes[k][0], heads) for k in ("q_proj.weight", "q_proj.bias") if k in shapes]
+    counts += [(shapes[k][0], kv_heads) for k in _KV if k in shapes]
+    counts += [(shapes["out_proj.weight"][1], heads)] if "out_proj.weight" in shapes else []
+    votes = [n // h for n, h in counts if n and n % h == 0]
+
+    def cost(head_dim: int) -> tuple[int, int, int]:
+        allowed = _allowed(shapes, heads, kv_heads, head_dim)
+        bad = {k for k, s in shapes.items() if k in allowed and s not in allowed[k]}
+        kv_bad = bad & set(_KV)
+        kv_rows = {shapes[k][0] for k in _KV if k in shapes}
+        one_mistake = len(kv_rows) == 1 and next(iter(kv_rows)) % head_dim == 0 and heads % (next(iter(kv_rows)) // head_dim or heads + 1) == 0
+        return len(bad - kv_bad) + (min(len(kv_bad), 1) if one_mistake else len(kv_bad)), -votes.count(head_dim), head_dim
+
+    return min(set(votes), key=cost, default=0)

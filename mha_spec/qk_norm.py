@@ -1,0 +1,38 @@
+"""QK-norm: the one description of a normalisation of queries and keys, read by both twins."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """Normalisation of queries and keys before the logits (QK-norm).
+
+    ``kind``: ``"layer"`` (mean and variance, no bias: flax's ``normalize_qk``, StableLM) or
+    ``"rms"`` (root mean square: Qwen3, Gemma 3, OLMo 2). ``per_head``: over each head's
+    ``head_dim`` features (scale ``(head_dim,)``), else over the whole projection, every head
+    together (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance.
+    ``offset``: the features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``, its
+    scale initialised to 0). Computed in float32 at least, cast back to the input dtype.
+    """
+
+    kind: str = "layer"
+    per_head: bool = True
+    eps: float = 1e-6
+    offset: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("layer", "rms"):
+            raise ValueError(f"QKNorm kind must be 'layer' or 'rms', got {self.kind!r}")
+        if not isinstance(self.per_head, bool):
+            raise TypeError(f"QKNorm per_head must be a bool, got {self.per_head!r}")
+        for name in ("eps", "offset"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):
+                raise ValueError(f"QKNorm {name} must be a finite number, got {value!r}")
+        if self.eps <= 0:
+            raise ValueError(f"QKNorm eps must be > 0, got {self.eps!r}")

@@ -1,0 +1,367 @@
+"""Rotary position embeddings' parameters: their checks, what transformers derives from them in
+Python floats, and how a transformers ``config.json`` names them."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+# rope_type -> (keys transformers' init function requires, keys it reads when present), as
+# ``transformers.modeling_rope_utils`` (5.x) reads ``rope_parameters``: ``_compute_*_parameters``
+# and the ``_validate_*_rope_parameters`` that list each type's keys.
+ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+}
+# Keys whose value may be None: transformers then derives it (factor = max_position_embeddings /
+# original_max_position_embeddings, the attention factor from the paper's formula, beta defaults).
+_NULLABLE = {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+_NULLABLE_FACTOR = {"yarn", "longrope"}
+
+
+class Scaling(Mapping):
+    """A rope scaling as an immutable, hashable mapping: ``rope_type`` and the keys transformers
+    reads for it (lists of factors as tuples), so that a rotary embedding can be a static argument."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any]):
+        object.__setattr__(self, "_items", dict(items))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Scaling is immutable")
+
+    def __reduce__(self):
+        # copy and pickle rebuild it through __init__, not by setting its slot.
+        return Scaling, (self._items,)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._items.items())))
+
+    def __repr__(self) -> str:
+        return f"Scaling({self._items!r})"
+
+    @property
+    def rope_type(self) -> str:
+        return self._items["rope_type"]
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_rope(
+    head_dim: Any, rotary_dim: Any, theta: Any, interleaved: Any, scaling: Mapping | None, max_position_embeddings: Any
+) -> tuple[int, int, float, bool, Scaling | None, int | None]:
+    """Validate a rotary embedding's arguments; return them normalised:
+    ``(head_dim, rotary_dim, theta, interleaved, scaling, max_position_embeddings)``."""
+    if not _is_int(head_dim) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if not _is_int(rotary_dim) or not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be an even integer in [2, head_dim] = [2, {head_dim}], got {rotary_dim!r}")
+    if not _is_real(theta) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    if max_position_embeddings is not None and (not _is_int(max_position_embeddings) or max_position_embeddings < 1):
+        raise ValueError(f"max_position_embeddings must be a positive integer or None, got {max_position_embeddings!r}")
+    max_pos = None if max_position_embeddings is None else int(max_position_embeddings)
+    checked = _check_scaling(scaling, int(rotary_dim), max_pos)
+    return int(head_dim), int(rotary_dim), float(theta), bool(interleaved), checked, max_pos
+
+
+def _check_scaling(scaling: Mapping | None, rotary_dim: int, max_pos: int | None) -> Scaling | None:
+    """``scaling`` as a ``Scaling``; None for no scaling (``rope_type`` 'default' alone)."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"scaling must be a mapping with a 'rope_type' or None, got {type(scaling).__name__}")
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"scaling['rope_type'] must be one of {tuple(ROPE_TYPES)}, got {rope_type!r}")
+    required, optional = ROPE_TYPES[rope_type]
+    missing = [k for k in required if k not in scaling]
+    if missing:
+        raise ValueError(f"scaling for rope_type {rope_type!r} is missing required key(s) {', '.join(map(repr, missing))}")
+    unknown = [k for k in scaling if k != "rope_type" and k not in required + optional]
+    if unknown:
+        reads = ", ".join(map(repr, required + optional)) or "no other key"
+        raise ValueError(
+            f"scaling for rope_type {rope_type!r} has key(s) {', '.join(map(repr, unknown))}, which transformers "
+            f"does not read for it (it reads {reads})"
+        )
+    items = {"rope_type": rope_type}
+    for key in required + optional:
+        if key in scaling:
+            items[key] = _scaling_value(rope_type, key, scaling[key], rotary_dim)
+    if rope_type == "default":
+        return None
+    _check_derivable(rope_type, items, rotary_dim, max_pos)
+    return Scaling(items)
+
+
+def _scaling_value(rope_type: str, key: str, value: Any, rotary_dim: int) -> Any:
+    """One scaling value checked and as Python numbers: factor lists as tuples of floats."""
+    where = f"scaling[{key!r}] (rope_type {rope_type!r})"
+    if value is None and (key in _NULLABLE or key == "factor" and rope_type in _NULLABLE_FACTOR):
+        return None
+    if key in ("short_factor", "long_factor"):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(map(_is_real, value)):
+            raise TypeError(f"{where} must be a list of numbers, got {value!r}")
+        if len(value) != rotary_dim // 2:
+            raise ValueError(f"{where} must have rotary_dim // 2 = {rotary_dim // 2} entries, got {len(value)}")
+        return tuple(float(v) for v in value)
+    if key == "truncate":
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{where} must be a bool, got {value!r}")
+        return bool(value)
+    if key == "original_max_position_embeddings":
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{where} must be a positive integer, got {value!r}")
+        return int(value)
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    if key == "factor" and value <= 0:
+        raise ValueError(f"{where} must be > 0, got {value!r}")
+    return int(value) if _is_int(value) else float(value)
+
+
+def _check_derivable(rope_type: str, items: Mapping[str, Any], rotary_dim: int, max_pos: int | None) -> None:
+    """The values transformers derives from ``max_position_embeddings`` need it."""
+    if rope_type == "dynamic" and max_pos is None:
+        raise ValueError("rope_type 'dynamic' needs max_position_embeddings (the length it scales beyond)")
+    if rope_type == "dynamic" and rotary_dim == 2:
+        raise ValueError("rope_type 'dynamic' needs rotary_dim > 2 (its base grows with exponent dim / (dim - 2))")
+    if rope_type in _NULLABLE_FACTOR and items.get("factor") is None and max_pos is None:
+        raise ValueError(
+            f"rope_type {rope_type!r} without scaling['factor'] needs max_position_embeddings "
+            "(the factor is then max_position_embeddings / original_max_position_embeddings)"
+        )
+    if rope_type == "llama3" and items["high_freq_factor"] == items["low_freq_factor"]:
+        raise ValueError("scaling['high_freq_factor'] must differ from scaling['low_freq_factor'] (rope_type 'llama3')")
+
+
+def scaling_factor(scaling: Scaling, max_pos: int | None) -> float:
+    """``factor``, or where yarn and longrope leave it out, max_position_embeddings /
+    original_max_position_embeddings (``_compute_yarn_parameters``, ``_compute_longrope_parameters``)."""
+    factor = scaling.get("factor")
+    return max_pos / scaling["original_max_position_embeddings"] if factor is None else factor
+
+
+def attention_factor(scaling: Scaling | None, max_pos: int | None) -> float:
+    """The factor transformers multiplies cos and sin by: 1 except for yarn and longrope, where
+    an explicit ``attention_factor`` wins over the paper's formula."""
+    if scaling is None or scaling.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling_factor(scaling, max_pos)
+    if scaling.rope_type == "longrope":
+        omax = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(omax))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    """``get_mscale`` of ``_compute_yarn_parameters``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_ramp_bounds(scaling: Scaling, rotary_dim: int, theta: float) -> tuple[float, float]:
+    """``(low, high)`` of yarn's linear ramp over the frequency index, in Python floats as
+    ``find_correction_range`` of ``_compute_yarn_parameters`` computes them; ``high`` nudged by
+    0.001 where the two meet, as its ``linear_ramp_factor`` does."""
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    omax = scaling["original_max_position_embeddings"]
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(omax / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    return (low, high + 0.001) if low == high else (low, high)
+
+
+def dynamic_theta(theta: float, factor: float, seq_len: int, max_pos: int, rotary_dim: int) -> float:
+    """The base of ``_compute_dynamic_ntk_parameters`` for a Python ``seq_len`` (in doubles, as at
+    a module's construction); it grows once ``seq_len`` passes ``max_pos``."""
+    seq_len = max(seq_len, max_pos)
+    return theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
+@dataclass(frozen=True)
+class RotaryParameters:
+    """The parameters of a rotary position embedding, checked; the base of each framework's
+    ``RotaryEmbedding``, which adds the arrays. Immutable and hashable (a static argument to
+    ``jax.jit``); ``scaling`` is kept as a ``Scaling``, ``rotary_dim`` None as ``head_dim``."""
+
+    head_dim: int
+    _: KW_ONLY
+    rotary_dim: int | None = None
+    theta: float = 10000.0
+    interleaved: bool = False
+    scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        checked = check_rope(
+            self.head_dim, self.rotary_dim, self.theta, self.interleaved, self.scaling, self.max_position_embeddings
+        )
+        for field, value in zip(fields(self), checked):
+            object.__setattr__(self, field.name, value)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], head_dim: int | None = None):
+        """The rotary embedding a transformers ``config.json`` dict describes, or None if it names
+        none; ``head_dim`` overrides the config's. See ``rope_from_config`` for what is read."""
+        arguments = rope_from_config(config, head_dim)
+        return None if arguments is None else cls(**arguments)
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.scaling is None else self.scaling.rope_type
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (yarn, longrope; 1 otherwise), as transformers'
+        ``attention_scaling``; it does not depend on the sequence length."""
+        return attention_factor(self.scaling, self.max_position_embeddings)
+
+    def seq_len_threshold(self) -> int | None:
+        """The sequence length past which the frequencies change (dynamic: max_position_embeddings;
+        longrope: original_max_position_embeddings); None where they never do."""
+        if self.rope_type == "dynamic":
+            return self.max_position_embeddings
+        if self.rope_type == "longrope":
+            return self.scaling["original_max_position_embeddings"]
+        return None
+
+
+
+# Keys whose presence says a config.json describes rotary embeddings.
+_ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base", "partial_rotary_factor")
+# Rotary fractions that models' config classes set when config.json leaves them out.
+_DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5}  # GPTNeoXConfig (rotary_pct), PhiConfig
+# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``.
+_INTERLEAVED_MODELS = ("gptj", "codegen")
+
+
+def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
+    """``RotaryEmbedding``'s arguments from a transformers ``config.json`` dict, or None when it
+    has none of the keys in ``_ROPE_CONFIG_KEYS``. Read as ``RotaryEmbeddingConfigMixin``
+    (``convert_rope_params_to_dict``, ``standardize_rope_params``) and the model config classes
+    read them; ``config`` is not modified:
+
+    - the rope parameters: ``rope_scaling`` (older) or ``rope_parameters`` (transformers 5), whose
+      ``rope_type`` (or ``type``) and the keys it reads become ``scaling``;
+    - theta: ``rope_parameters['rope_theta']``, ``rope_theta``, ``rotary_emb_base`` (GPT-NeoX), 10000;
+    - head_dim: the argument, ``head_dim``, or ``hidden_size // num_attention_heads`` (GPT-J:
+      ``n_embd // n_head``);
+    - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)`` with the fraction from
+      ``partial_rotary_factor`` (in the rope parameters or beside them), ``rotary_pct``
+      (GPT-NeoX), the model's default (GPT-NeoX 0.25, Phi 0.5) or 1;
+    - max_position_embeddings (GPT-J: ``n_positions``), and for llama3, yarn and longrope
+      ``original_max_position_embeddings``: a top-level one (Phi-3) wins, else the rope
+      parameters' own, else max_position_embeddings;
+    - interleaved for GPT-J and CodeGen (``model_type``), whose attention rotates pairs
+      ``(2i, 2i + 1)``; every other model rotates halves."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
+    if not any(key in config for key in _ROPE_CONFIG_KEYS):
+        return None
+    model_type = config.get("model_type")
+    # transformers: ``rope_scaling or rope_parameters``, the older name first.
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    nested = [k for k, v in params.items() if isinstance(v, Mapping)]
+    if nested:
+        raise ValueError(
+            f"config's rope parameters are given per layer type ({', '.join(map(repr, nested))}); "
+            "build one RotaryEmbedding per type, from a config whose 'rope_parameters' is that entry"
+        )
+    theta = _first(params.get("rope_theta"), config.get("rope_theta"), config.get("rotary_emb_base"), 10000.0)
+    fraction = _first(
+        params.get("partial_rotary_factor"), config.get("partial_rotary_factor"), config.get("rotary_pct"),
+        _DEFAULT_ROTARY_FRACTION.get(model_type), 1.0,
+    )
+    head_dim = _config_head_dim(config) if head_dim is None else head_dim
+    if not _is_int(head_dim) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+    rotary_dim = config.get("rotary_dim") or int(head_dim * fraction)
+    max_pos = _first(config.get("max_position_embeddings"), config.get("n_positions"))
+    return {
+        "head_dim": head_dim,
+        "rotary_dim": rotary_dim,
+        "theta": theta,
+        "interleaved": model_type in _INTERLEAVED_MODELS,
+        "scaling": _config_scaling(params, config, max_pos),
+        "max_position_embeddings": max_pos,
+    }
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _config_head_dim(config: Mapping[str, Any]) -> int:
+    """``head_dim``, else ``hidden_size // num_attention_heads`` (GPT-J: ``n_embd // n_head``)."""
+    if config.get("head_dim"):
+        return config["head_dim"]
+    hidden, heads = _first(config.get("hidden_size"), config.get("n_embd")), _first(config.get("num_attention_heads"), config.get("n_head"))
+    if not (_is_int(hidden) and _is_int(heads) and heads > 0):
+        raise ValueError(
+            "config names neither head_dim nor hidden_size and num_attention_heads; pass head_dim= to from_config"
+        )
+    return hidden // heads
+
+
+def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: int | None) -> dict[str, Any] | None:
+    """The scaling keys of a config's rope parameters, ``rope_type`` standardised."""
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    params.pop("type", None)
+    params.pop("rope_theta", None)
+    params.pop("partial_rotary_factor", None)
+    # Phi3Config: its older names for LongRoPE.
+    if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # standardize_rope_params: a top-level original_max_position_embeddings (Phi-3) wins,
+        # else the key defaults to max_position_embeddings.
+        if config.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        elif max_pos is not None:
+            params.setdefault("original_max_position_embeddings", max_pos)
+    if rope_type == "default" and not params:
+        return None
+    return {"rope_type": rope_type, **params}
