@@ -171,6 +171,10 @@ def plot(report: Report, path: str) -> str | None:
     ax.semilogy(x, [max(m.added or 0, floor) for m in report.modules], ".", label="added")
     ax.semilogy(x, [max(m.inherited or 0, floor) for m in report.modules], "x", label="inherited", alpha=0.5)
     ax.step(x, [m.tolerance for m in report.modules], where="mid", color="C3", label="tolerance")
+    first = next((i for i, m in enumerate(report.modules) if not m.passed), None)
+    if first is not None:
+        ax.axvline(first, color="C3", linestyle=":", label=f"first divergence: {report.modules[first].label}")
+    ax.set_title(f"error per module (an error of 0 drawn at {floor:.0e})", fontsize=9)
     ax.set_xlabel("module, in execution order")
     ax.set_ylabel("relative error")
     ax.legend(fontsize=7)
