@@ -32,10 +32,13 @@ MAPPING = {
     r"model\.rotary_emb": None,  # the port's rotary embedding is inside each attention
 }
 
-# a small Llama: 2 layers, 4 query and 2 key/value heads of 16 features
+# a small Llama 3: 2 layers, 4 query and 2 key/value heads of 16 features
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-              tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+              # Llama 3's rotary frequency scaling; an original length of 8 makes it change most frequencies
+              rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position_embeddings=8))
 
 
 class MLP(nnx.Module):

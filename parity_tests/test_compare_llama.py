@@ -51,10 +51,13 @@ def test_every_module_and_the_logits_agree(models, batch):
 def test_gradients_and_one_adamw_step_agree(models, batch):
     torch_model, port = models
     before = {n: p.detach().clone() for n, p in torch_model.named_parameters()}
-    for check in (compare_gradients, compare_step):
+    # Adam's first step moves each parameter by about the learning rate times the sign of its
+    # gradient, so an entry whose gradient is rounding-sized (2e-7 against a median 2e-2) moves by
+    # lr * g / (|g| + eps) with g's relative rounding: the step's tolerance (1e-4), not the gradients'
+    for check, worst in ((compare_gradients, 1e-5), (compare_step, 1e-4)):
         report = check(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool))
         assert report.passed and len(report.parameters) == 21 and not report.unpaired_jax, report.table()
-        assert report.worst.error < 1e-5, report.table()
+        assert report.worst.error < worst, report.table()
     assert all((p == before[n]).all() and p.grad is None for n, p in torch_model.named_parameters())
 
 
