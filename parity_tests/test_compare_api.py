@@ -211,3 +211,14 @@ def test_the_guide_example_runs(capsys):
     (block,) = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     exec(compile(block, "docs/porting-models.md", "exec"), {})
     assert "first divergence: 1" in capsys.readouterr().out
+
+
+def test_importing_the_package_imports_no_framework_until_compare_is_used():
+    import subprocess
+
+    code = ("import sys, parity_tests; "
+            "assert 'torch' not in sys.modules and 'parity_tests.porting' not in sys.modules; "
+            "from parity_tests import compare, verify; from parity_tests.tool.callables import verify as v; "
+            "assert verify is v and compare.__module__ == 'parity_tests.porting.core' and 'torch' not in sys.modules")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
