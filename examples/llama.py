@@ -83,7 +83,7 @@ class LlamaForCausalLM(nnx.Module):
     """``input_ids`` ``(batch, length)`` -> logits ``(batch, length, vocab)``."""
 
     def __init__(self, config: Mapping, state: Mapping | None = None, *, rngs: nnx.Rngs | None = None):
-        c = dict(config, model_type="llama")
+        c = {"model_type": "llama", **config}  # a Mistral's config (its sliding window) reads as its own
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.model = Model(c, state, rngs)
         self.lm_head = nnx.Linear(c["hidden_size"], c["vocab_size"], use_bias=False, rngs=rngs)
@@ -138,10 +138,21 @@ def save_random(folder: str | os.PathLike, seed: int = 0) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def transformers_model(folder: str | os.PathLike):
+def save_random_mistral(folder: str | os.PathLike, sliding_window: int = 4, seed: int = 0) -> None:
+    """A small random transformers Mistral (a Llama whose layers attend over a sliding window)."""
+    import torch
     import transformers
 
-    return transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    torch.manual_seed(seed)
+    config = transformers.MistralConfig(**CONFIG, sliding_window=sliding_window, attn_implementation="eager")
+    transformers.MistralForCausalLM(config).save_pretrained(folder)
+
+
+def transformers_model(folder: str | os.PathLike):
+    """The saved model as transformers builds it (``LlamaForCausalLM`` or ``MistralForCausalLM``, eager attention)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
 
 
 def inputs(batch: int = 2, length: int = 12, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

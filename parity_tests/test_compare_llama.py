@@ -168,3 +168,16 @@ def test_the_precision_is_set_recorded_and_put_back(models, reference):
     s = report.settings
     assert s["jax_default_matmul_precision"] == "highest" and s["torch_allow_tf32_matmul"] is False
     assert s["torch_float32_matmul_precision"] == "highest" and s["torch_dtype"] == s["jax_dtype"] == "float32"
+
+
+def test_a_sliding_window_is_compared_and_a_port_without_it_found(tmp_path, batch, monkeypatch):
+    """A Mistral (the same port, its config's window of 4 read by ``mha_jax.from_hf``) on rows of 12
+    tokens, longer than the window; the port with the window dropped diverges at the attention."""
+    llama.save_random_mistral(tmp_path)
+    torch_model, port = llama.transformers_model(tmp_path), llama.from_pretrained(tmp_path)
+    assert type(torch_model).__name__ == "MistralForCausalLM"
+    report = compare(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool))
+    assert report.passed, report.table()
+    monkeypatch.setattr(port.model.layers[1].self_attn, "local_window_size", None)
+    report = compare(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool))
+    assert report.first_divergence == "model.layers.1.self_attn", report.table()
