@@ -173,6 +173,11 @@ def test_bad_input_is_named():
         compare(torch_tiny(), object(), *tiny_inputs())
     with pytest.raises(ValueError, match=r"training mode \(the model and more"):
         compare(TorchTiny(), nnx_tiny(), *tiny_inputs())
+    with pytest.raises(ValueError, match="compare needs the inputs"):
+        compare(torch_tiny(), nnx_tiny())
+    with pytest.raises(ValueError, match=r"valid must be bool \(batch, length\) of the outputs, whose first is "
+                                         r"\(2, 5, 11\); got \(5, 2\)"):
+        compare(torch_tiny(), nnx_tiny(), *tiny_inputs(), valid=np.ones((5, 2), bool))
 
 
 def _cli(capsys, *argv):

@@ -26,6 +26,8 @@ def reference(torch_model, inputs, dtype: str | None, *, modules: bool = True) -
         return torch_model
     from parity_tests.porting import torch_side
 
+    if not inputs:
+        raise ValueError("compare needs the inputs (NumPy arrays) to give both models; a saved reference has its own")
     found = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), dtype)
     return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found, modules=modules)
 
@@ -91,6 +93,7 @@ def compare(
     with settings.numerics(matmul_precision, torch_needed=not saved) as numerics:
         ref = reference(torch_model, inputs, dtype)
         inputs = ref.inputs
+        _check_valid(valid, ref)
         jax_dtype = settings.check_dtype("JAX", flax.dtypes(), ref.dtype)
         if jax_dtype != ref.dtype:
             raise ValueError(f"the JAX side holds {jax_dtype} parameters and the PyTorch side {ref.dtype}: "
@@ -105,6 +108,16 @@ def compare(
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
     return _report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
+
+
+def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
+    """``valid`` must be ``(batch, length)`` of the first output: a mask that selects nothing is an error."""
+    if valid is None:
+        return
+    first = ref.outputs[0][1].shape if ref.outputs else ()
+    if valid.ndim != 2 or tuple(first[:2]) != valid.shape:
+        raise ValueError(f"valid must be bool (batch, length) of the outputs, whose first is {tuple(first)}; "
+                         f"got {valid.shape}")
 
 
 def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
