@@ -16,12 +16,13 @@ def _is_ours(cls: str) -> bool:
     return cls.split(".", 1)[0] in ("mha_jax", "mha_torch") and "Attention" in cls.rsplit(".", 1)[-1]
 
 
-def reference(torch_model, inputs, dtype: str | None, *, modules: bool = True) -> Recording:
+def reference(torch_model, inputs, dtype: str | None) -> Recording:
     """The PyTorch side's recording (``torch_model`` a saved ``Recording``: itself, its dtype checked)."""
     if isinstance(torch_model, Recording):
         if dtype is not None and torch_model.dtype != dtype:
             raise ValueError(f"the saved reference is {torch_model.dtype}, not the {dtype} asked for (dtype={dtype!r})")
-        if inputs and not all(np.array_equal(np.asarray(a), b) for a, b in zip(inputs, torch_model.inputs)):
+        if inputs and (len(inputs) != len(torch_model.inputs)
+                       or not all(np.array_equal(np.asarray(a), b) for a, b in zip(inputs, torch_model.inputs))):
             raise ValueError("the inputs given are not the saved reference's: leave them out to use its own")
         return torch_model
     from parity_tests.porting import torch_side
@@ -29,7 +30,7 @@ def reference(torch_model, inputs, dtype: str | None, *, modules: bool = True) -
     if not inputs:
         raise ValueError("compare needs the inputs (NumPy arrays) to give both models; a saved reference has its own")
     found = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), dtype)
-    return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found, modules=modules)
+    return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found)
 
 
 def record(torch_model, *inputs, dtype: str | None = None, matmul_precision: str = "highest") -> Recording:

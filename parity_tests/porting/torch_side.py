@@ -100,14 +100,14 @@ def check_eval(model) -> None:
                          "between the sides); call model.eval() first")
 
 
-def record(model, inputs, *, settings: dict, dtype: str, modules: bool = True) -> Recording:
+def record(model, inputs, *, settings: dict, dtype: str) -> Recording:
     """Run ``model(*inputs)`` (NumPy arrays, each as a tensor of its own dtype) without gradients."""
     import torch
 
     check_eval(model)
     device = device_of(model)
     calls: list[Call] = []
-    with torch.no_grad(), (recording(model, calls) if modules else contextlib.nullcontext()):
+    with torch.no_grad(), recording(model, calls):
         output = model(*(to_torch(x, device) for x in inputs))
     outputs = [(k, arrays.numpy(v)) for k, v in arrays.fields(output)]
     return Recording([np.asarray(x) for x in inputs], outputs, calls, dtype, settings)
