@@ -167,7 +167,7 @@ def test_the_precision_is_set_recorded_and_put_back(models, reference):
         jax.config.update("jax_default_matmul_precision", old[1])
     s = report.settings
     assert s["jax_default_matmul_precision"] == "highest" and s["torch_allow_tf32_matmul"] is False
-    assert s["torch_float32_matmul_precision"] == "highest" and s["torch_dtype"] == s["jax_dtype"] == "float32"
+    assert s["torch_allow_tf32_cudnn"] is False and s["torch_dtype"] == s["jax_dtype"] == "float32"
 
 
 def test_a_sliding_window_is_compared_and_a_port_without_it_found(tmp_path, batch, monkeypatch):

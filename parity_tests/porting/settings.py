@@ -1,6 +1,7 @@
 """The numerics that change results, said and set: JAX's default matmul precision, PyTorch's TF32
-switches, each side's dtypes. A comparison runs inside ``numerics()``, which sets full precision
-on both sides (``"highest"``, TF32 off) and puts back what was there."""
+switches (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``), each
+side's dtypes. A comparison runs inside ``numerics()``, which sets full precision on both sides
+(``"highest"``, TF32 off) and puts back what was there."""
 
 from __future__ import annotations
 
@@ -34,19 +35,16 @@ def numerics(matmul_precision: str = "highest", *, torch_needed: bool = True):
     jax.config.update("jax_default_matmul_precision", matmul_precision)
     torch = sys.modules.get("torch") if not torch_needed else _torch()
     saved = None
-    if torch is not None:
-        backends = torch.backends
-        saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    if torch is not None:  # one API only: PyTorch refuses to read a precision set through both of its APIs
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
     try:
         yield recorded(torch)
     finally:
         jax.config.update("jax_default_matmul_precision", before)
         if saved is not None:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-            torch.set_float32_matmul_precision(saved[2])
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _torch():
@@ -64,9 +62,7 @@ def recorded(torch=None) -> dict:
            "jax_backend": jax.default_backend()}
     if torch is not None:
         out.update({"torch_allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-                    "torch_allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
-                    "torch_float32_matmul_precision": torch.get_float32_matmul_precision(),
-                    "torch": torch.__version__})
+                    "torch_allow_tf32_cudnn": torch.backends.cudnn.allow_tf32, "torch": torch.__version__})
     return out
 
 
