@@ -369,7 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--to", required=True, choices=("flax", "torch"), help="the framework OUT is for")
     convert.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     _add_checkpoint_arguments(convert)
+    from parity_tests.porting import command as porting  # a whole model against its port (NumPy only here)
+
+    porting.add_parser(commands, EXIT_CODES)
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        try:
+            return porting.run(args)
+        except (ValueError, TypeError, OSError, ImportError) as error:
+            print(f"mha-parity compare: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "verify" and args.source and not args.weights:
         parser.error("--source needs --weights")
     if args.command == "verify" and args.config:
