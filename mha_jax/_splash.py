@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _kernels
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _masks
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _info
 
 from mha_jax import _platform, masks
@@ -48,6 +49,8 @@ def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
         return "dropout"
     if (spec.is_causal or spec.window is not None) and not spec.default_positions:
         return "query_positions/key_positions with is_causal or local_window_size (only default positions)"
+    if spec.chunk_size is not None and (not spec.is_causal or spec.window is not None or not spec.default_positions):
+        return "attention_chunk_size without is_causal or with local_window_size (its chunks are causal ones)"
     return None
 
 
@@ -79,7 +82,7 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
     if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     q_pad, kv_pad = padded(q_len), padded(kv_len)
-    kernel = _kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, soft_cap, interpret)
+    kernel = _kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, spec.chunk_size, soft_cap, interpret)
     q = _pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), q_pad)
     k, v = (_pad(x.transpose(0, 2, 1, 3), kv_pad) for x in (key, value))
     q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
@@ -99,10 +102,12 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(heads, q_len, kv_len, causal, window, soft_cap, interpret):
+def _kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
     """The kernel for one mask structure and padded size (built once: its block tables are
     NumPy work)."""
-    if window is not None:
+    if chunk is not None:  # causal within each chunk of positions (Llama 4's)
+        one = _masks.ChunkedCausalMask((q_len, kv_len), chunk_size=chunk)
+    elif window is not None:
         left, right = window
         one = splash.LocalMask((q_len, kv_len), window_size=(left, 0 if causal else right), offset=0)
     elif causal:

@@ -22,7 +22,7 @@ from parity_tests.tool import harness, oracle
 
 B, H, HK, Q, K, D = 2, 4, 2, 37, 45, 16
 FWD_TOL, GRAD_TOL = harness.TOLERANCES["float32"]
-ORACLE_NAMES = {"local_window_size": "window", "key_value_seq_lengths": "lengths"}
+ORACLE_NAMES = {"local_window_size": "window", "key_value_seq_lengths": "lengths", "attention_chunk_size": "chunk_size"}
 SEGMENTS = dict(query_segment_ids=np.stack([np.arange(Q) * 3 // Q, np.arange(Q) // 20]),
                 key_segment_ids=np.stack([np.arange(K) * 3 // K, np.arange(K) // 9]))
 CASES = {  # (is_causal, terms, soft cap, sinks)
@@ -31,6 +31,7 @@ CASES = {  # (is_causal, terms, soft cap, sinks)
     "window": (False, dict(local_window_size=(5, 3)), None, False),
     "causal window": (True, dict(local_window_size=(6, 6)), None, False),
     "segments": (False, SEGMENTS, None, False),  # the second row's last queries have no key of their segment
+    "causal chunks": (True, dict(attention_chunk_size=16), None, False),
     "lengths+causal": (True, dict(key_value_seq_lengths=np.array([K, 0])), None, False),  # a row with no key
     "soft cap+sinks+segments": (True, dict(SEGMENTS, key_value_seq_lengths=np.array([30, K])), 3.0, True),
 }
@@ -104,6 +105,7 @@ REFUSED = {  # argument: (call arguments, the name in the message)
     "bias": (dict(bias=jnp.zeros((1, 1, Q, K))), "bias"),
     "dropout": (dict(dropout_rate=0.5, dropout_rng=jax.random.key(0)), "dropout"),
     "positions": (dict(is_causal=True, query_positions=jnp.arange(Q) + 3), "query_positions/key_positions"),
+    "chunks": (dict(attention_chunk_size=16), "attention_chunk_size without is_causal"),
     "weights": (dict(return_weights=True), "return_weights=True needs implementation='xla'"),
 }
 
