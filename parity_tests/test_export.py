@@ -113,8 +113,9 @@ def test_kernel_of_another_platform_fails_by_name_when_lowered():
     program is lowered for another platform (run on this CPU, or exported for a TPU)."""
     args = _inputs("bfloat16")
     forward, _ = _core("cudnn")
+    cpu = jax.devices("cpu")[0]  # the host's CPU, also where a GPU is the default device
     with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU; the program is being lowered for 'cpu'"):
-        jax.jit(forward)(*args)
+        jax.jit(forward)(*jax.device_put(args, cpu))
     with pytest.raises(ValueError, match="needs an NVIDIA GPU; the program is being lowered for 'tpu'"):
         _export(forward, args, ("tpu",))
 
