@@ -73,6 +73,11 @@ def test_the_workers_give_what_one_process_gives(tmp_path):
             assert list(result.details[pair]) == list(entries)
             for name, e in entries.items():
                 assert result.details[pair][name] == e, (case.id, pair, name)
+    # the window case with two implementations gives the numbers it gives with all four
+    whole = in_one[[c.id for c in cases].index(some[1].id)]
+    assert whole.case.implementations == GRID[0].implementations and in_one[-1].case == some[1]
+    assert list(in_one[-1].details) == ["jax vs oracle", "torch vs oracle", "jax vs torch"]
+    assert {pair: whole.details[pair] for pair in in_one[-1].details} == in_one[-1].details
 
 
 def test_an_error_in_a_worker_is_raised_by_the_caller():
