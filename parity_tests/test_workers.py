@@ -1,7 +1,10 @@
 """The grid in worker processes: how its cases are split into tasks by what their compiled
-programs share, and that what the workers send back merges into what one process computes."""
+programs share, that what the workers send back merges into what one process computes, and
+that the harness does not import the workers back."""
 
+import ast
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -73,6 +76,11 @@ def test_the_workers_give_what_one_process_gives(tmp_path):
             assert list(result.details[pair]) == list(entries)
             for name, e in entries.items():
                 assert result.details[pair][name] == e, (case.id, pair, name)
+    # the window case with two implementations gives the numbers it gives with all four
+    whole = in_one[[c.id for c in cases].index(some[1].id)]
+    assert whole.case.implementations == GRID[0].implementations and in_one[-1].case == some[1]
+    assert list(in_one[-1].details) == ["jax vs oracle", "torch vs oracle", "jax vs torch"]
+    assert {pair: whole.details[pair] for pair in in_one[-1].details} == in_one[-1].details
 
 
 def test_an_error_in_a_worker_is_raised_by_the_caller():
@@ -80,3 +88,40 @@ def test_an_error_in_a_worker_is_raised_by_the_caller():
     weights = dict(harness.make_data(cases[0]).params, stray=np.zeros(3))
     with pytest.raises(ValueError, match="unexpected key 'stray'"):
         workers.run_cases(cases, weights=weights, workers=2)
+
+
+def _tool_imports() -> dict[str, set[str]]:
+    """Each module of ``parity_tests.tool`` -> the modules of it that it imports, anywhere in
+    its text (an import inside a function too)."""
+    tool = pathlib.Path(harness.__file__).parent
+    modules = {p.stem for p in tool.glob("*.py")} - {"__init__"}
+    graph = {}
+    for name in modules:
+        found = set()
+        for node in ast.walk(ast.parse((tool / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "parity_tests.tool":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("parity_tests.tool."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("parity_tests.tool.")}
+        graph[name] = found & modules
+    return graph
+
+
+def test_the_tool_modules_import_one_another_without_a_circle():
+    """The harness runs a case and knows nothing of the workers, which run many: no module of
+    the tool imports, however indirectly, one that imports it."""
+    graph = _tool_imports()
+    assert "harness" in graph["workers"] and "workers" not in graph["harness"]
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo += graph[name]
+        return seen
+
+    assert [name for name in sorted(graph) if name in reaches(name)] == []
