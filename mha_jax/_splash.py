@@ -41,6 +41,8 @@ _BLOCKS = (512, 256, 128)
 
 def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
     """Why the kernel cannot express this call (naming the argument), or None."""
+    if not all(isinstance(n, int) for n in spec.shape[2:]):
+        return "a symbolic length (jax.export.symbolic_shape: its block tables are built for known lengths)"
     if spec.allowed is not None:
         return "a dense mask (use is_causal, local_window_size, segment ids or key_value_seq_lengths)"
     if spec.bias is not None:

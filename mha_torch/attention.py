@@ -6,6 +6,7 @@ here it is that of ``F.scaled_dot_product_attention``: query ``(batch, heads, q_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -15,7 +16,24 @@ from mha_spec import arguments, terms
 from mha_torch import _checks, masks
 from mha_torch.masks import MASK_LAYOUT
 
-IMPLEMENTATIONS = ("math", "sdpa")
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """What one implementation takes; the choice and its error messages are read from these
+    (the twin of ``mha_jax.attention._Kernel``)."""
+
+    name: str
+    weights: bool = False  # need_weights (only a kernel that forms the weights)
+    dropout_mask: bool = True  # an explicit keep-mask
+    soft_cap: bool = True
+
+
+_KERNELS = {k.name: k for k in (
+    _Kernel("math", weights=True),
+    _Kernel("sdpa", dropout_mask=False, soft_cap=False),  # F.scaled_dot_product_attention
+)}
+IMPLEMENTATIONS = tuple(_KERNELS)
+_DEFAULT_ORDER = ("sdpa", "math")  # the default: the first that takes the call
 
 
 def dot_product_attention(
@@ -158,16 +176,23 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
 
 def _choose(implementation, need_weights, explicit_dropout, soft_cap=False) -> str:
     if implementation is None:
-        return "math" if need_weights or explicit_dropout or soft_cap else "sdpa"
+        takes = [n for n in _DEFAULT_ORDER if _refusal(_KERNELS[n], need_weights, explicit_dropout, soft_cap) is None]
+        return takes[0]
     arguments.check_implementation(implementation, IMPLEMENTATIONS)
-    if implementation == "sdpa" and (need_weights or explicit_dropout):
-        raise ValueError("need_weights=True and dropout_mask need implementation='math', got 'sdpa'")
-    if implementation == "sdpa" and soft_cap:
-        raise ValueError(
-            "logit_soft_cap needs implementation='math' (F.scaled_dot_product_attention cannot apply "
-            "tanh to the logits), got 'sdpa'"
-        )
+    refused = _refusal(_KERNELS[implementation], need_weights, explicit_dropout, soft_cap)
+    if refused is not None:
+        raise ValueError(refused)
     return implementation
+
+
+def _refusal(kernel: _Kernel, need_weights, explicit_dropout, soft_cap) -> str | None:
+    """The message when ``kernel`` cannot take a call of these options, else None."""
+    if (need_weights and not kernel.weights) or (explicit_dropout and not kernel.dropout_mask):
+        return f"need_weights=True and dropout_mask need implementation='math', got {kernel.name!r}"
+    if soft_cap and not kernel.soft_cap:
+        return (f"logit_soft_cap needs implementation='math' (F.scaled_dot_product_attention cannot apply "
+                f"tanh to the logits), got {kernel.name!r}")
+    return None
 
 
 def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=None):

@@ -178,17 +178,27 @@ def test_module_decoding_step_exports():
     _close(program.call(state, token), jax.jit(decode_step)(state, token))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+@pytest.mark.parametrize("implementation", ["xla", "blockwise", "flash"])
 def test_symbolic_batch_and_length_export(implementation):
     """One program for every batch and length (``jax.export.symbolic_shape``), forward and
-    gradient, run back at two sizes."""
+    gradient, run back at two sizes (``"flash"``: the TPU kernel's blocks need known lengths, so
+    its tpu branch is ``"blockwise"`` there)."""
     batch, length = export.symbolic_shape("b, n")
     specs = [jax.ShapeDtypeStruct((batch, length, h, 16), jnp.float32) for h in (H, KV, KV)]
     for fn in _core(implementation, is_causal=True):
-        exported = export.export(jax.jit(fn), platforms=PLATFORMS)(*specs)
+        exported = export.export(jax.jit(fn), platforms=PLATFORMS, disabled_checks=DISABLED)(*specs)
         program = export.deserialize(exported.serialize())
         _check_program(program.mlir_module())
         for b, n in ((1, 37), (3, 130)):
             rng = np.random.default_rng(n)
             args = [jnp.asarray(rng.normal(size=(b, n, h, 16)), jnp.float32) for h in (H, KV, KV)]
             _close(program.call(*args), jax.jit(fn)(*args))
+
+
+def test_symbolic_batch_with_the_chips_kernels():
+    """A symbolic batch alone: the lengths are known, so each platform's kernel is in the program."""
+    batch = export.symbolic_shape("b")[0]
+    specs = [jax.ShapeDtypeStruct((batch, T, h, D), jnp.bfloat16) for h in (H, KV, KV)]
+    _, gradient = _core("flash", is_causal=True)
+    exported = export.export(jax.jit(gradient), platforms=PLATFORMS, disabled_checks=DISABLED)(*specs)
+    assert set(CUDNN) | {PALLAS_TPU} <= _check_program(exported.mlir_module())
