@@ -599,6 +599,27 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# The instruction-set extensions that decide XLA:CPU's and PyTorch's vector code.
+_ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16",
+              "amx_tile", "asimd", "sve", "sve2")
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """The CPU's model name and its vector ISA (from ``/proc/cpuinfo``; empty where unreadable):
+    the same benchmark differs between CPUs (an AMD EPYC with AVX-512 against the README's)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"cpu_model": fields.get("model name") or fields.get("CPU part", ""),
+            "cpu_isa": [f for f in _ISA_FLAGS if f in flags]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="lengths up to 2048 only")
@@ -642,7 +663,7 @@ def main(argv=None) -> int:
     import torch
 
     results["meta"] = {
-        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), **cpu_model(),
         "jax": jax.__version__, "torch": torch.__version__, "device": jax.devices()[0].device_kind,
         "seconds": time.perf_counter() - start,
         # 1-minute load averages before and after: above ~0.5 before, something else was running.

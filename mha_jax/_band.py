@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mha_jax import _blockwise, masks  # _blockwise: its query-block layout (imported as a module: it imports this one)
+from mha_jax import _blockwise  # its query-block layout (imported as a module: it imports this one)
+from mha_spec.terms import Causal, Terms, Where, Window
 
 # Scores of one band, over batch x heads x rows x keys: as ``_blockwise._BLOCK_SCORES``.
 _BAND_SCORES = 1 << 22
@@ -44,6 +45,7 @@ class _Band:
     right: int
     scale: float
     precision: lax.PrecisionLike
+    terms: Terms = Terms()
 
     @property
     def n_q(self) -> int:
@@ -54,25 +56,27 @@ class _Band:
         return self.block_q + self.left + self.right
 
 
-def band(q_len: int, kv_len: int, batch_heads: int, groups: int, causal: bool, window) -> tuple[int, int, int] | None:
-    """(block, left, right) when a window over default positions is cheaper as bands than as
-    tiles (its band's scores fit in ``_BAND_SCORES``), else None. Causality makes ``right`` 0;
-    a side wider than the keys is cut to them."""
-    if window is None or q_len == 0 or kv_len == 0:
+def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -> tuple[int, int, int] | None:
+    """(block, left, right) when ``terms`` hold a window over default positions that is cheaper
+    as bands than as tiles (its band's scores fit in ``_BAND_SCORES``), else None. Causality
+    makes ``right`` 0; a side wider than the keys is cut to them. Every term that reads positions
+    must read them relative to each other (a window, causality), not where they are (chunks)."""
+    window = [t for t in terms if isinstance(t, Window)]
+    if not window or not all(t.shift_invariant for t in terms) or q_len == 0 or kv_len == 0:
         return None
-    left, right = window
-    left, right = min(left, q_len), min(0 if causal else right, kv_len)
+    left, right = window[0].left, window[0].right
+    left, right = min(left, q_len), min(0 if Causal() in terms.members else right, kv_len)
     block = min(_BLOCK, max(8, 1 << (q_len - 1).bit_length()))
     if batch_heads * groups * block * (block + left + right) > _BAND_SCORES:
         return None
     return block, left, right
 
 
-def attention(q, k, v, terms, *, block, left, right, scale, precision):
+def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
     """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype`` over
-    ``terms`` = (None, None, query segment ids, key segment ids, lengths), the window ``(left,
-    right)`` (causality folded into ``right``)."""
-    cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision)
+    ``terms`` = (None, None, query segment ids, key segment ids, lengths) read by the terms of
+    ``conditions``, whose window spans ``(left, right)`` (causality folded into ``right``)."""
+    cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
     return _band(cfg, q, k, v, terms[2:])
 
 
@@ -87,18 +91,18 @@ def _padded_keys(cfg, x, axis):
 
 
 def _visible(cfg, i, g, terms):
-    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: ``masks._visible``'s
-    window, segments and lengths, and keys that exist (not the padding before 0 or past
-    ``kv_len``). The window is read on positions relative to the band's first query, the same
-    in every band: NumPy operands, so it is a constant rather than recomputed for every score."""
+    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the terms (window,
+    causality, segments, lengths), and keys that exist (not the padding before 0 or past
+    ``kv_len``). Positions are read relative to the band's first query, the same in every band:
+    NumPy operands, so that the window is a constant rather than recomputed for every score."""
     rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)
     cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left  # relative key positions
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
     qs, ks, lengths = terms
     q_ids = None if qs is None else lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
     k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
-    visible = masks._visible(False, (cfg.left, cfg.right), rows, cols, q_ids, k_ids, key,
-                             None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
+    visible = cfg.terms.visible(Where(rows, q_ids),
+                                Where(cols, k_ids, key, None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)))
     return visible & (key >= 0) & (key < cfg.kv_len)
 
 

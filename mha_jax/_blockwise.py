@@ -46,6 +46,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mha_jax import _band, masks
+from mha_spec import terms as _terms
+from mha_spec.terms import Terms, Where
 
 # Scores of one block, over batch x heads x rows x keys. Blocks above ~4M float32 scores
 # (16 MiB) fall out of cache on the machines measured; below it each product is too small for
@@ -67,6 +69,7 @@ class _Config:
     precision: lax.PrecisionLike
     soft_cap: float | None = None
     band: tuple[int, int, int] | None = None  # (block, left, right): computed by ``_band``
+    chunk_size: int | None = None
 
     @property
     def n_q(self) -> int:
@@ -83,7 +86,10 @@ def _fit(n: int, cap: int) -> int:
 
 def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
     """Powers of two up to the caps, halved (larger first, down to 64) until one block's
-    scores fit in ``_BLOCK_SCORES``."""
+    scores fit in ``_BLOCK_SCORES``. A symbolic size (``jax.export.symbolic_shape``) counts as
+    a long length, or as 8 batch x heads: the blocks must not depend on the size it takes."""
+    q_len, kv_len = (n if isinstance(n, int) else cap for n, cap in ((q_len, cap_q), (kv_len, cap_k)))
+    batch_heads = batch_heads if isinstance(batch_heads, int) else 8
     block_q, block_k = _fit(q_len, cap_q), _fit(kv_len, cap_k)
     while batch_heads * groups * block_q * block_k > _BLOCK_SCORES and max(block_q, block_k) > 64:
         if block_q * groups >= block_k:
@@ -128,10 +134,10 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     # A window over default positions, with nothing else per score, is a band per query block.
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
-    bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.is_causal, spec.window) if plain and spec.default_positions else None
+    bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
     cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
-                  keep_scale, dropout_rate, precision, soft_cap, bands)
-    positions = masks._positions(spec) if spec.is_causal or spec.window is not None else (None, None)
+                  keep_scale, dropout_rate, precision, soft_cap, bands, spec.chunk_size)
+    positions = masks._positions(spec) if "position" in spec.terms.reads else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
     args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
@@ -193,7 +199,7 @@ def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     q, k, v, bias, sinks = _varying((q, k, v, bias, sinks), (allowed, keep, rng, terms))
     if cfg.band is not None:
         block, left, right = cfg.band
-        return _band.attention(q, k, v, terms, block=block, left=left, right=right, scale=cfg.scale,
+        return _band.attention(q, k, v, terms, _conjunction(cfg, terms), block=block, left=left, right=right, scale=cfg.scale,
                                precision=cfg.precision)
     return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
 
@@ -314,10 +320,10 @@ def _allowed(cfg, i, j, allowed, terms, transposed):
         return lax.dynamic_slice_in_dim(x, index * size, size, 1).reshape(layout)
 
     qp, kp, qs, ks, lengths = terms
-    visible = masks._visible(
-        cfg.causal, cfg.window, along(qp, q_axis, i, cfg.block_q), along(kp, k_axis, j, cfg.block_k),
-        along(qs, q_axis, i, cfg.block_q), along(ks, k_axis, j, cfg.block_k), cols,
-        None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1),
+    visible = _conjunction(cfg, terms).visible(
+        Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q)),
+        Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
+              None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)),
     )
     if visible is not None:
         ok = _and(ok, visible)
@@ -343,8 +349,10 @@ def _masked(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
 
 
 def _ranges(x, block, n):
-    """(min, max) over each block of a ``(b|1, len)`` term: ``(b|1, n)`` each. The last block's
-    padding repeats its last entry, so that it changes neither."""
+    """(min, max) over each block of a ``(b|1, len)`` term: ``(b|1, n)`` each (None for None).
+    The last block's padding repeats its last entry, so that it changes neither."""
+    if x is None:
+        return None
     x = jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), mode="edge").reshape(x.shape[0], n, block)
     return x.min(axis=2), x.max(axis=2)
 
@@ -360,31 +368,30 @@ def _pad_terms(cfg, terms):
             pad(qs, cfg.n_q, cfg.block_q), pad(ks, cfg.n_k, cfg.block_k), lengths)
 
 
+def _conjunction(cfg, terms) -> Terms:
+    """The structured terms of ``cfg`` and of the arrays ``terms`` given (segments, lengths)."""
+    return _terms.of(cfg.causal, cfg.window, cfg.chunk_size, terms[2] is not None, terms[4] is not None)
+
+
 def _classes(cfg, allowed, terms, padding):
     """(whole, live): bool ``(n_q, n_k)``. A block is live if some score in it may be attended
     to in some batch element (as far as each term's block summary tells), and whole if every
     score in it may be, in every batch element, so that it needs no mask. With ``padding`` the
     last key block's padding counts as masked."""
     qp, kp, qs, ks, lengths = terms
+    q_pos, k_pos = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)  # (lo, hi) (b|1, n)
+    q_ids, k_ids = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
+    start = jnp.arange(cfg.n_k)[None, None, :] * cfg.block_k  # each key block's first index
+    length = None if lengths is None else lengths[:, None, None]
+
+    def at(ranges, end, axis):  # the blocks' lows (end 0) or highs (1), laid as (b|1, n_q, n_k)
+        return None if ranges is None else jnp.expand_dims(ranges[end], axis)
+
+    block = _conjunction(cfg, terms).block(*(Where(at(q_pos, e, 2), at(q_ids, e, 2)) for e in (0, 1)),
+                            *(Where(at(k_pos, e, 1), at(k_ids, e, 1), start + e * (cfg.block_k - 1), length) for e in (0, 1)))
     whole = live = jnp.ones((1, cfg.n_q, cfg.n_k), bool)  # (b|1, n_q, n_k)
-    if qp is not None:
-        (q_lo, q_hi), (k_lo, k_hi) = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)
-        q_lo, q_hi, k_lo, k_hi = q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :]
-        if cfg.causal:
-            whole, live = whole & (k_hi <= q_lo), live & (k_lo <= q_hi)
-        if cfg.window is not None:
-            left, right = cfg.window
-            whole = whole & (k_lo >= q_hi - left) & (k_hi <= q_lo + right)
-            live = live & (k_hi >= q_lo - left) & (k_lo <= q_hi + right)
-    if qs is not None:
-        (qs_lo, qs_hi), (ks_lo, ks_hi) = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
-        qs_lo, qs_hi, ks_lo, ks_hi = qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :]
-        whole = whole & (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
-        live = live & (ks_hi >= qs_lo) & (ks_lo <= qs_hi)
-    if lengths is not None:
-        start = jnp.arange(cfg.n_k) * cfg.block_k
-        whole = whole & (start + cfg.block_k <= lengths[:, None])[:, None, :]
-        live = live & (start < lengths[:, None])[:, None, :]
+    if block[0] is not None:
+        whole, live = whole & block[0], live & block[1]
     whole, live = whole.all(axis=0), live.any(axis=0)
     if allowed is not None:
         some, every = _mask_blocks(cfg, allowed)

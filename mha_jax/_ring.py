@@ -62,6 +62,7 @@ from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
 from mha_jax import _blockwise, masks
+from mha_spec.terms import Terms, Where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +71,7 @@ class _Config:
     size: int
     scale: float
     soft_cap: float | None
-    is_causal: bool
-    window: tuple[int, int] | None
+    terms: Terms  # the structured terms, read from the arrays ``qp``, ``kp``, ``qs``, ``ks``, ``lengths``
     precision: Any
     batch_axes: tuple[str, ...] = ()  # Explicit mesh axes sharding the batch, manual in the ring too
     head_axes: tuple[str, ...] = ()  # and the (key/value) heads
@@ -158,7 +158,7 @@ def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float,
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
     drawn = keep is None and dropout_rng is not None
-    cfg = _Config(axis, size, float(scale), soft_cap, spec.is_causal, spec.window, precision, batch_axes, head_axes,
+    cfg = _Config(axis, size, float(scale), soft_cap, spec.terms, precision, batch_axes, head_axes,
                   explicit, bool(mesh.auto_axes), tuple(spec.shape), float(dropout_rate) if drawn else 0.0,
                   float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))))
     terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
@@ -379,25 +379,22 @@ def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
     ``ks``, ``index`` (key indices in the user's order), each ``(b|1, tile)``."""
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
-    return masks._visible(
-        cfg.is_causal, cfg.window, q5(qt["qp"]), k5(kt["kp"]), q5(qt.get("qs")), k5(kt.get("ks")),
-        k5(kt["index"]), None if lengths is None else lengths[:, None, None, None, None],
+    return cfg.terms.visible(
+        Where(q5(qt["qp"]), q5(qt.get("qs"))),
+        Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]), None if lengths is None else lengths[:, None, None, None, None]),
     )
 
 
 def _may_see(cfg: _Config, qp, kp, mask):
-    """A scalar bool, False when causality or the window leave a tile empty for every example,
-    read from the tile's extreme positions, or the dense mask leaves it empty; None (always
-    computed) where neither can tell. The positions must be the batch's (deciding over a batch
-    sharded elsewhere would need a reduction), and the mask shared by the examples and heads or
-    split only over axes the ring holds as manual."""
+    """A scalar bool, False when the terms on positions (causality, the window, chunks) leave a
+    tile empty for every example, read from the tile's extreme positions, or the dense mask
+    leaves it empty; None (always computed) where neither can tell. The positions must be the
+    batch's (deciding over a batch sharded elsewhere would need a reduction), and the mask shared
+    by the examples and heads or split only over axes the ring holds as manual."""
     ok = None
-    if (cfg.is_causal or cfg.window is not None) and qp.shape[0] == 1 and kp.shape[0] == 1:
-        q_lo, q_hi, k_lo, k_hi = qp.min(), qp.max(), kp.min(), kp.max()
-        ok = k_lo <= q_hi if cfg.is_causal else jnp.bool_(True)
-        if cfg.window is not None:
-            left, right = cfg.window
-            ok = ok & (k_lo <= q_hi + right) & (k_hi >= q_lo - left)
+    positional = cfg.terms.only({"position"})
+    if positional and qp.shape[0] == 1 and kp.shape[0] == 1:
+        ok = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
     if mask is not None and (not cfg.auto or (mask.shape[0] == 1 or cfg.batch_axes)
                              and (mask.shape[1] == 1 or cfg.head_axes)):
         ok = _blockwise._and(ok, mask.any())

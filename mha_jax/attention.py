@@ -6,17 +6,49 @@ here it is that of ``jax.nn.dot_product_attention``: query ``(batch, q_len, head
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec as P
 
-from mha_jax import _blockwise, _checks, _ring, masks
+from mha_jax import _blockwise, _checks, _platform, _ring, _splash, masks
 from mha_jax.masks import MASK_LAYOUT
 from mha_spec import arguments
 
-IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """What one implementation takes; the choice and its error messages are read from these."""
+
+    name: str
+    weights: bool = False  # return_weights (only a kernel that forms the weights)
+    dropout: bool = True
+    soft_cap: bool = True
+    sinks: bool = True
+    forward_mode: bool = False  # jax.jvp, jacfwd, derivatives of derivatives (custom-VJP kernels have none)
+    dtypes: tuple[str, ...] = ()  # the query/key/value dtypes it takes; () for every floating dtype
+    platform: str | None = None  # the platform it is compiled for; None for every platform
+    interpret_elsewhere: bool = False  # on other platforms: Pallas interpret mode (else: an error when lowered)
+    ring: bool = False  # runs under ``sequence_axis`` (the ring computes each step itself)
+    # per platform where the program is lowered, the kernel it runs (``"flash"``); "default": elsewhere
+    per_platform: tuple[tuple[str, str], ...] = ()
+
+
+_KERNELS = {k.name: k for k in (
+    _Kernel("xla", weights=True, forward_mode=True, ring=True),
+    _Kernel("blockwise", ring=True),
+    _Kernel("cudnn", dropout=False, soft_cap=False, sinks=False, dtypes=("bfloat16", "float16"), platform="cuda"),
+    _Kernel("splash", dropout=False, platform="tpu", interpret_elsewhere=True),
+    _Kernel("flash", per_platform=(("cuda", "cudnn"), ("tpu", "splash"), ("default", "blockwise"))),
+)}
+IMPLEMENTATIONS = tuple(_KERNELS)
+_PLATFORM_NAMES = {"cuda": "an NVIDIA GPU", "tpu": "a TPU"}
 # AD tracers: a blockwise call under forward mode or under two of them is refused by name.
 _AD_TRACERS = ("JVPTracer", "LinearizeTracer")
 
@@ -35,6 +67,7 @@ def dot_product_attention(
     query_segment_ids: jax.Array | None = None,
     key_segment_ids: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
@@ -67,6 +100,8 @@ def dot_product_attention(
       query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
         one row for every batch element), given together: a query sees keys of its own segment.
       key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
+      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
+        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
       logit_soft_cap: a positive finite ``cap``: the scaled logits become
         ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
@@ -86,11 +121,21 @@ def dot_product_attention(
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
         blocks, memory linear in length; blocks that causality, windows, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
-        GPUs, through ``jax.nn.dot_product_attention``; it takes neither ``logit_soft_cap``
-        nor ``sinks``), or None: ``"xla"`` at every size, as flax (no behaviour changes with
-        the length; ask for ``"blockwise"`` for long inputs).
-        ``"blockwise"`` and ``"cudnn"`` have reverse-mode derivatives of first order only: under
-        ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
+        GPUs, through ``jax.nn.dot_product_attention``; bfloat16/float16, neither
+        ``logit_soft_cap``, ``sinks`` nor dropout), ``"splash"`` (JAX's Pallas TPU kernel:
+        causality and windows at default positions, segments, lengths, ``logit_soft_cap`` and
+        ``sinks``; no ``mask``, ``bias``, dropout or position arrays with causality/windows;
+        computed in float32 at most; off a TPU, the same kernel in Pallas interpret mode,
+        slow), ``"flash"`` (the fast kernel of the chip the program is compiled for:
+        ``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, ``"blockwise"`` elsewhere, and
+        ``"blockwise"`` too where the chip's kernel cannot express the call), or None:
+        ``"xla"`` at every size, as flax (no behaviour changes with the length; ask for
+        ``"blockwise"`` or ``"flash"`` for long inputs). The platform is that of the target
+        where the program is lowered (``jax.lax.platform_dependent``), not the host's: a CPU
+        host exports (``jax.export``) and compiles for GPUs and TPUs; a kernel lowered for a
+        platform it does not run on fails then, by name.
+        Every implementation but ``"xla"`` has reverse-mode derivatives of first order only:
+        under ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
       sequence_axis: the name of a mesh axis (of the mesh set by ``jax.set_mesh``) over which the
         query and key/value lengths are sharded: ring attention, key/value blocks passed from
         device to device (``jax.lax.ppermute``), never gathered; the inputs and the output are
@@ -113,6 +158,7 @@ def dot_product_attention(
         query_positions=query_positions, key_positions=key_positions,
         local_window_size=local_window_size, query_segment_ids=query_segment_ids,
         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+        attention_chunk_size=attention_chunk_size,
     )
     return _attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
@@ -147,12 +193,17 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
             empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
         return (out, empty.reshape(shape)) if return_weights else out
-    implementation = _choose(
+    kernel = _choose(
         implementation, return_weights, keep is not None or rng is not None, query.dtype,
         soft_cap is not None, sinks is not None,
     )
-    if implementation != "xla":
-        _check_derivatives(implementation, query, key, value, spec.bias, sinks)
+    if not kernel.forward_mode:
+        _check_derivatives(kernel.name, query, key, value, spec.bias, sinks)
+    if ring is not None and not kernel.ring:
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} does not take implementation={kernel.name!r}; use None, 'xla' or "
+            "'blockwise' (the ring computes each step itself)"
+        )
     _check_head_sharding(query, heads, kv_heads)
 
     dtype = query.dtype
@@ -171,31 +222,13 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
-    q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
-    k, v = key.astype(compute), value.astype(compute)
-    sinks = None if sinks is None else sinks.astype(compute)
-    if implementation == "xla":
-        if rng is not None:
-            keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
-        out, weights = _xla(
-            q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, precision, soft_cap, sinks
-        )
-    elif implementation == "blockwise":
-        block_q, block_k = _blockwise.block_sizes(
-            q_len, kv_len, batch * kv_heads, groups, spec.is_causal or spec.window is not None
-        )
-        out = _blockwise.attention(
-            q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
-            allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
-            keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
-            dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
-            block_q=block_q, block_k=block_k, soft_cap=soft_cap,
-            sinks=None if sinks is None else sinks.reshape(1, kv_heads, groups),
-        ).transpose(0, 3, 1, 2, 4)
-        weights = None
+    call = dict(spec=spec, scale=scale, soft_cap=soft_cap, sinks=sinks, keep=keep, rng=rng, dropout_rate=dropout_rate,
+                keep_scale=keep_scale, precision=precision, compute=compute)
+    weights = None
+    if kernel.name == "xla":
+        out, weights = _run_xla(query, key, value, **call)
     else:
-        out = _cudnn(query, key, value, spec, scale).reshape(q.shape)
-        weights = None
+        out = _per_platform(kernel, query, key, value, call)
     out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
@@ -220,26 +253,241 @@ def _check_head_sharding(query, heads, kv_heads):
         )
 
 
-def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> str:
+def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> _Kernel:
+    """The record of the implementation asked for, after the checks that hold on every platform."""
     if implementation is None:
-        return "xla"
+        return _KERNELS["xla"]
     arguments.check_implementation(implementation, IMPLEMENTATIONS)
-    if return_weights and implementation != "xla":
+    kernel = _KERNELS[implementation]
+    if return_weights and not kernel.weights:
         raise ValueError(f"return_weights=True needs implementation='xla', got {implementation!r}")
-    if implementation == "cudnn" and (soft_cap or sinks):
-        # jax.nn.dot_product_attention takes neither a cap on the logits nor a sink column.
-        names = " and ".join(n for n, given in (("logit_soft_cap", soft_cap), ("sinks", sinks)) if given)
-        raise ValueError(f"implementation='cudnn' does not take {names}; use 'xla' or 'blockwise'")
-    if implementation == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ValueError(
-                f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
-            )
-        if dropout:
-            raise ValueError("implementation='cudnn' does not take dropout here; use 'blockwise' or 'xla'")
-        if dtype not in (jnp.bfloat16, jnp.float16):
-            raise TypeError(f"implementation='cudnn' needs bfloat16 or float16 query/key/value, got {dtype}")
-    return implementation
+    if kernel.per_platform:  # what a platform's kernel cannot take is decided where it is lowered
+        return kernel
+    if kernel.platform is not None and not kernel.interpret_elsewhere:
+        dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
+    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks)
+    if refused is not None:
+        error, message = refused
+        raise error(message)
+    return kernel
+
+
+def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks) -> tuple[type, str] | None:
+    """(exception type, message) when ``kernel`` cannot take a call of these options, else None."""
+    name = kernel.name
+    missing = [n for n, given, takes in (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks))
+               if given and not takes]
+    if missing:
+        return ValueError, f"implementation={name!r} does not take {' and '.join(missing)}; use 'xla' or 'blockwise'"
+    if dropout and not kernel.dropout:
+        return ValueError, f"implementation={name!r} does not take dropout here; use 'blockwise' or 'xla'"
+    if kernel.dtypes and dtype is not None and jnp.dtype(dtype).name not in kernel.dtypes:
+        wanted = " or ".join(kernel.dtypes)
+        return TypeError, f"implementation={name!r} needs {wanted} query/key/value, got {dtype}"
+    return None
+
+
+def _per_platform(kernel: _Kernel, query, key, value, call):
+    """Output ``(batch, q_len, heads, head_dim)`` in the compute dtype, from the kernel of the
+    platform the program is lowered for (``jax.lax.platform_dependent``): a CPU host traces
+    every branch and lowers only the target's, so it can export or compile for GPUs and TPUs."""
+    pairs = kernel.per_platform or ((kernel.platform or "default", kernel.name),)
+    if kernel.interpret_elsewhere:
+        pairs += (("default", kernel.name),)
+    names = {platform: _resolve(kernel.name, name, query.dtype, call) for platform, name in pairs}
+    if set(names.values()) == {"blockwise"}:  # one kernel everywhere (it places its own blocks on a mesh)
+        return _run_blockwise(query, key, value, **call)
+    sharded = _sharded_axes(query, key)
+    if sharded is not None:  # Pallas and cuDNN kernels are not partitioned: one call per device
+        return _per_device(kernel, names, query, key, value, call, *sharded)
+    return _dispatch(kernel, names, query, key, value, call)
+
+
+def _dispatch(kernel: _Kernel, names: dict, query, key, value, call):
+    branches = {platform: _branch(platform, name, call) for platform, name in names.items()}
+    if "default" not in branches:  # elsewhere, a clear error when (and only when) lowered
+        branches["default"] = _unavailable(
+            f"implementation={kernel.name!r} needs {_PLATFORM_NAMES[kernel.platform]}; the program is being "
+            "lowered for {platform!r}"
+        )
+    default = branches.pop("default")
+    return jax.lax.platform_dependent(query, key, value, default=default, **branches)
+
+
+def _sharded_axes(query, key):
+    """(batch axes, heads axes) where a mesh's Explicit axes shard the query's batch or heads,
+    else None; the lengths must not be sharded then (``sequence_axis`` is the way)."""
+    if not tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ())):
+        return None
+    q_spec, k_spec = (tuple(jax.typeof(x).sharding.spec) + (None,) * 4 for x in (query, key))
+    if not (q_spec[0] or q_spec[2]):
+        return None
+    if q_spec[1] or q_spec[3] or k_spec[1] or k_spec[3]:
+        raise ValueError(
+            f"this implementation runs on each device's whole sequences: the query is sharded as {q_spec[:4]} and the "
+            f"key as {k_spec[:4]}; shard the batch and heads only (sequence_axis shards the lengths)"
+        )
+    return q_spec[0], q_spec[2]
+
+
+def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
+    """``_dispatch`` inside ``jax.shard_map`` over the mesh's Explicit axes: each device runs the
+    kernel on its own examples and heads (with the masking terms of its examples)."""
+    spec, b = call["spec"], call["spec"].shape[0]
+
+    def place(x, entries):
+        return None if x is None else jax.sharding.reshard(x, P(*entries))
+
+    arrays = {n: place(x, (batch if x.shape[0] == b else None,) + (None,) * (x.ndim - 1)) if x is not None else None
+              for n, x in _platform.spec_arrays(spec).items()}
+    if spec.allowed is not None or spec.bias is not None:  # (batch|1, heads|1, q, k): heads too
+        for n in ("allowed", "bias"):
+            x = getattr(spec, n)
+            if x is not None:
+                x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+                entries = (batch if x.shape[0] == b else None, heads if x.shape[1] > 1 else None, None, None)
+                arrays[n] = place(x, entries)
+    layout = (batch, None, heads, None)
+    args = (place(query, layout), place(key, layout), place(value, layout), arrays, place(call["sinks"], (heads,)))
+    in_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, args)
+
+    def local(q, k, v, arrays, sinks):
+        shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        here = dict(call, spec=dataclasses.replace(spec, shape=shape, **arrays), sinks=sinks)
+        return _dispatch(kernel, names, q, k, v, here)
+
+    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P(*layout), axis_names=explicit, check_vma=False)(*args)
+
+
+def _resolve(asked: str, name: str, dtype, call):
+    """What runs where ``implementation=asked`` names ``name``'s kernel: that kernel; for
+    ``"flash"``, ``"blockwise"`` where the kernel cannot express the call; asked for by name, a
+    refusal ``(exception type, message)`` raised where the program is lowered for its platform
+    (or, for splash's terms, now)."""
+    spec = call["spec"]
+    refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
+                       call["soft_cap"] is not None, call["sinks"] is not None)
+    if asked != name:  # "flash": the platform's kernel where it takes the call
+        if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
+            return "blockwise"
+        return name
+    if refused is not None:
+        return refused
+    if name == "splash":
+        why = _splash.refusal(spec, dropout=call["rng"] is not None or call["keep"] is not None)
+        if why is not None:
+            raise ValueError(f"implementation='splash' does not take {why}; use 'xla' or 'blockwise'")
+    return name
+
+
+def _branch(platform: str, name, call):
+    """The function run on ``platform``: ``name``'s kernel, or a refusal when lowered."""
+    if isinstance(name, tuple):
+        return _unavailable(name[1].replace("{", "{{").replace("}", "}}"), name[0])
+    run = {"blockwise": _run_blockwise, "cudnn": _run_cudnn, "splash": _run_splash}[name]
+    if name == "splash":
+        run = functools.partial(_run_splash, interpret=platform != "tpu")
+    return lambda q, k, v: run(q, k, v, **call).astype(call["compute"])
+
+
+def _run_xla(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
+             compute):
+    batch, heads, q_len, _ = spec.shape
+    q = query.astype(compute).reshape(batch, q_len, key.shape[2], heads // key.shape[2], query.shape[3])
+    if rng is not None:
+        keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, spec.shape)
+    return _xla(q, key.astype(compute), value.astype(compute), masks._dense(spec), spec.bias, keep, keep_scale, scale,
+                precision, soft_cap, None if sinks is None else sinks.astype(compute))
+
+
+def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
+                   compute):
+    batch, heads, q_len, kv_len = spec.shape
+    kv_heads, head_dim = key.shape[2], query.shape[3]
+    groups = heads // kv_heads
+    q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
+    k, v = key.astype(compute), value.astype(compute)
+    causal = spec.is_causal or spec.window is not None
+    block_q, block_k = _blockwise.block_sizes(q_len, kv_len, batch * kv_heads, groups, causal)
+    out = _blockwise.attention(
+        q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
+        allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
+        keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
+        dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
+        block_q=block_q, block_k=block_k, soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups),
+    )
+    return out.transpose(0, 3, 1, 2, 4).reshape(query.shape)
+
+
+def _run_cudnn(query, key, value, *, spec, scale, **_):
+    def kernel(q, k, v, arrays):
+        with _cudnn_traced_anywhere():
+            return _cudnn(q, k, v, dataclasses.replace(spec, **arrays), scale)
+
+    # the kernel's program, lowered for cuda alone in a multi-platform one
+    return _platform.on("cuda", kernel, query, key, value, _platform.spec_arrays(spec))
+
+
+def _run_splash(query, key, value, *, spec, scale, soft_cap, sinks, interpret, **_):
+    return _splash.attention(query, key, value, spec, scale=scale, soft_cap=soft_cap, sinks=sinks, interpret=interpret)
+
+
+@contextlib.contextmanager
+def _cudnn_traced_anywhere():
+    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without
+    CUDA (to export or compile for a GPU from a CPU host). Its wrapper asks the local cuDNN for
+    its version while tracing and stops when there is none; the version only gates checks for
+    GPUs newer than this package's (compute capability 10.3, latent attention), and the GPU that
+    compiles the program checks what it supports. Where CUDA is installed nothing changes."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    if fused.cuda_versions is not None:
+        yield
+        return
+    ask = fused.check_cudnn_version
+    fused.check_cudnn_version = lambda: 90000  # cuDNN 9.0, the least jax's cuDNN attention supports
+    try:
+        yield
+    finally:
+        fused.check_cudnn_version = ask
+
+
+# A primitive that stands for a kernel where its platform is not the target: it traces as the
+# identity and fails, with its message, only when lowered (so a CPU host can trace and export
+# the GPU/TPU branches, and running such a program on the wrong platform says why).
+_unavailable_p = Primitive("mha_kernel_unavailable")
+_unavailable_p.def_abstract_eval(lambda x, **_: x)
+ad.defjvp(_unavailable_p, lambda t, x, **_: t)
+batching.primitive_batchers[_unavailable_p] = lambda args, dims, **kw: (_unavailable_p.bind(*args, **kw), dims[0])
+
+
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+def _refuse_lowering(ctx, x, *, message, error):
+    platforms = getattr(ctx.module_context, "platforms", None) or ("this platform",)
+    raise _ERRORS[error](message.format(platform=platforms[0] if len(platforms) == 1 else platforms))
+
+
+mlir.register_lowering(_unavailable_p, _refuse_lowering)
+
+
+def _refuse_running(x, *, message, error):  # run eagerly (outside jit), on the default backend's devices
+    raise _ERRORS[error](message.format(platform=jax.default_backend()))
+
+
+_unavailable_p.def_impl(_refuse_running)
+
+
+def _unavailable(message: str, error: type = ValueError):
+    """A branch that fails with ``message`` (``{platform}`` filled in) where it is lowered."""
+    def branch(query, key, value):
+        compute = jnp.promote_types(query.dtype, jnp.float32)
+        return _unavailable_p.bind(query.astype(compute), message=message, error=error.__name__)
+
+    return branch
 
 
 def _check_derivatives(implementation: str, *arrays) -> None:

@@ -62,7 +62,7 @@ def from_hf(
         scale=options.scale, logit_soft_cap=options.logit_soft_cap, use_sinks=options.use_sinks,
         rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
         local_window_size=options.window, param_dtype=param_dtype, implementation=implementation,
-        rngs=nnx.Rngs(0) if rngs is None else rngs,
+        rngs=nnx.Rngs(0) if rngs is None else rngs, attention_chunk_size=options.attention_chunk_size,
     )
     if weights is not None:
         state = _layer_state(weights, options.prefix)

@@ -32,7 +32,7 @@ from mha_jax.module import (
     _rotate,
     _self_attention,
 )
-from mha_spec import arguments, batch_axes
+from mha_spec import arguments, batch_axes, terms
 from mha_spec.qk_norm import QKNorm
 
 # flax's mask helpers are exported beside the classes, as flax exports them
@@ -89,6 +89,7 @@ class MultiHeadDotProductAttention(nn.Module):
     local_window_size: int | tuple[int, int] | None = None
     use_out_bias: bool | None = None
     sequence_axis: str | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); these need none.
@@ -96,6 +97,7 @@ class MultiHeadDotProductAttention(nn.Module):
         arguments.check_qk_norm(self.normalize_qk)
         arguments.check_scale(self.scale)
         arguments.check_window(self.local_window_size)
+        terms.check_chunk_size(self.attention_chunk_size)
         _check_sequence_axis(self.sequence_axis)
         super().__post_init__()
 
@@ -153,7 +155,7 @@ class MultiHeadDotProductAttention(nn.Module):
                 mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
                 query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
                 query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                key_value_seq_lengths=key_value_seq_lengths,
+                key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
             )
             # a length sharded for the ring: segments absent from the queries are not looked for
             inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=self.sequence_axis is None)
@@ -188,7 +190,7 @@ class MultiHeadDotProductAttention(nn.Module):
                 query, key, value, batch_shape, decoding, spec=None if decoding else spec, forbidden=forbidden if decoding else {},
                 mask=terms["mask"] if decoding else None, bias=terms["bias"] if decoding else None,
                 is_causal=is_causal, query_positions=terms["query_positions"] if decoding else None,
-                local_window_size=local_window_size,
+                local_window_size=local_window_size, attention_chunk_size=self.attention_chunk_size,
             )
         if dropout_mask is None and rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic):
             dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng

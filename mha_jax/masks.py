@@ -11,8 +11,13 @@ query ``i`` at position ``qp[i]`` may see key ``j`` at ``kp[j]`` when
 
 - ``kp[j] <= qp[i]`` (``is_causal``);
 - ``qp[i] - left <= kp[j] <= qp[i] + right`` (``local_window_size``);
+- ``qp[i] // size == kp[j] // size`` (``attention_chunk_size``: Llama 4's chunked attention);
 - the two segment ids are equal (``query_segment_ids``, ``key_segment_ids``);
 - ``j < key_value_seq_lengths[b]``.
+
+Each is one term of ``mha_spec.terms``; ``_Spec.terms`` is their conjunction, which every
+consumer (the dense mask, the blockwise classes, the band, the ring's tiles, unused-key zeroing
+and the cache's overflow check) reads.
 
 Twin of ``mha_torch/masks.py``.
 """
@@ -25,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks
-from mha_spec import arguments
+from mha_spec import arguments, terms
+from mha_spec.terms import Where
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -62,7 +68,8 @@ class _Spec:
 
     ``allowed`` (bool) and ``bias`` (float) broadcast to ``(batch, heads, q_len, kv_len)``;
     positions and segment ids are int32 ``(batch|1, len)``; ``lengths`` int32 ``(batch,)``;
-    ``window`` is ``(left, right)``. None means absent (default positions: ``arange``).
+    ``window`` is ``(left, right)``; ``chunk_size`` an int. None means absent (default
+    positions: ``arange``). ``terms`` is the structured terms' conjunction.
     """
 
     shape: tuple[int, int, int, int]
@@ -75,10 +82,16 @@ class _Spec:
     query_segment_ids: jax.Array | None = None
     key_segment_ids: jax.Array | None = None
     lengths: jax.Array | None = None
+    chunk_size: int | None = None
 
     @property
     def default_positions(self) -> bool:
         return self.query_positions is None and self.key_positions is None
+
+    @property
+    def terms(self) -> terms.Terms:
+        return terms.of(self.is_causal, self.window, self.chunk_size, self.query_segment_ids is not None,
+                        self.lengths is not None)
 
 
 def _parse(
@@ -93,6 +106,7 @@ def _parse(
     query_segment_ids=None,
     key_segment_ids=None,
     key_value_seq_lengths=None,
+    attention_chunk_size=None,
 ) -> _Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
     batch, _, q_len, kv_len = shape
@@ -116,7 +130,7 @@ def _parse(
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
         arguments.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
-        _lengths(key_value_seq_lengths, batch, kv_len),
+        _lengths(key_value_seq_lengths, batch, kv_len), terms.check_chunk_size(attention_chunk_size),
     )
 
 
@@ -144,28 +158,6 @@ def _lengths(lengths, batch: int, kv_len: int):
     return jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (batch,))
 
 
-def _visible(is_causal: bool, window, qp, kp, qs, ks, key_index, lengths):
-    """bool, broadcast of the operands: which keys each query may see by the structured terms
-    alone, or None where they restrict nothing. Operands are laid out by the caller so that
-    they broadcast (``qp``/``qs`` along queries, ``kp``/``ks``/``key_index`` along keys)."""
-    ok = []
-    if is_causal:
-        ok.append(kp <= qp)
-    if window is not None:
-        left, right = window
-        ok.append((kp >= qp - left) & (kp <= qp + right))
-    if qs is not None:
-        ok.append(qs == ks)
-    if lengths is not None:
-        ok.append(key_index < lengths)
-    if not ok:
-        return None
-    result = ok[0]
-    for term in ok[1:]:
-        result = result & term
-    return result
-
-
 def _positions(spec: _Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
     _, _, q_len, kv_len = spec.shape
@@ -176,19 +168,15 @@ def _positions(spec: _Spec):
 
 def _dense(spec: _Spec):
     """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
-    _, _, _, kv_len = spec.shape
-    qs, ks = spec.query_segment_ids, spec.key_segment_ids
-    if not spec.is_causal and spec.window is None and qs is None and spec.lengths is None:
+    if not spec.terms:
         return spec.allowed  # positions alone restrict nothing
     qp, kp = _positions(spec)
-    visible = _visible(
-        spec.is_causal, spec.window, qp[:, :, None], kp[:, None, :], None if qs is None else qs[:, :, None],
-        None if ks is None else ks[:, None, :], jnp.arange(kv_len)[None, None, :],
-        None if spec.lengths is None else spec.lengths[:, None, None],
-    )
-    if visible is None:
-        return spec.allowed
-    visible = visible[:, None]
+    qs, ks, lengths = spec.query_segment_ids, spec.key_segment_ids, spec.lengths
+    visible = spec.terms.visible(
+        Where(qp[:, :, None], None if qs is None else qs[:, :, None]),
+        Where(kp[:, None, :], None if ks is None else ks[:, None, :], jnp.arange(spec.shape[3])[None, None, :],
+              None if lengths is None else lengths[:, None, None]),
+    )[:, None]
     return visible if spec.allowed is None else spec.allowed & visible
 
 
@@ -198,7 +186,7 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
 
     Each term is read alone (a key that only their combination excludes stays in): the dense
     mask and a ``-inf`` bias over all queries, and without forming a ``(q_len, kv_len)`` matrix,
-    lengths, causality and windows from the extreme query positions, and segments absent from
+    lengths, causality, windows and chunks from the extreme query positions, and segments absent from
     the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
     outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
     projection's weight gradient. ``segments=False`` leaves the segments' term out (it sorts the
@@ -217,16 +205,13 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
             ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
         unused = ex if unused is None else unused | ex
     keys = []  # (batch|1, kv_len) terms
-    if spec.lengths is not None:
-        keys.append(jnp.arange(kv_len)[None] >= spec.lengths[:, None])
-    if (spec.is_causal or spec.window is not None) and spec.shape[2] > 0:
-        qp, kp = _positions(spec)
-        lo, hi = qp.min(axis=1, keepdims=True), qp.max(axis=1, keepdims=True)
-        if spec.is_causal:
-            keys.append(kp > hi)
-        if spec.window is not None:
-            left, right = spec.window
-            keys.append((kp < lo - left) | (kp > hi + right))
+    # every term but segments (exactly, below) from the queries' extreme positions, each key alone
+    ranged = spec.terms.only({"index", "length", "position"} if spec.shape[2] > 0 else {"index", "length"})
+    if ranged:
+        qp, kp = _positions(spec) if "position" in ranged.reads else (None, None)
+        lo, hi = (Where() if qp is None else Where(f(qp, axis=1, keepdims=True)) for f in (jnp.min, jnp.max))
+        key = Where(kp, index=jnp.arange(kv_len)[None], length=None if spec.lengths is None else spec.lengths[:, None])
+        keys.append(~ranged.block(lo, hi, key, key)[1])
     if segments and spec.query_segment_ids is not None and spec.shape[2] > 0:
         keys.append(~_present(spec.query_segment_ids, spec.key_segment_ids))
     for ex in keys:

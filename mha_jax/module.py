@@ -73,6 +73,8 @@ class MultiHeadAttention(nnx.Module):
         positions (``query_positions``/``key_positions``, default ``arange``; while decoding, the
         cache's positions).
       local_window_size: the call's default window (a sliding-window layer), see the call.
+      attention_chunk_size: the layer's chunks of positions (Llama 4's chunked attention), see
+        ``mha_jax.dot_product_attention``; also while decoding.
       use_out_bias: a bias on the output projection; default ``use_bias`` (Qwen2: biases on the
         query/key/value projections only).
       sequence_axis: a mesh axis over which the length is sharded: ring attention, see
@@ -127,6 +129,7 @@ class MultiHeadAttention(nnx.Module):
         local_window_size: int | tuple[int, int] | None = None,
         use_out_bias: bool | None = None,
         sequence_axis: str | None = None,
+        attention_chunk_size: int | None = None,
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -152,6 +155,7 @@ class MultiHeadAttention(nnx.Module):
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
         self.local_window_size = arguments.check_window(local_window_size)
+        self.attention_chunk_size = terms.check_chunk_size(attention_chunk_size)
         self.sequence_axis = _check_sequence_axis(sequence_axis)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
@@ -265,7 +269,7 @@ class MultiHeadAttention(nnx.Module):
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
             query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
         )
         dropping = dropout_mask is None and self.dropout_rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic)
         dropout_rng = _dropout_key(rngs if rngs is not None else self.rngs) if dropping else None
@@ -344,7 +348,8 @@ class MultiHeadAttention(nnx.Module):
         pos = _cache.positions(cache.end, query.shape[1], terms["query_positions"])
         query, key = _rotate(self.rotary, query, key, pos, pos)
         cache, spec = _decode_step(cache, key, value, self.num_heads, mask=terms["mask"], bias=terms["bias"],
-                                   is_causal=is_causal, query_positions=pos, local_window_size=local_window_size)
+                                   is_causal=is_causal, query_positions=pos, local_window_size=local_window_size,
+                                   attention_chunk_size=self.attention_chunk_size)
         self.cached_key[...], self.cached_value[...] = (x.reshape(self.cached_key.shape) for x in (cache.key, cache.value))
         self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
         if self.cache_overflow is None:  # flax's cache has no flag: it is made here
@@ -402,7 +407,8 @@ def _check_cache(cache: _Cache, batch_shape, batch: int, n: int, kv_heads: int, 
     return _Cache(cache.key.reshape(flat), cache.value.reshape(flat), cache.end.reshape(batch), cache.overflow.reshape(batch))
 
 
-def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size):
+def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size,
+                 attention_chunk_size=None):
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``; the updated cache
     and the spec of the new queries over its ``max_length`` slots."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.key.shape[1]
@@ -414,7 +420,8 @@ def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_ca
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
     window = arguments.check_window(local_window_size)
-    overflow = terms.cache_overflows(start, end, max_length, window, arguments.check_is_causal(is_causal))
+    overflow = terms.cache_overflows(start, end, max_length,
+                                     terms.of(arguments.check_is_causal(is_causal), window, attention_chunk_size, False, False))
     if _checks._concrete(overflow) and bool(overflow.any()):
         row = int(jnp.argmax(overflow))
         raise ValueError(
@@ -426,12 +433,13 @@ def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_ca
     spec = masks._parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths,
+        attention_chunk_size=attention_chunk_size,
     )
     return updated, spec
 
 
 def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None, in_kv_features: int | None, *,
-             is_causal, local_window_size, dropout_mask, **terms):
+             is_causal, local_window_size, dropout_mask, attention_chunk_size=None, **terms):
     """The checked call of a Flax module: ``(batch_shape, inputs, spec, dropout_mask)``, the
     inputs and terms with their batch axes merged into one; feature sizes None are read from
     the inputs (linen)."""
@@ -444,7 +452,7 @@ def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | No
     )
     dropout_mask = terms.pop("dropout_mask")
     spec = _spec(inputs[0], inputs[1], num_heads, self_attention, is_causal=is_causal,
-                 local_window_size=local_window_size, **terms)
+                 local_window_size=local_window_size, attention_chunk_size=attention_chunk_size, **terms)
     return batch_shape, inputs, spec, dropout_mask
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -185,3 +186,45 @@ def check_positions_shape(shape: Sequence[int], batch_shape: Sequence[int], leng
             f"positions must have shape (len,) = ({length},) or (*batch, len) with batch axes broadcasting "
             f"to {batch_shape}, got {shape}"
         )
+
+
+# --- the functional cores' inputs ------------------------------------------------------------
+
+_KINDS = {"float": "a real floating-point array", "int": "an integer array"}
+
+
+def check_kind(name: str, kind: str, want: str, dtype: Any, shape: Sequence[int]) -> None:
+    """TypeError unless an array's dtype ``kind`` ('float', 'int', ...) is ``want``."""
+    if kind != want:
+        raise TypeError(f"{name} must be {_KINDS[want]}, got dtype {dtype} with shape {tuple(shape)}")
+
+
+def check_rank(name: str, shape: Sequence[int], rank: int, layout: str) -> None:
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(shape)}")
+
+
+def check_attention_shapes(query: Sequence[int], key: Sequence[int], value: Sequence[int], dtypes: Sequence[Any],
+                           heads_first: bool) -> tuple[int, int, int, int, int, int]:
+    """The functional core's query/key/value shapes and dtypes (each already a real floating
+    array), laid out ``(batch, len, heads, head_dim)`` (JAX) or, with ``heads_first``,
+    ``(batch, heads, len, head_dim)`` (PyTorch); (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
+    qkv_layout, kv_layout = (("(batch, heads, q_len, head_dim)", "(batch, kv_heads, kv_len, head_dim)") if heads_first
+                             else ("(batch, q_len, heads, head_dim)", "(batch, kv_len, kv_heads, head_dim)"))
+    check_rank("query", query, 4, qkv_layout)
+    check_rank("key", key, 4, kv_layout)
+    check_rank("value", value, 4, kv_layout)
+    if not (dtypes[0] == dtypes[1] == dtypes[2]):
+        raise TypeError(f"query, key and value must share one dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    query, key, value = tuple(query), tuple(key), tuple(value)
+    batch, q_len, heads, head_dim = (query[0], query[2], query[1], query[3]) if heads_first else query
+    if key != value:
+        raise ValueError(f"key and value must have the same shape {kv_layout}, got key {key} and value {value}")
+    k_batch, kv_len, kv_heads, k_dim = (key[0], key[2], key[1], key[3]) if heads_first else key
+    if k_batch != batch or k_dim != head_dim:
+        raise ValueError(f"key/value {key} must match query {query} in batch and head_dim")
+    if head_dim == 0:
+        raise ValueError(f"query, key and value need head_dim >= 1, got query {query}, key {key}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, key {key}")
+    return batch, q_len, heads, head_dim, kv_len, kv_heads

@@ -28,6 +28,7 @@ FAMILIES = {
     "gemma3_text": (_PREFIX, "hf"),
     "gpt_oss": (_PREFIX, "hf"),
     "olmo2": (_PREFIX, "hf"),
+    "llama4_text": (_PREFIX, "hf"),
     "phi3": (_PREFIX, "fused_qkv"),
     "stablelm": (_PREFIX, "hf"),  # its per-head QK-norm's keys joined by ``layer_keys``
     "cohere": (_PREFIX, "hf"),
@@ -46,13 +47,15 @@ _OUTSIDE = {"bert": ("output.LayerNorm",)}
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
 # Options that change the attention's function and that no family here reads: refused by name
-# (but by the families that read them).
+# (by the families that do not read them).
 _REFUSED = {
-    "attention_chunk_size": "chunked attention (Llama 4)",
     "use_qk_norm": "Llama 4's QK-norm",
     "use_bidirectional_attention": "bidirectional attention",
+    "attention_chunk_size": "chunked attention (Llama 4)",
 }
-_READS = {"cohere": ("use_qk_norm",)}
+_READ = {"llama4_text": ("attention_chunk_size",), "cohere": ("use_qk_norm",)}
+# Llama4TextConfig's defaults, where a config leaves them out
+_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 # Values config classes set where config.json leaves them out: (the keys, in the config or its rope
 # parameters, any of which gives it; the key set; its default)
 _ROPE_DEFAULTS = {
@@ -84,6 +87,7 @@ class LayerOptions:
     layout: str
     is_causal: bool = True  # a decoder's mask; BERT's encoder sees every key
     ignore: tuple[str, ...] = ()  # keys under ``prefix`` that are not the attention's (BERT's LayerNorm)
+    attention_chunk_size: int | None = None  # Llama 4's chunked layers: chunks of positions
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -112,7 +116,10 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         raise ValueError(
             f"config's model_type {model_type!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
         )
-    refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key) and key not in _READS.get(model_type, ())]
+    if model_type == "llama4_text":
+        config = _llama4_config(config)
+    refused = [f"{key} ({what})" for key, what in _REFUSED.items()
+               if config.get(key) and key not in _READ.get(model_type, ())]
     if refused:
         raise ValueError(f"config ({model_type}) sets {', '.join(refused)}, which this attention does not compute")
     layers = _required(config, "num_hidden_layers", model_type)
@@ -157,11 +164,39 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         window = (int(config["sliding_window"]) - 1, 0)
     prefix, layout = FAMILIES[model_type]
     rope = None if model_type in ("gpt2", "bert") else _rope_config(config, model_type, layer_type, head_dim)
+    chunk = None
+    if model_type == "llama4_text":  # chunked layers rotate, the others (NoPE) do not
+        rope, chunk = _llama4_layer(config, layer, layer_type, rope)
     return LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale, cap, model_type == "gpt_oss",
         window, qk_norm, rope, prefix.format(layer=layer), layout,
         is_causal=model_type != "bert" or bool(config.get("is_decoder", False)), ignore=_OUTSIDE.get(model_type, ()),
+        attention_chunk_size=chunk,
     )
+
+
+def _llama4_config(config: Mapping[str, Any]) -> dict:
+    """A Llama 4 text config with ``Llama4TextConfig``'s defaults where it leaves them out: its
+    NoPE layers every ``no_rope_layer_interval``-th."""
+    config = {**_LLAMA4, **config}
+    layers = config.get("num_hidden_layers")
+    if not config.get("no_rope_layers") and isinstance(layers, int):
+        config["no_rope_layers"] = [int((i + 1) % config["no_rope_layer_interval"] != 0) for i in range(layers)]
+    return config
+
+
+def _llama4_layer(config: Mapping[str, Any], layer: int, layer_type: str, rope: dict) -> tuple[dict | None, int | None]:
+    """(rope config or None, chunk size or None) of a Llama 4 text layer, as ``Llama4TextAttention``
+    reads them: a layer with ``no_rope_layers[layer]`` 0 (a NoPE layer) has no rotary embedding,
+    and its queries scaled by position (``attn_temperature_tuning``), which is refused; a
+    ``"chunked_attention"`` layer sees the keys of its chunk of ``attention_chunk_size``."""
+    if config["no_rope_layers"][layer] == 0 and config["attn_temperature_tuning"]:
+        raise ValueError(
+            f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE layer {layer} by "
+            "position: this attention does not compute it"
+        )
+    chunk = config["attention_chunk_size"] if layer_type == "chunked_attention" else None
+    return (rope if config["no_rope_layers"][layer] else None), chunk
 
 
 def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
@@ -188,6 +223,8 @@ def _layer_types(config: Mapping[str, Any], model_type: str, layers: int) -> lis
         sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
         first = config.get("max_window_layers", layers)
         return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+    if model_type == "llama4_text":  # Llama4TextConfig: the layers that rotate are chunked
+        return ["chunked_attention" if rope else "full_attention" for rope in config["no_rope_layers"]]
     if model_type in ("mistral", "phi3") and config.get("sliding_window") is not None:
         return ["sliding_attention"] * layers
     return ["full_attention"] * layers

@@ -275,7 +275,7 @@ _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pc
 # Rotary fractions that models' config classes set when config.json leaves them out.
 _DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}  # GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
 # Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``.
-_INTERLEAVED_MODELS = ("gptj", "codegen", "cohere")
+_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere")
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
@@ -295,7 +295,7 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
     - max_position_embeddings (GPT-J: ``n_positions``), and for llama3, yarn and longrope
       ``original_max_position_embeddings``: a top-level one (Phi-3) wins, else the rope
       parameters' own, else max_position_embeddings;
-    - interleaved for GPT-J, CodeGen and Cohere (``model_type``), whose attention rotates pairs
+    - interleaved for GPT-J, CodeGen, Llama 4 and Cohere (``model_type``), whose attention rotates pairs
       ``(2i, 2i + 1)``; every other model rotates halves."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")

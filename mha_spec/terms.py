@@ -1,16 +1,209 @@
-"""Which keys a query may see: the masking terms on positions."""
+"""Which keys a query may see: the masking terms on positions, as objects.
+
+Each term is a small frozen object that holds no array: what it reads (positions, segment ids,
+key indices and lengths) is given to it, laid out by the caller to broadcast, as ``Where``.
+
+- ``visible(q, k)``: bool, which keys each query may see;
+- ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)`` from a block's ranges (the smallest and
+  the largest of each quantity over its queries and over its keys): ``live`` False when no query
+  of the block may see a key of it (the block is empty), ``whole`` True when every query may
+  see every key (no mask needed). In between the block is partial.
+
+Both are written with operators alone (``<=``, ``&``, ``==``, ``//``, broadcasting), so that
+they run alike on NumPy, JAX and PyTorch arrays, inside a traced graph. Terms combine with
+``&`` into ``Terms``, a conjunction that does the same over its members (None: no restriction).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
 
 
-def cache_overflows(start: Any, end: Any, max_length: int, window: tuple[int, int] | None, causal: bool) -> Any:
+class Where(NamedTuple):
+    """What the terms read of queries or keys, each laid out to broadcast (None: not given).
+    ``index`` and ``length`` are the keys' (their index along the keys, each example's count of
+    real keys)."""
+
+    position: Any = None
+    segment: Any = None
+    index: Any = None
+    length: Any = None
+
+
+def _and(a, b):
+    """``a & b``, either of which may be None (nothing excluded)."""
+    return b if a is None else a if b is None else a & b
+
+
+class Term:
+    """One masking term. ``reads``: the ``Where`` fields it reads; ``shift_invariant``: whether
+    it reads positions only relative to each other (moving every position by one amount changes
+    nothing), so that a consumer may read it on positions relative to a block's first query."""
+
+    reads: ClassVar[frozenset[str]] = frozenset()
+    shift_invariant: ClassVar[bool] = True
+
+    @property
+    def members(self) -> tuple[Term, ...]:
+        return (self,)
+
+    def __and__(self, other: Term) -> Terms:
+        return Terms(self.members + other.members)
+
+
+@dataclass(frozen=True)
+class Causal(Term):
+    """A query sees the keys at positions ``<=`` its own."""
+
+    reads: ClassVar[frozenset[str]] = frozenset({"position"})
+
+    def visible(self, q: Where, k: Where):
+        return k.position <= q.position
+
+    def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
+        return k_hi.position <= q_lo.position, k_lo.position <= q_hi.position
+
+
+@dataclass(frozen=True)
+class Window(Term):
+    """A query at position ``p`` sees the keys at positions ``p - left .. p + right``."""
+
+    left: int
+    right: int
+    reads: ClassVar[frozenset[str]] = frozenset({"position"})
+
+    def visible(self, q: Where, k: Where):
+        return (k.position >= q.position - self.left) & (k.position <= q.position + self.right)
+
+    def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
+        whole = (k_lo.position >= q_hi.position - self.left) & (k_hi.position <= q_lo.position + self.right)
+        live = (k_hi.position >= q_lo.position - self.left) & (k_lo.position <= q_hi.position + self.right)
+        return whole, live
+
+
+def _same(q_lo, q_hi, k_lo, k_hi):
+    """(whole, live) of "equal ids" over id ranges: whole where all four are one id, live where
+    the ranges meet."""
+    return (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo), (k_hi >= q_lo) & (k_lo <= q_hi)
+
+
+@dataclass(frozen=True)
+class Segments(Term):
+    """A query sees the keys of its own segment (equal segment ids)."""
+
+    reads: ClassVar[frozenset[str]] = frozenset({"segment"})
+
+    def visible(self, q: Where, k: Where):
+        return q.segment == k.segment
+
+    def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
+        return _same(q_lo.segment, q_hi.segment, k_lo.segment, k_hi.segment)
+
+
+@dataclass(frozen=True)
+class Lengths(Term):
+    """Keys at index ``>=`` the example's length are padding, seen by no query."""
+
+    reads: ClassVar[frozenset[str]] = frozenset({"index", "length"})
+
+    def visible(self, q: Where, k: Where):
+        return k.index < k.length
+
+    def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
+        return k_hi.index < k_hi.length, k_lo.index < k_lo.length
+
+
+@dataclass(frozen=True)
+class Chunked(Term):
+    """A query sees the keys of its own chunk of ``size`` positions (Llama 4's chunked
+    attention): ``q_pos // size == k_pos // size``."""
+
+    size: int
+    reads: ClassVar[frozenset[str]] = frozenset({"position"})
+    shift_invariant: ClassVar[bool] = False
+
+    def visible(self, q: Where, k: Where):
+        return q.position // self.size == k.position // self.size
+
+    def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
+        n = self.size
+        return _same(q_lo.position // n, q_hi.position // n, k_lo.position // n, k_hi.position // n)
+
+
+@dataclass(frozen=True)
+class Terms(Term):
+    """A conjunction of terms (empty: every key visible, ``visible`` and ``block`` give None)."""
+
+    terms: tuple[Term, ...] = ()
+
+    @property
+    def members(self) -> tuple[Term, ...]:
+        return self.terms
+
+    @property
+    def reads(self) -> frozenset[str]:  # type: ignore[override]
+        return frozenset().union(*(t.reads for t in self.terms))
+
+    def __bool__(self) -> bool:
+        return bool(self.terms)
+
+    def __iter__(self):
+        return iter(self.terms)
+
+    def only(self, fields) -> Terms:
+        """The members that read nothing but ``fields``."""
+        return Terms(tuple(t for t in self.terms if t.reads <= frozenset(fields)))
+
+    def visible(self, q: Where, k: Where):
+        result = None
+        for term in self.terms:
+            result = _and(result, term.visible(q, k))
+        return result
+
+    def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
+        whole = live = None
+        for term in self.terms:
+            w, v = term.block(q_lo, q_hi, k_lo, k_hi)
+            whole, live = _and(whole, w), _and(live, v)
+        return whole, live
+
+
+def of(is_causal: bool, window: tuple[int, int] | None, chunk_size: int | None, segments: bool,
+       lengths: bool) -> Terms:
+    """The conjunction of a call's checked terms, in one order (causality, window, chunks,
+    segments, lengths)."""
+    members = (Causal(),) if is_causal else ()
+    members += () if window is None else (Window(*window),)
+    members += () if chunk_size is None else (Chunked(chunk_size),)
+    members += (Segments(),) if segments else ()
+    return Terms(members + ((Lengths(),) if lengths else ()))
+
+
+def check_chunk_size(size) -> int | None:
+    """``attention_chunk_size``: None or a positive integer."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"attention_chunk_size must be a positive integer or None, got {size!r}")
+    if size < 1:
+        raise ValueError(f"attention_chunk_size must be a positive integer or None, got {size!r}")
+    return int(size)
+
+
+def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
     """bool ``(batch,)``: the step overwrote a position some new query may still see. Past
-    ``max_length`` positions the oldest are overwritten; with a window of ``left`` (causal or
-    ``right == 0``) a chunk from ``start`` to ``end`` still sees them unless
-    ``left + (end - start) <= max_length``."""
+    ``max_length`` positions the oldest are overwritten, up to ``end - max_length - 1``; the
+    queries at ``start .. end - 1`` may still see that one unless a term of ``terms`` (a window
+    that looks back only, a chunk) says none of them can. A window that looks ahead, without
+    causality, is not read: a cache of ``left + chunk`` slots is a rolling buffer for look-back
+    windows only."""
     wrapped = end > max_length
-    if window is not None and (causal or window[1] == 0):
-        return wrapped & (end - start + window[0] > max_length)
-    return wrapped
+    causal = any(isinstance(t, Causal) for t in terms)
+    bounds = Terms(tuple(t for t in terms.only({"position"})
+                         if not isinstance(t, Window) or causal or t.right == 0))
+    newest = Where(position=end - max_length - 1)
+    live = bounds.block(Where(position=start), Where(position=end - 1), newest, newest)[1]
+    return wrapped if live is None else wrapped & live

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mha_spec import arguments
+from mha_spec import arguments, terms
 from mha_torch import _checks, masks
 from mha_torch.masks import MASK_LAYOUT
 
@@ -32,6 +32,7 @@ def dot_product_attention(
     query_segment_ids: torch.Tensor | None = None,
     key_segment_ids: torch.Tensor | None = None,
     key_value_seq_lengths: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -63,6 +64,8 @@ def dot_product_attention(
       query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
         one row for every batch element), given together: a query sees keys of its own segment.
       key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
+      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
+        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
       scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
       logit_soft_cap: a positive finite ``cap``: the scaled logits become
         ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
@@ -86,7 +89,8 @@ def dot_product_attention(
     Returns:
       ``(batch, heads, q_len, head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
-      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
+      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32 (on a CUDA
+      device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks._parse(
@@ -94,6 +98,7 @@ def dot_product_attention(
         query_positions=query_positions, key_positions=key_positions,
         local_window_size=local_window_size, query_segment_ids=query_segment_ids,
         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+        attention_chunk_size=attention_chunk_size,
         device=query.device,
     )
     return _attention(
@@ -127,7 +132,11 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
 
     dtype = query.dtype
-    compute = torch.promote_types(dtype, torch.float32)
+    # On a GPU, SDPA's fused kernels (flash, cuDNN, memory-efficient) take half-precision inputs
+    # and accumulate in float32 themselves; cast to float32 first, they fall back to the math
+    # kernel, which forms every score (bfloat16, 32 heads of 16K queries: 32 GiB).
+    fused = implementation == "sdpa" and query.is_cuda and dtype in (torch.bfloat16, torch.float16)
+    compute = dtype if fused else torch.promote_types(dtype, torch.float32)
     unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_heads, kv_len, 1)
         unused = unused[..., None]
@@ -192,8 +201,8 @@ def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p, sinks=None):
     output, and the sink's gradient comes back through the float mask.
     """
     native_causal = (
-        spec.is_causal and spec.default_positions and spec.window is None and spec.query_segment_ids is None
-        and spec.lengths is None and spec.allowed is None and spec.bias is None and sinks is None
+        spec.terms.members == (terms.Causal(),) and spec.default_positions
+        and spec.allowed is None and spec.bias is None and sinks is None
     )
     attn_mask = None
     if not native_causal:

@@ -60,6 +60,7 @@ def from_hf(
         use_sinks=options.use_sinks,
         rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
         local_window_size=options.window, implementation=implementation, dtype=dtype, device=device,
+        attention_chunk_size=options.attention_chunk_size,
     )
     if weights is not None:
         state = _layer_state(weights, options.prefix)

@@ -50,6 +50,8 @@ class MultiHeadAttention(nn.Module):
         positions (``query_positions``/``key_positions``, default ``arange``; while decoding,
         the cache's positions).
       local_window_size: the call's default window (a sliding-window layer), see ``forward``.
+      attention_chunk_size: the layer's chunks of positions (Llama 4's chunked attention), see
+        ``mha_torch.dot_product_attention``; also while decoding.
       out_bias: a bias on the output projection; default ``bias`` (Qwen2: biases on the
         query/key/value projections only).
       device, dtype: of the parameters.
@@ -78,6 +80,7 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        attention_chunk_size: int | None = None,
     ):
         super().__init__()
         self.embed_dim = embed_dim
@@ -98,6 +101,7 @@ class MultiHeadAttention(nn.Module):
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
         self.local_window_size = arguments.check_window(local_window_size)
+        self.attention_chunk_size = terms.check_chunk_size(attention_chunk_size)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         kv_dim = self.num_kv_heads * self.head_dim
@@ -176,7 +180,7 @@ class MultiHeadAttention(nn.Module):
             mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
             query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
         )
         dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
@@ -229,7 +233,7 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
         if (key is None or key is query) and value is None and mask is None and bias is None and query_positions is None \
-                and local_window_size is None and not need_weights and all(x is None for x in forbidden.values()):
+                and local_window_size is None and self.attention_chunk_size is None and not need_weights and all(x is None for x in forbidden.values()):
             out = self._one_token_step(query, cache)
             if out is not None:
                 return out
@@ -254,7 +258,8 @@ class MultiHeadAttention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q.transpose(1, 2)
         spec, slots = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
-                                   query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device)
+                                   query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device,
+                                   attention_chunk_size=self.attention_chunk_size)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
             cache._keys, cache._values = (x.view(y.shape) for x, y in ((flat._keys, cache._keys), (flat._values, cache._values)))
         dropout_p = self.dropout if self.training else 0.0
@@ -372,7 +377,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     return flat
 
 
-def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size, device):
+def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size, device,
+                 attention_chunk_size=None):
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (in place, or
     under autograd into new tensors); the spec of the new queries over the cache's first slots,
     and how many slots that is."""
@@ -394,7 +400,8 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     # a hand-written SDPA step does: a handful of tensor operations instead of about thirty.
     # Otherwise (and under torch.compile, whose shapes stay fixed) attend over every slot with
     # the cache's positions. Both give the same attention; only the work differs.
-    plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal)
+    plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal) \
+        and attention_chunk_size is None
     if plain and not torch.compiler.is_compiling():
         start = _shared_start(cache, n)
         if start is not None:
@@ -404,7 +411,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    overflow = terms.cache_overflows(start, end, max_length, window, is_causal)
+    overflow = terms.cache_overflows(start, end, max_length, terms.of(is_causal, window, attention_chunk_size, False, False))
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(
@@ -420,6 +427,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     spec = masks._parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
+        attention_chunk_size=attention_chunk_size,
     )
     return spec, max_length
 
@@ -448,7 +456,7 @@ def _writable(cache: KVCache, live: bool) -> None:
 
 
 def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, dtype: torch.dtype, *,
-             is_causal, local_window_size, dropout_mask, **terms):
+             is_causal, local_window_size, dropout_mask, attention_chunk_size=None, **terms):
     """The checked call of the module (``dtype``: its parameters'): ``(batch_shape, inputs,
     spec, dropout_mask)``, the inputs and terms with their batch axes merged into one."""
     self_attention, query, key, value = _self_attention(query, key, value)
@@ -459,7 +467,7 @@ def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim:
     )
     dropout_mask = terms.pop("dropout_mask")
     spec = _spec(inputs[0], inputs[1], num_heads, self_attention, is_causal=is_causal,
-                 local_window_size=local_window_size, **terms)
+                 local_window_size=local_window_size, attention_chunk_size=attention_chunk_size, **terms)
     return batch_shape, inputs, spec, dropout_mask
 
 

@@ -10,13 +10,18 @@ programs are left as users run them).
 
 Hypothesis runs under the profile named by ``MHA_HYPOTHESIS_PROFILE`` (``ci`` by default,
 ``long`` for a longer search); see ``parity_tests/strategies.py``.
+
+``mha-parity verify``'s JAX compilation cache goes to a directory of the test run, never the
+user's cache (the variable reaches the processes the tests start as well).
 """
 
 import os
 
 import jax
+import pytest
 
 from parity_tests import strategies
+from parity_tests.tool import compile_cache
 
 X64 = os.environ.get("MHA_JAX_X64", "1") != "0"
 jax.config.update("jax_enable_x64", X64)
@@ -30,3 +35,8 @@ else:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 strategies.load_profile()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compile_cache_of_the_run(tmp_path_factory):
+    os.environ[compile_cache.ENVIRONMENT] = str(tmp_path_factory.mktemp("compile-cache"))

@@ -35,9 +35,9 @@ def run_core(framework: str, q, k, v, d_out, *, dtype: str = "float64", mask=Non
     (the last two None unless ``bias``/``sinks`` are given), float64, torch layout.
 
     Floating inputs, masks, ``bias`` and ``sinks`` are cast to ``dtype``; bool/int masks and
-    ``terms`` (positions, segment ids, lengths as integer arrays, ``local_window_size``) pass
-    as they are. ``mask`` reads as PyTorch's (floating = added): the JAX core gets a floating
-    one as ``bias``, so it is not given with ``bias``. ``dropout_mask`` (bool, True = keep)
+    ``terms`` (positions, segment ids, lengths as integer arrays, ``local_window_size``,
+    ``attention_chunk_size``) pass as they are. ``mask`` reads as PyTorch's (floating = added):
+    the JAX core gets a floating one as ``bias``, so it is not given with ``bias``. ``dropout_mask`` (bool, True = keep)
     applies with ``dropout_rate``.
     """
     implementation = implementation or IMPLEMENTATIONS[framework][0]
@@ -58,19 +58,20 @@ def _run_jax(inputs, mask, bias, sinks, keep, implementation, is_causal, scale, 
     if additive and bias is not None:
         raise ValueError("give a floating mask or a bias, not both")
     mask = None if mask is None else jnp.asarray(mask)
-    window = terms.pop("local_window_size", None)
+    window, chunk = terms.pop("local_window_size", None), terms.pop("attention_chunk_size", None)
     out, weights, grads = _jax_vjp(
         q, k, v, None if additive else mask, mask if additive else None, d_out,
         None if bias is None else jnp.asarray(bias), None if sinks is None else jnp.asarray(sinks),
         {name: jnp.asarray(x) for name, x in terms.items()}, None if keep is None else jnp.asarray(keep),
-        implementation=implementation, is_causal=is_causal, scale=scale, soft_cap=soft_cap, window=window, rate=rate,
+        implementation=implementation, is_causal=is_causal, scale=scale, soft_cap=soft_cap, window=window, chunk=chunk,
+        rate=rate,
     )
     return out.transpose(0, 2, 1, 3), weights, [g.transpose(0, 2, 1, 3) for g in grads[:3]] + list(grads[3:])
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale", "soft_cap", "window", "rate"))
+@functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale", "soft_cap", "window", "chunk", "rate"))
 def _jax_vjp(q, k, v, mask, fixed_bias, d_out, bias=None, sinks=None, terms=None, keep=None, *, implementation,
-             is_causal, scale, soft_cap=None, window=None, rate=0.0):
+             is_causal, scale, soft_cap=None, window=None, chunk=None, rate=0.0):
     """Outputs and the gradients of q, k, v, ``bias`` and ``sinks`` (None where not given);
     ``fixed_bias`` (a floating mask) is not differentiated."""
     with_weights = implementation in WITH_WEIGHTS
@@ -78,7 +79,7 @@ def _jax_vjp(q, k, v, mask, fixed_bias, d_out, bias=None, sinks=None, terms=None
     def f(q, k, v, bias, sinks):
         return mha_jax.dot_product_attention(
             q, k, v, mask=mask, bias=fixed_bias if bias is None else bias, is_causal=is_causal, scale=scale,
-            logit_soft_cap=soft_cap, sinks=sinks, local_window_size=window, **(terms or {}),
+            logit_soft_cap=soft_cap, sinks=sinks, local_window_size=window, attention_chunk_size=chunk, **(terms or {}),
             dropout_rate=rate, dropout_mask=keep, implementation=implementation, return_weights=with_weights)
 
     result, back = jax.vjp(f, q, k, v, bias, sinks)

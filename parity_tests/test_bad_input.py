@@ -122,7 +122,7 @@ CORE_CASES = {
                       "sinks must be a real floating-point array, got dtype int32 with shape (4,)"),
     "sinks bool": (dict(sinks=np.zeros(H, bool)), TypeError, "sinks must be a real floating-point array, got dtype bool"),
     "sinks a list": (dict(sinks=[0.0] * H), TypeError, ("sinks must be an array", "sinks must be a torch.Tensor")),
-    "unknown implementation": (dict(implementation="flash"), ValueError, "implementation must be one of"),
+    "unknown implementation": (dict(implementation="turbo"), ValueError, "implementation must be one of"),
     "weights from the memory-efficient implementation": (
         dict(implementation="memory-efficient", need_weights=True), ValueError, ("return_weights=True", "need_weights=True")),
 }
@@ -172,7 +172,7 @@ CONSTRUCTOR_CASES = {
     "zero output features": (dict(out_features=0), ("out_features must be a positive integer", "out_dim must be a positive integer")),
     "dropout rate above 1": (dict(dropout_rate=1.5), "dropout"),
     "dropout rate negative": (dict(dropout_rate=-0.1), ("dropout_rate must be in [0, 1)", "dropout must be in [0, 1)")),
-    "unknown implementation": (dict(implementation="flash"), "implementation must be one of"),
+    "unknown implementation": (dict(implementation="turbo"), "implementation must be one of"),
 }
 
 
@@ -189,7 +189,7 @@ def test_linen_rejects_unknown_implementation_when_built():
     """linen reads its other attributes at call time (the feature sizes come from the inputs);
     an unknown implementation has nothing to wait for."""
     with pytest.raises(ValueError, match="implementation must be one of"):
-        mha_jax.linen.MultiHeadDotProductAttention(num_heads=4, implementation="flash")
+        mha_jax.linen.MultiHeadDotProductAttention(num_heads=4, implementation="turbo")
 
 
 # name: (shapes of query, key, value (None: the default), call arguments (NumPy masks), exception,

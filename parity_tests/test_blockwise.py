@@ -154,7 +154,7 @@ def test_default_is_one_implementation_at_every_length():
     with pytest.raises(ValueError, match="return_weights=True needs implementation='xla'"):
         mha_jax.dot_product_attention(q, q, q, return_weights=True, implementation="blockwise")
     with pytest.raises(ValueError, match="implementation must be one of"):
-        mha_jax.dot_product_attention(q, q, q, implementation="flash")
+        mha_jax.dot_product_attention(q, q, q, implementation="turbo")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
             mha_jax.dot_product_attention(q, q, q, implementation="cudnn")

@@ -1,9 +1,12 @@
 """``mha-parity``: cross-framework verification from the command line.
 
 ``mha-parity verify`` runs the built-in grid (every mask form, self- and cross-attention,
-grouped and multi-query heads, float64/float32/bfloat16) through both frameworks (every
-implementation) and the float64 oracle, forward and gradients. With ``--weights FILE`` it
-loads a checkpoint into both frameworks, compares them with the implementation the weights
+grouped and multi-query heads, float64/float32/bfloat16) through both frameworks and the
+float64 oracle, forward and gradients: by default a covering grid, in which every pair of
+configuration, mask form, dtype and implementation runs, and with ``--grid full`` every
+implementation on every case. JAX's persistent compilation cache (``--compile-cache``, on
+unless ``--no-compile-cache``) lets a second run read its compiled programs back. With
+``--weights FILE`` it loads a checkpoint into both frameworks, compares them with the implementation the weights
 came from (``--layout`` names it, else the file's keys show it; ``--source`` says how many heads it has) and then runs the
 grid on the checkpoint's weights. With ``--config config.json --weights FILE`` it verifies each
 attention layer of a transformers model (``from_hf`` in both frameworks against the layer of
@@ -20,7 +23,8 @@ import re
 import sys
 import time
 
-from parity_tests.tool import files, harness  # NumPy only; the frameworks are imported when a case runs
+from parity_tests.tool import cases as grids
+from parity_tests.tool import compile_cache, files, harness, workers  # the frameworks are imported when a case runs
 
 EXIT_CODES = """exit codes:
   0  every comparison passed
@@ -39,8 +43,14 @@ IMPLEMENTATIONS = [
 
 
 def _verify(args: argparse.Namespace) -> int:
-    if args.config:
-        return _verify_model(args)
+    directory = None if args.no_compile_cache else args.compile_cache or compile_cache.default_directory()
+    with compile_cache.using(directory):
+        return _verify_model(args) if args.config else _verify_grid(args, directory)
+
+
+def _verify_grid(args: argparse.Namespace, cache: str | None) -> int:
+    """The built-in grid, or a checkpoint's (``--weights``); ``cache``: the compilation cache's
+    directory, or None."""
     import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 cases need it; float32 ones are unaffected
@@ -76,24 +86,27 @@ def _verify(args: argparse.Namespace) -> int:
         if masks:
             # the grid runs in its worker processes while this one compares with the source
             alongside = args.workers > 1 and not sys.stdout.isatty()
-            grid = _in_background(cases, checkpoint.state, args) if alongside else None
+            grid = _in_background(cases, checkpoint.state, args, cache) if alongside else None
             sections["against the source"] = _against_source(checkpoint, source, dtypes, masks, args.seed)
             if grid:
                 sections["the twins and the oracle"] = grid()
                 return _finish(args, header, sections, start, checkpoint)
         weights = checkpoint.state
     else:
-        cases = [c for c in harness.default_grid() if c.dtype in dtypes and (not args.mask or c.mask in args.mask)]
+        full = grids.full_grid(args.mask, args.dtype)
+        cases = full if args.grid == "full" else grids.covering_grid(args.mask, args.dtype)
         weights = None
         header = report.Header(
             "mha-parity verify: mha_jax against mha_torch and the float64 oracle, the built-in grid",
             implementations=IMPLEMENTATIONS,
             shapes="".join(f"\n    {c.name}: {_shapes(c)}" for c in harness.CONFIGS.values()), seed=args.seed,
+            notes=[_grid_note(args.grid, cases, full), _cache_note(cache)],
         )
         report.Printer(header)
     with report.Printer(None, total=len(cases)) as printer:
-        sections["the twins and the oracle"] = harness.run_cases(
-            cases, weights=weights, jit=args.jit, seed=args.seed, workers=args.workers, done=printer.done)
+        sections["the twins and the oracle"] = workers.run_cases(
+            cases, weights=weights, jit=args.jit, seed=args.seed, workers=args.workers, done=printer.done,
+            compile_cache=cache)
     return _finish(args, header, sections, start, checkpoint if args.weights else None)
 
 
@@ -142,7 +155,19 @@ def _verify_model(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _in_background(cases, weights, args):
+def _grid_note(grid: str, cases: list[harness.Case], full: list[harness.Case]) -> str:
+    if grid == "full":
+        return f"the full grid: every implementation on each of its {len(full)} cases"
+    return (f"the covering grid: {len(cases)} of the full grid's {len(full)} cases, each with one JAX and one PyTorch "
+            "implementation or more beside the oracle, so that every pair of configuration, mask form, dtype and "
+            "implementation runs at least once; --grid full runs every implementation on every case")
+
+
+def _cache_note(cache: str | None) -> str:
+    return f"JAX's compilation cache: {cache} (--no-compile-cache: off)" if cache else "JAX's compilation cache: off"
+
+
+def _in_background(cases, weights, args, cache):
     """Start the grid in a thread (its cases run in ``args.workers`` processes); returns a
     function that waits for its results."""
     import threading
@@ -154,8 +179,8 @@ def _in_background(cases, weights, args):
 
     def run():
         try:
-            box["results"] = harness.run_cases(cases, weights=weights, jit=args.jit, seed=args.seed,
-                                               workers=args.workers, done=printer.done)
+            box["results"] = workers.run_cases(cases, weights=weights, jit=args.jit, seed=args.seed,
+                                               workers=args.workers, done=printer.done, compile_cache=cache)
         except BaseException as error:  # handed to the waiting thread
             box["error"] = error
 
@@ -308,8 +333,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a Markdown report (tables, and a plot per dtype of error against tolerance when "
                              "matplotlib can be imported)")
     verify.add_argument("--dtype", action="append", choices=harness.DTYPES,
-                        help="only this dtype (repeatable)")
-    verify.add_argument("--mask", action="append", choices=harness.MASKS, help="only this mask form (repeatable)")
+                        help="only this dtype (repeatable; the covering grid covers the pairs of what is left)")
+    verify.add_argument("--mask", action="append", choices=harness.MASKS,
+                        help="only this mask form (repeatable; the covering grid covers the pairs of what is left)")
+    verify.add_argument("--grid", choices=("covering", "full"),
+                        help="the built-in grid: covering (the default: every pair of configuration, mask form, "
+                             "dtype and implementation at least once) or full (every implementation on every case)")
+    cache = verify.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", metavar="DIR",
+                       help="JAX's persistent compilation cache (default: $MHA_PARITY_COMPILE_CACHE, else "
+                            "$XDG_CACHE_HOME/mha-parity/jax, else ~/.cache/mha-parity/jax)")
+    cache.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh and keep nothing")
     verify.add_argument("--jit", action="store_true", help="run the JAX xla side under jax.jit too (blockwise always is)")
     verify.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
     verify.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
@@ -335,7 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--to", required=True, choices=("flax", "torch"), help="the framework OUT is for")
     convert.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     _add_checkpoint_arguments(convert)
+    from parity_tests.porting import command as porting  # a whole model against its port (NumPy only here)
+
+    porting.add_parser(commands, EXIT_CODES)
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        try:
+            return porting.run(args)
+        except (ValueError, TypeError, OSError, ImportError) as error:
+            print(f"mha-parity compare: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "verify" and args.source and not args.weights:
         parser.error("--source needs --weights")
     if args.command == "verify" and args.config:
@@ -346,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                                           ("--mask", args.mask), ("--dtype", args.dtype), ("--report", args.report)) if value]
         if given:
             parser.error(f"--config reads everything from the config; {', '.join(given)} cannot go with it")
+    if args.command == "verify" and args.grid and (args.weights or args.config):
+        parser.error("--grid chooses the built-in grid; with --weights or --config every mask form and dtype runs")
     if args.command == "verify" and args.layer and not args.config:
         parser.error("--layer needs --config")
     missing = missing_frameworks()

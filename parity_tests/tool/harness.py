@@ -1,10 +1,11 @@
 """The parity harness behind the pytest suite and ``mha-parity verify``.
 
-A ``Case`` is one module configuration, one mask form and one dtype. ``run_case`` draws random
-weights and inputs (float64, rounded to the dtype, so every side sees the same numbers), runs
-the JAX module, the PyTorch module and the float64 oracle, forward and backward, and compares
-each framework with the oracle and the two frameworks with each other. The same ``run_case``
-runs a checkpoint's weights (``weights=``); ``run_cases`` runs many in worker processes.
+A ``Case`` (``parity_tests.tool.cases``) is one module configuration, one mask form, one dtype
+and the implementations that run it. ``run_case`` draws random weights and inputs (float64,
+rounded to the dtype, so every side sees the same numbers), runs the JAX module, the PyTorch
+module and the float64 oracle, forward and backward, and compares each framework with the
+oracle and the two frameworks with each other. The same ``run_case`` runs a checkpoint's
+weights (``weights=``); ``workers.run_cases`` runs many, in worker processes.
 """
 
 from __future__ import annotations
@@ -17,102 +18,22 @@ import numpy as np
 
 from parity_tests.tool import oracle
 from parity_tests.tool.arrays import cast, numpy_dtype, rounded, to_float64
-
-# Tolerances: (forward, gradients), relative error ||a - b|| / ||b||, also
-# applied to the largest elementwise error scaled by max |b|.
-TOLERANCES = {"float64": (1e-13, 1e-12), "float32": (1e-6, 1e-5), "bfloat16": (2e-2, 5e-2)}
-DTYPES = tuple(TOLERANCES)
-DROPOUT_RATE = 0.25
-
-
-@dataclass(frozen=True)
-class Config:
-    """A module configuration. ``in_kv_features=None`` means self-attention (one input)."""
-
-    name: str
-    batch: int = 2
-    q_len: int = 6
-    kv_len: int = 6
-    in_features: int = 16
-    in_kv_features: int | None = None
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    qkv_features: int | None = None
-    out_features: int | None = None
-    use_bias: bool = True
-    normalize_qk: bool = False
-    # what today's models add: an RMS QK-norm per head ("rms"), rotary embedding (theta 10000,
-    # rotate-half, over the whole head), a soft-cap, sinks, a scale other than 1/sqrt(head_dim)
-    qk_norm: str | None = None
-    rotary: bool = False
-    soft_cap: float | None = None
-    sinks: bool = False
-    scale: float | None = None
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def self_attention(self) -> bool:
-        return self.in_kv_features is None
-
-    @property
-    def mask_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.num_heads, self.q_len, self.kv_len)
-
-
-CONFIGS = {
-    c.name: c
-    for c in (
-        Config("self"),
-        Config(
-            "cross-gqa", q_len=5, kv_len=7, in_kv_features=10, num_kv_heads=2,
-            qkv_features=24, out_features=12,
-        ),
-        Config(
-            "cross-mqa-nobias", q_len=5, kv_len=7, in_kv_features=10, num_kv_heads=1,
-            use_bias=False,
-        ),
-        Config("normalize-qk", num_kv_heads=2, normalize_qk=True),
-        # head_dim 4 makes the rotary frequencies exactly 1 and 0.01 in every framework
-        Config("rope-cap-sinks", num_kv_heads=2, qk_norm="rms", rotary=True, soft_cap=2.0, sinks=True, scale=0.4),
-    )
-}
-
-# Every mask form; see ``make_data`` for what each one draws.
-MASKS = (
-    "none", "bool", "int", "float", "padding", "causal", "padding+causal", "per-head",
-    "bcast-qk", "bcast-k", "bcast-b11k-float", "fully-masked", "dropout",
-    "flax-float", "bias", "positions+causal", "window", "segments", "lengths", "everything",
+from parity_tests.tool.cases import (  # noqa: F401  (the grid's names, here as well, as before)
+    CAUSAL,
+    CONFIGS,
+    DROPOUT_RATE,
+    DTYPES,
+    IMPLEMENTATIONS,
+    MASKS,
+    SIDES,
+    STRUCTURED,
+    TOLERANCES,
+    WINDOWED,
+    Case,
+    Config,
+    grid_masks,
 )
-# The masks that the positions-first terms add; the grid runs them on the first two configs.
-STRUCTURED = ("flax-float", "bias", "positions+causal", "window", "segments", "lengths", "everything")
-
-
-@dataclass(frozen=True)
-class Case:
-    config: Config
-    mask: str
-    dtype: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.config.name}/{self.mask}/{self.dtype}"
-
-
-def default_grid() -> list[Case]:
-    """Every mask form on self- and grouped cross-attention, a few on multi-query, on
-    normalised queries and keys, and on today's models' terms; all dtypes."""
-    return [Case(config, mask, dtype) for config in CONFIGS.values() for mask in grid_masks(config) for dtype in DTYPES]
-
-
-def grid_masks(config: Config) -> tuple[str, ...]:
-    """The mask forms the built-in grid runs on ``config``: every one, or a few on the
-    configurations whose point is elsewhere (and every one on a configuration not in the grid)."""
-    if CONFIGS.get(config.name) == config and config.name in ("cross-mqa-nobias", "normalize-qk", "rope-cap-sinks"):
-        return ("none", "padding+causal", "fully-masked", "dropout", "everything")
-    return MASKS
+from parity_tests.tool.cases import full_grid as default_grid  # noqa: F401  (the full grid, under its first name)
 
 
 @dataclass
@@ -188,11 +109,11 @@ def make_data(case: Case, seed: int = 0) -> Data:
         att.mask = np.tril(np.ones((q, k), bool), k - q)[None, None] & (rng.random((b, 1, 1, k)) < 0.8)
     elif kind == "bias":
         att.bias = rounded(rng.normal(size=(b, 1, q, k)), case.dtype)
-    elif kind in ("positions+causal", "window", "everything"):
+    elif kind in ("positions+causal", *WINDOWED):
         # each batch element's queries at its own positions, keys at theirs (self-attention: the same)
         att.query_positions = np.stack([rng.permutation(q) + 3, np.arange(q) + k - q])
         att.key_positions = att.query_positions if c.self_attention else np.stack([np.arange(k), rng.permutation(k)])
-        if kind != "positions+causal":
+        if kind in WINDOWED:
             att.window = (2, 1)
     if kind in ("segments", "everything"):
         att.query_segment_ids = np.stack([np.arange(q) * 3 // q, np.zeros(q, int)])
@@ -204,7 +125,7 @@ def make_data(case: Case, seed: int = 0) -> Data:
         att.bias = rounded(rng.normal(size=(h, q, k)), case.dtype)
     elif kind not in ("none", "causal", *MASKS[:13], *STRUCTURED):
         raise ValueError(f"unknown mask kind {kind!r}")
-    att.is_causal = kind in ("causal", "padding+causal", "positions+causal", "everything")
+    att.is_causal = kind in CAUSAL
     return Data(params, xq, xk, xv, d_out, att, valid)
 
 
@@ -574,7 +495,8 @@ class Result:
     def as_json(self) -> dict:
         return {
             "case": self.case.id, "config": dataclasses.asdict(self.case.config),
-            "mask": self.case.mask, "dtype": self.case.dtype, "abs_error": self.abs,
+            "mask": self.case.mask, "dtype": self.case.dtype, "implementations": list(self.case.sides[1:]),
+            "abs_error": self.abs,
             "max_abs_error": self.max_abs, "relative_error": self.rel, "gradient_error": self.grad,
             "jax_vs_torch": self.jax_vs_torch, "worst_pair": self.worst_pair, "passed": self.passed,
             "tolerances": TOLERANCES[self.case.dtype], "details": self.details,
@@ -610,23 +532,12 @@ def absolute_error(a, b) -> float:
     return float(np.max(np.abs(a - b), initial=0.0)) if np.all(np.isfinite(a)) else float("inf")
 
 
-# name -> (framework, implementation): every implementation the grid compares.
-IMPLEMENTATIONS = {
-    "jax": ("jax", "xla"), "jax-blockwise": ("jax", "blockwise"),
-    "torch": ("torch", "math"), "torch-sdpa": ("torch", "sdpa"),
-}
-# The oracle, then every implementation: the order ``compare`` pairs them in.
-SIDES = ("oracle", *IMPLEMENTATIONS)
-
-
 def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0) -> Result:
-    """Every implementation of both frameworks against the oracle and each other.
+    """The case's implementations (``case.sides``: every one that runs it, by default) against
+    the oracle and each other.
 
     ``weights`` (``mha_torch`` state-dict names, any float dtype) replaces the random weights,
     rounded to the case's dtype: the same run for the built-in grid and for a checkpoint.
-    ``F.scaled_dot_product_attention`` takes no dropout mask and no soft-cap, so the
-    ``dropout`` case (a mask shared across frameworks) and a soft-capped configuration run
-    PyTorch's explicit path only.
     """
     return compare(case, run_sides(case, SIDES, weights=weights, jit=jit, seed=seed))
 
@@ -634,40 +545,19 @@ def run_case(case: Case, *, weights: dict[str, np.ndarray] | None = None, jit: b
 def run_sides(case: Case, names: tuple[str, ...], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False,
               seed: int = 0) -> dict[str, dict]:
     """``run_case``'s runs of ``names`` (of ``SIDES``, in that order) on the case's data:
-    ``{name: {"out", "weights", "grads"}}``, leaving out an implementation that does not run
-    the case. Run apart, as the worker processes do, the parts merge into ``run_case``'s."""
+    ``{name: {"out", "weights", "grads"}}``, leaving out those not in ``case.sides``. Run
+    apart, as the worker processes do, the parts merge into ``run_case``'s."""
     data = make_data(case, seed)
     if weights is not None:
         data = dataclasses.replace(data, params={k: rounded(v, case.dtype) for k, v in weights.items()})
     results = {}
-    for name in names:
+    for name in (n for n in names if n in case.sides):
         if name == "oracle":
             results[name] = run_oracle(case, data)
             continue
         framework, implementation = IMPLEMENTATIONS[name]
         if framework == "jax":  # blockwise: one program per configuration (the xla run reads each form)
             results[name] = run_jax(case, data, jit=jit, implementation=implementation, canonical=implementation == "blockwise")
-        elif implementation == "math" or (data.attention.keep is None and case.config.soft_cap is None):
+        else:
             results[name] = run_torch(case, data, implementation=implementation)
     return results
-
-
-def run_cases(cases: list[Case], *, weights: dict[str, np.ndarray] | None = None, jit: bool = False, seed: int = 0,
-              workers: int = 1, done=None) -> list[Result]:
-    """``run_case`` for every case, in ``workers`` processes (1: in this one); ``done(result)``
-    is called as each case finishes. Results come back in the order of ``cases``.
-
-    With more than one worker the work is split by what the compiled programs share
-    (``parity_tests.tool.workers``): the eager sides (the ``xla`` side, the oracle, PyTorch) of
-    every case in one process, whose per-operation programs serve every configuration and dtype,
-    and the ``blockwise`` programs between the processes."""
-    if workers <= 1 or len(cases) < 2:
-        results = []
-        for case in cases:
-            results.append(run_case(case, weights=weights, jit=jit, seed=seed))
-            if done:
-                done(results[-1])
-        return results
-    from parity_tests.tool import workers as pool
-
-    return pool.run(cases, weights=weights, jit=jit, seed=seed, workers=workers, done=done)

@@ -9,6 +9,7 @@ state-dict names and shapes; arrays are float64 throughout.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,8 @@ class Attention:
 
     ``mask``: bool/integer nonzero = attend, floating = added (PyTorch's convention; each
     framework's harness passes it in its own). ``bias``: added. Positions ``(batch|1, len)``
-    default to ``arange``; ``window`` is ``(left, right)``; ``lengths`` ``(batch,)``.
+    default to ``arange``; ``window`` is ``(left, right)``; ``lengths`` ``(batch,)``;
+    ``chunk_size``: a query sees the keys of its own chunk of that many positions.
     ``soft_cap``: the scaled logits become ``soft_cap * tanh(logits / soft_cap)`` before the
     bias and masks. ``sinks`` ``(heads,)``: one more logit per query head in each row's
     normaliser, attached to no value.
@@ -43,6 +45,7 @@ class Attention:
     lengths: np.ndarray | None = None
     soft_cap: float | None = None
     sinks: np.ndarray | None = None
+    chunk_size: int | None = None
 
 
 @dataclass
@@ -92,7 +95,15 @@ def allowed_and_bias(att: Attention, shape: tuple[int, int, int, int]) -> tuple[
                     seen[b, i, j] &= bool(qs[b, i] == ks[b, j])
                 if att.lengths is not None and j >= att.lengths[b]:
                     seen[b, i, j] = False
+                if att.chunk_size is not None and _chunk(qp[b, i], att.chunk_size) != _chunk(kp[b, j], att.chunk_size):
+                    seen[b, i, j] = False
     return allowed & seen[:, None], bias
+
+
+def _chunk(position, size: int) -> int:
+    """The chunk of ``size`` positions a position falls in: the ``c`` with
+    ``c * size <= position < (c + 1) * size`` (chunk -1 holds positions -size .. -1)."""
+    return math.floor(float(position) / size)
 
 
 def attention(q, k, v, att: Attention):

@@ -1,4 +1,4 @@
-"""The grid's cases in worker processes, for ``harness.run_cases``.
+"""The grid's cases, in this process or in worker processes: ``run_cases``.
 
 Nearly all the time goes to compiling JAX programs, of two kinds that are shared differently:
 
@@ -12,7 +12,7 @@ So the work is split into eager tasks (the cases of a configuration and dtype, a
 the blockwise one) and blockwise tasks (the cases of one blockwise program). The first worker
 takes the eager tasks, the others the blockwise ones, each in the order of the cases; a worker
 with none of its kind left takes the other kind. The main process merges each case's parts and
-compares them.
+compares them. A case's parts are those of the implementations it runs (``Case.sides``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import queue
 import traceback
 from dataclasses import dataclass
 
+from parity_tests.tool import compile_cache as caching
 from parity_tests.tool import harness
+from parity_tests.tool.cases import SIDES, Case
 
 BLOCKWISE = ("jax-blockwise",)
-EAGER = tuple(name for name in harness.SIDES if name not in BLOCKWISE)
+EAGER = tuple(name for name in SIDES if name not in BLOCKWISE)
 KINDS = (EAGER, BLOCKWISE)  # a case comes back in one part per kind
 
 
@@ -42,14 +44,16 @@ class Task:
     indices: list[int]
 
 
-def tasks(cases: list[harness.Case], seed: int) -> list[Task]:
-    """The eager tasks, then the blockwise ones, each in the order of ``cases``."""
+def tasks(cases: list[Case], seed: int) -> list[Task]:
+    """The eager tasks, then the blockwise ones, each in the order of ``cases``; a case is in
+    a task of each kind whose sides it runs (every case runs the oracle, an eager side)."""
     groups: dict[tuple, list[int]] = {}
     programs: dict[tuple, list[int]] = {}
     for i, case in enumerate(cases):
         groups.setdefault((case.config, case.dtype), []).append(i)
-        options = harness.static_options(harness.make_data(case, seed).attention)
-        programs.setdefault((case.config, case.dtype, options), []).append(i)
+        if set(BLOCKWISE) & set(case.sides):
+            options = harness.static_options(harness.make_data(case, seed).attention)
+            programs.setdefault((case.config, case.dtype, options), []).append(i)
     return [Task(EAGER, indices) for indices in groups.values()] + [Task(BLOCKWISE, indices) for indices in programs.values()]
 
 
@@ -63,9 +67,28 @@ def next_task(pending: list[Task], worker: int) -> Task | None:
     return None
 
 
-def run(cases: list[harness.Case], *, weights, jit: bool, seed: int, workers: int, done=None) -> list[harness.Result]:
-    """``harness.run_case`` for every case in ``workers`` spawned processes; results in the
-    order of ``cases``, ``done(result)`` called as each finishes."""
+def run_cases(cases: list[Case], *, weights=None, jit: bool = False, seed: int = 0, workers: int = 1, done=None,
+              compile_cache: str | None = None) -> list[harness.Result]:
+    """``harness.run_case`` for every case, in ``workers`` processes (1: in this one);
+    ``done(result)`` is called as each case finishes. Results come back in the order of ``cases``.
+
+    With more than one worker the work is split by what the compiled programs share (see the
+    module's docstring). ``compile_cache``: the directory of JAX's persistent compilation cache
+    for the workers, or None for none (``compile_cache.use``); this process keeps its own
+    settings."""
+    if workers <= 1 or len(cases) < 2:
+        results = []
+        for case in cases:
+            results.append(harness.run_case(case, weights=weights, jit=jit, seed=seed))
+            if done:
+                done(results[-1])
+        return results
+    return _run(cases, weights=weights, jit=jit, seed=seed, workers=workers, done=done, compile_cache=compile_cache)
+
+
+def _run(cases: list[Case], *, weights, jit: bool, seed: int, workers: int, done, compile_cache: str | None
+         ) -> list[harness.Result]:
+    """``run_cases`` in ``workers`` spawned processes."""
     import multiprocessing
 
     import jax
@@ -76,7 +99,7 @@ def run(cases: list[harness.Case], *, weights, jit: bool, seed: int, workers: in
     inboxes = [context.Queue() for _ in range(min(workers, len(pending)))]
     x64 = bool(jax.config.jax_enable_x64)
     processes = [
-        context.Process(target=_work, args=(w, inbox, outbox, x64, weights, jit, seed), daemon=True)
+        context.Process(target=_work, args=(w, inbox, outbox, x64, compile_cache, weights, jit, seed), daemon=True)
         for w, inbox in enumerate(inboxes)
     ]
     for process in processes:
@@ -99,9 +122,9 @@ def run(cases: list[harness.Case], *, weights, jit: bool, seed: int, workers: in
             if not left[w]:
                 hand_out(w)
             parts[i].append(part)
-            if len(parts[i]) == len(KINDS):
+            if len(parts[i]) == _kinds(cases[i]):
                 merged = {k: v for part in parts[i] for k, v in part.items()}
-                results[i] = harness.compare(cases[i], {n: merged[n] for n in harness.SIDES if n in merged})
+                results[i] = harness.compare(cases[i], {n: merged[n] for n in SIDES if n in merged})
                 parts[i] = []
                 if done:
                     done(results[i])
@@ -113,6 +136,11 @@ def run(cases: list[harness.Case], *, weights, jit: bool, seed: int, workers: in
                 process.terminate()
                 process.join()
     return results
+
+
+def _kinds(case: Case) -> int:
+    """How many parts ``case`` comes back in: one for each kind of side it runs."""
+    return sum(bool(set(kind) & set(case.sides)) for kind in KINDS)
 
 
 def _receive(outbox, processes) -> tuple[int, int, dict]:
@@ -132,12 +160,13 @@ def _receive(outbox, processes) -> tuple[int, int, dict]:
     return message[1:]
 
 
-def _work(w: int, inbox, outbox, x64: bool, weights, jit: bool, seed: int) -> None:
+def _work(w: int, inbox, outbox, x64: bool, compile_cache: str | None, weights, jit: bool, seed: int) -> None:
     """A worker: run each task it is handed, sending every case's part, until handed None."""
     try:
         import jax
 
         jax.config.update("jax_enable_x64", x64)
+        caching.use(compile_cache)
         for sides, indexed in iter(inbox.get, None):
             if any(harness.IMPLEMENTATIONS[n][0] == "torch" for n in sides if n != "oracle"):
                 import torch  # not before: a worker of blockwise tasks never needs it

@@ -1,0 +1,126 @@
+"""A kernel lowered for its own platform only, inside a program lowered for several.
+
+``jax.lax.platform_dependent`` keeps, for each platform of a program, the branch written for it;
+but JAX lowers every kept branch for *all* the program's platforms, so a branch holding cuDNN's
+fused attention (whose primitives lower for ``cuda`` alone) fails in a program exported for
+``("cpu", "cuda", "tpu")``. ``on(platform, fn)`` wraps a kernel so that its forward and its
+backward pass are each one primitive whose lowering lowers the kernel's program for ``platform``
+alone: the program then holds each platform's kernel, and the platform index of
+``platform_dependent`` runs only the one of the platform it is compiled for.
+
+Derivatives go through a ``jax.custom_vjp`` (the forward keeps the kernel's own residuals, the
+backward is the kernel's own pullback), so the primitive needs no derivative rule of its own.
+``x32`` traces the kernel with 32-bit defaults (the TPU kernel's block index arithmetic mixes
+int32 indices with Python integers, which ``jax_enable_x64`` would make int64).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.interpreters.partial_eval import convert_constvars_jaxpr  # not re-exported by jax.extend
+from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.interpreters import batching, mlir
+
+_lowered_p = Primitive("mha_lowered_for")
+_lowered_p.multiple_results = True
+_lowered_p.def_abstract_eval(lambda *args, jaxpr, platform: [v.aval for v in jaxpr.jaxpr.outvars])
+
+
+def _impl(*args, jaxpr, platform):
+    return jax.jit(jaxpr_as_fun(jaxpr))(*args)
+
+
+_lowered_p.def_impl(_impl)
+
+
+def _lowering(ctx, *args, jaxpr, platform):
+    module = ctx.module_context if platform is None else ctx.module_context.replace(platforms=(platform,))
+    outs, tokens = mlir.jaxpr_subcomp(
+        module, jaxpr.jaxpr, ctx.name_stack, ctx.tokens_in, (), *args, dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering, outer_traceback=ctx.traceback,
+    )
+    ctx.set_tokens_out(tokens)
+    return outs
+
+
+mlir.register_lowering(_lowered_p, _lowering)
+
+
+def _batched(args, dims, *, jaxpr, platform):
+    fn = jax.vmap(jaxpr_as_fun(jaxpr), in_axes=dims)
+    return _bind(platform, fn, args, x32=False), [0] * len(jaxpr.jaxpr.outvars)
+
+
+batching.primitive_batchers[_lowered_p] = _batched
+
+
+_SPEC_ARRAYS = ("allowed", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
+                "lengths")
+
+
+def spec_arrays(spec) -> dict:
+    """The arrays of a parsed ``masks._Spec`` (None where absent), to pass to ``on``; rebuild
+    the spec inside with ``dataclasses.replace(spec, **arrays)``."""
+    return {name: getattr(spec, name) for name in _SPEC_ARRAYS}
+
+
+def _context(x32: bool):
+    return jax.enable_x64(False) if x32 and jax.config.jax_enable_x64 else contextlib.nullcontext()
+
+
+def _bind(platform: str, fn, args, x32: bool):
+    """``fn(*args)`` as one primitive lowered for ``platform``."""
+    flat, tree = jax.tree.flatten(args)
+    with _context(x32):
+        closed, shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
+    # its constants (arrays it closes over, traced ones included) become leading arguments
+    jaxpr = ClosedJaxpr(convert_constvars_jaxpr(closed.jaxpr), ())
+    outs = _lowered_p.bind(*closed.consts, *flat, jaxpr=jaxpr, platform=platform)
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+
+def on(platform: str | None, fn, *args, x32: bool = False):
+    """``fn(*args)`` (a pytree of arrays in, one array or a tuple of arrays out) with its forward
+    and backward programs lowered for ``platform`` only (None: for the program's platforms).
+    Differentiable in ``args``: pass every array ``fn`` depends on (masks, positions) as one."""
+    flat, tree = jax.tree.flatten(args)
+
+    def converted(*xs):
+        return fn(*jax.tree.unflatten(tree, xs))
+
+    pullback_tree = []
+
+    @jax.custom_vjp
+    def call(*xs):
+        return _bind(platform, converted, xs, x32)
+
+    def forward(*xs):
+        def run(*xs):
+            with _context(x32):
+                out, pullback = jax.vjp(converted, *xs)
+            leaves, structure = jax.tree.flatten(pullback)
+            pullback_tree[:] = [structure]
+            return out, leaves
+
+        out, leaves = _bind(platform, run, xs, x32)
+        return out, leaves
+
+    inexact = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in flat]
+    shapes = [jnp.shape(x) for x in flat]
+
+    def backward(leaves, cotangent):
+        def run(leaves, cotangent):  # the cotangents of the floating inputs (the others' are float0)
+            with _context(x32):
+                grads = jax.tree.unflatten(pullback_tree[0], leaves)(cotangent)
+            return [g for g, keep in zip(grads, inexact) if keep]
+
+        grads = iter(_bind(platform, run, (leaves, cotangent), x32))
+        float0 = jax.dtypes.float0
+        return tuple(next(grads) if keep else np.zeros(shape, float0) for keep, shape in zip(inexact, shapes))
+
+    call.defvjp(forward, backward)
+    return call(*flat)

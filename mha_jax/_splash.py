@@ -1,0 +1,196 @@
+"""The TPU kernel: JAX's splash attention (Pallas), with our masking terms.
+
+``jax.experimental.pallas.ops.tpu.splash_attention`` (maintained in JAX itself, so pinned with
+it) computes one example's attention over heads ``(heads, q_len, head_dim)`` against
+``(kv_heads, kv_len, head_dim)`` (grouped heads natively), skipping the blocks its mask leaves
+empty, with a logit soft-cap and per-head sinks. Our terms map to it as follows:
+
+- causality and windows over default positions are its static masks (``CausalMask``,
+  ``LocalMask``; a causal window is a window that stops at the diagonal), known block by block
+  when the program is built;
+- segment ids and key/value lengths are its segment ids, one row per example: a key beyond its
+  example's length, or in the padding up to a whole block, gets an id that no query has;
+- the scale is folded into the queries (the cap applies to the scaled logits, as ours);
+- a query that sees no key gets 0: the kernel gives such a row the mean of the values it
+  visited, and the row is set to 0 after it (its gradient is then 0 too).
+
+What it cannot take (a dense ``mask``, a ``bias``, dropout, causality or windows over positions
+given as arrays) is refused by name (``refusal``). Lengths are padded to whole blocks; blocks are
+the largest of 512, 256 and 128 that divide the padded length (the compile test for v5e and v6e
+builds them at 8K and 32K tokens). Off a TPU the same kernel runs in Pallas interpret mode: slow,
+for tests and for checking a program before a TPU job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _kernels
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _masks
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _info
+
+from mha_jax import _platform, masks
+
+_LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
+_BLOCKS = (512, 256, 128)
+
+
+def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
+    """Why the kernel cannot express this call (naming the argument), or None."""
+    if spec.allowed is not None:
+        return "a dense mask (use is_causal, local_window_size, segment ids or key_value_seq_lengths)"
+    if spec.bias is not None:
+        return "bias"
+    if dropout:
+        return "dropout"
+    if (spec.is_causal or spec.window is not None) and not spec.default_positions:
+        return "query_positions/key_positions with is_causal or local_window_size (only default positions)"
+    if spec.chunk_size is not None and (not spec.is_causal or spec.window is not None or not spec.default_positions):
+        return "attention_chunk_size without is_causal or with local_window_size (its chunks are causal ones)"
+    return None
+
+
+def block_size(length: int) -> int:
+    """The largest of 512, 256, 128 that divides ``length`` (a multiple of 128)."""
+    return next(b for b in _BLOCKS if length % b == 0)
+
+
+def padded(length: int) -> int:
+    return -(-max(length, 1) // _LANES) * _LANES
+
+
+def attention(query, key, value, spec: masks._Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
+    """Output ``(batch, q_len, heads, head_dim)`` in float32 of query ``(batch, q_len, heads,
+    head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``, in their own dtype
+    (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None. Compiled for a TPU
+    (and lowered for the TPU alone in a program for several platforms), or in interpret mode.
+
+    On a mesh, ``attention.py`` calls it on each device's examples and heads (a Pallas kernel
+    is not partitioned by the compiler)."""
+    return _local(query, key, value, _platform.spec_arrays(spec), sinks, spec=spec, scale=scale, soft_cap=soft_cap,
+                  interpret=interpret)
+
+
+def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret):
+    """``attention`` on one device's examples and heads."""
+    spec = dataclasses.replace(spec, **arrays)
+    batch, heads, q_len, kv_len = spec.shape
+    if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
+        query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
+    q_pad, kv_pad = padded(q_len), padded(kv_len)
+    kernel = _kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, spec.chunk_size, soft_cap, interpret)
+    q = _pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), q_pad)
+    k, v = (_pad(x.transpose(0, 2, 1, 3), kv_pad) for x in (key, value))
+    q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
+    sinks = None if sinks is None else sinks.astype(jnp.float32)
+
+    def one(q, k, v, q_ids, kv_ids, sinks):
+        ids = None if q_ids is None else splash.SegmentIds(q_ids, kv_ids)
+        return kernel(q, k, v, segment_ids=ids, sinks=sinks)
+
+    def batched(q, k, v, q_ids, kv_ids, sinks):
+        id_axes = None if q_ids is None else 0
+        return jax.vmap(one, in_axes=(0, 0, 0, id_axes, id_axes, None))(q, k, v, q_ids, kv_ids, sinks)
+
+    out = _platform.on(None if interpret else "tpu", batched, q, k, v, q_ids, kv_ids, sinks, x32=True)
+    out = out[:, :, :q_len].astype(jnp.float32).transpose(0, 2, 1, 3)
+    return jnp.where(_has_key(spec), out, 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
+    """The kernel for one mask structure and padded size (built once: its block tables are
+    NumPy work)."""
+    if chunk is not None:  # causal within each chunk of positions (Llama 4's)
+        one = _masks.ChunkedCausalMask((q_len, kv_len), chunk_size=chunk)
+    elif window is not None:
+        left, right = window
+        one = splash.LocalMask((q_len, kv_len), window_size=(left, 0 if causal else right), offset=0)
+    elif causal:
+        one = splash.CausalMask((q_len, kv_len))
+    else:
+        one = splash.FullMask((q_len, kv_len))
+    bq, bk = block_size(q_len), block_size(kv_len)
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                              block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    # ``make_splash_mha`` less its ``jnp.array`` of the block tables: NumPy constants, so that the
+    # kernel can be built inside a trace and on a mesh of devices that are only described (a
+    # topology compiled for from a CPU host)
+    mask = splash.MultiHeadMask([one] * heads)
+    shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+    fwd, function = _info.process_mask(mask, (bq, bk), **shards)
+    dq, _ = _info.process_mask(mask, (bq, bk), **shards)
+    dkv, _ = _info.process_mask_dkv(mask, (bq, bk), shrink_grid=True, **shards)
+    return _kernels.SplashAttentionKernel(
+        fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False, mask_value=_kernels.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=function, interpret=interpret,
+    )
+
+
+def _pad(x, length):
+    """``(batch, heads, len, d)`` zero-padded along ``len``."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))) if x.shape[2] != length else x
+
+
+def _segment_ids(spec: masks._Spec, q_pad: int, kv_pad: int):
+    """int32 ``(batch, q_pad)``, ``(batch, kv_pad)`` segment ids carrying segments, key lengths
+    and the padding keys (an id no query has), or (None, None) where nothing needs them."""
+    batch, _, q_len, kv_len = spec.shape
+    padding = kv_pad != kv_len
+    if spec.query_segment_ids is None and spec.lengths is None and not padding:
+        return None, None
+    if spec.query_segment_ids is None:
+        qs, ks = jnp.zeros((1, q_len), jnp.int32), jnp.zeros((1, kv_len), jnp.int32)
+    else:
+        qs, ks = spec.query_segment_ids, spec.key_segment_ids
+    # an id below every query's (or above, should the smallest be int32's least)
+    low, high = qs.min(), qs.max()
+    none = jnp.where(low > jnp.iinfo(jnp.int32).min, low - 1, high + 1)
+    qs, ks = jnp.broadcast_to(qs, (batch, q_len)), jnp.broadcast_to(ks, (batch, kv_len))
+    if spec.lengths is not None:
+        ks = jnp.where(jnp.arange(kv_len)[None] < spec.lengths[:, None], ks, none)
+    qs = jnp.pad(qs, ((0, 0), (0, q_pad - q_len)), mode="edge")
+    ks = jnp.pad(ks, ((0, 0), (0, kv_pad - kv_len)), constant_values=none)
+    return qs, ks
+
+
+def _has_key(spec: masks._Spec):
+    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. Causality,
+    windows and lengths bound the keys a query may see to one range of indices; with segments,
+    a key of the query's own segment must lie in it (found by binary search over the keys
+    sorted by segment, so that no ``(q_len, kv_len)`` array is formed)."""
+    batch, _, q_len, kv_len = spec.shape
+    qi = jnp.arange(q_len, dtype=jnp.int32)[None]
+    lo = jnp.zeros((1, q_len), jnp.int32)
+    hi = jnp.full((1, q_len), kv_len - 1, jnp.int32)
+    if spec.window is not None:
+        lo, hi = jnp.maximum(lo, qi - spec.window[0]), jnp.minimum(hi, qi + spec.window[1])
+    if spec.is_causal:
+        hi = jnp.minimum(hi, qi)
+    if spec.lengths is not None:
+        hi = jnp.minimum(hi, spec.lengths[:, None] - 1)
+    ok = lo <= hi
+    if spec.query_segment_ids is not None:
+        n = max(x.shape[0] for x in (spec.query_segment_ids, spec.key_segment_ids, lo, hi))
+        rows = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (spec.query_segment_ids, spec.key_segment_ids, lo, hi))
+        ok = ok & jax.vmap(_segment_in_range)(*rows)
+    return jnp.broadcast_to(ok, (batch, q_len))[:, :, None, None]
+
+
+def _segment_in_range(qs, ks, lo, hi):
+    """bool ``(q_len,)``: whether a key of each query's segment ``qs`` has its index in
+    ``[lo, hi]``, for one example's key segment ids ``ks``."""
+    order = jnp.argsort(ks, stable=True).astype(jnp.int32)  # by segment, indices ascending within each
+    ids = ks[order]
+    start, end = jnp.searchsorted(ids, qs, side="left"), jnp.searchsorted(ids, qs, side="right")
+    first, last = start, end  # the first place in [start, end) whose index is >= lo
+    for _ in range(max(ks.shape[0], 1).bit_length()):
+        mid = (first + last) // 2
+        below = order[jnp.minimum(mid, ks.shape[0] - 1)] < lo
+        active = first < last
+        first, last = jnp.where(active & below, mid + 1, first), jnp.where(active & ~below, mid, last)
+    return (first < end) & (order[jnp.minimum(first, ks.shape[0] - 1)] <= hi)

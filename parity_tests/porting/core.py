@@ -1,0 +1,148 @@
+"""``compare``: a PyTorch model (or a saved reference) and its Flax port on the same inputs,
+module by module."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from parity_tests.porting import arrays, jax_side, logits, names, settings
+from parity_tests.porting.recording import Recording
+from parity_tests.porting.report import ModuleResult, OutputResult, Report
+
+
+def _is_ours(cls: str) -> bool:
+    return cls.split(".", 1)[0] in ("mha_jax", "mha_torch") and "Attention" in cls.rsplit(".", 1)[-1]
+
+
+def reference(torch_model, inputs, dtype: str | None) -> Recording:
+    """The PyTorch side's recording (``torch_model`` a saved ``Recording``: itself, its dtype checked)."""
+    if isinstance(torch_model, Recording):
+        if dtype is not None and torch_model.dtype != dtype:
+            raise ValueError(f"the saved reference is {torch_model.dtype}, not the {dtype} asked for (dtype={dtype!r})")
+        if inputs and (len(inputs) != len(torch_model.inputs)
+                       or not all(np.array_equal(np.asarray(a), b) for a, b in zip(inputs, torch_model.inputs))):
+            raise ValueError("the inputs given are not the saved reference's: leave them out to use its own")
+        return torch_model
+    from parity_tests.porting import torch_side
+
+    if not inputs:
+        raise ValueError("compare needs the inputs (NumPy arrays) to give both models; a saved reference has its own")
+    found = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), dtype)
+    return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found)
+
+
+def record(torch_model, *inputs, dtype: str | None = None, matmul_precision: str = "highest") -> Recording:
+    """The PyTorch side of ``compare`` alone: its inputs, outputs and every module call, as NumPy
+    (give it to ``compare`` in place of the model, or keep it with ``save_reference``)."""
+    with settings.numerics(matmul_precision):
+        return reference(torch_model, inputs, dtype)
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _pair_outputs(jax_output, torch_fields: list[tuple[str, np.ndarray]]) -> list[tuple[str, object, np.ndarray]]:
+    """``(name, jax array, torch array)`` per field: by name when the JAX side names its fields
+    as PyTorch's, else in order (a bare array pairs with the first field, e.g. ``logits``)."""
+    jax_fields = arrays.fields(jax_output)
+    torch_map = dict(torch_fields)
+    if jax_fields and all(k in torch_map for k, _ in jax_fields):
+        return [(k, v, torch_map[k]) for k, v in jax_fields]
+    return [(name, v, t) for (name, t), (_, v) in zip(torch_fields, jax_fields)]
+
+
+def compare(
+    torch_model,
+    flax_model,
+    *inputs,
+    mapping: Mapping[str, str | None] | None = None,
+    dtype: str | None = None,
+    valid: np.ndarray | None = None,
+    top_k: int = 5,
+    matmul_precision: str = "highest",
+    output_tolerance: float | None = None,
+) -> Report:
+    """Run both models on ``inputs`` and compare them module by module.
+
+    Args:
+      torch_model: a ``torch.nn.Module`` (in eval mode), or a reference saved by ``save_reference``
+        and read by ``load_reference`` (then ``inputs`` may be left out).
+      flax_model: an ``nnx.Module``, or a linen ``(module, variables)`` pair.
+      inputs: NumPy arrays, each given to both models as its framework's array (integers stay integers).
+      mapping: regular expressions on PyTorch module names -> the JAX module's name (``\\1``
+        references allowed; None leaves a module out), for modules whose names differ.
+      dtype: the dtype both sides' parameters must hold (default: PyTorch's; JAX must hold the same).
+      valid: bool ``(batch, length)``: compare only these positions (padding left out) of every
+        array whose shape starts with ``(batch, length)``.
+      top_k: ``k`` of the logits' top-k agreement.
+      matmul_precision: ``jax_default_matmul_precision`` for the run (PyTorch's TF32 is off).
+      output_tolerance: relative error the outputs may have (default: by dtype, ``settings.OUTPUT_TOLERANCES``).
+
+    Returns:
+      A ``Report``: ``modules`` (each with ``name``, ``added``, ``inherited``, ``passed``) in
+      execution order, ``first_divergence``, ``outputs``, ``logits``, ``settings``.
+    """
+    flax = jax_side.as_flax(flax_model)
+    compiled = names.check_mapping(mapping)
+    valid = None if valid is None else np.asarray(valid, bool)
+    saved = isinstance(torch_model, Recording)
+    with settings.numerics(matmul_precision, torch_needed=not saved) as numerics:
+        ref = reference(torch_model, inputs, dtype)
+        inputs = ref.inputs
+        _check_valid(valid, ref)
+        jax_dtype = settings.check_dtype("JAX", flax.dtypes(), ref.dtype)
+        if jax_dtype != ref.dtype:
+            raise ValueError(f"the JAX side holds {jax_dtype} parameters and the PyTorch side {ref.dtype}: "
+                             "compare them in one dtype")
+        pairs = {}
+        for call in ref.calls:
+            target = names.jax_name(call.name, compiled)
+            if target is not None:
+                pairs[(target, call.occurrence)] = call
+        output, jax_calls = jax_side.run(flax, inputs, pairs, valid)
+    torch_settings = {k: v for k, v in ref.settings.items() if k.startswith("torch")}
+    recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
+                "saved_reference": saved}
+    return _report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
+
+
+def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
+    """``valid`` must be ``(batch, length)`` of the first output: a mask that selects nothing is an error."""
+    if valid is None:
+        return
+    first = ref.outputs[0][1].shape if ref.outputs else ()
+    if valid.ndim != 2 or tuple(first[:2]) != valid.shape:
+        raise ValueError(f"valid must be bool (batch, length) of the outputs, whose first is {tuple(first)}; "
+                         f"got {valid.shape}")
+
+
+def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
+    by_torch = {(pairs[(c.name, c.occurrence)].key): c for c in jax_calls if (c.name, c.occurrence) in pairs}
+    modules, unpaired = [], []
+    for call in ref.calls:
+        mine = by_torch.get(call.key)
+        if mine is None:
+            unpaired.append(call.name)
+            continue
+        attention = _is_ours(call.cls) or _is_ours(mine.cls)
+        dtype = str(call.output.dtype) if call.output is not None and arrays.is_float(call.output) else ref.dtype
+        tolerance = settings.attention_tolerance(dtype) if attention else settings.module_tolerance(dtype)
+        modules.append(ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance,
+                                    mine.added, mine.inherited, mine.note))
+    paired = set(pairs)
+    unpaired_jax = [c.name for c in jax_calls if (c.name, c.occurrence) not in paired]
+    tolerance = output_tolerance if output_tolerance is not None else settings.OUTPUT_TOLERANCES.get(ref.dtype, 1e-4)
+    outputs, metrics = [], None
+    for name, mine, theirs in _pair_outputs(output, ref.outputs):
+        if not arrays.is_float(theirs):
+            continue
+        errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
+        outputs.append(OutputResult(name, *errors, tolerance))
+        if name == "logits":
+            metrics = logits.metrics(mine, theirs, k=top_k, valid=valid)
+    return Report(modules, outputs, metrics, recorded, unpaired, unpaired_jax)

@@ -1,0 +1,163 @@
+"""Greedy decoding on both sides, each with its own cache: the prompt in one call (prefill), then
+one token a step; the same tokens, the logits of every step within tolerance, and each row's
+tokens the same alone as in a left- or right-padded batch.
+
+The PyTorch side is a transformers causal language model, decoding with ``generate`` (greedy, its
+own cache). The JAX side keeps its cache in the model: ``init_cache(batch, max_length)`` makes an
+empty one and ``model(tokens, position_ids=positions, decode=True)`` appends ``tokens`` ``(batch,
+n)`` at ``positions`` (``-1``: padding, not cached) and returns logits ``(batch, n, vocab)``, as
+``examples/llama.py`` does on ``mha_jax``'s cache; decoding runs on a copy of the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parity_tests.porting import arrays, jax_side, settings
+
+
+@dataclass
+class DecodeResult:
+    """One row's tokens and logits from one way of decoding (``what``) against PyTorch's alone."""
+
+    what: str
+    row: int
+    tokens: list[int]
+    expected: list[int]
+    logits_error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.tokens == self.expected and self.logits_error <= self.tolerance
+
+    def as_json(self) -> dict:
+        return {"what": self.what, "row": self.row, "tokens": self.tokens, "expected": self.expected,
+                "logits_error": self.logits_error, "tolerance": self.tolerance, "passed": self.passed}
+
+
+@dataclass
+class DecodeReport:
+    results: list[DecodeResult]
+    steps: int
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def table(self) -> str:
+        lines = [f"greedy decoding, {self.steps} tokens a row, against transformers' generate for the row alone:"]
+        for r in self.results:
+            lines.append(f"  {r.what:<28} row {r.row}: tokens {'equal' if r.tokens == r.expected else 'DIFFER'}, "
+                         f"logits {r.logits_error:.2e} (tolerance {r.tolerance:.0e}) {'ok' if r.passed else 'FAILED'}")
+        return "\n".join(lines)
+
+    def as_json(self) -> dict:
+        return {"passed": self.passed, "steps": self.steps, "settings": self.settings,
+                "results": [r.as_json() for r in self.results]}
+
+
+def padded(prompts: list[np.ndarray], left: bool, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts in one ``(batch, longest)`` array, and each token's position (``-1``: padding)."""
+    lengths = np.array([len(p) for p in prompts])
+    width = int(lengths.max())
+    tokens = np.full((len(prompts), width), pad, np.asarray(prompts[0]).dtype)
+    positions = np.full((len(prompts), width), -1)
+    for i, p in enumerate(prompts):
+        start = width - len(p) if left else 0
+        tokens[i, start:start + len(p)] = p
+        positions[i, start:start + len(p)] = np.arange(len(p))
+    return tokens, positions
+
+
+@functools.cache
+def _decode_call():
+    from flax import nnx
+
+    # one compiled call per shape (eager execution compiles every operation of every shape)
+    return nnx.jit(lambda model, tokens, positions: model(tokens, position_ids=positions, decode=True))
+
+
+def greedy_jax(model, tokens: np.ndarray, positions: np.ndarray, steps: int,
+               max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens ``(batch, steps)`` and the logits that chose them ``(batch, steps, vocab)``; the cache
+    holds ``max_length`` tokens a row (default: the prompts' and the steps')."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.clone(model)
+    batch, width = tokens.shape
+    model.init_cache(batch, max_length or width + steps)
+    call = _decode_call()
+    logits = call(model, jnp.asarray(tokens), jnp.asarray(positions))
+    lengths = positions.max(axis=1) + 1
+    logits = logits[np.arange(batch), positions.argmax(axis=1)]  # each row's last token
+    chosen, every = [], []
+    for step in range(steps):
+        token = jnp.argmax(logits, axis=-1)
+        chosen.append(np.asarray(token))
+        every.append(arrays.numpy(logits))
+        if step + 1 < steps:
+            logits = call(model, token[:, None], jnp.asarray(lengths[:, None] + step))[:, -1]
+    return np.stack(chosen, axis=1), np.stack(every, axis=1)
+
+
+def greedy_torch(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' ``generate``, greedy, its own cache, on left-padded ``tokens``: exactly ``steps`` tokens."""
+    import torch
+    import transformers
+
+    from parity_tests.porting import torch_side
+
+    device = torch_side.device_of(model)
+    config = transformers.GenerationConfig(max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                           output_logits=True, return_dict_in_generate=True)
+    mask = torch_side.to_torch((positions >= 0).astype(np.int64), device)
+    with torch.no_grad():
+        out = model.generate(torch_side.to_torch(tokens, device), attention_mask=mask, generation_config=config)
+    new = out.sequences[:, tokens.shape[1]:]
+    if new.shape[1] != steps:
+        raise ValueError(f"generate stopped after {new.shape[1]} of {steps} tokens")
+    return arrays.numpy(new), np.stack([arrays.numpy(x) for x in out.logits], axis=1)
+
+
+def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16,
+                     tolerance: float | None = None) -> DecodeReport:
+    """Each prompt (1-D integer arrays of different lengths) decoded greedily for ``steps`` tokens:
+    transformers' ``generate`` on each row alone is the reference; the JAX model decodes each row
+    alone and the rows in a left- and a right-padded batch, and PyTorch the left-padded batch."""
+    flax = jax_side.as_flax(flax_model)
+    if flax.kind != "nnx":
+        raise TypeError("compare_decoding takes an nnx model (its cache is in the model)")
+    prompts = [np.asarray(p) for p in prompts]
+    if not prompts or any(p.ndim != 1 or not len(p) or p.dtype.kind not in "iu" for p in prompts):
+        raise ValueError("prompts must be non-empty 1-D integer arrays, "
+                         f"got {[(p.shape, str(p.dtype)) for p in prompts]}")
+    from parity_tests.porting import torch_side
+
+    dtype = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), None)
+    settings.check_dtype("JAX", flax.dtypes(), dtype)
+    tolerance = tolerance if tolerance is not None else settings.OUTPUT_TOLERANCES.get(dtype, 1e-4)
+    results = []
+    with settings.numerics() as numerics:
+        alone = [greedy_torch(torch_model, p[None], np.arange(len(p))[None], steps) for p in prompts]
+
+        def check(what, tokens, logits, rows):
+            for i, row in enumerate(rows):
+                expected_tokens, expected_logits = alone[row]
+                results.append(DecodeResult(what, row, tokens[i].tolist(), expected_tokens[0].tolist(),
+                                            arrays.relative_error(logits[i], expected_logits[0]), tolerance))
+
+        longest = max(map(len, prompts)) + steps  # one cache shape for every run
+        for i, p in enumerate(prompts):
+            check("JAX, the row alone", *greedy_jax(flax.module, p[None], np.arange(len(p))[None], steps, longest), [i])
+        rows = list(range(len(prompts)))
+        for side in ("left", "right"):
+            decoded = greedy_jax(flax.module, *padded(prompts, left=side == "left"), steps, longest)
+            check(f"JAX, {side}-padded batch", *decoded, rows)
+        check("PyTorch, left-padded batch", *greedy_torch(torch_model, *padded(prompts, left=True), steps), rows)
+    return DecodeReport(results, steps, {**numerics, "dtype": dtype})

@@ -1,0 +1,86 @@
+"""A saved reference: the PyTorch side of ``compare`` (its inputs, outputs and every module call's
+inputs and output) in a folder, ``arrays.safetensors`` and ``reference.json`` (names, order,
+dtypes and the settings it ran under), read back where PyTorch is not installed. Reading imports
+neither PyTorch nor transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from parity_tests.porting.recording import Call, Recording
+
+FORMAT = 1
+ARRAYS, INDEX = "arrays.safetensors", "reference.json"
+
+
+def _put(store: dict, key: str, x: np.ndarray) -> dict:
+    """Store ``x`` under ``key``; bfloat16 as its bits (uint16), which safetensors' NumPy side lacks."""
+    x = np.ascontiguousarray(x)
+    dtype = x.dtype.name
+    store[key] = x.view(np.uint16) if dtype == "bfloat16" else x
+    return {"key": key, "dtype": dtype}
+
+
+def _get(store: dict, entry: dict) -> np.ndarray:
+    x = store[entry["key"]]
+    if entry["dtype"] == "bfloat16":
+        from parity_tests.tool.arrays import numpy_dtype
+
+        return x.view(numpy_dtype("bfloat16"))
+    return x
+
+
+def save_reference(path: str | os.PathLike, torch_model, *inputs, dtype: str | None = None,
+                   matmul_precision: str = "highest") -> Recording:
+    """Run ``torch_model`` on ``inputs`` as ``compare`` does and save what it recorded in folder
+    ``path`` (made if missing; its two files overwritten). Returns the recording."""
+    from parity_tests.porting.core import record
+
+    recording = torch_model if isinstance(torch_model, Recording) else record(
+        torch_model, *inputs, dtype=dtype, matmul_precision=matmul_precision)
+    write(path, recording)
+    return recording
+
+
+def write(path: str | os.PathLike, recording: Recording) -> None:
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    store: dict[str, np.ndarray] = {}
+
+    def named(key: str, name: str, x: np.ndarray) -> dict:
+        return dict(_put(store, key, x), name=name)
+
+    index = {
+        "format": FORMAT, "dtype": recording.dtype, "settings": recording.settings,
+        "inputs": [_put(store, f"input.{i}", x) for i, x in enumerate(recording.inputs)],
+        "outputs": [named(f"output.{i}", name, x) for i, (name, x) in enumerate(recording.outputs)],
+        "calls": [{"name": c.name, "occurrence": c.occurrence, "class": c.cls,
+                   "inputs": [named(f"call.{j}.input.{k}", name, x) for k, (name, x) in enumerate(c.inputs)],
+                   "output": None if c.output is None else _put(store, f"call.{j}.output", c.output)}
+                  for j, c in enumerate(recording.calls)],
+    }
+    save_file(store, os.path.join(path, ARRAYS))
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump(index, f, indent=1)
+
+
+def load_reference(path: str | os.PathLike) -> Recording:
+    """The recording saved in folder ``path``; give it to ``compare`` in place of the PyTorch model."""
+    from safetensors.numpy import load_file
+
+    index_path = os.path.join(path, INDEX)
+    if not os.path.exists(index_path):
+        raise FileNotFoundError(f"{path} holds no saved reference ({INDEX} is missing): save one with save_reference")
+    with open(index_path) as f:
+        index = json.load(f)
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{index_path}: format {index.get('format')!r}, this version reads format {FORMAT}")
+    store = load_file(os.path.join(path, ARRAYS))
+    calls = [Call(c["name"], c["occurrence"], c["class"], [(e["name"], _get(store, e)) for e in c["inputs"]],
+                  None if c["output"] is None else _get(store, c["output"])) for c in index["calls"]]
+    return Recording([_get(store, e) for e in index["inputs"]], [(e["name"], _get(store, e)) for e in index["outputs"]],
+                     calls, index["dtype"], index["settings"])
