@@ -34,14 +34,15 @@ def from_hf(
 
     Args:
       config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``
-        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, GPT-NeoX, GPT-2, BERT). Rotary
+        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM, Cohere,
+        GPT-NeoX, GPT-J, GPT-2, BERT). Rotary
         embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
         read from it; an unsupported family or option raises, naming it.
       weights: the whole model's checkpoint, or None (parameters from ``rngs``): a state dict
         (name -> array), a ``.safetensors`` file, or a sharded checkpoint's
         ``model.safetensors.index.json`` (only the shards holding the layer are read). The
         layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
-        ``gpt_neox.layers.{layer}.attention.``; GPT-2: ``transformer.h.{layer}.attn.``; BERT:
+        ``gpt_neox.layers.{layer}.attention.``; GPT-2 and GPT-J: ``transformer.h.{layer}.attn.``; BERT:
         ``bert.encoder.layer.{layer}.attention.``, its ``output.LayerNorm`` left unread).
       layer: the layer index.
       rngs: initialises the parameters (default ``nnx.Rngs(0)``); overwritten by ``weights``.
@@ -67,7 +68,8 @@ def from_hf(
         state = _layer_state(weights, options.prefix)
         if options.layout in ("gpt_neox", "gpt2"):  # fusions no loader layout reads: split here
             load_weights(module, families.layer_state(options, state))
-        else:
+        else:  # buffers left out, per-head QK-norm scales joined
+            state = families.layer_keys(options, _read_state(state), np.concatenate)
             load_weights(module, state, layout=options.layout, prefix=options.prefix, ignore=options.ignore)
     return module
 

@@ -252,7 +252,7 @@ class MultiHeadDotProductAttention(nn.Module):
 
 class _LinenNorm(nn.Module):
     """A QK-norm other than flax's LayerNorm, as ``mha_jax.module._Norm``: ``scale``
-    ``(head_dim,)`` per head, else ``(heads, head_dim)``."""
+    ``(head_dim,)`` shared by the heads, else ``(heads, head_dim)``."""
 
     qk_norm: QKNorm
     param_dtype: jnp.dtype = jnp.float32
@@ -260,7 +260,7 @@ class _LinenNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros_init() if self.qk_norm.offset else nn.initializers.ones_init()
-        shape = x.shape[-1:] if self.qk_norm.per_head else x.shape[-2:]
+        shape = x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:]
         return _qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
 
 

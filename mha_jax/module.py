@@ -571,13 +571,13 @@ def _rotate(rotary, query, key, query_positions, key_positions):
 
 
 class _Norm(nnx.Module):
-    """A QK-norm other than flax's LayerNorm: ``scale`` ``(head_dim,)`` per head, else
-    ``(heads, head_dim)`` (the whole projection, in the kernel's layout)."""
+    """A QK-norm other than flax's LayerNorm: ``scale`` ``(head_dim,)`` shared by the heads,
+    else ``(heads, head_dim)`` (each head's own, or the whole projection's, in the kernel's layout)."""
 
     def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, param_dtype, metadata, rngs: nnx.Rngs):
         self.qk_norm = qk_norm
         init = nnx.initializers.zeros_init() if qk_norm.offset else nnx.initializers.ones_init()
-        shape = (head_dim,) if qk_norm.per_head else (heads, head_dim)
+        shape = (head_dim,) if qk_norm.shared_scale else (heads, head_dim)
         self.scale = nnx.Param(init(rngs.params(), shape, param_dtype), **metadata)
 
     def __call__(self, x: jax.Array) -> jax.Array:

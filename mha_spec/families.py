@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,9 @@ FAMILIES = {
     "olmo2": (_PREFIX, "hf"),
     "llama4_text": (_PREFIX, "hf"),
     "phi3": (_PREFIX, "fused_qkv"),
+    "stablelm": (_PREFIX, "hf"),  # its per-head QK-norm's keys joined by ``layer_keys``
+    "cohere": (_PREFIX, "hf"),
+    "gptj": ("transformer.h.{layer}.attn.", "mha_torch"),
     # read by ``layer_state`` into this package's names: heads interleaved in one fused weight
     # (GPT-NeoX), transposed ``Conv1D`` weights (GPT-2)
     "gpt_neox": ("gpt_neox.layers.{layer}.attention.", "gpt_neox"),
@@ -50,9 +53,17 @@ _REFUSED = {
     "use_bidirectional_attention": "bidirectional attention",
     "attention_chunk_size": "chunked attention (Llama 4)",
 }
-_READ = {"llama4_text": ("attention_chunk_size",)}
+_READ = {"llama4_text": ("attention_chunk_size",), "cohere": ("use_qk_norm",)}
 # Llama4TextConfig's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
+# Values config classes set where config.json leaves them out: (the keys, in the config or its rope
+# parameters, any of which gives it; the key set; its default)
+_ROPE_DEFAULTS = {
+    "gpt_neox": (("rotary_pct", "partial_rotary_factor"), "rotary_pct", 0.25),  # a quarter of each head rotates
+    "stablelm": (("partial_rotary_factor", "rotary_pct"), "partial_rotary_factor", 0.25),
+    "gptj": (("rotary_dim",), "rotary_dim", 64),
+    "cohere": (("rope_theta",), "rope_theta", 500000.0),  # CohereConfig.default_theta
+}
 
 
 @dataclass(frozen=True)
@@ -118,13 +129,16 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     heads = _required(config, "num_attention_heads", model_type)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    if model_type in ("gpt_neox", "gpt2", "bert"):  # their attention reads neither key: one key head per query head
+    if model_type in ("gpt_neox", "gpt2", "bert", "gptj"):  # their attention reads neither key: one key head per query head
         kv_heads, head_dim = heads, hidden // heads
+    if model_type == "stablelm":  # reads num_key_value_heads, not head_dim
+        head_dim = hidden // heads
     if model_type == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"config (bert) sets position_embedding_type={config['position_embedding_type']!r}, "
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
     bias = bool(config.get("attention_bias", model_type == "gpt_neox"))  # GPTNeoXConfig's default is True
-    qkv_bias, out_bias = {"qwen2": (True, False), "phi3": (False, False)}.get(model_type, (bias, bias))
+    qkv_bias, out_bias = {"qwen2": (True, False), "phi3": (False, False), "gptj": (False, False),
+                          "stablelm": (bool(config.get("use_qkv_bias", False)), False)}.get(model_type, (bias, bias))
     scale = 1.0 / math.sqrt(head_dim)
     if model_type in ("gemma2", "gemma3_text"):
         scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
@@ -140,6 +154,9 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         "gemma3_text": QKNorm("rms", True, eps, offset=1.0),
         "olmo2": QKNorm("rms", False, eps),
     }.get(model_type)
+    if config.get({"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}.get(model_type, ""), False):
+        # a LayerNorm of each head's features, without bias, with each head's own scale
+        qk_norm = QKNorm("layer", True, config.get("layer_norm_eps", 1e-5), per_head_scale=True)
     layer_type = _layer_types(config, model_type, layers)[layer]
     window = None
     if layer_type == "sliding_attention" and config.get("sliding_window"):
@@ -217,9 +234,10 @@ def _rope_config(config: Mapping[str, Any], model_type: str, layer_type: str, he
     """The config the layer's ``RotaryEmbedding.from_config`` reads: the model's, with rope
     parameters of the layer's type where the model keeps one set per type (Gemma 3)."""
     rope = dict(config, head_dim=head_dim)
-    if model_type == "gpt_neox" and "rotary_pct" not in config and "partial_rotary_factor" not in (
-            config.get("rope_parameters") or {}):
-        rope["rotary_pct"] = 0.25  # GPTNeoXConfig's default: a quarter of each head rotates
+    if model_type in _ROPE_DEFAULTS:
+        keys, key, default = _ROPE_DEFAULTS[model_type]
+        if not any(k in config or k in (config.get("rope_parameters") or {}) for k in keys):
+            rope[key] = default
     parameters = config.get("rope_parameters")
     if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
         rope["rope_parameters"] = dict(parameters[layer_type])
@@ -249,8 +267,33 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
 
 # Keys under a layer's prefix that hold no weight: buffers older checkpoints saved (causal masks,
 # rotary tables), read by no layout.
-_BUFFERS = {"gpt_neox": ("bias", "masked_bias", "rotary_emb.inv_freq"), "gpt2": ("bias", "masked_bias")}
+_BUFFERS = {"gpt_neox": ("bias", "masked_bias", "rotary_emb.inv_freq"), "gpt2": ("bias", "masked_bias"),
+            "gptj": ("bias", "masked_bias")}
 _FUSED_NAMES = {"gpt_neox": ("query_key_value", "dense"), "gpt2": ("c_attn", "c_proj")}
+# StableLM's QK-norm: one LayerNorm per head, ``q_layernorm.norms.{head}.weight`` ``(head_dim,)``
+_PER_HEAD_NORMS = {"stablelm": {"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}}
+
+
+def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]) -> dict[str, Any]:
+    """The checkpoint's keys as a layout reads them: the layer's buffers (older GPT-J files)
+    left out, and a per-head QK-norm's scales (StableLM's one weight ``(head_dim,)`` per head,
+    joined by ``concatenate``, heads in order; Cohere's ``(heads, head_dim)``) as one
+    ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``. Other keys and arrays are
+    passed as they are."""
+    prefix = options.prefix
+    buffers = {prefix + k for k in _BUFFERS.get(options.model_type, ())}
+    out = {k: v for k, v in state.items() if k not in buffers}
+    for norm, start in _PER_HEAD_NORMS.get(options.model_type, {}).items():
+        start = prefix + start
+        heads = {k: k[len(start):].removesuffix(".weight") for k in out if k.startswith(start) and k.endswith(".weight")}
+        if heads and all(h.isdigit() for h in heads.values()):  # else left for the layout to name
+            out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in sorted(heads, key=lambda k: int(heads[k]))])
+    if options.model_type == "cohere":
+        for norm in ("q_norm", "k_norm"):
+            weight = out.get(f"{prefix}{norm}.weight")
+            if weight is not None and len(weight.shape) == 2:
+                out[f"{prefix}{norm}.weight"] = weight.reshape(-1)
+    return out
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -282,7 +325,7 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
         f"{prefix + k!r} has shape {tuple(selected[k].shape)}, expected {shape}"
         for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
     ]
-    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in _BUFFERS[options.layout]]
+    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in _BUFFERS[options.model_type]]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
     weight = selected[f"{fused}.weight"]

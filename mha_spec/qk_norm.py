@@ -17,19 +17,30 @@ class QKNorm:
     ``head_dim`` features (scale ``(head_dim,)``), else over the whole projection, every head
     together (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance.
     ``offset``: the features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``, its
-    scale initialised to 0). Computed in float32 at least, cast back to the input dtype.
+    scale initialised to 0). ``per_head_scale``: with ``per_head``, each head its own scale
+    (``(heads, head_dim)``: StableLM's LayerNorm per head, Cohere's) instead of one shared.
+    Computed in float32 at least, cast back to the input dtype.
     """
 
     kind: str = "layer"
     per_head: bool = True
     eps: float = 1e-6
     offset: float = 0.0
+    per_head_scale: bool = False
+
+    @property
+    def shared_scale(self) -> bool:
+        """One scale ``(head_dim,)`` for every head, else one per head (``(heads, head_dim)``)."""
+        return self.per_head and not self.per_head_scale
 
     def __post_init__(self):
         if self.kind not in ("layer", "rms"):
             raise ValueError(f"QKNorm kind must be 'layer' or 'rms', got {self.kind!r}")
-        if not isinstance(self.per_head, bool):
-            raise TypeError(f"QKNorm per_head must be a bool, got {self.per_head!r}")
+        for name in ("per_head", "per_head_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"QKNorm {name} must be a bool, got {getattr(self, name)!r}")
+        if self.per_head_scale and not self.per_head:
+            raise ValueError("QKNorm per_head_scale=True needs per_head=True (a norm over the whole projection has a scale per head already)")
         for name in ("eps", "offset"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):

@@ -273,9 +273,9 @@ class RotaryParameters:
 # Keys whose presence says a config.json describes rotary embeddings.
 _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base", "partial_rotary_factor")
 # Rotary fractions that models' config classes set when config.json leaves them out.
-_DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5}  # GPTNeoXConfig (rotary_pct), PhiConfig
-# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``.
-_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text")
+_DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}  # GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
+# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``.
+_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere")
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
@@ -291,11 +291,11 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
       ``n_embd // n_head``);
     - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)`` with the fraction from
       ``partial_rotary_factor`` (in the rope parameters or beside them), ``rotary_pct``
-      (GPT-NeoX), the model's default (GPT-NeoX 0.25, Phi 0.5) or 1;
+      (GPT-NeoX), the model's default (GPT-NeoX 0.25, Phi 0.5, StableLM 0.25) or 1;
     - max_position_embeddings (GPT-J: ``n_positions``), and for llama3, yarn and longrope
       ``original_max_position_embeddings``: a top-level one (Phi-3) wins, else the rope
       parameters' own, else max_position_embeddings;
-    - interleaved for GPT-J, CodeGen and Llama 4 (``model_type``), whose attention rotates pairs
+    - interleaved for GPT-J, CodeGen, Llama 4 and Cohere (``model_type``), whose attention rotates pairs
       ``(2i, 2i + 1)``; every other model rotates halves."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")

@@ -329,14 +329,14 @@ def _rotate(rotary, query, key, query_positions, key_positions):
 
 
 class _Norm(nn.Module):
-    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` per head, else
-    ``(heads * head_dim,)`` (the whole projection, as a checkpoint stores it)."""
+    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` shared by the heads,
+    else ``(heads * head_dim,)`` (each head's own, or the whole projection's, as a checkpoint stores it)."""
 
     def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, device=None, dtype=None):
         super().__init__()
         self.qk_norm = qk_norm
         self.heads, self.head_dim = heads, head_dim
-        shape = (head_dim,) if qk_norm.per_head else (heads * head_dim,)
+        shape = (head_dim,) if qk_norm.shared_scale else (heads * head_dim,)
         init = torch.zeros if qk_norm.offset else torch.ones
         self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
 
@@ -350,7 +350,7 @@ class _Norm(nn.Module):
         if qk_norm.kind == "layer":
             y = y - y.mean(dim=dims, keepdim=True)
         y = y * torch.rsqrt((y * y).mean(dim=dims, keepdim=True) + qk_norm.eps)
-        weight = self.weight.to(compute).view(x.shape[-1:] if qk_norm.per_head else x.shape[-2:])
+        weight = self.weight.to(compute).view(x.shape[-1:] if qk_norm.shared_scale else x.shape[-2:])
         return (y * (qk_norm.offset + weight)).to(x.dtype)
 
 

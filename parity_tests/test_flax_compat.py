@@ -320,6 +320,31 @@ FLAX_INPUTS_KV_ERROR = "If either `inputs_k` or `inputs_v` is not None, `inputs_
 FLAX_INPUTS_K_ERROR = "`inputs_k` cannot be None if `inputs_v` is not None."
 
 
+def test_a_qk_norm_with_each_head_s_own_scale_in_linen_nnx_and_torch():
+    """``QKNorm(per_head_scale=True)`` (StableLM's and Cohere's LayerNorm per head): a scale
+    ``(heads, head_dim)``, the same output from linen, nnx and the PyTorch twin given the same
+    parameters, and a scale per head that acts; refused over the whole projection."""
+    norm = mha_jax.QKNorm("layer", per_head_scale=True, eps=1e-5)
+    ours, _ = _pair("normalize_qk", normalize_qk=norm)
+    assert ours.query_ln.scale.shape == (4, E // 4) and ours.key_ln.scale.shape == (2, E // 4)
+    for ln in (ours.query_ln, ours.key_ln):
+        ln.scale.set_value(ln.scale[...] + jnp.linspace(-0.5, 0.5, ln.scale.size).reshape(ln.scale.shape))
+    x, _, mask = _inputs("normalize_qk", (2,))
+    out = ours(x, mask=mask)
+    shared = jax.tree.map(lambda a: a, nnx.state(ours, nnx.Param))
+    linen_module = mha_jax.linen.MultiHeadDotProductAttention(4, num_kv_heads=2, normalize_qk=norm, param_dtype=jnp.float64)
+    assert _rel(linen_module.apply({"params": nnx.to_pure_dict(shared)}, x, mask=mask), out) <= TOL["float64"]
+    twin = mha_torch.MultiHeadAttention(E, 4, num_kv_heads=2, normalize_qk=norm, dtype=torch.float64)
+    mha_torch.load_weights(twin, mha_jax.to_torch(ours))
+    with torch.no_grad():
+        out_t = twin(torch.from_numpy(np.array(x)), mask=torch.from_numpy(np.asarray(mask) != 0))
+    assert _rel(out_t.numpy(), out) <= TOL["float64"]
+    ours.query_ln.scale.set_value(ours.query_ln.scale[...].at[0].multiply(2.0))  # head 0's scale alone
+    assert _rel(ours(x, mask=mask), out) > 1e-3
+    with pytest.raises(ValueError, match="per_head_scale=True needs per_head=True"):
+        mha_jax.QKNorm("rms", per_head=False, per_head_scale=True)
+
+
 def test_linen_dropout_aliases_and_inputs_kv():
     x, _, mask = _inputs("self", (2,))
     kw = dict(num_heads=4, dropout_rate=0.3, deterministic=False, param_dtype=jnp.float64)

@@ -57,7 +57,15 @@ FAMILIES = {
     "gpt-neox-interleaved": ("GPTNeoXConfig", "GPTNeoXAttention", 1, dict()),
     # transposed Conv1D weights, no rotary embedding, the scale divided by the layer's number
     "gpt2-conv1d": ("GPT2Config", "GPT2Attention", 1, dict(scale_attn_by_inverse_layer_idx=True)),
+    # pairs (2i, 2i + 1) rotating in the first rotary_dim features, its own sin/cos table, no biases
+    "gptj-interleaved-partial": ("GPTJConfig", "GPTJAttention", 1, dict(rotary_dim=4)),
+    # half of each head rotating, q/k/v biases, a LayerNorm per head with its own scale
+    "stablelm-partial-head-norms": ("StableLmConfig", "StableLmAttention", 0, dict(
+        partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True)),
+    # pairs (2i, 2i + 1) rotating, biases on all four projections, a LayerNorm (heads, head_dim)
+    "cohere-interleaved-norm": ("CohereConfig", "CohereAttention", 1, dict(use_qk_norm=True, attention_bias=True)),
 }
+INTERLEAVED_TABLES = ("cohere",)  # rotary modules whose cos/sin repeat each frequency in place
 
 
 def _modeling(config):
@@ -113,8 +121,10 @@ def _hf_run(family, dtype, monkeypatch):
         layer_type = config.layer_types[layer] if "layer_type" in inspect.signature(rotary.forward).parameters else None
         cos, sin = rotary(hidden.float(), position_ids, *([layer_type] if layer_type else []))
         if dtype == "float64":
-            cos, sin = _tables64(rotary, position_ids, cos.shape[-1], layer_type)
+            cos, sin = _tables64(rotary, position_ids, cos.shape[-1], layer_type, config.model_type in INTERLEAVED_TABLES)
         rotary_inputs["position_embeddings"] = (cos.to(torch_dtype), sin.to(torch_dtype))
+    elif "position_ids" in inspect.signature(attention.forward).parameters:  # GPT-J: its table inside
+        rotary_inputs["position_ids"] = position_ids
     if dtype == "float64":
         _keep_float64(monkeypatch, attention)
     mask = torch.tensor(_hf_mask(positions, live, window), dtype=torch_dtype)
@@ -126,12 +136,13 @@ def _hf_run(family, dtype, monkeypatch):
     return config, layer, attention, (x, positions, live, d_out.double().numpy()), out.detach().double().numpy(), grads
 
 
-def _tables64(rotary, position_ids, width, layer_type=None):
+def _tables64(rotary, position_ids, width, layer_type=None, interleaved=False):
     """cos/sin as transformers forms them (its float32 ``inv_freq``, ``attention_scaling``), in float64."""
     name = f"{layer_type}_" if layer_type else ""
     inv_freq, scaling = getattr(rotary, f"{name}inv_freq"), getattr(rotary, f"{name}attention_scaling")
     freqs = position_ids[..., None].double() * inv_freq.double()
-    emb = torch.cat((freqs, freqs), dim=-1)[..., :width]
+    emb = torch.repeat_interleave(freqs, 2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+    emb = emb[..., :width]
     return emb.cos() * scaling, emb.sin() * scaling
 
 
@@ -152,6 +163,34 @@ def _keep_float64(monkeypatch, attention):
                 return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (offset + module.weight)
 
             monkeypatch.setattr(module, "forward", forward)
+        if type(module).__name__ == "CohereLayerNorm":  # the same cast to float32
+
+            def forward(h, module=module):
+                h = h - h.mean(-1, keepdim=True)
+                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon) * module.weight
+
+            monkeypatch.setattr(module, "forward", forward)
+    name = type(attention).__name__
+    if name == "CohereAttention":  # its rotation casts queries and keys to float32
+        modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+        def rotate64(q, k, cos, sin, unsqueeze_dim=1):
+            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+            return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
+    if name == "GPTJAttention":  # its logits in float32 from a float32 sin/cos table: both in float64
+        dim = attention.rotary_dim
+        inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))).double()  # float32 values
+        angles = torch.arange(attention.max_positions, dtype=torch.float64)[:, None] * inv_freq
+        monkeypatch.setattr(attention, "embed_positions", torch.cat((angles.sin(), angles.cos()), dim=1))
+
+        def attn64(query, key, value, attention_mask=None):
+            weights = torch.matmul(query, key.transpose(-1, -2)) / attention.scale_attn + attention_mask
+            weights = torch.nn.functional.softmax(weights, dim=-1)
+            return torch.matmul(weights, value), weights
+
+        monkeypatch.setattr(attention, "_attn", attn64)
 
 
 def _ours_torch(config, layer, state, inputs, dtype, implementation=None):
@@ -204,6 +243,34 @@ def test_from_hf_equals_transformers_attention(family, dtype, monkeypatch):
         assert worst[0] < grad_tol, (name, worst)
 
 
+DEFAULTED = {  # model_type -> (config class, what a config.json may leave out, transformers' value of it)
+    "gptj": ("GPTJConfig", "rotary_dim", lambda config, attention: attention.rotary_dim),
+    "stablelm": ("StableLmConfig", "partial_rotary_factor", lambda config, attention: attention.rotary_ndims),
+    "cohere": ("CohereConfig", "rope_theta", lambda config, attention: config.rope_parameters["rope_theta"]),
+}
+
+
+@pytest.mark.parametrize("model_type", list(DEFAULTED))
+def test_a_config_json_without_the_rotary_settings_reads_as_transformers_fills_them_in(model_type):
+    """GPT-J's ``rotary_dim``, StableLM's rotary fraction, Cohere's rotary base, left out of
+    config.json: the values transformers' config class gives them; GPT-J's buffers that older
+    checkpoints saved (``attn.bias``, ``attn.masked_bias``) are left unread."""
+    config_cls, _, theirs = DEFAULTED[model_type]
+    raw = dict(model_type=model_type, hidden_size=256, num_attention_heads=2, num_hidden_layers=1, vocab_size=11)
+    config = getattr(transformers, config_cls)(**{k: v for k, v in raw.items() if k != "model_type"})
+    attention = getattr(_modeling(config), f"{config_cls.removesuffix('Config')}Attention")(config, layer_idx=0)
+    for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
+        rotary = from_hf(raw).rotary
+        ours = {"gptj": rotary.rotary_dim, "stablelm": rotary.rotary_dim, "cohere": rotary.theta}[model_type]
+        assert ours == theirs(config, attention), (from_hf, ours)
+    if model_type == "gptj":
+        prefix = "transformer.h.0.attn."
+        state = {prefix + k: v for k, v in attention.state_dict().items()}
+        state.update({prefix + "bias": torch.ones(1, 1, 4, 4, dtype=torch.bool), prefix + "masked_bias": torch.tensor(-1e9)})
+        for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
+            from_hf(raw, state)
+
+
 def test_a_wrong_setting_fails_against_transformers(monkeypatch):
     """The comparison above catches a port that differs by one setting: a rotary base off by one
     part in ten changes the output far beyond the float32 tolerance."""
@@ -222,7 +289,7 @@ def test_a_wrong_setting_fails_against_transformers(monkeypatch):
 def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
-    with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; supported: bert, gemma2, .*phi3"):
+    with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; supported: bert, cohere, gemma2, .*phi3, qwen2, qwen3, stablelm"):
         from_hf(dict(base, model_type="t5"))
     with pytest.raises(ValueError, match=r"position_embedding_type='relative_key', which this attention does not compute"):
         from_hf(dict(base, model_type="bert", position_embedding_type="relative_key"))

@@ -25,6 +25,12 @@ MODELS = {
                                                attn_logit_softcapping=5.0, query_pre_attn_scalar=12), "20KB"),
     # transposed Conv1D weights, learned positions, no rotary
     "gpt2": (transformers.GPT2Config, dict(n_positions=32), None),
+    # pairs (2i, 2i + 1) rotating in the first rotary_dim features, its layers under transformer.h
+    "gptj": (transformers.GPTJConfig, dict(n_positions=32, rotary_dim=4), None),
+    # a quarter of each head rotating (its default), q/k/v biases, a LayerNorm per head
+    "stablelm": (transformers.StableLmConfig, dict(num_key_value_heads=2, use_qkv_bias=True, qk_layernorm=True), None),
+    # pairs rotating, a LayerNorm (heads, head_dim) on queries and keys
+    "cohere": (transformers.CohereConfig, dict(num_key_value_heads=2, use_qk_norm=True), None),
 }
 
 

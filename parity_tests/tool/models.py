@@ -181,6 +181,7 @@ def by_our_names(grads: dict, options) -> dict:
     state = {options.prefix + k: g for k, g in grads.items()}
     if options.layout in ("gpt_neox", "gpt2"):
         return families.layer_state(options, state)
+    state = families.layer_keys(options, state, np.concatenate)
     return layouts.read_layout(state, layout=options.layout, prefix=options.prefix,
                                 num_heads=options.num_heads, num_kv_heads=options.num_kv_heads)
 
