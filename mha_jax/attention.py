@@ -87,7 +87,7 @@ def dot_product_attention(
         sink's share is not among them.
       precision: passed to the matrix products.
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
-        blocks, memory linear in length; blocks that causality, windows, segments or lengths
+        blocks, memory linear in length; blocks that causality, windows, chunks, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
         GPUs, through ``jax.nn.dot_product_attention``; it takes neither ``logit_soft_cap``
         nor ``sinks``), or None: ``"xla"`` at every size, as flax (no behaviour changes with
