@@ -199,8 +199,8 @@ def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     q, k, v, bias, sinks = _varying((q, k, v, bias, sinks), (allowed, keep, rng, terms))
     if cfg.band is not None:
         block, left, right = cfg.band
-        return _band.attention(q, k, v, terms, _conjunction(cfg, terms), block=block, left=left, right=right, scale=cfg.scale,
-                               precision=cfg.precision)
+        return _band.attention(q, k, v, terms, _conjunction(cfg, terms), block=block, left=left, right=right,
+                               scale=cfg.scale, precision=cfg.precision)
     return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
 
 
@@ -387,8 +387,9 @@ def _classes(cfg, allowed, terms, padding):
     def at(ranges, end, axis):  # the blocks' lows (end 0) or highs (1), laid as (b|1, n_q, n_k)
         return None if ranges is None else jnp.expand_dims(ranges[end], axis)
 
-    block = _conjunction(cfg, terms).block(*(Where(at(q_pos, e, 2), at(q_ids, e, 2)) for e in (0, 1)),
-                            *(Where(at(k_pos, e, 1), at(k_ids, e, 1), start + e * (cfg.block_k - 1), length) for e in (0, 1)))
+    queries = (Where(at(q_pos, e, 2), at(q_ids, e, 2)) for e in (0, 1))
+    keys = (Where(at(k_pos, e, 1), at(k_ids, e, 1), start + e * (cfg.block_k - 1), length) for e in (0, 1))
+    block = _conjunction(cfg, terms).block(*queries, *keys)
     whole = live = jnp.ones((1, cfg.n_q, cfg.n_k), bool)  # (b|1, n_q, n_k)
     if block[0] is not None:
         whole, live = whole & block[0], live & block[1]

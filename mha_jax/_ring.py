@@ -381,7 +381,8 @@ def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
     return cfg.terms.visible(
         Where(q5(qt["qp"]), q5(qt.get("qs"))),
-        Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]), None if lengths is None else lengths[:, None, None, None, None]),
+        Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
+              None if lengths is None else lengths[:, None, None, None, None]),
     )
 
 

@@ -119,7 +119,7 @@ def dot_product_attention(
         sink's share is not among them.
       precision: passed to the matrix products.
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
-        blocks, memory linear in length; blocks that causality, windows, segments or lengths
+        blocks, memory linear in length; blocks that causality, windows, chunks, segments or lengths
         empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
         GPUs, through ``jax.nn.dot_product_attention``; bfloat16/float16, neither
         ``logit_soft_cap``, ``sinks`` nor dropout), ``"splash"`` (JAX's Pallas TPU kernel:

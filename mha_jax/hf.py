@@ -34,9 +34,9 @@ def from_hf(
 
     Args:
       config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``
-        (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM, Cohere,
-        GPT-NeoX, GPT-J, GPT-2, BERT). Rotary
-        embedding, scale, soft-cap, QK-norm, sinks, biases and the layer's sliding window are
+        (Llama, Llama 4 text, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM,
+        Cohere, GPT-NeoX, GPT-J, GPT-2, BERT). Rotary embedding, scale, soft-cap, QK-norm, sinks,
+        biases and the layer's sliding window or chunks are
         read from it; an unsupported family or option raises, naming it.
       weights: the whole model's checkpoint, or None (parameters from ``rngs``): a state dict
         (name -> array), a ``.safetensors`` file, or a sharded checkpoint's

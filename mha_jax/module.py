@@ -407,8 +407,8 @@ def _check_cache(cache: _Cache, batch_shape, batch: int, n: int, kv_heads: int, 
     return _Cache(cache.key.reshape(flat), cache.value.reshape(flat), cache.end.reshape(batch), cache.overflow.reshape(batch))
 
 
-def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size,
-                 attention_chunk_size=None):
+def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
+                 local_window_size, attention_chunk_size=None):
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``; the updated cache
     and the spec of the new queries over its ``max_length`` slots."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.key.shape[1]
@@ -420,8 +420,8 @@ def _decode_step(cache: _Cache, key, value, num_heads: int, *, mask, bias, is_ca
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
     window = arguments.check_window(local_window_size)
-    overflow = terms.cache_overflows(start, end, max_length,
-                                     terms.of(arguments.check_is_causal(is_causal), window, attention_chunk_size, False, False))
+    bounds = terms.of(arguments.check_is_causal(is_causal), window, attention_chunk_size, False, False)
+    overflow = terms.cache_overflows(start, end, max_length, bounds)
     if _checks._concrete(overflow) and bool(overflow.any()):
         row = int(jnp.argmax(overflow))
         raise ValueError(

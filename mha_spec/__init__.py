@@ -6,7 +6,8 @@ once, so that a bad argument fails alike in both frameworks and a checkpoint rea
 - ``arguments``: checks that read no array library (head counts, broadcasting, rates, scales,
   soft-caps, windows, QK-norm, sequence, length, position and sink shapes);
 - ``batch_axes``: the modules' leading batch axes, merged into one and restored;
-- ``terms``: which keys a query may see (the masking terms on positions);
+- ``terms``: which keys a query may see: one object per masking term on positions (causality,
+  window, chunks, segments, lengths), combined with ``&``;
 - ``layouts``: checkpoint naming schemes and the shape check of a loaded state;
 - ``torch_mha``: the shape rules of ``torch.nn.MultiheadAttention``'s masks;
 - ``rotary``: rotary embeddings' parameters and how transformers' configs name them;

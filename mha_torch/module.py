@@ -233,7 +233,8 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
         if (key is None or key is query) and value is None and mask is None and bias is None and query_positions is None \
-                and local_window_size is None and self.attention_chunk_size is None and not need_weights and all(x is None for x in forbidden.values()):
+                and local_window_size is None and self.attention_chunk_size is None and not need_weights \
+                and all(x is None for x in forbidden.values()):
             out = self._one_token_step(query, cache)
             if out is not None:
                 return out
@@ -258,8 +259,8 @@ class MultiHeadAttention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q.transpose(1, 2)
         spec, slots = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
-                                   query_positions=terms["query_positions"], local_window_size=local_window_size, device=query.device,
-                                   attention_chunk_size=self.attention_chunk_size)
+                                   query_positions=terms["query_positions"], local_window_size=local_window_size,
+                                   device=query.device, attention_chunk_size=self.attention_chunk_size)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
             cache._keys, cache._values = (x.view(y.shape) for x, y in ((flat._keys, cache._keys), (flat._values, cache._values)))
         dropout_p = self.dropout if self.training else 0.0
@@ -377,8 +378,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     return flat
 
 
-def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions, local_window_size, device,
-                 attention_chunk_size=None):
+def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
+                 local_window_size, device, attention_chunk_size=None):
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (in place, or
     under autograd into new tensors); the spec of the new queries over the cache's first slots,
     and how many slots that is."""
@@ -411,7 +412,8 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    overflow = terms.cache_overflows(start, end, max_length, terms.of(is_causal, window, attention_chunk_size, False, False))
+    bounds = terms.of(is_causal, window, attention_chunk_size, False, False)
+    overflow = terms.cache_overflows(start, end, max_length, bounds)
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(

@@ -60,8 +60,9 @@ def test_every_implementation_matches_the_oracle(case, tiny_blocks):
     want_grads = oracle.attention_grad(cache, d_out)
     for impl in ("xla", "blockwise", "math", "sdpa"):
         if impl in ("xla", "blockwise"):
-            kw = dict(is_causal=causal, attention_chunk_size=size, implementation=impl, query_positions=qp, key_positions=kp)
-            kw = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+            kw = dict(is_causal=causal, attention_chunk_size=size, implementation=impl)
+            kw.update(query_positions=None if qp is None else jnp.asarray(qp),
+                      key_positions=None if kp is None else jnp.asarray(kp))
             f = functools.partial(mha_jax.dot_product_attention, **kw)
             out, vjp = jax.vjp(f, *(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)))
             got = [np.asarray(x).transpose(0, 2, 1, 3) for x in (out, *vjp(jnp.asarray(d_out.transpose(0, 2, 1, 3))))]
@@ -183,7 +184,7 @@ def test_a_bad_chunk_size_fails_by_name():
             mha_torch.MultiHeadAttention(E, H, attention_chunk_size=bad)
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: XLA_FLAGS=...device_count=8, as test_ring")
 def test_ring_matches_the_oracle(monkeypatch):
     """The length over 4 devices, tiles of 2 x 2: tiles of other chunks are skipped."""
     monkeypatch.setattr(_ring, "TILE", 2)
@@ -196,9 +197,11 @@ def test_ring_matches_the_oracle(monkeypatch):
         def f(q, k, v):
             return mha_jax.dot_product_attention(q, k, v, is_causal=True, attention_chunk_size=5, sequence_axis="seq",
                                                  query_positions=jnp.asarray(positions))
-        placed = [jax.device_put(jnp.asarray(x.transpose(0, 2, 1, 3)), jax.sharding.PartitionSpec(None, "seq")) for x in (q, k, v)]
-        out, vjp = jax.vjp(jax.jit(f), *placed)
-        grads = vjp(jax.device_put(jnp.asarray(d_out.transpose(0, 2, 1, 3)), jax.sharding.PartitionSpec(None, "seq")))
+        def place(x):  # (B, H, L, D) -> (B, L, H, D), the length over "seq"
+            return jax.device_put(jnp.asarray(x.transpose(0, 2, 1, 3)), jax.sharding.PartitionSpec(None, "seq"))
+
+        out, vjp = jax.vjp(jax.jit(f), *map(place, (q, k, v)))
+        grads = vjp(place(d_out))
     assert max(harness.errors(np.asarray(out).transpose(0, 2, 1, 3), want)) <= 1e-13
     for g, w in zip(grads, want_grads):
         assert max(harness.errors(np.asarray(g).transpose(0, 2, 1, 3), w)) <= 1e-12
@@ -234,7 +237,8 @@ def _llama4(layer: int, **overrides):
 def _rotated64(xq, xk, freqs_cis):
     """``modeling_llama4.apply_rotary_emb`` (pairs as complex numbers) kept in float64."""
     def rotate(x):
-        return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs_cis[:, :, None]).flatten(3)
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs_cis[:, :, None]).flatten(3)
 
     return rotate(xq), rotate(xk)
 
@@ -242,9 +246,10 @@ def _rotated64(xq, xk, freqs_cis):
 @pytest.mark.parametrize("layer", [0, 1])
 def test_from_hf_equals_transformers_llama4_attention(layer, monkeypatch):
     """``from_hf`` of a chunked layer (its interleaved rotary embedding at each position) and of
-    a NoPE layer (full attention, no rotary embedding) against ``Llama4TextAttention`` under transformers' own chunked causal mask
-    function (``masking_utils``), on a batch with a padded row: outputs and input gradients to
-    1e-12 in float64 (transformers' rotary step, in float32 whatever the input, kept in float64)."""
+    a NoPE layer (full attention, no rotary embedding) against ``Llama4TextAttention`` under
+    transformers' own chunked causal mask function (``masking_utils``), on a batch with a padded
+    row: outputs and input gradients to 1e-12 in float64 (transformers' rotary step, in float32
+    whatever the input, kept in float64)."""
     config, attention = _llama4(layer)
     lengths, s = torch.tensor([7, 5]), 7
     x = torch.tensor(np.random.default_rng(4).normal(size=(B, s, E)), requires_grad=True)
@@ -272,8 +277,10 @@ def test_from_hf_equals_transformers_llama4_attention(layer, monkeypatch):
     assert options.attention_chunk_size == (3 if layer == 0 else None) and (options.rotary is None) == (layer == 1)
     got = options(x, is_causal=True, key_value_seq_lengths=lengths)
     (dx,) = torch.autograd.grad(got, x, d_out)
-    ours = mha_jax.from_hf(config.to_dict(), {k: v.numpy() for k, v in state.items()}, layer=layer, param_dtype=jnp.float64)
-    out_j, vjp = jax.vjp(lambda h: ours(h, is_causal=True, key_value_seq_lengths=jnp.asarray(lengths)), jnp.asarray(x.detach()))
+    ours = mha_jax.from_hf(config.to_dict(), {k: v.numpy() for k, v in state.items()}, layer=layer,
+                           param_dtype=jnp.float64)
+    out_j, vjp = jax.vjp(lambda h: ours(h, is_causal=True, key_value_seq_lengths=jnp.asarray(lengths)),
+                         jnp.asarray(x.detach()))
     for a, b in ((got, out), (dx, want_dx), (out_j, out), (vjp(jnp.asarray(d_out))[0], want_dx)):
         a, b = np.asarray(a.detach() if isinstance(a, torch.Tensor) else a), b.detach().numpy()
         assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()

@@ -77,7 +77,8 @@ def test_terms_combine_with_and_in_one_order():
     assert Causal() & Window(3, 0) == Terms((Causal(), Window(3, 0)))
     assert (Causal() & Chunked(4)) & Segments() == Causal() & (Chunked(4) & Segments())
     assert of(True, (3, 0), 8, True, True) == Causal() & Window(3, 0) & Chunked(8) & Segments() & Lengths()
-    assert not of(False, None, None, False, False) and of(False, None, None, False, False).visible(Where(), Where()) is None
+    none = of(False, None, None, False, False)
+    assert not none and none.visible(Where(), Where()) is None and none.block(*[Where()] * 4) == (None, None)
     assert hash(Chunked(4) & Causal()) == hash(Chunked(4) & Causal())  # static: a jit/custom-vjp argument
 
 
