@@ -284,8 +284,8 @@ class MultiHeadAttention(nn.Module):
         window, given positions, dropout, sinks, soft-cap or weights); the caller has checked
         the arguments. The tensor operations of a hand-written SDPA step (each key/value head's
         group of query heads as rows of one head, as ``_sdpa`` does) and only the checks they
-        need: about 25 us less Python per call than the general path, which gives the same
-        attention. None (nothing done) for any other call, which the general path then takes,
+        need: less Python per call than the general path (figures on the performance page),
+        which gives the same attention. None (nothing done) for any other call, which the general path then takes,
         raising the errors it names."""
         batch, heads, kv_heads, head_dim = query.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         keys, values = cache._keys, cache._values
