@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mha_jax import _blockwise  # its query-block layout (imported as a module: it imports this one)
+from mha_jax import _tiles  # the query-block layout, as _blockwise's
 from mha_spec.terms import Causal, Terms, Where, Window
 
 # Scores of one band, over batch x heads x rows x keys: as ``_blockwise._BLOCK_SCORES``.
@@ -201,7 +201,7 @@ def _forward(cfg, q, k, v, terms):
 def _backward(cfg, residuals, d_out):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
     g = q.shape[2]
-    delta = _blockwise._query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
+    delta = _tiles._query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
     qs = _queries(cfg, q)
     dos = _queries(cfg, d_out)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)

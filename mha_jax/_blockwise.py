@@ -46,6 +46,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mha_jax import _band, masks
+from mha_jax._tiles import _from_query_rows, _key_rows, _pad, _query_rows
 from mha_spec import terms as _terms
 from mha_spec.terms import Terms, Where
 
@@ -241,16 +242,6 @@ def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     return _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)[0]
 
 
-def _pad(x, axis, size, broadcast=False):
-    """Zero-pad ``axis`` to ``size``; with ``broadcast``, an axis of 1 (a mask broadcast along
-    it) stays as it is."""
-    if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _block(x, axis, index, size):
     """Block ``index`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast."""
     if x is None or x.shape[axis] == 1:
@@ -273,28 +264,6 @@ def _tile(cfg, x, i, j, transposed):
 def _and(a, b):
     """``a & b``, either of which may be None (nothing excluded)."""
     return b if a is None else a if b is None else a & b
-
-
-def _query_rows(cfg, x):
-    """``(b, h, g, q_len, *rest)`` -> query blocks ``(n_q, b, h, g*block_q, *rest)``."""
-    b, h, g = x.shape[:3]
-    x = _pad(x, 3, cfg.n_q * cfg.block_q)
-    x = x.reshape((b, h, g, cfg.n_q, cfg.block_q) + x.shape[4:])
-    return jnp.moveaxis(x, 3, 0).reshape((cfg.n_q, b, h, g * cfg.block_q) + x.shape[5:])
-
-
-def _from_query_rows(cfg, x, b, h, g):
-    """The inverse of ``_query_rows``, with the padding of the last block dropped."""
-    x = x.reshape((cfg.n_q, b, h, g, cfg.block_q) + x.shape[4:])
-    x = jnp.moveaxis(x, 0, 3).reshape((b, h, g, cfg.n_q * cfg.block_q) + x.shape[5:])
-    return x[:, :, :, : cfg.q_len]
-
-
-def _key_rows(cfg, x):
-    """``(b, h, kv_len, d)`` -> key blocks ``(n_k, b, h, block_k, d)``."""
-    b, h, _, d = x.shape
-    x = _pad(x, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
-    return jnp.moveaxis(x, 2, 0)
 
 
 def _pad_masks(cfg, masks):
