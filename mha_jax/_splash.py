@@ -51,7 +51,7 @@ def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
         return "dropout"
     if (spec.is_causal or spec.window is not None) and not spec.default_positions:
         return "query_positions/key_positions with is_causal or local_window_size (only default positions)"
-    if spec.chunk_size is not None and (not spec.is_causal or spec.window is not None or not spec.default_positions):
+    if spec.chunk_size is not None and (not spec.is_causal or spec.window is not None):  # positions: refused above
         return "attention_chunk_size without is_causal or with local_window_size (its chunks are causal ones)"
     return None
 
