@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from mha_jax import _blockwise, _checks, _platform, _ring, _splash, masks
 from mha_jax.masks import MASK_LAYOUT
-from mha_spec import arguments
+from mha_spec import arguments, docstrings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ _PLATFORM_NAMES = {"cuda": "an NVIDIA GPU", "tpu": "a TPU"}
 _AD_TRACERS = ("JVPTracer", "LinearizeTracer")
 
 
+@docstrings.fill
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -91,23 +92,8 @@ def dot_product_attention(
         flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks work as they are).
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
         scaled logits (``-inf`` excludes a key).
-      is_causal: a query sees the keys at positions ``<=`` its own.
-      query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
-        default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
-        ``0..t+n-1``, ``is_causal`` is what decoding needs.
-      local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
-        positions ``p - left .. p + right``.
-      query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
-        one row for every batch element), given together: a query sees keys of its own segment.
-      key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
-      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
-        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
-      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
-      logit_soft_cap: a positive finite ``cap``: the scaled logits become
-        ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
-      sinks: real floating ``(heads,)``, one learned logit per query head that joins each
-        query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
-        less than 1, and a query that may attend to no key still gets 0. Differentiable.
+      {masking_terms}
+      {logit_terms}
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
       dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (``"xla"`` and

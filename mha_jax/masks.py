@@ -5,32 +5,23 @@ the JAX/Flax convention: any dtype, nonzero = attend (flax's ``make_attention_ma
 ``make_causal_mask`` and ``combine_masks`` give float32 0/1 masks; they mean what they mean in
 flax). Additive terms go in ``bias``.
 
-Causality, sliding windows, packed segments and key/value lengths are predicates on positions,
-kept as positions (never a dense ``(q_len, kv_len)`` matrix unless an implementation needs one):
-query ``i`` at position ``qp[i]`` may see key ``j`` at ``kp[j]`` when
-
-- ``kp[j] <= qp[i]`` (``is_causal``);
-- ``qp[i] - left <= kp[j] <= qp[i] + right`` (``local_window_size``);
-- ``qp[i] // size == kp[j] // size`` (``attention_chunk_size``: Llama 4's chunked attention);
-- the two segment ids are equal (``query_segment_ids``, ``key_segment_ids``);
-- ``j < key_value_seq_lengths[b]``.
-
-Each is one term of ``mha_spec.terms``; ``_Spec.terms`` is their conjunction, which every
-consumer (the dense mask, the blockwise classes, the band, the ring's tiles, unused-key zeroing
-and the cache's overflow check) reads.
+Causality, sliding windows, chunks, packed segments and key/value lengths are predicates on
+positions, the terms of ``mha_spec.terms`` (whose docstring lists them), kept as positions (never
+a dense ``(q_len, kv_len)`` matrix unless an implementation needs one). ``_Spec.terms`` is their
+conjunction, which every consumer (the dense mask, the blockwise classes, the band, the ring's
+tiles, unused-key zeroing and the cache's overflow check) reads.
 
 Twin of ``mha_torch/masks.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks
-from mha_spec import arguments, terms
+from mha_spec import arguments, docstrings, terms
+from mha_spec.terms import Spec as _Spec
 from mha_spec.terms import Where
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
@@ -42,10 +33,7 @@ def padding_mask(valid) -> jnp.ndarray:
     ``valid`` is bool or 0/1 integer; True/nonzero marks a real (not padded) key.
     """
     _checks.require_array("valid", valid)
-    if valid.ndim != 2:
-        raise ValueError(f"valid must have rank 2 (batch, kv_len), got shape {tuple(valid.shape)}")
-    if _checks._dtype_kind(valid) not in ("bool", "int"):
-        raise TypeError(f"valid must be bool or integer, got dtype {valid.dtype}")
+    arguments.check_padding_valid(valid.shape, _checks._dtype_kind(valid), valid.dtype)
     return (jnp.asarray(valid) != 0)[:, None, None, :]
 
 
@@ -55,59 +43,13 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
     Aligned top-left, as ``is_causal`` with default positions: with ``q_len > kv_len`` the
     last rows see every key.
     """
-    kv_len = q_len if kv_len is None else kv_len
-    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    kv_len = arguments.check_mask_sizes(q_len, kv_len)
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None, None]
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """One call's masking, checked: the dense terms as given, the structured ones as positions.
-
-    ``allowed`` (bool) and ``bias`` (float) broadcast to ``(batch, heads, q_len, kv_len)``;
-    positions and segment ids are int32 ``(batch|1, len)``; ``lengths`` int32 ``(batch,)``;
-    ``window`` is ``(left, right)``; ``chunk_size`` an int. None means absent (default
-    positions: ``arange``). ``terms`` is the structured terms' conjunction.
-    """
-
-    shape: tuple[int, int, int, int]
-    allowed: jax.Array | None = None
-    bias: jax.Array | None = None
-    is_causal: bool = False
-    query_positions: jax.Array | None = None
-    key_positions: jax.Array | None = None
-    window: tuple[int, int] | None = None
-    query_segment_ids: jax.Array | None = None
-    key_segment_ids: jax.Array | None = None
-    lengths: jax.Array | None = None
-    chunk_size: int | None = None
-
-    @property
-    def default_positions(self) -> bool:
-        return self.query_positions is None and self.key_positions is None
-
-    @property
-    def terms(self) -> terms.Terms:
-        return terms.of(self.is_causal, self.window, self.chunk_size, self.query_segment_ids is not None,
-                        self.lengths is not None)
-
-
-def _parse(
-    shape: tuple[int, int, int, int],
-    *,
-    mask=None,
-    bias=None,
-    is_causal=False,
-    query_positions=None,
-    key_positions=None,
-    local_window_size=None,
-    query_segment_ids=None,
-    key_segment_ids=None,
-    key_value_seq_lengths=None,
-    attention_chunk_size=None,
-) -> _Spec:
+def _parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
+           key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
+           key_value_seq_lengths=None, attention_chunk_size=None) -> _Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
     batch, _, q_len, kv_len = shape
     allowed = None
@@ -144,9 +86,7 @@ def _sequence(name: str, x, batch: int, length: int, length_name: str):
 
 
 def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int):
-    if (query_ids is None) != (key_ids is None):
-        given, missing = ("query_segment_ids", "key_segment_ids") if key_ids is None else ("key_segment_ids", "query_segment_ids")
-        raise ValueError(f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)")
+    arguments.check_segments_given(query_ids is not None, key_ids is not None)
     return (_sequence("query_segment_ids", query_ids, batch, q_len, "q_len"),
             _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len"))
 
@@ -158,39 +98,28 @@ def _lengths(lengths, batch: int, kv_len: int):
     return jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (batch,))
 
 
+def _arange(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
 def _positions(spec: _Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
-    _, _, q_len, kv_len = spec.shape
-    qp = jnp.arange(q_len, dtype=jnp.int32)[None] if spec.query_positions is None else spec.query_positions
-    kp = jnp.arange(kv_len, dtype=jnp.int32)[None] if spec.key_positions is None else spec.key_positions
-    return qp, kp
+    return spec.positions(_arange)
 
 
 def _dense(spec: _Spec):
     """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
-    if not spec.terms:
-        return spec.allowed  # positions alone restrict nothing
-    qp, kp = _positions(spec)
-    qs, ks, lengths = spec.query_segment_ids, spec.key_segment_ids, spec.lengths
-    visible = spec.terms.visible(
-        Where(qp[:, :, None], None if qs is None else qs[:, :, None]),
-        Where(kp[:, None, :], None if ks is None else ks[:, None, :], jnp.arange(spec.shape[3])[None, None, :],
-              None if lengths is None else lengths[:, None, None]),
-    )[:, None]
-    return visible if spec.allowed is None else spec.allowed & visible
+    return spec.dense(_arange)
 
 
+@docstrings.fill
 def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
-    """bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
-    head (with ``kv_heads=1``, of any head) may attend to the key; None when none is found.
+    """Keys no query may see.
 
-    Each term is read alone (a key that only their combination excludes stays in): the dense
-    mask and a ``-inf`` bias over all queries, and without forming a ``(q_len, kv_len)`` matrix,
-    lengths, causality, windows and chunks from the extreme query positions, and segments absent from
-    the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
-    outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
-    projection's weight gradient. ``segments=False`` leaves the segments' term out (it sorts the
-    query ids along the length, which a length sharded over a mesh axis cannot be).
+    {unused_keys}
+
+    ``segments=False`` leaves the segments' term out (it sorts the query ids along the length,
+    which a length sharded over a mesh axis cannot be).
     """
     batch, _, _, kv_len = spec.shape
     excluded = []

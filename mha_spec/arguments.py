@@ -110,6 +110,31 @@ def check_sinks_shape(shape: Sequence[int], heads: int) -> None:
         )
 
 
+def check_padding_valid(shape: tuple[int, ...], kind: str, dtype) -> None:
+    """``padding_mask``'s ``valid``: bool or integer ``(batch, kv_len)``."""
+    if len(shape) != 2:
+        raise ValueError(f"valid must have rank 2 (batch, kv_len), got shape {tuple(shape)}")
+    if kind not in ("bool", "int"):
+        raise TypeError(f"valid must be bool or integer, got dtype {dtype}")
+
+
+def check_mask_sizes(q_len, kv_len) -> int:
+    """``causal_mask``'s sizes, positive integers; ``kv_len`` (``q_len`` when None)."""
+    kv_len = q_len if kv_len is None else kv_len
+    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    return kv_len
+
+
+def check_segments_given(query_given: bool, key_given: bool) -> None:
+    """Segment ids come in pairs: the queries' and the keys'."""
+    if query_given != key_given:
+        given, missing = ("query_segment_ids", "key_segment_ids") if query_given else \
+            ("key_segment_ids", "query_segment_ids")
+        raise ValueError(f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)")
+
+
 def check_is_causal(is_causal) -> bool:
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")

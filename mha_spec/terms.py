@@ -9,6 +9,14 @@ key indices and lengths) is given to it, laid out by the caller to broadcast, as
   of the block may see a key of it (the block is empty), ``whole`` True when every query may
   see every key (no mask needed). In between the block is partial.
 
+The terms, for query ``i`` at position ``qp[i]`` and key ``j`` at ``kp[j]``:
+
+- ``Causal``: ``kp[j] <= qp[i]`` (``is_causal``);
+- ``Window``: ``qp[i] - left <= kp[j] <= qp[i] + right`` (``local_window_size``);
+- ``Chunked``: ``qp[i] // size == kp[j] // size`` (``attention_chunk_size``: Llama 4's chunks);
+- ``Segments``: the two segment ids are equal (``query_segment_ids``, ``key_segment_ids``);
+- ``Lengths``: ``j < key_value_seq_lengths[b]``.
+
 Both are written with operators alone (``<=``, ``&``, ``==``, ``//``, broadcasting), so that
 they run alike on NumPy, JAX and PyTorch arrays, inside a traced graph. Terms combine with
 ``&`` into ``Terms``, a conjunction that does the same over its members (None: no restriction).
@@ -16,7 +24,7 @@ they run alike on NumPy, JAX and PyTorch arrays, inside a traced graph. Terms co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -207,3 +215,60 @@ def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
     newest = Where(position=end - max_length - 1)
     live = bounds.block(Where(position=start), Where(position=end - 1), newest, newest)[1]
     return wrapped if live is None else wrapped & live
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One call's masking, checked: the dense terms as given, the structured ones as positions.
+
+    ``allowed`` (bool) and ``bias`` (float) broadcast to ``shape`` = ``(batch, heads, q_len,
+    kv_len)``; positions and segment ids are integer ``(batch|1, len)``, ``lengths`` integer
+    ``(batch,)`` (int32 in JAX, int64 in PyTorch); ``window`` is ``(left, right)``; ``chunk_size``
+    an int. None means absent (default positions: ``arange``). ``device``: where PyTorch's
+    tensors are (and its default positions are made); None in JAX.
+    """
+
+    shape: tuple[int, int, int, int]
+    allowed: Any = None
+    bias: Any = None
+    is_causal: bool = False
+    query_positions: Any = None
+    key_positions: Any = None
+    window: tuple[int, int] | None = None
+    query_segment_ids: Any = None
+    key_segment_ids: Any = None
+    lengths: Any = None
+    chunk_size: int | None = None
+    device: Any = field(default=None, compare=False)
+
+    @property
+    def default_positions(self) -> bool:
+        return self.query_positions is None and self.key_positions is None
+
+    @property
+    def terms(self) -> Terms:
+        """The structured terms' conjunction."""
+        return of(self.is_causal, self.window, self.chunk_size, self.query_segment_ids is not None,
+                  self.lengths is not None)
+
+    def positions(self, arange) -> tuple[Any, Any]:
+        """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), with
+        ``arange(n)`` (the framework's, integer ``(n,)``) by default."""
+        _, _, q_len, kv_len = self.shape
+        qp = arange(q_len)[None] if self.query_positions is None else self.query_positions
+        kp = arange(kv_len)[None] if self.key_positions is None else self.key_positions
+        return qp, kp
+
+    def dense(self, arange) -> Any:
+        """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none
+        restricts (``arange`` as in ``positions``)."""
+        if not self.terms:
+            return self.allowed  # positions alone restrict nothing
+        qp, kp = self.positions(arange)
+        qs, ks, lengths = self.query_segment_ids, self.key_segment_ids, self.lengths
+        visible = self.terms.visible(
+            Where(qp[:, :, None], None if qs is None else qs[:, :, None]),
+            Where(kp[:, None, :], None if ks is None else ks[:, None, :], arange(self.shape[3])[None, None, :],
+                  None if lengths is None else lengths[:, None, None]),
+        )[:, None]
+        return visible if self.allowed is None else self.allowed & visible

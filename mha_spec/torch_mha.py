@@ -1,8 +1,27 @@
-"""The shape rules of ``torch.nn.MultiheadAttention``'s masks."""
+"""``torch.nn.MultiheadAttention``'s masks: what they mean in ours, and their shape rules.
+
+Its boolean masks mean the opposite of ours: True = ignore. Its float masks are added to the
+logits, which is our ``bias`` (our own ``mask`` is nonzero = attend in ``mha_jax`` but
+float-additive in ``mha_torch``, so the pair below is what means the same in both):
+
+==========================================  ==========================  ==============================================
+``torch.nn.MultiheadAttention``             shape                       ours: ``(mask, bias) = mask_from_torch_mha(...)``
+==========================================  ==========================  ==============================================
+``attn_mask`` bool, True = ignore           ``(q_len, kv_len)``         ``mask = ~attn_mask``
+``attn_mask`` bool, True = ignore           ``(batch*heads, q, kv)``    ``mask = ~attn_mask`` as ``(batch, heads, q, kv)``
+``attn_mask`` float, added to the logits    either                      ``bias =`` the same values
+``key_padding_mask`` bool, True = padding   ``(batch, kv_len)``         ``mask = ~kpm[:, None, None, :]``
+``key_padding_mask`` float, added           ``(batch, kv_len)``         ``bias = kpm[:, None, None, :]``
+both                                                                    ``mask``: both allow; ``bias``: the sum
+==========================================  ==========================  ==============================================
+"""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 
 def torch_mha_attn_shape(shape: Sequence[int], num_heads) -> tuple[int, ...]:
@@ -42,3 +61,23 @@ def torch_mha_layout(mask_shape: Sequence[int], shape: Sequence[int]) -> tuple[i
     batch, heads, q_len, kv_len = shape
     lead = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
     return (q_len, kv_len) if lead[0] == lead[1] == 1 else (batch * heads, q_len, kv_len)
+
+
+def check_mask_kind(name: str, kind: str, dtype, shape) -> None:
+    """It takes bool and float masks only (it rejects integers)."""
+    if kind not in ("bool", "float"):
+        raise TypeError(f"{name} must be bool or floating, got dtype {dtype} with shape {tuple(shape)}")
+
+
+def combine(parts: list) -> tuple[Any, Any]:
+    """Our ``(mask, bias)`` from its masks, as arrays of one framework broadcasting to
+    ``(batch, heads, q_len, kv_len)``: the bool ones (True = ignore) negated and and-ed, the
+    float ones summed (in their promoted dtype). Each part stays in its own kind: a float 0/-inf
+    "mask" would read as nonzero = attend in ``mha_jax``."""
+    def is_bool(x) -> bool:
+        return str(x.dtype).removeprefix("torch.") == "bool"
+
+    allowed = [~p for p in parts if is_bool(p)]
+    added = [p for p in parts if not is_bool(p)]
+    return (functools.reduce(operator.and_, allowed) if allowed else None,
+            functools.reduce(operator.add, added) if added else None)

@@ -1,20 +1,7 @@
 """Masks to and from the convention of ``torch.nn.MultiheadAttention``.
 
-Its boolean masks mean the opposite of ours: True = ignore. Its float masks are added to the
-logits, which is our ``bias`` (our own ``mask`` is float-additive in ``mha_torch`` but
-nonzero = attend in ``mha_jax``, so the pair below is what means the same in both). Twin of
-``mha_jax/_torch_mha_masks.py``.
-
-==========================================  ==========================  ==============================================
-``torch.nn.MultiheadAttention``             shape                       ours: ``(mask, bias) = mask_from_torch_mha(...)``
-==========================================  ==========================  ==============================================
-``attn_mask`` bool, True = ignore           ``(q_len, kv_len)``         ``mask = ~attn_mask``
-``attn_mask`` bool, True = ignore           ``(batch*heads, q, kv)``    ``mask = ~attn_mask`` as ``(batch, heads, q, kv)``
-``attn_mask`` float, added to the logits    either                      ``bias =`` the same values
-``key_padding_mask`` bool, True = padding   ``(batch, kv_len)``         ``mask = ~kpm[:, None, None, :]``
-``key_padding_mask`` float, added           ``(batch, kv_len)``         ``bias = kpm[:, None, None, :]``
-both                                                                    ``mask``: both allow; ``bias``: the sum
-==========================================  ==========================  ==============================================
+What its masks mean in ours is the table of ``mha_spec.torch_mha``. Twin of
+``mha_jax/_torch_mha_masks.py``; here they are tensors.
 
 ``mask_to_torch_mha(mask, shape, bias=...)`` goes back: bool ``attn_mask`` (True = ignore)
 when nothing is additive, else float ``attn_mask`` (the bias, plus a float mask, ``-inf``
@@ -25,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from mha_spec import torch_mha
+from mha_spec import docstrings, torch_mha
 from mha_torch import _checks, masks
 
 
+@docstrings.fill
 def mask_from_torch_mha(
     attn_mask: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
@@ -38,38 +26,21 @@ def mask_from_torch_mha(
     """Our ``(mask, bias)`` from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``.
 
     Args:
-      attn_mask: ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)``; bool (True =
-        ignore) or float (added to the logits).
-      key_padding_mask: ``(batch, kv_len)``; bool (True = padding) or float (added).
-      num_heads: needed for a 3-d ``attn_mask``.
+      {torch_mha_masks}
 
     Returns:
-      ``(mask, bias)``, each broadcasting to ``(batch, num_heads, q_len, kv_len)`` or None:
-      ``mask`` bool (True = attend) from the bool parts (both must allow), ``bias`` float from
-      the float parts (their sum, in the promoted dtype). Pass them as ``mask=`` and ``bias=``
-      in either framework; ``(None, None)`` if both are None. New tensors are made on the
-      inputs' device.
+      {torch_mha_masks_returns}
+      New tensors are made on the inputs' device.
     """
     parts = []
     if attn_mask is not None:
-        _checks.require_array("attn_mask", attn_mask)
         _check_kind("attn_mask", attn_mask)
         parts.append(attn_mask.reshape(torch_mha.torch_mha_attn_shape(attn_mask.shape, num_heads)))
     if key_padding_mask is not None:
-        _checks.require_array("key_padding_mask", key_padding_mask)
         _check_kind("key_padding_mask", key_padding_mask)
         torch_mha.check_torch_mha_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
         parts.append(key_padding_mask[:, None, None, :])
-    # Each part stays in its own kind: bool parts never become 0/-inf floats (nothing is made
-    # on a default device, and a float "mask" would mean nonzero = attend in mha_jax).
-    allowed = [~p for p in parts if p.dtype == torch.bool]
-    added = [p for p in parts if p.dtype != torch.bool]
-    mask = None if not allowed else allowed[0] if len(allowed) == 1 else allowed[0] & allowed[1]
-    bias = None
-    if added:
-        dtype = added[0].dtype if len(added) == 1 else torch.promote_types(added[0].dtype, added[1].dtype)
-        bias = added[0].to(dtype) if len(added) == 1 else added[0].to(dtype) + added[1].to(dtype)
-    return mask, bias
+    return torch_mha.combine(parts)
 
 
 def mask_to_torch_mha(
@@ -114,6 +85,5 @@ def _torch_mha_layout(theirs: torch.Tensor, shape: tuple[int, int, int, int]) ->
 
 
 def _check_kind(name: str, mask: torch.Tensor) -> None:
-    """torch.nn.MultiheadAttention takes bool and float masks only (it rejects integers)."""
-    if _checks._dtype_kind(mask) not in ("bool", "float"):
-        raise TypeError(f"{name} must be bool or floating, got dtype {_checks._dtype_name(mask)} with shape {tuple(mask.shape)}")
+    _checks.require_array(name, mask)
+    torch_mha.check_mask_kind(name, _checks._dtype_kind(mask), _checks._dtype_name(mask), mask.shape)

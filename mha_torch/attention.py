@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mha_spec import arguments, terms
+from mha_spec import arguments, docstrings, terms
 from mha_torch import _checks, masks
 from mha_torch.masks import MASK_LAYOUT
 
@@ -36,6 +36,7 @@ IMPLEMENTATIONS = tuple(_KERNELS)
 _DEFAULT_ORDER = ("sdpa", "math")  # the default: the first that takes the call
 
 
+@docstrings.fill
 def dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -73,24 +74,8 @@ def dot_product_attention(
         dtype, nonzero = attend.
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
         scaled logits (``-inf`` excludes a key).
-      is_causal: a query sees the keys at positions ``<=`` its own.
-      query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
-        default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
-        ``0..t+n-1``, ``is_causal`` is what decoding needs.
-      local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
-        positions ``p - left .. p + right``.
-      query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
-        one row for every batch element), given together: a query sees keys of its own segment.
-      key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
-      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
-        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
-      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
-      logit_soft_cap: a positive finite ``cap``: the scaled logits become
-        ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
-        ``F.scaled_dot_product_attention`` cannot apply it, so it needs ``"math"``.
-      sinks: real floating ``(heads,)``, one learned logit per query head that joins each
-        query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
-        less than 1, and a query that may attend to no key still gets 0. Differentiable.
+      {masking_terms}
+      {logit_terms}
       dropout_p: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
       dropout_mask: explicit keep-mask (True = keep) broadcasting to

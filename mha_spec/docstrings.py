@@ -1,0 +1,82 @@
+"""What the twins' docstrings say alike, written once.
+
+A docstring of either twin names a section on a line of its own, ``{name}``; ``fill`` puts the
+section's text there when the module is imported (``help()`` and the API reference show it whole),
+each line indented as the placeholder is. Only what reads the same in both frameworks is here:
+arrays are called arrays, and a framework's own words (its dtype rules, its implementations) stay in
+its own docstring.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+SECTIONS = {
+    # the masking terms on positions, as the functional cores document them
+    "masking_terms": """\
+is_causal: a query sees the keys at positions ``<=`` its own.
+query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
+  default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
+  ``0..t+n-1``, ``is_causal`` is what decoding needs.
+local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
+  positions ``p - left .. p + right``.
+query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
+  one row for every batch element), given together: a query sees keys of its own segment.
+key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
+attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
+  ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).""",
+    # the logit terms after the masks
+    "logit_terms": """\
+scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+logit_soft_cap: a positive finite ``cap``: the scaled logits become
+  ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
+sinks: real floating ``(heads,)``, one learned logit per query head that joins each
+  query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
+  less than 1, and a query that may attend to no key still gets 0. Differentiable.""",
+    # masks._unused_keys in both twins
+    "unused_keys": """\
+bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
+head (with ``kv_heads=1``, of any head) may attend to the key; None when none is found.
+
+Each term is read alone (a key that only their combination excludes stays in): the dense
+mask and a ``-inf`` bias over all queries, and without forming a ``(q_len, kv_len)`` matrix,
+lengths, causality, windows and chunks from the extreme query positions, and segments absent
+from the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
+outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
+projection's weight gradient.""",
+    # torch.nn.MultiheadAttention's masks, read by mask_from_torch_mha in both twins
+    "torch_mha_masks": """\
+attn_mask: ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)``; bool (True =
+  ignore) or float (added to the logits).
+key_padding_mask: ``(batch, kv_len)``; bool (True = padding) or float (added).
+num_heads: needed for a 3-d ``attn_mask``.""",
+    "torch_mha_masks_returns": """\
+``(mask, bias)``, each broadcasting to ``(batch, num_heads, q_len, kv_len)`` or None:
+``mask`` bool (True = attend) from the bool parts (both must allow), ``bias`` float from
+the float parts (their sum, in the promoted dtype). Pass them as ``mask=`` and ``bias=``
+in either framework; ``(None, None)`` if both are None.""",
+}
+
+_PLACEHOLDER = re.compile(r"^( *)\{(\w+)\}$", re.MULTILINE)
+
+
+def expand(text: str) -> str:
+    """``text`` with each ``{name}`` line replaced by ``SECTIONS[name]``, indented as the line."""
+
+    def section(match: re.Match) -> str:
+        indent, name = match.groups()
+        if name not in SECTIONS:
+            raise KeyError(f"no docstring section {name!r}; the sections are {sorted(SECTIONS)}")
+        return "\n".join(indent + line if line else line for line in SECTIONS[name].splitlines())
+
+    return _PLACEHOLDER.sub(section, text)
+
+
+def fill(obj: _T) -> _T:
+    """Decorator: ``obj``'s docstring with its sections put in (``expand``)."""
+    if obj.__doc__:
+        obj.__doc__ = expand(obj.__doc__)
+    return obj
