@@ -145,15 +145,9 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     return state
 
 
-def load_weights(
-    module: Any,
-    state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
-    *,
-    layout: str | None = None,
-    mapping: Mapping[str, str] | None = None,
-    prefix: str = "",
-    ignore: Sequence[str] = (),
-) -> None:
+def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.PathLike, *,
+                 layout: str | None = None, mapping: Mapping[str, str] | None = None, prefix: str = "",
+                 ignore: Sequence[str] = ()) -> None:
     """Update an ``mha_jax.MultiHeadAttention`` in place from a PyTorch state dict or file.
 
     ``layout``, ``mapping``, ``prefix``, ``ignore``: as ``from_torch``. Values are cast to the
@@ -210,30 +204,21 @@ def _params_dict(params: Any) -> dict:
 
 def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
     """Name -> NumPy array (a copy: nothing the caller passed is shared or modified)."""
-    if isinstance(state_dict_or_path, (str, os.PathLike)):
-        from safetensors.flax import load_file  # only when a file is given; bfloat16 too, unlike NumPy's reader
+    return layouts.read_checkpoint(state_dict_or_path, _load_file, _numeric)
 
-        path = os.fspath(state_dict_or_path)
-        if not path.endswith(".safetensors"):
-            raise ValueError(f"state_dict_or_path must be a .safetensors file, got {path!r}")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"state_dict_or_path {path!r} does not exist")
-        try:
-            return {k: np.array(v) for k, v in load_file(path).items()}
-        except Exception as error:  # safetensors raises its own types for bad headers
-            raise ValueError(f"state_dict_or_path {path!r} is not a readable safetensors file: {error}") from error
-    if not isinstance(state_dict_or_path, Mapping):
-        raise TypeError(
-            "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
-            f"got {type(state_dict_or_path).__name__}"
-        )
-    state = {}
-    for k, v in state_dict_or_path.items():
-        array = state[str(k)] = _to_numpy(v)
-        # objects and strings; kind "V" holds bfloat16 as well as structured records
-        if array.dtype.kind in "OUSV" and not jnp.issubdtype(array.dtype, jnp.floating):
-            raise ValueError(f"state_dict: {str(k)!r} is not a numeric array: got {type(v).__name__}")
-    return state
+
+def _load_file(path: str) -> dict[str, np.ndarray]:
+    from safetensors.flax import load_file  # only when a file is given; bfloat16 too, unlike NumPy's reader
+
+    return {k: np.array(v) for k, v in load_file(path).items()}
+
+
+def _numeric(name: str, value: Any) -> np.ndarray:
+    array = _to_numpy(value)
+    # objects and strings; kind "V" holds bfloat16 as well as structured records
+    if array.dtype.kind in "OUSV" and not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(f"state_dict: {name!r} is not a numeric array: got {type(value).__name__}")
+    return array
 
 
 def _read_params(path: str | os.PathLike) -> dict:

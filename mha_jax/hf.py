@@ -1,8 +1,7 @@
 """A Hugging Face model's attention layer as an ``mha_jax.MultiHeadAttention``; twin of ``mha_torch/hf.py``.
 
-No transformers import: the model's ``config.json`` (a dict or its path) says what the layer
-computes, ``mha_spec.families`` reads it as transformers' own classes do, and the weights come from the
-whole model's checkpoint under the layer's names (``model.layers.N.self_attn.*``).
+No transformers import: ``mha_spec.families`` reads the model's ``config.json`` as transformers'
+own classes do, and the weights come from the whole model's checkpoint under the layer's names.
 """
 
 from __future__ import annotations
@@ -18,41 +17,28 @@ from flax import nnx
 from mha_jax.convert import _read_state, load_weights
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
-from mha_spec import families
+from mha_spec import docstrings, families
 
 
-def from_hf(
-    config: Mapping[str, Any] | str | os.PathLike,
-    weights: Mapping[str, Any] | str | os.PathLike | None = None,
-    *,
-    layer: int = 0,
-    rngs: nnx.Rngs | None = None,
-    param_dtype: Any = jnp.float32,
-    implementation: str | None = None,
-) -> MultiHeadAttention:
+@docstrings.fill
+def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str, Any] | str | os.PathLike | None = None,
+            *, layer: int = 0, rngs: nnx.Rngs | None = None, param_dtype: Any = jnp.float32,
+            implementation: str | None = None) -> MultiHeadAttention:
     """Layer ``layer``'s self-attention of a transformers model, as our module.
 
     Args:
-      config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``
-        (Llama, Llama 4 text, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM,
-        Cohere, GPT-NeoX, GPT-J, GPT-2, BERT). Rotary embedding, scale, soft-cap, QK-norm, sinks,
-        biases and the layer's sliding window or chunks are
-        read from it; an unsupported family or option raises, naming it.
+      {from_hf_config}
       weights: the whole model's checkpoint, or None (parameters from ``rngs``): a state dict
         (name -> array), a ``.safetensors`` file, or a sharded checkpoint's
-        ``model.safetensors.index.json`` (only the shards holding the layer are read). The
-        layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
-        ``gpt_neox.layers.{layer}.attention.``; GPT-2 and GPT-J: ``transformer.h.{layer}.attn.``; BERT:
-        ``bert.encoder.layer.{layer}.attention.``, its ``output.LayerNorm`` left unread).
+        {from_hf_keys}
       layer: the layer index.
       rngs: initialises the parameters (default ``nnx.Rngs(0)``); overwritten by ``weights``.
       param_dtype: the parameters' dtype.
       implementation: see ``mha_jax.dot_product_attention``.
 
     Returns:
-      An ``mha_jax.MultiHeadAttention`` taking ``(*batch, length, hidden_size)``: call it with
-      ``is_causal=True`` (a decoder's mask; BERT's encoder takes none) and ``query_positions`` for the rotary embedding
-      (default ``arange``); the layer's window is its default ``local_window_size``.
+      An ``mha_jax.MultiHeadAttention``.
+      {from_hf_call}
     """
     config = families.read_config(config)
     options = families.layer_options(config, layer)
@@ -65,28 +51,14 @@ def from_hf(
         rngs=nnx.Rngs(0) if rngs is None else rngs, attention_chunk_size=options.attention_chunk_size,
     )
     if weights is not None:
-        state = _layer_state(weights, options.prefix)
-        if options.layout in ("gpt_neox", "gpt2"):  # fusions no loader layout reads: split here
-            load_weights(module, families.layer_state(options, state))
-        else:  # buffers left out, per-head QK-norm scales joined
-            state = families.layer_keys(options, _read_state(state), np.concatenate)
-            load_weights(module, state, layout=options.layout, prefix=options.prefix, ignore=options.ignore)
+        state = families.read_layer(weights, options.prefix, _read_state, _read_file)
+        state, keywords = families.load_arguments(options, _read_state(state), np.concatenate)
+        load_weights(module, state, **keywords)
     return module
 
 
-def _layer_state(weights: Any, prefix: str) -> Mapping[str, Any]:
-    """The checkpoint's keys under ``prefix``, read from as few files as hold them (all of them
-    when none is, so that ``load_weights`` names the keys it found)."""
-    if not isinstance(weights, (str, os.PathLike)):
-        if not isinstance(weights, Mapping):
-            return _read_state(weights)  # its TypeError names what a checkpoint may be
-        return {k: v for k, v in weights.items() if str(k).startswith(prefix)} or weights
+def _read_file(path: str, prefix: str) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
-    state = {}
-    for path in families.layer_files(weights, prefix):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"weights {path!r} does not exist")
-        with safe_open(path, framework="flax") as f:  # "flax": bfloat16 too, which NumPy's reader refuses
-            state.update({k: np.array(f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)})
-    return state or _read_state(weights)
+    with safe_open(path, framework="flax") as f:  # "flax": bfloat16 too, which NumPy's reader refuses
+        return {k: np.array(f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)}

@@ -5,7 +5,8 @@ argument and the shapes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -253,3 +254,58 @@ def check_attention_shapes(query: Sequence[int], key: Sequence[int], value: Sequ
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, key {key}")
     return batch, q_len, heads, head_dim, kv_len, kv_heads
+
+
+@dataclass(frozen=True)
+class ArrayChecks:
+    """The checks of array arguments, given how one framework reads an array: each twin's
+    ``_checks`` makes one and exports its methods, so that both check alike.
+
+    ``array``: what the messages call an array; ``is_array(x)``; ``kind(x)``: ``'float'``,
+    ``'complex'``, ``'int'``, ``'bool'`` or ``'other'``; ``dtype(x)``: its dtype as NumPy prints
+    it; ``values(x)``: a NumPy copy of ``x``'s values, or None where they are not known here (a
+    tracer under ``jit``); ``heads_first``: the core's layout, ``(batch, heads, len, head_dim)``.
+    """
+
+    array: str
+    is_array: Callable[[Any], bool]
+    kind: Callable[[Any], str]
+    dtype: Callable[[Any], str]
+    values: Callable[[Any], np.ndarray | None]
+    heads_first: bool
+
+    def require_array(self, name: str, x) -> None:
+        """TypeError unless ``x`` is an array."""
+        if not self.is_array(x):
+            raise TypeError(f"{name} must be {self.array}, got {type(x).__name__}")
+
+    def require_float(self, name: str, x) -> None:
+        """TypeError unless ``x`` is a real floating-point array."""
+        self.require_array(name, x)
+        check_kind(name, self.kind(x), "float", self.dtype(x), x.shape)
+
+    def require_int(self, name: str, x) -> None:
+        """TypeError unless ``x`` is an integer array."""
+        self.require_array(name, x)
+        check_kind(name, self.kind(x), "int", self.dtype(x), x.shape)
+
+    def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
+        """The functional core's inputs; (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            self.require_float(name, x)
+        return check_attention_shapes(query.shape, key.shape, value.shape, (query.dtype, key.dtype, value.dtype),
+                                      heads_first=self.heads_first)
+
+    def check_sequence(self, name: str, x, batch: int, length: int, length_name: str) -> None:
+        """An integer array of shape ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
+        self.require_int(name, x)
+        check_sequence_shape(name, x.shape, batch, length, length_name)
+
+    def check_lengths(self, name: str, lengths, batch: int, kv_len: int) -> None:
+        """An integer ``(batch,)`` (or scalar) array of lengths in ``[0, kv_len]``; the range is
+        checked where the values are known."""
+        self.require_int(name, lengths)
+        check_lengths_shape(name, lengths.shape, batch)
+        values = self.values(lengths)
+        if values is not None:
+            check_lengths_range(name, values, kv_len)

@@ -36,6 +36,22 @@ logit_soft_cap: a positive finite ``cap``: the scaled logits become
 sinks: real floating ``(heads,)``, one learned logit per query head that joins each
   query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
   less than 1, and a query that may attend to no key still gets 0. Differentiable.""",
+    # from_hf in both twins
+    "from_hf_config": """\
+config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``
+  (Llama, Llama 4 text, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM,
+  Cohere, GPT-NeoX, GPT-J, GPT-2, BERT). Rotary embedding, scale, soft-cap, QK-norm, sinks,
+  biases and the layer's sliding window or chunks are read from it; an unsupported family or
+  option raises, naming it.""",
+    "from_hf_keys": """\
+``model.safetensors.index.json`` (only the shards holding the layer are read). The
+layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
+``gpt_neox.layers.{layer}.attention.``; GPT-2 and GPT-J: ``transformer.h.{layer}.attn.``; BERT:
+``bert.encoder.layer.{layer}.attention.``, its ``output.LayerNorm`` left unread).""",
+    "from_hf_call": """\
+It takes ``(*batch, length, hidden_size)``: call it with ``is_causal=True`` (a decoder's mask;
+BERT's encoder takes none) and ``query_positions`` for the rotary embedding (default
+``arange``); the layer's window is its default ``local_window_size``.""",
     # masks._unused_keys in both twins
     "unused_keys": """\
 bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value

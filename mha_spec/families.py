@@ -274,6 +274,35 @@ _FUSED_NAMES = {"gpt_neox": ("query_key_value", "dense"), "gpt2": ("c_attn", "c_
 _PER_HEAD_NORMS = {"stablelm": {"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}}
 
 
+def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], read_file: Callable[[str, str], dict]
+               ) -> Mapping[str, Any]:
+    """The checkpoint's keys under ``prefix``, read from as few files as hold them (all of them
+    when none is, so that the loader names the keys it found). ``read_state``: a framework's
+    reader of a whole checkpoint; ``read_file(path, prefix)``: the keys under ``prefix`` of one
+    ``.safetensors`` file."""
+    if not isinstance(weights, (str, os.PathLike)):
+        if not isinstance(weights, Mapping):
+            return read_state(weights)  # its TypeError names what a checkpoint may be
+        return {k: v for k, v in weights.items() if str(k).startswith(prefix)} or weights
+    state = {}
+    for path in layer_files(weights, prefix):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weights {path!r} does not exist")
+        state.update(read_file(path, prefix))
+    return state or read_state(weights)
+
+
+def load_arguments(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, keywords)`` for a twin's ``load_weights`` to load the layer: GPT-NeoX's and GPT-2's
+    fusions, which no loader layout reads, split here (``layer_state``); for the others the keys
+    a layout reads (``layer_keys``) and the layout's name, prefix and ignored keys."""
+    if options.layout in ("gpt_neox", "gpt2"):
+        return layer_state(options, state), {}
+    return layer_keys(options, state, concatenate), {"layout": options.layout, "prefix": options.prefix,
+                                                     "ignore": options.ignore}
+
+
 def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]) -> dict[str, Any]:
     """The checkpoint's keys as a layout reads them: the layer's buffers (older GPT-J files)
     left out, and a per-head QK-norm's scales (StableLM's one weight ``(head_dim,)`` per head,

@@ -4,7 +4,8 @@ loaded state."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,3 +457,26 @@ def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
         return len(bad - kv_bad) + (min(len(kv_bad), 1) if one_mistake else len(kv_bad)), -votes.count(head_dim), head_dim
 
     return min(set(votes), key=cost, default=0)
+
+
+def read_checkpoint(state_dict_or_path: Any, load_file: Callable[[str], dict], value: Callable[[str, Any], Any]
+                    ) -> dict[str, Any]:
+    """Name -> array of one framework: a ``.safetensors`` path read by ``load_file(path)``, or a
+    mapping whose values ``value(name, v)`` copies (nothing the caller passed is shared or
+    modified), raising ValueError for one that is not a numeric array."""
+    if isinstance(state_dict_or_path, (str, os.PathLike)):
+        path = os.fspath(state_dict_or_path)
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"state_dict_or_path must be a .safetensors file, got {path!r}")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"state_dict_or_path {path!r} does not exist")
+        try:
+            return load_file(path)
+        except Exception as error:  # safetensors raises its own types for bad headers
+            raise ValueError(f"state_dict_or_path {path!r} is not a readable safetensors file: {error}") from error
+    if not isinstance(state_dict_or_path, Mapping):
+        raise TypeError(
+            "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
+            f"got {type(state_dict_or_path).__name__}"
+        )
+    return {str(k): value(str(k), v) for k, v in state_dict_or_path.items()}

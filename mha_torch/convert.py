@@ -18,15 +18,9 @@ from mha_spec import layouts
 from mha_torch.module import MultiHeadAttention
 
 
-def load_weights(
-    module: torch.nn.Module,
-    state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
-    *,
-    layout: str | None = None,
-    mapping: Mapping[str, str] | None = None,
-    prefix: str = "",
-    ignore: Sequence[str] = (),
-) -> None:
+def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] | str | os.PathLike, *,
+                 layout: str | None = None, mapping: Mapping[str, str] | None = None, prefix: str = "",
+                 ignore: Sequence[str] = ()) -> None:
     """Copy weights into ``module`` in place (cast to its parameter dtypes).
 
     ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in
@@ -121,30 +115,20 @@ def _check_dtypes(state: dict[str, torch.Tensor]) -> None:
 
 def _read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
     """Name -> tensor (a copy: nothing the caller passed is shared or modified)."""
-    if isinstance(state_dict_or_path, (str, os.PathLike)):
-        from safetensors.torch import load_file  # a light import, only when a file is given
+    return layouts.read_checkpoint(state_dict_or_path, _load_file, _numeric)
 
-        path = os.fspath(state_dict_or_path)
-        if not path.endswith(".safetensors"):
-            raise ValueError(f"state_dict_or_path must be a .safetensors file, got {path!r}")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"state_dict_or_path {path!r} does not exist")
-        try:
-            return dict(load_file(path))
-        except Exception as error:  # safetensors raises its own types for bad headers
-            raise ValueError(f"state_dict_or_path {path!r} is not a readable safetensors file: {error}") from error
-    if not isinstance(state_dict_or_path, Mapping):
-        raise TypeError(
-            "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
-            f"got {type(state_dict_or_path).__name__}"
-        )
-    state = {}
-    for k, v in state_dict_or_path.items():
-        try:
-            state[str(k)] = _to_tensor(v)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"state_dict: {str(k)!r} is not a numeric array: {error}") from None
-    return state
+
+def _load_file(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file  # a light import, only when a file is given
+
+    return dict(load_file(path))
+
+
+def _numeric(name: str, value: Any) -> torch.Tensor:
+    try:
+        return _to_tensor(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"state_dict: {name!r} is not a numeric array: {error}") from None
 
 
 def _to_tensor(x: Any) -> torch.Tensor:
