@@ -34,5 +34,5 @@ _CHECKS = arguments.ArrayChecks(
     dtype=lambda x: x.dtype, values=lambda x: np.asarray(x) if _concrete(x) else None, heads_first=False,
 )
 require_array, require_float, require_int = _CHECKS.require_array, _CHECKS.require_float, _CHECKS.require_int
-check_attention_inputs, check_sequence, check_lengths = (
-    _CHECKS.check_attention_inputs, _CHECKS.check_sequence, _CHECKS.check_lengths)
+check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
+    _CHECKS.check_attention_inputs, _CHECKS.check_sequence, _CHECKS.check_lengths, _CHECKS.check_dropout_mask)

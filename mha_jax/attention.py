@@ -139,13 +139,10 @@ def dot_product_attention(
       output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks._parse(
-        (batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-        query_positions=query_positions, key_positions=key_positions,
-        local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        attention_chunk_size=attention_chunk_size,
-    )
+    spec = masks._parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
+                        query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+                        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+                        key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=attention_chunk_size)
     return _attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
@@ -633,13 +630,7 @@ def _dropout_keep(rate, rng, dropout_mask, shape):
     """(bool keep-mask or None, PRNG key to draw one or None, scale of kept weights)."""
     rate = arguments.check_dropout_rate("dropout_rate", rate)
     if dropout_mask is not None:
-        _checks.require_array("dropout_mask", dropout_mask)
-        arguments.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
-        if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
-            raise TypeError(
-                f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "
-                f"{dropout_mask.dtype} with shape {tuple(dropout_mask.shape)}"
-            )
+        _checks.check_dropout_mask(dropout_mask, shape, MASK_LAYOUT)
         return jnp.asarray(dropout_mask) != 0, None, 1.0 / (1.0 - rate)
     if rate == 0.0:
         return None, None, 1.0

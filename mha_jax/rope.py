@@ -1,20 +1,9 @@
 """Rotary position embeddings, as transformers computes them; twin of ``mha_torch/rope.py``.
 
 The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for operation in
-float32, so that they match a transformers model's: ``default`` (``compute_default_rope_parameters``
-of Llama and GPT-NeoX), ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``. Where
-transformers divides a Python number by a tensor, torch computes ``reciprocal(x) * a``; so does
-``_rdiv`` here, which keeps the twins on the same roundings.
-
-``dynamic`` and ``longrope`` depend on the sequence length, which transformers reads from
-``max(position_ids) + 1`` in ``dynamic_rope_update`` (one length for the whole batch, as here). For
-``longrope`` it picks the factors anew at each call, as this does. For ``dynamic`` its module keeps
-state: the frequencies of the longest sequence seen, until a sequence shorter than
-``max_position_embeddings`` resets them. Here nothing is kept: each call computes the length from
-its own ``positions`` (traced or not under ``jax.jit``), so the result depends on the call alone.
-The two agree whenever the call's length is the longest seen so far (a forward pass over a whole
-sequence, or decoding steps whose positions grow); after a longer sequence, transformers keeps that
-sequence's frequencies where this computes the current one's.
+float32, for ``default``, ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``; how
+``dynamic`` and ``longrope`` read the sequence length (from each call's own ``positions``, with
+no state kept) is told in ``mha_spec.rotary``. Under ``jax.jit`` the length may be traced.
 """
 
 from __future__ import annotations
@@ -25,11 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks
-from mha_spec import arguments, rotary
+from mha_spec import arguments, docstrings, rotary
 
 LAYOUT = "(*batch, len, heads, head_dim)"
 
 
+@docstrings.fill
 class RotaryEmbedding(rotary.RotaryParameters):
     """Rotary position embedding of queries or keys ``(*batch, len, heads, head_dim)``.
 
@@ -37,24 +27,7 @@ class RotaryEmbedding(rotary.RotaryParameters):
     scaling=None, max_position_embeddings=None)``, or ``RotaryEmbedding.from_config(config)``
     from a transformers ``config.json`` dict.
 
-    - ``rotary_dim``: the first ``rotary_dim`` features of each head rotate, the rest pass through
-      unchanged (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``, GPT-J ``rotary_dim``).
-    - ``interleaved``: rotate pairs ``(2i, 2i + 1)`` (GPT-J); else pairs ``(i, i + rotary_dim / 2)``
-      (rotate-half: Llama, GPT-NeoX).
-    - ``scaling``: None, or a mapping with ``rope_type`` and the keys transformers reads for it
-      (its ``rope_parameters`` without ``rope_theta``), optional ones in brackets: ``linear`` and
-      ``dynamic`` factor; ``yarn`` factor, original_max_position_embeddings [attention_factor,
-      beta_fast, beta_slow, mscale, mscale_all_dim, truncate]; ``longrope`` short_factor,
-      long_factor, original_max_position_embeddings [factor, attention_factor]; ``llama3``
-      factor, low_freq_factor, high_freq_factor, original_max_position_embeddings. Any other key
-      is an error, as is a missing one.
-    - ``max_position_embeddings``: read by ``dynamic``, and by ``yarn``/``longrope`` without ``factor``.
-
-    Precision: ``inv_freq`` is float32, computed as transformers computes it. For float64 ``x``
-    the angles, cos and sin are computed in float64 from it, more precisely than transformers
-    (which computes them in float32 and casts); for other dtypes they are computed in float32 as
-    transformers does, and the rotation is applied in float32 (bfloat16 and float16 inputs
-    included, where transformers rotates in the input's dtype) before casting back to ``x``'s dtype.
+    {rotary_embedding}
 
     Immutable and hashable (a static argument to ``jax.jit``). Besides the call: ``inv_freq``, ``frequencies(seq_len)``,
     ``attention_factor``, ``rope_type`` and ``seq_len_threshold()``.
@@ -119,17 +92,14 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, inter
     """``x * cos + rotate(x) * sin`` on the first ``rotary_dim`` features, in ``cos``'s dtype;
     the rest of ``x`` unchanged. ``cos``, ``sin`` broadcast to ``x[..., :rotary_dim // 2]``."""
     rot = x[..., :rotary_dim].astype(cos.dtype)
-    if interleaved:  # GPT-J's rotate_every_two: pairs (2i, 2i + 1)
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:  # Llama's rotate_half: pairs (i, i + rotary_dim / 2)
-        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
+    y1, y2 = rotary.rotated_halves(rot, cos, sin, interleaved)
     rotated = jnp.stack([y1, y2], axis=-1).reshape(rot.shape) if interleaved else jnp.concatenate([y1, y2], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
 # --- the frequencies, one function per rope_type, as transformers.modeling_rope_utils -------
+# The one block written alike in both twins, on purpose: each must round as transformers does,
+# operation for operation, in its own framework's float32 operations.
 
 
 def _rdiv(a: float, x: jax.Array) -> jax.Array:

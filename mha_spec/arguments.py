@@ -309,3 +309,13 @@ class ArrayChecks:
         values = self.values(lengths)
         if values is not None:
             check_lengths_range(name, values, kv_len)
+
+    def check_dropout_mask(self, x, shape: tuple[int, ...], layout: str) -> None:
+        """A bool (True = keep) or 0/1 integer keep-mask broadcasting to ``shape``."""
+        self.require_array("dropout_mask", x)
+        check_broadcast("dropout_mask", x.shape, shape, layout)
+        if self.kind(x) not in ("bool", "int"):
+            raise TypeError(
+                f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype {self.dtype(x)} with shape "
+                f"{tuple(x.shape)}"
+            )

@@ -36,6 +36,26 @@ logit_soft_cap: a positive finite ``cap``: the scaled logits become
 sinks: real floating ``(heads,)``, one learned logit per query head that joins each
   query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
   less than 1, and a query that may attend to no key still gets 0. Differentiable.""",
+    # RotaryEmbedding in both twins
+    "rotary_embedding": """\
+- ``rotary_dim``: the first ``rotary_dim`` features of each head rotate, the rest pass through
+  unchanged (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``, GPT-J ``rotary_dim``).
+- ``interleaved``: rotate pairs ``(2i, 2i + 1)`` (GPT-J); else pairs ``(i, i + rotary_dim / 2)``
+  (rotate-half: Llama, GPT-NeoX).
+- ``scaling``: None, or a mapping with ``rope_type`` and the keys transformers reads for it
+  (its ``rope_parameters`` without ``rope_theta``), optional ones in brackets: ``linear`` and
+  ``dynamic`` factor; ``yarn`` factor, original_max_position_embeddings [attention_factor,
+  beta_fast, beta_slow, mscale, mscale_all_dim, truncate]; ``longrope`` short_factor,
+  long_factor, original_max_position_embeddings [factor, attention_factor]; ``llama3``
+  factor, low_freq_factor, high_freq_factor, original_max_position_embeddings. Any other key
+  is an error, as is a missing one.
+- ``max_position_embeddings``: read by ``dynamic``, and by ``yarn``/``longrope`` without ``factor``.
+
+Precision: ``inv_freq`` is float32, computed as transformers computes it. For float64 ``x``
+the angles, cos and sin are computed in float64 from it, more precisely than transformers
+(which computes them in float32 and casts); for other dtypes they are computed in float32 as
+transformers does, and the rotation is applied in float32 (bfloat16 and float16 inputs
+included, where transformers rotates in the input's dtype) before casting back to ``x``'s dtype.""",
     # from_hf in both twins
     "from_hf_config": """\
 config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``

@@ -1,5 +1,22 @@
 """Rotary position embeddings' parameters: their checks, what transformers derives from them in
-Python floats, and how a transformers ``config.json`` names them."""
+Python floats, and how a transformers ``config.json`` names them.
+
+The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for operation in
+float32, so that they match a transformers model's: ``default`` (``compute_default_rope_parameters``
+of Llama and GPT-NeoX), ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``. Where
+transformers divides a Python number by a tensor, torch computes ``reciprocal(x) * a``; so does
+each twin's ``_rdiv``, which keeps the twins on the same roundings.
+
+``dynamic`` and ``longrope`` depend on the sequence length, which transformers reads from
+``max(position_ids) + 1`` in ``dynamic_rope_update`` (one length for the whole batch, as the twins).
+For ``longrope`` it picks the factors anew at each call, as the twins do. For ``dynamic`` its module
+keeps state: the frequencies of the longest sequence seen, until a sequence shorter than
+``max_position_embeddings`` resets them. In the twins nothing is kept: each call computes the length
+from its own ``positions``, so the result depends on the call alone. The two agree whenever the
+call's length is the longest seen so far (a forward pass over a whole sequence, or decoding steps
+whose positions grow); after a longer sequence, transformers keeps that sequence's frequencies where
+the twins compute the current one's.
+"""
 
 from __future__ import annotations
 
@@ -365,3 +382,13 @@ def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: 
     if rope_type == "default" and not params:
         return None
     return {"rope_type": rope_type, **params}
+
+
+def rotated_halves(rot: Any, cos: Any, sin: Any, interleaved: bool) -> tuple[Any, Any]:
+    """``(y1, y2)``: the rotated pairs of ``rot`` ``(..., rotary_dim)`` (an array of any
+    framework), ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``, with the pairs ``(x1, x2)``
+    ``(2i, 2i + 1)`` (GPT-J's rotate_every_two) when ``interleaved``, else ``(i, i + rotary_dim / 2)``
+    (Llama's rotate_half); the caller puts them back in that order."""
+    half = rot.shape[-1] // 2
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin

@@ -40,5 +40,5 @@ _CHECKS = arguments.ArrayChecks(
     values=lambda x: x.detach().cpu().numpy(), heads_first=True,
 )
 require_array, require_float, require_int = _CHECKS.require_array, _CHECKS.require_float, _CHECKS.require_int
-check_attention_inputs, check_sequence, check_lengths = (
-    _CHECKS.check_attention_inputs, _CHECKS.check_sequence, _CHECKS.check_lengths)
+check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
+    _CHECKS.check_attention_inputs, _CHECKS.check_sequence, _CHECKS.check_lengths, _CHECKS.check_dropout_mask)

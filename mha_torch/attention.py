@@ -96,14 +96,10 @@ def dot_product_attention(
       device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks._parse(
-        (batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-        query_positions=query_positions, key_positions=key_positions,
-        local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        attention_chunk_size=attention_chunk_size,
-        device=query.device,
-    )
+    spec = masks._parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
+                        query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+                        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+                        key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=attention_chunk_size, device=query.device)
     return _attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
@@ -287,12 +283,6 @@ def _dropout_keep(rate, dropout_mask, shape):
     """(explicit keep-mask or None, scale of kept weights)."""
     rate = arguments.check_dropout_rate("dropout_p", rate)
     if dropout_mask is not None:
-        _checks.require_array("dropout_mask", dropout_mask)
-        arguments.check_broadcast("dropout_mask", dropout_mask.shape, shape, MASK_LAYOUT)
-        if _checks._dtype_kind(dropout_mask) not in ("bool", "int"):
-            raise TypeError(
-                f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype "
-                f"{_checks._dtype_name(dropout_mask)} with shape {tuple(dropout_mask.shape)}"
-            )
+        _checks.check_dropout_mask(dropout_mask, shape, MASK_LAYOUT)
         return dropout_mask != 0, 1.0 / (1.0 - rate)
     return None, 1.0 / (1.0 - rate)  # without a mask, each implementation draws its own
