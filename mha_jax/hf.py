@@ -1,7 +1,8 @@
 """A Hugging Face model's attention layer as an ``mha_jax.MultiHeadAttention``; twin of ``mha_torch/hf.py``.
 
-No transformers import: ``mha_spec.families`` reads the model's ``config.json`` as transformers'
-own classes do, and the weights come from the whole model's checkpoint under the layer's names.
+A layer of a model ported to Flax, checked against its transformers original without importing
+transformers: ``mha_spec.families`` reads the ``config.json`` as transformers' classes do, and the
+weights (NumPy arrays, as flax's safetensors reader gives them) come from the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       An ``mha_jax.MultiHeadAttention``.
       {from_hf_call}
     """
-    config = families.read_config(config)
-    options = families.layer_options(config, layer)
+    options = families.layer_options(families.read_config(config), layer)
     module = MultiHeadAttention(
         options.num_heads, options.hidden_size, options.num_heads * options.head_dim, options.hidden_size,
         options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias, normalize_qk=options.qk_norm or False,

@@ -5,11 +5,8 @@ the JAX/Flax convention: any dtype, nonzero = attend (flax's ``make_attention_ma
 ``make_causal_mask`` and ``combine_masks`` give float32 0/1 masks; they mean what they mean in
 flax). Additive terms go in ``bias``.
 
-Causality, sliding windows, chunks, packed segments and key/value lengths are predicates on
-positions, the terms of ``mha_spec.terms`` (whose docstring lists them), kept as positions (never
-a dense ``(q_len, kv_len)`` matrix unless an implementation needs one). ``_Spec.terms`` is their
-conjunction, which every consumer (the dense mask, the blockwise classes, the band, the ring's
-tiles, unused-key zeroing and the cache's overflow check) reads.
+The structured terms (causality, windows, chunks, segments, lengths) are those of
+``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``_Spec.terms``.
 
 Twin of ``mha_torch/masks.py``.
 """
@@ -122,17 +119,7 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
     which a length sharded over a mesh axis cannot be).
     """
     batch, _, _, kv_len = spec.shape
-    excluded = []
-    if spec.allowed is not None:
-        excluded.append(jnp.logical_not(spec.allowed))
-    if spec.bias is not None:
-        excluded.append(spec.bias == -jnp.inf)
-    unused = None
-    for ex in excluded:  # over queries, then over the query heads of each key/value head
-        ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)  # (batch?, heads?, kv_len?)
-        if ex.shape[1] != 1:
-            ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
-        unused = ex if unused is None else unused | ex
+    unused = spec.dense_excluded(kv_heads)
     keys = []  # (batch|1, kv_len) terms
     # every term but segments (exactly, below) from the queries' extreme positions, each key alone
     ranged = spec.terms.only({"index", "length", "position"} if spec.shape[2] > 0 else {"index", "length"})

@@ -24,6 +24,7 @@ they run alike on NumPy, JAX and PyTorch arrays, inside a traced graph. Terms co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -272,3 +273,16 @@ class Spec:
                   None if lengths is None else lengths[:, None, None]),
         )[:, None]
         return visible if self.allowed is None else self.allowed & visible
+
+    def dense_excluded(self, kv_heads: int) -> Any:
+        """bool ``(batch|1, kv_heads|1, kv_len|1)``: the keys that the dense mask or a ``-inf``
+        bias excludes for every query of the heads sharing a key/value head; None without them."""
+        unused = None
+        for ex in (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf):
+            if ex is None:
+                continue
+            ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)  # over queries: (batch?, heads?, kv?)
+            if ex.shape[1] != 1:  # over the query heads of each key/value head
+                ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
+            unused = ex if unused is None else unused | ex
+        return unused

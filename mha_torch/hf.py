@@ -1,7 +1,7 @@
 """A Hugging Face model's attention layer as an ``mha_torch.MultiHeadAttention``; twin of ``mha_jax/hf.py``.
 
-No transformers import: ``mha_spec.families`` reads the model's ``config.json`` as transformers'
-own classes do, and the weights come from the whole model's checkpoint under the layer's names.
+The layer alone, with no transformers import: its options from ``mha_spec.families``, which reads
+the ``config.json`` as transformers' classes do; its tensors from the model's checkpoint.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       An ``mha_torch.MultiHeadAttention``.
       {from_hf_call}
     """
-    config = families.read_config(config)
-    options = families.layer_options(config, layer)
+    options = families.layer_options(families.read_config(config), layer)
     module = MultiHeadAttention(
         options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
