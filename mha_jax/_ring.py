@@ -124,7 +124,9 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
     if dropout_rng is not None:
         _check_key(sequence_axis, dropout_rng)
     if return_weights:
-        raise ValueError(f"sequence_axis={sequence_axis!r} does not take return_weights=True (the ring never forms them)")
+        raise ValueError(
+            f"sequence_axis={sequence_axis!r} does not take return_weights=True (the ring never forms them)"
+        )
     if implementation == "cudnn":
         raise ValueError(
             f"sequence_axis={sequence_axis!r} does not take implementation='cudnn'; use None, 'xla' or 'blockwise' "
@@ -332,7 +334,8 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
     else:
         bits, mantissa, kind = b1 ^ b2, 23, np.uint32
     p = float(np.asarray(1.0 - cfg.dropout_rate, cfg.uniform))  # as bernoulli rounds it
-    # uniform = (bits >> (width - mantissa)) * 2**-mantissa exactly; uniform < p <=> that integer < ceil(p * 2**mantissa)
+    # uniform = (bits >> (width - mantissa)) * 2**-mantissa exactly;
+    # uniform < p <=> that integer < ceil(p * 2**mantissa)
     width = 64 if cfg.uniform == "float64" else 32
     return (bits >> kind(width - mantissa)) < kind(math.ceil(p * 2.0**mantissa))
 
@@ -521,7 +524,8 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
 
             tile = None if d_bias is None else _bias_tile(d_bias, r, ktj["index"][0], tq)
             d_bias_t = None if tile is None else jax.lax.dynamic_slice(d_bias, *tile)
-            tile_grads = _if_visible(cfg, qti, ktj, mask, update, (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1), d_bias_t))
+            tile_grads = _if_visible(cfg, qti, ktj, mask, update,
+                                     (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1), d_bias_t))
             if tile is not None:
                 d_bias = jax.lax.dynamic_update_slice(d_bias, tile_grads[3], tile[0])
             return tile_grads[0], _put(dk, tile_grads[1], c, 1), _put(dv, tile_grads[2], c, 1), d_bias
@@ -650,7 +654,8 @@ def _dense_spec(cfg: _Config, x, name: str = "bias"):
 
 def _shared(cfg: _Config, x) -> tuple:
     """The manual axes over which a dense term of this (global) shape is not split."""
-    named = {a for entry in _dense_spec(cfg, x) if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+    named = {a for entry in _dense_spec(cfg, x) if entry is not None
+             for a in ((entry,) if isinstance(entry, str) else entry)}
     return tuple(sorted(_manual(cfg) - named))
 
 

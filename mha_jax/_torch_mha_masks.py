@@ -63,7 +63,8 @@ def mask_to_torch_mha(
     """
     spec = masks._parse(shape, mask=mask, bias=bias)  # checked as the core checks them
     if spec.bias is not None:  # the form torch uses for a bool mask beside a float one
-        theirs = spec.bias if spec.allowed is None else jnp.where(spec.allowed, spec.bias, -jnp.inf).astype(spec.bias.dtype)
+        theirs = spec.bias if spec.allowed is None else \
+            jnp.where(spec.allowed, spec.bias, -jnp.inf).astype(spec.bias.dtype)
     elif spec.allowed is not None:
         theirs = ~spec.allowed
     else:

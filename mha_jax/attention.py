@@ -140,9 +140,10 @@ def dot_product_attention(
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks._parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-                        query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-                        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                        key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=attention_chunk_size)
+                        query_positions=query_positions, key_positions=key_positions,
+                        local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+                        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                        attention_chunk_size=attention_chunk_size)
     return _attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,

@@ -60,14 +60,16 @@ def from_torch(
     (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"``
     (``qkv_proj/o_proj``), or ``"auto"``: the one the keys show (an error naming the likely
     layouts when they show none or several). Not given: the one the keys show when exactly one
-    fits, else ``"mha_torch"`` (whose errors then name the likely layouts too). ``mapping`` instead gives any other scheme: projection
-    (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, or the fused ``qkv_proj``/``kv_proj``) ->
-    name, read as ``name.weight``/``name.bias``. Names are relative to ``prefix``; keys outside
-    it are not read, and keys under it must be used or named (by their start) in ``ignore``.
+    fits, else ``"mha_torch"`` (whose errors then name the likely layouts too). ``mapping``
+    instead gives any other scheme: projection (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
+    or the fused ``qkv_proj``/``kv_proj``) -> name, read as ``name.weight``/``name.bias``. Names
+    are relative to ``prefix``; keys outside it are not read, and keys under it must be used or
+    named (by their start) in ``ignore``.
     Raises one ValueError listing every missing, unexpected or mis-shaped key, each with the
     shape found and the shape expected.
     """
-    return _from_torch(state_dict_or_path, num_heads, num_kv_heads, layout=layout, mapping=mapping, prefix=prefix, ignore=ignore)
+    return _from_torch(state_dict_or_path, num_heads, num_kv_heads, layout=layout, mapping=mapping, prefix=prefix,
+                       ignore=ignore)
 
 
 def _from_torch(
@@ -114,7 +116,8 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         params = _read_params(params)
     tree = _params_dict(params)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
-    problems += [f"unexpected {name!r}" for name in tree if name not in dict(_FLAX_NAMES + _FLAX_NORMS) and name != layouts.SINKS]
+    known = dict(_FLAX_NAMES + _FLAX_NORMS)
+    problems += [f"unexpected {name!r}" for name in tree if name not in known and name != layouts.SINKS]
     problems += [f"{name!r} has no 'scale'" for name, _ in _FLAX_NORMS if name in tree and "scale" not in tree[name]]
     problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
@@ -179,7 +182,8 @@ def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for flax_name, torch_name in _FLAX_NAMES:
         kernel = tuple(tree[flax_name]["kernel"].shape)
-        shapes[f"{torch_name}.weight"] = (kernel[2], kernel[0] * kernel[1]) if flax_name == "out" else (kernel[1] * kernel[2], kernel[0])
+        shapes[f"{torch_name}.weight"] = (kernel[2], kernel[0] * kernel[1]) if flax_name == "out" else \
+            (kernel[1] * kernel[2], kernel[0])
         if "bias" in tree[flax_name]:
             shapes[f"{torch_name}.bias"] = (int(np.prod(tree[flax_name]["bias"].shape)),)
     for flax_name, torch_name in _FLAX_NORMS:

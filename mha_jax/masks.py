@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from mha_jax import _checks
 from mha_spec import arguments, docstrings, terms
 from mha_spec.terms import Spec as _Spec
-from mha_spec.terms import Where
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -118,22 +117,12 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
     ``segments=False`` leaves the segments' term out (it sorts the query ids along the length,
     which a length sharded over a mesh axis cannot be).
     """
-    batch, _, _, kv_len = spec.shape
-    unused = spec.dense_excluded(kv_heads)
-    keys = []  # (batch|1, kv_len) terms
-    # every term but segments (exactly, below) from the queries' extreme positions, each key alone
-    ranged = spec.terms.only({"index", "length", "position"} if spec.shape[2] > 0 else {"index", "length"})
-    if ranged:
-        qp, kp = _positions(spec) if "position" in ranged.reads else (None, None)
-        lo, hi = (Where() if qp is None else Where(f(qp, axis=1, keepdims=True)) for f in (jnp.min, jnp.max))
-        key = Where(kp, index=jnp.arange(kv_len)[None], length=None if spec.lengths is None else spec.lengths[:, None])
-        keys.append(~ranged.block(lo, hi, key, key)[1])
-    if segments and spec.query_segment_ids is not None and spec.shape[2] > 0:
-        keys.append(~_present(spec.query_segment_ids, spec.key_segment_ids))
-    for ex in keys:
-        ex = ex[:, None, :]
-        unused = ex if unused is None else unused | ex
-    return None if unused is None else jnp.broadcast_to(unused, (batch, kv_heads, kv_len))
+    unused = spec.excluded_keys(kv_heads, _arange, _extremes, _present if segments else None)
+    return None if unused is None else jnp.broadcast_to(unused, (spec.shape[0], kv_heads, spec.shape[3]))
+
+
+def _extremes(positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return positions.min(axis=1, keepdims=True), positions.max(axis=1, keepdims=True)
 
 
 def _present(query_ids, key_ids):

@@ -133,7 +133,9 @@ def check_segments_given(query_given: bool, key_given: bool) -> None:
     if query_given != key_given:
         given, missing = ("query_segment_ids", "key_segment_ids") if query_given else \
             ("key_segment_ids", "query_segment_ids")
-        raise ValueError(f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)")
+        raise ValueError(
+            f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)"
+        )
 
 
 def check_is_causal(is_causal) -> bool:

@@ -39,7 +39,8 @@ def _merge_batch(name: str, x: Any, batch_shape: tuple[int, ...], trailing: int,
     rest = tuple(x.shape[x.ndim - trailing:])
     if trailing > 0 and all(a == 1 for a in lead):
         return x.reshape((1,) + rest)
-    return broadcast(x.reshape((1,) * (full - x.ndim) + tuple(x.shape)), batch_shape + rest).reshape((math.prod(batch_shape),) + rest)
+    expanded = broadcast(x.reshape((1,) * (full - x.ndim) + tuple(x.shape)), batch_shape + rest)
+    return expanded.reshape((math.prod(batch_shape),) + rest)
 
 
 def unflatten_batch(x: Any, batch_shape: tuple[int, ...]) -> Any:

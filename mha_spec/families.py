@@ -129,7 +129,8 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     heads = _required(config, "num_attention_heads", model_type)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    if model_type in ("gpt_neox", "gpt2", "bert", "gptj"):  # their attention reads neither key: one key head per query head
+    # their attention reads neither key: one key head per query head
+    if model_type in ("gpt_neox", "gpt2", "bert", "gptj"):
         kv_heads, head_dim = heads, hidden // heads
     if model_type == "stablelm":  # reads num_key_value_heads, not head_dim
         head_dim = hidden // heads
@@ -314,9 +315,11 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
     out = {k: v for k, v in state.items() if k not in buffers}
     for norm, start in _PER_HEAD_NORMS.get(options.model_type, {}).items():
         start = prefix + start
-        heads = {k: k[len(start):].removesuffix(".weight") for k in out if k.startswith(start) and k.endswith(".weight")}
+        heads = {k: k[len(start):].removesuffix(".weight") for k in out
+                 if k.startswith(start) and k.endswith(".weight")}
         if heads and all(h.isdigit() for h in heads.values()):  # else left for the layout to name
-            out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in sorted(heads, key=lambda k: int(heads[k]))])
+            ordered = sorted(heads, key=lambda k: int(heads[k]))
+            out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
     if options.model_type == "cohere":
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
@@ -354,7 +357,8 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
         f"{prefix + k!r} has shape {tuple(selected[k].shape)}, expected {shape}"
         for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
     ]
-    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in _BUFFERS[options.model_type]]
+    buffers = _BUFFERS[options.model_type]
+    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in buffers]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
     weight = selected[f"{fused}.weight"]

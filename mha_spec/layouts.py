@@ -101,11 +101,14 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
     layouts when none or several fit.
     """
     keys = sorted(map(str, keys))
-    fits = [name for name, alternatives in _SIGNATURES.items() if any(all(_shows(keys, k) for k in group) for group in alternatives)]
+    fits = [name for name, alternatives in _SIGNATURES.items()
+            if any(all(_shows(keys, k) for k in group) for group in alternatives)]
     if len(fits) == 1:
         return fits[0]
     if fits:
-        raise ValueError(f"{where} fit more than one layout ({', '.join(fits)}); choose one with layout= ({_some(keys)})")
+        raise ValueError(
+            f"{where} fit more than one layout ({', '.join(fits)}); choose one with layout= ({_some(keys)})"
+        )
     likely = sorted((-sum(w in k for k in keys for w in words), name) for name, words in _WORDS.items())
     likely = [name for hits, name in likely if hits]
     hint = f"likely layouts: {', '.join(likely)}; " if likely else ""
@@ -287,7 +290,9 @@ def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: s
         return [array]
     heads = [_positive_int(num_heads if t == "q_proj" else num_kv_heads) for t in targets]
     if not all(heads):
-        problems.append(f"splitting {key!r} needs positive num_heads and num_kv_heads, got {num_heads!r}, {num_kv_heads!r}")
+        problems.append(
+            f"splitting {key!r} needs positive num_heads and num_kv_heads, got {num_heads!r}, {num_kv_heads!r}"
+        )
         return []
     rows = array.shape[0] if array.ndim in (1, 2) else 0
     if rows == 0 or rows % sum(heads):
@@ -357,7 +362,8 @@ def check_state(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
 
 
 def shape_problems(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
-                   expected: Mapping[str, Sequence[int]] | None = None, *, names: Mapping[str, str] | None = None) -> list[str]:
+                   expected: Mapping[str, Sequence[int]] | None = None, *,
+                   names: Mapping[str, str] | None = None) -> list[str]:
     """Every mis-shaped entry of ``state`` (``mha_torch`` names; any may be absent), each once,
     as ``"'key' has shape (found), expected (shape)"``; ``names`` gives the key a message shows.
 
@@ -402,10 +408,14 @@ def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: M
     for k, s in shapes.items():
         want = [tuple(module[k])] if module and k in module else allowed.get(k) if k in ranked else None
         if want and s not in want:
-            problems.append(f"{shown[k]} has shape {s}, expected {' or '.join(map(str, want))}{_why(k, s, want[0], heads, kv_heads, head_dim)}")
+            why = _why(k, s, want[0], heads, kv_heads, head_dim)
+            problems.append(f"{shown[k]} has shape {s}, expected {' or '.join(map(str, want))}{why}")
     kv_rows = {ranked[k][0] for k in _KV if k in ranked}
-    if len(kv_rows) == 1 and (n := kv_rows.pop()) != kv_heads * head_dim and n % head_dim == 0 and heads % (n // head_dim) == 0:
-        problems.append(f"the key/value rows fit num_kv_heads={n // head_dim} (head_dim={head_dim}), not num_kv_heads={kv_heads}")
+    if len(kv_rows) == 1 and (n := kv_rows.pop()) != kv_heads * head_dim and n % head_dim == 0 \
+            and heads % (n // head_dim) == 0:
+        problems.append(
+            f"the key/value rows fit num_kv_heads={n // head_dim} (head_dim={head_dim}), not num_kv_heads={kv_heads}"
+        )
     return head_dim, problems
 
 
@@ -453,8 +463,10 @@ def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
         bad = {k for k, s in shapes.items() if k in allowed and s not in allowed[k]}
         kv_bad = bad & set(_KV)
         kv_rows = {shapes[k][0] for k in _KV if k in shapes}
-        one_mistake = len(kv_rows) == 1 and next(iter(kv_rows)) % head_dim == 0 and heads % (next(iter(kv_rows)) // head_dim or heads + 1) == 0
-        return len(bad - kv_bad) + (min(len(kv_bad), 1) if one_mistake else len(kv_bad)), -votes.count(head_dim), head_dim
+        rows = next(iter(kv_rows)) if len(kv_rows) == 1 else None
+        one_mistake = rows is not None and rows % head_dim == 0 and heads % (rows // head_dim or heads + 1) == 0
+        mistakes = len(bad - kv_bad) + (min(len(kv_bad), 1) if one_mistake else len(kv_bad))
+        return mistakes, -votes.count(head_dim), head_dim
 
     return min(set(votes), key=cost, default=0)
 

@@ -40,7 +40,10 @@ class QKNorm:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QKNorm {name} must be a bool, got {getattr(self, name)!r}")
         if self.per_head_scale and not self.per_head:
-            raise ValueError("QKNorm per_head_scale=True needs per_head=True (a norm over the whole projection has a scale per head already)")
+            raise ValueError(
+                "QKNorm per_head_scale=True needs per_head=True (a norm over the whole projection has a scale per "
+                "head already)"
+            )
         for name in ("eps", "offset"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):

@@ -125,7 +125,9 @@ def _check_scaling(scaling: Mapping | None, rotary_dim: int, max_pos: int | None
     required, optional = ROPE_TYPES[rope_type]
     missing = [k for k in required if k not in scaling]
     if missing:
-        raise ValueError(f"scaling for rope_type {rope_type!r} is missing required key(s) {', '.join(map(repr, missing))}")
+        raise ValueError(
+            f"scaling for rope_type {rope_type!r} is missing required key(s) {', '.join(map(repr, missing))}"
+        )
     unknown = [k for k in scaling if k != "rope_type" and k not in required + optional]
     if unknown:
         reads = ", ".join(map(repr, required + optional)) or "no other key"
@@ -288,9 +290,11 @@ class RotaryParameters:
 
 
 # Keys whose presence says a config.json describes rotary embeddings.
-_ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base", "partial_rotary_factor")
+_ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base",
+                     "partial_rotary_factor")
 # Rotary fractions that models' config classes set when config.json leaves them out.
-_DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}  # GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
+# GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
+_DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
 # Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``.
 _INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere")
 
@@ -355,7 +359,8 @@ def _config_head_dim(config: Mapping[str, Any]) -> int:
     """``head_dim``, else ``hidden_size // num_attention_heads`` (GPT-J: ``n_embd // n_head``)."""
     if config.get("head_dim"):
         return config["head_dim"]
-    hidden, heads = _first(config.get("hidden_size"), config.get("n_embd")), _first(config.get("num_attention_heads"), config.get("n_head"))
+    hidden = _first(config.get("hidden_size"), config.get("n_embd"))
+    heads = _first(config.get("num_attention_heads"), config.get("n_head"))
     if not (_is_int(hidden) and _is_int(heads) and heads > 0):
         raise ValueError(
             "config names neither head_dim nor hidden_size and num_attention_heads; pass head_dim= to from_config"

@@ -278,11 +278,41 @@ class Spec:
         """bool ``(batch|1, kv_heads|1, kv_len|1)``: the keys that the dense mask or a ``-inf``
         bias excludes for every query of the heads sharing a key/value head; None without them."""
         unused = None
-        for ex in (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf):
+        dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
+        for ex in dense:
             if ex is None:
                 continue
             ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)  # over queries: (batch?, heads?, kv?)
             if ex.shape[1] != 1:  # over the query heads of each key/value head
                 ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
             unused = ex if unused is None else unused | ex
+        return unused
+
+    def ranged_excluded(self, arange, extremes) -> Any:
+        """bool ``(batch|1, kv_len)``: the keys that lengths, causality, windows or chunks exclude
+        for every query, read from the queries' extreme positions (``extremes(positions)``: their
+        smallest and largest along axis 1, kept), each key alone; None when no such term applies
+        (``arange`` as in ``positions``)."""
+        ranged = self.terms.only({"index", "length", "position"} if self.shape[2] > 0 else {"index", "length"})
+        if not ranged:
+            return None
+        qp, kp = self.positions(arange) if "position" in ranged.reads else (None, None)
+        lo, hi = (Where(), Where()) if qp is None else (Where(x) for x in extremes(qp))
+        lengths = None if self.lengths is None else self.lengths[:, None]
+        key = Where(kp, index=arange(self.shape[3])[None], length=lengths)
+        return ~ranged.block(lo, hi, key, key)[1]
+
+    def excluded_keys(self, kv_heads: int, arange, extremes, present) -> Any:
+        """bool ``(batch|1, kv_heads|1, kv_len)``: the keys that no query of the heads sharing a
+        key/value head may see, each term read alone (``dense_excluded``, ``ranged_excluded``,
+        and segments absent from the queries: ``present(query_ids, key_ids)``, bool ``(batch|1,
+        kv_len)``, whether each key's id occurs among the queries'; None leaves them out); None
+        when no term excludes a key."""
+        keys = [self.ranged_excluded(arange, extremes)]
+        if present is not None and self.query_segment_ids is not None and self.shape[2] > 0:
+            keys.append(~present(self.query_segment_ids, self.key_segment_ids))
+        unused = self.dense_excluded(kv_heads)
+        for ex in keys:
+            if ex is not None:
+                unused = ex[:, None, :] if unused is None else unused | ex[:, None, :]
         return unused

@@ -4,16 +4,16 @@ Its boolean masks mean the opposite of ours: True = ignore. Its float masks are 
 logits, which is our ``bias`` (our own ``mask`` is nonzero = attend in ``mha_jax`` but
 float-additive in ``mha_torch``, so the pair below is what means the same in both):
 
-==========================================  ==========================  ==============================================
-``torch.nn.MultiheadAttention``             shape                       ours: ``(mask, bias) = mask_from_torch_mha(...)``
-==========================================  ==========================  ==============================================
-``attn_mask`` bool, True = ignore           ``(q_len, kv_len)``         ``mask = ~attn_mask``
-``attn_mask`` bool, True = ignore           ``(batch*heads, q, kv)``    ``mask = ~attn_mask`` as ``(batch, heads, q, kv)``
-``attn_mask`` float, added to the logits    either                      ``bias =`` the same values
-``key_padding_mask`` bool, True = padding   ``(batch, kv_len)``         ``mask = ~kpm[:, None, None, :]``
-``key_padding_mask`` float, added           ``(batch, kv_len)``         ``bias = kpm[:, None, None, :]``
-both                                                                    ``mask``: both allow; ``bias``: the sum
-==========================================  ==========================  ==============================================
+=========================================  ========================  ==================================================
+``torch.nn.MultiheadAttention``            shape                     ours, from ``mask_from_torch_mha``
+=========================================  ========================  ==================================================
+``attn_mask`` bool, True = ignore          ``(q_len, kv_len)``       ``mask = ~attn_mask``
+``attn_mask`` bool, True = ignore          ``(batch*heads, q, kv)``  ``mask = ~attn_mask`` as ``(batch, heads, q, kv)``
+``attn_mask`` float, added to the logits   either                    ``bias =`` the same values
+``key_padding_mask`` bool, True = padding  ``(batch, kv_len)``       ``mask = ~kpm[:, None, None, :]``
+``key_padding_mask`` float, added          ``(batch, kv_len)``       ``bias = kpm[:, None, None, :]``
+both                                                                 ``mask``: both allow; ``bias``: the sum
+=========================================  ========================  ==================================================
 """
 
 from __future__ import annotations

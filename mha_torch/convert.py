@@ -30,7 +30,8 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
-            f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
+            f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} "
+            f"from {type(module).__module__}"
         )
     current = module.state_dict()
     state = layouts.read_layout(

@@ -49,7 +49,8 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
     )
     if weights is not None:
         state = families.read_layer(weights, options.prefix, _read_state, _read_file)
-        state, keywords = families.load_arguments(options, state, lambda arrays: torch.cat([torch.as_tensor(a) for a in arrays]))
+        state, keywords = families.load_arguments(
+            options, state, lambda arrays: torch.cat([torch.as_tensor(a) for a in arrays]))
         load_weights(module, state, **keywords)
     return module
 

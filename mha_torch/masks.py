@@ -25,7 +25,6 @@ import torch
 
 from mha_spec import arguments, docstrings, terms
 from mha_spec.terms import Spec as _Spec
-from mha_spec.terms import Where
 from mha_torch import _checks
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
@@ -130,23 +129,13 @@ def _unused_keys(spec: _Spec, kv_heads: int = 1):
 
     {unused_keys}
     """
-    batch, _, _, kv_len = spec.shape
-    unused = spec.dense_excluded(kv_heads)
-    keys = []  # (batch|1, kv_len) terms
-    # every term but segments (exactly, below) from the queries' extreme positions, each key alone
-    ranged = spec.terms.only({"index", "length", "position"} if spec.shape[2] > 0 else {"index", "length"})
-    if ranged:
-        qp, kp = _positions(spec) if "position" in ranged.reads else (None, None)
-        lo, hi = (Where() if qp is None else Where(f(qp, dim=1, keepdim=True)) for f in (torch.amin, torch.amax))
-        index = torch.arange(kv_len, device=spec.device)[None]
-        key = Where(kp, index=index, length=None if spec.lengths is None else spec.lengths[:, None])
-        keys.append(~ranged.block(lo, hi, key, key)[1])
-    if spec.query_segment_ids is not None and spec.shape[2] > 0:
-        keys.append(~_present(spec.query_segment_ids, spec.key_segment_ids))
-    for ex in keys:
-        ex = ex[:, None, :]
-        unused = ex if unused is None else unused | ex
-    return None if unused is None else unused.expand(batch, kv_heads, kv_len)
+    arange = functools.partial(torch.arange, device=spec.device)
+    unused = spec.excluded_keys(kv_heads, arange, _extremes, _present)
+    return None if unused is None else unused.expand(spec.shape[0], kv_heads, spec.shape[3])
+
+
+def _extremes(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return positions.amin(dim=1, keepdim=True), positions.amax(dim=1, keepdim=True)
 
 
 def _present(query_ids, key_ids):
