@@ -46,7 +46,8 @@ class TorchDecoder(torch.nn.Module):
         self.down = torch.nn.Linear(4 * DIM, DIM)
         self.head = torch.nn.Linear(DIM, VOCAB)
 
-    def forward(self, tokens: torch.Tensor, cache: mha_torch.KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: mha_torch.KVCache,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(tokens)
         h = h + self.attention(h, cache=cache, is_causal=True, query_positions=positions)
         h = h + self.down(torch.nn.functional.gelu(self.up(h), approximate="tanh"))

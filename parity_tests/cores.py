@@ -69,7 +69,8 @@ def _run_jax(inputs, mask, bias, sinks, keep, implementation, is_causal, scale, 
     return out.transpose(0, 2, 1, 3), weights, [g.transpose(0, 2, 1, 3) for g in grads[:3]] + list(grads[3:])
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale", "soft_cap", "window", "chunk", "rate"))
+@functools.partial(jax.jit, static_argnames=("implementation", "is_causal", "scale", "soft_cap", "window", "chunk",
+                                              "rate"))
 def _jax_vjp(q, k, v, mask, fixed_bias, d_out, bias=None, sinks=None, terms=None, keep=None, *, implementation,
              is_causal, scale, soft_cap=None, window=None, chunk=None, rate=0.0):
     """Outputs and the gradients of q, k, v, ``bias`` and ``sinks`` (None where not given);

@@ -51,7 +51,8 @@ def pytest_terminal_summary(terminalreporter):
     passed = {r.nodeid for r in terminalreporter.stats.get("passed", [])}
     failed = {r.nodeid for r in terminalreporter.stats.get("failed", [])}
     terminalreporter.write_line(
-        f"tests that built our modules: {len(_touched)}; passed {len(_touched & passed)}, failed {len(_touched & failed)}"
+        f"tests that built our modules: {len(_touched)}; passed {len(_touched & passed)}, "
+        f"failed {len(_touched & failed)}"
     )
     for nodeid in sorted(_touched & failed):
         terminalreporter.write_line(f"  failed: {nodeid}")

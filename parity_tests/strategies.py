@@ -207,7 +207,8 @@ def draw_structure(spec: Spec, rng: np.random.Generator) -> dict:
     if spec.segments:
         qs = np.sort(rng.integers(0, spec.segments, size=(b, q)), axis=1)
         terms["query_segment_ids"] = qs
-        terms["key_segment_ids"] = qs if c.self_attention else np.sort(rng.integers(0, spec.segments, size=(b, k)), axis=1)
+        terms["key_segment_ids"] = (qs if c.self_attention
+                                    else np.sort(rng.integers(0, spec.segments, size=(b, k)), axis=1))
     if spec.lengths:
         terms["lengths"] = rng.integers(0 if spec.empty_rows else 1, k + 1, size=b)
     if spec.bias_shape is not None:

@@ -116,7 +116,8 @@ def test_from_torch_lists_every_problem():
 
 def test_from_torch_rejects_wrong_head_counts_and_shapes():
     state = _torch_module().state_dict()
-    with pytest.raises(ValueError, match="no head_dim fits num_heads=5 and num_kv_heads=5 \\(shapes: 'q_proj.weight' \\(24, 16\\)"):
+    with pytest.raises(ValueError, match="no head_dim fits num_heads=5 and num_kv_heads=5 "
+                                         "\\(shapes: 'q_proj.weight' \\(24, 16\\)"):
         mha_jax.from_torch(state, num_heads=5)
     with pytest.raises(ValueError) as info:
         mha_jax.from_torch(state, num_heads=4)  # two kv heads read as four
@@ -141,7 +142,8 @@ def test_load_weights_list_every_mismatch_in_both_frameworks():
     with pytest.raises(ValueError) as info:
         mha_torch.load_weights(small_torch, state)
     message = str(info.value)
-    assert "unexpected key 'q_proj.bias'" in message and "'q_proj.weight' has shape (24, 16), expected (16, 16)" in message
+    assert ("unexpected key 'q_proj.bias'" in message
+            and "'q_proj.weight' has shape (24, 16), expected (16, 16)" in message)
     small_jax = mha_jax.MultiHeadAttention(4, 16, num_kv_heads=2, use_bias=False, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError) as info:
         mha_jax.load_weights(small_jax, state)

@@ -9,7 +9,8 @@ import pytest
 
 from parity_tests import conftest
 
-TESTS = ["parity_tests/test_flax_masks.py", "parity_tests/test_parity.py", "-k", "not float64 and (flax or self/ and float32)"]
+TESTS = ["parity_tests/test_flax_masks.py", "parity_tests/test_parity.py",
+         "-k", "not float64 and (flax or self/ and float32)"]
 
 
 @pytest.mark.skipif(not conftest.X64, reason="this is the run in default float32 itself")

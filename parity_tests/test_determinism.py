@@ -80,7 +80,8 @@ print(json.dumps({name: jobs[name]() for name in names}))
 
 def _fresh_process(order: str) -> subprocess.Popen:
     env = dict(os.environ, ORDER=order, PYTHONHASHSEED=str(len(order)))
-    return subprocess.Popen([sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def test_two_processes_compute_the_same_bits():

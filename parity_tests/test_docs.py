@@ -52,7 +52,8 @@ def test_every_block_runs_or_says_why_not(page):
     for lang, _, marker, line in blocks:
         where = f"{_name(page)}, line {line}"
         if marker is None:
-            assert lang in ("python", "text"), f"{where}: a ```{lang} block needs <!-- skip: REASON --> or <!-- run by: ... -->"
+            assert lang in ("python", "text"), (f"{where}: a ```{lang} block needs "
+                                                "<!-- skip: REASON --> or <!-- run by: ... -->")
             continue
         kind, what = marker
         if kind == "skip":

@@ -71,7 +71,8 @@ def _pair(config: dict, dtype=jnp.float64, **extra):
     """Ours and flax's nnx module from the same arguments and the same Rngs."""
     kw = dict(CONFIGS[config], param_dtype=dtype, **extra)
     exact = {"attention_fn": _flax_exact} if jnp.dtype(dtype) == jnp.float64 and "attention_fn" not in kw else {}
-    return mha_jax.MultiHeadAttention(**kw, rngs=nnx.Rngs(0)), nnx.MultiHeadAttention(**kw, **exact, decode=False, rngs=nnx.Rngs(0))
+    return (mha_jax.MultiHeadAttention(**kw, rngs=nnx.Rngs(0)),
+            nnx.MultiHeadAttention(**kw, **exact, decode=False, rngs=nnx.Rngs(0)))
 
 
 def _inputs(config: str, batch: tuple, dtype=jnp.float64):
@@ -167,13 +168,16 @@ def test_attention_fn_is_called_as_flax_calls_it():
         return nnx.dot_product_attention(query, key, value, **kwargs)
 
     ours, theirs = _pair("cross-gqa", attention_fn=attention_fn)
-    flax_default = nnx.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, decode=False, rngs=nnx.Rngs(0))
+    flax_default = nnx.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, decode=False,
+                                          rngs=nnx.Rngs(0))
     x, y, mask = _inputs("cross-gqa", (2, 3))
     assert np.array_equal(ours(x, y, mask=mask, is_causal=True), flax_default(x, y, mask=mask, is_causal=True))
-    flax_arguments = {"mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype", "precision", "module", "is_causal"}
+    flax_arguments = {"mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype", "precision",
+                      "module", "is_causal"}
     assert flax_arguments <= set(calls[0])
     # what flax's attention_fn has no argument for reaches it as a mask: a window here
-    ours = mha_jax.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, attention_fn=_flax_exact, rngs=nnx.Rngs(0))
+    ours = mha_jax.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, attention_fn=_flax_exact,
+                                      rngs=nnx.Rngs(0))
     windowed = ours(x, y, local_window_size=(1, 0))
     reference = mha_jax.MultiHeadAttention(**CONFIGS["cross-gqa"], param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     assert _rel(windowed, reference(x, y, local_window_size=(1, 0))) <= TOL["float64"]
@@ -219,7 +223,8 @@ def test_decode_not_given_is_false_where_flax_raises():
     flax raises and ours attends without a cache, as flax does with ``decode=False``."""
     x, _, mask = _inputs("self", (2,))
     ours = mha_jax.MultiHeadAttention(**CONFIGS["self"], param_dtype=jnp.float64, rngs=nnx.Rngs(0))
-    theirs = nnx.MultiHeadAttention(**CONFIGS["self"], param_dtype=jnp.float64, attention_fn=_flax_exact, rngs=nnx.Rngs(0))
+    theirs = nnx.MultiHeadAttention(**CONFIGS["self"], param_dtype=jnp.float64, attention_fn=_flax_exact,
+                                    rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="No `decode` argument was provided"):
         theirs(x, mask=mask)
     assert ours.decode is None and ours.cached_key is None
@@ -296,7 +301,8 @@ def test_promote_dtype_keywords_are_called_as_flax_calls_them():
 # --- linen ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{}, dict(normalize_qk=True, qkv_features=24, out_features=8)], ids=["plain", "normalize_qk"])
+@pytest.mark.parametrize("options", [{}, dict(normalize_qk=True, qkv_features=24, out_features=8)],
+                         ids=["plain", "normalize_qk"])
 def test_linen_equals_flax_linen(options):
     x, _, mask = _inputs("self", (2, 3))
     ours = mha_jax.linen.MultiHeadDotProductAttention(4, param_dtype=jnp.float64, **options)
@@ -332,7 +338,8 @@ def test_a_qk_norm_with_each_head_s_own_scale_in_linen_nnx_and_torch():
     x, _, mask = _inputs("normalize_qk", (2,))
     out = ours(x, mask=mask)
     shared = jax.tree.map(lambda a: a, nnx.state(ours, nnx.Param))
-    linen_module = mha_jax.linen.MultiHeadDotProductAttention(4, num_kv_heads=2, normalize_qk=norm, param_dtype=jnp.float64)
+    linen_module = mha_jax.linen.MultiHeadDotProductAttention(4, num_kv_heads=2, normalize_qk=norm,
+                                                              param_dtype=jnp.float64)
     assert _rel(linen_module.apply({"params": nnx.to_pure_dict(shared)}, x, mask=mask), out) <= TOL["float64"]
     twin = mha_torch.MultiHeadAttention(E, 4, num_kv_heads=2, normalize_qk=norm, dtype=torch.float64)
     mha_torch.load_weights(twin, mha_jax.to_torch(ours))
@@ -358,13 +365,15 @@ def test_linen_dropout_aliases_and_inputs_kv():
         for name, module in (("ours", ours), ("flax", theirs)):  # flax's text, which code matches
             with pytest.warns(DeprecationWarning, match=re.escape(FLAX_INPUTS_KV_WARNING)):
                 b[name] = module.apply(variables, x, inputs_kv=x, mask=mask, rngs={"dropout": jax.random.key(1)})
-            for kwargs, message in (dict(inputs_kv=x, inputs_v=x), FLAX_INPUTS_KV_ERROR), (dict(inputs_v=x), FLAX_INPUTS_K_ERROR):
+            for kwargs, message in ((dict(inputs_kv=x, inputs_v=x), FLAX_INPUTS_KV_ERROR),
+                                    (dict(inputs_v=x), FLAX_INPUTS_K_ERROR)):
                 with pytest.raises(ValueError, match=re.escape(message)):
                     module.apply(variables, x, **kwargs)
         assert np.array_equal(a, b["ours"]) and _rel(b["ours"], b["flax"]) <= TOL["float64"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        ours, theirs = mha_jax.linen.SelfAttention(4, param_dtype=jnp.float64), linen.SelfAttention(4, param_dtype=jnp.float64)
+        ours, theirs = (mha_jax.linen.SelfAttention(4, param_dtype=jnp.float64),
+                        linen.SelfAttention(4, param_dtype=jnp.float64))
         variables = ours.init(jax.random.key(0), x)
         assert _rel(ours.apply(variables, x, mask), theirs.apply(variables, x, mask)) <= TOL["float64"]
 
@@ -406,11 +415,13 @@ def test_linen_force_fp32_for_softmax_sows_float32_weights(force_fp32_for_softma
     kw = dict(num_heads=4, dtype=jnp.bfloat16, force_fp32_for_softmax=force_fp32_for_softmax)
     ours, theirs = mha_jax.linen.MultiHeadDotProductAttention(**kw), linen.MultiHeadDotProductAttention(**kw)
     variables = theirs.init(jax.random.key(0), x)
-    sown = [m.apply(variables, x, mask=mask, sow_weights=True, mutable=["intermediates"])[1]["intermediates"]["attention_weights"][0]
+    sown = [m.apply(variables, x, mask=mask, sow_weights=True,
+                    mutable=["intermediates"])[1]["intermediates"]["attention_weights"][0]
             for m in (ours, theirs)]
     assert sown[0].dtype == sown[1].dtype == (jnp.float32 if force_fp32_for_softmax else jnp.bfloat16)
     assert sown[0].shape == (2, 4, L, L) and _rel(sown[0], sown[1]) <= 2e-2
-    returned = ours.apply(variables, x, mask=mask, return_weights=True)[1]  # the returned weights keep the inputs' dtype
+    # the returned weights keep the inputs' dtype
+    returned = ours.apply(variables, x, mask=mask, return_weights=True)[1]
     assert returned.dtype == jnp.bfloat16 and _rel(returned, sown[0]) <= 1e-2
 
 
@@ -443,7 +454,8 @@ def test_complex_inputs_as_flax_takes_them(framework):
     assert _rel(a, b) <= TOL["float32"] and _rel(weights_a, weights_b) <= TOL["float32"]
     grads = [jax.grad(lambda x, m=m: jnp.sum(jnp.abs(run(m, x, sow_weights=False)[0]) ** 2))(x) for m in (ours, theirs)]
     assert _rel(*grads) <= 10 * TOL["float32"]
-    with pytest.raises(ValueError, match="complex inputs are attended by flax's dot_product_attention, which takes no return_weights"):
+    with pytest.raises(ValueError, match="complex inputs are attended by flax's dot_product_attention, "
+                                         "which takes no return_weights"):
         run(ours, x, return_weights=True)
     with pytest.raises(TypeError, match="inputs_q must be a real floating-point array, got dtype int32"):
         run(ours, x.real.astype(jnp.int32))
@@ -588,12 +600,14 @@ def test_flax_imports_change_by_one_word():
     """What flax exports beside its attention classes comes with ours: the mask helpers."""
     assert mha_jax.make_attention_mask is nnx.make_attention_mask and mha_jax.combine_masks is nnx.combine_masks
     assert mha_jax.make_causal_mask is nnx.make_causal_mask
-    assert mha_jax.linen.make_causal_mask is linen.make_causal_mask and mha_jax.linen.combine_masks is linen.combine_masks
+    assert (mha_jax.linen.make_causal_mask is linen.make_causal_mask
+            and mha_jax.linen.combine_masks is linen.combine_masks)
 
 
 BAD_CONSTRUCTIONS = {  # flax's and ours both refuse with the same exception type; ours names the argument
     "heads do not divide qkv_features": (dict(num_heads=3, in_features=E), "qkv_features"),
-    "kv heads do not divide heads": (dict(num_heads=4, in_features=E, num_kv_heads=3), "num_kv_heads (3) must divide num_heads (4)"),
+    "kv heads do not divide heads": (dict(num_heads=4, in_features=E, num_kv_heads=3),
+                                     "num_kv_heads (3) must divide num_heads (4)"),
 }
 
 
@@ -652,7 +666,8 @@ def test_linen_scan_over_layers_and_remat_with_a_policy():
         return jnp.sum(jnp.sin(module.apply(variables, x, None)[0]))
 
     assert _rel(ours.apply(variables, x, None)[0], theirs.apply(variables, x, None)[0]) <= TOL["float64"]
-    _assert_trees_close(jax.grad(lambda v: loss(ours, v))(variables), jax.grad(lambda v: loss(theirs, v))(variables), 10 * TOL["float64"])
+    _assert_trees_close(jax.grad(lambda v: loss(ours, v))(variables), jax.grad(lambda v: loss(theirs, v))(variables),
+                        10 * TOL["float64"])
 
 
 def test_flax_function_is_not_our_core_and_says_so():

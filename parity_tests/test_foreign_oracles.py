@@ -44,7 +44,8 @@ def allowed_mask(kind: str, q_len: int, kv_len: int, seed: int = 0) -> np.ndarra
     if kind == "causal":  # top-left aligned, as every anchor here
         return np.broadcast_to(np.tri(q_len, kv_len, dtype=bool), (B, H, q_len, kv_len)).copy()
     allowed = rng.random((B, H, q_len, kv_len)) < 0.6
-    allowed[np.arange(B)[:, None, None], np.arange(H)[None, :, None], np.arange(q_len), rng.integers(kv_len, size=q_len)] = True
+    allowed[np.arange(B)[:, None, None], np.arange(H)[None, :, None], np.arange(q_len),
+            rng.integers(kv_len, size=q_len)] = True
     if kind == "fully-masked":
         allowed[:, :, 0, :] = False  # the first query of every head sees no key
         allowed[1] = False  # nor does any query of the second batch element
@@ -126,7 +127,8 @@ def _run_torch_mha(dtype: str, kind: str, cross: bool):
     as_jax = lambda t: None if t is None else jnp.asarray(t.numpy())  # noqa: E731
     mask_jax, bias_jax = mha_jax.mask_from_torch_mha(as_jax(attn_mask), as_jax(key_padding_mask), num_heads=H)
     out_j, weights_j = ours_jax(*map(as_jax, args), mask=mask_jax, bias=bias_jax, return_weights=True)
-    return allowed, theirs, (np64(out), np64(weights)), {"torch": (np64(out_t), np64(weights_t)), "jax": (np64(out_j), np64(weights_j))}
+    return allowed, theirs, (np64(out), np64(weights)), {"torch": (np64(out_t), np64(weights_t)),
+                                                         "jax": (np64(out_j), np64(weights_j))}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -209,7 +211,8 @@ def test_jax_nn_dot_product_attention(dtype, kind):
     allowed = allowed_mask(kind, CQ, CK)
     j = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3), dtype=jax_dtype(dtype))  # noqa: E731
     causal = kind == "causal"
-    theirs = jax.nn.dot_product_attention(j(q), j(k), j(v), mask=None if causal else jnp.asarray(allowed), is_causal=causal)
+    theirs = jax.nn.dot_product_attention(j(q), j(k), j(v), mask=None if causal else jnp.asarray(allowed),
+                                          is_causal=causal)
     assert theirs.dtype == jax_dtype(dtype)
     theirs = np64(theirs).transpose(0, 2, 1, 3)
     ours = _ours_cores(q, k, v, dtype, None if causal else allowed, causal)
@@ -249,7 +252,8 @@ def test_flax_nnx_multihead_attention(dtype, kind, sow_weights):
     )
     ours = mha_jax.MultiHeadAttention(H, E, rngs=nnx.Rngs(6), **kw)
     nnx.update(ours, nnx.state(theirs, nnx.Param))  # as they are
-    ours_torch = mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV_HEADS, qkv_dim=24, out_dim=12, dtype=getattr(torch, dtype))
+    ours_torch = mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV_HEADS, qkv_dim=24, out_dim=12,
+                                              dtype=getattr(torch, dtype))
     mha_torch.load_weights(ours_torch, mha_jax.to_torch(theirs))
 
     x, xj = _flax_inputs(dtype)
@@ -276,7 +280,8 @@ def test_flax_nnx_multihead_attention(dtype, kind, sow_weights):
     tol = TOL[dtype] if sow_weights else TOL["float32"]
     errs = assert_outputs({"jax": out_j, "torch": out_t}, out, live_q, np64(theirs.out.bias.get_value()), dtype, tol)
     if dtype == "float64" and not sow_weights:
-        assert min(errs.values()) > 1e-10, f"flax.nnx.MultiHeadAttention is now float64-exact ({errs}): tighten this test"
+        assert min(errs.values()) > 1e-10, (f"flax.nnx.MultiHeadAttention is now float64-exact ({errs}): "
+                                            "tighten this test")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -28,14 +28,16 @@ def test_blockwise_accepts_length_one():
     masks only)."""
     rng = np.random.default_rng(0)
     for q_len, kv_len in ((1, 3), (3, 1), (1, 1)):
-        q, k, v = rng.normal(size=(1, 2, q_len, 4)), rng.normal(size=(1, 1, kv_len, 4)), rng.normal(size=(1, 1, kv_len, 4))
+        q, k, v = (rng.normal(size=(1, 2, q_len, 4)), rng.normal(size=(1, 1, kv_len, 4)),
+                   rng.normal(size=(1, 1, kv_len, 4)))
         d_out = rng.normal(size=q.shape)
         want, _, cache = oracle.attention(q, k, v, oracle.Attention())
         got = cores.run_core("jax", q, k, v, d_out, implementation="blockwise")
         assert max(harness.errors(got["out"], want)) <= 1e-13
         for g, w in zip(got["grads"], oracle.attention_grad(cache, d_out)):
             assert max(harness.errors(g, w)) <= 1e-12
-    decode = mha_jax.dot_product_attention(jnp.ones((1, 1, 1, 8)), jnp.ones((1, 65536, 1, 8)), jnp.ones((1, 65536, 1, 8)))
+    decode = mha_jax.dot_product_attention(jnp.ones((1, 1, 1, 8)), jnp.ones((1, 65536, 1, 8)),
+                                           jnp.ones((1, 65536, 1, 8)))
     assert decode.shape == (1, 1, 1, 8)
 
 
@@ -47,8 +49,10 @@ def test_zero_head_dim_is_a_named_error():
     ``head_dim == 0`` with ``ValueError("query, key and value need head_dim >= 1, got query
     (...)")``."""
     for call in (
-        lambda: mha_jax.dot_product_attention(jnp.zeros((2, 3, 4, 0)), jnp.zeros((2, 5, 4, 0)), jnp.zeros((2, 5, 4, 0))),
-        lambda: mha_torch.dot_product_attention(torch.zeros(2, 4, 3, 0), torch.zeros(2, 4, 5, 0), torch.zeros(2, 4, 5, 0)),
+        lambda: mha_jax.dot_product_attention(jnp.zeros((2, 3, 4, 0)), jnp.zeros((2, 5, 4, 0)),
+                                              jnp.zeros((2, 5, 4, 0))),
+        lambda: mha_torch.dot_product_attention(torch.zeros(2, 4, 3, 0), torch.zeros(2, 4, 5, 0),
+                                                torch.zeros(2, 4, 5, 0)),
     ):
         with pytest.raises(ValueError, match="head_dim"):
             call()
@@ -86,7 +90,8 @@ def test_module_inputs_of_different_dtypes_fail_alike():
     dtype, got float32, float64, float64")`` (``query, key and value`` in PyTorch)."""
     x = np.zeros((2, 3, 16), np.float32)
     cases = (
-        (lambda: mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))(jnp.asarray(x), jnp.asarray(x, jnp.float64)), "inputs_k"),
+        (lambda: mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))(jnp.asarray(x), jnp.asarray(x, jnp.float64)),
+         "inputs_k"),
         (lambda: mha_torch.MultiHeadAttention(16, 4)(torch.from_numpy(x), torch.from_numpy(x).double()), "key"),
     )
     for call, name in cases:
@@ -113,7 +118,8 @@ def test_torch_module_names_inputs_of_another_dtype_than_its_parameters():
     }
     for name, call in calls.items():
         for dtype in (torch.float64, torch.bfloat16):
-            with torch.no_grad(), pytest.raises(TypeError, match=rf"query \(shape .*\) has dtype {dtype} but the module's parameters are torch.float32"):
+            with torch.no_grad(), pytest.raises(TypeError, match=rf"query \(shape .*\) has dtype {dtype} "
+                                                                 r"but the module's parameters are torch.float32"):
                 call(x.to(dtype))
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             assert call(x.to(torch.bfloat16)).dtype == torch.bfloat16, name
@@ -192,7 +198,8 @@ def test_scale_and_dropout_rate_are_checked_by_name():
     for call, name, bad_values in (
         (lambda s: mha_jax.dot_product_attention(q, q, q, scale=s), "scale", ("half", float("nan"))),
         (lambda s: mha_torch.dot_product_attention(t, t, t, scale=s), "scale", ("half", float("nan"))),
-        (lambda s: mha_jax.dot_product_attention(q, q, q, dropout_rate=s, dropout_rng=jax.random.key(0)), "dropout_rate", ("a tenth",)),
+        (lambda s: mha_jax.dot_product_attention(q, q, q, dropout_rate=s, dropout_rng=jax.random.key(0)),
+         "dropout_rate", ("a tenth",)),
         (lambda s: mha_torch.dot_product_attention(t, t, t, dropout_p=s), "dropout_p", ("a tenth",)),
     ):
         for bad in bad_values:

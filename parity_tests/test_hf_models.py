@@ -69,7 +69,8 @@ INTERLEAVED_TABLES = ("cohere",)  # rotary modules whose cos/sin repeat each fre
 
 
 def _modeling(config):
-    return __import__(f"transformers.models.{config.model_type.removesuffix('_text')}.modeling_{config.model_type.removesuffix('_text')}",
+    return __import__(f"transformers.models.{config.model_type.removesuffix('_text')}"
+                      f".modeling_{config.model_type.removesuffix('_text')}",
                       fromlist=["_"])
 
 
@@ -121,7 +122,8 @@ def _hf_run(family, dtype, monkeypatch):
         layer_type = config.layer_types[layer] if "layer_type" in inspect.signature(rotary.forward).parameters else None
         cos, sin = rotary(hidden.float(), position_ids, *([layer_type] if layer_type else []))
         if dtype == "float64":
-            cos, sin = _tables64(rotary, position_ids, cos.shape[-1], layer_type, config.model_type in INTERLEAVED_TABLES)
+            cos, sin = _tables64(rotary, position_ids, cos.shape[-1], layer_type,
+                                 config.model_type in INTERLEAVED_TABLES)
         rotary_inputs["position_embeddings"] = (cos.to(torch_dtype), sin.to(torch_dtype))
     elif "position_ids" in inspect.signature(attention.forward).parameters:  # GPT-J: its table inside
         rotary_inputs["position_ids"] = position_ids
@@ -195,12 +197,14 @@ def _keep_float64(monkeypatch, attention):
 
 def _ours_torch(config, layer, state, inputs, dtype, implementation=None):
     x, positions, _, d_out = inputs
-    return models.run_torch(config.to_dict(), state, layer, x, positions, LENGTHS, d_out, getattr(torch, dtype), implementation)
+    return models.run_torch(config.to_dict(), state, layer, x, positions, LENGTHS, d_out, getattr(torch, dtype),
+                            implementation)
 
 
 def _ours_jax(config, layer, state, inputs, dtype, implementation=None):
     x, positions, _, d_out = inputs
-    return models.run_jax(config.to_dict(), state, layer, x, positions, LENGTHS, d_out, getattr(jnp, dtype), implementation)
+    return models.run_jax(config.to_dict(), state, layer, x, positions, LENGTHS, d_out, getattr(jnp, dtype),
+                          implementation)
 
 
 def _theirs_by_our_names(grads, options):
@@ -266,7 +270,8 @@ def test_a_config_json_without_the_rotary_settings_reads_as_transformers_fills_t
     if model_type == "gptj":
         prefix = "transformer.h.0.attn."
         state = {prefix + k: v for k, v in attention.state_dict().items()}
-        state.update({prefix + "bias": torch.ones(1, 1, 4, 4, dtype=torch.bool), prefix + "masked_bias": torch.tensor(-1e9)})
+        state.update({prefix + "bias": torch.ones(1, 1, 4, 4, dtype=torch.bool),
+                      prefix + "masked_bias": torch.tensor(-1e9)})
         for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
             from_hf(raw, state)
 
@@ -289,9 +294,11 @@ def test_a_wrong_setting_fails_against_transformers(monkeypatch):
 def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
-    with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; supported: bert, cohere, gemma2, .*phi3, qwen2, qwen3, stablelm"):
+    with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; "
+                                         r"supported: bert, cohere, gemma2, .*phi3, qwen2, qwen3, stablelm"):
         from_hf(dict(base, model_type="t5"))
-    with pytest.raises(ValueError, match=r"position_embedding_type='relative_key', which this attention does not compute"):
+    with pytest.raises(ValueError,
+                       match=r"position_embedding_type='relative_key', which this attention does not compute"):
         from_hf(dict(base, model_type="bert", position_embedding_type="relative_key"))
     with pytest.raises(ValueError, match=r"sets attention_chunk_size \(chunked attention \(Llama 4\)\)"):
         from_hf(dict(base, attention_chunk_size=8))

@@ -67,7 +67,8 @@ def foreign(layout: str, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if layout == "fused_kv":  # a cross-attention block: to_q, to_kv (rows [k; v]), to_out
         prefix = "blocks.3.attn."
         return {prefix + "to_q.weight": state["q_proj.weight"], prefix + "to_q.bias": state["q_proj.bias"],
-                prefix + "to_kv.weight": _cat(state, "weight", qkv[1:]), prefix + "to_kv.bias": _cat(state, "bias", qkv[1:]),
+                prefix + "to_kv.weight": _cat(state, "weight", qkv[1:]),
+                prefix + "to_kv.bias": _cat(state, "bias", qkv[1:]),
                 prefix + "to_out.weight": state["out_proj.weight"], prefix + "to_out.bias": state["out_proj.bias"]}
     raise AssertionError(layout)
 
@@ -123,7 +124,8 @@ def test_fused_rows_are_q_then_k_then_v():
 def test_layout_files_and_no_biases(tmp_path):
     """A .safetensors file in a foreign layout, without biases, loads on both sides."""
     state = canonical(H, bias=False)
-    theirs = {"in_proj_weight": _cat(state, "weight", ("q_proj", "k_proj", "v_proj")), "out_proj.weight": state["out_proj.weight"]}
+    theirs = {"in_proj_weight": _cat(state, "weight", ("q_proj", "k_proj", "v_proj")),
+              "out_proj.weight": state["out_proj.weight"]}
     path = tmp_path / "mha.safetensors"
     save_numpy(theirs, path)
     back = mha_jax.to_torch(mha_jax.from_torch(path, num_heads=H, layout="torch_mha"))
@@ -141,7 +143,8 @@ def _both(state, **kwargs) -> list[str]:
     (which knows no module, so says nothing of the keys a module has or lacks)."""
     messages = []
     with pytest.raises(ValueError) as info:
-        mha_jax.load_weights(mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, rngs=nnx.Rngs(0)), state, **kwargs)
+        mha_jax.load_weights(mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, rngs=nnx.Rngs(0)), state,
+                             **kwargs)
     messages.append(str(info.value))
     with pytest.raises(ValueError) as info:
         mha_torch.load_weights(_torch_module(), {k: torch.from_numpy(v) for k, v in state.items()}, **kwargs)
@@ -180,15 +183,18 @@ ERRORS = {
         ["key 'bias_k' comes from add_bias_kv=True", "key 'bias_v' comes from add_bias_kv=True"],
     ),
     "weight given twice": (
-        lambda: (dict(foreign("torch_mha", canonical(KV)), q_proj_weight=np.zeros((12, E), np.float32)), dict(layout="torch_mha")),
+        lambda: (dict(foreign("torch_mha", canonical(KV)), q_proj_weight=np.zeros((12, E), np.float32)),
+                 dict(layout="torch_mha")),
         ["q_proj.weight is given twice, by 'in_proj_weight' and 'q_proj_weight'"],
     ),
     "fused rows do not split": (
-        lambda: ({"qkv_proj.weight": np.zeros((25, E), np.float32), "o_proj.weight": np.zeros((E, 12), np.float32)}, dict(layout="fused_qkv")),
+        lambda: ({"qkv_proj.weight": np.zeros((25, E), np.float32), "o_proj.weight": np.zeros((E, 12), np.float32)},
+                 dict(layout="fused_qkv")),
         ["'qkv_proj.weight' has shape (25, 10)", "4 + 2 + 2 = 8 x head_dim rows (num_heads=4, num_kv_heads=2)"],
     ),
     "missing weight, one missing bias": (
-        lambda: ({k: v for k, v in foreign("hf", canonical()).items() if k not in ("o_proj.weight", "k_proj.bias")}, dict(layout="hf")),
+        lambda: ({k: v for k, v in foreign("hf", canonical()).items() if k not in ("o_proj.weight", "k_proj.bias")},
+                 dict(layout="hf")),
         ["missing key 'o_proj.weight'", "missing key 'k_proj.bias'"],
     ),
     "torch_mha missing input weight": (
@@ -226,7 +232,8 @@ def test_a_wrong_query_weight_is_named_alone():
     with its shape and the shape expected, the same in every loader."""
     state = dict(canonical(), **{"q_proj.weight": np.zeros((16, E), np.float32)})
     for message in _both(state):
-        assert message == "state_dict (layout 'mha_torch'): 'q_proj.weight' has shape (16, 10), expected (12, 10) (num_heads=4 x head_dim=3 rows)"
+        assert message == ("state_dict (layout 'mha_torch'): 'q_proj.weight' has shape (16, 10), expected (12, 10) "
+                           "(num_heads=4 x head_dim=3 rows)")
 
 
 def test_missing_and_misshaped_keys_in_one_error():
@@ -237,7 +244,8 @@ def test_missing_and_misshaped_keys_in_one_error():
                   "q_norm.weight": np.ones(D, np.float32), "k_norm.weight": np.ones(D, np.float32)})
     jax_message, torch_message, no_module = _both(state, layout="hf")
     assert jax_message == torch_message
-    for part in ("missing key 'k_proj.weight'", "'q_proj.bias' has shape (7,), expected (12,) (num_heads=4 x head_dim=3 rows)",
+    for part in ("missing key 'k_proj.weight'",
+                 "'q_proj.bias' has shape (7,), expected (12,) (num_heads=4 x head_dim=3 rows)",
                  "'o_proj.weight' has shape (10, 13), expected (10, 12) (num_heads=4 x head_dim=3 columns)"):
         assert jax_message.count(part) == 1 and no_module.count(part) == 1, (part, jax_message, no_module)
     assert "unexpected key 'q_norm.weight': the module has no q_norm.weight (normalize_qk=False)" in jax_message
@@ -250,7 +258,8 @@ def test_module_options_missing_from_the_file_are_named():
     state = canonical()
     for module in (mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, use_sinks=True, rngs=nnx.Rngs(0)),
                    mha_torch.MultiHeadAttention(E, H, num_kv_heads=KV, qkv_dim=H * D, use_sinks=True)):
-        with pytest.raises(ValueError, match=r"missing key 'sinks': the module has sinks \(use_sinks\) of shape \(4,\)"):
+        with pytest.raises(ValueError,
+                           match=r"missing key 'sinks': the module has sinks \(use_sinks\) of shape \(4,\)"):
             (mha_jax if isinstance(module, nnx.Module) else mha_torch).load_weights(module, state)
     no_out_bias = {k: v for k, v in state.items() if k != "out_proj.bias"}
     with pytest.raises(ValueError, match=r"missing key 'out_proj.bias': the module has out_proj.bias of shape \(10,\)"):
@@ -259,11 +268,13 @@ def test_module_options_missing_from_the_file_are_named():
     mha_torch.load_weights(module, no_out_bias)
     model = mha_jax.MultiHeadAttention(H, E, H * D, num_kv_heads=KV, use_out_bias=False, rngs=nnx.Rngs(0))
     mha_jax.load_weights(model, no_out_bias)
-    assert all(same_bits(module.state_dict()[k], v) and same_bits(mha_jax.to_torch(model)[k], v) for k, v in no_out_bias.items())
+    assert all(same_bits(module.state_dict()[k], v) and same_bits(mha_jax.to_torch(model)[k], v)
+               for k, v in no_out_bias.items())
 
 
 # layout -> what ``detect_layout`` says of the keys ``foreign`` writes
-DETECTED = {"torch_mha": "torch_mha", "torch_mha_kdim": "torch_mha", "hf": "hf", "bert": "bert", "fused_qkv": "fused_qkv"}
+DETECTED = {"torch_mha": "torch_mha", "torch_mha_kdim": "torch_mha", "hf": "hf", "bert": "bert",
+            "fused_qkv": "fused_qkv"}
 
 
 @pytest.mark.parametrize("layout", ["auto", None], ids=["auto", "not given"])
@@ -320,7 +331,8 @@ def test_a_layout_not_given_that_the_keys_do_not_show_is_today_s_error_with_the_
     for message in _both(none):
         assert "missing key 'q_proj.weight'" in message and "unexpected key 'attn.qkv.weight'" in message
         assert "the keys show no layout ('attn.q.weight', 'attn.qkv.weight'): likely layouts: fused_qkv;" in message
-    assert mha_jax.to_torch(mha_jax.from_torch(several, num_heads=H, num_kv_heads=KV, ignore=["o_proj"])).keys() == canonical().keys()
+    assert mha_jax.to_torch(mha_jax.from_torch(several, num_heads=H, num_kv_heads=KV,
+                                               ignore=["o_proj"])).keys() == canonical().keys()
 
 
 def test_detect_layout_names_ours_flax_and_the_likely_layouts():
@@ -334,7 +346,8 @@ def test_detect_layout_names_ours_flax_and_the_likely_layouts():
     assert "likely layouts: fused_qkv;" in str(info.value)
     assert "one of mha_torch, torch_mha, hf, bert, fused_qkv, flax" in str(info.value)
     with pytest.raises(ValueError, match="layout 'flax' is Flax parameter names"):
-        mha_jax.from_torch({"query.kernel": np.zeros((E, H, D)), "out.kernel": np.zeros((H, D, E))}, num_heads=H, layout="auto")
+        mha_jax.from_torch({"query.kernel": np.zeros((E, H, D)), "out.kernel": np.zeros((H, D, E))}, num_heads=H,
+                           layout="auto")
     with pytest.raises(ValueError, match="the keys look like layout 'hf'"):  # a layout given wrong
         mha_jax.from_torch(foreign("hf", canonical()), num_heads=H, num_kv_heads=KV, layout="bert")
 
@@ -396,7 +409,8 @@ def test_to_torch_mha_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError) as info:
         mha_torch.to_torch_mha(mha_torch.MultiHeadAttention(8, 4, num_kv_heads=2, qkv_dim=12, out_dim=6))
     message = str(info.value)
-    for part in ("num_kv_heads=2 differs from num_heads=4", "qkv_dim=12 differs from embed_dim=8", "out_dim=6 differs from embed_dim=8"):
+    for part in ("num_kv_heads=2 differs from num_heads=4", "qkv_dim=12 differs from embed_dim=8",
+                 "out_dim=6 differs from embed_dim=8"):
         assert part in message
     with pytest.raises(TypeError, match="module must be an mha_torch.MultiHeadAttention"):
         mha_torch.to_torch_mha(torch.nn.MultiheadAttention(8, 2))
@@ -410,8 +424,10 @@ INF = float("-inf")
 FROM_CASES = {
     "2-d bool": (np.array([[F_, T], [F_, F_]]), None, None, (np.array([[T, F_], [T, T]]), None)),
     "padding bool": (None, np.array([[F_, F_, T]]), None, (np.array([[[[T, T, F_]]]]), None)),
-    "3-d bool": (np.array([[[T]], [[F_]], [[F_]], [[T]]]), None, 2, (np.array([[[[F_]], [[T]]], [[[T]], [[F_]]]]), None)),
-    "both bool": (np.array([[F_, T]]), np.array([[F_, F_], [T, F_]]), None, (np.array([[[[T, F_]]], [[[F_, F_]]]]), None)),
+    "3-d bool": (np.array([[[T]], [[F_]], [[F_]], [[T]]]), None, 2,
+                 (np.array([[[[F_]], [[T]]], [[[T]], [[F_]]]]), None)),
+    "both bool": (np.array([[F_, T]]), np.array([[F_, F_], [T, F_]]), None,
+                  (np.array([[[[T, F_]]], [[[F_, F_]]]]), None)),
     "float and bool": (np.array([[0.5, -1.0]], np.float32), np.array([[T, F_]]), None,
                        (np.array([[[[F_, T]]]]), np.array([[0.5, -1.0]], np.float32))),
     "float only": (None, np.array([[0.0, -2.0]]), None, (None, np.array([[[[0.0, -2.0]]]]))),
@@ -445,14 +461,16 @@ TO_CASES = {
 # ours (mask, bias) -> (shape, theirs), a float attn_mask whenever there is a bias
 TO_BIAS_CASES = {
     "bias": (None, np.array([0.0, -1.5], np.float32), (1, 1, 2, 2), np.array([[0.0, -1.5], [0.0, -1.5]], np.float32)),
-    "mask and bias": (np.array([T, F_]), np.array([0.5, -1.5], np.float32), (1, 1, 2, 2), np.array([[0.5, INF], [0.5, INF]], np.float32)),
+    "mask and bias": (np.array([T, F_]), np.array([0.5, -1.5], np.float32), (1, 1, 2, 2),
+                      np.array([[0.5, INF], [0.5, INF]], np.float32)),
 }
 
 
 @pytest.mark.parametrize("name", list(TO_CASES))
 def test_mask_to_torch_mha(name):
     ours, shape, expected = TO_CASES[name]
-    for theirs in (mha_torch.mask_to_torch_mha(torch.from_numpy(ours), shape), mha_jax.mask_to_torch_mha(jnp.asarray(ours), shape)):
+    for theirs in (mha_torch.mask_to_torch_mha(torch.from_numpy(ours), shape),
+                   mha_jax.mask_to_torch_mha(jnp.asarray(ours), shape)):
         theirs = np.asarray(theirs)
         assert theirs.dtype == expected.dtype and np.array_equal(theirs, expected), (theirs, expected)
 
@@ -469,11 +487,15 @@ def test_mask_and_bias_to_torch_mha(name):
 
 
 @pytest.mark.parametrize("function, args, error, message", [
-    ("mask_from_torch_mha", [np.zeros((4, 2, 2), bool)], ValueError, r"needs num_heads dividing its first axis; got shape \(4, 2, 2\) and num_heads=None"),
+    ("mask_from_torch_mha", [np.zeros((4, 2, 2), bool)], ValueError,
+     r"needs num_heads dividing its first axis; got shape \(4, 2, 2\) and num_heads=None"),
     ("mask_from_torch_mha", [np.zeros((2,), bool)], ValueError, r"attn_mask must have rank 2 .* got shape \(2,\)"),
-    ("mask_from_torch_mha", [None, np.zeros((2, 3), np.int64)], TypeError, "key_padding_mask must be bool or floating, got dtype"),
-    ("mask_from_torch_mha", [np.zeros((2, 3), bool), np.zeros((2, 4), bool)], ValueError, r"disagree on kv_len: shapes \(2, 3\) and \(2, 4\)"),
-    ("mask_to_torch_mha", [np.ones((3, 2), bool), (1, 1, 2, 3)], ValueError, r"mask of shape \(3, 2\) does not broadcast"),
+    ("mask_from_torch_mha", [None, np.zeros((2, 3), np.int64)], TypeError,
+     "key_padding_mask must be bool or floating, got dtype"),
+    ("mask_from_torch_mha", [np.zeros((2, 3), bool), np.zeros((2, 4), bool)], ValueError,
+     r"disagree on kv_len: shapes \(2, 3\) and \(2, 4\)"),
+    ("mask_to_torch_mha", [np.ones((3, 2), bool), (1, 1, 2, 3)], ValueError,
+     r"mask of shape \(3, 2\) does not broadcast"),
 ])
 def test_mask_helpers_reject_alike(function, args, error, message):
     for package, convert in ((mha_torch, torch.from_numpy), (mha_jax, jnp.asarray)):
@@ -527,4 +549,5 @@ def test_ranks_are_checked_after_renaming():
     with pytest.raises(ValueError, match=r"'o_proj.weight' has shape \(10, 12, 1\), expected rank 2"):
         mha_jax.from_torch(state, num_heads=H, num_kv_heads=KV, layout="hf")
     jax_message, torch_message, _ = _both(state, layout="hf")
-    assert jax_message == torch_message == "state_dict (layout 'hf'): 'o_proj.weight' has shape (10, 12, 1), expected (10, 12)"
+    assert jax_message == torch_message == ("state_dict (layout 'hf'): 'o_proj.weight' has shape (10, 12, 1), "
+                                            "expected (10, 12)")

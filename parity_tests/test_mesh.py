@@ -30,7 +30,8 @@ from mha_jax.attention import dot_product_attention
 B, L, H, D = 8, 72, 8, 8
 TOLERANCE = {"float32": 1e-6, "float64": 1e-12}  # max |sharded - one device| / max |one device|
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
-CI_COMMAND = "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q parity_tests/test_mesh.py parity_tests/test_ring.py"
+CI_COMMAND = ("XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+              "python -m pytest -q parity_tests/test_mesh.py parity_tests/test_ring.py")
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason=f"needs 8 devices; CI runs: {CI_COMMAND}")
 
@@ -94,10 +95,12 @@ def _case(case, implementation, q, k, v, bias, t, rng):
         return dot_product_attention(q, k, v, local_window_size=(20, 5), query_positions=t["positions"],
                                      key_positions=t["positions"], key_value_seq_lengths=t["lengths"], **common)
     if case == "window+segments+lengths":  # over default positions: the bands of ``_band``
-        return dot_product_attention(q, k, v, is_causal=True, local_window_size=(20, 0), query_segment_ids=t["segments"],
-                                     key_segment_ids=t["segments"], key_value_seq_lengths=t["lengths"], **common)
+        return dot_product_attention(q, k, v, is_causal=True, local_window_size=(20, 0),
+                                     query_segment_ids=t["segments"], key_segment_ids=t["segments"],
+                                     key_value_seq_lengths=t["lengths"], **common)
     assert case == "segments+causal"
-    return dot_product_attention(q, k, v, is_causal=True, query_segment_ids=t["segments"], key_segment_ids=t["segments"], **common)
+    return dot_product_attention(q, k, v, is_causal=True, query_segment_ids=t["segments"],
+                                 key_segment_ids=t["segments"], **common)
 
 
 def _grads(implementation, cases, use_rng, q, k, v, bias, cot, t):
@@ -142,7 +145,8 @@ def _compiled(f, *args):
     compiled = jax.jit(f).lower(*args).compile()
     text = compiled.as_text()
     counts = {op: len(re.findall(rf"[ )]{op}(-start)?\(", text)) for op in COLLECTIVES}
-    reduced = [line.split(" = ")[1].split(" all-reduce")[0] for line in text.splitlines() if re.search(r"[ )]all-reduce(-start)?\(", line)]
+    reduced = [line.split(" = ")[1].split(" all-reduce")[0] for line in text.splitlines()
+               if re.search(r"[ )]all-reduce(-start)?\(", line)]
     return compiled(*args), counts, reduced
 
 
@@ -303,7 +307,8 @@ def test_grouped_heads_split_from_their_group_is_refused():
     with jax.set_mesh(mesh):
         (q, k, v, *_), _ = _placed(mesh, "float32", 2, dict(SPECS, k=P("data"), v=P("data")))
         for implementation in ("blockwise", "xla"):
-            message = r"query's 8 heads are sharded over mesh axes \('model',\) \(4 shards\), which does not divide its 2 key/value"
+            message = (r"query's 8 heads are sharded over mesh axes \('model',\) \(4 shards\), "
+                       r"which does not divide its 2 key/value")
             with pytest.raises(ValueError, match=message):
                 jax.jit(functools.partial(dot_product_attention, implementation=implementation)).trace(q, k, v)
 
@@ -352,7 +357,8 @@ def test_decoding_with_the_cache_sharded_over_the_batch(axis_type):
     step = nnx.jit(lambda m, x: m(x, decode=True, is_causal=True))
     xs = jax.device_put(x, sharded)
     with jax.set_mesh(mesh):
-        out = jnp.concatenate([step(layer, xs[:, :128])] + [step(layer, xs[:, t:t + 1]) for t in range(128, slots)], axis=1)
+        out = jnp.concatenate([step(layer, xs[:, :128])] + [step(layer, xs[:, t:t + 1]) for t in range(128, slots)],
+                              axis=1)
     assert layer.cached_key[...].sharding.spec[0] == "data"
     err = np.abs(np.asarray(out) - np.asarray(full)).max() / np.abs(np.asarray(full)).max()
     assert err <= TOLERANCE["float64"], err

@@ -77,7 +77,8 @@ def test_one_blockwise_program_serves_every_mask_form_with_the_same_static_optio
     cases = [c for c in GRID if c.config.name == "self" and c.dtype == "float32"]
     harness._jax_programs()[1].clear_cache()
     traces = []
-    monkeypatch.setattr(_blockwise, "attention", lambda *a, run=_blockwise.attention, **k: traces.append(1) or run(*a, **k))
+    monkeypatch.setattr(_blockwise, "attention",
+                        lambda *a, run=_blockwise.attention, **k: traces.append(1) or run(*a, **k))
     for case in cases:
         harness.run_jax(case, harness.make_data(case), implementation="blockwise", canonical=True)
     options = {harness.static_options(harness.make_data(c).attention) for c in cases}

@@ -62,7 +62,8 @@ def test_docs_source_example_catches_a_wrong_head_count(tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     (tmp_path / "encoder_def.py").write_text(definition)
     torch.manual_seed(0)
-    exec(compile(definition + "\nfrom safetensors.torch import save_file\nsave_file(build().state_dict(), 'encoder.safetensors')",
+    exec(compile(definition + "\nfrom safetensors.torch import save_file\n"
+                              "save_file(build().state_dict(), 'encoder.safetensors')",
                  "docs/porting.md", "exec"), {})
     fast = ["--dtype", "float32", "--mask", "padding", "--workers", "1"]
     assert cli.main(shlex.split(command) + fast) == 1
@@ -84,7 +85,8 @@ def _hf_gqa_file(path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
 def test_convert_round_trip_between_layouts_and_frameworks(tmp_path, capsys):
     original = _hf_gqa_file(tmp_path / "hf.safetensors")
     hf = ["--layout", "hf", "--num-heads", "4", "--num-kv-heads", "2"]
-    assert cli.main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "a.msgpack"), "--to", "flax", *hf]) == 0
+    assert cli.main(["convert", str(tmp_path / "hf.safetensors"), str(tmp_path / "a.msgpack"), "--to", "flax",
+                     *hf]) == 0
     assert cli.main(["convert", str(tmp_path / "a.msgpack"), str(tmp_path / "b.safetensors"), "--to", "torch"]) == 0
     assert cli.main(["convert", str(tmp_path / "b.safetensors"), str(tmp_path / "c.safetensors"), "--to", "flax",
                      "--num-heads", "4", "--num-kv-heads", "2"]) == 0
@@ -100,7 +102,8 @@ def test_convert_refuses_to_overwrite_unless_forced(tmp_path, capsys):
     _hf_gqa_file(tmp_path / "hf.safetensors")
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"keep me")
-    args = ["convert", str(tmp_path / "hf.safetensors"), str(out), "--to", "torch", "--layout", "hf", "--num-heads", "4", "--num-kv-heads", "2"]
+    args = ["convert", str(tmp_path / "hf.safetensors"), str(out), "--to", "torch", "--layout", "hf",
+            "--num-heads", "4", "--num-kv-heads", "2"]
     assert cli.main(args) == 2 and out.read_bytes() == b"keep me"
     assert "exists; pass --force to overwrite it" in capsys.readouterr().err
     assert cli.main(args + ["--force"]) == 0 and out.read_bytes() != b"keep me"
@@ -181,7 +184,8 @@ def test_failed_report_writes_leave_the_old_reports(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # the Markdown alone
     with monkeypatch.context() as m:  # every text file written one byte short: its read-back fails
         m.setattr(pathlib.Path, "write_bytes", lambda self, data: real_write_bytes(self, data[:-1]))
-        args = ["verify", "--weights", str(tmp_path / "w.safetensors"), "--num-heads", "4", "--dtype", "float32", "--mask", "none"]
+        args = ["verify", "--weights", str(tmp_path / "w.safetensors"), "--num-heads", "4", "--dtype", "float32",
+                "--mask", "none"]
         assert cli.main(args + ["--json", str(tmp_path / "r.json")]) == 2
         left()
         with pytest.raises(OSError, match="does not read back as written"):
@@ -200,11 +204,13 @@ def test_verify_weights_reads_flax_heads_from_the_kernels(tmp_path):
     path = tmp_path / "flax.msgpack"
     path.write_bytes(msgpack_serialize(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     report = tmp_path / "report.json"
-    code = cli.main(["verify", "--weights", str(path), "--dtype", "float32", "--mask", "padding+causal", "--json", str(report)])
+    code = cli.main(["verify", "--weights", str(path), "--dtype", "float32", "--mask", "padding+causal",
+                     "--json", str(report)])
     result = json.loads(report.read_text())
     assert code == 0 and result["passed"] and [c["case"] for c in result["cases"]] == ["weights/padding+causal/float32"]
     config = result["cases"][0]["config"]
-    assert (config["num_heads"], config["num_kv_heads"], config["qkv_features"], config["out_features"]) == (4, 2, 24, 12)
+    assert (config["num_heads"], config["num_kv_heads"], config["qkv_features"],
+            config["out_features"]) == (4, 2, 24, 12)
     assert "num_heads 4, num_kv_heads 2" in result["weights"]
 
 
@@ -212,9 +218,10 @@ def test_verify_weights_reads_flax_heads_from_the_kernels(tmp_path):
     (["--layout", "hf"], "--num-heads is needed"),
     (["--layout", "bert", "--num-heads", "4", "--num-kv-heads", "2"], "missing key 'self.query.weight'"),
     (["--layout", "hf", "--num-heads", "5"], "no head_dim fits --num-heads 5 and --num-kv-heads 5"),
-    (["--num-heads", "4", "--num-kv-heads", "4"], "the file (--layout 'hf'): 'k_proj.weight' has shape (6, 10), expected (12, 10) "
-                                                  "(--num-kv-heads 4 x head_dim=3 rows)"),
-    (["--layout", "flax"], "--layout flax: {path} holds no Flax parameter names (query.kernel, ...) but 'k_proj.bias', "),
+    (["--num-heads", "4", "--num-kv-heads", "4"], "the file (--layout 'hf'): 'k_proj.weight' has shape (6, 10), "
+                                                  "expected (12, 10) (--num-kv-heads 4 x head_dim=3 rows)"),
+    (["--layout", "flax"], "--layout flax: {path} holds no Flax parameter names (query.kernel, ...) "
+                           "but 'k_proj.bias', "),
 ])
 def test_verify_weights_names_what_does_not_fit(tmp_path, capsys, args, message):
     _hf_gqa_file(tmp_path / "hf.safetensors")
@@ -231,12 +238,15 @@ def test_the_layout_is_read_from_the_keys(tmp_path, capsys):
     assert "(layout hf, detected from the keys, bfloat16)" in capsys.readouterr().out
     back = load_torch(tmp_path / "out.safetensors")
     assert all(same_bits(original[k], back[k]) for k in original)
-    save_numpy({"h.0.attn.qkv.weight": np.zeros((36, 12), np.float32), "h.0.attn.c_proj.weight": np.zeros((12, 12), np.float32)},
+    save_numpy({"h.0.attn.qkv.weight": np.zeros((36, 12), np.float32),
+                "h.0.attn.c_proj.weight": np.zeros((12, 12), np.float32)},
                tmp_path / "gpt.safetensors")
-    assert cli.main(["convert", str(tmp_path / "gpt.safetensors"), str(tmp_path / "gpt.msgpack"), "--to", "flax", "--num-heads", "4"]) == 2
+    assert cli.main(["convert", str(tmp_path / "gpt.safetensors"), str(tmp_path / "gpt.msgpack"), "--to", "flax",
+                     "--num-heads", "4"]) == 2
     err = capsys.readouterr().err
     assert "show no layout" in err and "likely layouts: fused_qkv;" in err
-    assert "give --layout (one of mha_torch, torch_mha, hf, bert, fused_qkv, flax) or, for another naming scheme, the Python API's mapping=" in err
+    assert ("give --layout (one of mha_torch, torch_mha, hf, bert, fused_qkv, flax) "
+            "or, for another naming scheme, the Python API's mapping=") in err
 
 
 def _normalize_qk_files(tmp_path) -> dict[str, np.ndarray]:
@@ -256,7 +266,8 @@ def test_normalize_qk_checkpoints_convert_and_verify(tmp_path, capsys):
     """flax's normalize_qk scales (query_ln, key_ln) and ours (q_norm, k_norm) convert both
     ways bit for bit, and verify runs on them (the flax file against flax.nnx.MultiHeadAttention)."""
     state = _normalize_qk_files(tmp_path)
-    assert cli.main(["convert", str(tmp_path / "flax.msgpack"), str(tmp_path / "torch.safetensors"), "--to", "torch"]) == 0
+    assert cli.main(["convert", str(tmp_path / "flax.msgpack"), str(tmp_path / "torch.safetensors"),
+                     "--to", "torch"]) == 0
     back = load_torch(tmp_path / "torch.safetensors")
     assert set(back) == set(state) and all(same_bits(back[k], state[k]) for k in state)
     assert cli.main(["convert", str(tmp_path / "ours.safetensors"), str(tmp_path / "again.msgpack"), "--to", "flax",
@@ -268,7 +279,8 @@ def test_normalize_qk_checkpoints_convert_and_verify(tmp_path, capsys):
     assert cli.main(["verify", "--weights", str(tmp_path / "flax.msgpack"), *fast]) == 0
     out = capsys.readouterr().out
     assert "against the source: 1 cases" in out and "with biases, normalize_qk" in out
-    assert cli.main(["verify", "--weights", str(tmp_path / "ours.safetensors"), "--num-heads", "4", "--num-kv-heads", "2", *fast]) == 0
+    assert cli.main(["verify", "--weights", str(tmp_path / "ours.safetensors"), "--num-heads", "4",
+                     "--num-kv-heads", "2", *fast]) == 0
 
 
 def test_verify_weights_fails_when_a_framework_loads_other_values(tmp_path, monkeypatch, capsys):
@@ -281,7 +293,8 @@ def test_verify_weights_fails_when_a_framework_loads_other_values(tmp_path, monk
             module.k_proj.bias[0] = torch.nextafter(module.k_proj.bias[0], torch.tensor(np.inf))
 
     monkeypatch.setattr(mha_torch, "load_weights", off_by_one_ulp)
-    args = ["verify", "--weights", str(tmp_path / "hf.safetensors"), "--layout", "hf", "--num-heads", "4", "--num-kv-heads", "2"]
+    args = ["verify", "--weights", str(tmp_path / "hf.safetensors"), "--layout", "hf", "--num-heads", "4",
+            "--num-kv-heads", "2"]
     assert cli.main(args) == 1
     assert "torch holds different values for k_proj.bias" in capsys.readouterr().out
 
@@ -290,4 +303,5 @@ def test_verify_weights_exits_nonzero_when_a_case_fails(tmp_path, monkeypatch):
 
     save_numpy(mha_jax.to_torch(mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))), tmp_path / "w.safetensors")
     monkeypatch.setitem(harness.TOLERANCES, "float32", (1e-12, 1e-12))
-    assert cli.main(["verify", "--weights", str(tmp_path / "w.safetensors"), "--num-heads", "4", "--dtype", "float32", "--mask", "none"]) == 1
+    assert cli.main(["verify", "--weights", str(tmp_path / "w.safetensors"), "--num-heads", "4", "--dtype", "float32",
+                     "--mask", "none"]) == 1

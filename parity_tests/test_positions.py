@@ -37,7 +37,8 @@ def _torch(q, k, v, implementation, **kw):
         return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
 
     kw = {n: torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
-    return mha_torch.dot_product_attention(t(q), t(k), t(v), implementation=implementation, **kw).numpy().transpose(0, 2, 1, 3)
+    return mha_torch.dot_product_attention(t(q), t(k), t(v), implementation=implementation,
+                                           **kw).numpy().transpose(0, 2, 1, 3)
 
 
 @pytest.mark.parametrize("window", [(3, 0), (2, 4), 5])
@@ -72,7 +73,8 @@ def test_a_chunk_at_later_positions_is_those_rows_of_causal_attention():
     for impl in JAX_IMPLEMENTATIONS:
         np.testing.assert_allclose(_jax(chunk, k, v, impl, is_causal=True, query_positions=positions), want, atol=1e-13)
     for impl in TORCH_IMPLEMENTATIONS:
-        np.testing.assert_allclose(_torch(chunk, k, v, impl, is_causal=True, query_positions=positions), want, atol=1e-13)
+        np.testing.assert_allclose(_torch(chunk, k, v, impl, is_causal=True, query_positions=positions), want,
+                                   atol=1e-13)
     # without positions the same call is top-left aligned: a different (and wrong) answer
     assert np.abs(_jax(chunk, k, v, "xla", is_causal=True) - want).max() > 1e-2
 
@@ -83,7 +85,8 @@ def test_packed_sequences_equal_the_sequences_one_by_one():
     q, k, v = _qkv(3)
     ids = np.array([0] * 5 + [1] * 4 + [2] * 3)
     positions = np.concatenate([np.arange(5), np.arange(4), np.arange(3)])
-    kw = dict(is_causal=True, query_segment_ids=ids, key_segment_ids=ids, query_positions=positions, key_positions=positions)
+    kw = dict(is_causal=True, query_segment_ids=ids, key_segment_ids=ids, query_positions=positions,
+              key_positions=positions)
     for impl in JAX_IMPLEMENTATIONS + TORCH_IMPLEMENTATIONS:
         run = _jax if impl in JAX_IMPLEMENTATIONS else _torch
         packed = run(q, k, v, impl, **kw)
@@ -150,13 +153,16 @@ def test_cudnn_mapping_through_jax_nn(monkeypatch):
         dict(is_causal=True),
         dict(is_causal=True, key_value_seq_lengths=np.array([T, 0])),
         dict(is_causal=True, query_positions=np.arange(T) + 2, local_window_size=(4, 0)),
-        dict(query_segment_ids=np.arange(T) // 5, key_segment_ids=np.arange(T) // 5, mask=rng.random((B, 1, T, T)) < 0.7),
-        dict(local_window_size=(1, 2), bias=rng.normal(size=(H, T, T)).astype(np.float32), key_value_seq_lengths=np.array([9, 4])),
+        dict(query_segment_ids=np.arange(T) // 5, key_segment_ids=np.arange(T) // 5,
+             mask=rng.random((B, 1, T, T)) < 0.7),
+        dict(local_window_size=(1, 2), bias=rng.normal(size=(H, T, T)).astype(np.float32),
+             key_value_seq_lengths=np.array([9, 4])),
     ]
     as_bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
     for kw in cases:
         kw = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
         got = mha_jax.dot_product_attention(*as_bf16, implementation="cudnn", **kw)
         want = mha_jax.dot_product_attention(*as_bf16, implementation="xla", **kw)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, err_msg=str(sorted(kw)))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2,
+                                   err_msg=str(sorted(kw)))
         assert np.array_equal(np.asarray(got) == 0, np.asarray(want) == 0)

@@ -78,7 +78,8 @@ def check_parity(spec: Spec) -> None:
     accumulated, moved = accumulation_allowance(spec), rounding_sensitivity(spec)
     limit = {name: max(grad_tol if name.startswith("grad:") else tol, accumulated, SENSITIVITY_FACTOR * m)
              for name, m in moved.items()}
-    error = {(pair, name): max(e["rel"], e["max_abs"]) for pair, entries in result.details.items() for name, e in entries.items()}
+    error = {(pair, name): max(e["rel"], e["max_abs"])
+             for pair, entries in result.details.items() for name, e in entries.items()}
 
     def oracle_value(name):
         return results["oracle"]["grads"][name[5:]] if name.startswith("grad:") else results["oracle"][name]
@@ -134,16 +135,19 @@ EDGES = {
     "self-attention": lambda s: s.config.self_attention,
     "rank-0 mask": lambda s: s.mask not in ("none", "padding") and s.mask_shape == (),
     "full-rank float mask with empty rows": lambda s: s.mask == "float" and len(s.mask_shape) == 4 and s.empty_rows,
-    "per-head int mask, causal": lambda s: s.mask == "int8" and s.mask_shape[-3:-2] == (s.config.num_heads,) and s.is_causal,
+    "per-head int mask, causal":
+        lambda s: s.mask == "int8" and s.mask_shape[-3:-2] == (s.config.num_heads,) and s.is_causal,
     "padding with an empty batch element": lambda s: s.mask == "padding" and s.empty_rows,
     "dropout with a broadcast keep-mask": lambda s: s.keep_shape is not None and 0 < len(s.keep_shape) < 4,
-    "bfloat16 blockwise against sdpa": lambda s: s.dtype == "bfloat16" and s.jax_impl == "blockwise" and s.torch_impl == "sdpa",
+    "bfloat16 blockwise against sdpa":
+        lambda s: s.dtype == "bfloat16" and s.jax_impl == "blockwise" and s.torch_impl == "sdpa",
     "queries after the keys, causal": lambda s: s.positions == "after" and s.is_causal,
     "shuffled positions in a window": lambda s: s.positions == "shuffled" and s.window is not None,
     "window reaching right": lambda s: s.window is not None and s.window[1] > 0 and not s.is_causal,
     "packed segments with lengths": lambda s: s.segments >= 2 and s.lengths,
     "a bias on a mask": lambda s: s.bias_shape is not None and s.mask not in ("none", "padding"),
-    "everything at once": lambda s: s.positions != "default" and s.window and s.segments and s.lengths and s.bias_shape is not None and s.mask != "none",
+    "everything at once": lambda s: (s.positions != "default" and s.window and s.segments and s.lengths
+                                     and s.bias_shape is not None and s.mask != "none"),
 }
 
 

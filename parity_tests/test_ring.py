@@ -31,7 +31,8 @@ B, L, H, KVH, D = 2, 32, 4, 2, 8
 TOLERANCE = {"float32": 1e-6, "float64": 1e-12}  # max |ring - one device| / max |one device|
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
 CI_COMMAND = (
-    "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q parity_tests/test_mesh.py parity_tests/test_ring.py"
+    "XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+    "python -m pytest -q parity_tests/test_mesh.py parity_tests/test_ring.py"
 )
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason=f"needs 8 devices; CI runs: {CI_COMMAND}")
@@ -156,7 +157,8 @@ def _loop_bodies(text):
         seen.add(name)
         lines = list(computations[name])
         for line in computations[name]:
-            called = re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)", line)
+            called = re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)"
+                                r"=%([\w.\-]+)", line)
             for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):  # every branch of a cond
                 called += re.findall(r"%([\w.\-]+)", branches)
             for name_called in called:
@@ -436,7 +438,8 @@ def test_ring_takes_masks_bias_dropout(shape, names, batch, heads, axis_type, dt
     blocks = (f"[{b},{length},{KVH // (2 if heads else 1)},{D}]", f"s32[{b},{length}]", f"s32[1,{length}]")
     for lines in _loop_bodies(text):
         inside = _collectives(lines)
-        assert all(any(x in line for x in blocks) for line in inside["collective-permute"]), inside["collective-permute"]
+        assert all(any(x in line for x in blocks) for line in inside["collective-permute"]), (
+            inside["collective-permute"])
         assert not inside["all-reduce"] or (axis_type == AxisType.Auto and batch), inside["all-reduce"]
 
 
@@ -536,17 +539,21 @@ def test_no_mesh_is_refused():
 def test_bad_input_is_refused_by_name(case):
     """Each refusal names the argument and the sizes."""
     refusals = {
-        "not in mesh": ((8,), ("data",), r"sequence_axis='seq' is not an axis of the mesh, whose axes are \{'data': 8\}",
+        "not in mesh": ((8,), ("data",),
+                        r"sequence_axis='seq' is not an axis of the mesh, whose axes are \{'data': 8\}",
                         dict(sequence_axis="seq")),
-        "size 1": ((8, 1), ("data", "seq"), r"sequence_axis='seq' has size 1 in the mesh \{'data': 8, 'seq': 1\}: a ring "
-                   r"needs 2 devices or more", dict(sequence_axis="seq")),
+        "size 1": ((8, 1), ("data", "seq"), r"sequence_axis='seq' has size 1 in the mesh \{'data': 8, 'seq': 1\}: "
+                   r"a ring needs 2 devices or more", dict(sequence_axis="seq")),
         "length": ((8,), ("seq",), r"sequence_axis='seq' of size 8 needs q_len to be a multiple of 2 x 8 = 16 \(each "
                    r"device holds a front and a back chunk\), got q_len=24", dict(sequence_axis="seq", length=24)),
         "dropout_rng": ((8,), ("seq",), r"sequence_axis='seq' with dropout_rate > 0 needs dropout_rng to be one PRNG "
                         r"key \(jax.random.key\(seed\)\), got \w+ with shape \(3,\) and dtype key<fry>",
-                        dict(sequence_axis="seq", dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0), 3))),
-        "weights": ((8,), ("seq",), r"does not take return_weights=True", dict(sequence_axis="seq", return_weights=True)),
-        "cudnn": ((8,), ("seq",), r"does not take implementation='cudnn'", dict(sequence_axis="seq", implementation="cudnn")),
+                        dict(sequence_axis="seq", dropout_rate=0.1,
+                             dropout_rng=jax.random.split(jax.random.key(0), 3))),
+        "weights": ((8,), ("seq",), r"does not take return_weights=True",
+                    dict(sequence_axis="seq", return_weights=True)),
+        "cudnn": ((8,), ("seq",), r"does not take implementation='cudnn'",
+                  dict(sequence_axis="seq", implementation="cudnn")),
     }
     shape, names, message, kwargs = refusals[case]
     _refusal(shape, names, message, **kwargs)
@@ -558,7 +565,8 @@ def test_inside_shard_map_over_the_axis_is_refused():
     (q, k, v, *_), _ = _data("float32")
     f = jax.shard_map(functools.partial(dot_product_attention, sequence_axis="seq"), mesh=mesh,
                       in_specs=P(None, "seq"), out_specs=P(None, "seq"))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"sequence_axis='seq' is already manual here \(inside jax.shard_map over it\)"):
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"sequence_axis='seq' is already manual here "
+                                                             r"\(inside jax.shard_map over it\)"):
         jax.jit(f).trace(q, k, v)
 
 

@@ -82,7 +82,8 @@ def test_raw_sdpa_lets_padding_garbage_through_and_ours_does_not():
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     raw = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.from_numpy(attend).expand(3, 5))
     assert torch.isnan(raw).all()
-    anchor = jax.nn.dot_product_attention(*(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)), mask=jnp.asarray(attend))
+    anchor = jax.nn.dot_product_attention(*(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)),
+                                          mask=jnp.asarray(attend))
     assert jnp.isnan(anchor).all()
     ours = mha_torch.dot_product_attention(tq, tk, tv, mask=torch.from_numpy(attend), implementation="sdpa")
     _assert_close(ours.numpy(), want, 1e-13, "mha_torch sdpa")

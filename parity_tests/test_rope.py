@@ -40,7 +40,8 @@ SCALINGS = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": OMAX, "beta_fast": 8,
         "beta_slow": 2, "mscale": 0.7, "mscale_all_dim": 1.3, "truncate": False,
     },
-    "yarn_derived_factor": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": OMAX, "attention_factor": 0.8},
+    "yarn_derived_factor": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": OMAX,
+                            "attention_factor": 0.8},
     "longrope": {
         "rope_type": "longrope", "original_max_position_embeddings": OMAX,
         "short_factor": [1.0 + 0.25 * i for i in range(D // 2)], "long_factor": [1.5 + 2.5 * i for i in range(D // 2)],
@@ -49,7 +50,8 @@ SCALINGS = {
         "rope_type": "longrope", "original_max_position_embeddings": OMAX, "factor": 1.5, "attention_factor": 1.1,
         "short_factor": [1.0 + 0.25 * i for i in range(D // 2)], "long_factor": [1.5 + 2.5 * i for i in range(D // 2)],
     },
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": OMAX},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": OMAX},
 }
 # Positions up to 36 (past both thresholds), and per row up to 15 (below both).
 OFFSET = np.arange(L) + 30
@@ -133,7 +135,8 @@ def test_frequencies_equal_transformers(name):
 # Published models' rope parameters (head_dim, theta, max_position_embeddings, scaling).
 LARGE = {
     "llama3.1": (128, 500000.0, 131072, {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}),
     "qwen2_yarn": (128, 1e6, 131072, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
     "gemma3_linear": (256, 1e6, 131072, {"rope_type": "linear", "factor": 8.0}),
     "phi3_longrope": (96, 1e4, 131072, {
@@ -182,7 +185,8 @@ def test_lengths_grow_as_in_transformers_stateful_module():
 # --- rotation against transformers --------------------------------------------------------------
 
 
-def _transformers_float64(inv_freq: torch.Tensor, positions: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _transformers_float64(inv_freq: torch.Tensor, positions: torch.Tensor,
+                          factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``LlamaRotaryEmbedding.forward`` in float64 from its float32 frequencies: cos, sin
     ``(batch, len, 2 * len(inv_freq))``."""
     angles = positions.double()[..., None] * inv_freq.double()
@@ -217,8 +221,10 @@ def _check_rotation(module, apply, ropes, x: np.ndarray, positions: np.ndarray) 
 @pytest.mark.parametrize("name", SCALINGS)
 def test_llama_rotation(name, positions):
     """Rotate-half against ``LlamaRotaryEmbedding`` + ``apply_rotary_pos_emb``, every scaling."""
-    ropes = (mha_torch.RotaryEmbedding.from_config(_config(SCALINGS[name])), mha_jax.RotaryEmbedding.from_config(_config(SCALINGS[name])))
-    _check_rotation(llama.LlamaRotaryEmbedding(_llama_config(SCALINGS[name])), llama.apply_rotary_pos_emb, ropes, _x(2), POSITIONS[positions])
+    ropes = (mha_torch.RotaryEmbedding.from_config(_config(SCALINGS[name])),
+             mha_jax.RotaryEmbedding.from_config(_config(SCALINGS[name])))
+    _check_rotation(llama.LlamaRotaryEmbedding(_llama_config(SCALINGS[name])), llama.apply_rotary_pos_emb, ropes, _x(2),
+                    POSITIONS[positions])
 
 
 NEOX = {
@@ -343,7 +349,8 @@ def test_without_x64():
 @pytest.mark.parametrize("name, interleaved", [("dynamic", False), ("yarn", True)])
 def test_gradient_matches_torch(name, interleaved):
     """d(sum(w * rope(x))) / dx, float64, JAX against torch autograd, partial rotary."""
-    arguments = dict(rotary_dim=D // 2, interleaved=interleaved, scaling=SCALINGS[name], max_position_embeddings=MAX_POS)
+    arguments = dict(rotary_dim=D // 2, interleaved=interleaved, scaling=SCALINGS[name],
+                     max_position_embeddings=MAX_POS)
     rope_torch, rope_jax = mha_torch.RotaryEmbedding(D, **arguments), mha_jax.RotaryEmbedding(D, **arguments)
     x, w = _x(7), _x(8)
     ours = jax.grad(lambda x: jnp.sum(rope_jax(x, jnp.asarray(OFFSET)) * w))(jnp.asarray(x))
@@ -411,7 +418,8 @@ def test_from_config_reads_each_naming():
     (with ``type``) give one embedding; configs without rotary keys give None; the config dict is
     left as it was; the embedding is hashable, equals its constructor's, copies and pickles."""
     new = _config(SCALINGS["llama3"])
-    old = {**new, "rope_theta": THETA, "rope_scaling": {"type": "llama3", **{k: v for k, v in SCALINGS["llama3"].items() if k != "rope_type"}}}
+    old = {**new, "rope_theta": THETA,
+           "rope_scaling": {"type": "llama3", **{k: v for k, v in SCALINGS["llama3"].items() if k != "rope_type"}}}
     del old["rope_parameters"]
     snapshot = copy.deepcopy(old)
     for package in (mha_jax, mha_torch):
@@ -420,7 +428,8 @@ def test_from_config_reads_each_naming():
             D, theta=THETA, scaling=SCALINGS["llama3"], max_position_embeddings=MAX_POS)
         assert hash(rope) == hash(package.RotaryEmbedding.from_config(old))
         assert copy.deepcopy(rope) == pickle.loads(pickle.dumps(rope)) == rope
-        assert package.RotaryEmbedding.from_config({"model_type": "bert", "hidden_size": 48, "num_attention_heads": 3}) is None
+        assert package.RotaryEmbedding.from_config({"model_type": "bert", "hidden_size": 48,
+                                                    "num_attention_heads": 3}) is None
     assert old == snapshot
 
 
@@ -429,14 +438,16 @@ def test_from_config_model_conventions():
     and interleaving, Phi-3's top-level ``original_max_position_embeddings`` and old type names."""
     rope = mha_jax.RotaryEmbedding.from_config(NEOX)
     assert (rope.rotary_dim, rope.theta, rope.interleaved) == (D // 2, 500.0, False)
-    rope = mha_jax.RotaryEmbedding.from_config({"model_type": "phi", "hidden_size": 64, "num_attention_heads": 2, "rope_theta": 1e4})
+    rope = mha_jax.RotaryEmbedding.from_config({"model_type": "phi", "hidden_size": 64, "num_attention_heads": 2,
+                                                "rope_theta": 1e4})
     assert (rope.head_dim, rope.rotary_dim) == (32, 16)
     rope = mha_jax.RotaryEmbedding.from_config(GPTJ)
     assert (rope.head_dim, rope.rotary_dim, rope.interleaved, rope.max_position_embeddings) == (D, D // 2, True, 64)
     phi3 = {
         "model_type": "phi3", "hidden_size": H * D, "num_attention_heads": H, "max_position_embeddings": 128,
         "original_max_position_embeddings": OMAX,
-        "rope_scaling": {"type": "su", "short_factor": SCALINGS["longrope"]["short_factor"], "long_factor": SCALINGS["longrope"]["long_factor"]},
+        "rope_scaling": {"type": "su", "short_factor": SCALINGS["longrope"]["short_factor"],
+                         "long_factor": SCALINGS["longrope"]["long_factor"]},
     }
     rope = mha_torch.RotaryEmbedding.from_config(phi3)
     assert rope.rope_type == "longrope" and rope.scaling["original_max_position_embeddings"] == OMAX
@@ -446,22 +457,29 @@ def test_from_config_model_conventions():
 # --- bad input ------------------------------------------------------------------------------------
 
 CONSTRUCTOR_ERRORS = {
-    "rotary_dim_too_large": ({"rotary_dim": 18}, ValueError, "rotary_dim must be an even integer in [2, head_dim] = [2, 16], got 18"),
-    "rotary_dim_odd": ({"rotary_dim": 5}, ValueError, "rotary_dim must be an even integer in [2, head_dim] = [2, 16], got 5"),
+    "rotary_dim_too_large": ({"rotary_dim": 18}, ValueError,
+                             "rotary_dim must be an even integer in [2, head_dim] = [2, 16], got 18"),
+    "rotary_dim_odd": ({"rotary_dim": 5}, ValueError,
+                       "rotary_dim must be an even integer in [2, head_dim] = [2, 16], got 5"),
     "theta_zero": ({"theta": 0.0}, ValueError, "theta must be a finite number > 0, got 0.0"),
     "theta_negative": ({"theta": -1}, ValueError, "theta must be a finite number > 0, got -1"),
     "unknown_type": ({"scaling": {"rope_type": "mrope"}}, ValueError,
-                     "scaling['rope_type'] must be one of ('default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'), got 'mrope'"),
+                     "scaling['rope_type'] must be one of ('default', 'linear', 'dynamic', 'yarn', 'longrope', "
+                     "'llama3'), got 'mrope'"),
     "no_type": ({"scaling": {"factor": 2.0}}, ValueError, "scaling['rope_type'] must be one of"),
     "missing_key": ({"scaling": {"rope_type": "yarn", "factor": 2.0}}, ValueError,
                     "scaling for rope_type 'yarn' is missing required key(s) 'original_max_position_embeddings'"),
     "missing_keys": ({"scaling": {"rope_type": "llama3", "factor": 8.0}}, ValueError,
-                     "scaling for rope_type 'llama3' is missing required key(s) 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'"),
+                     "scaling for rope_type 'llama3' is missing required key(s) 'low_freq_factor', 'high_freq_factor', "
+                     "'original_max_position_embeddings'"),
     "unread_key": ({"scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 4}}, ValueError,
-                   "scaling for rope_type 'linear' has key(s) 'beta_fast', which transformers does not read for it (it reads 'factor')"),
-    "dynamic_without_max": ({"scaling": SCALINGS["dynamic"]}, ValueError, "rope_type 'dynamic' needs max_position_embeddings"),
+                   "scaling for rope_type 'linear' has key(s) 'beta_fast', which transformers does not read for it "
+                   "(it reads 'factor')"),
+    "dynamic_without_max": ({"scaling": SCALINGS["dynamic"]}, ValueError,
+                            "rope_type 'dynamic' needs max_position_embeddings"),
     "factor_list_length": ({"scaling": {**SCALINGS["longrope"], "long_factor": [1.0, 2.0]}}, ValueError,
-                           "scaling['long_factor'] (rope_type 'longrope') must have rotary_dim // 2 = 8 entries, got 2"),
+                           "scaling['long_factor'] (rope_type 'longrope') must have rotary_dim // 2 = 8 entries, "
+                           "got 2"),
     "factor_not_a_number": ({"scaling": {"rope_type": "linear", "factor": "2"}}, ValueError,
                             "scaling['factor'] (rope_type 'linear') must be a finite number, got '2'"),
 }
@@ -477,9 +495,11 @@ def test_constructors_reject_alike(name):
 
 
 def test_from_config_rejects_alike():
-    nested = {**_config(SCALINGS["default"]), "rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}}
+    nested = {**_config(SCALINGS["default"]), "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                                                  "sliding_attention": {"rope_type": "default"}}}
     headless = {"rope_theta": 1e4}
-    for config, message in ((nested, "config's rope parameters are given per layer type ('full_attention', 'sliding_attention')"),
+    for config, message in ((nested, "config's rope parameters are given per layer type "
+                                     "('full_attention', 'sliding_attention')"),
                             (headless, "config names neither head_dim nor hidden_size and num_attention_heads"),
                             ([("rope_theta", 1e4)], "config must be a mapping (a config.json dict), got list")):
         messages = set()
@@ -491,13 +511,17 @@ def test_from_config_rejects_alike():
 
 
 CALL_ERRORS = {
-    "positions_float": (lambda x: np.arange(L, dtype=np.float32), TypeError, "positions must be an integer array, got dtype float32 with shape (7,)"),
+    "positions_float": (lambda x: np.arange(L, dtype=np.float32), TypeError,
+                        "positions must be an integer array, got dtype float32 with shape (7,)"),
     "positions_length": (lambda x: np.arange(L + 1), ValueError,
-                         "positions must have shape (len,) = (7,) or (*batch, len) with batch axes broadcasting to (2,), got (8,)"),
+                         "positions must have shape (len,) = (7,) or (*batch, len) with batch axes broadcasting "
+                         "to (2,), got (8,)"),
     "positions_batch": (lambda x: np.zeros((3, L), np.int64), ValueError,
-                        "positions must have shape (len,) = (7,) or (*batch, len) with batch axes broadcasting to (2,), got (3, 7)"),
+                        "positions must have shape (len,) = (7,) or (*batch, len) with batch axes broadcasting "
+                        "to (2,), got (3, 7)"),
     "positions_rank": (lambda x: np.zeros((1, B, L), np.int64), ValueError,
-                       "positions must have shape (len,) = (7,) or (*batch, len) with batch axes broadcasting to (2,), got (1, 2, 7)"),
+                       "positions must have shape (len,) = (7,) or (*batch, len) with batch axes broadcasting to (2,), "
+                       "got (1, 2, 7)"),
 }
 
 
@@ -518,7 +542,9 @@ def test_bad_x_is_named():
                  lambda: mha_torch.RotaryEmbedding(D)(torch.zeros((B, H, L, D), dtype=torch.int32))):
         with pytest.raises(TypeError, match=r"^x must be a real floating-point array, got dtype int32"):
             call()
-    with pytest.raises(ValueError, match=r"^x must have shape \(\*batch, len, heads, head_dim\) with head_dim = 16, got \(2, 7, 3, 8\)"):
+    with pytest.raises(ValueError, match=r"^x must have shape \(\*batch, len, heads, head_dim\) with head_dim = 16, "
+                                         r"got \(2, 7, 3, 8\)"):
         mha_jax.RotaryEmbedding(D)(jnp.zeros((B, L, H, 8)))
-    with pytest.raises(ValueError, match=r"^x must have shape \(\*batch, heads, len, head_dim\) with head_dim = 16, got \(3, 7, 16\)"):
+    with pytest.raises(ValueError, match=r"^x must have shape \(\*batch, heads, len, head_dim\) with head_dim = 16, "
+                                         r"got \(3, 7, 16\)"):
         mha_torch.RotaryEmbedding(D)(torch.zeros((H, L, D)))

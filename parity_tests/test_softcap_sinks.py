@@ -108,7 +108,8 @@ def _implementations(case: str) -> list[tuple[str, str]]:
 def _worst(got: dict, want: dict) -> tuple[float, float]:
     """(forward, gradients): the worst of ``harness.errors`` over the output, the weights
     where both have them, and every gradient both have."""
-    forward = [harness.errors(got[n], want[n]) for n in ("out", "weights") if got[n] is not None and want[n] is not None]
+    forward = [harness.errors(got[n], want[n]) for n in ("out", "weights")
+               if got[n] is not None and want[n] is not None]
     pairs = list(zip(got["grads"], want["grads"])) + [(got[n], want[n]) for n in ("d_bias", "d_sinks")]
     for a, b in pairs:
         assert (a is None) == (b is None), "a gradient is missing on one side"
@@ -180,7 +181,8 @@ def _torch_grads(fn, x: dict, with_sinks: bool):
 def _anchor(case: str, fn):
     x = _inputs("float64")
     kw = _call(case, x)
-    att = oracle.Attention(is_causal=kw.get("is_causal", False), **{ORACLE_NAMES[n]: t for n, t in kw.get("terms", {}).items()})
+    att = oracle.Attention(is_causal=kw.get("is_causal", False),
+                           **{ORACLE_NAMES[n]: t for n, t in kw.get("terms", {}).items()})
     allowed, _ = oracle.allowed_and_bias(att, (B, H, Q, K))
     additive = np.where(allowed, 0.0, -np.inf) + (0.0 if kw["bias"] is None else kw["bias"])
     want_out, want_grads, want_sinks = _torch_grads(lambda m, q, k, v: fn(m, q, k, v, torch.tensor(additive)), x,
@@ -274,6 +276,7 @@ def test_no_key_at_all_gives_zeros_and_a_zero_sink_gradient():
     assert out.dtype == jnp.float32 and not np.any(out)
     assert np.array_equal(vjp(jnp.ones_like(out))[0], np.zeros(H, np.float32))
     sinks = torch.tensor(x["sinks"], dtype=torch.float32, requires_grad=True)
-    out = mha_torch.dot_product_attention(torch.from_numpy(q), torch.from_numpy(empty), torch.from_numpy(empty), sinks=sinks)
+    out = mha_torch.dot_product_attention(torch.from_numpy(q), torch.from_numpy(empty), torch.from_numpy(empty),
+                                          sinks=sinks)
     out.sum().backward()
     assert out.dtype == torch.float32 and not out.any() and torch.equal(sinks.grad, torch.zeros(H))

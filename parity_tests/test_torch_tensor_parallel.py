@@ -41,7 +41,8 @@ def _rank(rank: int, world: int, port: int, results):
     try:
         model, x, mask = _reference()
         mesh = init_device_mesh("cpu", (world,))
-        plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+                "out_proj": RowwiseParallel()}
         parallelize_module(model, mesh, plan)
         assert model._local_heads() == (H // world, KV // world)
         out, grad = _run(model, x, mask)

@@ -91,7 +91,8 @@ def _misread(monkeypatch, **changes):
 
 
 @pytest.mark.parametrize("setting, changes", [
-    ("rotary base", dict(rope=lambda rope: dict(rope, rope_parameters=dict(rope["rope_parameters"], rope_theta=9000.0)))),
+    ("rotary base",
+     dict(rope=lambda rope: dict(rope, rope_parameters=dict(rope["rope_parameters"], rope_theta=9000.0)))),
     ("scale", dict(scale=8 ** -0.5)),  # 1/sqrt(head_dim) instead of query_pre_attn_scalar's 1/sqrt(12)
     ("window", dict(window=(4, 0))),  # a key more than the model's sliding window
     ("soft-cap", dict(logit_soft_cap=50.0)),
@@ -115,7 +116,8 @@ def test_python_api_one_row_per_layer(saved):
 
 def test_python_api_fails_a_port_with_the_wrong_rotary_base(saved, monkeypatch):
     config, weights = saved["gemma2"]
-    _misread(monkeypatch, rope=lambda rope: dict(rope, rope_parameters=dict(rope["rope_parameters"], rope_theta=9000.0)))
+    _misread(monkeypatch,
+             rope=lambda rope: dict(rope, rope_parameters=dict(rope["rope_parameters"], rope_theta=9000.0)))
     _, (result,) = models.verify(config, weights, layers=[1])
     assert not result.passed
     assert result.errors["JAX vs source: gradients"] > models.SOURCE_TOLERANCE
@@ -169,7 +171,8 @@ def test_every_layer_of_a_shipped_pretrained_bert_against_transformers(capsys, t
 
 
 @pytest.mark.parametrize("setting, changes", [
-    ("head count", dict(num_heads=8, num_kv_heads=8, head_dim=32, scale=32 ** -0.5)),  # the same weights, cut in 8 heads
+    # the same weights, cut in 8 heads
+    ("head count", dict(num_heads=8, num_kv_heads=8, head_dim=32, scale=32 ** -0.5)),
     ("causality", dict(is_causal=True)),  # an encoder read as a decoder
 ])
 def test_a_wrong_port_of_the_shipped_bert_fails(monkeypatch, capsys, setting, changes):

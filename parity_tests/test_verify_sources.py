@@ -36,7 +36,8 @@ class Handwritten(torch.nn.Module):
 
     def forward(self, x, mask):
         b, s, _ = x.shape
-        q, k, v = (self.project(p, x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (self.project(p, x).view(b, s, self.heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
         scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
         scores = (q @ k.transpose(-1, -2)) * scale
         if mask is not None:
@@ -87,13 +88,15 @@ def test_a_wrong_head_count_fails_against_the_source(torch_mha_file, capsys):
     read 8 heads), the source (4 heads, from ``--source``) does not, and the report says which
     comparison failed and by how much."""
     source = ["--source", "parity_tests.test_verify_sources:four_heads"]
-    code, out = _verify(capsys, "--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "8", *source, *FAST)
+    code, out = _verify(capsys, "--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "8", *source,
+                        *FAST)
     assert code == 1
     assert "torch.nn.MultiheadAttention (4 heads)" in out
     failure = next(line for line in out.splitlines() if line.startswith("FAILED source/padding/float32"))
     assert "source vs" in failure and float(failure.split("off by ")[1].split()[0]) > 0.1
     assert "the twins and the oracle: 1 cases" in out and "1 passed, 0 failed" in out  # the twins alone pass
-    code, out = _verify(capsys, "--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "4", *source, *FAST)
+    code, out = _verify(capsys, "--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "4", *source,
+                        *FAST)
     assert code == 0 and "every comparison passed" in out
 
 
@@ -126,10 +129,12 @@ def test_swapped_key_and_value_fail_against_the_source(tmp_path, capsys, monkeyp
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     config = dict(hidden_size=E, num_attention_heads=H, num_key_value_heads=2, attention_bias=True)
-    llama = _random_(LlamaAttention(LlamaConfig(**config, vocab_size=8, intermediate_size=8, num_hidden_layers=1), layer_idx=0), seed=2)
+    llama = _random_(LlamaAttention(LlamaConfig(**config, vocab_size=8, intermediate_size=8, num_hidden_layers=1),
+                                    layer_idx=0), seed=2)
     save_file(llama.state_dict(), tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
-    args = ["--weights", str(tmp_path / "model.safetensors"), "--layout", "hf", "--num-heads", str(H), "--num-kv-heads", "2", *FAST]
+    args = ["--weights", str(tmp_path / "model.safetensors"), "--layout", "hf", "--num-heads", str(H),
+            "--num-kv-heads", "2", *FAST]
     code, out = _verify(capsys, *args)
     assert code == 0, out
     assert "LlamaAttention (4 heads, from" in out and "not checked" not in out
@@ -153,10 +158,12 @@ def test_bert_source_and_a_markdown_report(tmp_path, capsys):
     save_file(_random_(BertModel(config), seed=3).state_dict(), tmp_path / "bert.safetensors")
     config.save_pretrained(tmp_path / "config")
     report = tmp_path / "report.md"
-    code, out = _verify(capsys, "--weights", str(tmp_path / "bert.safetensors"), "--layout", "bert", "--num-heads", str(H),
+    code, out = _verify(capsys, "--weights", str(tmp_path / "bert.safetensors"), "--layout", "bert",
+                        "--num-heads", str(H),
                         "--prefix", "encoder.layer.0.attention.", "--ignore", "output.LayerNorm",
                         "--source", str(tmp_path / "config" / "config.json"), "--report", str(report),
-                        "--dtype", "float64", "--dtype", "float32", "--mask", "padding", "--mask", "bool", "--workers", "1")
+                        "--dtype", "float64", "--dtype", "float32", "--mask", "padding", "--mask", "bool",
+                        "--workers", "1")
     assert code == 0, out
     assert "BertAttention (4 heads" in out
     text = report.read_text()
@@ -179,13 +186,15 @@ def test_progress_is_a_line_per_case_when_not_a_terminal(capsys):
     lines = [line for line in out.splitlines() if line.startswith("[")]
     n = len(cases.covering_grid(["none", "causal"], ["float32"]))
     assert n >= 4  # every configuration without a mask, and causal on some
-    assert code == 0 and len(lines) == n and lines[0].startswith(f"[1/{n}] ") and all(line.endswith(" ok") for line in lines)
+    assert (code == 0 and len(lines) == n and lines[0].startswith(f"[1/{n}] ")
+            and all(line.endswith(" ok") for line in lines))
     assert out.startswith("mha-parity verify: mha_jax against mha_torch")
 
 
 def test_cli_messages_use_cli_words():
     message = "unexpected key 'x.y' (select one layer with prefix=, leave other keys out with ignore=); num_heads=4"
-    assert cli.cli_words(message) == "unexpected key 'x.y' (select one layer with --prefix, leave other keys out with --ignore); --num-heads 4"
+    assert cli.cli_words(message) == ("unexpected key 'x.y' (select one layer with --prefix, "
+                                      "leave other keys out with --ignore); --num-heads 4")
 
 
 # --- the Python API -------------------------------------------------------------------------------
@@ -211,7 +220,8 @@ def test_python_api_catches_a_wrong_port(wrong, capsys):
     """Our PyTorch module against a JAX module converted from it: with 8 heads instead of 4,
     with key and value swapped, with the query weight transposed, or against a PyTorch side
     that scales by 1, the API fails and names the pair; converted right, it passes every mask form."""
-    module, model, state = _ours(num_heads=8 if wrong == "heads" else H, swap=wrong == "swap", transpose=wrong == "transpose")
+    module, model, state = _ours(num_heads=8 if wrong == "heads" else H, swap=wrong == "swap",
+                                 transpose=wrong == "transpose")
     unscaled = _as_handwritten(module, scale=1.0)
 
     def theirs(q, kv, mask):
@@ -229,7 +239,8 @@ def test_python_api_catches_a_wrong_port(wrong, capsys):
 def test_python_api_with_weights_adds_the_oracle(tmp_path):
     module, model, state = _ours()
     report = tmp_path / "api.md"
-    results = callables.verify(lambda q, kv, mask: module(q, kv, mask=mask), lambda q, kv, mask: model(q, kv, mask=mask),
+    results = callables.verify(lambda q, kv, mask: module(q, kv, mask=mask),
+                               lambda q, kv, mask: model(q, kv, mask=mask),
                                callables.Inputs(H, E), weights=state, report=str(report), echo=False)
     assert all(r.passed for r in results)
     assert set(results[0].details) == {"torch vs oracle", "jax vs oracle", "torch vs jax"}
@@ -266,7 +277,8 @@ def test_a_source_that_does_not_fit_is_named(torch_mha_file, tmp_path, capsys):
     args = ["--weights", torch_mha_file, "--layout", "torch_mha", "--num-heads", "4", *FAST]
     assert cli.main(["verify", *args, "--source", str(tmp_path / "config.json")]) == 2
     assert "a config.json describes --layout hf or bert, not torch_mha" in capsys.readouterr().err
-    (tmp_path / "small.py").write_text("import torch\ndef build():\n    return torch.nn.MultiheadAttention(16, 4, batch_first=True)\n")
+    (tmp_path / "small.py").write_text("import torch\ndef build():\n"
+                                       "    return torch.nn.MultiheadAttention(16, 4, batch_first=True)\n")
     assert cli.main(["verify", *args, "--source", f"{tmp_path / 'small.py'}:build"]) == 2
     assert "the weights do not fit --source" in capsys.readouterr().err
 
@@ -286,7 +298,8 @@ def test_a_source_class_that_cannot_hold_the_shapes_is_not_built(tmp_path, capsy
     """Cross-attention weights in Hugging Face names: LlamaAttention has no key input of its own
     size, so only the twins and the oracle are compared, and the header says so."""
     module = mha_torch.MultiHeadAttention(12, 4, num_kv_heads=2, kdim=10, vdim=10)
-    save_file({k.replace("out_proj", "o_proj"): v for k, v in module.state_dict().items()}, tmp_path / "cross.safetensors")
+    save_file({k.replace("out_proj", "o_proj"): v for k, v in module.state_dict().items()},
+              tmp_path / "cross.safetensors")
     code, out = _verify(capsys, "--weights", str(tmp_path / "cross.safetensors"), "--layout", "hf", "--num-heads", "4",
                         "--num-kv-heads", "2", *FAST)
     assert code == 0, out

@@ -57,7 +57,8 @@ def test_the_workers_give_what_one_process_gives(tmp_path):
     programs in the compilation cache given."""
     some = [harness.Case(harness.CONFIGS["cross-gqa"], "bool", "float32", ("jax-blockwise", "torch-sdpa")),
             harness.Case(harness.CONFIGS["cross-gqa"], "window", "float32", ("jax", "torch"))]
-    cases = [c for c in GRID if c.config.name == "cross-gqa" and c.dtype == "float32" and c.mask in ("padding", "dropout", "window")]
+    cases = [c for c in GRID
+             if c.config.name == "cross-gqa" and c.dtype == "float32" and c.mask in ("padding", "dropout", "window")]
     cases += some
     in_workers = workers.run_cases(cases, workers=2, compile_cache=str(tmp_path))
     assert len(os.listdir(tmp_path)) > 100

@@ -84,7 +84,8 @@ def run_torch(fn: Callable, xq, xkv, mask, d_out, dtype: str, self_attention: bo
     import torch
 
     def tensor(x):
-        return torch.from_numpy(np.array(cast(x, "float32" if dtype == "bfloat16" else dtype))).to(getattr(torch, dtype))
+        return torch.from_numpy(np.array(cast(x, "float32" if dtype == "bfloat16" else dtype))).to(
+            getattr(torch, dtype))
 
     q = tensor(xq).requires_grad_(True)
     kv = q if self_attention else tensor(xkv).requires_grad_(True)
@@ -157,7 +158,8 @@ def compare(
             mask = allowed_mask(kind, inputs.shape, rng)
             outputs = {}
             if weights is not None:
-                outputs["oracle"] = run_oracle(weights, inputs, xq, xkv, mask, d_out, dtype, num_kv_heads or inputs.num_heads)
+                outputs["oracle"] = run_oracle(weights, inputs, xq, xkv, mask, d_out, dtype,
+                                               num_kv_heads or inputs.num_heads)
             for n, (framework, fn) in built.items():
                 run = run_torch if framework == "torch" else run_jax
                 outputs[n] = run(fn, xq, xkv, mask, d_out, dtype, inputs.self_attention)
@@ -208,8 +210,8 @@ def verify(
     header = reporting.Header(
         "your PyTorch attention against your JAX attention" + (" and the float64 oracle" if weights else ""),
         implementations=[named(torch_fn, "PyTorch"), named(jax_fn, "JAX")],
-        shapes=f"batch {inputs.batch}, q_len {inputs.shape[2]}, kv_len {inputs.shape[3]}, features {inputs.in_features}, "
-               f"{inputs.num_heads} heads",
+        shapes=f"batch {inputs.batch}, q_len {inputs.shape[2]}, kv_len {inputs.shape[3]}, "
+               f"features {inputs.in_features}, {inputs.num_heads} heads",
         seed=seed,
     )
     with reporting.Printer(header, echo=echo, total=len(dtypes) * len(masks)) as printer:

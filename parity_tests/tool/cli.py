@@ -6,11 +6,12 @@ float64 oracle, forward and gradients: by default a covering grid, in which ever
 configuration, mask form, dtype and implementation runs, and with ``--grid full`` every
 implementation on every case. JAX's persistent compilation cache (``--compile-cache``, on
 unless ``--no-compile-cache``) lets a second run read its compiled programs back. With
-``--weights FILE`` it loads a checkpoint into both frameworks, compares them with the implementation the weights
-came from (``--layout`` names it, else the file's keys show it; ``--source`` says how many heads it has) and then runs the
-grid on the checkpoint's weights. With ``--config config.json --weights FILE`` it verifies each
-attention layer of a transformers model (``from_hf`` in both frameworks against the layer of
-transformers' own model, one row per layer). ``mha-parity convert IN OUT --to {flax,torch}`` converts a
+``--weights FILE`` it loads a checkpoint into both frameworks, compares them with the
+implementation the weights came from (``--layout`` names it, else the file's keys show it;
+``--source`` says how many heads it has) and then runs the grid on the checkpoint's weights.
+With ``--config config.json --weights FILE`` it verifies each attention layer of a
+transformers model (``from_hf`` in both frameworks against the layer of transformers' own
+model, one row per layer). ``mha-parity convert IN OUT --to {flax,torch}`` converts a
 checkpoint file and checks the result bit for bit.
 """
 
@@ -66,12 +67,14 @@ def _verify_grid(args: argparse.Namespace, cache: str | None) -> int:
         source = sources.build(checkpoint, args.source)
         c = checkpoint.config()
         notes = list(source.notes) if source else [
-            "the file is in mha_torch's own names: our two modules are the source, compared with each other and the oracle"]
+            "the file is in mha_torch's own names: our two modules are the source, "
+            "compared with each other and the oracle"]
         compared = source.name if source and source.build else None
         header = report.Header(
             f"mha-parity verify --weights {checkpoint.path}: our modules against "
             f"{compared or 'each other'} and the float64 oracle",
-            implementations=IMPLEMENTATIONS, source=compared or "not built (see the note)", weights=checkpoint.describe(),
+            implementations=IMPLEMENTATIONS, source=compared or "not built (see the note)",
+            weights=checkpoint.describe(),
             shapes=_shapes(c), seed=args.seed, notes=notes,
         )
         report.Printer(header)
@@ -150,7 +153,8 @@ def _verify_model(args: argparse.Namespace) -> int:
           + ("every comparison passed" if not failed else f"{len(failed)} FAILED"))
     if args.json:
         files.write_text(args.json, json.dumps({"config": args.config, "weights": source.files, "passed": not failed,
-                                                "seconds": elapsed, "layers": [r.as_json() for r in results]}, indent=1))
+                                                "seconds": elapsed, "layers": [r.as_json() for r in results]},
+                                               indent=1))
         print(f"JSON report written to {args.json}")
     return 1 if failed else 0
 
@@ -247,7 +251,8 @@ def _against_source(checkpoint, source, dtypes, masks, seed) -> list[harness.Res
     implementations = {"source": (source.framework, source.build), "jax": ours("jax"), "torch": ours("torch")}
     with report.Printer(None, total=len(dtypes) * len(masks)) as printer:
         return callables.compare(
-            implementations, inputs, out_features=c.out_features or c.in_features, dtypes=dtypes, masks=masks, seed=seed,
+            implementations, inputs, out_features=c.out_features or c.in_features, dtypes=dtypes, masks=masks,
+            seed=seed,
             weights=checkpoint.state, num_kv_heads=c.kv_heads, name="source", done=printer.done,
         )
 
@@ -255,7 +260,8 @@ def _against_source(checkpoint, source, dtypes, masks, seed) -> list[harness.Res
 def _shapes(c: harness.Config) -> str:
     kv = f", kv_len {c.kv_len}, key/value features {c.in_kv_features}" if not c.self_attention else " (self-attention)"
     return (f"batch {c.batch}, q_len {c.q_len}{kv}, features {c.in_features}, {c.num_heads} heads, "
-            f"{c.kv_heads} key/value heads, qkv {c.qkv_features or c.in_features}, out {c.out_features or c.in_features}")
+            f"{c.kv_heads} key/value heads, qkv {c.qkv_features or c.in_features}, "
+            f"out {c.out_features or c.in_features}")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -273,7 +279,8 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"FAILED: {error}; {args.output} is left as it was", file=sys.stderr)
         return 1
     print(f"read {checkpoint.describe()}")
-    print(f"wrote {args.output} for {args.to}: {len(checkpoint.state)} tensors, read back bit for bit in both frameworks")
+    print(f"wrote {args.output} for {args.to}: {len(checkpoint.state)} tensors, "
+          "read back bit for bit in both frameworks")
     return 0
 
 
@@ -289,7 +296,8 @@ def cli_words(message: str) -> str:
         message = re.sub(rf"(?<![\w.-]){python}\b", flag, message)
     for python, flag in (("prefix", "--prefix"), ("ignore", "--ignore"), ("layout", "--layout")):
         message = re.sub(rf"(?<![\w-]){python}=", flag, message)
-    message = message.replace("or mapping= for another naming scheme", "or, for another naming scheme, the Python API's mapping=")
+    message = message.replace("or mapping= for another naming scheme",
+                              "or, for another naming scheme, the Python API's mapping=")
     return re.sub(r"state_dict \(layout ", "the file (--layout ", message)
 
 
@@ -301,7 +309,8 @@ def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-heads", type=int, metavar="N", help="query heads (needed for PyTorch names)")
     parser.add_argument("--num-kv-heads", type=int, metavar="N", help="key/value heads (default: --num-heads)")
-    parser.add_argument("--prefix", default="", help="read only keys starting with this, e.g. encoder.layer.0.attention.")
+    parser.add_argument("--prefix", default="",
+                        help="read only keys starting with this, e.g. encoder.layer.0.attention.")
     parser.add_argument("--ignore", action="append", metavar="NAME",
                         help="leave out keys under the prefix starting with NAME (repeatable)")
 
@@ -314,8 +323,9 @@ def missing_frameworks() -> str | None:
     if not missing:
         return None
     extras = sorted({extra for name, extra in FRAMEWORKS if name in missing})
-    return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed (the mha-parity[{', '.join(extras)}] "
-            "extra): verify and convert run both frameworks; install them with pip install \"mha-parity[parity]\"")
+    return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+            f"(the mha-parity[{', '.join(extras)}] extra): verify and convert run both frameworks; "
+            "install them with pip install \"mha-parity[parity]\"")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="JAX's persistent compilation cache (default: $MHA_PARITY_COMPILE_CACHE, else "
                             "$XDG_CACHE_HOME/mha-parity/jax, else ~/.cache/mha-parity/jax)")
     cache.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh and keep nothing")
-    verify.add_argument("--jit", action="store_true", help="run the JAX xla side under jax.jit too (blockwise always is)")
+    verify.add_argument("--jit", action="store_true",
+                        help="run the JAX xla side under jax.jit too (blockwise always is)")
     verify.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
     verify.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
                         help="processes running the grid's cases (default: 2, or 1 on one core)")
@@ -384,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify" and args.config:
         if not args.weights:
             parser.error("--config needs --weights (the model's .safetensors or model.safetensors.index.json)")
-        given = [flag for flag, value in (("--source", args.source), ("--layout", args.layout), ("--num-heads", args.num_heads),
-                                          ("--num-kv-heads", args.num_kv_heads), ("--prefix", args.prefix),
-                                          ("--mask", args.mask), ("--dtype", args.dtype), ("--report", args.report)) if value]
+        given = [flag for flag, value in (("--source", args.source), ("--layout", args.layout),
+                                          ("--num-heads", args.num_heads), ("--num-kv-heads", args.num_kv_heads),
+                                          ("--prefix", args.prefix), ("--mask", args.mask), ("--dtype", args.dtype),
+                                          ("--report", args.report)) if value]
         if given:
             parser.error(f"--config reads everything from the config; {', '.join(given)} cannot go with it")
     if args.command == "verify" and args.grid and (args.weights or args.config):

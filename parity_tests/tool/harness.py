@@ -117,7 +117,8 @@ def make_data(case: Case, seed: int = 0) -> Data:
             att.window = (2, 1)
     if kind in ("segments", "everything"):
         att.query_segment_ids = np.stack([np.arange(q) * 3 // q, np.zeros(q, int)])
-        att.key_segment_ids = att.query_segment_ids if c.self_attention else np.stack([np.arange(k) * 3 // k, np.arange(k) % 2])
+        att.key_segment_ids = (att.query_segment_ids if c.self_attention
+                               else np.stack([np.arange(k) * 3 // k, np.arange(k) % 2]))
     if kind in ("lengths", "everything"):
         att.lengths = np.array([k, k // 2 + 1])
     if kind == "everything":
@@ -353,7 +354,8 @@ def canonical_terms(case: Case, data: Data) -> dict[str, np.ndarray]:
 
     return dict(
         mask=mask, bias=bias,
-        query_positions=rows(att.query_positions, q, np.arange(q)), key_positions=rows(att.key_positions, k, np.arange(k)),
+        query_positions=rows(att.query_positions, q, np.arange(q)),
+        key_positions=rows(att.key_positions, k, np.arange(k)),
         query_segment_ids=rows(att.query_segment_ids, q, 0), key_segment_ids=rows(att.key_segment_ids, k, 0),
         key_value_seq_lengths=np.full(b, k) if att.lengths is None else np.asarray(att.lengths),
     )
@@ -456,17 +458,20 @@ class Result:
     @property
     def rel(self) -> float:
         """Worst relative error (``||a - b|| / ||b||``) of outputs and weights, any pair."""
-        return max((e["rel"] for entries in self.details.values() for n, e in entries.items() if not n.startswith("grad:")), default=0.0)
+        return max((e["rel"] for entries in self.details.values() for n, e in entries.items()
+                    if not n.startswith("grad:")), default=0.0)
 
     @property
     def max_abs(self) -> float:
         """Worst ``max |a - b| / max |b|`` of outputs and weights, any pair."""
-        return max((e["max_abs"] for entries in self.details.values() for n, e in entries.items() if not n.startswith("grad:")), default=0.0)
+        return max((e["max_abs"] for entries in self.details.values() for n, e in entries.items()
+                    if not n.startswith("grad:")), default=0.0)
 
     @property
     def abs(self) -> float:
         """Worst absolute error ``max |a - b|`` of outputs and weights, any pair."""
-        return max((e["abs"] for entries in self.details.values() for n, e in entries.items() if not n.startswith("grad:")), default=0.0)
+        return max((e["abs"] for entries in self.details.values() for n, e in entries.items()
+                    if not n.startswith("grad:")), default=0.0)
 
     @property
     def grad(self) -> float:
@@ -557,7 +562,8 @@ def run_sides(case: Case, names: tuple[str, ...], *, weights: dict[str, np.ndarr
             continue
         framework, implementation = IMPLEMENTATIONS[name]
         if framework == "jax":  # blockwise: one program per configuration (the xla run reads each form)
-            results[name] = run_jax(case, data, jit=jit, implementation=implementation, canonical=implementation == "blockwise")
+            results[name] = run_jax(case, data, jit=jit, implementation=implementation,
+                                    canonical=implementation == "blockwise")
         else:
             results[name] = run_torch(case, data, implementation=implementation)
     return results

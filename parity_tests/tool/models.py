@@ -227,7 +227,8 @@ def run_torch(raw, state, layer, x, positions, lengths, d_out, dtype, implementa
     module = mha_torch.from_hf(raw, state, layer=layer, dtype=dtype, implementation=implementation)
     causal = _causal(raw, layer)
     hidden = torch.tensor(x, dtype=dtype, requires_grad=True)
-    out = module(hidden, is_causal=causal, query_positions=torch.as_tensor(positions), key_value_seq_lengths=torch.as_tensor(lengths))
+    out = module(hidden, is_causal=causal, query_positions=torch.as_tensor(positions),
+                 key_value_seq_lengths=torch.as_tensor(lengths))
     out.backward(torch.tensor(d_out, dtype=dtype))
     grads = {"input": hidden.grad.double().numpy()}
     grads.update({n: p.grad.double().numpy() for n, p in module.named_parameters()})
@@ -304,11 +305,14 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
             for name, (out, grads) in runs.items():
                 label = "PyTorch" if name == "torch" else "JAX"
                 result.errors[f"{label} vs source: output"] = _rel(out * live, out_src, floor)
-                result.errors[f"{label} vs source: gradients"], result.worst[f"{label} vs source: gradients"] = _worst(grads, grads_src)
+                (result.errors[f"{label} vs source: gradients"],
+                 result.worst[f"{label} vs source: gradients"]) = _worst(grads, grads_src)
             out64_t, grads64_t = run_torch(source.raw, source.state, layer, x, positions, lengths, d_out, torch.float64)
             out64_j, grads64_j = run_jax(source.raw, source.state, layer, x, positions, lengths, d_out, jnp.float64)
-            result.errors["JAX vs PyTorch, float64: output"] = _rel(out64_j * live, out64_t * live, 1e-6 * float(np.linalg.norm(out64_t)))
-            result.errors["JAX vs PyTorch, float64: gradients"], result.worst["JAX vs PyTorch, float64: gradients"] = _worst(grads64_j, grads64_t)
+            result.errors["JAX vs PyTorch, float64: output"] = _rel(out64_j * live, out64_t * live,
+                                                                    1e-6 * float(np.linalg.norm(out64_t)))
+            (result.errors["JAX vs PyTorch, float64: gradients"],
+             result.worst["JAX vs PyTorch, float64: gradients"]) = _worst(grads64_j, grads64_t)
             results.append(result)
             if done:
                 done(result)

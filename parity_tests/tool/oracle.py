@@ -207,7 +207,8 @@ def _layer_norm(x, weight):
 def _layer_norm_grad(dy, weight, normalised, inv_std):
     """(d input, d weight) of ``_layer_norm``, by the textbook formula."""
     d_norm = dy * weight
-    dx = inv_std * (d_norm - d_norm.mean(axis=-1, keepdims=True) - normalised * (d_norm * normalised).mean(axis=-1, keepdims=True))
+    dx = inv_std * (d_norm - d_norm.mean(axis=-1, keepdims=True)
+                    - normalised * (d_norm * normalised).mean(axis=-1, keepdims=True))
     return dx, (dy * normalised).reshape(-1, dy.shape[-1]).sum(axis=0)
 
 

@@ -77,7 +77,8 @@ def read(
     detected = layout is None and not path.endswith(".msgpack")
     if detected:
         keys = under_prefix(file_keys(path), prefix)
-        layout = layouts.detect_layout(keys, where=f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else ""))
+        layout = layouts.detect_layout(keys,
+                                       where=f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else ""))
     layout = layout or FLAX
     if layout == FLAX:
         if prefix or ignore:
@@ -92,7 +93,8 @@ def read(
                 raise ValueError(f"{name}={given}, but the Flax kernels in {path} have {found[name]}")
         return Checkpoint(path, layout, state, int(found["num_heads"]), int(found["num_kv_heads"]), detected=detected)
     if num_heads is None:
-        raise ValueError(f"--num-heads is needed to read {path} (layout {layout}): PyTorch names do not say how rows split into heads")
+        raise ValueError(f"--num-heads is needed to read {path} (layout {layout}): "
+                         "PyTorch names do not say how rows split into heads")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     load = {"layout": layout, "prefix": prefix, "ignore": tuple(ignore)}
     params = mha_jax.from_torch(path, num_heads=num_heads, num_kv_heads=num_kv_heads, **load)
@@ -133,7 +135,8 @@ def _check_flax_names(path: str) -> None:
         shown = None
     if shown != FLAX:
         looks = f"; it looks like --layout {shown}" if shown else ""
-        raise ValueError(f"--layout flax: {path} holds no Flax parameter names (query.kernel, ...) but {layouts._some(keys)}{looks}")
+        raise ValueError(f"--layout flax: {path} holds no Flax parameter names (query.kernel, ...) "
+                         f"but {layouts._some(keys)}{looks}")
 
 
 def _check_norms(checkpoint: Checkpoint) -> None:
@@ -247,7 +250,8 @@ def write(checkpoint: Checkpoint, out: str, to: str) -> None:
     elif not out.endswith((".msgpack", ".safetensors")):
         raise ValueError(f"--to flax writes a .msgpack or .safetensors file, got {out!r}")
     else:
-        params = mha_jax.from_torch(checkpoint.state, num_heads=checkpoint.num_heads, num_kv_heads=checkpoint.num_kv_heads)
+        params = mha_jax.from_torch(checkpoint.state, num_heads=checkpoint.num_heads,
+                                    num_kv_heads=checkpoint.num_kv_heads)
 
         def save(path):
             if out.endswith(".msgpack"):
@@ -258,7 +262,8 @@ def write(checkpoint: Checkpoint, out: str, to: str) -> None:
             else:
                 from safetensors.numpy import save_file
 
-                save_file({f"{module}.{name}": array for module, leaves in params.items() for name, array in leaves.items()}, path)
+                save_file({f"{module}.{name}": array
+                           for module, leaves in params.items() for name, array in leaves.items()}, path)
 
     files.write_atomically(out, save, lambda path: check_written(checkpoint, path, to))
 

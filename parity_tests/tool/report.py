@@ -87,7 +87,8 @@ class Printer:
         print(f"[{self.count}{of}] {cells[0]} {cells[1]}: rel {cells[3]}, grad {cells[4]}, "
               f"JAX vs PyTorch {cells[5]} {'ok' if result.passed else 'FAILED (' + cells[6] + ')'}", flush=True)
 
-    def table(self, results: list[harness.Result], title: str = "", elapsed: float | None = None) -> list[harness.Result]:
+    def table(self, results: list[harness.Result], title: str = "",
+              elapsed: float | None = None) -> list[harness.Result]:
         """Print the table and the totals; return the failed results."""
         failed = [r for r in results if not r.passed]
         if not self.echo:
@@ -108,12 +109,14 @@ class Printer:
         for r in failed:
             tol, grad_tol = harness.TOLERANCES[r.case.dtype]
             self.console.print(
-                f"FAILED {r.case.id}: {r.worst_pair} is off by {max(r.rel, r.max_abs):.2e} (outputs; tolerance {tol:.0e}) "
+                f"FAILED {r.case.id}: {r.worst_pair} is off by {max(r.rel, r.max_abs):.2e} "
+                f"(outputs; tolerance {tol:.0e}) "
                 f"and {r.grad:.2e} (gradients; tolerance {grad_tol:.0e})", markup=False)
         return failed
 
 
-def write_markdown(path: str, header: Header, sections: dict[str, list[harness.Result]] | list[harness.Result]) -> list[str]:
+def write_markdown(path: str, header: Header,
+                   sections: dict[str, list[harness.Result]] | list[harness.Result]) -> list[str]:
     """Write the report as Markdown at ``path`` (a table per section) and, if matplotlib can be
     imported, a plot per dtype of error against tolerance beside it. Returns the files written."""
     if not isinstance(sections, dict):

@@ -82,7 +82,8 @@ def _file_state(checkpoint: Checkpoint) -> dict:
 
 def _hf_config(spec: str | None, checkpoint: Checkpoint) -> dict | None:
     """A Hugging Face config: ``spec`` if it is a ``.json`` file, else ``config.json`` beside the weights."""
-    path = spec if spec and spec.endswith(".json") else os.path.join(os.path.dirname(os.path.abspath(checkpoint.path)), "config.json")
+    path = (spec if spec and spec.endswith(".json")
+            else os.path.join(os.path.dirname(os.path.abspath(checkpoint.path)), "config.json"))
     if not os.path.exists(path):
         if spec and spec.endswith(".json"):
             raise FileNotFoundError(f"--source {spec} does not exist")
@@ -124,15 +125,18 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
     if layout == "mha_torch":
         return None
     fits = {  # the shapes each source class can hold
-        "torch_mha": c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features) and c.kv_heads == c.num_heads,
+        "torch_mha": c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features)
+        and c.kv_heads == c.num_heads,
         "hf": c.self_attention and c.out_features in (None, c.in_features),
         "bert": c.self_attention and c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features)
         and c.kv_heads == c.num_heads,
-        "fused_qkv": c.self_attention and c.qkv_features in (None, c.in_features) and c.out_features in (None, c.in_features),
+        "fused_qkv": c.self_attention and c.qkv_features in (None, c.in_features)
+        and c.out_features in (None, c.in_features),
     }
     if not fits.get(layout, True):
-        return Source("", "", None, [f"the checkpoint's shapes ({_shapes_of(c)}) do not fit the {layout} source's class: it was "
-                                     "not built, only our two implementations and the oracle were compared"])
+        return Source("", "", None, [f"the checkpoint's shapes ({_shapes_of(c)}) do not fit the {layout} source's "
+                                     "class: it was not built, only our two implementations and the oracle "
+                                     "were compared"])
     if layout == FLAX:
         return _flax_source(checkpoint)
     if layout == "torch_mha":
@@ -159,7 +163,8 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
 
 def _shapes_of(c) -> str:
     kv = "self-attention" if c.self_attention else f"key/value features {c.in_kv_features}"
-    return f"{kv}, features {c.in_features}, qkv {c.qkv_features}, out {c.out_features}, {c.num_heads}/{c.kv_heads} heads"
+    return (f"{kv}, features {c.in_features}, qkv {c.qkv_features}, out {c.out_features}, "
+            f"{c.num_heads}/{c.kv_heads} heads")
 
 
 def _dtype(dtype: str):
@@ -186,14 +191,16 @@ def _torch_mha(checkpoint: Checkpoint, num_heads: int, module=None) -> Source:
 
     def make(dtype):
         kdim = c.in_kv_features or c.in_features
-        layer = module or torch.nn.MultiheadAttention(c.in_features, num_heads, bias=c.use_bias, kdim=kdim, vdim=kdim, batch_first=True)
+        layer = module or torch.nn.MultiheadAttention(c.in_features, num_heads, bias=c.use_bias, kdim=kdim, vdim=kdim,
+                                                      batch_first=True)
         if module is None:
             _load(layer, state, "torch.nn.MultiheadAttention")
         layer = _copy_to(layer, dtype).eval()
 
         def fn(q, kv, mask):
             b, _, q_len, kv_len = mask.shape if mask is not None else (0, 0, 0, 0)
-            attn_mask = None if mask is None else ~mask.expand(b, layer.num_heads, q_len, kv_len).reshape(-1, q_len, kv_len)
+            attn_mask = (None if mask is None
+                         else ~mask.expand(b, layer.num_heads, q_len, kv_len).reshape(-1, q_len, kv_len))
             if not layer.batch_first:
                 q, kv = q.transpose(0, 1), kv.transpose(0, 1)
             out = layer(q, kv, kv, attn_mask=attn_mask, need_weights=False)[0]
@@ -201,7 +208,8 @@ def _torch_mha(checkpoint: Checkpoint, num_heads: int, module=None) -> Source:
 
         return fn
 
-    return Source(f"torch.nn.MultiheadAttention ({num_heads if module is None else module.num_heads} heads)", "torch", make)
+    return Source(f"torch.nn.MultiheadAttention ({num_heads if module is None else module.num_heads} heads)", "torch",
+                  make)
 
 
 def _copy_to(module, dtype: str):
@@ -232,7 +240,8 @@ def _identity_rotation(x):
     return lambda d: (torch.ones(b, s, d, dtype=x.dtype), torch.zeros(b, s, d, dtype=x.dtype))
 
 
-def _hf_source(checkpoint: Checkpoint, config: dict | None, module, heads: int | None, construct, call, name: str) -> Source:
+def _hf_source(checkpoint: Checkpoint, config: dict | None, module, heads: int | None, construct, call,
+               name: str) -> Source:
     """A transformers layer: ``module`` as given, or ``construct(heads)`` loaded from the file;
     ``call(layer, inputs, mask)`` runs it."""
     heads = heads or (config or {}).get("num_attention_heads") or checkpoint.num_heads
@@ -325,7 +334,8 @@ def _flax_source(checkpoint: Checkpoint) -> Source:
 
         return fn
 
-    return Source(f"flax.nnx.MultiHeadAttention ({c.num_heads} heads, {c.kv_heads} key/value heads, read from the kernels)", "jax", make)
+    return Source(f"flax.nnx.MultiHeadAttention ({c.num_heads} heads, {c.kv_heads} key/value heads, "
+                  "read from the kernels)", "jax", make)
 
 
 def _from_factory(checkpoint: Checkpoint, spec: str) -> Source:
@@ -349,7 +359,8 @@ def _from_factory(checkpoint: Checkpoint, spec: str) -> Source:
     kind = type(layer).__name__
     if isinstance(layer, torch.nn.MultiheadAttention):
         source = _torch_mha(checkpoint, layer.num_heads, module=layer)
-    elif kind == "LlamaAttention" or (hasattr(layer, "o_proj") and hasattr(layer, "config") and hasattr(layer, "head_dim")):
+    elif kind == "LlamaAttention" or (hasattr(layer, "o_proj") and hasattr(layer, "config")
+                                      and hasattr(layer, "head_dim")):
         source = _llama(checkpoint, None, module=layer)
     elif kind == "BertAttention":
         source = _bert(checkpoint, None, module=layer)
@@ -358,6 +369,7 @@ def _from_factory(checkpoint: Checkpoint, spec: str) -> Source:
             copy = _copy_to(layer, dtype).eval()
             return lambda q, kv, mask: copy(q, mask) if kv is q else copy(q, kv, mask)
 
-        source = Source(f"{kind} from {spec}, called as layer(inputs, mask) with a bool mask, True = attend", "torch", make)
+        source = Source(f"{kind} from {spec}, called as layer(inputs, mask) with a bool mask, True = attend", "torch",
+                        make)
     source.name += f" from --source {spec}" if "--source" not in source.name and " from " not in source.name else ""
     return source

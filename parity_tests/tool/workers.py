@@ -54,7 +54,8 @@ def tasks(cases: list[Case], seed: int) -> list[Task]:
         if set(BLOCKWISE) & set(case.sides):
             options = harness.static_options(harness.make_data(case, seed).attention)
             programs.setdefault((case.config, case.dtype, options), []).append(i)
-    return [Task(EAGER, indices) for indices in groups.values()] + [Task(BLOCKWISE, indices) for indices in programs.values()]
+    return ([Task(EAGER, indices) for indices in groups.values()]
+            + [Task(BLOCKWISE, indices) for indices in programs.values()])
 
 
 def next_task(pending: list[Task], worker: int) -> Task | None:
