@@ -83,14 +83,32 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
     return self_attention, inputs_q, inputs_k, inputs_v
 
 
-def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None, in_kv_features: int | None, *,
-             sequence_axis: str | None, is_causal, local_window_size, dropout_mask, attention_chunk_size=None, **terms):
-    """The checked call of a Flax module: ``(batch_shape, inputs, spec, dropout_mask)``, the
-    inputs ``(batch, len, features)`` and terms with their batch axes merged into one, the spec
-    ``(batch, num_heads, q_len, kv_len)``; the keys no query may attend to are zeroed."""
+def _prepare(decoding: bool, inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None,
+             in_kv_features: int | None, *, sequence_axis: str | None, is_causal, local_window_size,
+             attention_chunk_size, dropout_mask, mask, bias, query_positions, key_positions, query_segment_ids,
+             key_segment_ids, key_value_seq_lengths):
+    """The checked call of a Flax module: ``(batch_shape, inputs, spec, dropout_mask, step)``, the
+    inputs ``(batch, len, features)`` and terms with their batch axes merged into one (feature
+    sizes None are read from the inputs: linen). Not decoding: the spec ``(batch, num_heads,
+    q_len, kv_len)``, the keys no query may attend to zeroed, ``step`` empty. Decoding: no spec
+    (``_decode_step`` parses one over the cache); ``step`` holds ``_decode_step``'s keywords and
+    ``forbidden``, the arguments ``_check_cache`` refuses while decoding."""
     self_attention, *inputs = _check_inputs(inputs_q, inputs_k, inputs_v, in_features, in_kv_features)
+    if decoding:
+        batch_shape, inputs, terms = batch_axes.flatten_batch(
+            tuple(inputs), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions
+        )
+        forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
+                         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                         dropout_mask=dropout_mask)
+        return batch_shape, inputs, None, dropout_mask, dict(
+            terms, is_causal=is_causal, local_window_size=local_window_size, attention_chunk_size=attention_chunk_size,
+            forbidden=forbidden,
+        )
     batch_shape, (inputs_q, inputs_k, inputs_v), terms = batch_axes.flatten_batch(
-        tuple(inputs), jnp.broadcast_to, dropout_mask=dropout_mask, **terms
+        tuple(inputs), jnp.broadcast_to, dropout_mask=dropout_mask, mask=mask, bias=bias,
+        query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
     )
     dropout_mask = terms.pop("dropout_mask")
     for name in ("positions", "segment_ids"):  # in self-attention the keys' default to the queries'
@@ -102,14 +120,7 @@ def _prepare(inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | No
     )
     # a length sharded for the ring: segments absent from the queries are not looked for
     inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=sequence_axis is None)
-    return batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask
-
-
-def _prepare_step(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_features: int | None, **terms):
-    """A decoding step's checked inputs, as ``_prepare``'s without a spec (``_decode_step``
-    parses one over the cache): ``(batch_shape, inputs, terms)``."""
-    _, *inputs = _check_inputs(inputs_q, inputs_k, inputs_v, in_features, in_kv_features)
-    return batch_axes.flatten_batch(tuple(inputs), jnp.broadcast_to, **terms)
+    return batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, {}
 
 
 def _check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int,

@@ -130,22 +130,13 @@ class MultiHeadDotProductAttention(nn.Module):
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         local_window_size = self.local_window_size if local_window_size is None else local_window_size
-        spec, forbidden, terms = None, {}, {}  # decoding: the cache's step parses the spec
-        if decoding:
-            forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
-                             key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                             dropout_mask=dropout_mask)
-            batch_shape, (inputs_q, inputs_k, inputs_v), terms = _layer._prepare_step(
-                inputs_q, inputs_k, inputs_v, None, None, mask=mask, bias=bias, query_positions=query_positions,
-            )
-        else:
-            batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _layer._prepare(
-                inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
-                sequence_axis=self.sequence_axis, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
-                query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-                query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
-            )
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer._prepare(
+            decoding, inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
+            sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
+            attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
+            query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+        )
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -174,10 +165,7 @@ class MultiHeadDotProductAttention(nn.Module):
         if not decoding:
             query, key = _layer._rotate(self.rotary, query, key, *masks._positions(spec))
         if self.decode:
-            query, key, value, spec = self._cached(
-                query, key, value, batch_shape, decoding, spec=spec, forbidden=forbidden, is_causal=is_causal,
-                local_window_size=local_window_size, attention_chunk_size=self.attention_chunk_size, **terms,
-            )
+            query, key, value, spec = self._cached(query, key, value, batch_shape, decoding, spec, **step)
         dropping = _layer._dropping(rate, deterministic, self.deterministic, dropout_mask)
         dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
         out, weights, sown = _layer._attend(
@@ -197,7 +185,7 @@ class MultiHeadDotProductAttention(nn.Module):
         out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
 
-    def _cached(self, query, key, value, batch_shape, decoding, *, spec, forbidden, **terms):
+    def _cached(self, query, key, value, batch_shape, decoding, spec, forbidden=None, **step):
         """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
         which attends as without a cache; later calls rotate the new queries and keys at their
         positions, append them to it and attend over it: ``(query, key, value, spec)``. A cache
@@ -212,7 +200,7 @@ class MultiHeadDotProductAttention(nn.Module):
             return query, key, value, spec
         cache = _layer._check_cache(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape,
                                     *key.shape, forbidden)
-        query, key, cache, spec = _layer._decode_step(cache, self.rotary, query, key, value, self.num_heads, **terms)
+        query, key, cache, spec = _layer._decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
         # flax's cache (a scalar index, no flag: made above) becomes ours
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)

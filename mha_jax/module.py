@@ -252,29 +252,22 @@ class MultiHeadAttention(nnx.Module):
         """
         local_window_size = self.local_window_size if local_window_size is None else local_window_size
         decoding = self.decode if decode is None else decode
-        if decoding:  # the cache's step parses the spec
-            if self.cached_key is None:
-                raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
-                                 "nnx.view(..., decode=True, batch_size=, max_length=) first")
-            forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
-                             key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                             dropout_mask=dropout_mask)
-            batch_shape, (inputs_q, inputs_k, inputs_v), terms = _layer._prepare_step(
-                inputs_q, inputs_k, inputs_v, self.in_features, self.in_kv_features,
-                mask=mask, bias=bias, query_positions=query_positions,
-            )
+        if decoding and self.cached_key is None:
+            raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
+                             "nnx.view(..., decode=True, batch_size=, max_length=) first")
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer._prepare(
+            decoding, inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
+            sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
+            attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
+            query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+        )
+        if decoding:
             overflow = None if self.cache_overflow is None else self.cache_overflow[...]
             cache = _layer._check_cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow,
                                         batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads,
-                                        self.head_dim, forbidden)
+                                        self.head_dim, step.pop("forbidden"))
         else:
-            batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _layer._prepare(
-                inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
-                sequence_axis=self.sequence_axis, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
-                query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-                query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
-            )
             dropout_rng = self._dropout_rng(rngs, deterministic, dropout_mask)
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
@@ -282,10 +275,7 @@ class MultiHeadAttention(nnx.Module):
         if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
         if decoding:
-            query, _, cache, spec = _layer._decode_step(
-                cache, self.rotary, query, key, value, self.num_heads, is_causal=is_causal,
-                local_window_size=local_window_size, attention_chunk_size=self.attention_chunk_size, **terms,
-            )
+            query, _, cache, spec = _layer._decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
             shape = self.cached_key.shape
             self.cached_key[...], self.cached_value[...] = cache.key.reshape(shape), cache.value.reshape(shape)
             self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
