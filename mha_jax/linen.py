@@ -18,25 +18,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
-from mha_jax import _cache, masks
+from mha_jax import _layer, masks
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_jax.module import (
-    _as_ours,
-    _attend,
-    _check_cache,
-    _check_inputs,
-    _check_sequence_axis,
-    _decode_step,
-    _prepare,
-    _qk_norm,
-    _rotate,
-    _self_attention,
-)
 from mha_spec import arguments, batch_axes, terms
 from mha_spec.qk_norm import QKNorm
 
 # flax's mask helpers are exported beside the classes, as flax exports them
-__all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks", "make_attention_mask", "make_causal_mask"]
+__all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks",
+           "make_attention_mask", "make_causal_mask"]
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -51,8 +40,8 @@ class MultiHeadDotProductAttention(nn.Module):
     (which always takes the softmax in float32 or wider); plus ``num_kv_heads``,
     ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``, ``logit_soft_cap``,
     ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias`` and
-    ``sequence_axis`` (ring attention over that mesh axis) as in ``mha_jax.MultiHeadAttention``. Randomness: linen's ``'params'`` and ``'dropout'`` RNG
-    collections.
+    ``sequence_axis`` (ring attention over that mesh axis) as in ``mha_jax.MultiHeadAttention``.
+    Randomness: linen's ``'params'`` and ``'dropout'`` RNG collections.
     """
 
     num_heads: int
@@ -98,7 +87,7 @@ class MultiHeadDotProductAttention(nn.Module):
         arguments.check_scale(self.scale)
         arguments.check_window(self.local_window_size)
         terms.check_chunk_size(self.attention_chunk_size)
-        _check_sequence_axis(self.sequence_axis)
+        _layer._check_sequence_axis(self.sequence_axis)
         super().__post_init__()
 
     @nn.compact
@@ -141,24 +130,13 @@ class MultiHeadDotProductAttention(nn.Module):
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         local_window_size = self.local_window_size if local_window_size is None else local_window_size
-        if decoding:
-            forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
-                             key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
-            _, inputs_q, inputs_k, inputs_v = _self_attention(inputs_q, inputs_k, inputs_v)
-            _check_inputs(inputs_q, inputs_k, inputs_v, *(x.shape[-1] if getattr(x, "ndim", 0) >= 1 else 0 for x in (inputs_q, inputs_k)))
-            batch_shape, (inputs_q, inputs_k, inputs_v), terms = batch_axes.flatten_batch(
-                (inputs_q, inputs_k, inputs_v), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions,
-            )
-        else:
-            batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask = _prepare(
-                inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
-                mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
-                query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-                query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
-            )
-            # a length sharded for the ring: segments absent from the queries are not looked for
-            inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=self.sequence_axis is None)
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer._prepare(
+            decoding, inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
+            sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
+            attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
+            query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+        )
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -178,25 +156,19 @@ class MultiHeadDotProductAttention(nn.Module):
         qk_norm = arguments.check_qk_norm(self.normalize_qk)
         if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
             def layer_norm(name):
-                return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype, param_dtype=self.param_dtype)
+                return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype,
+                                    param_dtype=self.param_dtype)
             query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
         elif qk_norm is not None:
             query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
             key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
         if not decoding:
-            query, key = _rotate(self.rotary, query, key, *masks._positions(spec))
+            query, key = _layer._rotate(self.rotary, query, key, *masks._positions(spec))
         if self.decode:
-            query, key, value, spec = self._cached(
-                query, key, value, batch_shape, decoding, spec=None if decoding else spec, forbidden=forbidden if decoding else {},
-                mask=terms["mask"] if decoding else None, bias=terms["bias"] if decoding else None,
-                is_causal=is_causal, query_positions=terms["query_positions"] if decoding else None,
-                local_window_size=local_window_size, attention_chunk_size=self.attention_chunk_size,
-            )
-        if dropout_mask is None and rate > 0 and not arguments.resolve_deterministic(deterministic, self.deterministic):
-            dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
-        else:
-            dropout_rng = None
-        out, weights, sown = _attend(
+            query, key, value, spec = self._cached(query, key, value, batch_shape, decoding, spec, **step)
+        dropping = _layer._dropping(rate, deterministic, self.deterministic, dropout_mask)
+        dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
+        out, weights, sown = _layer._attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
             zero_unused=not decoding, sequence_axis=None if decoding else self.sequence_axis,
@@ -205,15 +177,15 @@ class MultiHeadDotProductAttention(nn.Module):
         if sown is not None:
             self.sow("intermediates", "attention_weights", sown)
         out = nn.DenseGeneral(
-            out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
-            bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias if self.use_out_bias is None else self.use_out_bias, dtype=self.dtype,
-            param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
-            dot_general_cls=self.out_dot_general_cls, name="out",
+            out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init, dtype=self.dtype,
+            bias_init=self.out_bias_init or self.bias_init, param_dtype=self.param_dtype, precision=self.precision,
+            use_bias=self.use_bias if self.use_out_bias is None else self.use_out_bias, name="out",
+            dot_general=self.out_dot_general, dot_general_cls=self.out_dot_general_cls,
         )(out)
         out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
 
-    def _cached(self, query, key, value, batch_shape, decoding, *, spec, forbidden, query_positions, **terms):
+    def _cached(self, query, key, value, batch_shape, decoding, spec, forbidden=None, **step):
         """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
         which attends as without a cache; later calls rotate the new queries and keys at their
         positions, append them to it and attend over it: ``(query, key, value, spec)``. A cache
@@ -226,11 +198,9 @@ class MultiHeadDotProductAttention(nn.Module):
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
             return query, key, value, spec
-        cache = _as_ours(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape)
-        cache = _check_cache(cache, batch_shape, key.shape[0], key.shape[1], key.shape[2], key.shape[3], forbidden)
-        pos = _cache.positions(cache.end, query.shape[1], query_positions)
-        query, key = _rotate(self.rotary, query, key, pos, pos)
-        cache, spec = _decode_step(cache, key, value, self.num_heads, query_positions=pos, **terms)
+        cache = _layer._check_cache(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape,
+                                    *key.shape, forbidden)
+        query, key, cache, spec = _layer._decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
         # flax's cache (a scalar index, no flag: made above) becomes ours
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)
@@ -238,10 +208,8 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def _einsums(self) -> dict:
         """linen's extra ``attention_fn`` arguments (quantised einsums, fp32 softmax)."""
-        einsums = dict(
-            qk_attn_weights_einsum=self.qk_attn_weights_einsum_cls() if self.qk_attn_weights_einsum_cls else None,
-            attn_weights_value_einsum=self.attn_weights_value_einsum_cls() if self.attn_weights_value_einsum_cls else None,
-        )
+        qk, wv = self.qk_attn_weights_einsum_cls, self.attn_weights_value_einsum_cls
+        einsums = dict(qk_attn_weights_einsum=qk() if qk else None, attn_weights_value_einsum=wv() if wv else None)
         if self.attention_fn is None and any(v is not None for v in einsums.values()):
             raise ValueError(
                 "qk_attn_weights_einsum_cls and attn_weights_value_einsum_cls reach only an attention_fn; "
@@ -261,7 +229,7 @@ class _LinenNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros_init() if self.qk_norm.offset else nn.initializers.ones_init()
         shape = x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:]
-        return _qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
+        return _layer._qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):
@@ -275,5 +243,7 @@ class SelfAttention(MultiHeadDotProductAttention):
     @nn.compact
     def __call__(self, inputs_q: jax.Array, mask: jax.Array | None = None, deterministic: bool | None = None,
                  dropout_rng: jax.Array | None = None, sow_weights: bool = False, **kwargs):
-        warnings.warn("SelfAttention is deprecated in flax: call MultiHeadDotProductAttention with inputs_q", DeprecationWarning, stacklevel=2)
-        return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng, sow_weights=sow_weights, **kwargs)
+        warnings.warn("SelfAttention is deprecated in flax: call MultiHeadDotProductAttention with inputs_q",
+                      DeprecationWarning, stacklevel=2)
+        return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
+                                sow_weights=sow_weights, **kwargs)
