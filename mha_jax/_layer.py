@@ -20,6 +20,7 @@ from mha_jax import _cache, _checks, masks
 from mha_jax.attention import _attention
 from mha_spec import arguments, batch_axes, terms
 from mha_spec.qk_norm import QKNorm
+from mha_spec.rotary import rotate_at
 
 INPUT_LAYOUT = "(*batch, length, features)"
 
@@ -58,28 +59,9 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
         _checks.require_array(name, x)
         if _checks._dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
             _checks.require_float(name, x)
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have rank 2 or more {INPUT_LAYOUT}, got shape {tuple(x.shape)}")
-        if x.shape[-1] != features:
-            raise ValueError(
-                f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
-                f"but the module's {feat_name} is {features}"
-            )
-    if not inputs_q.dtype == inputs_k.dtype == inputs_v.dtype:
-        raise TypeError(
-            f"inputs_q, inputs_k and inputs_v must share one dtype, got "
-            f"{inputs_q.dtype}, {inputs_k.dtype}, {inputs_v.dtype}"
-        )
-    if not inputs_q.shape[:-2] == inputs_k.shape[:-2] == inputs_v.shape[:-2]:
-        raise ValueError(
-            f"inputs_q, inputs_k and inputs_v must share the batch axes, got shapes "
-            f"{tuple(inputs_q.shape)}, {tuple(inputs_k.shape)}, {tuple(inputs_v.shape)}"
-        )
-    if inputs_k.shape[-2] != inputs_v.shape[-2]:
-        raise ValueError(
-            f"inputs_k and inputs_v must share kv_len, got shapes "
-            f"{tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}"
-        )
+        arguments.check_input_features(name, x.shape, features, feat_name, INPUT_LAYOUT)
+    arguments.check_inputs_agree(("inputs_q", "inputs_k", "inputs_v"), (inputs_q.shape, inputs_k.shape, inputs_v.shape),
+                                 (inputs_q.dtype, inputs_k.dtype, inputs_v.dtype))
     return self_attention, inputs_q, inputs_k, inputs_v
 
 
@@ -159,7 +141,7 @@ def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, ma
     spec)``, the rotated ones, the updated cache and the spec of the new queries over its
     ``max_length`` slots."""
     pos = _cache.positions(cache.end, query.shape[1], query_positions)
-    query, key = _rotate(rotary, query, key, pos, pos)
+    query, key = rotate_at(rotary, query, key, pos, pos)
     batch, n, max_length = key.shape[0], key.shape[1], cache.key.shape[1]
     if cache.key.dtype != key.dtype:
         raise TypeError(
@@ -278,18 +260,6 @@ def _logit_terms(module, sinks) -> dict:
     ``logit_soft_cap`` and ``sinks`` (an array ``(num_heads,)`` or None)."""
     terms = dict(scale=module.scale, logit_soft_cap=module.logit_soft_cap, sinks=sinks)
     return {name: value for name, value in terms.items() if value is not None}
-
-
-def _rotate(rotary, query, key, query_positions, key_positions):
-    """Queries ``(batch, q_len, heads, head_dim)`` and keys rotated at their positions
-    ``(batch|1, len)`` by ``rotary`` (nothing without one)."""
-    if rotary is None:
-        return query, key
-
-    def rows(positions, batch):  # one row of positions serves every batch row
-        return positions[0] if positions.ndim == 2 and positions.shape[0] == 1 and batch != 1 else positions
-
-    return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
 
 
 def _qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:

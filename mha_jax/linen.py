@@ -22,6 +22,7 @@ from mha_jax import _layer, masks
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_spec import arguments, batch_axes, terms
 from mha_spec.qk_norm import QKNorm
+from mha_spec.rotary import rotate_at
 
 # flax's mask helpers are exported beside the classes, as flax exports them
 __all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks",
@@ -163,7 +164,7 @@ class MultiHeadDotProductAttention(nn.Module):
             query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
             key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
         if not decoding:
-            query, key = _layer._rotate(self.rotary, query, key, *masks._positions(spec))
+            query, key = rotate_at(self.rotary, query, key, *masks._positions(spec))
         if self.decode:
             query, key, value, spec = self._cached(query, key, value, batch_shape, decoding, spec, **step)
         dropping = _layer._dropping(rate, deterministic, self.deterministic, dropout_mask)

@@ -20,8 +20,9 @@ from flax.nnx.nn import dtypes
 
 from mha_jax import _layer, masks
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import arguments, batch_axes, terms
+from mha_spec import arguments, batch_axes
 from mha_spec.qk_norm import QKNorm
+from mha_spec.rotary import rotate_at
 
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
@@ -147,12 +148,10 @@ class MultiHeadAttention(nnx.Module):
         self.use_bias = use_bias
         self.normalize_qk = normalize_qk
         self.attention_fn = attention_fn
-        self.implementation = arguments.check_implementation(implementation, IMPLEMENTATIONS)
-        self.scale = arguments.check_scale(scale)
+        self.implementation, self.scale, self.local_window_size, self.attention_chunk_size = arguments.check_options(
+            implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
-        self.local_window_size = arguments.check_window(local_window_size)
-        self.attention_chunk_size = terms.check_chunk_size(attention_chunk_size)
         self.sequence_axis = _layer._check_sequence_axis(sequence_axis)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
@@ -286,7 +285,7 @@ class MultiHeadAttention(nnx.Module):
             dropout_rng = self._dropout_rng(rngs, deterministic)
             key, value = cache.key.astype(query.dtype), cache.value.astype(query.dtype)
         else:
-            query, key = _layer._rotate(self.rotary, query, key, *masks._positions(spec))
+            query, key = rotate_at(self.rotary, query, key, *masks._positions(spec))
         out, weights, sown = _layer._attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, zero_unused=not decoding,

@@ -138,6 +138,41 @@ def check_segments_given(query_given: bool, key_given: bool) -> None:
         )
 
 
+def check_options(implementation, known: tuple[str, ...], scale, local_window_size, attention_chunk_size
+                  ) -> tuple[str | None, float | None, tuple[int, int] | None, int | None]:
+    """A module's attention options, checked as the functional cores check them:
+    ``(implementation, scale, (left, right) window, chunk size)``."""
+    from mha_spec.terms import check_chunk_size  # terms reads no argument check: no cycle
+
+    return (check_implementation(implementation, known), check_scale(scale), check_window(local_window_size),
+            check_chunk_size(attention_chunk_size))
+
+
+def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str, layout: str) -> None:
+    """A module's input ``(*batch, len, features)`` with the module's ``features``."""
+    if len(shape) < 2:
+        raise ValueError(f"{name} must have rank 2 or more {layout}, got shape {tuple(shape)}")
+    if shape[-1] != features:
+        raise ValueError(
+            f"{name} has {shape[-1]} features (shape {tuple(shape)}), but the module's {features_name} is {features}"
+        )
+
+
+def check_inputs_agree(names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]) -> None:
+    """A module's query, key and value inputs share one dtype and the batch axes; key and value
+    share the length."""
+    q, k, v = names
+    if not dtypes[0] == dtypes[1] == dtypes[2]:
+        raise TypeError(f"{q}, {k} and {v} must share one dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    shapes = [tuple(s) for s in shapes]
+    if not shapes[0][:-2] == shapes[1][:-2] == shapes[2][:-2]:
+        raise ValueError(
+            f"{q}, {k} and {v} must share the batch axes, got shapes {shapes[0]}, {shapes[1]}, {shapes[2]}"
+        )
+    if shapes[1][-2] != shapes[2][-2]:
+        raise ValueError(f"{k} and {v} must share kv_len, got shapes {shapes[1]} and {shapes[2]}")
+
+
 def check_is_causal(is_causal) -> bool:
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")

@@ -397,3 +397,16 @@ def rotated_halves(rot: Any, cos: Any, sin: Any, interleaved: bool) -> tuple[Any
     half = rot.shape[-1] // 2
     x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_positions: Any) -> tuple[Any, Any]:
+    """Queries and keys (in a twin's layout) rotated by ``rotary`` (a twin's ``RotaryEmbedding``;
+    nothing without one) at their positions ``(batch|1, len)``; one row of positions serves every
+    batch row."""
+    if rotary is None:
+        return query, key
+
+    def rows(positions, batch):
+        return positions[0] if positions.ndim == 2 and positions.shape[0] == 1 and batch != 1 else positions
+
+    return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
