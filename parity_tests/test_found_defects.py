@@ -85,8 +85,8 @@ def test_module_inputs_of_different_dtypes_fail_alike():
     query, key and value must share one dtype`` (the core's names, not the module's), in
     PyTorch ``RuntimeError: mat1 and mat2 must have the same dtype`` from ``F.linear``.
 
-    Fix: ``_check_inputs`` in ``mha_jax/module.py`` and ``mha_torch/module.py``: require one
-    dtype for the three inputs, ``TypeError("inputs_q, inputs_k and inputs_v must share one
+    Fix: the modules' ``_check_inputs`` (``mha_jax/_layer.py``, ``mha_torch/module.py``), through
+    ``mha_spec.arguments.check_inputs_agree``: require one dtype for the three inputs, ``TypeError("inputs_q, inputs_k and inputs_v must share one
     dtype, got float32, float64, float64")`` (``query, key and value`` in PyTorch)."""
     x = np.zeros((2, 3, 16), np.float32)
     cases = (
@@ -172,7 +172,7 @@ def test_padding_garbage_reaches_no_parameter_gradient(poison):
     and the projection's weight gradient sums ``0 * NaN`` over positions. One optimiser step
     then turns the weights to NaN.
 
-    Fix: in ``mha_jax/module.py`` (``MultiHeadAttention.__call__``), ``mha_jax/linen.py`` and
+    Fix: in ``mha_jax/_layer.py`` (``_prepare``, for the nnx and linen modules) and
     ``mha_torch/module.py`` (``forward``): before projecting, zero the rows of ``inputs_k`` and
     ``inputs_v`` that no query of any head may attend to (the same reduction of mask and
     causality as the cores, over all heads: ``masks._zero_unused_inputs``)."""
