@@ -86,8 +86,9 @@ def test_module_inputs_of_different_dtypes_fail_alike():
     PyTorch ``RuntimeError: mat1 and mat2 must have the same dtype`` from ``F.linear``.
 
     Fix: the modules' ``_check_inputs`` (``mha_jax/_layer.py``, ``mha_torch/module.py``), through
-    ``mha_spec.arguments.check_inputs_agree``: require one dtype for the three inputs, ``TypeError("inputs_q, inputs_k and inputs_v must share one
-    dtype, got float32, float64, float64")`` (``query, key and value`` in PyTorch)."""
+    ``mha_spec.arguments.check_inputs_agree``: require one dtype for the three inputs,
+    ``TypeError("inputs_q, inputs_k and inputs_v must share one dtype, got float32, float64,
+    float64")`` (``query, key and value`` in PyTorch)."""
     x = np.zeros((2, 3, 16), np.float32)
     cases = (
         (lambda: mha_jax.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))(jnp.asarray(x), jnp.asarray(x, jnp.float64)),
