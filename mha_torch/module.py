@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,26 +183,10 @@ class MultiHeadAttention(nn.Module):
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
             key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
         )
-        dropout_p = self.dropout if (self.training or dropout_mask is not None) else 0.0
-        if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
-            dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
-
-        batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
         key, value = masks._zero_unused_inputs(key, value, spec)
-        q = self.q_proj(query).view(batch, q_len, heads, self.head_dim)
-        k = self.k_proj(key).view(batch, kv_len, kv_heads, self.head_dim)
-        v = self.v_proj(value).view(batch, kv_len, kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), *masks._positions(spec))
-        result = _attention(
-            q, k, v, spec, dropout_p=dropout_p, dropout_mask=dropout_mask,
-            need_weights=need_weights, implementation=self.implementation, **self._logit_terms(),
-        )
-        out, weights = result if need_weights else (result, None)
-        out = batch_axes.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, q_len, heads * self.head_dim)), batch_shape)
-        return (out, batch_axes.unflatten_batch(weights, batch_shape)) if need_weights else out
-
+        q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
+        q, k = _rotate(self.rotary, q, k, *masks._positions(spec))
+        return self._attend(q, k, v, spec, batch_shape, need_weights, dropout_mask=dropout_mask, zero_unused=True)
 
     def _logit_terms(self) -> dict:
         """What the module adds to the logits and their softmax, those it has of ``scale``,
@@ -229,13 +214,15 @@ class MultiHeadAttention(nn.Module):
 
     def _decode(self, query, key, value, cache: KVCache, *, mask, bias, is_causal, query_positions, local_window_size,
                 need_weights, forbidden):
-        """One decoding step: append the new tokens' keys and values to ``cache``, attend over it."""
+        """One decoding step: append the new tokens' keys and values to ``cache``, attend over it. The fast path
+        (``_fast_step``) when it takes the call; else the general one: the checked inputs, the cache written at the
+        tokens' positions and attended over every slot with those positions (fixed shapes for torch.compile)."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
-        if (key is None or key is query) and value is None and mask is None and bias is None and query_positions is None \
-                and local_window_size is None and self.attention_chunk_size is None and not need_weights \
+        if (key is None or key is query) and value is None and mask is None and bias is None \
+                and query_positions is None and local_window_size is None and self.attention_chunk_size is None \
                 and all(x is None for x in forbidden.values()):
-            out = self._one_token_step(query, cache)
+            out = self._fast_step(query, cache, is_causal, need_weights)
             if out is not None:
                 return out
         _, query, key, value = _self_attention(query, key, value)
@@ -247,74 +234,106 @@ class MultiHeadAttention(nn.Module):
         heads, kv_heads = self._local_heads()
         flat = _check_cache(cache, batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim, forbidden)
         batch, n = query.shape[0], query.shape[1]
-        q = self.q_proj(query).view(batch, n, heads, self.head_dim)
-        k = self.k_proj(key).view(batch, n, kv_heads, self.head_dim)
-        v = self.v_proj(value).view(batch, n, kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        pos = None
+        q, k, v = self._project(query, key, value, batch, heads, kv_heads)
         if self.rotary is not None:  # the new keys are cached rotated, at their positions
             pos = _cache.positions(flat.index, n, terms["query_positions"])
-            q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), pos, pos)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q.transpose(1, 2)
-        spec, slots = _decode_step(flat, k, v, heads, mask=terms["mask"], bias=terms["bias"], is_causal=is_causal,
-                                   query_positions=terms["query_positions"], local_window_size=local_window_size,
-                                   device=query.device, attention_chunk_size=self.attention_chunk_size)
+            q, k = _rotate(self.rotary, q, k, pos, pos)
+        spec = _decode_step(flat, k.transpose(1, 2), v.transpose(1, 2), heads, mask=terms["mask"], bias=terms["bias"],
+                            is_causal=is_causal, query_positions=terms["query_positions"],
+                            local_window_size=local_window_size, device=query.device,
+                            attention_chunk_size=self.attention_chunk_size)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
-            cache._keys, cache._values = (x.view(y.shape) for x, y in ((flat._keys, cache._keys), (flat._values, cache._values)))
-        dropout_p = self.dropout if self.training else 0.0
-        if dropout_p > 0 and self.broadcast_dropout:
-            dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=query.device) >= dropout_p
-        else:
-            dropout_mask = None
+            cache._keys, cache._values = flat._keys.view(cache._keys.shape), flat._values.view(cache._values.shape)
+        return self._attend(q, flat._keys.to(q.dtype), flat._values.to(q.dtype), spec, batch_shape, need_weights)
+
+    def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
+        """The decoding fast path: self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or
+        not causal) over ``cache`` when every row is at one position with room for the ``n`` tokens, outside
+        torch.compile, the caller having checked that nothing else restricts the keys (no mask, bias, window,
+        chunks or given positions). The keys and values are written by slicing (out of place under autograd, see
+        ``_writable``) and the queries attend over the filled slots with no mask: each key/value head's group of
+        query heads as rows of one head in one ``F.scaled_dot_product_attention`` (a hand-written step's tensor
+        operations), or through ``_attention`` for sinks, a soft-cap, dropout, weights ``(*batch, heads, n,
+        filled slots)`` or another implementation. Only the checks these operations need: None (nothing done)
+        for any other call, which the general path then takes, giving the same attention or the errors it names."""
+        keys, weight = cache._keys, self.q_proj.weight
+        if not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() or query.ndim < 2 \
+                or query.shape[-1] != self.embed_dim or query.dtype != weight.dtype:
+            return None
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(weight, "to_local") or hasattr(self.k_proj.weight, "to_local"):  # tensor-parallel: a shard's heads
+            heads, kv_heads = self._local_heads()
+        batch_shape, n = query.shape[:-2], query.shape[-2]
+        if type(is_causal) not in (bool, np.bool_) or is_causal and n != 1 or cache.index.shape != batch_shape \
+                or keys.shape != (*batch_shape, kv_heads, keys.shape[-2], head_dim) or keys.dtype != query.dtype \
+                or keys.device != query.device:
+            return None
+        merged = len(batch_shape) != 1  # batch axes other than one, merged into one as the inputs'
+        starts = (cache.index.flatten() if merged else cache.index).tolist()
+        start = starts[0] if starts else -1
+        if not (0 <= start <= cache.max_length - n and all(row == start for row in starts)):
+            return None
+        batch = len(starts)
+        q, k, v = self._project(query, query, query, batch, heads, kv_heads)
+        if k.dtype != keys.dtype:  # under autocast: the general path names the dtypes
+            return None
+        if self.rotary is not None:  # every row at the same positions
+            pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
+            q, k = _rotate(self.rotary, q, k, pos, pos)
+        _writable(cache, k, v)
+        keys, values = cache._keys, cache._values
+        if merged:  # views: the writes reach the cache
+            keys, values = keys.view(batch, kv_heads, -1, head_dim), values.view(batch, kv_heads, -1, head_dim)
+        keys.narrow(2, start, n).copy_(k)
+        values.narrow(2, start, n).copy_(v)
+        cache.index.add_(n)
+        keys, values = keys.narrow(2, 0, start + n), values.narrow(2, 0, start + n)
+        if self.sinks is not None or self.logit_soft_cap is not None or need_weights \
+                or self.implementation not in (None, "sdpa") or (self.training and self.dropout > 0):
+            spec = masks._parse((batch, heads, n, start + n), device=query.device)
+            return self._attend(q, keys, values, spec, batch_shape, need_weights)
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, -1, head_dim), keys, values, scale=self.scale)
+        if n > 1:  # (batch, heads, n, head_dim) to (batch, n, heads, head_dim); for one token the same order
+            out = out.view(batch, heads, n, head_dim).transpose(1, 2)
+        return self.out_proj(out.reshape(*batch_shape, n, heads * head_dim))
+
+    def _project(self, query, key, value, batch: int, heads: int, kv_heads: int):
+        """Queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads, kv_len, head_dim)``
+        of the inputs ``(*batch, q_len|kv_len, features)``, QK-normed."""
+        q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], self.head_dim
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(batch, q_len, heads, head_dim))
+            k = self.k_norm(k.view(batch, kv_len, kv_heads, head_dim))
+        return (_split_heads(q, batch, q_len, heads, head_dim), _split_heads(k, batch, kv_len, kv_heads, head_dim),
+                _split_heads(v, batch, kv_len, kv_heads, head_dim))
+
+    def _attend(self, q, keys, values, spec: masks._Spec, batch_shape, need_weights: bool, dropout_mask=None,
+                zero_unused: bool = False):
+        """Queries ``(batch, heads, q_len, head_dim)`` over ``keys``/``values`` ``(batch, kv_heads, kv_len,
+        head_dim)`` as ``spec`` says, with the module's dropout (or ``dropout_mask``) and logit terms, projected
+        out: ``(*batch, q_len, out_dim)``, or ``(output, weights)``. ``zero_unused=False``: a cache's slots hold
+        finite values, none zeroed (see ``_attention``)."""
+        batch, heads, n = spec.shape[:3]
+        dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
+        if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
+            dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=q.device) >= dropout_p
         result = _attention(
-            q, flat._keys.narrow(2, 0, slots).to(q.dtype), flat._values.narrow(2, 0, slots).to(q.dtype), spec,
-            dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights, implementation=self.implementation,
-            zero_unused=False, **self._logit_terms(),
+            q, keys, values, spec, dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
+            implementation=self.implementation, zero_unused=zero_unused, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
-        out = batch_axes.unflatten_batch(self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim)), batch_shape)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim))
+        out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, batch_axes.unflatten_batch(weights, batch_shape)) if need_weights else out
 
-    def _one_token_step(self, query: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-        """The hot loop of generation, ``query`` ``(batch, 1, embed_dim)``: self-attention of one
-        new token per row over the cache, every row at one position with room left, in eager
-        mode without autograd, with nothing but the cache restricting the keys (no mask, bias,
-        window, given positions, dropout, sinks, soft-cap or weights); the caller has checked
-        the arguments. The tensor operations of a hand-written SDPA step (each key/value head's
-        group of query heads as rows of one head, as ``_sdpa`` does) and only the checks they
-        need: less Python per call than the general path (figures on the performance page),
-        which gives the same attention. None (nothing done) for any other call, which the general path then takes,
-        raising the errors it names."""
-        batch, heads, kv_heads, head_dim = query.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        keys, values = cache._keys, cache._values
-        if (
-            torch.is_grad_enabled() or torch.compiler.is_compiling() or (self.training and self.dropout > 0)
-            or self.sinks is not None or self.logit_soft_cap is not None or self.implementation not in (None, "sdpa")
-            or query.ndim != 3 or query.shape[1] != 1 or query.shape[2] != self.embed_dim
-            or keys.shape != (batch, kv_heads, keys.shape[2], head_dim) or keys.dtype != query.dtype
-            or keys.device != query.device or query.dtype != self.q_proj.weight.dtype
-            or hasattr(self.q_proj.weight, "to_local") or hasattr(self.k_proj.weight, "to_local")  # tensor-parallel
-        ):
-            return None
-        start = _shared_start(cache, 1)
-        if start is None:
-            return None
-        q = self.q_proj(query).view(batch, 1, heads, head_dim)
-        k = self.k_proj(query).view(batch, 1, kv_heads, head_dim)
-        v = self.v_proj(query).view(batch, kv_heads, 1, head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            pos = cache.index.view(batch, 1)
-            q, k = _rotate(self.rotary, q.transpose(1, 2), k.transpose(1, 2), pos, pos)
-        _append(cache, k.view(batch, kv_heads, 1, head_dim), v, start)
-        out = F.scaled_dot_product_attention(
-            q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys.narrow(2, 0, start + 1),
-            values.narrow(2, 0, start + 1), scale=self.scale,
-        )
-        return self.out_proj(out.reshape(batch, 1, heads * head_dim))
+
+def _split_heads(x: torch.Tensor, batch: int, length: int, heads: int, head_dim: int) -> torch.Tensor:
+    """``x`` ``(*batch, length, heads * head_dim)`` or ``(batch, length, heads, head_dim)``, contiguous, as
+    ``(batch, heads, length, head_dim)``: for one token a view without a transpose (an operation fewer per step)."""
+    if length == 1:
+        return x.view(batch, heads, 1, head_dim)
+    return x.view(batch, length, heads, head_dim).transpose(1, 2)
 
 
 def _rotate(rotary, query, key, query_positions, key_positions):
@@ -380,9 +399,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
 
 def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
                  local_window_size, device, attention_chunk_size=None):
-    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (in place, or
-    under autograd into new tensors); the spec of the new queries over the cache's first slots,
-    and how many slots that is."""
+    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` at the tokens' positions (see
+    ``_writable``); the spec of the new queries over the cache's ``max_length`` slots."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
     if cache._keys.dtype != key.dtype:
         raise TypeError(
@@ -390,25 +408,6 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
         )
     window, is_causal = arguments.check_window(local_window_size), arguments.check_is_causal(is_causal)
-    # Under autograd the attention keeps the keys and values it reads for the backward pass, so
-    # the cache is then written out of place (new tensors, the old ones left to the graph), with
-    # the new keys and values live: gradients flow through the cache from step to step, as in
-    # the full causal pass and as JAX's functional cache gives them. Otherwise in place.
-    live = torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache._keys, cache._values))
-    # Fast path, in eager mode: when every row is at one position `start` with room for the new
-    # tokens, and every query sees exactly the slots up to its own (nothing but the cache
-    # restricting), write the slots by slicing and attend over the filled ones with no mask, as
-    # a hand-written SDPA step does: a handful of tensor operations instead of about thirty.
-    # Otherwise (and under torch.compile, whose shapes stay fixed) attend over every slot with
-    # the cache's positions. Both give the same attention; only the work differs.
-    plain = mask is None and bias is None and window is None and query_positions is None and (n == 1 or not is_causal) \
-        and attention_chunk_size is None
-    if plain and not torch.compiler.is_compiling():
-        start = _shared_start(cache, n)
-        if start is not None:
-            _writable(cache, live)
-            _append(cache, key.transpose(1, 2), value.transpose(1, 2), start)
-            return masks._parse((batch, num_heads, n, start + n), device=device), start + n
     start = cache.index.clone()
     pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
@@ -417,43 +416,29 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(
-            f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length {max_length} "
-            f"slots, overwriting positions its queries may still see (a window of left + chunk <= max_length makes it a rolling buffer)"
+            f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length "
+            f"{max_length} slots, overwriting positions its queries may still see (a window of left + chunk <= "
+            "max_length makes it a rolling buffer)"
         )
-    _writable(cache, live)
+    _writable(cache, key, value)
     _cache.write(cache.key, key, pos, start, padded=query_positions is not None)
     _cache.write(cache.value, value, pos, start, padded=query_positions is not None)
     cache.index.copy_(end)
     cache.overflow.logical_or_(overflow)
     held, lengths = _cache.slot_positions(end, max_length)
-    spec = masks._parse(
+    return masks._parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
         attention_chunk_size=attention_chunk_size,
     )
-    return spec, max_length
 
 
-def _shared_start(cache: KVCache, n: int) -> int | None:
-    """The position every row of ``cache`` is at, when they share one and ``n`` more tokens
-    fit before the end of the slots; else None."""
-    starts = cache.index.tolist()
-    start = starts[0] if starts else -1
-    return start if 0 <= start <= cache.max_length - n and all(row == start for row in starts) else None
-
-
-def _append(cache: KVCache, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
-    """Write ``key``/``value`` ``(batch, kv_heads, n, head_dim)`` into slots ``start..start+n-1``
-    of every row, by slicing, and advance the rows' index by ``n``."""
-    cache._keys.narrow(-2, start, key.shape[-2]).copy_(key)
-    cache._values.narrow(-2, start, value.shape[-2]).copy_(value)
-    cache.index.add_(key.shape[-2])
-
-
-def _writable(cache: KVCache, live: bool) -> None:
-    """Under autograd (``live``) the cache takes copies to write into, the tensors a step's
-    attention read left as they were for its backward pass; otherwise it is written in place."""
-    if live:
+def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Before a step writes the new ``key``/``value`` into ``cache``: under autograd (grad mode on, they or the
+    cache requiring gradients) the attention keeps the tensors it reads for the backward pass, so the cache takes
+    copies to write into, the old ones left to the graph, and gradients flow through the cache from step to step
+    (as in the full causal pass and JAX's functional cache); otherwise it is written in place."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache._keys, cache._values)):
         cache._keys, cache._values = cache._keys.clone(), cache._values.clone()
 
 

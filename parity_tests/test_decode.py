@@ -546,37 +546,75 @@ def test_greedy_generation_example_gives_the_same_tokens_in_both_frameworks():
     assert np.array_equal(flax_tokens[1], alone[0])
 
 
-@pytest.mark.parametrize("heads", sorted(KV_HEADS))
-def test_torch_one_token_steps_take_the_short_path_and_give_the_general_ones_outputs(heads, monkeypatch):
-    """A one-token step without autograd, with nothing but the cache restricting the keys
-    (rotary embedding, RMS QK-norm and a scale included), skips the general step's machinery
-    and gives the full causal pass's outputs, as the general step does (taken here by giving the
-    same positions explicitly); a prompt, autograd and a mask take the general step."""
-    kv_heads = KV_HEADS[heads]
-    twin = mha_torch.MultiHeadAttention(
-        E, H, num_kv_heads=kv_heads, rotary=mha_torch.RotaryEmbedding(E // H), normalize_qk=mha_torch.QKNorm("rms"),
-        scale=0.3, dtype=torch.float64,
-    ).eval()
-    x = torch.from_numpy(np.random.default_rng(3).normal(size=(B, T, E)))
-    general = []
-    monkeypatch.setattr(mha_torch.module, "_decode_step", lambda *a, run=mha_torch.module._decode_step, **kw: general.append(1) or run(*a, **kw))
-    with torch.no_grad():
-        full = twin(x, is_causal=True)
-        short, explicit = (mha_torch.KVCache(B, T, kv_heads, E // H, dtype=torch.float64) for _ in range(2))
-        got = [twin(x[:, :4], cache=short, is_causal=True), twin(x[:, :4], cache=explicit, is_causal=True)]
-        assert len(general) == 2  # prompts
-        for t in range(4, T):
-            before = len(general)
-            got.append(twin(x[:, t:t + 1], cache=short, is_causal=True))
-            assert len(general) == before, t
-            positions = torch.full((B, 1), t, dtype=torch.int32)
-            got.append(twin(x[:, t:t + 1], cache=explicit, is_causal=True, query_positions=positions))
-            assert len(general) == before + 1, t
-        twin(x[:, :1], cache=mha_torch.KVCache(B, T, kv_heads, E // H, dtype=torch.float64), mask=torch.ones(1, dtype=torch.bool))
-        assert len(general) == 2 + (T - 4) + 1
-    with torch.enable_grad():
-        twin(x[:, :1], cache=mha_torch.KVCache(B, T, kv_heads, E // H, dtype=torch.float64))
-    assert len(general) == 2 + (T - 4) + 2
-    short_out, explicit_out = torch.cat(got[0::2], dim=1), torch.cat(got[1::2], dim=1)
-    assert _rel(short_out, full) <= 1e-12 and _rel(explicit_out, full) <= 1e-12
-    assert torch.equal(short.index, explicit.index) and torch.allclose(short.key, explicit.key, rtol=0, atol=1e-14)
+FAST_CASES = {  # what a layer adds to the attention the fast path gives
+    "rotary, RMS QK-norm, scale": dict(rotary=mha_torch.RotaryEmbedding(E // H), normalize_qk=mha_torch.QKNorm("rms"),
+                                       scale=0.3),
+    "sinks": dict(use_sinks=True),
+    "soft-cap, weights": dict(logit_soft_cap=2.0, implementation="math"),
+}
+FAST_STEPS = [(4, False), (1, True), (1, True), (2, False), (1, True)]  # (tokens, is_causal)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("batch_shape", [(B,), (2, 3), ()], ids=str)
+@pytest.mark.parametrize("case", sorted(FAST_CASES))
+def test_torch_fast_path_gives_the_general_paths_and_the_uncached_outputs(case, batch_shape, grad, monkeypatch):
+    """Every row at one position with nothing but the cache restricting the keys (chunks without causality, one
+    token with it): the fast path takes each step, under autograd and with any batch axes too, and gives in float64
+    the outputs (weights over the filled slots), cache and input gradients of the general path (forced here) and of
+    the attention without a cache over the keys so far at their positions; rows at two positions take the general
+    path."""
+    twin = mha_torch.MultiHeadAttention(E, H, num_kv_heads=2, dtype=torch.float64, **FAST_CASES[case]).eval()
+    if twin.sinks is not None:
+        torch.nn.init.normal_(twin.sinks)
+    need_weights = twin.logit_soft_cap is not None
+    x = torch.from_numpy(np.random.default_rng(5).normal(size=(*batch_shape, T, E)))
+    taken, general = [], []
+
+    def spy(self, *args, run=mha_torch.MultiHeadAttention._fast_step):
+        out = None if general else run(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(mha_torch.MultiHeadAttention, "_fast_step", spy)
+
+    def decode(cached: bool):
+        xs = x.clone().requires_grad_(grad)
+        cache = mha_torch.KVCache(batch_shape, T, 2, E // H, dtype=torch.float64)
+        outs, weights, t = [], [], 0
+        with torch.set_grad_enabled(grad):
+            for n, causal in FAST_STEPS:
+                if cached:
+                    result = twin(xs[..., t:t + n, :], cache=cache, is_causal=causal, need_weights=need_weights)
+                else:
+                    result = twin(xs[..., t:t + n, :], xs[..., :t + n, :], is_causal=causal, need_weights=need_weights,
+                                  query_positions=torch.arange(t, t + n), key_positions=torch.arange(t + n))
+                out, w = result if need_weights else (result, None)
+                outs.append(out)
+                weights.append(None if w is None else w[..., :t + n].detach())
+                t += n
+        out = torch.cat(outs, dim=-2)
+        if grad:
+            (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
+        return out.detach(), weights, (cache.index, cache.key.detach(), cache.value.detach()), xs.grad
+
+    fast = decode(cached=True)
+    assert taken == [True] * len(FAST_STEPS)
+    general.append(True)
+    forced, reference = decode(cached=True), decode(cached=False)
+    assert taken[len(FAST_STEPS):] == [False] * len(FAST_STEPS)
+    for other in (forced, reference):
+        assert _rel(fast[0], other[0]) <= TOL["float64"]
+        if need_weights:
+            assert all(_rel(a, b) <= TOL["float64"] for a, b in zip(fast[1], other[1]))
+        if grad:
+            assert _rel(fast[3], other[3]) <= TOL["float64"]
+    assert torch.equal(fast[2][0], forced[2][0])  # the index; the keys and values:
+    assert all(_rel(a, b) <= TOL["float64"] for a, b in zip(fast[2][1:], forced[2][1:]))
+    if batch_shape == (B,):
+        general.clear()
+        cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
+        cache.index.copy_(torch.tensor([0, 1], dtype=torch.int32))
+        with torch.no_grad():
+            twin(x[:, :1], cache=cache)
+        assert taken[-1] is False and cache.index.tolist() == [1, 2]
