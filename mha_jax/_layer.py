@@ -41,14 +41,8 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
     feature sizes of the inputs ``(*batch, len, features)``, naming each; feature sizes None are
     read from the inputs (linen). ``(self_attention, inputs_q, inputs_k, inputs_v)``, True when
     the keys are the queries."""
-    if inputs_k is None and inputs_v is not None:
-        raise ValueError(
-            "`inputs_k` cannot be None if `inputs_v` is not None. To use one array for both, pass it "
-            "as inputs_k and leave inputs_v as None"
-        )
-    self_attention = inputs_k is None or inputs_k is inputs_q
-    inputs_k = inputs_q if inputs_k is None else inputs_k
-    inputs_v = inputs_k if inputs_v is None else inputs_v
+    self_attention, inputs_q, inputs_k, inputs_v = arguments.default_inputs(
+        inputs_q, inputs_k, inputs_v, ("inputs_q", "inputs_k", "inputs_v"), "array")
     if in_features is None:
         in_features, in_kv_features = (x.shape[-1] if getattr(x, "ndim", 0) >= 1 else 0 for x in (inputs_q, inputs_k))
     for name, x, features, feat_name in (

@@ -38,7 +38,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       implementation: see ``mha_jax.dot_product_attention``.
 
     Returns:
-      An ``mha_jax.MultiHeadAttention``.
+      An ``mha_jax.MultiHeadAttention`` (a ``flax.nnx`` module; ``nnx.bridge`` serves linen models).
       {from_hf_call}
     """
     options = families.layer_options(families.read_config(config), layer)

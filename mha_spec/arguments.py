@@ -148,6 +148,19 @@ def check_options(implementation, known: tuple[str, ...], scale, local_window_si
             check_chunk_size(attention_chunk_size))
 
 
+def default_inputs(query: Any, key: Any, value: Any, names: Sequence[str], array: str) -> tuple[bool, Any, Any, Any]:
+    """flax's defaults for a module's absent key and value inputs (the key is the query, the value
+    the key): ``(self_attention, query, key, value)``, True when the keys are the queries."""
+    if key is None and value is not None:
+        raise ValueError(
+            f"`{names[1]}` cannot be None if `{names[2]}` is not None. To use one {array} for both, pass it "
+            f"as {names[1]} and leave {names[2]} as None"
+        )
+    self_attention = key is None or key is query
+    key = query if key is None else key
+    return self_attention, query, key, key if value is None else value
+
+
 def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str, layout: str) -> None:
     """A module's input ``(*batch, len, features)`` with the module's ``features``."""
     if len(shape) < 2:

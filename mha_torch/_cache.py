@@ -74,7 +74,8 @@ def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
         return end[:, None] + torch.arange(n, dtype=torch.int32, device=end.device)[None]
     _checks.require_array("query_positions", query_positions)
     if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
-        raise TypeError(f"query_positions must be integer, got dtype {str(query_positions.dtype).removeprefix('torch.')}")
+        dtype = str(query_positions.dtype).removeprefix("torch.")
+        raise TypeError(f"query_positions must be integer, got dtype {dtype}")
     if tuple(query_positions.shape) not in ((n,), (end.shape[0], n)):
         raise ValueError(
             f"query_positions must have shape (batch, n) = {(end.shape[0], n)} or (n,) = ({n},) "
@@ -85,9 +86,10 @@ def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
 
 def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, padded: bool) -> None:
     """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` in place at
-    slots ``pos % max_length``; ``padded``: ``pos`` may hold padding tokens. A padding token (``pos < 0``) rewrites the value already in the
-    slot of the row's last position (``start - 1``), which no real token of a step that has a
-    padding token can reach: the indices stay fixed-shape for ``torch.compile``."""
+    slots ``pos % max_length``; ``padded``: ``pos`` may hold padding tokens. A padding token
+    (``pos < 0``) rewrites the value already in the slot of the row's last position
+    (``start - 1``), which no real token of a step that has a padding token can reach: the
+    indices stay fixed-shape for ``torch.compile``."""
     max_length = cache.shape[1]
     rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
     if not padded:

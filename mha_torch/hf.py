@@ -34,7 +34,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       implementation: see ``mha_torch.dot_product_attention``.
 
     Returns:
-      An ``mha_torch.MultiHeadAttention``.
+      An ``mha_torch.MultiHeadAttention`` in training mode, as ``torch.nn`` makes its modules.
       {from_hf_call}
     """
     options = families.layer_options(families.read_config(config), layer)

@@ -17,6 +17,7 @@ from torch import nn
 
 from mha_spec import arguments, batch_axes, terms
 from mha_spec.qk_norm import QKNorm
+from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
 from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, _attention
@@ -97,12 +98,10 @@ class MultiHeadAttention(nn.Module):
         self.dropout = arguments.check_dropout_rate("dropout", dropout)
         self.broadcast_dropout = broadcast_dropout
         self.normalize_qk = normalize_qk
-        self.implementation = arguments.check_implementation(implementation, IMPLEMENTATIONS)
-        self.scale = arguments.check_scale(scale)
+        self.implementation, self.scale, self.local_window_size, self.attention_chunk_size = arguments.check_options(
+            implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
-        self.local_window_size = arguments.check_window(local_window_size)
-        self.attention_chunk_size = terms.check_chunk_size(attention_chunk_size)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         kv_dim = self.num_kv_heads * self.head_dim
@@ -119,7 +118,8 @@ class MultiHeadAttention(nn.Module):
             self.k_norm = _Norm(qk_norm, self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **dict(factory, bias=bias if out_bias is None else out_bias))
+        out_factory = dict(factory, bias=bias if out_bias is None else out_bias)
+        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **out_factory)
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
 
     def forward(
@@ -185,7 +185,7 @@ class MultiHeadAttention(nn.Module):
         )
         key, value = masks._zero_unused_inputs(key, value, spec)
         q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
-        q, k = _rotate(self.rotary, q, k, *masks._positions(spec))
+        q, k = rotate_at(self.rotary, q, k, *masks._positions(spec))
         return self._attend(q, k, v, spec, batch_shape, need_weights, dropout_mask=dropout_mask, zero_unused=True)
 
     def _logit_terms(self) -> dict:
@@ -203,12 +203,14 @@ class MultiHeadAttention(nn.Module):
 
         q_rows, kv_rows = rows(self.q_proj.weight), rows(self.k_proj.weight)
         heads, kv_heads = q_rows // self.head_dim, kv_rows // self.head_dim
-        split = q_rows % self.head_dim or kv_rows % self.head_dim or heads * self.num_kv_heads != kv_heads * self.num_heads
+        split = (q_rows % self.head_dim or kv_rows % self.head_dim
+                 or heads * self.num_kv_heads != kv_heads * self.num_heads)
         if heads != self.num_heads and split:
             raise ValueError(
                 f"the sharded projections hold {heads} query and {kv_heads} key/value heads, which splits a group of "
-                f"{self.num_heads // self.num_kv_heads} query heads from its key/value head (num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}): shard over a number of ranks dividing num_kv_heads"
+                f"{self.num_heads // self.num_kv_heads} query heads from its key/value head "
+                f"(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}): shard over a number of ranks "
+                "dividing num_kv_heads"
             )
         return heads, kv_heads
 
@@ -237,7 +239,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, key, value, batch, heads, kv_heads)
         if self.rotary is not None:  # the new keys are cached rotated, at their positions
             pos = _cache.positions(flat.index, n, terms["query_positions"])
-            q, k = _rotate(self.rotary, q, k, pos, pos)
+            q, k = rotate_at(self.rotary, q, k, pos, pos)
         spec = _decode_step(flat, k.transpose(1, 2), v.transpose(1, 2), heads, mask=terms["mask"], bias=terms["bias"],
                             is_causal=is_causal, query_positions=terms["query_positions"],
                             local_window_size=local_window_size, device=query.device,
@@ -279,7 +281,7 @@ class MultiHeadAttention(nn.Module):
             return None
         if self.rotary is not None:  # every row at the same positions
             pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
-            q, k = _rotate(self.rotary, q, k, pos, pos)
+            q, k = rotate_at(self.rotary, q, k, pos, pos)
         _writable(cache, k, v)
         keys, values = cache._keys, cache._values
         if merged:  # views: the writes reach the cache
@@ -336,18 +338,6 @@ def _split_heads(x: torch.Tensor, batch: int, length: int, heads: int, head_dim:
     return x.view(batch, length, heads, head_dim).transpose(1, 2)
 
 
-def _rotate(rotary, query, key, query_positions, key_positions):
-    """Queries ``(batch, heads, q_len, head_dim)`` and keys rotated at their positions
-    ``(batch|1, len)`` by ``rotary`` (nothing without one)."""
-    if rotary is None:
-        return query, key
-
-    def rows(positions, batch):  # one row of positions serves every batch row
-        return positions[0] if positions.ndim == 2 and positions.shape[0] == 1 and batch != 1 else positions
-
-    return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
-
-
 class _Norm(nn.Module):
     """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` shared by the heads,
     else ``(heads * head_dim,)`` (each head's own, or the whole projection's, as a checkpoint stores it)."""
@@ -379,7 +369,9 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     are (writes to the view reach the cache)."""
     given = [name for name, value in forbidden.items() if value is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths")
+        raise ValueError(
+            f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths"
+        )
     expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
     if tuple(cache.key.shape) != expected or tuple(cache.index.shape) != tuple(batch_shape):
         raise ValueError(
@@ -392,7 +384,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     if len(batch_shape) == 1:
         return cache
     flat = KVCache.__new__(KVCache)
-    flat._keys, flat._values = (x.view((batch,) + tuple(x.shape[len(batch_shape):])) for x in (cache._keys, cache._values))
+    flat._keys, flat._values = (x.view((batch,) + tuple(x.shape[len(batch_shape):]))
+                                for x in (cache._keys, cache._values))
     flat.index, flat.overflow = cache.index.view(batch), cache.overflow.view(batch)
     return flat
 
@@ -474,15 +467,7 @@ def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _self_attention(query, key, value):
     """The defaults for absent key and value inputs; True when the keys are the queries."""
-    if key is None and value is not None:
-        raise ValueError(
-            "`key` cannot be None if `value` is not None. To use one tensor for both, pass it "
-            "as key and leave value as None"
-        )
-    self_attention = key is None or key is query
-    key = query if key is None else key
-    value = key if value is None else value
-    return self_attention, query, key, value
+    return arguments.default_inputs(query, key, value, ("query", "key", "value"), "tensor")
 
 
 def _spec(query, key, num_heads: int, self_attention: bool, *, key_positions=None,
@@ -508,23 +493,6 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> No
         ("value", value, vdim, "vdim"),
     ):
         _checks.require_float(name, x)
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have rank 2 or more {INPUT_LAYOUT}, got shape {tuple(x.shape)}")
-        if x.shape[-1] != features:
-            raise ValueError(
-                f"{name} has {x.shape[-1]} features (shape {tuple(x.shape)}), "
-                f"but the module's {feat_name} is {features}"
-            )
-    if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(
-            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
-        )
-    if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
-        raise ValueError(
-            f"query, key and value must share the batch axes, got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(
-            f"key and value must share kv_len, got shapes {tuple(key.shape)} and {tuple(value.shape)}"
-        )
+        arguments.check_input_features(name, x.shape, features, feat_name, INPUT_LAYOUT)
+    arguments.check_inputs_agree(("query", "key", "value"), (query.shape, key.shape, value.shape),
+                                 (query.dtype, key.dtype, value.dtype))
