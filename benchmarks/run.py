@@ -490,15 +490,19 @@ def summary(results: dict) -> list[tuple[str, str, str]]:
     core, memory, modules = results["core"], results["memory"], results["modules"]
     out = []
 
-    def ratio(mode, length=4096):
-        ours = _lookup(core, impl="mha_jax", length=length, mode=mode, causal=False)
-        sdpa = _lookup(core, impl="torch sdpa", length=length, mode=mode, causal=False)
+    def ratio(mode, length=4096, causal=False):
+        ours = _lookup(core, impl="mha_jax", length=length, mode=mode, causal=causal)
+        sdpa = _lookup(core, impl="torch sdpa", length=length, mode=mode, causal=causal)
         return None if not (ours and sdpa) else sdpa["seconds"] / ours["seconds"]
 
     for mode, target in (("fwd", ">= 0.9"), ("fwd+bwd", ">= 0.7")):
         r = ratio(mode)
         if r is not None:
             out.append((f"mha_jax / torch SDPA throughput, S=4096 {mode}", f"{r:.2f}x", target))
+    for mode in ("fwd", "fwd+bwd"):  # causal both sides
+        r = ratio(mode, causal=True)
+        if r is not None:
+            out.append((f"mha_jax / torch SDPA throughput, S=4096 causal {mode}", f"{r:.2f}x", ""))
     for impl in ("mha_jax", "torch sdpa", "jax.nn"):
         a = _lookup(core, impl=impl, length=4096, mode="fwd", causal=False)
         c = _lookup(core, impl=impl, length=4096, mode="fwd", causal=True)
@@ -604,6 +608,22 @@ _ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_b
               "amx_tile", "asimd", "sve", "sve2")
 
 
+def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """Bytes of CPU 0's highest-level cache (Linux sysfs), or None where unreadable: with the
+    model and ISA, what says which CPU a result is of (block sizes fit one cache and not another)."""
+    best = None
+    for entry in Path(root).glob("index*"):
+        try:
+            level, text = int((entry / "level").read_text()), (entry / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale != 1 else text
+        if digits.isdigit() and (best is None or level > best[0]):
+            best = (level, int(digits) * scale)
+    return None if best is None else best[1]
+
+
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict:
     """The CPU's model name and its vector ISA (from ``/proc/cpuinfo``; empty where unreadable):
     the same benchmark differs between CPUs (an AMD EPYC with AVX-512 against the README's)."""
@@ -664,6 +684,7 @@ def main(argv=None) -> int:
 
     results["meta"] = {
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), **cpu_model(),
+        "last_level_cache_bytes": last_level_cache(),
         "jax": jax.__version__, "torch": torch.__version__, "device": jax.devices()[0].device_kind,
         "seconds": time.perf_counter() - start,
         # 1-minute load averages before and after: above ~0.5 before, something else was running.
