@@ -122,9 +122,11 @@ def _jax_rows(args: argparse.Namespace) -> list[dict]:
             recompute = None
             if length <= args.recompute_limit:
                 prefix = jax.random.normal(jax.random.key(2), (batch, length, FEATURES), jnp.float32)
-                full = mha_jax.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=KV_HEADS, implementation="blockwise", rngs=nnx.Rngs(0))
+                full = mha_jax.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=KV_HEADS, implementation="blockwise",
+                                                  rngs=nnx.Rngs(0))
                 full_step = nnx.jit(lambda m, x: m(x, is_causal=True)[:, -1:])
-                recompute = _median_of(lambda step=full_step, full=full, prefix=prefix: jax.block_until_ready(step(full, prefix)))
+                recompute = _median_of(
+                    lambda step=full_step, full=full, prefix=prefix: jax.block_until_ready(step(full, prefix)))
             cache_bytes = ours.cached_key[...].nbytes + ours.cached_value[...].nbytes
             rows.append(_row("jax", batch, length, cache_bytes, timed, recompute))
     return rows
@@ -185,7 +187,8 @@ def _sdpa_step(layer, token, length: int, rows: bool) -> Callable[[], None]:
             q = q if rows else q.transpose(1, 2)
             k_cache[:, :, index] = layer.k_proj(token).view(batch, KV_HEADS, HEAD_DIM)
             v_cache[:, :, index] = layer.v_proj(token).view(batch, KV_HEADS, HEAD_DIM)
-            out = F.scaled_dot_product_attention(q, k_cache[:, :, :index + 1], v_cache[:, :, :index + 1], enable_gqa=not rows)
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :index + 1], v_cache[:, :, :index + 1],
+                                                 enable_gqa=not rows)
             layer.out_proj((out if rows else out.transpose(1, 2)).reshape(batch, 1, FEATURES))
 
     return step
@@ -203,10 +206,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         anchor = ANCHOR[r["framework"]]
         full = r.get("full recompute")
         recompute = (f"{1e3 * full:.1f} | {full / r['ours']:.1f}x") if full is not None else "- | -"
-        rows = (f"{1e3 * r[ROWS]:.2f} ({1e3 * r[ROWS + ' best']:.2f}) | {r[ROWS] / r['ours']:.2f}x") if ROWS in r else "- | -"
+        rows = (f"{1e3 * r[ROWS]:.2f} ({1e3 * r[ROWS + ' best']:.2f}) | {r[ROWS] / r['ours']:.2f}x"
+                if ROWS in r else "- | -")
         lines.append(
-            f"| {r['framework']} | {r['batch']} | {r['length']} | {1e3 * r['ours']:.2f} ({1e3 * r['ours best']:.2f}) | {anchor} "
-            f"| {1e3 * r[anchor]:.2f} ({1e3 * r[anchor + ' best']:.2f}) | {r[anchor] / r['ours']:.2f}x | {rows} | {recompute} "
+            f"| {r['framework']} | {r['batch']} | {r['length']} | {1e3 * r['ours']:.2f} "
+            f"({1e3 * r['ours best']:.2f}) | {anchor} | {1e3 * r[anchor]:.2f} ({1e3 * r[anchor + ' best']:.2f}) "
+            f"| {r[anchor] / r['ours']:.2f}x | {rows} | {recompute} "
             f"| {r['cache_bytes'] == r['formula_bytes']} |"
         )
     return "\n".join(lines) + "\n"
@@ -235,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.framework:
         print(json.dumps(_jax_rows(args) if args.framework == "jax" else _torch_rows(args)))
         return 0
-    passed = [f"--{name}={value}" for name, value in (("threads", args.threads), ("reps", args.reps),
-                                                      ("min-seconds", args.min_seconds), ("recompute-limit", args.recompute_limit))]
+    options = (("threads", args.threads), ("reps", args.reps), ("min-seconds", args.min_seconds),
+               ("recompute-limit", args.recompute_limit))
+    passed = [f"--{name}={value}" for name, value in options]
     passed += ["--lengths", *map(str, args.lengths), "--batches", *map(str, args.batches)]
     rows = []
     for framework in ("jax", "torch"):

@@ -5,10 +5,10 @@
     python -m benchmarks.run --only structured   # the structured-mask points alone (about 5 minutes)
 
 Core (B=1, H=8, head_dim=64, float32): ``mha_jax.dot_product_attention`` (``"blockwise"``, the
-implementation for long inputs; the default, ``"xla"``, forms the score matrix as ``jax.nn``) and ``mha_torch.dot_product_attention`` against
-``jax.nn.dot_product_attention`` and ``F.scaled_dot_product_attention``, lengths 512..16384,
-forward and forward+backward, causal and not. Module (B=4, S=1024, embed 512, 8 heads): our
-nnx and linen modules against ``flax.nnx.MultiHeadAttention`` and
+implementation for long inputs; the default, ``"xla"``, forms the score matrix as ``jax.nn``) and
+``mha_torch.dot_product_attention`` against ``jax.nn.dot_product_attention`` and
+``F.scaled_dot_product_attention``, lengths 512..16384, forward and forward+backward, causal and
+not. Module (B=4, S=1024, embed 512, 8 heads): our nnx and linen modules against ``flax.nnx.MultiHeadAttention`` and
 ``flax.linen.MultiHeadDotProductAttention``, our PyTorch module against
 ``torch.nn.MultiheadAttention``. JAX compile time is reported apart from run time (best of
 several runs). Peak memory growth is measured in a fresh process per point. Structured masks
@@ -63,7 +63,8 @@ def _core_fn(name: str, causal: bool, mode: str, length: int, dtype: str = "floa
 
         q = jnp.asarray(x, dtype=dtype)
         attend = {
-            "mha_jax": lambda q, k, v: mha_jax.dot_product_attention(q, k, v, is_causal=causal, implementation="blockwise"),
+            "mha_jax": lambda q, k, v: mha_jax.dot_product_attention(q, k, v, is_causal=causal,
+                                                                     implementation="blockwise"),
             "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal),
         }[name]
         if mode == "fwd":
@@ -167,7 +168,8 @@ def _check_slices(terms: str, length: int, rows: int) -> float:
 
     q, k, v = _inputs(length)
     kwargs = _terms(terms, length)
-    ours = jax.jit(lambda q, k, v: mha_jax.dot_product_attention(q, k, v, implementation="blockwise", **kwargs))(q, k, v)
+    ours = jax.jit(lambda q, k, v: mha_jax.dot_product_attention(q, k, v, implementation="blockwise", **kwargs))
+    ours = ours(q, k, v)
     worst = 0.0
     for start in sorted({0, (length // 2 // rows) * rows, length - rows}):
         part = dict(kwargs)
@@ -242,7 +244,8 @@ def _module_fn(name: str, mode: str, batch=4, length=1024, embed=512, heads=8):
             graphdef, params = nnx.split(model)
             apply = lambda p, x: nnx.merge(graphdef, p)(x)  # noqa: E731
         else:
-            cls = mha_jax.linen.MultiHeadDotProductAttention if name == "mha_jax linen" else flax.linen.MultiHeadDotProductAttention
+            cls = (mha_jax.linen.MultiHeadDotProductAttention if name == "mha_jax linen"
+                   else flax.linen.MultiHeadDotProductAttention)
             model = cls(heads)
             params = model.init(jax.random.key(0), xs)
             apply = model.apply
@@ -552,7 +555,8 @@ def markdown(results: dict) -> str:
                          f"{b['gflops']:.0f} | {c['seconds']:.3f} | {compile_s} |")
     ratios = structured_ratios(results)
     if ratios:
-        lines += ["", "| blockwise, structured (median ms, interleaved) | S | mode | ms | baseline ms | speed-up | target |",
+        header = "| blockwise, structured (median ms, interleaved) | S | mode | ms | baseline ms | speed-up | target |"
+        lines += ["", header,
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['workload']} | {r['length']} | {r['mode']} | {1e3 * r['seconds']:.0f} | "
                   f"{1e3 * r['baseline_s']:.0f} | {r['ratio']:.2f}x | >= {r['target']:g} |" for r in ratios]
@@ -645,7 +649,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="lengths up to 2048 only")
     parser.add_argument("--lengths", type=int, nargs="*", help="override the lengths")
     parser.add_argument("--no-modules", action="store_true", help="skip the module-level comparison")
-    parser.add_argument("--name", default=None, help="results file name (default: cpu or gpu, with -structured for --only)")
+    parser.add_argument("--name", default=None,
+                        help="results file name (default: cpu or gpu, with -structured for --only)")
     parser.add_argument("--only", choices=("structured",), help="only these points: 'structured' runs the structured "
                         "masks, their check against xla, and blockwise against torch SDPA at 4096")
     parser.add_argument("--rounds", type=int, default=3, help="with --only structured: rounds of the S=4096 processes")

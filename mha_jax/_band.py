@@ -99,7 +99,8 @@ def _visible(cfg, i, g, terms):
     cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left  # relative key positions
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
     qs, ks, lengths = terms
-    q_ids = None if qs is None else lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
+    q_ids = None if qs is None else \
+        lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
     k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
     visible = cfg.terms.visible(Where(rows, q_ids),
                                 Where(cols, k_ids, key, None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)))
@@ -219,7 +220,8 @@ def _backward(cfg, residuals, d_out):
         pt = jnp.exp(st - lse_i[:, :, None, :])  # 0 where not visible, and in rows that see nothing
         dpt = jnp.einsum("bhkd,bhmd->bhkm", v_band, do_i, precision=cfg.precision)
         dst = pt * (dpt - delta_i[:, :, None, :]) * jnp.asarray(cfg.scale, pt.dtype)  # of the unscaled products
-        dqt_i = jnp.einsum("bhdk,bhkm->bhdm", lax.dynamic_slice_in_dim(kt, start, cfg.width, 3), dst, precision=cfg.precision)
+        kt_band = lax.dynamic_slice_in_dim(kt, start, cfg.width, 3)
+        dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_band, dst, precision=cfg.precision)
         dk_band = jnp.einsum("bhkm,bhmd->bhkd", dst, q_i, precision=cfg.precision)
         dv_band = jnp.einsum("bhkm,bhmd->bhkd", pt, do_i, precision=cfg.precision)
         dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start, cfg.width, 2) + dk_band, start, 2)

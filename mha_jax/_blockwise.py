@@ -100,7 +100,8 @@ def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
     return block_q, block_k
 
 
-def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False) -> tuple[int, int]:
+def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False
+                ) -> tuple[int, int]:
     """Forward blocks: 1024 query rows (over all groups) x 512 keys, or 512 x 256 when causal
     (finer blocks waste less on the diagonal), smaller for short inputs or many heads.
 
@@ -111,7 +112,8 @@ def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, 
     return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
 
-def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False) -> tuple[int, int]:
+def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False
+                         ) -> tuple[int, int]:
     """Backward blocks (when no drawn dropout mask ties them to the forward's): 512 query rows
     x 1024 keys, or 512 x 512 when causal; chosen among 256x512, 512x256, 512x512, 1024x512,
     512x1024 and 1024x1024 in the same kind of run."""
@@ -153,7 +155,8 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     batch, heads = _names(out_spec[0]), _names(out_spec[1])
     if dropout_rng is None and (batch or heads) and not any(_names(e) for e in out_spec[2:]):
         out = _per_device(functools.partial(_run, cfg), args, batch, heads, explicit)
-        return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)  # axes of 1 device
+        # axes of 1 device
+        return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)
     return jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=out_spec)(*args)
 
 
@@ -191,8 +194,8 @@ def _per_device(run, args, batch, heads, explicit):
     def local(*xs):
         return run(*jax.tree.unflatten(tree, xs[: len(leaves)]), *jax.tree.unflatten(terms_tree, xs[len(leaves):]))
 
-    sharded = jax.shard_map(local, in_specs=tuple(spec for _, spec in placed), out_specs=P(batch or None, heads or None),
-                            axis_names=set(explicit), check_vma=True)
+    sharded = jax.shard_map(local, in_specs=tuple(spec for _, spec in placed),
+                            out_specs=P(batch or None, heads or None), axis_names=set(explicit), check_vma=True)
     return sharded(*(x for x, _ in placed))
 
 
@@ -466,7 +469,8 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
         m, norm, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
         out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
         # A row with no allowed key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
-        lse = jnp.where(norm > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(norm > 0.0, norm, 1.0)), jnp.inf)
+        log_norm = jnp.log(jnp.where(norm > 0.0, norm, 1.0))
+        lse = jnp.where(norm > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + log_norm, jnp.inf)
         return out, lse
 
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
@@ -489,7 +493,8 @@ def _flash_bwd(cfg, residuals, d_out):
     k_blocks, v_blocks = _key_rows(cfg, k), _key_rows(cfg, v)  # (n_k, b, h, block_k, d)
     kt_blocks = jnp.swapaxes(k_blocks, 3, 4)
     # Masks move their key axis before the groups: (b|1, h|1, k|1, g|1, q|1), the transposed block.
-    allowed_t, bias_t, keep_t = (None if m is None else jnp.moveaxis(m, 4, 2) for m in _pad_masks(cfg, (allowed, bias, keep)))
+    allowed_t, bias_t, keep_t = (None if m is None else jnp.moveaxis(m, 4, 2)
+                                 for m in _pad_masks(cfg, (allowed, bias, keep)))
     terms_p = _pad_terms(cfg, terms)
     whole, live = _classes(cfg, allowed, terms, padding=False)
     order, n_whole, n_live = _schedule(whole.T, live.T)  # per key block, over query blocks

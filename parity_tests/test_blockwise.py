@@ -37,7 +37,8 @@ def _case(name, rng):
         "bias-per-head+causal": (rng.normal(size=(1, H, Q, K)), True, None, {}),
         "bias-keys": (rng.normal(size=(K,)), False, None, {}),
         "dropout-mask+causal": (None, True, rng.random((B, H, Q, K)) < 0.7, {}),
-        "fully-masked": (np.concatenate([np.zeros((1, H, Q, K), bool), rng.random((1, H, Q, K)) < 0.5]), False, None, {}),
+        "fully-masked": (np.concatenate([np.zeros((1, H, Q, K), bool), rng.random((1, H, Q, K)) < 0.5]), False, None,
+                         {}),
         "chunk+causal": (None, True, None, chunk),
         "shuffled+window": (None, False, None, dict(shuffled, window=(3, 2))),
         "window+causal": (None, True, None, dict(window=(2, 2))),
@@ -62,7 +63,8 @@ def test_blockwise_matches_oracle_across_blocks(name, tiny_blocks):
     q, k, v = rng.normal(size=(B, H, Q, D)), rng.normal(size=(B, HK, K, D)), rng.normal(size=(B, HK, K, D))
     mask, causal, keep, terms = _case(name, rng)
     rate = 0.3 if keep is not None else 0.0
-    want, _, cache = oracle.attention(q, k, v, oracle.Attention(mask=mask, is_causal=causal, keep=keep, dropout_rate=rate, **terms))
+    want, _, cache = oracle.attention(
+        q, k, v, oracle.Attention(mask=mask, is_causal=causal, keep=keep, dropout_rate=rate, **terms))
     d_out = rng.normal(size=want.shape)
     want_grads = oracle.attention_grad(cache, d_out)
     T = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3))  # noqa: E731
@@ -149,7 +151,8 @@ def test_default_is_one_implementation_at_every_length():
     for length in (8, 512):
         q = jnp.asarray(np.random.default_rng(length).normal(size=(1, length, 2, 8)))
         default = jax.jvp(lambda q: mha_jax.dot_product_attention(q, q, q, is_causal=True), (q,), (q,))
-        xla = jax.jvp(lambda q: mha_jax.dot_product_attention(q, q, q, is_causal=True, implementation="xla"), (q,), (q,))
+        xla = jax.jvp(lambda q: mha_jax.dot_product_attention(q, q, q, is_causal=True, implementation="xla"),
+                      (q,), (q,))
         assert all(np.array_equal(a, b) for a, b in zip(default, xla))
     with pytest.raises(ValueError, match="return_weights=True needs implementation='xla'"):
         mha_jax.dot_product_attention(q, q, q, return_weights=True, implementation="blockwise")
@@ -181,7 +184,8 @@ def test_windows_over_default_positions_run_as_bands(name, shape, monkeypatch):
     monkeypatch.setattr(_band, "_band", lambda cfg, *args, run=_band._band: ran.append(cfg) or run(cfg, *args))
     q_len, kv_len = shape
     rng = np.random.default_rng(1)
-    q, k, v = rng.normal(size=(B, H, q_len, D)), rng.normal(size=(B, HK, kv_len, D)), rng.normal(size=(B, HK, kv_len, D))
+    q = rng.normal(size=(B, H, q_len, D))
+    k, v = rng.normal(size=(B, HK, kv_len, D)), rng.normal(size=(B, HK, kv_len, D))
     causal, terms = BAND_CASES[name]
     terms = {n: np.minimum(x, kv_len) if n == "lengths" else x for n, x in terms.items()}
     if terms.pop("segments", False):  # ids of documents of 4 and 6 tokens
@@ -210,11 +214,13 @@ def test_bands_only_where_nothing_else_is_per_score(monkeypatch):
     x = jnp.ones((1, 16, 2, 4))
     for extra in (dict(bias=jnp.zeros((16, 16))), dict(mask=jnp.ones((16, 16), bool)),
                   dict(query_positions=jnp.arange(16)), dict(logit_soft_cap=5.0), {}):
-        mha_jax.dot_product_attention(x, x, x, is_causal=True, local_window_size=(3, 0), implementation="blockwise", **extra)
+        mha_jax.dot_product_attention(x, x, x, is_causal=True, local_window_size=(3, 0), implementation="blockwise",
+                                      **extra)
     assert len(ran) == 1  # the last call only
 
 
-@pytest.mark.parametrize("terms", [dict(is_causal=True), dict(is_causal=True, local_window_size=(3, 0))], ids=["causal", "window"])
+@pytest.mark.parametrize("terms", [dict(is_causal=True), dict(is_causal=True, local_window_size=(3, 0))],
+                         ids=["causal", "window"])
 def test_no_query_gives_an_empty_output(terms):
     """Zero queries over keys: an empty output and zero key gradients, as ``"xla"`` gives (the
     blocks used to be sliced from the empty queries and fail to trace)."""

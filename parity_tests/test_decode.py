@@ -311,7 +311,8 @@ def test_decoding_gradients_equal_the_full_causal_pass():
     (twin(y, is_causal=True) * ct_t).sum().backward()
     assert torch.equal(x.detach(), xt)
     assert _rel(grads[0], y.grad) <= TOL["float64"] and _rel(grads[1], twin.k_proj.weight.grad) <= TOL["float64"]
-    assert _rel(dx, fx) <= TOL["float64"] and _rel(dlayer["key"]["kernel"][...], flayer["key"]["kernel"][...]) <= TOL["float64"]
+    assert _rel(dx, fx) <= TOL["float64"]
+    assert _rel(dlayer["key"]["kernel"][...], flayer["key"]["kernel"][...]) <= TOL["float64"]
     assert _rel(grads[0], dx) <= TOL["float64"]
     with torch.no_grad():  # and the cache decodes on, in place
         twin(xt[:, :1], cache=mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64))
@@ -328,7 +329,8 @@ def test_torch_overflow_raises_outside_torch_compile():
         twin(xt[:, :1], cache=cache)
         twin(xt[:, 1:2], cache=cache)
         key = cache.key.clone()
-        with pytest.raises(ValueError, match="the cache overflows: row 1 would hold positions up to 4 in max_length 4 slots"):
+        overflow = "the cache overflows: row 1 would hold positions up to 4 in max_length 4 slots"
+        with pytest.raises(ValueError, match=overflow):
             twin(xt[:, 2:3], cache=cache)
     assert cache.index.tolist() == [2, 4] and not cache.overflow.any() and torch.equal(cache.key, key)
 
@@ -383,7 +385,8 @@ def test_flax_decode_loops_give_our_outputs():
     ours = mha_jax.linen.MultiHeadDotProductAttention(H, param_dtype=jnp.float64, decode=True)
     flax_linen = linen.MultiHeadDotProductAttention(H, param_dtype=jnp.float64, decode=True)  # linen's formula is exact
     variables = ours.init(jax.random.key(0), xj)
-    params, ours_cache, flax_cache = {"params": variables["params"]}, variables["cache"], flax_linen.init(jax.random.key(0), xj)["cache"]
+    params, ours_cache = {"params": variables["params"]}, variables["cache"]
+    flax_cache = flax_linen.init(jax.random.key(0), xj)["cache"]
     a, b = [], []
     for t in range(T):
         out, ours_cache = ours.apply({**params, "cache": ours_cache}, xj[:, t:t + 1], mutable=["cache"])
@@ -422,7 +425,8 @@ def test_a_cache_made_by_flax_decodes_in_ours(framework):
             return module
 
         def continue_in_ours(theirs, n, tokens):
-            ours = mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True, rngs=nnx.Rngs(0))
+            ours = mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True,
+                                              rngs=nnx.Rngs(0))
             nnx.update(ours, nnx.state(theirs, nnx.Cache))
             assert ours.cache_overflow is None  # flax's cache: the step makes the flag
             out = _greedy(ours, embed, tokens, n)
@@ -472,7 +476,8 @@ def test_flax_float_masks_while_decoding(framework):
     keys = np.ones((B, T), np.int32)
     keys[0, [1, 4, 7]] = keys[1, [2, 3]] = 0  # holes; every query still sees key 0
     make = nnx if framework == "nnx" else linen
-    mask = make.combine_masks(make.make_attention_mask(jnp.ones((B, T)), jnp.asarray(keys)), make.make_causal_mask(jnp.ones((B, T))))
+    mask = make.combine_masks(make.make_attention_mask(jnp.ones((B, T)), jnp.asarray(keys)),
+                              make.make_causal_mask(jnp.ones((B, T))))
     assert mask.dtype == jnp.float32 and mask.shape == (B, 1, T, T)
     if framework == "nnx":
         layer = mha_jax.MultiHeadAttention(H, E, num_kv_heads=2, param_dtype=jnp.float64, decode=True, rngs=nnx.Rngs(0))
