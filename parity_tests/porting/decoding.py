@@ -12,7 +12,7 @@ n)`` at ``positions`` (``-1``: padding, not cached) and returns logits ``(batch,
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -35,8 +35,7 @@ class DecodeResult:
         return self.tokens == self.expected and self.logits_error <= self.tolerance
 
     def as_json(self) -> dict:
-        return {"what": self.what, "row": self.row, "tokens": self.tokens, "expected": self.expected,
-                "logits_error": self.logits_error, "tolerance": self.tolerance, "passed": self.passed}
+        return dict(asdict(self), passed=self.passed)
 
 
 @dataclass

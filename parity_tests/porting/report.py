@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from parity_tests.porting.logits import LogitMetrics
 
@@ -55,8 +55,7 @@ class OutputResult:
         return self.relative <= self.tolerance
 
     def as_json(self) -> dict:
-        return {"name": self.name, "relative": self.relative, "max_abs": self.max_abs, "tolerance": self.tolerance,
-                "passed": self.passed}
+        return dict(asdict(self), passed=self.passed)
 
 
 @dataclass

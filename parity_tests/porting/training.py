@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -36,8 +36,7 @@ class ParameterResult:
         return self.error <= self.tolerance
 
     def as_json(self) -> dict:
-        return {"name": self.name, "jax_name": self.jax_name, "error": self.error, "tolerance": self.tolerance,
-                "passed": self.passed}
+        return dict(asdict(self), passed=self.passed)
 
 
 @dataclass
