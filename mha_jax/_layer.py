@@ -134,7 +134,8 @@ def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, ma
     ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``: ``(query, key, cache,
     spec)``, the rotated ones, the updated cache and the spec of the new queries over its
     ``max_length`` slots."""
-    pos = _cache.positions(cache.end, query.shape[1], query_positions)
+    start = cache.end
+    pos = _cache.positions(start, query.shape[1], query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
     batch, n, max_length = key.shape[0], key.shape[1], cache.key.shape[1]
     if cache.key.dtype != key.dtype:
@@ -142,8 +143,6 @@ def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, ma
             f"cached_key has dtype {cache.key.dtype} but the keys are {key.dtype}: "
             f"init_cache(input_shape, dtype={key.dtype})"
         )
-    start = cache.end
-    pos = _cache.positions(start, n, pos)
     end = _cache.advance(start, pos)
     window = arguments.check_window(local_window_size)
     bounds = terms.of(arguments.check_is_causal(is_causal), window, attention_chunk_size, False, False)
