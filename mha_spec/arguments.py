@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from mha_spec.qk_norm import QKNorm
+from mha_spec.terms import check_chunk_size
 
 
 def _require_counts(num_heads: int, num_kv_heads: int) -> None:
@@ -142,8 +143,6 @@ def check_options(implementation, known: tuple[str, ...], scale, local_window_si
                   ) -> tuple[str | None, float | None, tuple[int, int] | None, int | None]:
     """A module's attention options, checked as the functional cores check them:
     ``(implementation, scale, (left, right) window, chunk size)``."""
-    from mha_spec.terms import check_chunk_size  # terms reads no argument check: no cycle
-
     return (check_implementation(implementation, known), check_scale(scale), check_window(local_window_size),
             check_chunk_size(attention_chunk_size))
 
