@@ -68,7 +68,7 @@ def _interleaved(steps: dict[str, Callable[[], None]], reps: int, min_seconds: f
     return {name: {"median": statistics.median(t), "best": min(t), "runs": len(t)} for name, t in times.items()}
 
 
-def _median_of(step: Callable[[], None], reps: int = 3) -> float:
+def median_of(step: Callable[[], None], reps: int = 3) -> float:
     """Median wall seconds of ``reps`` calls after a warm-up call."""
     step()
     times = []
@@ -125,7 +125,7 @@ def _jax_rows(args: argparse.Namespace) -> list[dict]:
                 full = mha_jax.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=KV_HEADS, implementation="blockwise",
                                                   rngs=nnx.Rngs(0))
                 full_step = nnx.jit(lambda m, x: m(x, is_causal=True)[:, -1:])
-                recompute = _median_of(
+                recompute = median_of(
                     lambda step=full_step, full=full, prefix=prefix: jax.block_until_ready(step(full, prefix)))
             cache_bytes = ours.cached_key[...].nbytes + ours.cached_value[...].nbytes
             rows.append(_row("jax", batch, length, cache_bytes, timed, recompute))
@@ -163,7 +163,7 @@ def _torch_rows(args: argparse.Namespace) -> list[dict]:
                     with torch.no_grad():
                         layer(prefix, is_causal=True)[:, -1:]
 
-                recompute = _median_of(run_full)
+                recompute = median_of(run_full)
             cache_bytes = cache.key.nbytes + cache.value.nbytes
             rows.append(_row("torch", batch, length, cache_bytes, timed, recompute))
     return rows

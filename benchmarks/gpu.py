@@ -25,24 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+from benchmarks.decode import median_of  # a warm-up call, then the median of the timed ones
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CHECK = dict(batch=2, length=256, heads=8, kv_heads=2, head_dim=64)
 TOLERANCES = (2e-2, 5e-2)  # the suite's bfloat16 (forward, gradients); float16 is held to the same
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def check() -> list[dict]:
@@ -125,8 +115,8 @@ def time_jax(lengths, repeats) -> list[dict]:
             backward = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))  # noqa: B023
             entry = dict(framework="jax", variant=name, length=n)
             try:
-                fwd = _median_time(lambda: forward(q, k, v).block_until_ready(), repeats)  # noqa: B023
-                both = _median_time(lambda: jax.block_until_ready(backward(q, k, v)), repeats)  # noqa: B023
+                fwd = median_of(lambda: forward(q, k, v).block_until_ready(), repeats)  # noqa: B023
+                both = median_of(lambda: jax.block_until_ready(backward(q, k, v)), repeats)  # noqa: B023
             except Exception as error:
                 results.append(dict(entry, error=f"{type(error).__name__}: {error}"[:300]))
                 continue
@@ -174,7 +164,7 @@ def time_torch(lengths, repeats) -> list[dict]:
                 torch.cuda.synchronize()
 
             try:
-                fwd, fb = _median_time(forward, repeats), _median_time(both, repeats)
+                fwd, fb = median_of(forward, repeats), median_of(both, repeats)
             except Exception as error:
                 results.append(dict(entry, error=f"{type(error).__name__}: {error}"[:300]))
                 continue
