@@ -22,7 +22,7 @@ def positions(end: jax.Array, n: int, query_positions) -> jax.Array:
     if query_positions is None:
         return end[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     _checks.require_array("query_positions", query_positions)
-    if _checks._dtype_kind(query_positions) != "int":
+    if _checks.dtype_kind(query_positions) != "int":
         raise TypeError(f"query_positions must be integer, got dtype {query_positions.dtype}")
     if tuple(query_positions.shape) not in ((n,), (end.shape[0], n)):
         raise ValueError(

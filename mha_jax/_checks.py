@@ -14,7 +14,7 @@ import numpy as np
 from mha_spec import arguments
 
 
-def _dtype_kind(x) -> str:
+def dtype_kind(x) -> str:
     """'float', 'complex', 'int', 'bool' or 'other' for an array's dtype."""
     dtype = np.dtype(x.dtype)
     for kind, base in (("float", jnp.floating), ("complex", jnp.complexfloating), ("bool", jnp.bool_),
@@ -24,14 +24,14 @@ def _dtype_kind(x) -> str:
     return "other"
 
 
-def _concrete(x) -> bool:
+def concrete(x) -> bool:
     """Whether ``x``'s values are known here (not a tracer inside ``jit`` or ``grad``)."""
     return not isinstance(x, jax.core.Tracer)
 
 
 _CHECKS = arguments.ArrayChecks(
-    array="an array", is_array=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"), kind=_dtype_kind,
-    dtype=lambda x: x.dtype, values=lambda x: np.asarray(x) if _concrete(x) else None, heads_first=False,
+    array="an array", is_array=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"), kind=dtype_kind,
+    dtype=lambda x: x.dtype, values=lambda x: np.asarray(x) if concrete(x) else None, heads_first=False,
 )
 require_array, require_float, require_int = _CHECKS.require_array, _CHECKS.require_float, _CHECKS.require_int
 check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mha_jax import _cache, _checks, masks
-from mha_jax.attention import _attention
+from mha_jax.attention import spec_attention
 from mha_spec import arguments, batch_axes, terms
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
@@ -51,7 +51,7 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
         ("inputs_v", inputs_v, in_kv_features, "in_kv_features"),
     ):
         _checks.require_array(name, x)
-        if _checks._dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
+        if _checks.dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
             _checks.require_float(name, x)
         arguments.check_input_features(name, x.shape, features, feat_name, INPUT_LAYOUT)
     arguments.check_inputs_agree(("inputs_q", "inputs_k", "inputs_v"), (inputs_q.shape, inputs_k.shape, inputs_v.shape),
@@ -59,7 +59,7 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
     return self_attention, inputs_q, inputs_k, inputs_v
 
 
-def _prepare(decoding: bool, inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None,
+def prepare(decoding: bool, inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None,
              in_kv_features: int | None, *, sequence_axis: str | None, is_causal, local_window_size,
              attention_chunk_size, dropout_mask, mask, bias, query_positions, key_positions, query_segment_ids,
              key_segment_ids, key_value_seq_lengths):
@@ -90,16 +90,16 @@ def _prepare(decoding: bool, inputs_q, inputs_k, inputs_v, num_heads: int, in_fe
     for name in ("positions", "segment_ids"):  # in self-attention the keys' default to the queries'
         if self_attention and terms[f"key_{name}"] is None:
             terms[f"key_{name}"] = terms[f"query_{name}"]
-    spec = masks._parse(
+    spec = masks.parse(
         (inputs_q.shape[0], num_heads, inputs_q.shape[1], inputs_k.shape[1]), is_causal=is_causal,
         local_window_size=local_window_size, attention_chunk_size=attention_chunk_size, **terms,
     )
     # a length sharded for the ring: segments absent from the queries are not looked for
-    inputs_k, inputs_v = masks._zero_unused_inputs(inputs_k, inputs_v, spec, segments=sequence_axis is None)
+    inputs_k, inputs_v = masks.zero_unused_inputs(inputs_k, inputs_v, spec, segments=sequence_axis is None)
     return batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, {}
 
 
-def _check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int,
+def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int,
                  forbidden) -> _Cache:
     """A module's cache as ours, checked against the step's inputs, its batch axes merged as the
     inputs' are: ``key``/``value`` ``(*batch, max_length, kv_heads, head_dim)``, ``index``
@@ -127,7 +127,7 @@ def _check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, k
     return _Cache(key.reshape(flat), value.reshape(flat), index.reshape(batch), overflow.reshape(batch))
 
 
-def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
+def decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
                  local_window_size, attention_chunk_size=None):
     """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions
     (``query_positions`` ``(batch, n)`` or ``(n,)``, default each row's end onward) and append
@@ -147,7 +147,7 @@ def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, ma
     window = arguments.check_window(local_window_size)
     bounds = terms.of(arguments.check_is_causal(is_causal), window, attention_chunk_size, False, False)
     overflow = terms.cache_overflows(start, end, max_length, bounds)
-    if _checks._concrete(overflow) and bool(overflow.any()):
+    if _checks.concrete(overflow) and bool(overflow.any()):
         row = int(jnp.argmax(overflow))
         raise ValueError(
             f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length "
@@ -157,7 +157,7 @@ def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, ma
     written = (_cache.write(cache.key, key, pos), _cache.write(cache.value, value, pos))
     updated = _Cache(*written, end, cache.overflow | overflow)
     held, lengths = _cache.slot_positions(end, max_length)
-    spec = masks._parse(
+    spec = masks.parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths,
         attention_chunk_size=attention_chunk_size,
@@ -165,7 +165,7 @@ def _decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, ma
     return query, key, updated, spec
 
 
-def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropout_rng, dropout_mask,
+def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_rng, dropout_mask,
             sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping = MappingProxyType({}),
             zero_unused: bool = True, sinks: jax.Array | None = None, sequence_axis: str | None = None):
     """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for
@@ -174,7 +174,7 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     each None unless asked for, with the inputs' batch axes. ``sinks``: the module's ``(num_heads,)``
     sink logits, if it has them; ``sequence_axis``: the ring's mesh axis, or None."""
     rate = module.dropout_rate
-    if module.attention_fn is None and _checks._dtype_kind(query) == "complex":
+    if module.attention_fn is None and _checks.dtype_kind(query) == "complex":
         return _attend_complex(module, query, key, value, spec, batch_shape, dropout_rng=dropout_rng,
                                dropout_mask=dropout_mask, sow_weights=sow_weights, return_weights=return_weights,
                                sinks=sinks, sequence_axis=sequence_axis, attention_fn_kwargs=attention_fn_kwargs)
@@ -199,7 +199,7 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     # when another implementation computes the output or dropout changes the applied weights
     want = return_weights or sow_weights and not dropped and module.implementation in (None, "xla")
     logits = _logit_terms(module, sinks)
-    result = _attention(
+    result = spec_attention(
         query, key, value, spec, dropout_rate=rate if dropped else 0.0, dropout_mask=dropout_mask,
         return_weights=want, precision=module.precision,
         implementation="xla" if want and module.implementation is None else module.implementation,
@@ -210,7 +210,7 @@ def _attend(module, query, key, value, spec: masks._Spec, batch_shape, *, dropou
     # linen's force_fp32_for_softmax: flax sows a narrower dtype's weights as the float32 softmax gave them
     wide = attention_fn_kwargs.get("force_fp32_for_softmax") and jnp.finfo(query.dtype).bits < 32
     if sow_weights:  # flax sows the weights before dropout
-        sown = weights if weights is not None and not dropped and not wide else _attention(
+        sown = weights if weights is not None and not dropped and not wide else spec_attention(
             *(x.astype(jnp.float32) if wide else x for x in (query, key, value)), spec, return_weights=True,
             precision=module.precision, implementation="xla", **logits,
         )[1]
@@ -242,7 +242,7 @@ def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng
     return out, None, None
 
 
-def _check_sequence_axis(sequence_axis):
+def check_sequence_axis(sequence_axis):
     if sequence_axis is not None and not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
     return sequence_axis
@@ -255,7 +255,7 @@ def _logit_terms(module, sinks) -> dict:
     return {name: value for name, value in terms.items() if value is not None}
 
 
-def _qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
+def qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
     """``x`` ``(..., heads, head_dim)`` normalised over its last axis (per head) or its last two,
     in float32 or wider, times ``offset + scale``; in ``x``'s dtype."""
     axes = (-1,) if qk_norm.per_head else (-2, -1)
@@ -278,7 +278,7 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
     # none: a linen attention_fn taking **kwargs may forward them to it), unless the function names it
     passes_causal = isinstance(module, nnx.Module) or "is_causal" in parameters
     native_causal = spec.is_causal and spec.default_positions and passes_causal
-    allowed = masks._dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal))
+    allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal))
 
     def logits_shaped(x):  # masks of fewer than 4 axes broadcast from the right as they are
         return x if x is None or x.ndim < 4 else batch_axes.unflatten_batch(x, batch_shape)
@@ -306,6 +306,6 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
     return out.reshape(query.shape[:2] + out.shape[-2:])
 
 
-def _dropping(rate: float, deterministic: bool | None, default: bool | None, dropout_mask=None) -> bool:
+def dropping(rate: float, deterministic: bool | None, default: bool | None, dropout_mask=None) -> bool:
     """Whether a call draws dropout: a rate, no mask given, and not deterministic (the call's, else ``default``)."""
     return dropout_mask is None and rate > 0 and not arguments.resolve_deterministic(deterministic, default)

@@ -12,18 +12,50 @@ Derivatives go through a ``jax.custom_vjp`` (the forward keeps the kernel's own 
 backward is the kernel's own pullback), so the primitive needs no derivative rule of its own.
 ``x32`` traces the kernel with 32-bit defaults (the TPU kernel's block index arithmetic mixes
 int32 indices with Python integers, which ``jax_enable_x64`` would make int64).
+
+The two JAX internals this package uses are here alone, written for ``JAX_VERSION``:
+``convert_constvars_jaxpr`` (not re-exported by ``jax.extend``) and cuDNN attention's version
+check, replaced while tracing on a host without CUDA (``cudnn_traced_anywhere``).
+``INTERNALS`` names them; ``parity_tests/test_jax_internals.py`` fails, naming the internal and
+this version, when a JAX release moves one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters.partial_eval import convert_constvars_jaxpr  # not re-exported by jax.extend
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.interpreters import batching, mlir
+
+JAX_VERSION = "0.10.2"
+# each JAX internal module used here, and what is used of it
+INTERNALS = {
+    "jax._src.interpreters.partial_eval": ("convert_constvars_jaxpr",),
+    "jax._src.cudnn.fused_attention_stablehlo": ("check_cudnn_version", "cuda_versions"),
+}
+
+
+def jax_internal(module: str):
+    """JAX's internal ``module``, holding what ``INTERNALS`` uses of it; else an ImportError
+    naming what moved, the JAX version this was written for and the one installed."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        found = None
+    missing = [name for name in INTERNALS[module] if not hasattr(found, name)]
+    if missing:
+        raise ImportError(
+            f"mha_jax uses JAX's internal {module}: {', '.join(missing)}, written for jax {JAX_VERSION}; "
+            f"jax {jax.__version__} has moved or removed it (mha_jax/_platform.py is where to adapt it)"
+        )
+    return found
+
+
+convert_constvars_jaxpr = jax_internal("jax._src.interpreters.partial_eval").convert_constvars_jaxpr
 
 _lowered_p = Primitive("mha_lowered_for")
 _lowered_p.multiple_results = True
@@ -63,7 +95,7 @@ _SPEC_ARRAYS = ("allowed", "bias", "query_positions", "key_positions", "query_se
 
 
 def spec_arrays(spec) -> dict:
-    """The arrays of a parsed ``masks._Spec`` (None where absent), to pass to ``on``; rebuild
+    """The arrays of a parsed ``masks.Spec`` (None where absent), to pass to ``on``; rebuild
     the spec inside with ``dataclasses.replace(spec, **arrays)``."""
     return {name: getattr(spec, name) for name in _SPEC_ARRAYS}
 
@@ -124,3 +156,22 @@ def on(platform: str | None, fn, *args, x32: bool = False):
 
     call.defvjp(forward, backward)
     return call(*flat)
+
+
+@contextlib.contextmanager
+def cudnn_traced_anywhere():
+    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without
+    CUDA (to export or compile for a GPU from a CPU host). Its wrapper asks the local cuDNN for
+    its version while tracing and stops when there is none; the version only gates checks for
+    GPUs newer than this package's (compute capability 10.3, latent attention), and the GPU that
+    compiles the program checks what it supports. Where CUDA is installed nothing changes."""
+    fused = jax_internal("jax._src.cudnn.fused_attention_stablehlo")
+    if fused.cuda_versions is not None:
+        yield
+        return
+    ask = fused.check_cudnn_version
+    fused.check_cudnn_version = lambda: 90000  # cuDNN 9.0, the least jax's cuDNN attention supports
+    try:
+        yield
+    finally:
+        fused.check_cudnn_version = ask

@@ -61,7 +61,7 @@ def mask_to_torch_mha(
       batch element and head, or ``(batch * num_heads, q_len, kv_len)``: bool (True = ignore)
       without a bias, else float (the bias, ``-inf`` where the mask forbids).
     """
-    spec = masks._parse(shape, mask=mask, bias=bias)  # checked as the core checks them
+    spec = masks.parse(shape, mask=mask, bias=bias)  # checked as the core checks them
     if spec.bias is not None:  # the form torch uses for a bool mask beside a float one
         theirs = spec.bias if spec.allowed is None else \
             jnp.where(spec.allowed, spec.bias, -jnp.inf).astype(spec.bias.dtype)
@@ -84,4 +84,4 @@ def _torch_mha_layout(theirs: jax.Array, shape: tuple[int, int, int, int]) -> ja
 
 def _check_kind(name: str, mask) -> None:
     _checks.require_array(name, mask)
-    torch_mha.check_mask_kind(name, _checks._dtype_kind(mask), mask.dtype, mask.shape)
+    torch_mha.check_mask_kind(name, _checks.dtype_kind(mask), mask.dtype, mask.shape)

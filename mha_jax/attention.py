@@ -6,7 +6,6 @@ here it is that of ``jax.nn.dot_product_attention``: query ``(batch, q_len, head
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -139,12 +138,12 @@ def dot_product_attention(
       output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks._parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
+    spec = masks.parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
                         query_positions=query_positions, key_positions=key_positions,
                         local_window_size=local_window_size, query_segment_ids=query_segment_ids,
                         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
                         attention_chunk_size=attention_chunk_size)
-    return _attention(
+    return spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
         return_weights=return_weights, precision=precision, implementation=implementation,
@@ -152,7 +151,7 @@ def dot_product_attention(
     )
 
 
-def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_cap=None, sinks=None,
+def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
                dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
                implementation=None, zero_unused=True, sequence_axis=None):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
@@ -202,7 +201,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
             keep=_grouped(keep, kv_heads), dropout_rng=rng, dropout_rate=dropout_rate, keep_scale=keep_scale,
         )
         return out.reshape(batch, q_len, heads, head_dim).astype(dtype)
-    unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
+    unused = masks.unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
@@ -381,7 +380,7 @@ def _run_xla(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, drop
     q = query.astype(compute).reshape(batch, q_len, key.shape[2], heads // key.shape[2], query.shape[3])
     if rng is not None:
         keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, spec.shape)
-    return _xla(q, key.astype(compute), value.astype(compute), masks._dense(spec), spec.bias, keep, keep_scale, scale,
+    return _xla(q, key.astype(compute), value.astype(compute), masks.dense(spec), spec.bias, keep, keep_scale, scale,
                 precision, soft_cap, None if sinks is None else sinks.astype(compute))
 
 
@@ -407,7 +406,7 @@ def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng
 
 def _run_cudnn(query, key, value, *, spec, scale, **_):
     def kernel(q, k, v, arrays):
-        with _cudnn_traced_anywhere():
+        with _platform.cudnn_traced_anywhere():
             return _cudnn(q, k, v, dataclasses.replace(spec, **arrays), scale)
 
     # the kernel's program, lowered for cuda alone in a multi-platform one
@@ -416,26 +415,6 @@ def _run_cudnn(query, key, value, *, spec, scale, **_):
 
 def _run_splash(query, key, value, *, spec, scale, soft_cap, sinks, interpret, **_):
     return _splash.attention(query, key, value, spec, scale=scale, soft_cap=soft_cap, sinks=sinks, interpret=interpret)
-
-
-@contextlib.contextmanager
-def _cudnn_traced_anywhere():
-    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without
-    CUDA (to export or compile for a GPU from a CPU host). Its wrapper asks the local cuDNN for
-    its version while tracing and stops when there is none; the version only gates checks for
-    GPUs newer than this package's (compute capability 10.3, latent attention), and the GPU that
-    compiles the program checks what it supports. Where CUDA is installed nothing changes."""
-    from jax._src.cudnn import fused_attention_stablehlo as fused
-
-    if fused.cuda_versions is not None:
-        yield
-        return
-    ask = fused.check_cudnn_version
-    fused.check_cudnn_version = lambda: 90000  # cuDNN 9.0, the least jax's cuDNN attention supports
-    try:
-        yield
-    finally:
-        fused.check_cudnn_version = ask
 
 
 # A primitive that stands for a kernel where its platform is not the target: it traces as the
@@ -529,7 +508,7 @@ def _over_all_heads(x, q_len, kv_len, groups: int, kv_heads: int) -> bool:
     return kv_len >= _MANY_KEYS and q_len * groups * kv_heads * kv_heads <= _ROWS_OVER_HEADS
 
 
-def _own_blocks(x, axis1: int, axis2: int):
+def own_blocks(x, axis1: int, axis2: int):
     """The diagonal of two kv_heads axes, moved to ``axis1``."""
     return jnp.moveaxis(jnp.diagonal(x, axis1=axis1, axis2=axis2), -1, axis1)
 
@@ -546,7 +525,7 @@ def _scores(q, k, precision):
         return logits.reshape(batch, kv_heads, groups, q_len, kv_len)
     every = jnp.einsum("bmd,bcd->bmc", rows.reshape(batch, -1, head_dim), k.reshape(batch, kv_len * kv_heads, head_dim),
                        precision=precision)
-    return _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_len, kv_heads), 1, 5)
+    return own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_len, kv_heads), 1, 5)
 
 
 def _mix(weights, v, precision):
@@ -560,7 +539,7 @@ def _mix(weights, v, precision):
     else:
         every = jnp.einsum("bmk,bkc->bmc", weights.reshape(batch, -1, kv_len), v.reshape(batch, kv_len, -1),
                            precision=precision)
-        out = _own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_heads, v.shape[-1]), 1, 4)
+        out = own_blocks(every.reshape(batch, kv_heads, groups, q_len, kv_heads, v.shape[-1]), 1, 4)
     return out.transpose(0, 3, 1, 2, 4)
 
 

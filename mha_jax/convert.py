@@ -79,7 +79,7 @@ def _from_torch(
     """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names, checked with the names."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     state = layouts.read_layout(
-        _read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
+        read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
     )
     _check_dtypes(state)
     head_dim = layouts.check_state(state, num_heads, num_kv_heads, expected)
@@ -206,7 +206,7 @@ def _params_dict(params: Any) -> dict:
     return {k: v if k == layouts.SINKS else dict(v) for k, v in params.items()}
 
 
-def _read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
+def read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
     """Name -> NumPy array (a copy: nothing the caller passed is shared or modified)."""
     return layouts.read_checkpoint(state_dict_or_path, _load_file, _numeric)
 

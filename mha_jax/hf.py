@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax.convert import _read_state, load_weights
+from mha_jax.convert import load_weights, read_state
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
 from mha_spec import docstrings, families
@@ -52,8 +52,8 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         rngs=nnx.Rngs(0) if rngs is None else rngs, attention_chunk_size=options.attention_chunk_size,
     )
     if weights is not None:
-        state = families.read_layer(weights, options.prefix, _read_state, _read_file)
-        state, keywords = families.load_arguments(options, _read_state(state), np.concatenate)
+        state = families.read_layer(weights, options.prefix, read_state, _read_file)
+        state, keywords = families.load_arguments(options, read_state(state), np.concatenate)
         load_weights(module, state, **keywords)
     return module
 

@@ -88,7 +88,7 @@ class MultiHeadDotProductAttention(nn.Module):
         arguments.check_scale(self.scale)
         arguments.check_window(self.local_window_size)
         terms.check_chunk_size(self.attention_chunk_size)
-        _layer._check_sequence_axis(self.sequence_axis)
+        _layer.check_sequence_axis(self.sequence_axis)
         super().__post_init__()
 
     @nn.compact
@@ -131,7 +131,7 @@ class MultiHeadDotProductAttention(nn.Module):
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         local_window_size = self.local_window_size if local_window_size is None else local_window_size
-        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer._prepare(
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer.prepare(
             decoding, inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
             sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
             attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
@@ -164,12 +164,12 @@ class MultiHeadDotProductAttention(nn.Module):
             query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
             key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
         if not decoding:
-            query, key = rotate_at(self.rotary, query, key, *masks._positions(spec))
+            query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         if self.decode:
             query, key, value, spec = self._cached(query, key, value, batch_shape, decoding, spec, **step)
-        dropping = _layer._dropping(rate, deterministic, self.deterministic, dropout_mask)
+        dropping = _layer.dropping(rate, deterministic, self.deterministic, dropout_mask)
         dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
-        out, weights, sown = _layer._attend(
+        out, weights, sown = _layer.attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
             zero_unused=not decoding, sequence_axis=None if decoding else self.sequence_axis,
@@ -199,9 +199,9 @@ class MultiHeadDotProductAttention(nn.Module):
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
             return query, key, value, spec
-        cache = _layer._check_cache(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape,
+        cache = _layer.check_cache(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape,
                                     *key.shape, forbidden)
-        query, key, cache, spec = _layer._decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
+        query, key, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
         # flax's cache (a scalar index, no flag: made above) becomes ours
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)
@@ -230,7 +230,7 @@ class _LinenNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros_init() if self.qk_norm.offset else nn.initializers.ones_init()
         shape = x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:]
-        return _layer._qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
+        return _layer.qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

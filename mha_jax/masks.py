@@ -6,7 +6,7 @@ the JAX/Flax convention: any dtype, nonzero = attend (flax's ``make_attention_ma
 flax). Additive terms go in ``bias``.
 
 The structured terms (causality, windows, chunks, segments, lengths) are those of
-``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``_Spec.terms``.
+``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``Spec.terms``.
 
 Twin of ``mha_torch/masks.py``.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mha_jax import _checks
 from mha_spec import arguments, docstrings, terms
-from mha_spec.terms import Spec as _Spec
+from mha_spec.terms import Spec
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
@@ -29,7 +29,7 @@ def padding_mask(valid) -> jnp.ndarray:
     ``valid`` is bool or 0/1 integer; True/nonzero marks a real (not padded) key.
     """
     _checks.require_array("valid", valid)
-    arguments.check_padding_valid(valid.shape, _checks._dtype_kind(valid), valid.dtype)
+    arguments.check_padding_valid(valid.shape, _checks.dtype_kind(valid), valid.dtype)
     return (jnp.asarray(valid) != 0)[:, None, None, :]
 
 
@@ -43,16 +43,16 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None, None]
 
 
-def _parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
+def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
            key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-           key_value_seq_lengths=None, attention_chunk_size=None) -> _Spec:
+           key_value_seq_lengths=None, attention_chunk_size=None) -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
     batch, _, q_len, kv_len = shape
     allowed = None
     if mask is not None:
         _checks.require_array("mask", mask)
         arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
-        if _checks._dtype_kind(mask) not in ("bool", "int", "float"):
+        if _checks.dtype_kind(mask) not in ("bool", "int", "float"):
             raise TypeError(
                 f"mask must be bool, integer or real floating (nonzero = attend), got dtype "
                 f"{mask.dtype} with shape {tuple(mask.shape)}"
@@ -62,7 +62,7 @@ def _parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=
         _checks.require_float("bias", bias)
         arguments.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = jnp.asarray(bias)
-    return _Spec(
+    return Spec(
         shape, allowed, bias, arguments.check_is_causal(is_causal),
         _sequence("query_positions", query_positions, batch, q_len, "q_len"),
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
@@ -98,18 +98,18 @@ def _arange(n: int) -> jax.Array:
     return jnp.arange(n, dtype=jnp.int32)
 
 
-def _positions(spec: _Spec):
+def positions(spec: Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
     return spec.positions(_arange)
 
 
-def _dense(spec: _Spec):
+def dense(spec: Spec):
     """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
     return spec.dense(_arange)
 
 
 @docstrings.fill
-def _unused_keys(spec: _Spec, kv_heads: int = 1, segments: bool = True):
+def unused_keys(spec: Spec, kv_heads: int = 1, segments: bool = True):
     """Keys no query may see.
 
     {unused_keys}
@@ -136,12 +136,17 @@ def _present(query_ids, key_ids):
     return found == key_ids
 
 
-def _zero_unused_inputs(inputs_k, inputs_v, spec: _Spec, segments: bool = True):
+def zero_unused_inputs(inputs_k, inputs_v, spec: Spec, segments: bool = True):
     """The modules' ``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` with zeros at the
     keys that no query of any head may attend to, before they are projected (``segments`` as in
-    ``_unused_keys``)."""
-    unused = _unused_keys(spec, segments=segments)
+    ``unused_keys``)."""
+    unused = unused_keys(spec, segments=segments)
     if unused is None:
         return inputs_k, inputs_v
     unused = unused[:, 0, :, None]
     return jnp.where(unused, 0, inputs_k), jnp.where(unused, 0, inputs_v)
+
+
+# Former names, still used by the kernel modules (_blockwise, _ring, _splash) and attention._cudnn
+# until they are renamed there.
+_Spec, _dense, _positions = Spec, dense, positions

@@ -152,7 +152,7 @@ class MultiHeadAttention(nnx.Module):
             implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
-        self.sequence_axis = _layer._check_sequence_axis(sequence_axis)
+        self.sequence_axis = _layer.check_sequence_axis(sequence_axis)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -254,7 +254,7 @@ class MultiHeadAttention(nnx.Module):
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
                              "nnx.view(..., decode=True, batch_size=, max_length=) first")
-        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer._prepare(
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer.prepare(
             decoding, inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
             sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
             attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
@@ -263,7 +263,7 @@ class MultiHeadAttention(nnx.Module):
         )
         if decoding:
             overflow = None if self.cache_overflow is None else self.cache_overflow[...]
-            cache = _layer._check_cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow,
+            cache = _layer.check_cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow,
                                         batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads,
                                         self.head_dim, step.pop("forbidden"))
         else:
@@ -274,7 +274,7 @@ class MultiHeadAttention(nnx.Module):
         if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
         if decoding:
-            query, _, cache, spec = _layer._decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
+            query, _, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
             shape = self.cached_key.shape
             self.cached_key[...], self.cached_value[...] = cache.key.reshape(shape), cache.value.reshape(shape)
             self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
@@ -285,8 +285,8 @@ class MultiHeadAttention(nnx.Module):
             dropout_rng = self._dropout_rng(rngs, deterministic)
             key, value = cache.key.astype(query.dtype), cache.value.astype(query.dtype)
         else:
-            query, key = rotate_at(self.rotary, query, key, *masks._positions(spec))
-        out, weights, sown = _layer._attend(
+            query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
+        out, weights, sown = _layer.attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, zero_unused=not decoding,
             sinks=None if self.sinks is None else self.sinks[...],
@@ -299,7 +299,7 @@ class MultiHeadAttention(nnx.Module):
 
     def _dropout_rng(self, rngs, deterministic, dropout_mask=None) -> jax.Array | None:
         """The key of this call's dropout mask (from the call's ``rngs``, else those kept), None without dropout."""
-        if not _layer._dropping(self.dropout_rate, deterministic, self.deterministic, dropout_mask):
+        if not _layer.dropping(self.dropout_rate, deterministic, self.deterministic, dropout_mask):
             return None
         rngs = rngs if rngs is not None else self.rngs
         if isinstance(rngs, nnx.Rngs):
@@ -360,5 +360,5 @@ class _Norm(nnx.Module):
         self.scale = nnx.Param(init(rngs.params(), shape, param_dtype), **metadata)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _layer._qk_norm(x, self.scale[...], self.qk_norm)
+        return _layer.qk_norm(x, self.scale[...], self.qk_norm)
 

@@ -72,7 +72,7 @@ layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
 It takes ``(*batch, length, hidden_size)``: call it with ``is_causal=True`` (a decoder's mask;
 BERT's encoder takes none) and ``query_positions`` for the rotary embedding (default
 ``arange``); the layer's window is its default ``local_window_size``.""",
-    # masks._unused_keys in both twins
+    # masks.unused_keys in both twins
     "unused_keys": """\
 bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
 head (with ``kv_heads=1``, of any head) may attend to the key; None when none is found.

@@ -30,7 +30,7 @@ class _Source:
     targets: tuple[str, ...]
 
 
-def _from_names(names: Mapping[str, str]) -> tuple[_Source, ...]:
+def from_names(names: Mapping[str, str]) -> tuple[_Source, ...]:
     """Sources of a per-projection mapping: entry ``ours -> name`` reads ``name.weight``/``.bias``."""
     return tuple(
         _Source(f"{name}.{part}", part, FUSED.get(ours, (ours,)))
@@ -43,7 +43,7 @@ _QKV = FUSED["qkv_proj"]
 # QK-norm scales and sinks, named alike by this package and Hugging Face's attention classes
 _EXTRAS = tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS) + (_Source(SINKS, "", (SINKS,)),)
 LAYOUTS: dict[str, tuple[_Source, ...]] = {
-    "mha_torch": _from_names(
+    "mha_torch": from_names(
         {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "out_proj"}
     ) + _EXTRAS,
     # torch.nn.MultiheadAttention: a fused in_proj_weight when kdim == vdim == embed_dim, else
@@ -57,13 +57,13 @@ LAYOUTS: dict[str, tuple[_Source, ...]] = {
         _Source("out_proj.weight", "weight", ("out_proj",)),
         _Source("out_proj.bias", "bias", ("out_proj",)),
     ),
-    "hf": _from_names(
+    "hf": from_names(
         {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj"}
     ) + _EXTRAS,
-    "bert": _from_names(
+    "bert": from_names(
         {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}
     ),
-    "fused_qkv": _from_names({"qkv_proj": "qkv_proj", "out_proj": "o_proj"}) + _EXTRAS,
+    "fused_qkv": from_names({"qkv_proj": "qkv_proj", "out_proj": "o_proj"}) + _EXTRAS,
 }
 # Keys of options we do not have: an error naming the option, even under ``ignore``.
 _UNSUPPORTED = {"torch_mha": {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}}
@@ -107,13 +107,13 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
         return fits[0]
     if fits:
         raise ValueError(
-            f"{where} fit more than one layout ({', '.join(fits)}); choose one with layout= ({_some(keys)})"
+            f"{where} fit more than one layout ({', '.join(fits)}); choose one with layout= ({some(keys)})"
         )
     likely = sorted((-sum(w in k for k in keys for w in words), name) for name, words in _WORDS.items())
     likely = [name for hits, name in likely if hits]
     hint = f"likely layouts: {', '.join(likely)}; " if likely else ""
     raise ValueError(
-        f"{where} show no layout ({_some(keys)}): {hint}give layout= (one of {', '.join(LAYOUT_NAMES)}) "
+        f"{where} show no layout ({some(keys)}): {hint}give layout= (one of {', '.join(LAYOUT_NAMES)}) "
         "or mapping= for another naming scheme"
     )
 
@@ -164,7 +164,7 @@ def read_layout(
     sources = _sources(layout, mapping)
     if not selected:
         raise ValueError(
-            f"state_dict: no key starts with prefix {prefix!r} (keys: {_some(state)})"
+            f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})"
         )
 
     problems: list[str] = []
@@ -281,7 +281,7 @@ def _sources(layout: str, mapping: Mapping[str, str] | None) -> tuple[_Source, .
     problems += [f"{p} is not named" for p in PROJECTIONS if p not in covered]
     if problems:
         raise ValueError("mapping: " + "; ".join(problems))
-    return _from_names(mapping)
+    return from_names(mapping)
 
 
 def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: str, problems: list[str]) -> list:
@@ -343,7 +343,7 @@ def _name(layout: str, mapping: Mapping[str, str] | None) -> str:
     return repr(layout) if mapping is None else f"mapping {dict(mapping)!r}"
 
 
-def _some(state: Mapping[str, Any], n: int = 4) -> str:
+def some(state: Mapping[str, Any], n: int = 4) -> str:
     keys = sorted(state)
     return ", ".join(map(repr, keys[:n])) + (f", ... ({len(keys)} in all)" if len(keys) > n else "") or "none"
 
@@ -492,3 +492,6 @@ def read_checkpoint(state_dict_or_path: Any, load_file: Callable[[str], dict], v
             f"got {type(state_dict_or_path).__name__}"
         )
     return {str(k): value(str(k), v) for k, v in state_dict_or_path.items()}
+
+
+_some = some  # the former name, still used by parity_tests/tool/ports.py until it is renamed there

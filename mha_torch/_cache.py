@@ -26,6 +26,8 @@ class KVCache:
         head_dim)`` (writing into the views writes the cache). A step updates them in place, or,
         under autograd (grad mode on and the new keys requiring gradients), replaces them with
         new tensors, so that gradients flow through the cache from step to step.
+      key_storage, value_storage: ``(*batch, num_kv_heads, max_length, head_dim)``, what ``key`` and
+        ``value`` view.
       index: int32 ``(*batch,)``, each row's next position.
       overflow: bool ``(*batch,)``; True once a step under ``torch.compile`` overwrote a position a
         query could still see (outside compilation that step raises instead).
@@ -46,22 +48,32 @@ class KVCache:
         if not all(isinstance(n, int) and n >= 0 for n in batch_shape):
             raise ValueError(f"batch must be a non-negative integer or a tuple of them, got {batch!r}")
         shape = (*batch_shape, num_kv_heads, max_length, head_dim)
-        self._keys = torch.zeros(shape, dtype=dtype, device=device)
-        self._values = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_storage = torch.zeros(shape, dtype=dtype, device=device)
         self.index = torch.zeros(batch_shape, dtype=torch.int32, device=device)
         self.overflow = torch.zeros(batch_shape, dtype=torch.bool, device=device)
 
     @property
     def key(self) -> torch.Tensor:
-        return self._keys.transpose(-3, -2)
+        return self.key_storage.transpose(-3, -2)
 
     @property
     def value(self) -> torch.Tensor:
-        return self._values.transpose(-3, -2)
+        return self.value_storage.transpose(-3, -2)
 
     @property
     def max_length(self) -> int:
-        return self._keys.shape[-2]
+        return self.key_storage.shape[-2]
+
+    def merged(self, batch: int) -> KVCache:
+        """This cache with its batch axes merged into one of ``batch`` rows, as views: writes to
+        the result reach this cache."""
+        flat = KVCache.__new__(KVCache)
+        axes = self.index.dim()
+        flat.key_storage, flat.value_storage = (x.view((batch,) + tuple(x.shape[axes:]))
+                                                for x in (self.key_storage, self.value_storage))
+        flat.index, flat.overflow = self.index.view(batch), self.overflow.view(batch)
+        return flat
 
     def __repr__(self) -> str:
         return f"KVCache(key={tuple(self.key.shape)}, dtype={self.key.dtype}, index={self.index.tolist()})"

@@ -13,7 +13,7 @@ import torch
 from mha_spec import arguments
 
 
-def _dtype_kind(x) -> str:
+def dtype_kind(x) -> str:
     """'float', 'complex', 'int', 'bool' or 'other' for a tensor's dtype."""
     dtype = x.dtype
     if dtype.is_floating_point:
@@ -29,14 +29,14 @@ def _dtype_kind(x) -> str:
     return "int"
 
 
-def _dtype_name(x) -> str:
+def dtype_name(x) -> str:
     """A tensor's dtype as JAX and NumPy print it (``int32``, not ``torch.int32``), so that
     messages naming it read the same in both frameworks."""
     return str(x.dtype).removeprefix("torch.")
 
 
 _CHECKS = arguments.ArrayChecks(
-    array="a torch.Tensor", is_array=lambda x: isinstance(x, torch.Tensor), kind=_dtype_kind, dtype=_dtype_name,
+    array="a torch.Tensor", is_array=lambda x: isinstance(x, torch.Tensor), kind=dtype_kind, dtype=dtype_name,
     values=lambda x: x.detach().cpu().numpy(), heads_first=True,
 )
 require_array, require_float, require_int = _CHECKS.require_array, _CHECKS.require_float, _CHECKS.require_int

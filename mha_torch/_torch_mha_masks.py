@@ -64,7 +64,7 @@ def mask_to_torch_mha(
       or integer mask forbids).
     """
     device = next((x.device for x in (mask, bias) if isinstance(x, torch.Tensor)), None)
-    spec = masks._parse(shape, mask=mask, bias=bias, device=device)  # checked as the core checks them
+    spec = masks.parse(shape, mask=mask, bias=bias, device=device)  # checked as the core checks them
     if spec.bias is not None:  # the form torch uses for a bool mask beside a float one
         theirs = spec.bias if spec.allowed is None else torch.where(spec.allowed, spec.bias, float("-inf"))
     elif spec.allowed is not None:
@@ -86,4 +86,4 @@ def _torch_mha_layout(theirs: torch.Tensor, shape: tuple[int, int, int, int]) ->
 
 def _check_kind(name: str, mask: torch.Tensor) -> None:
     _checks.require_array(name, mask)
-    torch_mha.check_mask_kind(name, _checks._dtype_kind(mask), _checks._dtype_name(mask), mask.shape)
+    torch_mha.check_mask_kind(name, _checks.dtype_kind(mask), _checks.dtype_name(mask), mask.shape)

@@ -96,19 +96,19 @@ def dot_product_attention(
       device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks._parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
+    spec = masks.parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
                         query_positions=query_positions, key_positions=key_positions,
                         local_window_size=local_window_size, query_segment_ids=query_segment_ids,
                         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
                         attention_chunk_size=attention_chunk_size, device=query.device)
-    return _attention(
+    return spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
         implementation=implementation,
     )
 
 
-def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_cap=None, sinks=None,
+def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
                dropout_p=0.0, dropout_mask=None, need_weights=False, implementation=None, zero_unused=True):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry).
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
@@ -137,7 +137,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     # kernel, which forms every score (bfloat16, 32 heads of 16K queries: 32 GiB).
     fused = implementation == "sdpa" and query.is_cuda and dtype in (torch.bfloat16, torch.float16)
     compute = dtype if fused else torch.promote_types(dtype, torch.float32)
-    unused = masks._unused_keys(spec, kv_heads) if zero_unused else None
+    unused = masks.unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_heads, kv_len, 1)
         unused = unused[..., None]
         key, value = key.masked_fill(unused, 0), value.masked_fill(unused, 0)
@@ -146,7 +146,7 @@ def _attention(query, key, value, spec: masks._Spec, *, scale=None, logit_soft_c
     if implementation == "math":
         if keep is None and dropout_p > 0:
             keep = torch.rand(shape, device=query.device) >= dropout_p
-        out, weights = _math(q, k, v, masks._dense(spec), spec.bias, keep, keep_scale, scale, soft_cap, sinks)
+        out, weights = _math(q, k, v, masks.dense(spec), spec.bias, keep, keep_scale, scale, soft_cap, sinks)
     else:
         out = _sdpa(q, k, v, spec, scale, dropout_p, sinks)
         weights = None
@@ -194,7 +194,7 @@ def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=
     return out.reshape(batch, heads, q_len, head_dim), weights
 
 
-def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p, sinks=None):
+def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
     """``F.scaled_dot_product_attention`` with our semantics: causality alone at default
     positions as its ``is_causal`` (top-left, as ours there), anything else materialised into
     one ``attn_mask``: bool, or float with ``-inf`` where not allowed when there is a bias.
@@ -213,7 +213,7 @@ def _sdpa(q, k, v, spec: masks._Spec, scale, dropout_p, sinks=None):
     )
     attn_mask = None
     if not native_causal:
-        attn_mask = masks._dense(spec)
+        attn_mask = masks.dense(spec)
         if spec.bias is not None:
             attn_mask = spec.bias.to(q.dtype) if attn_mask is None else torch.where(
                 attn_mask, spec.bias.to(q.dtype), -math.inf

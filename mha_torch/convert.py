@@ -35,7 +35,7 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
         )
     current = module.state_dict()
     state = layouts.read_layout(
-        _read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+        read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
         ignore=ignore, num_heads=getattr(module, "num_heads", None),
         num_kv_heads=getattr(module, "num_kv_heads", None), expected={k: tuple(v.shape) for k, v in current.items()},
     )
@@ -114,7 +114,7 @@ def _check_dtypes(state: dict[str, torch.Tensor]) -> None:
             raise TypeError(f"{k!r} must be real floating-point, got dtype {str(v.dtype).removeprefix('torch.')}")
 
 
-def _read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
+def read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
     """Name -> tensor (a copy: nothing the caller passed is shared or modified)."""
     return layouts.read_checkpoint(state_dict_or_path, _load_file, _numeric)
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mha_spec import docstrings, families
-from mha_torch.convert import _read_state, load_weights
+from mha_torch.convert import load_weights, read_state
 from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
 
@@ -48,7 +48,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         attention_chunk_size=options.attention_chunk_size,
     )
     if weights is not None:
-        state = families.read_layer(weights, options.prefix, _read_state, _read_file)
+        state = families.read_layer(weights, options.prefix, read_state, _read_file)
         state, keywords = families.load_arguments(
             options, state, lambda arrays: torch.cat([torch.as_tensor(a) for a in arrays]))
         load_weights(module, state, **keywords)

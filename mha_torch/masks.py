@@ -12,7 +12,7 @@ nonzero = attend): a float mask is additive here, a 0/1 keep-mask there. Both ta
 Beware: ``torch.nn.MultiheadAttention``'s boolean masks mean the opposite (True = ignore).
 
 The structured terms (causality, windows, chunks, segments, lengths) are those of
-``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``_Spec.terms``.
+``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``Spec.terms``.
 
 Twin of ``mha_jax/masks.py``.
 """
@@ -24,7 +24,7 @@ import functools
 import torch
 
 from mha_spec import arguments, docstrings, terms
-from mha_spec.terms import Spec as _Spec
+from mha_spec.terms import Spec
 from mha_torch import _checks
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
@@ -36,7 +36,7 @@ def padding_mask(valid: torch.Tensor) -> torch.Tensor:
     ``valid`` is bool or 0/1 integer; True/nonzero marks a real (not padded) key.
     """
     _checks.require_array("valid", valid)
-    arguments.check_padding_valid(valid.shape, _checks._dtype_kind(valid), _checks._dtype_name(valid))
+    arguments.check_padding_valid(valid.shape, _checks.dtype_kind(valid), _checks.dtype_name(valid))
     return (valid != 0)[:, None, None, :]
 
 
@@ -50,9 +50,9 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()[None, None]
 
 
-def _parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
+def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
            key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-           key_value_seq_lengths=None, attention_chunk_size=None, device=None) -> _Spec:
+           key_value_seq_lengths=None, attention_chunk_size=None, device=None) -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len);
     the tensors kept are moved to ``device`` (the query's)."""
     batch, _, q_len, kv_len = shape
@@ -60,11 +60,11 @@ def _parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=
     if mask is not None:
         _checks.require_array("mask", mask)
         arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
-        kind = _checks._dtype_kind(mask)
+        kind = _checks.dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
             raise TypeError(
                 f"mask must be bool, integer or real floating (bool/integer: nonzero = attend; "
-                f"floating: added to the logits), got dtype {_checks._dtype_name(mask)} with shape "
+                f"floating: added to the logits), got dtype {_checks.dtype_name(mask)} with shape "
                 f"{tuple(mask.shape)}"
             )
         mask = mask.to(device)
@@ -81,7 +81,7 @@ def _parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=
             bias = additive.to(dtype) + bias.to(dtype)
     else:
         bias = additive
-    return _Spec(
+    return Spec(
         shape, allowed, bias, arguments.check_is_causal(is_causal),
         _sequence("query_positions", query_positions, batch, q_len, "q_len", device),
         _sequence("key_positions", key_positions, batch, kv_len, "kv_len", device),
@@ -113,18 +113,18 @@ def _lengths(lengths, batch: int, kv_len: int, device=None):
     return lengths.to(device=device, dtype=torch.int64).expand(batch)
 
 
-def _positions(spec: _Spec):
+def positions(spec: Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
     return spec.positions(functools.partial(torch.arange, device=spec.device))
 
 
-def _dense(spec: _Spec):
+def dense(spec: Spec):
     """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
     return spec.dense(functools.partial(torch.arange, device=spec.device))
 
 
 @docstrings.fill
-def _unused_keys(spec: _Spec, kv_heads: int = 1):
+def unused_keys(spec: Spec, kv_heads: int = 1):
     """Keys no query may see.
 
     {unused_keys}
@@ -148,10 +148,10 @@ def _present(query_ids, key_ids):
     return found == key_ids
 
 
-def _zero_unused_inputs(inputs_k, inputs_v, spec: _Spec):
+def zero_unused_inputs(inputs_k, inputs_v, spec: Spec):
     """The module's ``key``/``value`` inputs ``(batch, kv_len, features)`` with zeros at the
     keys that no query of any head may attend to, before they are projected."""
-    unused = _unused_keys(spec)
+    unused = unused_keys(spec)
     if unused is None:
         return inputs_k, inputs_v
     unused = unused[:, 0, :, None]

@@ -20,7 +20,7 @@ from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
 from mha_torch._cache import KVCache
-from mha_torch.attention import IMPLEMENTATIONS, _attention
+from mha_torch.attention import IMPLEMENTATIONS, spec_attention
 
 INPUT_LAYOUT = "(*batch, length, features)"
 
@@ -183,9 +183,9 @@ class MultiHeadAttention(nn.Module):
             query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
             key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
         )
-        key, value = masks._zero_unused_inputs(key, value, spec)
+        key, value = masks.zero_unused_inputs(key, value, spec)
         q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
-        q, k = rotate_at(self.rotary, q, k, *masks._positions(spec))
+        q, k = rotate_at(self.rotary, q, k, *masks.positions(spec))
         return self._attend(q, k, v, spec, batch_shape, need_weights, dropout_mask=dropout_mask, zero_unused=True)
 
     def _logit_terms(self) -> dict:
@@ -245,8 +245,10 @@ class MultiHeadAttention(nn.Module):
                             local_window_size=local_window_size, device=query.device,
                             attention_chunk_size=self.attention_chunk_size)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
-            cache._keys, cache._values = flat._keys.view(cache._keys.shape), flat._values.view(cache._values.shape)
-        return self._attend(q, flat._keys.to(q.dtype), flat._values.to(q.dtype), spec, batch_shape, need_weights)
+            shape = cache.key_storage.shape
+            cache.key_storage, cache.value_storage = flat.key_storage.view(shape), flat.value_storage.view(shape)
+        keys, values = flat.key_storage.to(q.dtype), flat.value_storage.to(q.dtype)
+        return self._attend(q, keys, values, spec, batch_shape, need_weights)
 
     def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
         """The decoding fast path: self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or
@@ -258,7 +260,7 @@ class MultiHeadAttention(nn.Module):
         operations), or through ``_attention`` for sinks, a soft-cap, dropout, weights ``(*batch, heads, n,
         filled slots)`` or another implementation. Only the checks these operations need: None (nothing done)
         for any other call, which the general path then takes, giving the same attention or the errors it names."""
-        keys, weight = cache._keys, self.q_proj.weight
+        keys, weight = cache.key_storage, self.q_proj.weight
         if not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() or query.ndim < 2 \
                 or query.shape[-1] != self.embed_dim or query.dtype != weight.dtype:
             return None
@@ -283,7 +285,7 @@ class MultiHeadAttention(nn.Module):
             pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
             q, k = rotate_at(self.rotary, q, k, pos, pos)
         _writable(cache, k, v)
-        keys, values = cache._keys, cache._values
+        keys, values = cache.key_storage, cache.value_storage
         if merged:  # views: the writes reach the cache
             keys, values = keys.view(batch, kv_heads, -1, head_dim), values.view(batch, kv_heads, -1, head_dim)
         keys.narrow(2, start, n).copy_(k)
@@ -292,7 +294,7 @@ class MultiHeadAttention(nn.Module):
         keys, values = keys.narrow(2, 0, start + n), values.narrow(2, 0, start + n)
         if self.sinks is not None or self.logit_soft_cap is not None or need_weights \
                 or self.implementation not in (None, "sdpa") or (self.training and self.dropout > 0):
-            spec = masks._parse((batch, heads, n, start + n), device=query.device)
+            spec = masks.parse((batch, heads, n, start + n), device=query.device)
             return self._attend(q, keys, values, spec, batch_shape, need_weights)
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, -1, head_dim), keys, values, scale=self.scale)
         if n > 1:  # (batch, heads, n, head_dim) to (batch, n, heads, head_dim); for one token the same order
@@ -310,7 +312,7 @@ class MultiHeadAttention(nn.Module):
         return (_split_heads(q, batch, q_len, heads, head_dim), _split_heads(k, batch, kv_len, kv_heads, head_dim),
                 _split_heads(v, batch, kv_len, kv_heads, head_dim))
 
-    def _attend(self, q, keys, values, spec: masks._Spec, batch_shape, need_weights: bool, dropout_mask=None,
+    def _attend(self, q, keys, values, spec: masks.Spec, batch_shape, need_weights: bool, dropout_mask=None,
                 zero_unused: bool = False):
         """Queries ``(batch, heads, q_len, head_dim)`` over ``keys``/``values`` ``(batch, kv_heads, kv_len,
         head_dim)`` as ``spec`` says, with the module's dropout (or ``dropout_mask``) and logit terms, projected
@@ -320,7 +322,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=q.device) >= dropout_p
-        result = _attention(
+        result = spec_attention(
             q, keys, values, spec, dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
             implementation=self.implementation, zero_unused=zero_unused, **self._logit_terms(),
         )
@@ -383,11 +385,7 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
         raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {cache.max_length}")
     if len(batch_shape) == 1:
         return cache
-    flat = KVCache.__new__(KVCache)
-    flat._keys, flat._values = (x.view((batch,) + tuple(x.shape[len(batch_shape):]))
-                                for x in (cache._keys, cache._values))
-    flat.index, flat.overflow = cache.index.view(batch), cache.overflow.view(batch)
-    return flat
+    return cache.merged(batch)
 
 
 def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
@@ -395,7 +393,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` at the tokens' positions (see
     ``_writable``); the spec of the new queries over the cache's ``max_length`` slots."""
     batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
-    if cache._keys.dtype != key.dtype:
+    if cache.key_storage.dtype != key.dtype:
         raise TypeError(
             f"the cache's key has dtype {str(cache.key.dtype).removeprefix('torch.')} but the keys are "
             f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
@@ -419,7 +417,7 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
     cache.index.copy_(end)
     cache.overflow.logical_or_(overflow)
     held, lengths = _cache.slot_positions(end, max_length)
-    return masks._parse(
+    return masks.parse(
         (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
         key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
         attention_chunk_size=attention_chunk_size,
@@ -431,8 +429,8 @@ def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
     cache requiring gradients) the attention keeps the tensors it reads for the backward pass, so the cache takes
     copies to write into, the old ones left to the graph, and gradients flow through the cache from step to step
     (as in the full causal pass and JAX's functional cache); otherwise it is written in place."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache._keys, cache._values)):
-        cache._keys, cache._values = cache._keys.clone(), cache._values.clone()
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache.key_storage, cache.value_storage)):
+        cache.key_storage, cache.value_storage = cache.key_storage.clone(), cache.value_storage.clone()
 
 
 def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, dtype: torch.dtype, *,
@@ -471,14 +469,14 @@ def _self_attention(query, key, value):
 
 
 def _spec(query, key, num_heads: int, self_attention: bool, *, key_positions=None,
-          key_segment_ids=None, query_positions=None, query_segment_ids=None, **terms) -> masks._Spec:
+          key_segment_ids=None, query_positions=None, query_segment_ids=None, **terms) -> masks.Spec:
     """The call's masking, parsed once for ``(batch, num_heads, q_len, kv_len)`` on the query's
     device; in self-attention the key positions and segment ids default to the query's."""
     if self_attention:
         key_positions = query_positions if key_positions is None else key_positions
         key_segment_ids = query_segment_ids if key_segment_ids is None else key_segment_ids
     shape = (query.shape[0], num_heads, query.shape[1], key.shape[1])
-    return masks._parse(
+    return masks.parse(
         shape, query_positions=query_positions, key_positions=key_positions,
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
         device=query.device, **terms,

@@ -154,7 +154,7 @@ def test_load_weights_names_an_entry_that_is_not_an_array():
     numpy.object_`` naming no key, where ``mha_jax.from_torch`` raises ``ValueError:
     state_dict: 'q_proj.weight' has shape (), expected rank 2``.
 
-    Fix: ``mha_torch/convert.py``, ``_read_state``: convert each entry inside a try and raise
+    Fix: ``mha_torch/convert.py``, ``read_state``: convert each entry inside a try and raise
     ``ValueError(f"state_dict: {key!r} is not a numeric array: ...")``, as the JAX side does."""
     module = mha_torch.MultiHeadAttention(16, 4)
     for bad in (None, "weights"):
@@ -176,7 +176,7 @@ def test_padding_garbage_reaches_no_parameter_gradient(poison):
     Fix: in ``mha_jax/_layer.py`` (``_prepare``, for the nnx and linen modules) and
     ``mha_torch/module.py`` (``forward``): before projecting, zero the rows of ``inputs_k`` and
     ``inputs_v`` that no query of any head may attend to (the same reduction of mask and
-    causality as the cores, over all heads: ``masks._zero_unused_inputs``)."""
+    causality as the cores, over all heads: ``masks.zero_unused_inputs``)."""
     config = harness.Config("pad", q_len=4, kv_len=6, in_kv_features=10, num_heads=4, num_kv_heads=2)
     case = harness.Case(config, "padding", "float64")
     data = harness.make_data(case, seed=1)

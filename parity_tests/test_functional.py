@@ -247,8 +247,8 @@ def test_xla_products_over_all_heads_only_for_few_query_rows(monkeypatch):
     multi-query and multi-head attention alike; a prompt's queries, and a step over few keys,
     take the per-head products."""
     taken = []
-    own_blocks = mha_jax.attention._own_blocks
-    monkeypatch.setattr(mha_jax.attention, "_own_blocks", lambda *a: taken.append(a[0].shape) or own_blocks(*a))
+    own_blocks = mha_jax.attention.own_blocks
+    monkeypatch.setattr(mha_jax.attention, "own_blocks", lambda *a: taken.append(a[0].shape) or own_blocks(*a))
     x = lambda q_len, heads: jnp.ones((1, q_len, heads, 16))  # noqa: E731
     for kv_heads in (2, 1, 8):
         taken.clear()

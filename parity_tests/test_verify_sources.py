@@ -138,7 +138,7 @@ def test_swapped_key_and_value_fail_against_the_source(tmp_path, capsys, monkeyp
     code, out = _verify(capsys, *args)
     assert code == 0, out
     assert "LlamaAttention (4 heads, from" in out and "not checked" not in out
-    swapped = layouts._from_names({"q_proj": "q_proj", "k_proj": "v_proj", "v_proj": "k_proj", "out_proj": "o_proj"})
+    swapped = layouts.from_names({"q_proj": "q_proj", "k_proj": "v_proj", "v_proj": "k_proj", "out_proj": "o_proj"})
     monkeypatch.setitem(layouts.LAYOUTS, "hf", swapped)
     code, out = _verify(capsys, *args)
     assert code == 1
