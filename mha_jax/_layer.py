@@ -59,48 +59,26 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
     return self_attention, inputs_q, inputs_k, inputs_v
 
 
-def prepare(decoding: bool, inputs_q, inputs_k, inputs_v, num_heads: int, in_features: int | None,
-             in_kv_features: int | None, *, sequence_axis: str | None, is_causal, local_window_size,
-             attention_chunk_size, dropout_mask, mask, bias, query_positions, key_positions, query_segment_ids,
-             key_segment_ids, key_value_seq_lengths):
-    """The checked call of a Flax module: ``(batch_shape, inputs, spec, dropout_mask, step)``, the
-    inputs ``(batch, len, features)`` and terms with their batch axes merged into one (feature
-    sizes None are read from the inputs: linen). Not decoding: the spec ``(batch, num_heads,
-    q_len, kv_len)``, the keys no query may attend to zeroed, ``step`` empty. Decoding: no spec
-    (``_decode_step`` parses one over the cache); ``step`` holds ``_decode_step``'s keywords and
-    ``forbidden``, the arguments ``_check_cache`` refuses while decoding."""
-    self_attention, *inputs = _check_inputs(inputs_q, inputs_k, inputs_v, in_features, in_kv_features)
-    if decoding:
-        batch_shape, inputs, terms = batch_axes.flatten_batch(
-            tuple(inputs), jnp.broadcast_to, mask=mask, bias=bias, query_positions=query_positions
-        )
-        forbidden = dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
-                         key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                         dropout_mask=dropout_mask)
-        return batch_shape, inputs, None, dropout_mask, dict(
-            terms, is_causal=is_causal, local_window_size=local_window_size, attention_chunk_size=attention_chunk_size,
-            forbidden=forbidden,
-        )
-    batch_shape, (inputs_q, inputs_k, inputs_v), terms = batch_axes.flatten_batch(
-        tuple(inputs), jnp.broadcast_to, dropout_mask=dropout_mask, mask=mask, bias=bias,
-        query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-    )
-    dropout_mask = terms.pop("dropout_mask")
-    for name in ("positions", "segment_ids"):  # in self-attention the keys' default to the queries'
-        if self_attention and terms[f"key_{name}"] is None:
-            terms[f"key_{name}"] = terms[f"query_{name}"]
-    spec = masks.parse(
-        (inputs_q.shape[0], num_heads, inputs_q.shape[1], inputs_k.shape[1]), is_causal=is_causal,
-        local_window_size=local_window_size, attention_chunk_size=attention_chunk_size, **terms,
-    )
+def prepare(inputs: tuple, masking: Mapping, num_heads: int, features: tuple[int | None, int | None], *,
+            max_length: int | None = None, sequence_axis: str | None = None) -> batch_axes.Call:
+    """The checked call of a Flax module: ``inputs`` (query, key, value; absent ones as flax
+    defaults them) and ``masking`` (the call's masking arguments and ``dropout_mask``, by name)
+    with their batch axes merged into one (``features``: the inputs' feature sizes, None read
+    from the inputs: linen). Not decoding, the spec of ``(batch, num_heads, q_len, kv_len)``,
+    the keys no query may attend to zeroed; decoding (``max_length``: the cache's), the spec
+    over the cache's slots, whose positions ``decode_step`` sets."""
+    self_attention, *inputs = _check_inputs(*inputs, *features)
+    call = batch_axes.merged_call(tuple(inputs), self_attention, masking, jnp.broadcast_to, masks.parse, num_heads,
+                                  max_length)
+    if max_length is not None:
+        return call
+    query, key, value = call.inputs
     # a length sharded for the ring: segments absent from the queries are not looked for
-    inputs_k, inputs_v = masks.zero_unused_inputs(inputs_k, inputs_v, spec, segments=sequence_axis is None)
-    return batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, {}
+    key, value = masks.zero_unused_inputs(key, value, call.spec, segments=sequence_axis is None)
+    return dataclasses.replace(call, inputs=(query, key, value))
 
 
-def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int,
-                 forbidden) -> _Cache:
+def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> _Cache:
     """A module's cache as ours, checked against the step's inputs, its batch axes merged as the
     inputs' are: ``key``/``value`` ``(*batch, max_length, kv_heads, head_dim)``, ``index``
     ``(*batch,)`` or, as flax's class makes it, a scalar (every row at that position), and
@@ -108,11 +86,6 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
     index = jnp.asarray(index)
     index = jnp.broadcast_to(index, batch_shape) if index.ndim == 0 else index
     overflow = jnp.zeros(index.shape, bool) if overflow is None else overflow
-    given = [name for name, x in forbidden.items() if x is not None]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths"
-        )
     max_length = key.shape[-3]
     expected = (*batch_shape, max_length, kv_heads, head_dim)
     if tuple(key.shape) != expected or tuple(index.shape) != tuple(batch_shape):
@@ -127,26 +100,23 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
     return _Cache(key.reshape(flat), value.reshape(flat), index.reshape(batch), overflow.reshape(batch))
 
 
-def decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
-                 local_window_size, attention_chunk_size=None):
+def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call):
     """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions
-    (``query_positions`` ``(batch, n)`` or ``(n,)``, default each row's end onward) and append
-    ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``: ``(query, key, cache,
-    spec)``, the rotated ones, the updated cache and the spec of the new queries over its
-    ``max_length`` slots."""
+    (``call.query_positions`` ``(batch, n)`` or ``(n,)``, default each row's end onward) and
+    append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``: ``(query, key,
+    cache, spec)``, the rotated ones, the updated cache and ``call.spec`` with the positions of
+    the new queries and of the ``max_length`` slots."""
     start = cache.end
-    pos = _cache.positions(start, query.shape[1], query_positions)
+    pos = _cache.positions(start, query.shape[1], call.query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
-    batch, n, max_length = key.shape[0], key.shape[1], cache.key.shape[1]
+    max_length = cache.key.shape[1]
     if cache.key.dtype != key.dtype:
         raise TypeError(
             f"cached_key has dtype {cache.key.dtype} but the keys are {key.dtype}: "
             f"init_cache(input_shape, dtype={key.dtype})"
         )
     end = _cache.advance(start, pos)
-    window = arguments.check_window(local_window_size)
-    bounds = terms.of(arguments.check_is_causal(is_causal), window, attention_chunk_size, False, False)
-    overflow = terms.cache_overflows(start, end, max_length, bounds)
+    overflow = terms.cache_overflows(start, end, max_length, call.spec.terms)
     if _checks.concrete(overflow) and bool(overflow.any()):
         row = int(jnp.argmax(overflow))
         raise ValueError(
@@ -156,13 +126,7 @@ def decode_step(cache: _Cache, rotary, query, key, value, num_heads: int, *, mas
         )
     written = (_cache.write(cache.key, key, pos), _cache.write(cache.value, value, pos))
     updated = _Cache(*written, end, cache.overflow | overflow)
-    held, lengths = _cache.slot_positions(end, max_length)
-    spec = masks.parse(
-        (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
-        key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths,
-        attention_chunk_size=attention_chunk_size,
-    )
-    return query, key, updated, spec
+    return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
 
 
 def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_rng, dropout_mask,

@@ -130,14 +130,15 @@ class MultiHeadDotProductAttention(nn.Module):
                           DeprecationWarning, stacklevel=2)
             inputs_k = inputs_v = inputs_kv
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        local_window_size = self.local_window_size if local_window_size is None else local_window_size
-        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer.prepare(
-            decoding, inputs_q, inputs_k, inputs_v, self.num_heads, None, None,
-            sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
-            attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
-            query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        )
+        window = self.local_window_size if local_window_size is None else local_window_size
+        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
+                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
+                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
+        call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
+                              max_length=max_length, sequence_axis=self.sequence_axis)
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec = call.batch_shape, call.inputs, call.spec
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -166,11 +167,11 @@ class MultiHeadDotProductAttention(nn.Module):
         if not decoding:
             query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         if self.decode:
-            query, key, value, spec = self._cached(query, key, value, batch_shape, decoding, spec, **step)
-        dropping = _layer.dropping(rate, deterministic, self.deterministic, dropout_mask)
+            query, key, value, spec = self._cached(query, key, value, call, decoding)
+        dropping = _layer.dropping(rate, deterministic, self.deterministic, call.dropout_mask)
         dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
         out, weights, sown = _layer.attend(
-            self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+            self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=call.dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
             zero_unused=not decoding, sequence_axis=None if decoding else self.sequence_axis,
             sinks=self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype) if self.use_sinks else None,
@@ -186,22 +187,23 @@ class MultiHeadDotProductAttention(nn.Module):
         out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
 
-    def _cached(self, query, key, value, batch_shape, decoding, spec, forbidden=None, **step):
+    def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
         """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
         which attends as without a cache; later calls rotate the new queries and keys at their
         positions, append them to it and attend over it: ``(query, key, value, spec)``. A cache
         flax's class made (a scalar ``cache_index``, no ``cache_overflow``) is taken as every
         row at that position, and leaves as ours."""
+        batch_shape = call.batch_shape
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, kv_shape, value.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.zeros(batch_shape, jnp.int32))
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
-            return query, key, value, spec
+            return query, key, value, call.spec
         cache = _layer.check_cache(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape,
-                                    *key.shape, forbidden)
-        query, key, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
+                                   *key.shape)
+        query, key, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, call)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
         # flax's cache (a scalar index, no flag: made above) becomes ours
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)

@@ -249,32 +249,33 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        local_window_size = self.local_window_size if local_window_size is None else local_window_size
         decoding = self.decode if decode is None else decode
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
                              "nnx.view(..., decode=True, batch_size=, max_length=) first")
-        batch_shape, (inputs_q, inputs_k, inputs_v), spec, dropout_mask, step = _layer.prepare(
-            decoding, inputs_q, inputs_k, inputs_v, self.num_heads, self.in_features, self.in_kv_features,
-            sequence_axis=self.sequence_axis, is_causal=is_causal, local_window_size=local_window_size,
-            attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask, mask=mask, bias=bias,
-            query_positions=query_positions, key_positions=key_positions, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        )
+        window = self.local_window_size if local_window_size is None else local_window_size
+        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
+                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
+                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (self.in_features,
+                              self.in_kv_features), max_length=self.cached_key.shape[-3] if decoding else None,
+                              sequence_axis=self.sequence_axis)
+        batch_shape, (inputs_q, inputs_k, inputs_v), spec = call.batch_shape, call.inputs, call.spec
         if decoding:
             overflow = None if self.cache_overflow is None else self.cache_overflow[...]
             cache = _layer.check_cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow,
-                                        batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads,
-                                        self.head_dim, step.pop("forbidden"))
+                                       batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads,
+                                       self.head_dim)
         else:
-            dropout_rng = self._dropout_rng(rngs, deterministic, dropout_mask)
+            dropout_rng = self._dropout_rng(rngs, deterministic, call.dropout_mask)
         query = self.query(inputs_q, out_sharding=qkv_sharding)
         key = self.key(inputs_k, out_sharding=qkv_sharding)
         value = self.value(inputs_v, out_sharding=qkv_sharding)
         if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
         if decoding:
-            query, _, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, self.num_heads, **step)
+            query, _, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, call)
             shape = self.cached_key.shape
             self.cached_key[...], self.cached_value[...] = cache.key.reshape(shape), cache.value.reshape(shape)
             self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
@@ -287,7 +288,7 @@ class MultiHeadAttention(nnx.Module):
         else:
             query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         out, weights, sown = _layer.attend(
-            self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
+            self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=call.dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, zero_unused=not decoding,
             sinks=None if self.sinks is None else self.sinks[...],
             sequence_axis=None if decoding else self.sequence_axis,

@@ -1,10 +1,41 @@
-"""The batch axes of the modules' inputs, merged into one and restored."""
+"""The batch axes of the modules' inputs, merged into one and restored; a module call so merged."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+# A module call's arguments that carry batch axes, in the order they are merged (and checked).
+BATCHED = ("dropout_mask", "mask", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
+           "key_value_seq_lengths")
+# Those that a decoding cache sets (the keys' positions and lengths): refused while decoding.
+SET_BY_CACHE = ("key_positions", "query_segment_ids", "key_segment_ids", "key_value_seq_lengths", "dropout_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A module call, checked, with its batch axes merged into one (``batch_shape``: the inputs'
+    own). ``inputs``: query, key and value inputs ``(batch, len, features)``; ``spec``: the parsed
+    masking of ``(batch, num_heads, q_len, kv_len)``; while decoding ``kv_len`` is the cache's
+    ``max_length`` and the positions and lengths are left for the step to set from the cache,
+    ``query_positions`` holding the new tokens' as given (``(batch, n)``, ``(n,)`` or None)."""
+
+    batch_shape: tuple[int, ...]
+    inputs: tuple
+    spec: Any
+    dropout_mask: Any = None
+    query_positions: Any = None
+
+
+def check_not_decoding(masking: Mapping[str, Any]) -> None:
+    """Refuse what the cache sets, given to a decoding step."""
+    given = [name for name in SET_BY_CACHE if masking.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths"
+        )
 
 # Axes after the batch axes, per module argument: masks and biases (heads, q_len, kv_len),
 # positions and segment ids (len,), lengths none.
@@ -22,6 +53,29 @@ def flatten_batch(inputs: tuple, broadcast: Callable, **terms: Any) -> tuple[tup
     return batch_shape, inputs, {
         name: _merge_batch(name, x, batch_shape, _TRAILING.get(name, 1), broadcast) for name, x in terms.items()
     }
+
+
+def merged_call(inputs: tuple, self_attention: bool, masking: Mapping[str, Any], broadcast: Callable, parse: Callable,
+                num_heads: int, max_length: int | None = None) -> Call:
+    """A module call of checked ``inputs`` (query, key, value ``(*batch, len, features)``) and
+    ``masking`` (its masking arguments and ``dropout_mask``, by name), with the batch axes of both
+    merged into one (``broadcast`` as in ``flatten_batch``) and the masking parsed (``parse``: the
+    framework's ``masks.parse``) for ``num_heads``. In self-attention the key positions and
+    segment ids default to the query's. ``max_length``: the cache's, while decoding."""
+    if max_length is not None:
+        check_not_decoding(masking)
+    batch_shape, (query, key, value), arrays = flatten_batch(
+        inputs, broadcast, **{name: masking.get(name) for name in BATCHED})
+    dropout_mask, query_positions = arrays.pop("dropout_mask"), None
+    if max_length is not None:  # checked against the cache's positions by the decoding step
+        query_positions = arrays.pop("query_positions")
+    for name in ("positions", "segment_ids"):
+        if self_attention and arrays[f"key_{name}"] is None:
+            arrays[f"key_{name}"] = arrays.get(f"query_{name}")
+    shape = (query.shape[0], num_heads, query.shape[1], key.shape[1] if max_length is None else max_length)
+    spec = parse(shape, is_causal=masking.get("is_causal", False), local_window_size=masking.get("local_window_size"),
+                 attention_chunk_size=masking.get("attention_chunk_size"), **arrays)
+    return Call(batch_shape, (query, key, value), spec, dropout_mask, query_positions)
 
 
 def _merge_batch(name: str, x: Any, batch_shape: tuple[int, ...], trailing: int, broadcast: Callable) -> Any:

@@ -19,6 +19,7 @@ Twin of ``mha_jax/masks.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -88,6 +89,18 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         arguments.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len, device),
         _lengths(key_value_seq_lengths, batch, kv_len, device), terms.check_chunk_size(attention_chunk_size), device,
+    )
+
+
+def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
+    """``spec``, parsed over a decoding cache's ``max_length`` slots, with the step's positions:
+    the new tokens' ``(batch, n)``, the slots' ``(batch, max_length)`` and the count of written
+    slots ``(batch,)``, checked and kept as ``parse`` keeps them."""
+    batch, _, q_len, kv_len = spec.shape
+    return dataclasses.replace(
+        spec, query_positions=_sequence("query_positions", query_positions, batch, q_len, "q_len", spec.device),
+        key_positions=_sequence("key_positions", key_positions, batch, kv_len, "kv_len", spec.device),
+        lengths=_lengths(lengths, batch, kv_len, spec.device),
     )
 
 

@@ -8,6 +8,8 @@ each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.we
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -166,27 +168,20 @@ class MultiHeadAttention(nn.Module):
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
-        local_window_size = self.local_window_size if local_window_size is None else local_window_size
+        window = self.local_window_size if local_window_size is None else local_window_size
+        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
+                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
+                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
         if cache is not None:
-            return self._decode(
-                query, key, value, cache, mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
-                local_window_size=local_window_size, need_weights=need_weights,
-                forbidden=dict(key_positions=key_positions, query_segment_ids=query_segment_ids,
-                               key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                               dropout_mask=dropout_mask),
-            )
+            return self._decode(query, key, value, cache, masking, need_weights)
         heads, kv_heads = self._local_heads()
-        batch_shape, (query, key, value), spec, dropout_mask = _prepare(
-            query, key, value, heads, self.embed_dim, self.kdim, self.vdim, self.q_proj.weight.dtype,
-            mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
-            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=self.attention_chunk_size,
-        )
-        key, value = masks.zero_unused_inputs(key, value, spec)
+        call = _prepare((query, key, value), masking, heads, (self.embed_dim, self.kdim, self.vdim),
+                       self.q_proj.weight.dtype)
+        query, key, value = call.inputs
         q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
-        q, k = rotate_at(self.rotary, q, k, *masks.positions(spec))
-        return self._attend(q, k, v, spec, batch_shape, need_weights, dropout_mask=dropout_mask, zero_unused=True)
+        q, k = rotate_at(self.rotary, q, k, *masks.positions(call.spec))
+        return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
 
     def _logit_terms(self) -> dict:
         """What the module adds to the logits and their softmax, those it has of ``scale``,
@@ -214,41 +209,29 @@ class MultiHeadAttention(nn.Module):
             )
         return heads, kv_heads
 
-    def _decode(self, query, key, value, cache: KVCache, *, mask, bias, is_causal, query_positions, local_window_size,
-                need_weights, forbidden):
+    def _decode(self, query, key, value, cache: KVCache, masking: dict, need_weights: bool):
         """One decoding step: append the new tokens' keys and values to ``cache``, attend over it. The fast path
         (``_fast_step``) when it takes the call; else the general one: the checked inputs, the cache written at the
         tokens' positions and attended over every slot with those positions (fixed shapes for torch.compile)."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
-        if (key is None or key is query) and value is None and mask is None and bias is None \
-                and query_positions is None and local_window_size is None and self.attention_chunk_size is None \
-                and all(x is None for x in forbidden.values()):
-            out = self._fast_step(query, cache, is_causal, need_weights)
+        if (key is None or key is query) and value is None \
+                and all(x is None for name, x in masking.items() if name != "is_causal"):
+            out = self._fast_step(query, cache, masking["is_causal"], need_weights)
             if out is not None:
                 return out
-        _, query, key, value = _self_attention(query, key, value)
-        _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
-        _check_parameter_dtype(query, self.q_proj.weight.dtype)
-        batch_shape, (query, key, value), terms = batch_axes.flatten_batch(
-            (query, key, value), _expand, mask=mask, bias=bias, query_positions=query_positions,
-        )
         heads, kv_heads = self._local_heads()
-        flat = _check_cache(cache, batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim, forbidden)
-        batch, n = query.shape[0], query.shape[1]
-        q, k, v = self._project(query, key, value, batch, heads, kv_heads)
-        if self.rotary is not None:  # the new keys are cached rotated, at their positions
-            pos = _cache.positions(flat.index, n, terms["query_positions"])
-            q, k = rotate_at(self.rotary, q, k, pos, pos)
-        spec = _decode_step(flat, k.transpose(1, 2), v.transpose(1, 2), heads, mask=terms["mask"], bias=terms["bias"],
-                            is_causal=is_causal, query_positions=terms["query_positions"],
-                            local_window_size=local_window_size, device=query.device,
-                            attention_chunk_size=self.attention_chunk_size)
+        call = _prepare((query, key, value), masking, heads, (self.embed_dim, self.kdim, self.vdim),
+                       self.q_proj.weight.dtype, max_length=cache.max_length)
+        query, key, value = call.inputs
+        flat = _check_cache(cache, call.batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim)
+        q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
+        q, spec = _decode_step(flat, self.rotary, q, k, v, call)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
             shape = cache.key_storage.shape
             cache.key_storage, cache.value_storage = flat.key_storage.view(shape), flat.value_storage.view(shape)
         keys, values = flat.key_storage.to(q.dtype), flat.value_storage.to(q.dtype)
-        return self._attend(q, keys, values, spec, batch_shape, need_weights)
+        return self._attend(q, keys, values, spec, call.batch_shape, need_weights)
 
     def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
         """The decoding fast path: self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or
@@ -366,14 +349,9 @@ class _Norm(nn.Module):
         return (y * (qk_norm.offset + weight)).to(x.dtype)
 
 
-def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int, forbidden) -> KVCache:
+def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> KVCache:
     """The cache against the step's inputs, as a view with the batch axes merged as the inputs'
     are (writes to the view reach the cache)."""
-    given = [name for name, value in forbidden.items() if value is not None]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths"
-        )
     expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
     if tuple(cache.key.shape) != expected or tuple(cache.index.shape) != tuple(batch_shape):
         raise ValueError(
@@ -388,22 +366,21 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
     return cache.merged(batch)
 
 
-def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_causal, query_positions,
-                 local_window_size, device, attention_chunk_size=None):
-    """Append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` at the tokens' positions (see
-    ``_writable``); the spec of the new queries over the cache's ``max_length`` slots."""
-    batch, n, max_length = key.shape[0], key.shape[1], cache.max_length
-    if cache.key_storage.dtype != key.dtype:
+def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
+    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new tokens' positions
+    (``call.query_positions`` ``(batch, n)`` or ``(n,)``, default each row's index onward) and append ``k``/``v``
+    ``(batch, kv_heads, n, head_dim)`` to ``cache`` there (see ``_writable``): ``(q, spec)``, the rotated queries
+    and ``call.spec`` with the positions of the new queries and of the ``max_length`` slots."""
+    start, max_length = cache.index.clone(), cache.max_length
+    pos = _cache.positions(start, k.shape[2], call.query_positions)
+    q, k = rotate_at(rotary, q, k, pos, pos)
+    if cache.key_storage.dtype != k.dtype:
         raise TypeError(
             f"the cache's key has dtype {str(cache.key.dtype).removeprefix('torch.')} but the keys are "
-            f"{str(key.dtype).removeprefix('torch.')}: KVCache(..., dtype={key.dtype})"
+            f"{str(k.dtype).removeprefix('torch.')}: KVCache(..., dtype={k.dtype})"
         )
-    window, is_causal = arguments.check_window(local_window_size), arguments.check_is_causal(is_causal)
-    start = cache.index.clone()
-    pos = _cache.positions(start, n, query_positions)
     end = _cache.advance(start, pos)
-    bounds = terms.of(is_causal, window, attention_chunk_size, False, False)
-    overflow = terms.cache_overflows(start, end, max_length, bounds)
+    overflow = terms.cache_overflows(start, end, max_length, call.spec.terms)
     if not torch.compiler.is_compiling() and bool(overflow.any()):
         row = int(overflow.int().argmax())
         raise ValueError(
@@ -411,17 +388,13 @@ def _decode_step(cache: KVCache, key, value, num_heads: int, *, mask, bias, is_c
             f"{max_length} slots, overwriting positions its queries may still see (a window of left + chunk <= "
             "max_length makes it a rolling buffer)"
         )
+    key, value = k.transpose(1, 2), v.transpose(1, 2)
     _writable(cache, key, value)
-    _cache.write(cache.key, key, pos, start, padded=query_positions is not None)
-    _cache.write(cache.value, value, pos, start, padded=query_positions is not None)
+    _cache.write(cache.key, key, pos, start, padded=call.query_positions is not None)
+    _cache.write(cache.value, value, pos, start, padded=call.query_positions is not None)
     cache.index.copy_(end)
     cache.overflow.logical_or_(overflow)
-    held, lengths = _cache.slot_positions(end, max_length)
-    return masks.parse(
-        (batch, num_heads, n, max_length), mask=mask, bias=bias, is_causal=is_causal, query_positions=pos,
-        key_positions=held, local_window_size=local_window_size, key_value_seq_lengths=lengths, device=device,
-        attention_chunk_size=attention_chunk_size,
-    )
+    return q, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
 
 
 def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -433,20 +406,24 @@ def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
         cache.key_storage, cache.value_storage = cache.key_storage.clone(), cache.value_storage.clone()
 
 
-def _prepare(query, key, value, num_heads: int, embed_dim: int, kdim: int, vdim: int, dtype: torch.dtype, *,
-             is_causal, local_window_size, dropout_mask, attention_chunk_size=None, **terms):
-    """The checked call of the module (``dtype``: its parameters'): ``(batch_shape, inputs,
-    spec, dropout_mask)``, the inputs and terms with their batch axes merged into one."""
-    self_attention, query, key, value = _self_attention(query, key, value)
-    _check_inputs(query, key, value, embed_dim, kdim, vdim)
+def _prepare(inputs: tuple, masking: dict, num_heads: int, features: tuple[int, int, int], dtype: torch.dtype, *,
+            max_length: int | None = None) -> batch_axes.Call:
+    """The checked call of the module: ``inputs`` (query, key, value; absent ones defaulted) and
+    ``masking`` (the call's masking arguments and ``dropout_mask``, by name) with their batch axes
+    merged into one (``features``: ``embed_dim``, ``kdim``, ``vdim``; ``dtype``: the parameters').
+    Not decoding, the spec of ``(batch, num_heads, q_len, kv_len)`` on the query's device, the
+    keys no query may attend to zeroed; decoding (``max_length``: the cache's), the spec over the
+    cache's slots, whose positions ``_decode_step`` sets."""
+    self_attention, query, key, value = _self_attention(*inputs)
+    _check_inputs(query, key, value, *features)
     _check_parameter_dtype(query, dtype)
-    batch_shape, inputs, terms = batch_axes.flatten_batch(
-        (query, key, value), _expand, dropout_mask=dropout_mask, **terms
-    )
-    dropout_mask = terms.pop("dropout_mask")
-    spec = _spec(inputs[0], inputs[1], num_heads, self_attention, is_causal=is_causal,
-                 local_window_size=local_window_size, attention_chunk_size=attention_chunk_size, **terms)
-    return batch_shape, inputs, spec, dropout_mask
+    parse = functools.partial(masks.parse, device=query.device)
+    call = batch_axes.merged_call((query, key, value), self_attention, masking, _expand, parse, num_heads, max_length)
+    if max_length is not None:
+        return call
+    query, key, value = call.inputs
+    key, value = masks.zero_unused_inputs(key, value, call.spec)
+    return dataclasses.replace(call, inputs=(query, key, value))
 
 
 def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
@@ -466,21 +443,6 @@ def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 def _self_attention(query, key, value):
     """The defaults for absent key and value inputs; True when the keys are the queries."""
     return arguments.default_inputs(query, key, value, ("query", "key", "value"), "tensor")
-
-
-def _spec(query, key, num_heads: int, self_attention: bool, *, key_positions=None,
-          key_segment_ids=None, query_positions=None, query_segment_ids=None, **terms) -> masks.Spec:
-    """The call's masking, parsed once for ``(batch, num_heads, q_len, kv_len)`` on the query's
-    device; in self-attention the key positions and segment ids default to the query's."""
-    if self_attention:
-        key_positions = query_positions if key_positions is None else key_positions
-        key_segment_ids = query_segment_ids if key_segment_ids is None else key_segment_ids
-    shape = (query.shape[0], num_heads, query.shape[1], key.shape[1])
-    return masks.parse(
-        shape, query_positions=query_positions, key_positions=key_positions,
-        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-        device=query.device, **terms,
-    )
 
 
 def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:

@@ -173,7 +173,7 @@ def test_padding_garbage_reaches_no_parameter_gradient(poison):
     and the projection's weight gradient sums ``0 * NaN`` over positions. One optimiser step
     then turns the weights to NaN.
 
-    Fix: in ``mha_jax/_layer.py`` (``_prepare``, for the nnx and linen modules) and
+    Fix: in ``mha_jax/_layer.py`` (``prepare``, for the nnx and linen modules) and
     ``mha_torch/module.py`` (``forward``): before projecting, zero the rows of ``inputs_k`` and
     ``inputs_v`` that no query of any head may attend to (the same reduction of mask and
     causality as the cores, over all heads: ``masks.zero_unused_inputs``)."""
