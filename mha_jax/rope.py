@@ -8,8 +8,6 @@ no state kept) is told in ``mha_spec.rotary``. Under ``jax.jit`` the length may 
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -46,16 +44,16 @@ class RotaryEmbedding(rotary.RotaryParameters):
         ``dynamic`` and ``longrope`` past their threshold length."""
         # Constants even under jit, so that jitted and eager calls use the same frequencies.
         with jax.ensure_compile_time_eval():
-            inv_freq = _INIT_INV_FREQ[self.rope_type](self)
+            inv_freq = rotary.inv_freq(self, _OPS)
         threshold = self.seq_len_threshold()
         if seq_len is None or threshold is None:
             return inv_freq
         seq_len = jnp.asarray(seq_len)
         if self.rope_type == "dynamic":
-            longer = _dynamic_inv_freq(self, seq_len)
+            longer = rotary.dynamic_inv_freq(self, seq_len, _OPS)
         else:
             with jax.ensure_compile_time_eval():
-                longer = _longrope_inv_freq(self, "long_factor")
+                longer = rotary.longrope_inv_freq(self, _OPS, "long_factor")
         # transformers: recompute once max(position_ids) + 1 passes the threshold.
         return jnp.where(seq_len > threshold, longer, inv_freq)
 
@@ -97,9 +95,7 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, inter
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-# --- the frequencies, one function per rope_type, as transformers.modeling_rope_utils -------
-# The one block written alike in both twins, on purpose: each must round as transformers does,
-# operation for operation, in its own framework's float32 operations.
+# --- the float32 operations of the frequencies (mha_spec.rotary.inv_freq), rounding as torch's
 
 
 def _rdiv(a: float, x: jax.Array) -> jax.Array:
@@ -120,80 +116,14 @@ def _pow(x: jax.Array, p: float) -> jax.Array:
     return (x.astype(jax.dtypes.canonicalize_dtype(jnp.float64)) ** p).astype(jnp.float32)
 
 
-def _exponents(dim: int) -> jax.Array:
+def _exponents(dim: int, like=None) -> jax.Array:
     """``arange(0, dim, 2) / dim`` in float32, the exponents of every init function."""
     with jax.ensure_compile_time_eval():
         return _div(jnp.arange(0, dim, 2, dtype=jnp.float32), dim)
 
 
-def _default_inv_freq(theta: float | jax.Array, dim: int) -> jax.Array:
-    """``compute_default_rope_parameters``: ``1 / theta ** (2i / dim)``."""
-    return _rdiv(1.0, theta ** _exponents(dim))
-
-
-def _linear_inv_freq(rope: RotaryEmbedding) -> jax.Array:
-    """``_compute_linear_scaling_rope_parameters``: every frequency divided by ``factor``."""
-    return _div(_default_inv_freq(rope.theta, rope.rotary_dim), rope.scaling["factor"])
-
-
-def _dynamic_init_inv_freq(rope: RotaryEmbedding) -> jax.Array:
-    """``_compute_dynamic_ntk_parameters`` at construction: the base computed in Python floats at
-    ``max_position_embeddings`` (where it barely changes)."""
-    max_pos = rope.max_position_embeddings
-    theta = rotary.dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
-    return _default_inv_freq(theta, rope.rotary_dim)
-
-
-def _dynamic_inv_freq(rope: RotaryEmbedding, seq_len: jax.Array) -> jax.Array:
-    """``_compute_dynamic_ntk_parameters`` as ``dynamic_rope_update`` calls it, with ``seq_len`` a
-    tensor: the grown base in float32."""
-    factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
-    seq_len = jnp.maximum(seq_len, max_pos).astype(jnp.float32)
-    theta = rope.theta * _pow(((factor * seq_len / max_pos) - (factor - 1)), dim / (dim - 2))
-    return _default_inv_freq(theta, dim)
-
-
-def _yarn_inv_freq(rope: RotaryEmbedding) -> jax.Array:
-    """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
-    extrapolated (unchanged) above it, blended linearly along it."""
-    factor = rotary.scaling_factor(rope.scaling, rope.max_position_embeddings)
-    pos_freqs = rope.theta ** _exponents(rope.rotary_dim)
-    extrapolation = _rdiv(1.0, pos_freqs)
-    interpolation = _rdiv(1.0, factor * pos_freqs)
-    low, high = rotary.yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
-    ramp = jnp.clip(_div(jnp.arange(rope.rotary_dim // 2, dtype=jnp.float32) - low, high - low), 0, 1)
-    extrapolation_factor = 1 - ramp
-    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
-
-
-def _longrope_inv_freq(rope: RotaryEmbedding, which: str = "short_factor") -> jax.Array:
-    """``_compute_longrope_parameters``: each frequency divided by its own factor, ``short_factor``
-    up to ``original_max_position_embeddings``, ``long_factor`` past it."""
-    ext_factors = jnp.asarray(rope.scaling[which], dtype=jnp.float32)
-    return _rdiv(1.0, ext_factors * rope.theta ** _exponents(rope.rotary_dim))
-
-
-def _llama3_inv_freq(rope: RotaryEmbedding) -> jax.Array:
-    """``_compute_llama3_parameters``: wavelengths beyond ``omax / low_freq_factor`` divided by
-    ``factor``, below ``omax / high_freq_factor`` kept, between them smoothly blended."""
-    scaling = rope.scaling
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    omax = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = omax / low, omax / high
-    inv_freq = _default_inv_freq(rope.theta, rope.rotary_dim)
-    wavelen = _rdiv(2 * math.pi, inv_freq)
-    inv_freq_llama = jnp.where(wavelen > low_freq_wavelen, _div(inv_freq, factor), inv_freq)
-    smooth_factor = _div(_rdiv(omax, wavelen) - low, high - low)
-    smoothed = _div((1 - smooth_factor) * inv_freq_llama, factor) + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return jnp.where(is_medium_freq, smoothed, inv_freq_llama)
-
-
-_INIT_INV_FREQ = {
-    "default": lambda rope: _default_inv_freq(rope.theta, rope.rotary_dim),
-    "linear": _linear_inv_freq,
-    "dynamic": _dynamic_init_inv_freq,
-    "yarn": _yarn_inv_freq,
-    "longrope": _longrope_inv_freq,
-    "llama3": _llama3_inv_freq,
-}
+_OPS = rotary.FrequencyOps(
+    rdiv=_rdiv, div=_div, pow=_pow, exponents=_exponents, arange=lambda n: jnp.arange(n, dtype=jnp.float32),
+    array=lambda values: jnp.asarray(values, dtype=jnp.float32), where=jnp.where, clip=jnp.clip,
+    at_least=lambda n, m: jnp.maximum(n, m).astype(jnp.float32),
+)

@@ -5,7 +5,9 @@ The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for 
 float32, so that they match a transformers model's: ``default`` (``compute_default_rope_parameters``
 of Llama and GPT-NeoX), ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``. Where
 transformers divides a Python number by a tensor, torch computes ``reciprocal(x) * a``; so does
-each twin's ``_rdiv``, which keeps the twins on the same roundings.
+each twin's ``rdiv``, which keeps the twins on the same roundings. The frequencies are written
+once, below (``inv_freq``), over the float32 operations each twin passes in (``FrequencyOps``):
+each then rounds as transformers does, operation for operation, in its own framework.
 
 ``dynamic`` and ``longrope`` depend on the sequence length, which transformers reads from
 ``max(position_ids) + 1`` in ``dynamic_rope_update`` (one length for the whole batch, as the twins).
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
 
@@ -410,3 +412,104 @@ def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_posit
         return positions[0] if positions.ndim == 2 and positions.shape[0] == 1 and batch != 1 else positions
 
     return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
+
+
+# --- the frequencies, one function per rope_type, as transformers.modeling_rope_utils -------
+
+
+@dataclass(frozen=True)
+class FrequencyOps:
+    """A twin's float32 operations, each rounding as torch's operation that transformers uses:
+    ``rdiv(a, x)`` the number ``a`` over an array, ``div(x, a)`` an array over a number,
+    ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)`` ``arange(0, dim, 2) / dim``
+    (on ``like``'s device, if given), ``arange(n)``, ``array(values)``, ``where``,
+    ``clip(x, lo, hi)`` and ``at_least(n, m)``, the integer ``max(n, m)`` as float32."""
+
+    rdiv: Callable
+    div: Callable
+    pow: Callable
+    exponents: Callable
+    arange: Callable
+    array: Callable
+    where: Callable
+    clip: Callable
+    at_least: Callable
+
+
+def _default_inv_freq(ops: FrequencyOps, theta: Any, dim: int, like: Any = None) -> Any:
+    """``compute_default_rope_parameters``: ``1 / theta ** (2i / dim)``."""
+    return ops.rdiv(1.0, theta ** ops.exponents(dim, like))
+
+
+def _linear_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+    """``_compute_linear_scaling_rope_parameters``: every frequency divided by ``factor``."""
+    return ops.div(_default_inv_freq(ops, rope.theta, rope.rotary_dim), rope.scaling["factor"])
+
+
+def _dynamic_init_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+    """``_compute_dynamic_ntk_parameters`` at construction: the base computed in Python floats at
+    ``max_position_embeddings`` (where it barely changes)."""
+    max_pos = rope.max_position_embeddings
+    theta = dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
+    return _default_inv_freq(ops, theta, rope.rotary_dim)
+
+
+def dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -> Any:
+    """``_compute_dynamic_ntk_parameters`` as ``dynamic_rope_update`` calls it, with ``seq_len`` a
+    0-d integer array: the grown base in float32, the frequencies where ``seq_len`` is."""
+    factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
+    seq_len = ops.at_least(seq_len, max_pos)
+    theta = rope.theta * ops.pow(((factor * seq_len / max_pos) - (factor - 1)), dim / (dim - 2))
+    return _default_inv_freq(ops, theta, dim, seq_len)
+
+
+def _yarn_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+    """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
+    extrapolated (unchanged) above it, blended linearly along it."""
+    factor = scaling_factor(rope.scaling, rope.max_position_embeddings)
+    pos_freqs = rope.theta ** ops.exponents(rope.rotary_dim, None)
+    extrapolation = ops.rdiv(1.0, pos_freqs)
+    interpolation = ops.rdiv(1.0, factor * pos_freqs)
+    low, high = yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
+    ramp = ops.clip(ops.div(ops.arange(rope.rotary_dim // 2) - low, high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def longrope_inv_freq(rope: RotaryParameters, ops: FrequencyOps, which: str = "short_factor") -> Any:
+    """``_compute_longrope_parameters``: each frequency divided by its own factor, ``short_factor``
+    up to ``original_max_position_embeddings``, ``long_factor`` past it."""
+    ext_factors = ops.array(rope.scaling[which])
+    return ops.rdiv(1.0, ext_factors * rope.theta ** ops.exponents(rope.rotary_dim, None))
+
+
+def _llama3_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+    """``_compute_llama3_parameters``: wavelengths beyond ``omax / low_freq_factor`` divided by
+    ``factor``, below ``omax / high_freq_factor`` kept, between them smoothly blended."""
+    scaling = rope.scaling
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    omax = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = omax / low, omax / high
+    inv_freq = _default_inv_freq(ops, rope.theta, rope.rotary_dim)
+    wavelen = ops.rdiv(2 * math.pi, inv_freq)
+    inv_freq_llama = ops.where(wavelen > low_freq_wavelen, ops.div(inv_freq, factor), inv_freq)
+    smooth_factor = ops.div(ops.rdiv(omax, wavelen) - low, high - low)
+    smoothed = ops.div((1 - smooth_factor) * inv_freq_llama, factor) + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return ops.where(is_medium_freq, smoothed, inv_freq_llama)
+
+
+_INIT_INV_FREQ = {
+    "default": lambda rope, ops: _default_inv_freq(ops, rope.theta, rope.rotary_dim),
+    "linear": _linear_inv_freq,
+    "dynamic": _dynamic_init_inv_freq,
+    "yarn": _yarn_inv_freq,
+    "longrope": longrope_inv_freq,
+    "llama3": _llama3_inv_freq,
+}
+
+
+def inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+    """float32 ``(rotary_dim // 2,)``: the frequencies of ``rope`` at construction, as
+    transformers' init function of its ``rope_type`` computes them."""
+    return _INIT_INV_FREQ[rope.rope_type](rope, ops)

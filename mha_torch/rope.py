@@ -8,8 +8,6 @@ no state kept) is told in ``mha_spec.rotary``. The length is computed on the pos
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mha_spec import arguments, docstrings, rotary
@@ -43,15 +41,15 @@ class RotaryEmbedding(rotary.RotaryParameters):
         (an integer, or a scalar integer tensor), as transformers' forward pass
         computes them after ``dynamic_rope_update``: they differ from ``inv_freq`` only for
         ``dynamic`` and ``longrope`` past their threshold length."""
-        inv_freq = _INIT_INV_FREQ[self.rope_type](self)
+        inv_freq = rotary.inv_freq(self, _OPS)
         threshold = self.seq_len_threshold()
         if seq_len is None or threshold is None:
             return inv_freq
         seq_len = torch.as_tensor(seq_len)
         if self.rope_type == "dynamic":
-            longer = _dynamic_inv_freq(self, seq_len)
+            longer = rotary.dynamic_inv_freq(self, seq_len, _OPS)
         else:
-            longer = _longrope_inv_freq(self, "long_factor").to(seq_len.device)
+            longer = rotary.longrope_inv_freq(self, _OPS, "long_factor").to(seq_len.device)
         # transformers: recompute once max(position_ids) + 1 passes the threshold.
         return torch.where(seq_len > threshold, longer, inv_freq.to(seq_len.device))
 
@@ -92,9 +90,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return torch.cat([rotated.to(x.dtype), x[..., rotary_dim:]], dim=-1)
 
 
-# --- the frequencies, one function per rope_type, as transformers.modeling_rope_utils -------
-# The one block written alike in both twins, on purpose: each must round as transformers does,
-# operation for operation, in its own framework's float32 operations.
+# --- the float32 operations of the frequencies (mha_spec.rotary.inv_freq), as transformers' own
 
 
 def _rdiv(a: float, x: torch.Tensor) -> torch.Tensor:
@@ -113,80 +109,15 @@ def _pow(x: torch.Tensor, p: float) -> torch.Tensor:
     return x**p
 
 
-def _exponents(dim: int) -> torch.Tensor:
-    """``arange(0, dim, 2) / dim`` in float32, the exponents of every init function."""
-    return _div(torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32), dim)
+def _exponents(dim: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``arange(0, dim, 2) / dim`` in float32, the exponents of every init function; on ``like``'s
+    device (a length on the GPU: no copy of it to the host)."""
+    exponents = _div(torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32), dim)
+    return exponents if like is None else exponents.to(like.device)
 
 
-def _default_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
-    """``compute_default_rope_parameters``: ``1 / theta ** (2i / dim)``."""
-    return _rdiv(1.0, theta ** _exponents(dim))
-
-
-def _linear_inv_freq(rope: RotaryEmbedding) -> torch.Tensor:
-    """``_compute_linear_scaling_rope_parameters``: every frequency divided by ``factor``."""
-    return _div(_default_inv_freq(rope.theta, rope.rotary_dim), rope.scaling["factor"])
-
-
-def _dynamic_init_inv_freq(rope: RotaryEmbedding) -> torch.Tensor:
-    """``_compute_dynamic_ntk_parameters`` at construction: the base computed in Python floats at
-    ``max_position_embeddings`` (where it barely changes)."""
-    max_pos = rope.max_position_embeddings
-    theta = rotary.dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
-    return _default_inv_freq(theta, rope.rotary_dim)
-
-
-def _dynamic_inv_freq(rope: RotaryEmbedding, seq_len: torch.Tensor) -> torch.Tensor:
-    """``_compute_dynamic_ntk_parameters`` as ``dynamic_rope_update`` calls it, with ``seq_len`` a
-    tensor: the grown base in float32."""
-    factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
-    seq_len = torch.clamp(seq_len, min=max_pos).to(torch.float32)
-    theta = rope.theta * _pow(((factor * seq_len / max_pos) - (factor - 1)), dim / (dim - 2))
-    # _default_inv_freq on seq_len's device: no copy of it to the host.
-    return _rdiv(1.0, theta ** _exponents(dim).to(seq_len.device))
-
-
-def _yarn_inv_freq(rope: RotaryEmbedding) -> torch.Tensor:
-    """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
-    extrapolated (unchanged) above it, blended linearly along it."""
-    factor = rotary.scaling_factor(rope.scaling, rope.max_position_embeddings)
-    pos_freqs = rope.theta ** _exponents(rope.rotary_dim)
-    extrapolation = _rdiv(1.0, pos_freqs)
-    interpolation = _rdiv(1.0, factor * pos_freqs)
-    low, high = rotary.yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
-    ramp = torch.clamp(_div(torch.arange(rope.rotary_dim // 2, dtype=torch.float32) - low, high - low), 0, 1)
-    extrapolation_factor = 1 - ramp
-    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
-
-
-def _longrope_inv_freq(rope: RotaryEmbedding, which: str = "short_factor") -> torch.Tensor:
-    """``_compute_longrope_parameters``: each frequency divided by its own factor, ``short_factor``
-    up to ``original_max_position_embeddings``, ``long_factor`` past it."""
-    ext_factors = torch.tensor(rope.scaling[which], dtype=torch.float32)
-    return _rdiv(1.0, ext_factors * rope.theta ** _exponents(rope.rotary_dim))
-
-
-def _llama3_inv_freq(rope: RotaryEmbedding) -> torch.Tensor:
-    """``_compute_llama3_parameters``: wavelengths beyond ``omax / low_freq_factor`` divided by
-    ``factor``, below ``omax / high_freq_factor`` kept, between them smoothly blended."""
-    scaling = rope.scaling
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    omax = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = omax / low, omax / high
-    inv_freq = _default_inv_freq(rope.theta, rope.rotary_dim)
-    wavelen = _rdiv(2 * math.pi, inv_freq)
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, _div(inv_freq, factor), inv_freq)
-    smooth_factor = _div(_rdiv(omax, wavelen) - low, high - low)
-    smoothed = _div((1 - smooth_factor) * inv_freq_llama, factor) + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed, inv_freq_llama)
-
-
-_INIT_INV_FREQ = {
-    "default": lambda rope: _default_inv_freq(rope.theta, rope.rotary_dim),
-    "linear": _linear_inv_freq,
-    "dynamic": _dynamic_init_inv_freq,
-    "yarn": _yarn_inv_freq,
-    "longrope": _longrope_inv_freq,
-    "llama3": _llama3_inv_freq,
-}
+_OPS = rotary.FrequencyOps(
+    rdiv=_rdiv, div=_div, pow=_pow, exponents=_exponents, arange=lambda n: torch.arange(n, dtype=torch.float32),
+    array=lambda values: torch.tensor(values, dtype=torch.float32), where=torch.where, clip=torch.clamp,
+    at_least=lambda n, m: torch.clamp(n, min=m).to(torch.float32),
+)
