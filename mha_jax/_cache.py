@@ -1,11 +1,6 @@
-"""Key/value cache arithmetic for decoding: where new tokens go and what each slot holds.
+"""Key/value cache arithmetic for decoding (``mha_spec.kv_cache``) over JAX arrays.
 
-Twin of ``mha_torch/_cache.py``. A cache of ``max_length`` slots per row holds the token at
-position ``p`` in slot ``p % max_length``; each row keeps its own end (one past its last
-position written). Slot ``s`` of a row whose end is ``e`` then holds position
-``s + max_length * floor((e - 1 - s) / max_length)``, a negative one if never written. While
-``e <= max_length`` nothing is overwritten; past it the oldest positions are, which is right only
-when every query's window starts after them (a rolling buffer for sliding-window attention).
+Twin of ``mha_torch/_cache.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks
+from mha_spec import kv_cache
 
 
 def positions(end: jax.Array, n: int, query_positions) -> jax.Array:
@@ -22,13 +18,8 @@ def positions(end: jax.Array, n: int, query_positions) -> jax.Array:
     if query_positions is None:
         return end[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     _checks.require_array("query_positions", query_positions)
-    if _checks.dtype_kind(query_positions) != "int":
-        raise TypeError(f"query_positions must be integer, got dtype {query_positions.dtype}")
-    if tuple(query_positions.shape) not in ((n,), (end.shape[0], n)):
-        raise ValueError(
-            f"query_positions must have shape (batch, n) = {(end.shape[0], n)} or (n,) = ({n},) "
-            f"while decoding, got {tuple(query_positions.shape)}"
-        )
+    kv_cache.check_step_positions(query_positions.shape, _checks.dtype_kind(query_positions), query_positions.dtype,
+                                  end.shape[0], n)
     return jnp.broadcast_to(jnp.asarray(query_positions, jnp.int32), (end.shape[0], n))
 
 
@@ -47,12 +38,9 @@ def write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
 
 def advance(end: jax.Array, pos: jax.Array) -> jax.Array:
     """Each row's new end: one past the last position written."""
-    return jnp.maximum(end, pos.max(axis=1) + 1)
+    return kv_cache.advance(end, pos.max(axis=1), jnp.maximum)
 
 
 def slot_positions(end: jax.Array, max_length: int) -> tuple[jax.Array, jax.Array]:
-    """(int32 ``(batch, max_length)`` positions each slot holds, int32 ``(batch,)`` count of
-    written slots): the key positions and lengths the attention reads."""
-    slots = jnp.arange(max_length, dtype=jnp.int32)[None]
-    held = slots + max_length * jnp.floor_divide(end[:, None] - 1 - slots, max_length)
-    return held, jnp.minimum(end, max_length)
+    """(positions each slot holds, count of written slots): ``mha_spec.kv_cache.slot_positions``."""
+    return kv_cache.slot_positions(end, max_length, jnp.arange(max_length, dtype=jnp.int32)[None], jnp.minimum)

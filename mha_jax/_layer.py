@@ -220,15 +220,14 @@ def _logit_terms(module, sinks) -> dict:
 
 
 def qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
-    """``x`` ``(..., heads, head_dim)`` normalised over its last axis (per head) or its last two,
-    in float32 or wider, times ``offset + scale``; in ``x``'s dtype."""
-    axes = (-1,) if qk_norm.per_head else (-2, -1)
+    """``x`` ``(..., heads, head_dim)`` as ``qk_norm`` normalises it, in float32 or wider; in ``x``'s dtype."""
     compute = jnp.promote_types(x.dtype, jnp.float32)
-    y = x.astype(compute)
-    if qk_norm.kind == "layer":
-        y = y - y.mean(axis=axes, keepdims=True)
-    y = y * jax.lax.rsqrt((y * y).mean(axis=axes, keepdims=True) + qk_norm.eps)
-    return (y * (qk_norm.offset + scale.astype(compute))).astype(x.dtype)
+    y = qk_norm.normalize(x.astype(compute), scale.astype(compute), _mean, jax.lax.rsqrt)
+    return y.astype(x.dtype)
+
+
+def _mean(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return x.mean(axis=axes, keepdims=True)
 
 
 def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +29,16 @@ class QKNorm:
     eps: float = 1e-6
     offset: float = 0.0
     per_head_scale: bool = False
+
+    def normalize(self, y: Any, scale: Any, mean: Callable[[Any, tuple[int, ...]], Any], rsqrt: Callable) -> Any:
+        """``y`` ``(..., heads, head_dim)`` (float32 or wider) normalised over its last axis (per
+        head) or its last two, times ``offset + scale`` (in ``y``'s dtype, broadcasting to it);
+        ``mean(y, axes)`` is the framework's mean keeping the axes, ``rsqrt`` its ``1 / sqrt``."""
+        axes = (-1,) if self.per_head else (-2, -1)
+        if self.kind == "layer":
+            y = y - mean(y, axes)
+        y = y * rsqrt(mean(y * y, axes) + self.eps)
+        return y * (self.offset + scale)
 
     @property
     def shared_scale(self) -> bool:

@@ -1,18 +1,15 @@
-"""Key/value cache for decoding: the cache object and where new tokens go.
+"""Key/value cache for decoding: the cache object, and the cache arithmetic (``mha_spec.kv_cache``)
+over tensors.
 
 Twin of ``mha_jax/_cache.py`` (whose cache lives in the Flax module's ``nnx.Cache`` variables;
-here it is an object passed to the call). A cache of ``max_length`` slots per row holds the token
-at position ``p`` in slot ``p % max_length``; each row keeps its own end (one past its last
-position written). Slot ``s`` of a row whose end is ``e`` then holds position
-``s + max_length * floor((e - 1 - s) / max_length)``, a negative one if never written. While
-``e <= max_length`` nothing is overwritten; past it the oldest positions are, which is right only
-when every query's window starts after them (a rolling buffer for sliding-window attention).
+here it is an object passed to the call).
 """
 
 from __future__ import annotations
 
 import torch
 
+from mha_spec import kv_cache
 from mha_torch import _checks
 
 
@@ -85,14 +82,8 @@ def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
     if query_positions is None:
         return end[:, None] + torch.arange(n, dtype=torch.int32, device=end.device)[None]
     _checks.require_array("query_positions", query_positions)
-    if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
-        dtype = str(query_positions.dtype).removeprefix("torch.")
-        raise TypeError(f"query_positions must be integer, got dtype {dtype}")
-    if tuple(query_positions.shape) not in ((n,), (end.shape[0], n)):
-        raise ValueError(
-            f"query_positions must have shape (batch, n) = {(end.shape[0], n)} or (n,) = ({n},) "
-            f"while decoding, got {tuple(query_positions.shape)}"
-        )
+    kv_cache.check_step_positions(query_positions.shape, _checks.dtype_kind(query_positions),
+                                  _checks.dtype_name(query_positions), end.shape[0], n)
     return query_positions.to(device=end.device, dtype=torch.int32).expand(end.shape[0], n)
 
 
@@ -116,12 +107,10 @@ def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torc
 
 def advance(end: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Each row's new end: one past the last position written."""
-    return torch.maximum(end, pos.amax(dim=1) + 1)
+    return kv_cache.advance(end, pos.amax(dim=1), torch.maximum)
 
 
 def slot_positions(end: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 ``(batch, max_length)`` positions each slot holds, int32 ``(batch,)`` count of
-    written slots): the key positions and lengths the attention reads."""
+    """(positions each slot holds, count of written slots): ``mha_spec.kv_cache.slot_positions``."""
     slots = torch.arange(max_length, dtype=torch.int32, device=end.device)[None]
-    held = slots + max_length * torch.div(end[:, None] - 1 - slots, max_length, rounding_mode="floor")
-    return held.to(torch.int32), torch.clamp(end, max=max_length)
+    return kv_cache.slot_positions(end, max_length, slots, lambda x, m: torch.clamp(x, max=m))

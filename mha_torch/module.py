@@ -336,17 +336,14 @@ class _Norm(nn.Module):
         self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(..., heads, head_dim)`` normalised over its last axis (per head) or its last
-        two, in float32 or wider, times ``offset + weight``; in ``x``'s dtype."""
-        qk_norm = self.qk_norm
-        dims = (-1,) if qk_norm.per_head else (-2, -1)
+        """``x`` ``(..., heads, head_dim)`` as ``qk_norm`` normalises it, in float32 or wider; in ``x``'s dtype."""
         compute = torch.promote_types(x.dtype, torch.float32)
-        y = x.to(compute)
-        if qk_norm.kind == "layer":
-            y = y - y.mean(dim=dims, keepdim=True)
-        y = y * torch.rsqrt((y * y).mean(dim=dims, keepdim=True) + qk_norm.eps)
-        weight = self.weight.to(compute).view(x.shape[-1:] if qk_norm.shared_scale else x.shape[-2:])
-        return (y * (qk_norm.offset + weight)).to(x.dtype)
+        weight = self.weight.to(compute).view(x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:])
+        return self.qk_norm.normalize(x.to(compute), weight, _mean, torch.rsqrt).to(x.dtype)
+
+
+def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return x.mean(dim=dims, keepdim=True)
 
 
 def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> KVCache:
