@@ -118,6 +118,65 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
     )
 
 
+def _choose_layout(selected: Mapping[str, Any], layout: str | None, mapping, where: str
+                   ) -> tuple[str, bool, str | None]:
+    """(layout read, whether it was detected from the keys, why none was when ``layout`` was not
+    given and the keys fit no layout or several: for the errors)."""
+    detected = layout == AUTO and mapping is None
+    undetected = None
+    if layout is None:
+        layout = "mha_torch"  # the default where the keys show no one layout
+        if mapping is None and selected:
+            try:
+                layout = detect_layout(selected, where=where)
+            except ValueError as error:
+                undetected = str(error)
+            detected = layout != "mha_torch"
+    elif detected and selected:
+        layout = detect_layout(selected, where=where)
+    return layout, detected, undetected
+
+
+def _read_sources(selected: Mapping[str, Any], sources, prefix: str, ignored: set, num_heads, num_kv_heads,
+                  problems: list[str]) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str]]:
+    """(our name -> array, our name -> the key it came from, our name -> how messages name it,
+    the keys used) of the ``sources`` found in ``selected`` and not ``ignored``; fused weights
+    split by rows. Names given twice are added to ``problems``."""
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    shown: dict[str, str] = {}
+    used = set()
+    for source in sources:
+        if source.key not in selected or source.key in ignored:
+            continue
+        used.add(source.key)
+        full = prefix + source.key
+        pieces = _split(selected[source.key], source.targets, num_heads, num_kv_heads, full, problems)
+        for target, piece in zip(source.targets, pieces):
+            name = f"{target}.{source.part}" if source.part else target
+            if name in given:
+                problems.append(f"{name} is given twice, by {given[name]!r} and {full!r}")
+            given[name], out[name] = full, piece
+            shown[name] = repr(full) if len(source.targets) == 1 else f"{full!r} (its {target} rows)"
+    return out, given, shown, used
+
+
+def _missing(given: Mapping[str, str], sources, prefix: str) -> list[str]:
+    """The keys a layer needs that were not ``given``: the projections' weights, q/k/v biases all
+    or none, the output projection's bias on its own (Qwen2 has none there), both QK-norms or none."""
+    problems = []
+    has_bias = any(f"{proj}.bias" in given for proj in PROJECTIONS[:3])
+    for proj in PROJECTIONS:
+        for part in PARTS if has_bias and proj != "out_proj" else PARTS[:1]:
+            if f"{proj}.{part}" not in given:
+                problems.append(f"missing key {_expected(sources, proj, part, prefix)}")
+    norms = [norm for norm in NORMS if f"{norm}.weight" in given]
+    if len(norms) == 1:
+        other = NORMS[1 - NORMS.index(norms[0])]
+        problems.append(f"missing key {prefix + other + '.weight'!r} (normalize_qk takes both q_norm and k_norm)")
+    return problems
+
+
 def read_layout(
     state: Mapping[str, Any],
     *,
@@ -149,18 +208,7 @@ def read_layout(
         raise TypeError(f"ignore must be a sequence of non-empty str, got {ignore!r}")
     selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     where = f"the keys under prefix {prefix!r}" if prefix else "the keys"
-    detected = layout == AUTO and mapping is None
-    undetected = None  # layout not given, and the keys fit no layout or several: why, for the errors
-    if layout is None:
-        layout = "mha_torch"  # as before layouts were read from the keys
-        if mapping is None and selected:
-            try:
-                layout = detect_layout(selected, where=where)
-            except ValueError as error:
-                undetected = str(error)
-            detected = layout != "mha_torch"
-    elif detected and selected:
-        layout = detect_layout(selected, where=where)
+    layout, detected, undetected = _choose_layout(selected, layout, mapping, where)
     sources = _sources(layout, mapping)
     if not selected:
         raise ValueError(
@@ -179,37 +227,12 @@ def read_layout(
         if key in selected:
             problems.append(f"key {prefix + key!r} comes from {option}, which this attention does not have")
 
-    out: dict[str, Any] = {}
-    given: dict[str, str] = {}  # our name -> the key it came from
-    shown: dict[str, str] = {}  # our name -> how messages name it
-    used = set()
-    for source in sources:
-        if source.key not in selected or source.key in ignored:
-            continue
-        used.add(source.key)
-        full = prefix + source.key
-        pieces = _split(selected[source.key], source.targets, num_heads, num_kv_heads, full, problems)
-        for target, piece in zip(source.targets, pieces):
-            name = f"{target}.{source.part}" if source.part else target
-            if name in given:
-                problems.append(f"{name} is given twice, by {given[name]!r} and {full!r}")
-            given[name], out[name] = full, piece
-            shown[name] = repr(full) if len(source.targets) == 1 else f"{full!r} (its {target} rows)"
-
+    out, given, shown, used = _read_sources(selected, sources, prefix, ignored, num_heads, num_kv_heads, problems)
     unexpected = sorted(k for k in selected if k not in used and k not in ignored and k not in unsupported)
     problems += [f"unexpected key {prefix + k!r}" for k in unexpected]
     if unexpected:
         problems[-1] += " (select one layer with prefix=, leave other keys out with ignore=)"
-    # q/k/v biases come all or none; the output projection's bias on its own (Qwen2 has none there)
-    has_bias = any(f"{proj}.bias" in given for proj in PROJECTIONS[:3])
-    for proj in PROJECTIONS:
-        for part in PARTS if has_bias and proj != "out_proj" else PARTS[:1]:
-            if f"{proj}.{part}" not in given:
-                problems.append(f"missing key {_expected(sources, proj, part, prefix)}")
-    norms = [norm for norm in NORMS if f"{norm}.weight" in given]
-    if len(norms) == 1:
-        other = NORMS[1 - NORMS.index(norms[0])]
-        problems.append(f"missing key {prefix + other + '.weight'!r} (normalize_qk takes both q_norm and k_norm)")
+    problems += _missing(given, sources, prefix)
     if expected is not None:
         problems += _module_fit(out, given, expected, sources, prefix, problems)
     if _positive_int(num_heads) and _positive_int(num_kv_heads):
