@@ -14,11 +14,12 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mha_jax import _cache, _checks, masks
 from mha_jax.attention import spec_attention
-from mha_spec import arguments, batch_axes, terms
+from mha_spec import arguments, batch_axes, kv_cache, terms
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -117,13 +118,7 @@ def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call)
         )
     end = _cache.advance(start, pos)
     overflow = terms.cache_overflows(start, end, max_length, call.spec.terms)
-    if _checks.concrete(overflow) and bool(overflow.any()):
-        row = int(jnp.argmax(overflow))
-        raise ValueError(
-            f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length "
-            f"{max_length} slots, overwriting positions its queries may still see (a window of left + chunk "
-            "<= max_length makes it a rolling buffer)"
-        )
+    kv_cache.check_overflow(np.asarray(overflow) if _checks.concrete(overflow) else None, end, max_length)
     written = (_cache.write(cache.key, key, pos), _cache.write(cache.value, value, pos))
     updated = _Cache(*written, end, cache.overflow | overflow)
     return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))

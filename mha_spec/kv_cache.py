@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 
 def check_step_positions(shape: Sequence[int], kind: str, dtype: Any, batch: int, n: int) -> None:
     """A decoding step's ``query_positions`` (``kind`` and ``dtype`` as the framework names
@@ -39,3 +41,17 @@ def slot_positions(end: Any, max_length: int, slots: Any, minimum: Callable) -> 
     ``arange(max_length)[None]``. The key positions and lengths the attention reads."""
     held = slots + max_length * ((end[:, None] - 1 - slots) // max_length)
     return held, minimum(end, max_length)
+
+
+def check_overflow(overflow: np.ndarray | None, end: np.ndarray, max_length: int) -> None:
+    """Refuse a step that overwrote a position its queries may still see: ``overflow`` bool
+    ``(batch,)`` (None where its values are not known here: under ``jit`` or compilation, where the
+    cache's flag records it instead), ``end`` the rows' new ends."""
+    if overflow is None or not overflow.any():
+        return
+    row = int(np.argmax(overflow))
+    raise ValueError(
+        f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length "
+        f"{max_length} slots, overwriting positions its queries may still see (a window of left + chunk "
+        "<= max_length makes it a rolling buffer)"
+    )

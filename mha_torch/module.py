@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import arguments, batch_axes, terms
+from mha_spec import arguments, batch_axes, kv_cache, terms
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
@@ -378,13 +378,7 @@ def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
         )
     end = _cache.advance(start, pos)
     overflow = terms.cache_overflows(start, end, max_length, call.spec.terms)
-    if not torch.compiler.is_compiling() and bool(overflow.any()):
-        row = int(overflow.int().argmax())
-        raise ValueError(
-            f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length "
-            f"{max_length} slots, overwriting positions its queries may still see (a window of left + chunk <= "
-            "max_length makes it a rolling buffer)"
-        )
+    kv_cache.check_overflow(None if torch.compiler.is_compiling() else overflow.cpu().numpy(), end, max_length)
     key, value = k.transpose(1, 2), v.transpose(1, 2)
     _writable(cache, key, value)
     _cache.write(cache.key, key, pos, start, padded=call.query_positions is not None)
