@@ -139,10 +139,10 @@ def dot_product_attention(
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks.parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-                        query_positions=query_positions, key_positions=key_positions,
-                        local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-                        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                        attention_chunk_size=attention_chunk_size)
+                       query_positions=query_positions, key_positions=key_positions,
+                       local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                       attention_chunk_size=attention_chunk_size)
     return spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
@@ -152,8 +152,8 @@ def dot_product_attention(
 
 
 def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
-               dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
-               implementation=None, zero_unused=True, sequence_axis=None):
+                   dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
+                   implementation=None, zero_unused=True, sequence_axis=None):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""

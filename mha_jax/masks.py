@@ -46,8 +46,8 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
 
 
 def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
-           key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-           key_value_seq_lengths=None, attention_chunk_size=None) -> Spec:
+          key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
+          key_value_seq_lengths=None, attention_chunk_size=None) -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
     batch, _, q_len, kv_len = shape
     allowed = None

@@ -97,10 +97,10 @@ def dot_product_attention(
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks.parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-                        query_positions=query_positions, key_positions=key_positions,
-                        local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-                        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                        attention_chunk_size=attention_chunk_size, device=query.device)
+                       query_positions=query_positions, key_positions=key_positions,
+                       local_window_size=local_window_size, query_segment_ids=query_segment_ids,
+                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
+                       attention_chunk_size=attention_chunk_size, device=query.device)
     return spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
@@ -109,7 +109,7 @@ def dot_product_attention(
 
 
 def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
-               dropout_p=0.0, dropout_mask=None, need_weights=False, implementation=None, zero_unused=True):
+                   dropout_p=0.0, dropout_mask=None, need_weights=False, implementation=None, zero_unused=True):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry).
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
