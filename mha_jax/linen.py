@@ -222,7 +222,7 @@ class MultiHeadDotProductAttention(nn.Module):
 
 
 class _LinenNorm(nn.Module):
-    """A QK-norm other than flax's LayerNorm, as ``mha_jax.module._Norm``: ``scale``
+    """A QK-norm other than flax's LayerNorm, as the nnx module's: ``scale``
     ``(head_dim,)`` shared by the heads, else ``(heads, head_dim)``."""
 
     qk_norm: QKNorm

@@ -20,7 +20,7 @@ from mha_torch.masks import MASK_LAYOUT
 @dataclasses.dataclass(frozen=True)
 class _Kernel:
     """What one implementation takes; the choice and its error messages are read from these
-    (the twin of ``mha_jax.attention._Kernel``)."""
+    (the twin of the kernel records of ``mha_jax/attention.py``)."""
 
     name: str
     weights: bool = False  # need_weights (only a kernel that forms the weights)

@@ -526,7 +526,16 @@ def test_bad_caches_fail_by_name():
         layer(xj[:, :5], decode=True)
     with pytest.raises(ValueError, match="key_value_seq_lengths cannot be given while decoding"):
         layer(xj[:, :1], decode=True, key_value_seq_lengths=jnp.array([1, 1]))
+    with pytest.raises(TypeError, match="query_positions must be integer, got dtype float32"):
+        layer(xj[:, :1], decode=True, query_positions=jnp.zeros((B, 1), jnp.float32))
+    shape_message = re.escape("query_positions must have shape (batch, n) = (2, 1) or (n,) = (1,) while decoding, got (2,)")
+    with pytest.raises(ValueError, match=shape_message):
+        layer(xj[:, :1], decode=True, query_positions=jnp.zeros((B,), jnp.int32))
     with torch.no_grad():
+        with pytest.raises(TypeError, match="query_positions must be integer, got dtype float32"):
+            twin(xt[:, :1], cache=mha_torch.KVCache(B, T, 2, E // H), query_positions=torch.zeros(B, 1))
+        with pytest.raises(ValueError, match=shape_message):
+            twin(xt[:, :1], cache=mha_torch.KVCache(B, T, 2, E // H), query_positions=torch.zeros(B, dtype=torch.int32))
         with pytest.raises(ValueError, match=r"the cache holds key \(3, 10, 2, 4\)"):
             twin(xt[:, :1], cache=mha_torch.KVCache(B + 1, T, 2, E // H))
         with pytest.raises(TypeError, match="the cache's key has dtype float64 but the keys are float32"):
