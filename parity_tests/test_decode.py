@@ -528,7 +528,8 @@ def test_bad_caches_fail_by_name():
         layer(xj[:, :1], decode=True, key_value_seq_lengths=jnp.array([1, 1]))
     with pytest.raises(TypeError, match="query_positions must be integer, got dtype float32"):
         layer(xj[:, :1], decode=True, query_positions=jnp.zeros((B, 1), jnp.float32))
-    shape_message = re.escape("query_positions must have shape (batch, n) = (2, 1) or (n,) = (1,) while decoding, got (2,)")
+    shape_message = re.escape("query_positions must have shape (batch, n) = (2, 1) or (n,) = (1,) while decoding, "
+                              "got (2,)")
     with pytest.raises(ValueError, match=shape_message):
         layer(xj[:, :1], decode=True, query_positions=jnp.zeros((B,), jnp.int32))
     with torch.no_grad():
