@@ -75,15 +75,14 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
-    """``spec``, parsed over a decoding cache's ``max_length`` slots, with the step's positions:
-    the new tokens' ``(batch, n)``, the slots' ``(batch, max_length)`` and the count of written
-    slots ``(batch,)``, checked and kept as ``parse`` keeps them."""
+    """``spec`` (parsed over a decoding cache's slots) with the step's positions, int32 as ``parse``
+    keeps them: the new tokens' ``(batch, n)``, the slots' ``(batch, max_length)`` and the count
+    of written slots ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
-    return dataclasses.replace(
-        spec, query_positions=_sequence("query_positions", query_positions, batch, q_len, "q_len"),
-        key_positions=_sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
-        lengths=_lengths(lengths, batch, kv_len),
-    )
+    queries = _sequence("query_positions", query_positions, batch, q_len, "q_len")
+    keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len")
+    lengths = _lengths(lengths, batch, kv_len)
+    return dataclasses.replace(spec, query_positions=queries, key_positions=keys, lengths=lengths)
 
 
 def _sequence(name: str, x, batch: int, length: int, length_name: str):

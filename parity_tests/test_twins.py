@@ -1,5 +1,5 @@
-"""The twins say once what they share: no block of six lines stands in both packages (the rotary
-frequencies aside), and the docstring sections they share are put in whole."""
+"""The twins say once what they share: no block of six lines stands in both packages, and the
+docstring sections they share are put in whole."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import mha_torch
 from mha_spec import docstrings
 
 ROOT = Path(__file__).resolve().parents[1]
-# the one block written alike on purpose: each twin must round as transformers does in its framework
-FREQUENCIES = "# --- the frequencies, one function per rope_type"
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:
@@ -73,10 +71,6 @@ def test_twins_repeat_no_block_of_six_lines(jax_path):
     found = {}
     for torch_path in _files("mha_torch"):
         runs = _shared_runs(_code_lines(jax_path), _code_lines(torch_path), 6)
-        if jax_path.name == torch_path.name == "rope.py":  # the frequencies are the named exception
-            lines = jax_path.read_text().splitlines()
-            start = next(i for i, line in enumerate(lines, 1) if line.startswith(FREQUENCIES))
-            runs = [run for run in runs if run[0] < start]
         if runs:
             found[torch_path.name] = runs
     assert not found, f"{jax_path.name}: lines (mha_jax, mha_torch, count) repeated in both twins: {found}"
