@@ -214,3 +214,97 @@ def draw_structure(spec: Spec, rng: np.random.Generator) -> dict:
     if spec.bias_shape is not None:
         terms["bias"] = arrays.rounded(rng.normal(size=spec.bias_shape), spec.dtype)
     return terms
+
+
+# --- drawn calls of the functional core ------------------------------------------------------
+# Each new shape or static option compiles anew (and builds a new TPU-kernel program in interpret
+# mode), so a call is drawn from small fixed sets: query and key lengths unequal both ways (and
+# multiples of 4, for a ring over 2 devices), windows lopsided both ways.
+
+CALL_HEADS = (4, 2)  # query heads, key/value heads
+CALL_BATCH, CALL_HEAD_DIM = 2, 8
+CALL_LENGTHS = ((12, 8), (8, 12), (8, 8))  # (q_len, kv_len)
+CALL_WINDOWS = (None, (3, 0), (0, 3), (5, 1), (1, 5))
+CALL_CHUNK = 4
+CALL_DROPOUT_RATE = 0.25
+
+
+@dataclass(frozen=True)
+class Call:
+    """One drawn call of ``dot_product_attention``: lengths, the masking terms, dropout (an
+    explicit keep-mask), soft-cap and sinks; array values come from ``seed``. ``lengths``: every
+    example's key length strictly between 0 and ``kv_len``."""
+
+    q_len: int = 8
+    kv_len: int = 8
+    is_causal: bool = False
+    window: tuple[int, int] | None = None
+    chunk: bool = False
+    segments: int = 0  # packed segments drawn (0: none)
+    lengths: bool = False
+    dropout: bool = False
+    soft_cap: float | None = None
+    sinks: bool = False
+    seed: int = 0
+
+
+@st.composite
+def calls(draw) -> Call:
+    """A ``Call`` from the fixed shapes, windows and chunk size, every term on or off."""
+    q_len, kv_len = draw(st.sampled_from(CALL_LENGTHS))
+    sometimes = st.sampled_from([False, False, True])  # terms that the TPU kernel refuses, a third of the time
+    return Call(
+        q_len=q_len, kv_len=kv_len, is_causal=draw(st.booleans()), window=draw(st.sampled_from(CALL_WINDOWS)),
+        chunk=draw(sometimes), segments=draw(st.sampled_from([0, 2, 3])), lengths=draw(st.booleans()),
+        dropout=draw(sometimes), soft_cap=draw(st.sampled_from([None, 2.0])), sinks=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def build_call(call: Call) -> tuple[tuple[np.ndarray, ...], dict, oracle.Attention]:
+    """``((q, k, v, d_out) in PyTorch's layout (batch, heads, len, head_dim), the call's keywords
+    for ``cores.run_core``, the same terms as ``oracle.Attention``)``, float64."""
+    rng = np.random.default_rng(call.seed)
+    (heads, kv_heads), b, d = CALL_HEADS, CALL_BATCH, CALL_HEAD_DIM
+    q, d_out = rng.normal(size=(2, b, heads, call.q_len, d))
+    k, v = rng.normal(size=(2, b, kv_heads, call.kv_len, d))
+    terms = {}
+    if call.window is not None:
+        terms["local_window_size"] = call.window
+    if call.chunk:
+        terms["attention_chunk_size"] = CALL_CHUNK
+    if call.segments:
+        terms["query_segment_ids"] = np.sort(rng.integers(0, call.segments, size=(b, call.q_len)), axis=1)
+        terms["key_segment_ids"] = np.sort(rng.integers(0, call.segments, size=(b, call.kv_len)), axis=1)
+    if call.lengths:
+        terms["key_value_seq_lengths"] = rng.integers(1, call.kv_len, size=b)
+    keep = rng.random((b, heads, call.q_len, call.kv_len)) >= CALL_DROPOUT_RATE if call.dropout else None
+    sinks = rng.normal(size=heads) if call.sinks else None
+    kwargs = dict(is_causal=call.is_causal, terms=terms, logit_soft_cap=call.soft_cap, sinks=sinks,
+                  dropout_mask=keep, dropout_rate=CALL_DROPOUT_RATE if call.dropout else 0.0)
+    names = {"local_window_size": "window", "attention_chunk_size": "chunk_size", "key_value_seq_lengths": "lengths"}
+    att = oracle.Attention(is_causal=call.is_causal, keep=keep, dropout_rate=kwargs["dropout_rate"],
+                           soft_cap=call.soft_cap, sinks=sinks, **{names.get(n, n): x for n, x in terms.items()})
+    return (q, k, v, d_out), kwargs, att
+
+
+# --- drawn decodings ---------------------------------------------------------------------------
+
+DECODE_STEPS = ((1,) * 8, (3, 1, 4), (8,))  # tokens per call: one by one, in chunks, all at once
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A layer decoding 8 tokens through its cache, ``steps`` tokens per call, causal (and
+    within ``window`` where given), against the full pass."""
+
+    kv_heads: int = 2
+    window: tuple[int, int] | None = None
+    steps: tuple[int, ...] = DECODE_STEPS[0]
+    seed: int = 0
+
+
+@st.composite
+def decodings(draw) -> Decoding:
+    return Decoding(kv_heads=draw(st.sampled_from([1, 2, 4])), window=draw(st.sampled_from([None, (3, 0), (1, 0)])),
+                    steps=draw(st.sampled_from(DECODE_STEPS)), seed=draw(st.integers(0, 2**32 - 1)))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parity_tests.tool import cli, harness
+from parity_tests.tool import cases, cli, harness
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_verify_writes_a_report_and_exits_zero(tmp_path, capsys):
     report = json.loads(path.read_text())
     assert code == 0 and report["passed"]
     assert [c["case"] for c in report["cases"]] == [
-        c.id for c in harness.default_grid() if c.dtype == "float32" and c.mask == "padding+causal"
+        c.id for c in cases.full_grid() if c.dtype == "float32" and c.mask == "padding+causal"
     ]
     assert "abs error" in capsys.readouterr().out
 

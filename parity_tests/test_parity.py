@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from parity_tests.tool import harness
+from parity_tests.tool import cases, harness
 
-GRID = harness.default_grid()
+GRID = cases.full_grid()
 
 
 def _worst(result: harness.Result) -> str:
@@ -83,3 +83,11 @@ def test_one_blockwise_program_serves_every_mask_form_with_the_same_static_optio
         harness.run_jax(case, harness.make_data(case), implementation="blockwise", canonical=True)
     options = {harness.static_options(harness.make_data(c).attention) for c in cases}
     assert len(traces) == len(options) == 5
+
+
+def test_every_mask_form_has_its_drawing():
+    """``make_data`` draws each mask form of the grid by its own entry of ``MASK_FORMS``, and
+    refuses a form it has none for by name."""
+    assert list(harness.MASK_FORMS) == list(cases.MASKS)
+    with pytest.raises(ValueError, match="unknown mask kind 'no-such-form'"):
+        harness.make_data(harness.Case(harness.CONFIGS["self"], "no-such-form", "float64"))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from parity_tests.tool import harness, workers
-from parity_tests.tool.cases import covering_grid
+from parity_tests.tool.cases import covering_grid, full_grid
 
-GRID = harness.default_grid()
+GRID = full_grid()
 
 
 def _program(case: harness.Case) -> tuple:

@@ -23,6 +23,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from parity_tests.tool import cases as grids
 from parity_tests.tool import compile_cache, files, harness, workers  # the frameworks are imported when a case runs
@@ -328,10 +330,20 @@ def missing_frameworks() -> str | None:
             "install them with pip install \"mha-parity[parity]\"")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``mha-parity`` and its subcommands: verify, convert and compare."""
+    from parity_tests.porting import command as porting  # a whole model against its port (NumPy only here)
+
     parser = argparse.ArgumentParser(prog="mha-parity", description=__doc__.splitlines()[0], epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_verify_parser(commands)
+    _add_convert_parser(commands)
+    porting.add_parser(commands, EXIT_CODES)
+    return parser
+
+
+def _add_verify_parser(commands) -> None:
     verify = commands.add_parser(
         "verify", help="run the cross-framework verification grid", epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -373,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--layer", type=int, action="append", metavar="N",
                         help="with --config, only layer N (repeatable; default: every layer)")
     _add_checkpoint_arguments(verify)
+
+
+def _add_convert_parser(commands) -> None:
     convert = commands.add_parser("convert", help="convert a checkpoint file and check the result", epilog=EXIT_CODES,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     convert.add_argument("input", metavar="IN", help=".safetensors (PyTorch or Flax names) or flax .msgpack")
@@ -380,19 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--to", required=True, choices=("flax", "torch"), help="the framework OUT is for")
     convert.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     _add_checkpoint_arguments(convert)
-    from parity_tests.porting import command as porting  # a whole model against its port (NumPy only here)
 
-    porting.add_parser(commands, EXIT_CODES)
-    args = parser.parse_args(argv)
-    if args.command == "compare":
-        try:
-            return porting.run(args)
-        except (ValueError, TypeError, OSError, ImportError) as error:
-            print(f"mha-parity compare: error: {error}", file=sys.stderr)
-            return 2
-    if args.command == "verify" and args.source and not args.weights:
+
+def _check_verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``parser.error``: usage, message, exit code 2) the flags that cannot go together."""
+    if args.source and not args.weights:
         parser.error("--source needs --weights")
-    if args.command == "verify" and args.config:
+    if args.config:
         if not args.weights:
             parser.error("--config needs --weights (the model's .safetensors or model.safetensors.index.json)")
         given = [flag for flag, value in (("--source", args.source), ("--layout", args.layout),
@@ -401,18 +410,58 @@ def main(argv: list[str] | None = None) -> int:
                                           ("--report", args.report)) if value]
         if given:
             parser.error(f"--config reads everything from the config; {', '.join(given)} cannot go with it")
-    if args.command == "verify" and args.grid and (args.weights or args.config):
+    if args.grid and (args.weights or args.config):
         parser.error("--grid chooses the built-in grid; with --weights or --config every mask form and dtype runs")
-    if args.command == "verify" and args.layer and not args.config:
+    if args.layer and not args.config:
         parser.error("--layer needs --config")
-    missing = missing_frameworks()
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from parity_tests.porting import command as porting
+
+    return porting.run(args)
+
+
+def _no_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Command:
+    """How ``main`` runs a subcommand: ``check(parser, args)`` refuses arguments that cannot go
+    together (exit code 2), ``frameworks``: whether it needs JAX and PyTorch installed (exit code 2
+    naming the extra when not), ``run(args)`` gives the exit code; an error of ``errors`` is
+    printed, its message in the command line's words (``words``), as exit code 2 with no
+    traceback (a bad file or argument)."""
+
+    run: Callable[[argparse.Namespace], int]
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] = _no_check
+    frameworks: bool = True
+    errors: tuple[type[Exception], ...] = (ValueError, TypeError, OSError)
+    words: Callable[[str], str] = cli_words
+
+
+_COMMANDS = {
+    "verify": _Command(_verify, check=_check_verify),
+    "convert": _Command(_convert),
+    # a whole model against its port: NumPy only, so no framework is required, and its messages are its own
+    "compare": _Command(_compare, frameworks=False, errors=(ValueError, TypeError, OSError, ImportError), words=str),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = _COMMANDS[args.command]
+    command.check(parser, args)
+    missing = missing_frameworks() if command.frameworks else None
     if missing:
         print(f"mha-parity {args.command}: error: {missing}", file=sys.stderr)
         return 2
     try:
-        return _verify(args) if args.command == "verify" else _convert(args)
-    except (ValueError, TypeError, OSError) as error:  # a bad file or argument: say so, no traceback
-        print(f"mha-parity {args.command}: error: {cli_words(str(error))}", file=sys.stderr)
+        return command.run(args)
+    except command.errors as error:
+        print(f"mha-parity {args.command}: error: {command.words(str(error))}", file=sys.stderr)
         return 2
 
 

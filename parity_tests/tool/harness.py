@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from parity_tests.tool import oracle
 from parity_tests.tool.arrays import cast, numpy_dtype, rounded, to_float64
-from parity_tests.tool.cases import (  # noqa: F401  (the grid's names, here as well, as before)
+from parity_tests.tool.cases import (  # noqa: F401  (the grid's names, read from here by the suite and the CLI)
     CAUSAL,
     CONFIGS,
     DROPOUT_RATE,
@@ -33,7 +34,6 @@ from parity_tests.tool.cases import (  # noqa: F401  (the grid's names, here as 
     Config,
     grid_masks,
 )
-from parity_tests.tool.cases import full_grid as default_grid  # noqa: F401  (the full grid, under its first name)
 
 
 @dataclass
@@ -50,8 +50,32 @@ class Data:
 
 
 def make_data(case: Case, seed: int = 0) -> Data:
+    """The case's weights (``mha_torch`` state-dict names), inputs, output cotangent and
+    masking terms, drawn from ``seed`` and rounded to the case's dtype."""
     c = case.config
     rng = np.random.default_rng(seed)
+    params = _draw_params(case, rng)
+    in_kv = c.in_features if c.self_attention else c.in_kv_features
+    out = c.in_features if c.out_features is None else c.out_features
+    xq = rounded(rng.normal(size=(c.batch, c.q_len, c.in_features)), case.dtype)
+    if c.self_attention:
+        xk = xv = xq
+    else:
+        xk = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
+        xv = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
+    d_out = rounded(rng.normal(size=(c.batch, c.q_len, out)), case.dtype)
+    if case.mask not in MASK_FORMS:
+        raise ValueError(f"unknown mask kind {case.mask!r}")
+    att = oracle.Attention(soft_cap=c.soft_cap, scale=c.scale)
+    valid = MASK_FORMS[case.mask](att, rng, case)
+    att.is_causal = case.mask in CAUSAL
+    return Data(params, xq, xk, xv, d_out, att, valid)
+
+
+def _draw_params(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The projections' weights ``(out, in)`` (scaled by ``1 / sqrt(in)``) and biases, the
+    QK-norm scales and the sinks the configuration has."""
+    c = case.config
     in_kv = c.in_features if c.self_attention else c.in_kv_features
     qkv = c.in_features if c.qkv_features is None else c.qkv_features
     out = c.in_features if c.out_features is None else c.out_features
@@ -67,67 +91,131 @@ def make_data(case: Case, seed: int = 0) -> Data:
             params[f"{name}.weight"] = rounded(1.0 + 0.3 * rng.normal(size=qkv // c.num_heads), case.dtype)
     if c.sinks:
         params["sinks"] = rounded(rng.normal(size=c.num_heads), case.dtype)
-    xq = rounded(rng.normal(size=(c.batch, c.q_len, c.in_features)), case.dtype)
-    if c.self_attention:
-        xk = xv = xq
-    else:
-        xk = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
-        xv = rounded(rng.normal(size=(c.batch, c.kv_len, in_kv)), case.dtype)
-    d_out = rounded(rng.normal(size=(c.batch, c.q_len, out)), case.dtype)
+    return params
 
-    att = oracle.Attention(soft_cap=c.soft_cap, scale=c.scale)
-    valid = None
-    b, h, q, k = c.mask_shape
-    kind = case.mask
-    if kind == "bool":
-        att.mask = rng.random((b, h, q, k)) < 0.7
-    elif kind == "int":  # the tutorials' 0/1 masks
-        att.mask = (rng.random((b, 1, q, k)) < 0.7).astype(np.int32)
-    elif kind == "float":
-        bias = rng.normal(size=(b, h, q, k))
-        att.mask = rounded(np.where(rng.random((b, h, q, k)) < 0.2, -np.inf, bias), case.dtype)
-    elif kind in ("padding", "padding+causal"):
-        valid = np.arange(k)[None, :] < np.array([k, k // 2])[:, None]
-        att.mask = valid[:, None, None, :]
-    elif kind == "per-head":
-        att.mask = rng.random((1, h, q, k)) < 0.6
-    elif kind == "bcast-qk":
-        att.mask = rng.random((q, k)) < 0.6
-    elif kind == "bcast-k":
-        att.mask = (rng.random(k) < 0.6).astype(np.int64)
-    elif kind == "bcast-b11k-float":  # additive padding, as the tutorials' -1e9 filling
-        att.mask = np.where(np.arange(k)[None, None, None, :] < np.array([k, 3])[:, None, None, None], 0.0, -1e9)
-    elif kind == "fully-masked":
-        mask = rng.random((b, h, q, k)) < 0.7
-        mask[:, :, 0, :] = False  # the first query of every head sees no key
-        mask[1] = False  # nor does any query of the second batch element
-        att.mask = mask
-    elif kind == "dropout":
-        att.keep = rng.random((b, h, q, k)) >= DROPOUT_RATE
-        att.dropout_rate = DROPOUT_RATE
-    elif kind == "flax-float":  # flax's helpers' float32 0/1 (JAX: nonzero = attend; torch: as bool)
-        att.mask = np.tril(np.ones((q, k), bool), k - q)[None, None] & (rng.random((b, 1, 1, k)) < 0.8)
-    elif kind == "bias":
-        att.bias = rounded(rng.normal(size=(b, 1, q, k)), case.dtype)
-    elif kind in ("positions+causal", *WINDOWED):
-        # each batch element's queries at its own positions, keys at theirs (self-attention: the same)
-        att.query_positions = np.stack([rng.permutation(q) + 3, np.arange(q) + k - q])
-        att.key_positions = att.query_positions if c.self_attention else np.stack([np.arange(k), rng.permutation(k)])
-        if kind in WINDOWED:
-            att.window = (2, 1)
-    if kind in ("segments", "everything"):
-        att.query_segment_ids = np.stack([np.arange(q) * 3 // q, np.zeros(q, int)])
-        att.key_segment_ids = (att.query_segment_ids if c.self_attention
-                               else np.stack([np.arange(k) * 3 // k, np.arange(k) % 2]))
-    if kind in ("lengths", "everything"):
-        att.lengths = np.array([k, k // 2 + 1])
-    if kind == "everything":
-        att.mask = rng.random((b, h, q, k)) < 0.8
-        att.bias = rounded(rng.normal(size=(h, q, k)), case.dtype)
-    elif kind not in ("none", "causal", *MASKS[:13], *STRUCTURED):
-        raise ValueError(f"unknown mask kind {kind!r}")
-    att.is_causal = kind in CAUSAL
-    return Data(params, xq, xk, xv, d_out, att, valid)
+
+# --- the mask forms ----------------------------------------------------------------------
+# Each sets the terms of its form on ``att`` from ``rng`` (``case.config.mask_shape`` is
+# ``(b, h, q, k)``) and returns the padding validity ``(batch, kv_len)`` where the form is a
+# padding mask built with each package's ``padding_mask`` helper, else None. Causality is set
+# by ``make_data`` for the forms of ``CAUSAL``.
+
+
+def _no_terms(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    return None
+
+
+def _bool_mask(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    b, h, q, k = case.config.mask_shape
+    att.mask = rng.random((b, h, q, k)) < 0.7
+
+
+def _int_mask(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    """The tutorials' 0/1 masks."""
+    b, _, q, k = case.config.mask_shape
+    att.mask = (rng.random((b, 1, q, k)) < 0.7).astype(np.int32)
+
+
+def _float_mask(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    shape = case.config.mask_shape
+    bias = rng.normal(size=shape)
+    att.mask = rounded(np.where(rng.random(shape) < 0.2, -np.inf, bias), case.dtype)
+
+
+def _padding(att: oracle.Attention, rng: np.random.Generator, case: Case) -> np.ndarray:
+    _, _, _, k = case.config.mask_shape
+    valid = np.arange(k)[None, :] < np.array([k, k // 2])[:, None]
+    att.mask = valid[:, None, None, :]
+    return valid
+
+
+def _per_head_mask(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    _, h, q, k = case.config.mask_shape
+    att.mask = rng.random((1, h, q, k)) < 0.6
+
+
+def _qk_mask(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    _, _, q, k = case.config.mask_shape
+    att.mask = rng.random((q, k)) < 0.6
+
+
+def _k_mask(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    att.mask = (rng.random(case.config.kv_len) < 0.6).astype(np.int64)
+
+
+def _additive_padding(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    """Additive padding, as the tutorials' -1e9 filling."""
+    k = case.config.kv_len
+    att.mask = np.where(np.arange(k)[None, None, None, :] < np.array([k, 3])[:, None, None, None], 0.0, -1e9)
+
+
+def _fully_masked(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    mask = rng.random(case.config.mask_shape) < 0.7
+    mask[:, :, 0, :] = False  # the first query of every head sees no key
+    mask[1] = False  # nor does any query of the second batch element
+    att.mask = mask
+
+
+def _dropout(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    att.keep = rng.random(case.config.mask_shape) >= DROPOUT_RATE
+    att.dropout_rate = DROPOUT_RATE
+
+
+def _flax_float(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    """flax's helpers' float32 0/1 (JAX: nonzero = attend; torch: as bool)."""
+    b, _, q, k = case.config.mask_shape
+    att.mask = np.tril(np.ones((q, k), bool), k - q)[None, None] & (rng.random((b, 1, 1, k)) < 0.8)
+
+
+def _bias(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    b, _, q, k = case.config.mask_shape
+    att.bias = rounded(rng.normal(size=(b, 1, q, k)), case.dtype)
+
+
+def _positions(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    """Each batch element's queries at its own positions, keys at theirs (self-attention: the same)."""
+    c = case.config
+    q, k = c.q_len, c.kv_len
+    att.query_positions = np.stack([rng.permutation(q) + 3, np.arange(q) + k - q])
+    att.key_positions = att.query_positions if c.self_attention else np.stack([np.arange(k), rng.permutation(k)])
+
+
+def _window(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    _positions(att, rng, case)
+    att.window = (2, 1)
+
+
+def _segments(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    c = case.config
+    q, k = c.q_len, c.kv_len
+    att.query_segment_ids = np.stack([np.arange(q) * 3 // q, np.zeros(q, int)])
+    att.key_segment_ids = (att.query_segment_ids if c.self_attention
+                           else np.stack([np.arange(k) * 3 // k, np.arange(k) % 2]))
+
+
+def _lengths(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    k = case.config.kv_len
+    att.lengths = np.array([k, k // 2 + 1])
+
+
+def _everything(att: oracle.Attention, rng: np.random.Generator, case: Case) -> None:
+    """The window's positions, the segments and lengths, a dense mask and a bias over heads."""
+    _window(att, rng, case)
+    _segments(att, rng, case)
+    _lengths(att, rng, case)
+    _, h, q, k = case.config.mask_shape
+    att.mask = rng.random(case.config.mask_shape) < 0.8
+    att.bias = rounded(rng.normal(size=(h, q, k)), case.dtype)
+
+
+# Every mask form (``cases.MASKS``) and the function that draws its terms.
+MASK_FORMS: dict[str, Callable[[oracle.Attention, np.random.Generator, Case], np.ndarray | None]] = {
+    "none": _no_terms, "bool": _bool_mask, "int": _int_mask, "float": _float_mask, "padding": _padding,
+    "causal": _no_terms, "padding+causal": _padding, "per-head": _per_head_mask, "bcast-qk": _qk_mask,
+    "bcast-k": _k_mask, "bcast-b11k-float": _additive_padding, "fully-masked": _fully_masked, "dropout": _dropout,
+    "flax-float": _flax_float, "bias": _bias, "positions+causal": _positions, "window": _window,
+    "segments": _segments, "lengths": _lengths, "everything": _everything,
+}
 
 
 # --- running each side -------------------------------------------------------------------
