@@ -99,12 +99,14 @@ def compare(
         if jax_dtype != ref.dtype:
             raise ValueError(f"the JAX side holds {jax_dtype} parameters and the PyTorch side {ref.dtype}: "
                              "compare them in one dtype")
-        pairs = {}
+        pairs, adapters = {}, {}
         for call in ref.calls:
             target = names.jax_name(call.name, compiled)
             if target is not None:
                 pairs[(target, call.occurrence)] = call
-        output, jax_calls = jax_side.run(flax, inputs, pairs, valid)
+                if names.adapter(call.name, compiled) is not None:
+                    adapters[call.key] = names.adapter(call.name, compiled)
+        output, jax_calls = jax_side.run(flax, inputs, pairs, valid, adapters)
     torch_settings = {k: v for k, v in ref.settings.items() if k.startswith("torch")}
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
@@ -121,6 +123,45 @@ def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
                          f"got {valid.shape}")
 
 
+def _optional_error(a, b, valid) -> float | None:
+    """``a`` against ``b``; None without ``b``, or when ``b`` is not finite (transformers' float64
+    masks make a left-padded row NaN), so that the fixed tolerance alone judges the module."""
+    if a is None or b is None:
+        return None
+    try:
+        error = arrays.relative_error(a, b, valid)
+    except ValueError:
+        return None
+    return error if np.isfinite(error) else None
+
+
+def _row(call, mine, ref: Recording, valid) -> ModuleResult:
+    attention = _is_ours(call.cls) or _is_ours(mine.cls)
+    dtype = str(call.output.dtype) if call.output is not None and arrays.is_float(call.output) else ref.dtype
+    tolerance = settings.attention_tolerance(dtype) if attention else settings.module_tolerance(dtype)
+    sources = [s for s in call.sources if s is not None]
+    return ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance, mine.added,
+                        mine.inherited, mine.note, _optional_error(call.output, call.output64, valid),
+                        _optional_error(call.output, call.inherited64, valid), sources)
+
+
+def judge_by_flow(modules: list[ModuleResult]) -> None:
+    """A row without an added error fails, ``by_flow``, when its inherited error is beyond what it
+    may inherit while every input whose error is known (the output of a paired module, or the
+    model's input) was within what it may: the error arose inside it. Inputs made by code between
+    modules, or by unpaired modules, are not known; a row with no known input stays not compared."""
+    by_key = {m.key: m for m in modules}
+    for m in modules:
+        if m.added is not None or m.inherited is None:
+            continue
+        known = [(0.0, 0.0) if s.startswith("input.") else (by_key[s].inherited, by_key[s].inherited_bound)
+                 for s in m.sources if s.startswith("input.") or (s in by_key and by_key[s].inherited is not None)]
+        if not known:
+            m.note = m.note or "the errors of its inputs are not known"
+            continue
+        m.by_flow = all(error <= limit for error, limit in known) and m.inherited > m.inherited_bound
+
+
 def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
     by_torch = {(pairs[(c.name, c.occurrence)].key): c for c in jax_calls if (c.name, c.occurrence) in pairs}
     modules, unpaired = [], []
@@ -128,12 +169,9 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
         mine = by_torch.get(call.key)
         if mine is None:
             unpaired.append(call.name)
-            continue
-        attention = _is_ours(call.cls) or _is_ours(mine.cls)
-        dtype = str(call.output.dtype) if call.output is not None and arrays.is_float(call.output) else ref.dtype
-        tolerance = settings.attention_tolerance(dtype) if attention else settings.module_tolerance(dtype)
-        modules.append(ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance,
-                                    mine.added, mine.inherited, mine.note))
+        else:
+            modules.append(_row(call, mine, ref, valid))
+    judge_by_flow(modules)
     paired = set(pairs)
     unpaired_jax = [c.name for c in jax_calls if (c.name, c.occurrence) not in paired]
     tolerance = output_tolerance if output_tolerance is not None else settings.OUTPUT_TOLERANCES.get(ref.dtype, 1e-4)
@@ -141,8 +179,11 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
     for name, mine, theirs in _pair_outputs(output, ref.outputs):
         if not arrays.is_float(theirs):
             continue
-        errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
+        try:
+            errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
+        except ValueError:  # an output of another size cannot hold: it fails, its error infinite
+            errors = float("inf"), float("inf")
         outputs.append(OutputResult(name, *errors, tolerance))
-        if name == "logits":
+        if name == "logits" and np.isfinite(errors[0]):
             metrics = logits.metrics(mine, theirs, k=top_k, valid=valid)
     return Report(modules, outputs, metrics, recorded, unpaired, unpaired_jax)
