@@ -75,7 +75,10 @@ def compare(
       flax_model: an ``nnx.Module``, or a linen ``(module, variables)`` pair.
       inputs: NumPy arrays, each given to both models as its framework's array (integers stay integers).
       mapping: regular expressions on PyTorch module names -> the JAX module's name (``\\1``
-        references allowed; None leaves a module out), for modules whose names differ.
+        references allowed; None leaves a module out), for modules whose names differ; a value
+        ``(name, adapter)`` also maps PyTorch's recorded call to the JAX module's (``adapter(args:
+        dict[str, np.ndarray]) -> (args, kwargs)``, ``...`` keeping the JAX call's own argument);
+        ``"auto"``: the mapping ``suggest_mapping`` proposes.
       dtype: the dtype both sides' parameters must hold (default: PyTorch's; JAX must hold the same).
       valid: bool ``(batch, length)``: compare only these positions (padding left out) of every
         array whose shape starts with ``(batch, length)``.
@@ -84,10 +87,13 @@ def compare(
       output_tolerance: relative error the outputs may have (default: by dtype, ``settings.OUTPUT_TOLERANCES``).
 
     Returns:
-      A ``Report``: ``modules`` (each with ``name``, ``added``, ``inherited``, ``passed``) in
-      execution order, ``first_divergence``, ``outputs``, ``logits``, ``settings``.
+      A ``Report``: ``modules`` (each with ``name``, ``added``, ``reference``, ``bound``,
+      ``inherited``, ``outcome``: passed, failed or not compared) in execution order,
+      ``first_divergence``, ``outputs``, ``logits``, ``settings``.
     """
     flax = jax_side.as_flax(flax_model)
+    if isinstance(mapping, str) and mapping == "auto":
+        mapping = _suggested(torch_model, flax_model, inputs)
     compiled = names.check_mapping(mapping)
     valid = None if valid is None else np.asarray(valid, bool)
     saved = isinstance(torch_model, Recording)
@@ -111,6 +117,15 @@ def compare(
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
     return _report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
+
+
+def _suggested(torch_model, flax_model, inputs) -> dict:
+    """``mapping="auto"``: the mapping ``suggest_mapping`` makes of both models run on ``inputs``."""
+    if isinstance(torch_model, Recording):
+        raise ValueError("mapping='auto' runs the PyTorch model: give the model, not a saved reference")
+    from parity_tests.porting.suggest import suggest_mapping
+
+    return suggest_mapping(torch_model, flax_model, *inputs)
 
 
 def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, settings
+from parity_tests.porting import arrays, jax_side, settings, verdict
 
 
 @dataclass
@@ -29,13 +29,32 @@ class DecodeResult:
     expected: list[int]
     logits_error: float
     tolerance: float
+    step_errors: list[float] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.tokens == self.expected and self.logits_error <= self.tolerance
 
+    @property
+    def first_step(self) -> int | None:
+        """The first step whose token differs or whose logits are beyond the tolerance (None: none)."""
+        for step, (mine, theirs) in enumerate(zip(self.tokens, self.expected)):
+            error = self.step_errors[step] if step < len(self.step_errors) else 0.0
+            if mine != theirs or not error <= self.tolerance:
+                return step
+        return None if self.passed else len(self.expected)
+
+    def failure(self) -> str:
+        """The failure in words: the row, the way of decoding, the first step that differs and how."""
+        step = self.first_step
+        if step is None or step >= len(self.tokens):
+            return f"{self.what} row {self.row}: logits {self.logits_error:.2e} > {self.tolerance:.0e}"
+        how = (f"token {self.tokens[step]} for {self.expected[step]}" if self.tokens[step] != self.expected[step]
+               else f"logits {self.step_errors[step]:.2e} > {self.tolerance:.0e}")
+        return f"{self.what} row {self.row}: differs from step {step} ({how})"
+
     def as_json(self) -> dict:
-        return dict(asdict(self), passed=self.passed)
+        return dict(asdict(self), passed=self.passed, first_step=self.first_step)
 
 
 @dataclass
@@ -48,15 +67,21 @@ class DecodeReport:
     def passed(self) -> bool:
         return all(r.passed for r in self.results)
 
+    def failures(self) -> list[str]:
+        return [r.failure() for r in self.results if not r.passed]
+
     def table(self) -> str:
         lines = [f"greedy decoding, {self.steps} tokens a row, against transformers' generate for the row alone:"]
         for r in self.results:
+            step = "" if r.passed else f", first differs at step {r.first_step}"
             lines.append(f"  {r.what:<28} row {r.row}: tokens {'equal' if r.tokens == r.expected else 'DIFFER'}, "
-                         f"logits {r.logits_error:.2e} (tolerance {r.tolerance:.0e}) {'ok' if r.passed else 'FAILED'}")
+                         f"logits {r.logits_error:.2e} (tolerance {r.tolerance:.0e}) {'ok' if r.passed else 'FAILED'}"
+                         + step)
+        lines.append(verdict.line(self.passed, self.failures(), "decoding: verdict"))
         return "\n".join(lines)
 
     def as_json(self) -> dict:
-        return {"passed": self.passed, "steps": self.steps, "settings": self.settings,
+        return {"passed": self.passed, "failures": self.failures(), "steps": self.steps, "settings": self.settings,
                 "results": [r.as_json() for r in self.results]}
 
 
@@ -124,11 +149,15 @@ def greedy_torch(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -
     return arrays.numpy(new), np.stack([arrays.numpy(x) for x in out.logits], axis=1)
 
 
-def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16,
-                     tolerance: float | None = None) -> DecodeReport:
+def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16, tolerance: float | None = None,
+                     paddings: tuple[str, ...] = ("left", "right")) -> DecodeReport:
     """Each prompt (1-D integer arrays of different lengths) decoded greedily for ``steps`` tokens:
     transformers' ``generate`` on each row alone is the reference; the JAX model decodes each row
-    alone and the rows in a left- and a right-padded batch, and PyTorch the left-padded batch."""
+    alone and the rows in a batch padded on each side of ``paddings`` (``"left"``, ``"right"``:
+    a port that pads on one side only is checked on that side), and PyTorch the left-padded batch."""
+    paddings = tuple(paddings)
+    if not set(paddings) <= {"left", "right"}:
+        raise ValueError(f"paddings must name 'left' and/or 'right', got {paddings!r}")
     flax = jax_side.as_flax(flax_model)
     if flax.kind != "nnx":
         raise TypeError("compare_decoding takes an nnx model (its cache is in the model)")
@@ -148,14 +177,16 @@ def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16,
         def check(what, tokens, logits, rows):
             for i, row in enumerate(rows):
                 expected_tokens, expected_logits = alone[row]
+                per_step = [arrays.relative_error(logits[i, k], expected_logits[0, k]) for k in range(steps)]
                 results.append(DecodeResult(what, row, tokens[i].tolist(), expected_tokens[0].tolist(),
-                                            arrays.relative_error(logits[i], expected_logits[0]), tolerance))
+                                            arrays.relative_error(logits[i], expected_logits[0]), tolerance,
+                                            per_step))
 
         longest = max(map(len, prompts)) + steps  # one cache shape for every run
         for i, p in enumerate(prompts):
             check("JAX, the row alone", *greedy_jax(flax.module, p[None], np.arange(len(p))[None], steps, longest), [i])
         rows = list(range(len(prompts)))
-        for side in ("left", "right"):
+        for side in paddings:
             decoded = greedy_jax(flax.module, *padded(prompts, left=side == "left"), steps, longest)
             check(f"JAX, {side}-padded batch", *decoded, rows)
         check("PyTorch, left-padded batch", *greedy_torch(torch_model, *padded(prompts, left=True), steps), rows)
