@@ -10,6 +10,7 @@ import numpy as np
 from parity_tests.porting import arrays, jax_side, logits, names, settings
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.report import ModuleResult, OutputResult, Report
+from parity_tests.tool.arrays import to_float64
 
 
 def _is_ours(cls: str) -> bool:
@@ -139,14 +140,15 @@ def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
 
 
 def _optional_error(a, b, valid) -> float | None:
-    """``a`` against ``b``; None without ``b``, or when ``b`` is not finite (transformers' float64
-    masks make a left-padded row NaN), so that the fixed tolerance alone judges the module."""
-    if a is None or b is None:
+    """``a`` against ``b`` where ``b`` is finite (transformers' float64 masks make a left-padded row
+    NaN); None without ``b`` or without a finite entry, so that the fixed tolerance alone judges."""
+    if a is None or b is None or a.size != b.size:
         return None
-    try:
-        error = arrays.relative_error(a, b, valid)
-    except ValueError:
+    a, b = to_float64(a).reshape(b.shape), to_float64(b)
+    finite = np.isfinite(b)
+    if not finite.any():
         return None
+    error = arrays.relative_error(np.where(finite, a, 0.0), np.where(finite, b, 0.0), valid)
     return error if np.isfinite(error) else None
 
 
