@@ -307,7 +307,8 @@ def test_a_port_that_writes_its_cache_on_every_call_passes(rows):
     ids = tiny_inputs()[0][:rows]
     report = compare(TorchForeign().eval(), NnxForeign(), ids, mapping={"attn": ("attn", keep_positions)})
     assert report.passed and all(m.passed for m in report.modules), report.table()
-    assert report.module("attn").added < 1e-6 and report.module("attn").sources == ["embed#0"]
+    attn = report.module("attn")
+    assert attn.added < 1e-6 and attn.sources == ["embed#0"] and attn.jax_sources == ["embed#0"], attn
 
 
 def test_a_row_that_cannot_be_compared_is_neither_passed_nor_failed():

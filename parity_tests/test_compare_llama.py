@@ -77,6 +77,29 @@ def test_sixteen_greedy_tokens_as_generate_alone_and_in_padded_batches(models):
         compare_decoding(torch_model, port, prompts, paddings=("middle",))
 
 
+def test_a_defect_of_the_cached_step_is_named_at_its_step_and_module(models, monkeypatch):
+    """An attention whose output is 1% larger when it decodes one token from its cache: the
+    prompt's logits agree, step 1 differs, and the first module differing in it is that attention."""
+    torch_model, port = models
+    attention = port.model.layers[1].self_attn
+
+    class Off(type(attention)):
+        def __call__(self, x, *args, **kwargs):
+            out = super().__call__(x, *args, **kwargs)
+            return out * 1.01 if x.shape[1] == 1 else out
+
+    monkeypatch.setattr(attention, "__class__", Off)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, llama.CONFIG["vocab_size"], n) for n in (5, 9, 3)]
+    report = compare_decoding(torch_model, port, prompts[:1], steps=16, paddings=(), mapping=llama.MAPPING)
+    (alone, _) = report.results
+    assert not alone.passed and alone.tokens == alone.expected and alone.first_step == 1, report.table()
+    assert alone.module == "model.layers.1.self_attn", report.table()
+    assert report.table().splitlines()[-1] == (
+        "decoding: verdict: FAILED: JAX, the row alone row 0: differs from step 1 (logits "
+        f"{alone.step_errors[1]:.2e} > 1e-04); first module differing in that step: model.layers.1.self_attn")
+
+
 def _planted(monkeypatch, port, defect):
     layers = port.model.layers
     if defect == "rotary halves interleaved":

@@ -159,7 +159,8 @@ def _row(call, mine, ref: Recording, valid) -> ModuleResult:
     sources = [s for s in call.sources if s is not None]
     return ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance, mine.added,
                         mine.inherited, mine.note, _optional_error(call.output, call.output64, valid),
-                        _optional_error(call.output, call.inherited64, valid), sources)
+                        _optional_error(call.output, call.inherited64, valid), sources,
+                        jax_sources=[s for s in mine.sources if s is not None])
 
 
 def judge_by_flow(modules: list[ModuleResult]) -> None:

@@ -307,13 +307,13 @@ def to_jax(x):
 
 
 def run(model: Flax, inputs, pairs: dict[tuple[str, int], Call], valid=None,
-        adapters: dict[tuple[str, int], Adapter] | None = None) -> tuple[object, list[JaxCall]]:
-    """``model(*inputs)`` with every submodule call intercepted; returns its output and the calls."""
+        adapters: dict[tuple[str, int], Adapter] | None = None, **kwargs) -> tuple[object, list[JaxCall]]:
+    """``model(*inputs, **kwargs)`` with every submodule call intercepted; returns its output and the calls."""
     interceptor = Interceptor(pairs, valid, adapters or {})
     context = _nnx_intercepted(model.module, interceptor) if model.kind == "nnx" else _linen_intercepted(interceptor)
     given = [to_jax(x) for x in inputs]
     for i, x in enumerate(given):
         interceptor.mark(x, f"input.{i}")
     with context:
-        output = model(*given)
+        output = model(*given, **kwargs)
     return output, interceptor.calls

@@ -19,8 +19,8 @@ class ModuleResult:
     ours), ``reference`` (the PyTorch module's own error against itself in float64, on the same
     inputs) and ``reference_inherited`` (PyTorch's output against the whole model run in float64),
     ``note`` (why a value is missing), ``sources`` (the PyTorch modules whose outputs its inputs
-    are: ``name#occurrence``, ``input.N`` for the model's inputs), ``by_flow`` (failed by inherited
-    error: see ``outcome``)."""
+    are: ``name#occurrence``, ``input.N`` for the model's inputs; ``jax_sources`` the same on the
+    JAX side, in JAX's names), ``by_flow`` (failed by inherited error: see ``outcome``)."""
 
     name: str
     jax_name: str
@@ -36,6 +36,7 @@ class ModuleResult:
     reference_inherited: float | None = None
     sources: list[str] = field(default_factory=list)
     by_flow: bool = False
+    jax_sources: list[str] = field(default_factory=list)
 
     @property
     def bound(self) -> float:
@@ -77,7 +78,8 @@ class ModuleResult:
                 "attention": self.attention, "dtype": self.dtype, "tolerance": self.tolerance, "added": self.added,
                 "inherited": self.inherited, "reference": self.reference,
                 "reference_inherited": self.reference_inherited, "bound": self.bound,
-                "inherited_bound": self.inherited_bound, "sources": self.sources, "outcome": self.outcome,
+                "inherited_bound": self.inherited_bound, "sources": self.sources, "jax_sources": self.jax_sources,
+                "outcome": self.outcome,
                 "found_by_inherited_error": self.by_flow, "passed": self.passed, "note": self.note}
 
 
