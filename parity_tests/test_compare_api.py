@@ -213,7 +213,7 @@ def test_the_guide_example_runs(capsys):
     import pathlib
 
     text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "porting-models.md").read_text()
-    (block,) = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    block = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]][0]
     exec(compile(block, "docs/porting-models.md", "exec"), {})
     assert "first divergence: 1" in capsys.readouterr().out
 
