@@ -352,6 +352,8 @@ def test_an_unpaired_parameter_fails_the_gradients_and_the_command_line_says_so(
     report = compare_gradients(torch_tiny(), nnx_tiny(), *tiny_inputs())  # blocks.N.proj is named dense
     assert not report.passed and all(p.passed for p in report.parameters)
     assert "verdict: FAILED: 4 PyTorch parameters without a JAX pair (blocks.0.proj.weight" in report.table()
+    wrong = compare_gradients(torch_tiny(), nnx_tiny_wrong_epsilon(), *tiny_inputs(), mapping=MAPPING)
+    assert not wrong.passed and "gradients: verdict: FAILED: embed.weight 4." in wrong.table(), wrong.table()
     here = "parity_tests.test_compare_api"
     code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--flax", f"{here}:nnx_tiny", "--inputs",
                      f"{here}:tiny_inputs", "--mapping", f"{here}:MAPPING", "--gradients")
