@@ -13,17 +13,29 @@ import numpy as np
 class Call:
     """One module call: ``name`` (dotted path), ``occurrence`` (0 for its first call), ``cls``
     (``module.Class`` of the module), ``inputs`` (parameter name -> array, in the call's order;
-    a tuple argument's arrays as ``name.0``, ``name.1``...), ``output`` (its first array)."""
+    a tuple argument's arrays as ``name.0``, ``name.1``...), ``output`` (its first array);
+    ``sources``: for each input, the call whose output it is (``name#occurrence``; ``input.N``
+    the model's input N; None: made by code between modules); ``output64``: the module's output
+    when a float64 copy of it is run on the same inputs (its own rounding: ``output`` against it);
+    ``inherited64``: its output when the whole model runs in float64 (None: not measured, e.g. a
+    float64 model, or a module whose float64 run failed)."""
 
     name: str
     occurrence: int
     cls: str
     inputs: list[tuple[str, np.ndarray]]
     output: np.ndarray | None
+    sources: list[str | None] = field(default_factory=list)
+    output64: np.ndarray | None = None
+    inherited64: np.ndarray | None = None
 
     @property
     def key(self) -> tuple[str, int]:
         return self.name, self.occurrence
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}#{self.occurrence}"
 
 
 @dataclass
