@@ -142,15 +142,18 @@ def _append(state: dict, k, v, segments, positions, real) -> dict:
 
 
 class MLP(nnx.Module):
+    """The gated MLP: ``down(activation(gate(x)) * up(x))``."""
+
     def __init__(self, c: Mapping, rngs: nnx.Rngs):
-        h, i = c["hidden_size"], c["intermediate_size"]
-        self.gate = nnx.Linear(h, i, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(h, i, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(i, h, use_bias=False, rngs=rngs)
+        sizes = {"gate": (c["hidden_size"], c["intermediate_size"]), "up": (c["hidden_size"], c["intermediate_size"]),
+                 "down": (c["intermediate_size"], c["hidden_size"])}
+        for name, (n_in, n_out) in sizes.items():
+            setattr(self, name, nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs))
         self.activation = jax.nn.silu
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(self.activation(self.gate(x)) * self.up(x))
+        gated = self.activation(self.gate(x)) * self.up(x)
+        return self.down(gated)
 
 
 class Block(nnx.Module):

@@ -134,8 +134,10 @@ def _match(torch_side: list[Module], jax_modules: list[Module], t_names: list[st
     candidates = []
     for a, (t, t_name) in enumerate(zip(torch_side, t_names)):
         for b, (j, j_name) in enumerate(zip(jax_modules, j_names)):
+            if strict and (t.kind != j.kind or t.kind == "other" or t.shape != j.shape):
+                continue
             score = _score(t, j, t_name, j_name, a / max(len(torch_side), 1), b / max(len(jax_modules), 1))
-            if score is None or (strict and (t.kind != j.kind or t.kind == "other" or t.shape != j.shape)):
+            if score is None:
                 continue
             candidates.append((-score, a, b))
     taken_t, taken_j, pairs = set(), set(), []
