@@ -58,8 +58,8 @@ def kind(cls: str, name: str) -> str:
 
 
 class Suggestion(dict):
-    """The mapping to give ``compare`` (PyTorch name pattern -> JAX name; None: same-named modules
-    whose outputs cannot be compared, left out), with ``pairs`` (every paired PyTorch module ->
+    """The mapping to give ``compare`` (PyTorch name pattern -> JAX name; None: a PyTorch module left
+    out, whose same-named JAX module is not its pair), with ``pairs`` (every paired PyTorch module ->
     its JAX module, same names included), ``unpaired`` (PyTorch modules with no JAX module that
     fits) and ``unpaired_jax``; ``mismatched``: ``(PyTorch name, JAX name, PyTorch shape, JAX shape)``
     of modules that bear the same name but whose outputs hold different numbers of elements."""
