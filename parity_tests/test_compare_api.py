@@ -423,3 +423,23 @@ def test_dir_and_help_list_the_public_api():
     assert public <= set(dir(parity_tests)) and "importlib" not in dir(parity_tests)
     text = pydoc.render_doc(parity_tests, renderer=pydoc.plaintext)
     assert all(name in text for name in public), text[:3000]
+
+
+def test_mapping_auto_asks_suggest_mapping(monkeypatch):
+    import types
+
+    from parity_tests.porting import record
+
+    asked = []
+
+    def suggest_mapping(torch_model, flax_model, *inputs):
+        asked.append((torch_model, flax_model, inputs))
+        return MAPPING
+
+    monkeypatch.setitem(sys.modules, "parity_tests.porting.suggest", types.SimpleNamespace(
+        suggest_mapping=suggest_mapping))
+    theirs, port, inputs = torch_tiny(), nnx_tiny(), tiny_inputs()
+    report = compare(theirs, port, *inputs, mapping="auto")
+    assert report.passed and len(report.modules) == 8 and asked == [(theirs, port, inputs)], report.table()
+    with pytest.raises(ValueError, match="mapping='auto' runs the PyTorch model"):
+        compare(record(theirs, *inputs), port, mapping="auto")
