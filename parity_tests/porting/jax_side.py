@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity_tests.porting import arrays, names
-from parity_tests.porting.recording import Call
+from parity_tests.porting.recording import Call, Flow
 
 # an input adapter: PyTorch's recorded call (argument name -> NumPy array) -> the JAX call's (args, kwargs)
 Adapter = Callable[[dict], tuple]
@@ -174,16 +174,7 @@ class Interceptor:
     calls: list[JaxCall] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     replaying: bool = False
-    produced: dict[int, tuple[object, str]] = field(default_factory=dict)
-
-    def source(self, value) -> str | None:
-        found = self.produced.get(id(value))
-        return found[1] if found is not None and found[0] is value else None
-
-    def mark(self, value, label: str) -> None:
-        """``value`` (an array) is ``label``'s output, unless an earlier call made it (kept alive by the entry)."""
-        if arrays.is_array(value) and id(value) not in self.produced:
-            self.produced[id(value)] = (value, label)
+    flow: Flow = field(default_factory=Flow)
 
     def __call__(self, name: str, cls: str, fn, signature: inspect.Signature, args: tuple, kwargs: dict, again=None,
                  state: ModuleState | None = None):
@@ -199,8 +190,8 @@ class Interceptor:
         output = fn(*args, **kwargs)
         out = arrays.primary(output)
         call = JaxCall(name, occurrence, cls, None if out is None else arrays.dtype_name(out),
-                       sources=[self.source(v) for v in [*args, *kwargs.values()] if arrays.is_array(v)])
-        self.mark(out, f"{name}#{occurrence}")
+                       sources=[self.flow.source(v) for v in [*args, *kwargs.values()] if arrays.is_array(v)])
+        self.flow.mark(out, f"{name}#{occurrence}")
         if reference is not None and out is not None and reference.output is not None:
             notes = []
             try:
@@ -313,7 +304,7 @@ def run(model: Flax, inputs, pairs: dict[tuple[str, int], Call], valid=None,
     context = _nnx_intercepted(model.module, interceptor) if model.kind == "nnx" else _linen_intercepted(interceptor)
     given = [to_jax(x) for x in inputs]
     for i, x in enumerate(given):
-        interceptor.mark(x, f"input.{i}")
+        interceptor.flow.mark(x, f"input.{i}")
     with context:
         output = model(*given, **kwargs)
     return output, interceptor.calls
