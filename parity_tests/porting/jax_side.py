@@ -87,17 +87,20 @@ def _kind(dtype) -> str:
 
 
 def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]]) -> tuple:
-    """The call's positional arrays replaced by the PyTorch call's: the input of the same parameter
-    name when it holds as many elements of the same kind, else the next unused one that does
-    (reshaped to the JAX argument's shape, in its dtype). A ValueError when one has no match."""
+    """The call's positional arrays (not nnx Variables: those are the port's state) replaced by the
+    PyTorch call's: the input of the same parameter name when it holds as many elements of the same
+    kind, else the next unused one that does (reshaped to the JAX argument's shape, in its dtype).
+    A ValueError when one has no match."""
     import jax.numpy as jnp
 
     params = [p for p in signature.parameters.values()
               if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     used: set[int] = set()
     out = list(args)
+    from flax import nnx
+
     for i, value in enumerate(args):
-        if not arrays.is_array(value):
+        if not arrays.is_array(value) or isinstance(value, nnx.Variable):  # a Variable is state: the port's own
             continue
         size, kind = int(np.prod(value.shape)), _kind(value.dtype)
         fits = [j for j, (_, x) in enumerate(recorded) if j not in used and x.size == size and _kind(x.dtype) == kind]
@@ -113,8 +116,9 @@ def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[s
 
 def adapted(adapter: Adapter, recorded: list[tuple[str, np.ndarray]], args: tuple, kwargs: dict) -> tuple:
     """The JAX call ``adapter`` makes of PyTorch's recorded call: ``adapter({name: array})``
-    returns ``(args, kwargs)``; an argument given as ``...`` (Ellipsis), and a keyword it leaves
-    out, is the JAX call's own (its cache, flags), as it was when the call began. NumPy arrays
+    returns ``(args, kwargs)``; an argument given as ``...`` (Ellipsis), and one it leaves out
+    (a keyword, or positions past its ``args``), is the JAX call's own (its cache, flags), as it
+    was when the call began. NumPy arrays
     become JAX arrays of their own dtype. Anything the adapter raises is a ValueError naming it."""
     try:
         given = adapter(dict(recorded))
@@ -123,13 +127,17 @@ def adapted(adapter: Adapter, recorded: list[tuple[str, np.ndarray]], args: tupl
         raise ValueError(f"the input adapter {getattr(adapter, '__name__', adapter)!r} raised "
                          f"{type(error).__name__}: {error}") from None
     as_jax = lambda x: to_jax(x) if isinstance(x, np.ndarray) else x  # noqa: E731
-    out = [args[i] if a is Ellipsis else as_jax(a) for i, a in enumerate(new_args)]
+    out = [args[i] if a is Ellipsis else as_jax(a) for i, a in enumerate(new_args)] + list(args[len(new_args):])
     return tuple(out), {**kwargs, **{k: as_jax(v) for k, v in dict(new_kwargs).items() if v is not Ellipsis}}
 
 
 def _as_it_was(value):
     """``value`` as it is now, kept from later writes: arrays (immutable) as they are, containers
     rebuilt, anything else (an nnx Variable, a cache object) deep-copied when it can be."""
+    from flax import nnx
+
+    if isinstance(value, nnx.Variable):  # a Variable's deepcopy is its bare array: copy it as a Variable
+        return value.copy()
     if arrays.is_array(value) or value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
