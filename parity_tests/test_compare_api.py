@@ -272,17 +272,19 @@ class NnxAttention(nnx.Module):
         self.cache = nnx.Cache(jax.numpy.zeros((2, 4 * length, DIM), np.float32))  # up to 2 rows
         self.index = nnx.Cache(jax.numpy.zeros((), int))
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, cache=None):
+        """``cache``: Variables ``(keys, index)`` the caller holds, written in place of the attention's own."""
+        cache, index = (self.cache, self.index) if cache is None else cache
         keys = self.proj(x)
-        start = self.index[...]
-        self.cache[...] = jax.lax.dynamic_update_slice(self.cache[...], keys, (0, start, 0))
-        self.index[...] = start + x.shape[1]
+        start = index[...]
+        cache[...] = jax.lax.dynamic_update_slice(cache[...], keys, (0, start, 0))
+        index[...] = start + x.shape[1]
         bias = self.wave(positions.astype(x.dtype))[..., None]
-        return self.out(keys + self.cache[...][: x.shape[0]].sum(1, keepdims=True) + bias)
+        return self.out(keys + cache[...][: x.shape[0]].sum(1, keepdims=True) + bias)
 
 
 class NnxForeign(nnx.Module):
-    def __init__(self, length: int = 5, wave=jax.numpy.sin):
+    def __init__(self, length: int = 5, wave=jax.numpy.sin, cache_argument: bool = False):
         torch_model = TorchForeign()
         w = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
         self.embed = nnx.Embed(VOCAB, DIM, rngs=nnx.Rngs(0))
@@ -291,10 +293,12 @@ class NnxForeign(nnx.Module):
         self.head = nnx.Linear(DIM, VOCAB, rngs=nnx.Rngs(0))
         self.head.kernel.set_value(w["head.weight"].T)
         self.head.bias.set_value(w["head.bias"])
+        self.cache = nnx.data((nnx.Cache(jax.numpy.zeros((2, 4 * length, DIM), np.float32)),
+                               nnx.Cache(jax.numpy.zeros((), int))) if cache_argument else None)
 
     def __call__(self, ids):
         positions = jax.numpy.broadcast_to(jax.numpy.arange(ids.shape[1]), ids.shape)
-        return self.head(self.attn(self.embed(ids), positions))
+        return self.head(self.attn(self.embed(ids), positions, self.cache))
 
 
 def keep_positions(args):
@@ -302,10 +306,12 @@ def keep_positions(args):
     return (args["hidden_states"], ...), {}
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_a_port_that_writes_its_cache_on_every_call_passes(rows):
+@pytest.mark.parametrize("rows, cache_argument", [(1, False), (2, False), (2, True)])
+def test_a_port_that_writes_its_cache_on_every_call_passes(rows, cache_argument):
+    """The cache the attention's own, or Variables its caller passes: the re-run sees it as it was."""
     ids = tiny_inputs()[0][:rows]
-    report = compare(TorchForeign().eval(), NnxForeign(), ids, mapping={"attn": ("attn", keep_positions)})
+    port = NnxForeign(cache_argument=cache_argument)
+    report = compare(TorchForeign().eval(), port, ids, mapping={"attn": ("attn", keep_positions)})
     assert report.passed and all(m.passed for m in report.modules), report.table()
     attn = report.module("attn")
     assert attn.added < 1e-6 and attn.sources == ["embed#0"] and attn.jax_sources == ["embed#0"], attn
@@ -423,3 +429,23 @@ def test_dir_and_help_list_the_public_api():
     assert public <= set(dir(parity_tests)) and "importlib" not in dir(parity_tests)
     text = pydoc.render_doc(parity_tests, renderer=pydoc.plaintext)
     assert all(name in text for name in public), text[:3000]
+
+
+def test_mapping_auto_asks_suggest_mapping(monkeypatch):
+    import types
+
+    from parity_tests.porting import record
+
+    asked = []
+
+    def suggest_mapping(torch_model, flax_model, *inputs):
+        asked.append((torch_model, flax_model, inputs))
+        return MAPPING
+
+    monkeypatch.setitem(sys.modules, "parity_tests.porting.suggest", types.SimpleNamespace(
+        suggest_mapping=suggest_mapping))
+    theirs, port, inputs = torch_tiny(), nnx_tiny(), tiny_inputs()
+    report = compare(theirs, port, *inputs, mapping="auto")
+    assert report.passed and len(report.modules) == 8 and asked == [(theirs, port, inputs)], report.table()
+    with pytest.raises(ValueError, match="mapping='auto' runs the PyTorch model"):
+        compare(record(theirs, *inputs), port, mapping="auto")

@@ -78,7 +78,8 @@ def compare(
       mapping: regular expressions on PyTorch module names -> the JAX module's name (``\\1``
         references allowed; None leaves a module out), for modules whose names differ; a value
         ``(name, adapter)`` also maps PyTorch's recorded call to the JAX module's (``adapter(args:
-        dict[str, np.ndarray]) -> (args, kwargs)``, ``...`` keeping the JAX call's own argument);
+        dict[str, np.ndarray]) -> (args, kwargs)``, ``...`` or an argument left out keeping the JAX
+        call's own);
         ``"auto"``: the mapping ``suggest_mapping`` proposes.
       dtype: the dtype both sides' parameters must hold (default: PyTorch's; JAX must hold the same).
       valid: bool ``(batch, length)``: compare only these positions (padding left out) of every

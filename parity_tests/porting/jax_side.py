@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity_tests.porting import arrays, names
-from parity_tests.porting.recording import Call
+from parity_tests.porting.recording import Call, Flow
 
 # an input adapter: PyTorch's recorded call (argument name -> NumPy array) -> the JAX call's (args, kwargs)
 Adapter = Callable[[dict], tuple]
@@ -87,17 +87,20 @@ def _kind(dtype) -> str:
 
 
 def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]]) -> tuple:
-    """The call's positional arrays replaced by the PyTorch call's: the input of the same parameter
-    name when it holds as many elements of the same kind, else the next unused one that does
-    (reshaped to the JAX argument's shape, in its dtype). A ValueError when one has no match."""
+    """The call's positional arrays (not nnx Variables: those are the port's state) replaced by the
+    PyTorch call's: the input of the same parameter name when it holds as many elements of the same
+    kind, else the next unused one that does (reshaped to the JAX argument's shape, in its dtype).
+    A ValueError when one has no match."""
     import jax.numpy as jnp
 
     params = [p for p in signature.parameters.values()
               if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     used: set[int] = set()
     out = list(args)
+    from flax import nnx
+
     for i, value in enumerate(args):
-        if not arrays.is_array(value):
+        if not arrays.is_array(value) or isinstance(value, nnx.Variable):  # a Variable is state: the port's own
             continue
         size, kind = int(np.prod(value.shape)), _kind(value.dtype)
         fits = [j for j, (_, x) in enumerate(recorded) if j not in used and x.size == size and _kind(x.dtype) == kind]
@@ -113,8 +116,9 @@ def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[s
 
 def adapted(adapter: Adapter, recorded: list[tuple[str, np.ndarray]], args: tuple, kwargs: dict) -> tuple:
     """The JAX call ``adapter`` makes of PyTorch's recorded call: ``adapter({name: array})``
-    returns ``(args, kwargs)``; an argument given as ``...`` (Ellipsis), and a keyword it leaves
-    out, is the JAX call's own (its cache, flags), as it was when the call began. NumPy arrays
+    returns ``(args, kwargs)``; an argument given as ``...`` (Ellipsis), and one it leaves out
+    (a keyword, or positions past its ``args``), is the JAX call's own (its cache, flags), as it
+    was when the call began. NumPy arrays
     become JAX arrays of their own dtype. Anything the adapter raises is a ValueError naming it."""
     try:
         given = adapter(dict(recorded))
@@ -123,13 +127,17 @@ def adapted(adapter: Adapter, recorded: list[tuple[str, np.ndarray]], args: tupl
         raise ValueError(f"the input adapter {getattr(adapter, '__name__', adapter)!r} raised "
                          f"{type(error).__name__}: {error}") from None
     as_jax = lambda x: to_jax(x) if isinstance(x, np.ndarray) else x  # noqa: E731
-    out = [args[i] if a is Ellipsis else as_jax(a) for i, a in enumerate(new_args)]
+    out = [args[i] if a is Ellipsis else as_jax(a) for i, a in enumerate(new_args)] + list(args[len(new_args):])
     return tuple(out), {**kwargs, **{k: as_jax(v) for k, v in dict(new_kwargs).items() if v is not Ellipsis}}
 
 
 def _as_it_was(value):
     """``value`` as it is now, kept from later writes: arrays (immutable) as they are, containers
     rebuilt, anything else (an nnx Variable, a cache object) deep-copied when it can be."""
+    from flax import nnx
+
+    if isinstance(value, nnx.Variable):  # a Variable's deepcopy is its bare array: copy it as a Variable
+        return value.copy()
     if arrays.is_array(value) or value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
@@ -174,16 +182,7 @@ class Interceptor:
     calls: list[JaxCall] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     replaying: bool = False
-    produced: dict[int, tuple[object, str]] = field(default_factory=dict)
-
-    def source(self, value) -> str | None:
-        found = self.produced.get(id(value))
-        return found[1] if found is not None and found[0] is value else None
-
-    def mark(self, value, label: str) -> None:
-        """``value`` (an array) is ``label``'s output, unless an earlier call made it (kept alive by the entry)."""
-        if arrays.is_array(value) and id(value) not in self.produced:
-            self.produced[id(value)] = (value, label)
+    flow: Flow = field(default_factory=Flow)
 
     def __call__(self, name: str, cls: str, fn, signature: inspect.Signature, args: tuple, kwargs: dict, again=None,
                  state: ModuleState | None = None):
@@ -199,8 +198,8 @@ class Interceptor:
         output = fn(*args, **kwargs)
         out = arrays.primary(output)
         call = JaxCall(name, occurrence, cls, None if out is None else arrays.dtype_name(out),
-                       sources=[self.source(v) for v in [*args, *kwargs.values()] if arrays.is_array(v)])
-        self.mark(out, f"{name}#{occurrence}")
+                       sources=[self.flow.source(v) for v in [*args, *kwargs.values()] if arrays.is_array(v)])
+        self.flow.mark(out, f"{name}#{occurrence}")
         if reference is not None and out is not None and reference.output is not None:
             notes = []
             try:
@@ -313,7 +312,7 @@ def run(model: Flax, inputs, pairs: dict[tuple[str, int], Call], valid=None,
     context = _nnx_intercepted(model.module, interceptor) if model.kind == "nnx" else _linen_intercepted(interceptor)
     given = [to_jax(x) for x in inputs]
     for i, x in enumerate(given):
-        interceptor.mark(x, f"input.{i}")
+        interceptor.flow.mark(x, f"input.{i}")
     with context:
         output = model(*given, **kwargs)
     return output, interceptor.calls

@@ -51,3 +51,22 @@ class Recording:
 
     def by_key(self) -> dict[tuple[str, int], Call]:
         return {c.key: c for c in self.calls}
+
+
+@dataclass
+class Flow:
+    """Which call made each array (by identity; the array kept alive by its entry, so that its id
+    is not reused): an array a module passes on unchanged keeps the call that made it first.
+    Labels are ``name#occurrence``, ``input.N`` for the model's inputs."""
+
+    made: dict = field(default_factory=dict)
+
+    def mark(self, value, label: str) -> None:
+        """``value`` (an array, or None: nothing) is ``label``'s output, unless an earlier call made it."""
+        if value is not None and id(value) not in self.made:
+            self.made[id(value)] = (value, label)
+
+    def source(self, value) -> str | None:
+        """The label of the call that made ``value``; None: made by code between modules."""
+        found = self.made.get(id(value))
+        return found[1] if found is not None and found[0] is value else None

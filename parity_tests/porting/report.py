@@ -229,7 +229,7 @@ def _e(x: float | None) -> str:
 
 
 def plot(report: Report, path: str) -> str | None:
-    """Error added and inherited per module against its tolerance, on a log scale; None without matplotlib."""
+    """Error added and inherited per module against what it may add, on a log scale; None without matplotlib."""
     try:
         import matplotlib
 

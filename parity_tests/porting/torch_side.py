@@ -10,12 +10,11 @@ import contextlib
 import copy
 import inspect
 from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from parity_tests.porting import arrays
-from parity_tests.porting.recording import Call, Recording
+from parity_tests.porting.recording import Call, Flow, Recording
 
 
 def parameter_dtypes(model) -> set[str]:
@@ -96,22 +95,6 @@ def float64_copy(model):
 def _float_output(output) -> np.ndarray | None:
     out = arrays.primary(output)
     return None if out is None or not out.is_floating_point() else arrays.numpy(out)
-
-
-@dataclass
-class Flow:
-    """Which call made each tensor (tensor identity; the tensor kept alive by its entry): a
-    tensor a module passes on unchanged keeps the call that made it first."""
-
-    made: dict = field(default_factory=dict)
-
-    def mark(self, tensor, label: str) -> None:
-        if tensor is not None and id(tensor) not in self.made:
-            self.made[id(tensor)] = (tensor, label)
-
-    def source(self, tensor) -> str | None:
-        found = self.made.get(id(tensor))
-        return found[1] if found is not None and found[0] is tensor else None
 
 
 @contextlib.contextmanager

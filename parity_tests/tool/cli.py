@@ -98,21 +98,30 @@ def _verify_grid(args: argparse.Namespace, cache: str | None) -> int:
                 return _finish(args, header, sections, start, checkpoint)
         weights = checkpoint.state
     else:
-        full = grids.full_grid(args.mask, args.dtype)
-        cases = full if args.grid == "full" else grids.covering_grid(args.mask, args.dtype)
+        cases, header = _builtin_grid(args, cache)
         weights = None
-        header = report.Header(
-            "mha-parity verify: mha_jax against mha_torch and the float64 oracle, the built-in grid",
-            implementations=IMPLEMENTATIONS,
-            shapes="".join(f"\n    {c.name}: {_shapes(c)}" for c in harness.CONFIGS.values()), seed=args.seed,
-            notes=[_grid_note(args.grid, cases, full), _cache_note(cache)],
-        )
         report.Printer(header)
     with report.Printer(None, total=len(cases)) as printer:
         sections["the twins and the oracle"] = workers.run_cases(
             cases, weights=weights, jit=args.jit, seed=args.seed, workers=args.workers, done=printer.done,
             compile_cache=cache)
     return _finish(args, header, sections, start, checkpoint if args.weights else None)
+
+
+def _builtin_grid(args: argparse.Namespace, cache: str | None):
+    """The built-in grid's cases (covering, or ``--grid full``; of the masks and dtypes asked
+    for) and the report's header for them."""
+    from parity_tests.tool import report
+
+    full = grids.full_grid(args.mask, args.dtype)
+    cases = full if args.grid == "full" else grids.covering_grid(args.mask, args.dtype)
+    header = report.Header(
+        "mha-parity verify: mha_jax against mha_torch and the float64 oracle, the built-in grid",
+        implementations=IMPLEMENTATIONS,
+        shapes="".join(f"\n    {c.name}: {_shapes(c)}" for c in harness.CONFIGS.values()), seed=args.seed,
+        notes=[_grid_note(args.grid, cases, full), _cache_note(cache)],
+    )
+    return cases, header
 
 
 def _verify_model(args: argparse.Namespace) -> int:
