@@ -156,6 +156,12 @@ def save_random(folder: str | os.PathLike, seed: int = 0, **config) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
+def random_pair(folder: str | os.PathLike, seed: int = 0, **config):
+    """``save_random`` into ``folder``, then that model as transformers builds it and its port."""
+    save_random(folder, seed, **config)
+    return transformers_model(folder), from_pretrained(folder)
+
+
 def save_random_mistral(folder: str | os.PathLike, sliding_window: int = 4, seed: int = 0) -> None:
     """A small random transformers Mistral (a Llama whose layers attend over a sliding window)."""
     import torch

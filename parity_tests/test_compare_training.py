@@ -62,9 +62,7 @@ def float64_throughout(model):
 
 @pytest.fixture(scope="module")
 def llama32(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    llama.save_random(folder)
-    return llama.transformers_model(folder), llama.from_pretrained(folder)
+    return llama.random_pair(tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +236,11 @@ def test_bad_arguments_are_named():
         compare_training(None, None, BATCHES, torch_clip=-1.0)
     with pytest.raises(ValueError, match="batches"):
         compare_training(None, None, [])
+
+
+def test_the_page_example_runs(monkeypatch, capsys):
+    page = os.path.join(ROOT, "docs", "training-comparison.md")
+    code = open(page).read().split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(ROOT)  # the block finds examples/ from the repository's root
+    exec(compile(code, page, "exec"), {})
+    assert capsys.readouterr().out.splitlines()[0].startswith("training, 10 steps, 21 parameters (float32): passed")
