@@ -4,11 +4,12 @@ The port mirrors transformers' ``LlamaForCausalLM`` name for name, except inside
 each layer's ``self_attn`` is one ``mha_jax.MultiHeadAttention`` (built by ``mha_jax.from_hf``:
 rotary embedding, grouped heads and the scale read from the config), whose projections are
 ``query``/``key``/``value``/``out`` where transformers has ``q_proj``/``k_proj``/``v_proj``/``o_proj``;
-``MAPPING`` pairs them. It reads a ``save_pretrained`` folder (``config.json`` and
-``model.safetensors``) without PyTorch, and decodes greedily with the attention's key/value cache:
-``init_cache(batch, max_length)``, then calls with ``decode=True`` and each token's position
-(``-1``: padding, not cached), so that a row gives the same tokens alone as in a left- or
-right-padded batch. Run ``python examples/llama.py`` to compare a small random model with it.
+``MAPPING`` pairs them; with tied embeddings (``tie_word_embeddings``) the port has no
+``lm_head``: the logits are computed with the token embedding. It reads a ``save_pretrained``
+folder (``config.json`` and ``model.safetensors``) without PyTorch, and decodes greedily with the
+attention's key/value cache: ``init_cache(batch, max_length)``, then calls with ``decode=True``
+and each token's position (``-1``: padding, not cached), so that a row gives the same tokens
+alone as in a left- or right-padded batch. Run ``python examples/llama.py`` to compare a small random model with it.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 class MLP(nnx.Module):
     def __init__(self, c: Mapping, rngs: nnx.Rngs):
         h, i = c["hidden_size"], c["intermediate_size"]
-        self.gate_proj = nnx.Linear(h, i, use_bias=False, rngs=rngs)
-        self.up_proj = nnx.Linear(h, i, use_bias=False, rngs=rngs)
-        self.down_proj = nnx.Linear(i, h, use_bias=False, rngs=rngs)
+        self.gate_proj = nnx.Linear(h, i, use_bias=False, rngs=rngs, **c["dtypes"])
+        self.up_proj = nnx.Linear(h, i, use_bias=False, rngs=rngs, **c["dtypes"])
+        self.down_proj = nnx.Linear(i, h, use_bias=False, rngs=rngs, **c["dtypes"])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -54,9 +55,11 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, c: Mapping, layer: int, state: Mapping | None, rngs: nnx.Rngs):
-        self.input_layernorm = nnx.RMSNorm(c["hidden_size"], epsilon=c["rms_norm_eps"], rngs=rngs)
-        self.self_attn = mha_jax.from_hf(c, state, layer=layer, rngs=rngs)
-        self.post_attention_layernorm = nnx.RMSNorm(c["hidden_size"], epsilon=c["rms_norm_eps"], rngs=rngs)
+        self.input_layernorm = nnx.RMSNorm(c["hidden_size"], epsilon=c["rms_norm_eps"], rngs=rngs, **c["dtypes"])
+        self.self_attn = mha_jax.from_hf(c, state, layer=layer, rngs=rngs,
+                                         param_dtype=c["dtypes"].get("param_dtype", jnp.float32))
+        self.post_attention_layernorm = nnx.RMSNorm(c["hidden_size"], epsilon=c["rms_norm_eps"], rngs=rngs,
+                                                    **c["dtypes"])
         self.mlp = MLP(c, rngs)
 
     def __call__(self, hidden_states: jax.Array, *, mask, positions, decode: bool = False) -> jax.Array:
@@ -68,9 +71,9 @@ class DecoderLayer(nnx.Module):
 
 class Model(nnx.Module):
     def __init__(self, c: Mapping, state: Mapping | None, rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(c["vocab_size"], c["hidden_size"], rngs=rngs)
+        self.embed_tokens = nnx.Embed(c["vocab_size"], c["hidden_size"], rngs=rngs, **c["dtypes"])
         self.layers = nnx.List([DecoderLayer(c, i, state, rngs) for i in range(c["num_hidden_layers"])])
-        self.norm = nnx.RMSNorm(c["hidden_size"], epsilon=c["rms_norm_eps"], rngs=rngs)
+        self.norm = nnx.RMSNorm(c["hidden_size"], epsilon=c["rms_norm_eps"], rngs=rngs, **c["dtypes"])
 
     def __call__(self, input_ids, *, mask, positions, decode: bool = False) -> jax.Array:
         hidden_states = self.embed_tokens(input_ids)
@@ -80,15 +83,23 @@ class Model(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """``input_ids`` ``(batch, length)`` -> logits ``(batch, length, vocab)``."""
+    """``input_ids`` ``(batch, length)`` -> logits ``(batch, length, vocab)``. ``param_dtype``: the
+    parameters' and computations' dtype (default: flax's, the parameters as the checkpoint holds them)."""
 
-    def __init__(self, config: Mapping, state: Mapping | None = None, *, rngs: nnx.Rngs | None = None):
-        c = {"model_type": "llama", **config}  # a Mistral's config (its sliding window) reads as its own
+    def __init__(self, config: Mapping, state: Mapping | None = None, *, rngs: nnx.Rngs | None = None,
+                 param_dtype=None):
+        dtypes = {} if param_dtype is None else {"param_dtype": param_dtype, "dtype": param_dtype}
+        # a Mistral's config (its sliding window) reads as its own
+        c = {"model_type": "llama", **config, "dtypes": dtypes}
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.model = Model(c, state, rngs)
-        self.lm_head = nnx.Linear(c["hidden_size"], c["vocab_size"], use_bias=False, rngs=rngs)
+        # tied embeddings (transformers' tie_word_embeddings, no lm_head.weight saved): the logits
+        # are the hidden states against the token embedding, one parameter for both
+        tied = c.get("tie_word_embeddings", False)
+        self.lm_head = None if tied else nnx.Linear(c["hidden_size"], c["vocab_size"], use_bias=False, rngs=rngs,
+                                                    **dtypes)
         if state is not None:
-            load(self, state)
+            load(self, state, param_dtype)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
                  position_ids: jax.Array | None = None, *, decode: bool = False) -> jax.Array:
@@ -98,6 +109,8 @@ class LlamaForCausalLM(nnx.Module):
         (``-1``: padding, left out of the cache)."""
         mask = None if attention_mask is None or decode else attention_mask[:, None, None, :].astype(bool)
         hidden_states = self.model(input_ids, mask=mask, positions=position_ids, decode=decode)
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(hidden_states)
         return self.lm_head(hidden_states)
 
     def init_cache(self, batch: int, max_length: int) -> None:
@@ -106,17 +119,21 @@ class LlamaForCausalLM(nnx.Module):
             layer.self_attn.init_cache((batch, max_length, layer.self_attn.in_features))
 
 
-def load(model: LlamaForCausalLM, state: Mapping) -> None:
-    """Everything but the attention (which ``mha_jax.from_hf`` loaded) from transformers' names:
-    a Linear's ``weight`` is the transposed ``kernel``, an RMSNorm's the ``scale``."""
+def load(model: LlamaForCausalLM, state: Mapping, param_dtype=None) -> None:
+    """Everything but the attention (which ``mha_jax.from_hf`` loaded) from transformers' names
+    (in ``param_dtype`` when given): a Linear's ``weight`` is the transposed ``kernel``, an
+    RMSNorm's the ``scale``."""
+    def put(variable, value):
+        variable.set_value(jnp.asarray(value, param_dtype))
+
     for path, module in nnx.iter_modules(model):
         name = ".".join(map(str, path))
         if isinstance(module, nnx.Embed):
-            module.embedding.set_value(jnp.asarray(state[f"{name}.weight"]))
+            put(module.embedding, state[f"{name}.weight"])
         elif isinstance(module, nnx.Linear):
-            module.kernel.set_value(jnp.asarray(np.asarray(state[f"{name}.weight"]).T))
+            put(module.kernel, np.asarray(state[f"{name}.weight"]).T)
         elif isinstance(module, nnx.RMSNorm):
-            module.scale.set_value(jnp.asarray(state[f"{name}.weight"]))
+            put(module.scale, state[f"{name}.weight"])
 
 
 def from_pretrained(folder: str | os.PathLike) -> LlamaForCausalLM:
@@ -128,14 +145,21 @@ def from_pretrained(folder: str | os.PathLike) -> LlamaForCausalLM:
     return LlamaForCausalLM(config, load_file(os.path.join(folder, "model.safetensors")))
 
 
-def save_random(folder: str | os.PathLike, seed: int = 0) -> None:
-    """A small random transformers Llama, saved with ``save_pretrained`` (eager attention)."""
+def save_random(folder: str | os.PathLike, seed: int = 0, **config) -> None:
+    """A small random transformers Llama, saved with ``save_pretrained`` (eager attention);
+    ``config``: settings other than ``CONFIG``'s (``tie_word_embeddings=True``: no ``lm_head.weight``)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**CONFIG, attn_implementation="eager")
+    config = transformers.LlamaConfig(**{**CONFIG, **config}, attn_implementation="eager")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def random_pair(folder: str | os.PathLike, seed: int = 0, **config):
+    """``save_random`` into ``folder``, then that model as transformers builds it and its port."""
+    save_random(folder, seed, **config)
+    return transformers_model(folder), from_pretrained(folder)
 
 
 def save_random_mistral(folder: str | os.PathLike, sliding_window: int = 4, seed: int = 0) -> None:
