@@ -40,14 +40,15 @@ class ModuleResult:
 
     @property
     def bound(self) -> float:
-        """What ``added`` may be: the tolerance, or ``ROUNDING_FACTOR`` times PyTorch's own rounding."""
-        return verdict.bound(self.tolerance, self.reference)
+        """What ``added`` may be: ``ROUNDING_FACTOR`` times PyTorch's own rounding (at least a few
+        units of the dtype's rounding), or the tolerance without it."""
+        return verdict.bound(self.tolerance, self.reference, self.dtype)
 
     @property
     def inherited_bound(self) -> float:
         """What ``inherited`` may be: the tolerance, or ``ROUNDING_FACTOR`` times PyTorch's own
         error against the whole model in float64 at this module."""
-        return verdict.bound(self.tolerance, self.reference_inherited)
+        return verdict.bound(self.tolerance, self.reference_inherited, self.dtype)
 
     @property
     def outcome(self) -> str:

@@ -8,8 +8,11 @@ The bound: float32 rounding of a module grows with its inputs (a softmax of larg
 worse than one of small ones), so a fixed tolerance is either too tight for real weights or too
 loose for random ones. The reference side's own error against the same computation in float64
 measures the rounding of *that* module on *those* inputs; a port may add up to ``ROUNDING_FACTOR``
-times that, and never less than the fixed tolerance (the floor). Where the reference computes in
-float64 already, or its float64 run could not be made, the bound is the floor.
+times that. The bound is never below a few units of the dtype's rounding (``ROUNDING_FLOORS``; or
+the fixed tolerance where that is smaller), since two correct sides may order their sums
+differently where the reference happens to round well; it may be below the fixed tolerance, so that
+a small defect in a module that rounds well (a norm's epsilon) is seen. Where the reference
+computes in float64 already, or its float64 run could not be made, the bound is the fixed tolerance.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ PASSED, FAILED, NOT_COMPARED = "passed", "failed", "not compared"
 # how far beyond the reference's own rounding a port's error may go: two sides that round alike
 # differ from each other by up to about twice what either differs from the exact result
 ROUNDING_FACTOR = 4.0
+# the least a measured bound may be: 16 units in the last place of the dtype (relative)
+ROUNDING_FLOORS = {"float64": 16 * 2.0**-52, "float32": 16 * 2.0**-23, "bfloat16": 16 * 2.0**-7,
+                   "float16": 16 * 2.0**-10}
 
 
-def bound(tolerance: float, reference_error: float | None, factor: float = ROUNDING_FACTOR) -> float:
-    """What an error may be: ``max(tolerance, factor * reference_error)``; the tolerance alone
-    without a reference error (None, or not finite)."""
+def bound(tolerance: float, reference_error: float | None, dtype: str = "float32",
+          factor: float = ROUNDING_FACTOR) -> float:
+    """What an error may be: ``max(min(tolerance, ROUNDING_FLOORS[dtype]), factor * reference_error)``;
+    the tolerance alone without a reference error (None, or not finite)."""
     if reference_error is None or reference_error != reference_error or reference_error == float("inf"):
         return tolerance
-    return max(tolerance, factor * reference_error)
+    return max(min(tolerance, ROUNDING_FLOORS.get(dtype, tolerance)), factor * reference_error)
 
 
 def outcome(error: float | None, limit: float) -> str:
