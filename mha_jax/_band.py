@@ -39,7 +39,7 @@ _BLOCK = 128  # queries per band (docs/performance.md: how it was chosen)
 
 @dataclass(frozen=True)
 class _Band:
-    block_q: int  # named as ``_blockwise._Config``'s, whose query-block helpers take it
+    block_q: int  # named as ``_blockwise.Config``'s, whose query-block helpers take it
     q_len: int
     kv_len: int
     left: int

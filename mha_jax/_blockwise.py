@@ -57,7 +57,7 @@ _BLOCK_SCORES = 1 << 22
 
 
 @dataclass(frozen=True)
-class _Config:
+class Config:
     block_q: int
     block_k: int
     q_len: int
@@ -134,7 +134,7 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
-    cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
+    cfg = Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
                   keep_scale, dropout_rate, precision, soft_cap, bands, spec.chunk_size)
     positions = masks._positions(spec) if "position" in spec.terms.reads else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
@@ -320,7 +320,7 @@ def _conjunction(cfg, terms) -> Terms:
     return _terms.of(cfg.causal, cfg.window, cfg.chunk_size, terms[2] is not None, terms[4] is not None)
 
 
-def _classes(cfg, allowed, terms, padding):
+def classes(cfg, allowed, terms, padding):
     """(whole, live): bool ``(n_q, n_k)``. A block is live if some score in it may be attended
     to in some batch element (as far as each term's block summary tells), and whole if every
     score in it may be, in every batch element, so that it needs no mask. With ``padding`` the
@@ -369,7 +369,7 @@ def _mask_blocks(cfg, allowed):
     return blocks(some, False, jnp.any), blocks(every, True, jnp.all)
 
 
-def _schedule(whole, live):
+def schedule(whole, live):
     """Per row of the class tables: (block order, whole blocks, live blocks). The order lists
     the whole blocks first, then the partial ones, then the empty ones."""
     rank = jnp.where(whole, 0, jnp.where(live, 1, 2))
@@ -396,7 +396,7 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     v_blocks = _tiles.key_rows(cfg, v)
     allowed_p, bias_p, keep_p = _pad_masks(cfg, (allowed, bias, keep))
     terms_p = _pad_terms(cfg, terms)
-    order, n_whole, n_live = _schedule(*_classes(cfg, allowed, terms, padding=True))
+    order, n_whole, n_live = schedule(*classes(cfg, allowed, terms, padding=True))
     block5 = (b, h, g, cfg.block_q, cfg.block_k)
     # (1, h, g * block_q): each query head's sink along the rows of a query block
     sink_rows = None if sinks is None else jnp.repeat(sinks, cfg.block_q, axis=2)
@@ -453,8 +453,8 @@ def _flash_bwd(cfg, residuals, d_out):
     blocks = _Transposed(qs_blocks, jnp.swapaxes(qs_blocks, 3, 4), do_blocks, jnp.swapaxes(do_blocks, 3, 4),
                          _tiles.query_rows(cfg, lse), _tiles.query_rows(cfg, delta), *masks_t, _pad_terms(cfg, terms))
     k_blocks, v_blocks = _tiles.key_rows(cfg, k), _tiles.key_rows(cfg, v)  # (n_k, b, h, block_k, d)
-    whole, live = _classes(cfg, allowed, terms, padding=False)
-    order, n_whole, n_live = _schedule(whole.T, live.T)  # per key block, over query blocks
+    whole, live = classes(cfg, allowed, terms, padding=False)
+    order, n_whole, n_live = schedule(whole.T, live.T)  # per key block, over query blocks
 
     def key_block(carry, args):
         dqt, d_bias = carry

@@ -125,7 +125,7 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
 
     out = _platform.on(None if interpret else "tpu", batched, q, k, v, q_ids, kv_ids, sinks, x32=True)
     out = out[:, :, :q_len].astype(jnp.float32).transpose(0, 2, 1, 3)
-    return jnp.where(_has_key(spec), out, 0.0)
+    return jnp.where(has_key(spec), out, 0.0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,7 +186,7 @@ def _segment_ids(spec: masks._Spec, q_pad: int, kv_pad: int):
     return qs, ks
 
 
-def _has_key(spec: masks._Spec):
+def has_key(spec: masks._Spec):
     """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. Over default
     positions the keys that causality, windows, chunks and lengths leave a query are one range
     of indices ``[lo, hi]``: ``lo`` the first key ``k`` with keys ``0..k`` live by the terms'

@@ -174,6 +174,6 @@ def test_splash_rows_with_no_key_are_the_dense_masks(name):
         kw["query_segment_ids"], kw["key_segment_ids"] = kw["query_segment_ids"][:, :q_len], kw["key_segment_ids"]
     spec = Spec((B, H, q_len, kv_len), **kw)
     dense = np.broadcast_to(np.asarray(spec.dense(jnp.arange)).any(axis=-1), (B, 1, q_len))[:, 0]
-    got = np.asarray(_splash._has_key(spec))[:, :, 0, 0]
+    got = np.asarray(_splash.has_key(spec))[:, :, 0, 0]
     assert not dense.all(), "the case has rows with no key"
     np.testing.assert_array_equal(got, dense)
