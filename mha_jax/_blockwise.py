@@ -260,8 +260,8 @@ def _tile(cfg, x, i, j, transposed):
     return _block(_block(x, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k)
 
 
-def _pad_masks(cfg, masks):
-    return [_tiles.pad(_tiles.pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in masks]
+def _pad_masks(cfg, arrays):
+    return [_tiles.pad(_tiles.pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in arrays]
 
 
 def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
@@ -290,9 +290,9 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
     q = Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q))
     k = Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
               None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
-    masks = (padding, None if allowed is None else _tile(cfg, allowed, i, j, transposed))
+    allowed_tile = (padding, None if allowed is None else _tile(cfg, allowed, i, j, transposed))
     return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, terms=_conjunction(cfg, terms), q=q, k=k,
-                         masks=masks)
+                         masks=allowed_tile)
 
 
 def _ranges(x, block, n):
