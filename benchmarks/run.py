@@ -22,6 +22,7 @@ against ``implementation="xla"``. Writes ``benchmarks/results/<device>.json``, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,6 +46,8 @@ STRUCTURED = (
     ("window 512 vs causal", 16384, "window", "causal", 8.0),
     ("8 segments vs none", 8192, "segments", "full", 4.0),
     ("causal vs full", 4096, "causal", "full", 1.6),
+    # the same window as bands (``_band``) and as blockwise's tiles, which skip the same blocks
+    ("window 512: bands vs tiles", 16384, "window", "window tiles", 1.0),
 )
 WINDOW, SEGMENTS = (512, 0), 8
 CHECK_LENGTH = 2048  # the structured terms against implementation="xla", output and gradients
@@ -108,7 +111,7 @@ def _terms(terms: str, length: int) -> dict:
         return {}
     if terms == "causal":
         return {"is_causal": True}
-    if terms == "window":
+    if terms in ("window", "window tiles"):
         return {"is_causal": True, "local_window_size": WINDOW}
     ids = jnp.repeat(jnp.arange(SEGMENTS, dtype=jnp.int32), -(-length // SEGMENTS))[None, :length]
     return {"query_segment_ids": ids, "key_segment_ids": ids}
@@ -132,9 +135,25 @@ def _structured_fn(terms: str, mode: str, length: int, implementation: str = "bl
     else:
         f = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2)))
     start = time.perf_counter()
-    compiled = f.lower(q, q, q).compile()
+    with _tiles_only(terms == "window tiles"):
+        compiled = f.lower(q, q, q).compile()
     compile_s = time.perf_counter() - start
     return (lambda: jax.block_until_ready(compiled(q, q, q))), compile_s
+
+
+@contextlib.contextmanager
+def _tiles_only(tiles: bool):
+    """With ``tiles``, a window over default positions is traced as blockwise's tiles rather
+    than as ``_band``'s bands."""
+    from mha_jax import _band
+
+    band = _band.band
+    if tiles:
+        _band.band = lambda *args: None
+    try:
+        yield
+    finally:
+        _band.band = band
 
 
 def structured_check(rows: int = 512) -> list[dict]:
@@ -143,7 +162,7 @@ def structured_check(rows: int = 512) -> list[dict]:
     reference computed for those rows alone, from their positions or segment ids), and output
     and gradients (of a random projection of the output) of each term at ``CHECK_LENGTH``."""
     out = []
-    for terms in sorted({t for _, _, w, b, _ in STRUCTURED for t in (w, b)}):
+    for terms in sorted({t for _, _, w, b, _ in STRUCTURED for t in (w, b)} - {"window tiles"}):
         length = max(L for _, L, w, b, _ in STRUCTURED if terms in (w, b))
         out.append({"terms": terms, "length": length, "what": f"output, {rows}-row slices",
                     "max_abs_diff": _check_slices(terms, length, rows)})

@@ -3,11 +3,12 @@
 With default positions (query ``i`` and key ``j`` at positions ``i`` and ``j``) and a window
 ``(left, right)``, the keys a block of ``block`` queries starting at ``i0`` may see are the
 ``width = block + left + right`` keys starting at ``i0 - left``. Each query block therefore
-takes its band with one slice and one product, with one softmax over it: no loop over key
-blocks, no online rescaling, and which scores the window excludes is the same pattern for every
-block (relative offsets), so no positions are read. The tiles of ``_blockwise`` (512 x 256)
-would cover ``512 + left`` keys for every 512 queries, twice the window's pairs at ``left =
-512``, with a loop step per tile; a band of 128 queries covers ``128 + left``.
+takes its band with one slice and one product, with one softmax over it (one step of
+``_tiles``' online softmax, from its start): no loop over key blocks, and which scores the
+window excludes is the same pattern for every block (relative offsets), so no positions are
+read. The tiles of ``_blockwise`` (512 x 256) would cover ``512 + left`` keys for every 512
+queries, twice the window's pairs at ``left = 512``, with a loop step per tile; a band of 128
+queries covers ``128 + left``.
 
 Interface as ``_blockwise``'s: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
 ``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (the positions
@@ -28,17 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mha_jax import _tiles  # the query-block layout, as _blockwise's
+from mha_jax import _tiles
 from mha_spec.terms import Causal, Terms, Where, Window
 
-# Scores of one band, over batch x heads x rows x keys: as ``_blockwise._BLOCK_SCORES``.
+# The most scores of one band, over batch x heads x rows x keys: as ``_blockwise``'s blocks.
 _BAND_SCORES = 1 << 22
-_BLOCK = 128  # queries per band: chosen by timing 512, 256, 128 and 64 at length 16384, window 512
+_BLOCK = 128  # queries per band (docs/performance.md: how it was chosen)
 
 
 @dataclass(frozen=True)
 class _Band:
-    block_q: int  # named as ``_blockwise._Config``'s, whose query-block helpers take it
+    block_q: int  # named as ``_blockwise.Config``'s, whose query-block helpers take it
     q_len: int
     kv_len: int
     left: int
@@ -123,22 +124,20 @@ def _band(cfg, q, k, v, terms):
 
 
 def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
-    """One band's scores ``(b, h, g * block, width)``, -inf where not visible; with
-    ``transposed`` the transposed scores ``(b, h, width, g * block)``, which the backward's
-    products take as stored (XLA:CPU runs a product with a transposed left operand as a slower
-    kernel)."""
+    """One band's scores ``(b, h, g * block, width)``, -inf where not visible (``_tiles.scores``,
+    scaled there); with ``transposed`` the transposed scores ``(b, h, width, g * block)``, which
+    the backward's products take as stored (XLA:CPU runs a product with a transposed left
+    operand as a slower kernel)."""
     b, h = q_i.shape[:2]
-    bias = jnp.where(_visible(cfg, i, g, terms), 0.0, -jnp.inf).astype(q_i.dtype)  # (b|1, 1, 1|g, block, width)
-    # scaled here rather than in the queries: one pass over scores already made, instead of a
-    # pass over the queries that XLA:CPU splits from their transpose
+    visible = _visible(cfg, i, g, terms)  # (b|1, 1, 1|g, block, width)
     scale = jnp.asarray(cfg.scale, q_i.dtype)
     if transposed:
         s = jnp.einsum("bhkd,bhmd->bhkm", k_band, q_i, precision=cfg.precision)
-        s = s.reshape(b, h, cfg.width, g, cfg.block_q) * scale + jnp.moveaxis(bias, 4, 2)
-        return s.reshape(b, h, cfg.width, g * cfg.block_q)
-    s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
-    s = s.reshape(b, h, g, cfg.block_q, cfg.width) * scale + bias
-    return s.reshape(b, h, g * cfg.block_q, cfg.width)
+        shape, visible = (b, h, cfg.width, g, cfg.block_q), jnp.moveaxis(visible, 4, 2)
+    else:
+        s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
+        shape = (b, h, g, cfg.block_q, cfg.width)
+    return _tiles.scores(s, shape, scale=scale, masks=(visible,))[0]
 
 
 def _queries(cfg, x):
@@ -182,16 +181,14 @@ def _forward(cfg, q, k, v, terms):
 
     def block(i):
         start = i * cfg.block_q
-        s = _scores(cfg, _block_rows(cfg, qs, i), lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms)
-        m = s.max(axis=-1)
-        shift = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.exp(s - shift[..., None])
-        norm = p.sum(axis=-1)
-        out = jnp.einsum("bhmk,bhkd->bhmd", p, lax.dynamic_slice_in_dim(vp, start, cfg.width, 2),
-                         precision=cfg.precision)
-        out = out / jnp.where(norm == 0.0, 1.0, norm)[..., None]
-        # A row with no visible key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
-        lse = jnp.where(norm > 0.0, shift + jnp.log(jnp.where(norm > 0.0, norm, 1.0)), jnp.inf)
+        q_i = _block_rows(cfg, qs, i)
+        s = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms)
+        v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
+
+        def mix(p):
+            return jnp.einsum("bhmk,bhkd->bhmd", p, v_band, precision=cfg.precision)
+
+        out, lse = _tiles.finish(_tiles.forward(_tiles.init(jnp.zeros_like(q_i)), s, mix))  # one tile: the band
         return _in_caller_layout(cfg, out), lse
 
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
@@ -202,7 +199,7 @@ def _forward(cfg, q, k, v, terms):
 def _backward(cfg, residuals, d_out):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
     g = q.shape[2]
-    delta = _tiles._query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
+    delta = _tiles.query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
     qs = _queries(cfg, q)
     dos = _queries(cfg, d_out)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
@@ -217,9 +214,9 @@ def _backward(cfg, residuals, d_out):
         q_i, do_i = _block_rows(cfg, qs, i), _block_rows(cfg, dos, i)
         v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
         st = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms, transposed=True)
-        pt = jnp.exp(st - lse_i[:, :, None, :])  # 0 where not visible, and in rows that see nothing
         dpt = jnp.einsum("bhkd,bhmd->bhkm", v_band, do_i, precision=cfg.precision)
-        dst = pt * (dpt - delta_i[:, :, None, :]) * jnp.asarray(cfg.scale, pt.dtype)  # of the unscaled products
+        pt, _, dst = _tiles.backward(st, lse_i[:, :, None, :], delta_i[:, :, None, :], dpt)
+        dst = dst * jnp.asarray(cfg.scale, pt.dtype)  # of the unscaled products
         kt_band = lax.dynamic_slice_in_dim(kt, start, cfg.width, 3)
         dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_band, dst, precision=cfg.precision)
         dk_band = jnp.einsum("bhkm,bhmd->bhkd", dst, q_i, precision=cfg.precision)

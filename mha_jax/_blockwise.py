@@ -31,7 +31,8 @@ is folded into the queries once rather than applied to every score.
 A logit soft-cap is applied to each block's scores before the bias and masks (and its
 derivative ``1 - tanh^2`` to each block's score gradient); sinks start each row's running
 maximum and sum (``m = sink``, ``l = 1``), and their gradient is read off the saved log-sum-exp
-after the loops. Without them, the traced program is the one it was without these options.
+after the loops. Without them nothing of them is traced. Each block's scores and its step of
+the online softmax, forward and backward, are ``_tiles``' (the ring's too).
 """
 
 from __future__ import annotations
@@ -39,25 +40,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _band, masks
-from mha_jax._tiles import _from_query_rows, _key_rows, _pad, _query_rows
+from mha_jax import _band, _tiles, masks
 from mha_spec import terms as _terms
 from mha_spec.terms import Terms, Where
 
-# Scores of one block, over batch x heads x rows x keys. Blocks above ~4M float32 scores
-# (16 MiB) fall out of cache on the machines measured; below it each product is too small for
-# the matmul to reach its speed.
+# The most scores of one block, over batch x heads x rows x keys (16 MiB of float32): blocks are
+# halved until they fit (docs/performance.md: why this size).
 _BLOCK_SCORES = 1 << 22
 
 
 @dataclass(frozen=True)
-class _Config:
+class Config:
     block_q: int
     block_k: int
     q_len: int
@@ -103,11 +103,8 @@ def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
 def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False
                 ) -> tuple[int, int]:
     """Forward blocks: 1024 query rows (over all groups) x 512 keys, or 512 x 256 when causal
-    (finer blocks waste less on the diagonal), smaller for short inputs or many heads.
-
-    Chosen by interleaved timing on a 2-core CPU (B=1, H=8, head_dim=64, length 4096) among
-    1024x512, 512x512, 512x256, 256x512, 1024x1024, 2048x512 and 1024x256.
-    """
+    (finer blocks waste less on the diagonal), smaller for short inputs or many heads
+    (docs/performance.md: how they were chosen)."""
     cap_q, cap_k = (512, 256) if causal else (1024, 512)
     return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
@@ -115,8 +112,7 @@ def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, 
 def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False
                          ) -> tuple[int, int]:
     """Backward blocks (when no drawn dropout mask ties them to the forward's): 512 query rows
-    x 1024 keys, or 512 x 512 when causal; chosen among 256x512, 512x256, 512x512, 1024x512,
-    512x1024 and 1024x1024 in the same kind of run."""
+    x 1024 keys, or 512 x 512 when causal."""
     cap_q, cap_k = (512, 512) if causal else (512, 1024)
     return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
@@ -138,7 +134,7 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
-    cfg = _Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
+    cfg = Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
                   keep_scale, dropout_rate, precision, soft_cap, bands, spec.chunk_size)
     positions = masks._positions(spec) if "position" in spec.terms.reads else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
@@ -223,12 +219,12 @@ def _varying(xs, others):
         missing = tuple(sorted(axes - _vma(x)))
         if not missing:
             return x
-        return _to_varying(x, missing)
+        return to_varying(x, missing)
 
     return tuple(None if x is None else vary(x) for x in xs)
 
 
-def _to_varying(x, axes: tuple[str, ...]):
+def to_varying(x, axes: tuple[str, ...]):
     """``x`` cast to varying over the manual mesh ``axes`` (``jax.lax.pcast``; ``pvary`` in older jax)."""
     return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
 
@@ -264,25 +260,24 @@ def _tile(cfg, x, i, j, transposed):
     return _block(_block(x, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k)
 
 
-def _and(a, b):
-    """``a & b``, either of which may be None (nothing excluded)."""
-    return b if a is None else a if b is None else a & b
+def _pad_masks(cfg, arrays):
+    return [_tiles.pad(_tiles.pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in arrays]
 
 
-def _pad_masks(cfg, masks):
-    return [_pad(_pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in masks]
-
-
-def _allowed(cfg, i, j, allowed, terms, transposed):
-    """Which scores of partial block (i, j) may be attended to: the padding of the last key
-    block (forward only: the backward needs no padding term, see ``_flash_bwd``), the structured
-    terms and the boolean mask. Shaped to broadcast against the block ``(b, h, g, block_q,
-    block_k)``, or ``(b, h, block_k, g, block_q)`` when ``transposed``; None where all may."""
+def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
+    """Block (i, j)'s scores and the tanh of its cap (``_tiles.scores``) from its products ``s``.
+    A partial block is masked by the structured terms, the boolean mask and (forward only: the
+    backward's clamp bounds them, see ``_tiles.backward``) the padding of the last key block.
+    Masks broadcast against the block ``(b, h, g, block_q, block_k)``, or ``(b, h, block_k, g,
+    block_q)`` when ``transposed``."""
+    bias = None if bias is None else _tile(cfg, bias, i, j, transposed)
+    if not partial:
+        return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias)
     q_axis, k_axis = _axes(transposed)
     shape = [1] * 5
     shape[q_axis], shape[k_axis] = cfg.block_q, cfg.block_k
     cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-    ok = cols < cfg.kv_len if cfg.kv_len % cfg.block_k and not transposed else None
+    padding = cols < cfg.kv_len if cfg.kv_len % cfg.block_k and not transposed else None
 
     def along(x, axis, index, size):  # block ``index`` of a padded (b|1, len) term, laid along ``axis``
         if x is None:
@@ -292,32 +287,12 @@ def _allowed(cfg, i, j, allowed, terms, transposed):
         return lax.dynamic_slice_in_dim(x, index * size, size, 1).reshape(layout)
 
     qp, kp, qs, ks, lengths = terms
-    visible = _conjunction(cfg, terms).visible(
-        Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q)),
-        Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
-              None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)),
-    )
-    if visible is not None:
-        ok = _and(ok, visible)
-    if allowed is not None:
-        ok = _and(ok, _tile(cfg, allowed, i, j, transposed))
-    return ok
-
-
-def _masked(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
-    """Block (i, j)'s scores, flat as the matrix product gives them, plus the bias and, in a
-    partial block, with -inf where ``_allowed`` excludes; reshaped to the 5-d ``block5`` only
-    when needed."""
-    ok = _allowed(cfg, i, j, allowed, terms, transposed) if partial else None
-    if bias is None and ok is None:
-        return s
-    flat = s.shape
-    s = s.reshape(block5)
-    if bias is not None:
-        s = s + _tile(cfg, bias, i, j, transposed).astype(s.dtype)
-    if ok is not None:
-        s = jnp.where(ok, s, -jnp.inf)
-    return s.reshape(flat)
+    q = Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q))
+    k = Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
+              None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
+    allowed_tile = (padding, None if allowed is None else _tile(cfg, allowed, i, j, transposed))
+    return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, terms=_conjunction(cfg, terms), q=q, k=k,
+                         masks=allowed_tile)
 
 
 def _ranges(x, block, n):
@@ -345,7 +320,7 @@ def _conjunction(cfg, terms) -> Terms:
     return _terms.of(cfg.causal, cfg.window, cfg.chunk_size, terms[2] is not None, terms[4] is not None)
 
 
-def _classes(cfg, allowed, terms, padding):
+def classes(cfg, allowed, terms, padding):
     """(whole, live): bool ``(n_q, n_k)``. A block is live if some score in it may be attended
     to in some batch element (as far as each term's block summary tells), and whole if every
     score in it may be, in every batch element, so that it needs no mask. With ``padding`` the
@@ -394,7 +369,7 @@ def _mask_blocks(cfg, allowed):
     return blocks(some, False, jnp.any), blocks(every, True, jnp.all)
 
 
-def _schedule(whole, live):
+def schedule(whole, live):
     """Per row of the class tables: (block order, whole blocks, live blocks). The order lists
     the whole blocks first, then the partial ones, then the empty ones."""
     rank = jnp.where(whole, 0, jnp.where(live, 1, 2))
@@ -414,28 +389,14 @@ def _keep(cfg, keep, rng, i, j, b, h, g, transposed):
     return jnp.moveaxis(drawn, 4, 2) if transposed else drawn
 
 
-def _dropped(cfg, x, keep, block5):
-    """Flat block ``x`` with dropout applied: kept entries scaled, the others 0."""
-    return jnp.where(keep, x.reshape(block5) * cfg.keep_scale, 0.0).reshape(x.shape)
-
-
-def _capped(cfg, s):
-    """Scores capped as ``cap * tanh(s / cap)`` and the tanh (for the backward), or ``s`` and
-    None without a cap."""
-    if cfg.soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / cfg.soft_cap)
-    return cfg.soft_cap * t, t
-
-
 def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     b, h, g, _, d = q.shape
-    q_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
-    kt_blocks = jnp.swapaxes(_key_rows(cfg, k), 3, 4)  # (n_k, b, h, d, block_k)
-    v_blocks = _key_rows(cfg, v)
+    q_blocks = _tiles.query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
+    kt_blocks = jnp.swapaxes(_tiles.key_rows(cfg, k), 3, 4)  # (n_k, b, h, d, block_k)
+    v_blocks = _tiles.key_rows(cfg, v)
     allowed_p, bias_p, keep_p = _pad_masks(cfg, (allowed, bias, keep))
     terms_p = _pad_terms(cfg, terms)
-    order, n_whole, n_live = _schedule(*_classes(cfg, allowed, terms, padding=True))
+    order, n_whole, n_live = schedule(*classes(cfg, allowed, terms, padding=True))
     block5 = (b, h, g, cfg.block_q, cfg.block_k)
     # (1, h, g * block_q): each query head's sink along the rows of a query block
     sink_rows = None if sinks is None else jnp.repeat(sinks, cfg.block_q, axis=2)
@@ -443,39 +404,41 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     def query_block(args):
         i, q_i, order_i, whole_i, live_i = args
 
-        def key_step(t, carry, partial):
-            m, norm, acc = carry
+        def key_step(t, state, partial):
             j = order_i[t]
             s = jnp.einsum("bhmd,bhdk->bhmk", q_i, kt_blocks[j], precision=cfg.precision)
-            s = _capped(cfg, s)[0]
-            s = _masked(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - shift[..., None])
-            alpha = jnp.exp(m - shift)
-            norm = alpha * norm + p.sum(axis=-1)
-            block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
-            if block_keep is not None:
-                p = _dropped(cfg, p, block_keep, block5)
-            pv = jnp.einsum("bhmk,bhkd->bhmd", p, v_blocks[j], precision=cfg.precision)
-            return m_new, norm, alpha[..., None] * acc + pv
+            s = _scores(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)[0]
 
-        if sinks is None:
-            init = (jnp.full_like(q_i[..., 0], -jnp.inf), jnp.zeros_like(q_i[..., 0]), jnp.zeros_like(q_i))
-        else:  # the sink is one more score of value 0: each row starts from m = sink, l = 1
-            zeros = jnp.zeros_like(q_i[..., 0])
-            init = (zeros + sink_rows, zeros + (sink_rows > -jnp.inf).astype(zeros.dtype), jnp.zeros_like(q_i))
-        carry = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False), init)
-        m, norm, acc = lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), carry)
-        out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
-        # A row with no allowed key keeps lse = +inf, so that exp(s - lse) = 0 when recomputed.
-        log_norm = jnp.log(jnp.where(norm > 0.0, norm, 1.0))
-        lse = jnp.where(norm > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + log_norm, jnp.inf)
-        return out, lse
+            def mix(p):
+                return jnp.einsum("bhmk,bhkd->bhmd", p, v_blocks[j], precision=cfg.precision)
+
+            block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
+            return _tiles.forward(state, s, mix, block_keep, cfg.keep_scale, block5)
+
+        state = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False),
+                              _tiles.init(jnp.zeros_like(q_i), sink_rows))
+        return _tiles.finish(lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), state))
 
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
-    out, lse = _from_query_rows(cfg, out, b, h, g), _from_query_rows(cfg, lse, b, h, g)
+    out, lse = _tiles.from_query_rows(cfg, out, b, h, g), _tiles.from_query_rows(cfg, lse, b, h, g)
     return out, (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
+
+
+class _Transposed(NamedTuple):
+    """The backward's query blocks ``(n_q, b, h, rows, ...)`` (scaled queries, output
+    gradients, both also transposed; the rows' lse and delta) and masks with their key axis
+    before the groups ``(b|1, h|1, k|1, g|1, q|1)``, padded; terms padded to whole blocks."""
+
+    qs: jax.Array
+    qst: jax.Array
+    do: jax.Array
+    dot: jax.Array
+    lse: jax.Array
+    delta: jax.Array
+    allowed: jax.Array | None
+    bias: jax.Array | None
+    keep: jax.Array | None
+    terms: tuple
 
 
 def _flash_bwd(cfg, residuals, d_out):
@@ -485,62 +448,32 @@ def _flash_bwd(cfg, residuals, d_out):
         sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal or cfg.window is not None)
         cfg = dataclasses.replace(cfg, block_q=sizes[0], block_k=sizes[1])
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
-    qs_blocks = _query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
-    qst_blocks = jnp.swapaxes(qs_blocks, 3, 4)
-    do_blocks = _query_rows(cfg, d_out)
-    dot_blocks = jnp.swapaxes(do_blocks, 3, 4)
-    lse_blocks, delta_blocks = _query_rows(cfg, lse), _query_rows(cfg, delta)  # (n_q, b, h, rows)
-    k_blocks, v_blocks = _key_rows(cfg, k), _key_rows(cfg, v)  # (n_k, b, h, block_k, d)
-    kt_blocks = jnp.swapaxes(k_blocks, 3, 4)
-    # Masks move their key axis before the groups: (b|1, h|1, k|1, g|1, q|1), the transposed block.
-    allowed_t, bias_t, keep_t = (None if m is None else jnp.moveaxis(m, 4, 2)
-                                 for m in _pad_masks(cfg, (allowed, bias, keep)))
-    terms_p = _pad_terms(cfg, terms)
-    whole, live = _classes(cfg, allowed, terms, padding=False)
-    order, n_whole, n_live = _schedule(whole.T, live.T)  # per key block, over query blocks
-    block5_t = (b, h, cfg.block_k, g, cfg.block_q)
-    d_bias0 = None if bias is None else jnp.zeros_like(bias_t, q.dtype)
+    qs_blocks, do_blocks = _tiles.query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype)), _tiles.query_rows(cfg, d_out)
+    masks_t = (None if m is None else jnp.moveaxis(m, 4, 2) for m in _pad_masks(cfg, (allowed, bias, keep)))
+    blocks = _Transposed(qs_blocks, jnp.swapaxes(qs_blocks, 3, 4), do_blocks, jnp.swapaxes(do_blocks, 3, 4),
+                         _tiles.query_rows(cfg, lse), _tiles.query_rows(cfg, delta), *masks_t, _pad_terms(cfg, terms))
+    k_blocks, v_blocks = _tiles.key_rows(cfg, k), _tiles.key_rows(cfg, v)  # (n_k, b, h, block_k, d)
+    whole, live = classes(cfg, allowed, terms, padding=False)
+    order, n_whole, n_live = schedule(whole.T, live.T)  # per key block, over query blocks
 
     def key_block(carry, args):
         dqt, d_bias = carry
         j, k_j, v_j, kt_j, order_j, whole_j, live_j = args
 
-        def query_step(t, inner, partial):
-            dqt, dk_j, dv_j, d_bias = inner
-            i = order_j[t]
-            st = jnp.einsum("bhkd,bhdm->bhkm", k_j, qst_blocks[i], precision=cfg.precision)
-            st, tanh_t = _capped(cfg, st)
-            st = _masked(cfg, st, i, j, allowed_t, terms_p, bias_t, block5_t, True, partial)
-            # Exact scores never exceed their row's lse; the clamp only bounds the padded keys
-            # (zero rows of K: score 0), whose terms then reach dQ as 0 * finite and are cut off
-            # dK and dV, so they need no mask here.
-            pt = jnp.exp(jnp.minimum(st - lse_blocks[i][:, :, None, :], 0.0))
-            dpt = jnp.einsum("bhkd,bhdm->bhkm", v_j, dot_blocks[i], precision=cfg.precision)
-            block_keep = _keep(cfg, keep_t, rng, i, j, b, h, g, True)
-            pt_used = pt
-            if block_keep is not None:
-                pt_used, dpt = _dropped(cfg, pt, block_keep, block5_t), _dropped(cfg, dpt, block_keep, block5_t)
-            dv_j = dv_j + jnp.einsum("bhkm,bhmd->bhkd", pt_used, do_blocks[i], precision=cfg.precision)
-            dst = pt * (dpt - delta_blocks[i][:, :, None, :])  # gradient of the (scaled, biased) scores
-            if d_bias is not None:
-                d_bias = _add_block(d_bias, dst.reshape(block5_t), i, j, cfg)
-            if tanh_t is not None:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
-                dst = dst * (1.0 - tanh_t * tanh_t)
-            dk_j = dk_j + jnp.einsum("bhkm,bhmd->bhkd", dst, qs_blocks[i], precision=cfg.precision)
-            dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_j, dst, precision=cfg.precision)
-            dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)
-            return dqt, dk_j, dv_j, d_bias
+        def query_step(t, grads, partial):
+            return _backward_tile(cfg, blocks, rng, order_j[t], j, (k_j, v_j, kt_j), grads, partial)
 
         zeros = jnp.zeros_like(k_j)
-        inner = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), (dqt, zeros, zeros, d_bias))
-        dqt, dk_j, dv_j, d_bias = lax.fori_loop(whole_j, live_j, functools.partial(query_step, partial=True), inner)
+        grads = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), (dqt, zeros, zeros, d_bias))
+        dqt, dk_j, dv_j, d_bias = lax.fori_loop(whole_j, live_j, functools.partial(query_step, partial=True), grads)
         return (dqt, d_bias), (dk_j, dv_j)
 
-    dqt0 = jnp.zeros_like(qst_blocks)
+    d_bias0 = None if bias is None else jnp.zeros_like(blocks.bias, q.dtype)
     (dqt, d_bias), (dk, dv) = lax.scan(
-        key_block, (dqt0, d_bias0), (jnp.arange(cfg.n_k), k_blocks, v_blocks, kt_blocks, order, n_whole, n_live)
+        key_block, (jnp.zeros_like(blocks.qst), d_bias0),
+        (jnp.arange(cfg.n_k), k_blocks, v_blocks, jnp.swapaxes(k_blocks, 3, 4), order, n_whole, n_live),
     )
-    dq = _from_query_rows(cfg, jnp.swapaxes(dqt, 3, 4) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
+    dq = _tiles.from_query_rows(cfg, jnp.swapaxes(dqt, 3, 4) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
 
     def keys(x):  # (n_k, b, h, block_k, d) -> (b, h, kv_len, d)
         return jnp.moveaxis(x, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
@@ -554,6 +487,29 @@ def _flash_bwd(cfg, residuals, d_out):
         p_sink = jnp.exp(sinks[..., None] - lse)  # (b, h, g, q_len)
         d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(sinks.shape).astype(sinks.dtype)
     return dq, keys(dk), keys(dv), None, d_bias, None, d_sinks, None, None
+
+
+def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partial):
+    """The gradients (dQ^T blocks, dK and dV of key block ``j``, the transposed bias's or None)
+    plus block (i, j)'s share, on its transposed scores ``S^T = K Q^T``; ``key_block``: K, V,
+    K^T of block ``j``."""
+    dqt, dk_j, dv_j, d_bias = grads
+    k_j, v_j, kt_j = key_block
+    b, h, block_k = k_j.shape[:3]
+    g = blocks.qs.shape[3] // cfg.block_q
+    block5_t = (b, h, block_k, g, cfg.block_q)
+    st = jnp.einsum("bhkd,bhdm->bhkm", k_j, blocks.qst[i], precision=cfg.precision)
+    st, tanh_t = _scores(cfg, st, i, j, blocks.allowed, blocks.terms, blocks.bias, block5_t, True, partial)
+    dpt = jnp.einsum("bhkd,bhdm->bhkm", v_j, blocks.dot[i], precision=cfg.precision)
+    block_keep = _keep(cfg, blocks.keep, rng, i, j, b, h, g, True)
+    pt_used, ds_bias, dst = _tiles.backward(st, blocks.lse[i][:, :, None, :], blocks.delta[i][:, :, None, :], dpt,
+                                            tanh_t, block_keep, cfg.keep_scale, block5_t)
+    dv_j = dv_j + jnp.einsum("bhkm,bhmd->bhkd", pt_used, blocks.do[i], precision=cfg.precision)
+    if d_bias is not None:
+        d_bias = _add_block(d_bias, ds_bias.reshape(block5_t), i, j, cfg)
+    dk_j = dk_j + jnp.einsum("bhkm,bhmd->bhkd", dst, blocks.qs[i], precision=cfg.precision)
+    dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_j, dst, precision=cfg.precision)
+    return lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0), dk_j, dv_j, d_bias
 
 
 def _add_block(d_bias, ds, i, j, cfg):

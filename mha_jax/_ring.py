@@ -3,7 +3,8 @@
 Each of the axis's ``n`` devices holds a block of queries and a block of keys and values. The
 key/value blocks (with the per-key terms given as arrays: key positions, key segment ids) go
 round the ring with ``jax.lax.ppermute``, ``n - 1`` steps; each device combines its partial
-results with the log-sum-exp trick (online softmax), as the blockwise kernel does over blocks.
+results with the online softmax, tile by tile, with the tile step of ``_tiles`` (the blockwise
+kernel's).
 The backward pass is a second ring: the key/value blocks travel with the gradients of their
 keys and values, which after ``n`` steps are home again; the gradient of a device's queries
 stays on it. Nothing is gathered.
@@ -61,8 +62,8 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _blockwise, masks
-from mha_spec.terms import Terms, Where
+from mha_jax import _blockwise, _tiles, masks
+from mha_spec.terms import Terms, Where, conjoin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +179,9 @@ def _indices(cfg: _Config, batch: int, kv_heads: int, drawn: bool) -> dict:
     axis) and, for drawn dropout, the global indices of its examples and key/value heads
     (uint32, over the axes that split them). Given as inputs rather than read with
     ``jax.lax.axis_index``: inside a ``shard_map`` manual over some axes only (an Auto mesh),
-    ``axis_index`` lowers to a ``partition-id`` in a nested manual computation, which XLA's
-    partitioner was seen to reject in a larger program (jax 0.10.2: "PartitionId instruction is
-    not supported for SPMD partitioning")."""
+    ``axis_index`` lowers to a ``partition-id`` in a nested manual computation, which XLA's SPMD
+    partitioner rejects in larger programs (jax 0.10.2: "PartitionId instruction is not
+    supported for SPMD partitioning")."""
     indices = dict(device=jnp.arange(cfg.size, dtype=jnp.int32))
     if drawn:
         indices.update(examples=jnp.arange(batch, dtype=jnp.uint32), kv_heads=jnp.arange(kv_heads, dtype=jnp.uint32))
@@ -343,12 +344,7 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
 def _unseen_zeroed(kj, vj, mask, bias):
     """The tile's keys and values with zeros at the keys that no query of the tile may see by the
     dense mask or a ``-inf`` bias (per key/value head)."""
-    seen = None
-    if mask is not None:
-        seen = mask
-    if bias is not None:
-        finite = bias > -jnp.inf
-        seen = finite if seen is None else seen & finite
+    seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
     if seen is None:
         return kj, vj
     seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as kj
@@ -377,16 +373,25 @@ def _sliced(terms: dict, start, size: int) -> dict:
     return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
 
 
-def _allowed(cfg: _Config, qt: dict, kt: dict, lengths):
-    """bool ``(b|1, 1, 1, q_tile, k_tile)`` or None. ``qt``: ``qp``, ``qs``; ``kt``: ``kp``,
-    ``ks``, ``index`` (key indices in the user's order), each ``(b|1, tile)``."""
+def _where(qt: dict, kt: dict, lengths) -> tuple[Where, Where]:
+    """What the terms read of a tile's queries and keys, laid to broadcast against its scores
+    ``(b, kv_heads, groups, q_tile, k_tile)``. ``qt``: ``qp``, ``qs``; ``kt``: ``kp``, ``ks``,
+    ``index`` (key indices in the user's order), each ``(b|1, tile)``."""
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
-    return cfg.terms.visible(
-        Where(q5(qt["qp"]), q5(qt.get("qs"))),
-        Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
-              None if lengths is None else lengths[:, None, None, None, None]),
-    )
+    return (Where(q5(qt["qp"]), q5(qt.get("qs"))),
+            Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
+                  None if lengths is None else lengths[:, None, None, None, None]))
+
+
+def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias):
+    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None) of a tile of
+    queries ``q`` ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``
+    (``_tiles.scores``)."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
+    qw, kw = _where(qt, kt, lengths)
+    return _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw, k=kw,
+                         masks=(mask,))
 
 
 def _may_see(cfg: _Config, qp, kp, mask):
@@ -401,24 +406,13 @@ def _may_see(cfg: _Config, qp, kp, mask):
         ok = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
     if mask is not None and (not cfg.auto or (mask.shape[0] == 1 or cfg.batch_axes)
                              and (mask.shape[1] == 1 or cfg.head_axes)):
-        ok = _blockwise._and(ok, mask.any())
+        ok = conjoin(ok, mask.any())
     return ok
 
 
 def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
     may = _may_see(cfg, qt["qp"], kt["kp"], mask)
     return update(state) if may is None else jax.lax.cond(may, update, lambda state: state, state)
-
-
-def _logits(cfg: _Config, q, k, bias):
-    """(scaled and capped logits ``(b, kv_heads, groups, q_tile, k_tile)`` plus the bias, tanh of
-    the cap or None)."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision) * cfg.scale
-    t = None
-    if cfg.soft_cap is not None:
-        t = jnp.tanh(s / cfg.soft_cap)
-        s = cfg.soft_cap * t
-    return s if bias is None else s + bias.astype(s.dtype), t
 
 
 def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
@@ -444,21 +438,13 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
             mask, bias, keep = _dense_tile(cfg, rows, ktj["index"][0])
 
             def update(tile_state):
-                m, l, acc = tile_state  # noqa: E741
                 kz, vz = _unseen_zeroed(kj, vj, mask, bias)
-                logits, _ = _logits(cfg, qi, kz, bias)
-                allowed = _blockwise._and(_allowed(cfg, qti, ktj, lengths), mask)
-                if allowed is not None:
-                    logits = jnp.where(allowed, logits, -jnp.inf)
-                m_new = jnp.maximum(m, logits.max(axis=-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(logits - m_safe[..., None])
-                correction = jnp.exp(m - m_safe)
-                l = l * correction + p.sum(axis=-1)  # noqa: E741
-                if keep is not None:  # dropped after the normaliser: the kept weights scaled
-                    p = jnp.where(keep, p * cfg.keep_scale, 0.0)
-                acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
-                return m_new, l, acc
+                s, _ = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias)
+
+                def mix(p):
+                    return jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
+
+                return _tiles.forward(tile_state, s, mix, keep, cfg.keep_scale, s.shape)
 
             return _if_visible(cfg, qti, ktj, mask, update, tile_state)
 
@@ -501,22 +487,14 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
             def update(tile_grads):
                 dqi, dkj, dvj, d_bias_t = tile_grads
                 kz, vz = _unseen_zeroed(kj, vj, mask, bias)
-                logits, t = _logits(cfg, qi, kz, bias)
-                p = jnp.exp(logits - lsei[..., None])
-                allowed = _blockwise._and(_allowed(cfg, qti, ktj, lengths), mask)
-                if allowed is not None:
-                    p = jnp.where(allowed, p, 0.0)
+                s, t = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias)
                 dp = jnp.einsum("bhgqd,bkhd->bhgqk", douti, vz, precision=cfg.precision)
-                p_used = p
-                if keep is not None:  # the weights used and their gradient, through the kept entries only
-                    p_used, dp = (jnp.where(keep, x * cfg.keep_scale, 0.0) for x in (p, dp))
+                p_used, ds_bias, ds = _tiles.backward(s, lsei[..., None], deltai[..., None], dp, t, keep,
+                                                      cfg.keep_scale, s.shape)
                 dvj = dvj + jnp.einsum("bhgqk,bhgqd->bkhd", p_used, douti, precision=cfg.precision)
-                ds = p * (dp - deltai[..., None])  # the gradient of the (capped, biased) logits
                 if d_bias_t is not None:
-                    axes = tuple(a for a in range(5) if d_bias_t.shape[a] == 1 and ds.shape[a] != 1)
-                    d_bias_t = d_bias_t + ds.sum(axis=axes, keepdims=True)
-                if t is not None:
-                    ds = ds * (1.0 - t * t)
+                    axes = tuple(a for a in range(5) if d_bias_t.shape[a] == 1 and ds_bias.shape[a] != 1)
+                    d_bias_t = d_bias_t + ds_bias.sum(axis=axes, keepdims=True)
                 ds = ds * cfg.scale
                 dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kz, precision=cfg.precision)
                 dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
@@ -561,8 +539,6 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
     qc = q.astype(jnp.promote_types(q.dtype, jnp.float32))
     acc = jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4))  # (b, kv_heads, groups, q_block, d), as q is placed
-    l = jnp.zeros_like(acc[..., 0])  # noqa: E741
-    m = jnp.full_like(l, -jnp.inf)
 
     def step(s, state, k, v, kt):
         return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
@@ -572,17 +548,9 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
         sent = _next((k, v, kt), cfg)  # on its way while this block is used
         return step(s, state, k, v, kt), *sent
 
-    state, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, ((m, l, acc), k, v, kt))
-    m, l, acc = step(n - 1, state, k_last, v_last, kt_last)  # noqa: E741
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    if sinks is not None:
-        sink = sinks[None, :, :, None]
-        m_all = jnp.maximum(m, sink)
-        correction = jnp.exp(m - m_all)
-        l, acc = l * correction + jnp.exp(sink - m_all), acc * correction[..., None]  # noqa: E741
-        m_safe = m_all
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-    lse = jnp.where(l == 0.0, 0.0, m_safe + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+    state = _tiles.init(acc, None if sinks is None else sinks[None, :, :, None])
+    state, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, (state, k, v, kt))
+    out, lse = _tiles.finish(step(n - 1, state, k_last, v_last, kt_last))
     result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
     return result, (q, k, v, out, lse)
 
@@ -629,7 +597,7 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
 def _varying(cfg: _Config, x):
     """``x`` made varying over every manual axis, as what the loops add to it is."""
     axes = tuple(sorted(_manual(cfg)))
-    return _blockwise._to_varying(x, axes)
+    return _blockwise.to_varying(x, axes)
 
 
 def _specs(cfg: _Config, terms: dict):

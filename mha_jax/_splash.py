@@ -25,18 +25,43 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _kernels
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _masks
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _info
 
 from mha_jax import _platform, masks
+from mha_spec.terms import Where
 
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
 _BLOCKS = (512, 256, 128)
+
+# The kernel is built from the modules of ``splash_attention`` that its package does not export
+# (``make_splash_mha`` less its ``jnp.array`` of the block tables, and the chunked mask), as jax
+# ``WRITTEN_FOR`` lays them out; ``jax_internals`` is their one use, and a test checks each name.
+WRITTEN_FOR = "0.10.2"
+INTERNALS = {
+    "splash_attention_kernel": ("SplashAttentionKernel", "DEFAULT_MASK_VALUE"),
+    "splash_attention_mask": ("ChunkedCausalMask",),
+    "splash_attention_mask_info": ("process_mask", "process_mask_dkv"),
+}
+
+
+def jax_internals() -> dict:
+    """The names of ``INTERNALS``, by name, from jax's splash modules; a clear error where this
+    jax moved one."""
+    found = {}
+    for module, names in INTERNALS.items():
+        try:
+            loaded = importlib.import_module(f"{splash.__name__}.{module}")
+            found.update({name: getattr(loaded, name) for name in names})
+        except (ImportError, AttributeError) as error:
+            raise ImportError(
+                f"implementation='splash' builds jax's splash kernel from {splash.__name__}.{module} as jax "
+                f"{WRITTEN_FOR} lays it out ({', '.join(names)}); jax {jax.__version__} moved it: {error}"
+            ) from error
+    return found
 
 
 def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
@@ -100,15 +125,16 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
 
     out = _platform.on(None if interpret else "tpu", batched, q, k, v, q_ids, kv_ids, sinks, x32=True)
     out = out[:, :, :q_len].astype(jnp.float32).transpose(0, 2, 1, 3)
-    return jnp.where(_has_key(spec), out, 0.0)
+    return jnp.where(has_key(spec), out, 0.0)
 
 
 @functools.lru_cache(maxsize=64)
 def _kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
     """The kernel for one mask structure and padded size (built once: its block tables are
     NumPy work)."""
+    internal = jax_internals()
     if chunk is not None:  # causal within each chunk of positions (Llama 4's)
-        one = _masks.ChunkedCausalMask((q_len, kv_len), chunk_size=chunk)
+        one = internal["ChunkedCausalMask"]((q_len, kv_len), chunk_size=chunk)
     elif window is not None:
         left, right = window
         one = splash.LocalMask((q_len, kv_len), window_size=(left, 0 if causal else right), offset=0)
@@ -124,11 +150,11 @@ def _kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
     # topology compiled for from a CPU host)
     mask = splash.MultiHeadMask([one] * heads)
     shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
-    fwd, function = _info.process_mask(mask, (bq, bk), **shards)
-    dq, _ = _info.process_mask(mask, (bq, bk), **shards)
-    dkv, _ = _info.process_mask_dkv(mask, (bq, bk), shrink_grid=True, **shards)
-    return _kernels.SplashAttentionKernel(
-        fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False, mask_value=_kernels.DEFAULT_MASK_VALUE,
+    fwd, function = internal["process_mask"](mask, (bq, bk), **shards)
+    dq, _ = internal["process_mask"](mask, (bq, bk), **shards)
+    dkv, _ = internal["process_mask_dkv"](mask, (bq, bk), shrink_grid=True, **shards)
+    return internal["SplashAttentionKernel"](
+        fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False, mask_value=internal["DEFAULT_MASK_VALUE"],
         attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=function, interpret=interpret,
     )
 
@@ -160,27 +186,44 @@ def _segment_ids(spec: masks._Spec, q_pad: int, kv_pad: int):
     return qs, ks
 
 
-def _has_key(spec: masks._Spec):
-    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. Causality,
-    windows and lengths bound the keys a query may see to one range of indices; with segments,
-    a key of the query's own segment must lie in it (found by binary search over the keys
-    sorted by segment, so that no ``(q_len, kv_len)`` array is formed)."""
+def has_key(spec: masks._Spec):
+    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. Over default
+    positions the keys that causality, windows, chunks and lengths leave a query are one range
+    of indices ``[lo, hi]``: ``lo`` the first key ``k`` with keys ``0..k`` live by the terms'
+    ``block``, ``hi`` the last with ``k..kv_len-1`` live, each found by bisection; with segments,
+    a key of the query's own segment must lie in it (found by binary search over the keys sorted
+    by segment), so that no ``(q_len, kv_len)`` array is formed."""
     batch, _, q_len, kv_len = spec.shape
-    qi = jnp.arange(q_len, dtype=jnp.int32)[None]
-    lo = jnp.zeros((1, q_len), jnp.int32)
-    hi = jnp.full((1, q_len), kv_len - 1, jnp.int32)
-    if spec.window is not None:
-        lo, hi = jnp.maximum(lo, qi - spec.window[0]), jnp.minimum(hi, qi + spec.window[1])
-    if spec.is_causal:
-        hi = jnp.minimum(hi, qi)
-    if spec.lengths is not None:
-        hi = jnp.minimum(hi, spec.lengths[:, None] - 1)
+    ranged = spec.terms.only({"position", "index", "length"})
+    query = Where(jnp.arange(q_len, dtype=jnp.int32)[None])
+    lengths = None if spec.lengths is None else spec.lengths[:, None]
+    last = kv_len - 1
+
+    def live(first, final):  # keys first..final, at positions equal to their indices
+        keys = (Where(x, index=x, length=lengths) for x in (first, final))
+        return ranged.block(query, query, *keys)[1]
+
+    lo, hi = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), last, jnp.int32)
+    if ranged:
+        lo = _least(lambda k: live(jnp.zeros_like(k), k), kv_len, q_len)
+        hi = last - _least(lambda k: live(last - k, jnp.full_like(k, last)), kv_len, q_len)
     ok = lo <= hi
     if spec.query_segment_ids is not None:
         n = max(x.shape[0] for x in (spec.query_segment_ids, spec.key_segment_ids, lo, hi))
         rows = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (spec.query_segment_ids, spec.key_segment_ids, lo, hi))
         ok = ok & jax.vmap(_segment_in_range)(*rows)
     return jnp.broadcast_to(ok, (batch, q_len))[:, :, None, None]
+
+
+def _least(holds, n: int, q_len: int):
+    """int32 ``(batch|1, q_len)``: the least ``k`` in ``0..n-1`` for which ``holds(k)`` (bool,
+    false then true along ``k``), or ``n`` where none does."""
+    first, end = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), n, jnp.int32)
+    for _ in range(n.bit_length()):
+        mid = (first + end) // 2
+        yes, active = holds(mid), first < end
+        first, end = jnp.where(active & ~yes, mid + 1, first), jnp.where(active & yes, mid, end)
+    return first
 
 
 def _segment_in_range(qs, ks, lo, hi):

@@ -1,15 +1,26 @@
-"""Tiles of queries and keys: the block layout that ``_blockwise`` and ``_band`` both read.
+"""Tiles of queries and keys: their layout, and the one step of attention over a tile.
 
-A query block holds ``block_q`` rows of every query head of a key/value head's group, so one
-product serves the group; the last block of each is zero-padded.
+Layout (``_blockwise`` and ``_band``): a query block holds ``block_q`` rows of every query head
+of a key/value head's group, so one product serves the group; the last block of each is
+zero-padded.
+
+The tile step, the same for every kernel that walks tiles (``_blockwise``, ``_band``, the
+ring): ``scores`` turns a tile's products ``Q K^T`` into its scores with every term; ``forward``
+carries the online softmax (running maximum, sum and weighted values) over one tile of scores,
+``init`` starts it (sinks enter there) and ``finish`` ends it; ``backward`` is the gradient
+through one tile, from the row log-sum-exp ``finish`` gives. Each kernel keeps its own layout
+(its products and where its tiles lie), and hands a tile's arrays to these functions: shapes
+below are those of a tile's scores, ``(..., rows, keys)`` flat as the product gives them.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from mha_spec.terms import Terms, Where, conjoin
 
-def _pad(x, axis, size, broadcast=False):
+
+def pad(x, axis, size, broadcast=False):
     """Zero-pad ``axis`` to ``size``; with ``broadcast``, an axis of 1 (a mask broadcast along
     it) stays as it is."""
     if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
@@ -19,23 +30,109 @@ def _pad(x, axis, size, broadcast=False):
     return jnp.pad(x, widths)
 
 
-def _query_rows(cfg, x):
+def query_rows(cfg, x):
     """``(b, h, g, q_len, *rest)`` -> query blocks ``(n_q, b, h, g*block_q, *rest)``."""
     b, h, g = x.shape[:3]
-    x = _pad(x, 3, cfg.n_q * cfg.block_q)
+    x = pad(x, 3, cfg.n_q * cfg.block_q)
     x = x.reshape((b, h, g, cfg.n_q, cfg.block_q) + x.shape[4:])
     return jnp.moveaxis(x, 3, 0).reshape((cfg.n_q, b, h, g * cfg.block_q) + x.shape[5:])
 
 
-def _from_query_rows(cfg, x, b, h, g):
-    """The inverse of ``_query_rows``, with the padding of the last block dropped."""
+def from_query_rows(cfg, x, b, h, g):
+    """The inverse of ``query_rows``, with the padding of the last block dropped."""
     x = x.reshape((cfg.n_q, b, h, g, cfg.block_q) + x.shape[4:])
     x = jnp.moveaxis(x, 0, 3).reshape((b, h, g, cfg.n_q * cfg.block_q) + x.shape[5:])
     return x[:, :, :, : cfg.q_len]
 
 
-def _key_rows(cfg, x):
+def key_rows(cfg, x):
     """``(b, h, kv_len, d)`` -> key blocks ``(n_k, b, h, block_k, d)``."""
     b, h, _, d = x.shape
-    x = _pad(x, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
+    x = pad(x, 2, cfg.n_k * cfg.block_k).reshape(b, h, cfg.n_k, cfg.block_k, d)
     return jnp.moveaxis(x, 2, 0)
+
+
+# --- the tile step ------------------------------------------------------------------------------
+
+def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | None = None, q: Where | None = None,
+           k: Where | None = None, masks=()):
+    """(scores, tanh of the cap or None) of one tile from its products ``s``: times ``scale``
+    (None: folded into the queries already), capped as ``cap * tanh(s / cap)``, plus ``bias``,
+    and -inf where a term excludes: the structured ``terms`` read on the tile's queries ``q``
+    and keys ``k``, and each bool of ``masks`` (None: all allowed). ``bias`` and the masks
+    broadcast to ``shape``, the tile's scores as the kernel lays them out (``s`` is reshaped to
+    it only when they are applied, and back)."""
+    if scale is not None:
+        s = s * scale
+    t = None
+    if soft_cap is not None:
+        t = jnp.tanh(s / soft_cap)
+        s = soft_cap * t
+    ok = None if not terms else terms.visible(q, k)
+    for mask in masks:
+        ok = conjoin(ok, mask)
+    if bias is None and ok is None:
+        return s, t
+    flat = s.shape
+    s = s.reshape(shape)
+    if bias is not None:
+        s = s + bias.astype(s.dtype)
+    # A score term that adds to every score (a per-head linear bias of key minus query position,
+    # read from ``q.position`` and ``k.position``) adds here, once for every kernel.
+    if ok is not None:
+        s = jnp.where(ok, s, -jnp.inf)
+    return s.reshape(flat), t
+
+
+def dropped(x, keep, keep_scale, shape):
+    """Tile ``x`` with dropout applied: the kept entries of ``keep`` (broadcasting to ``shape``)
+    scaled by ``keep_scale``, the others 0."""
+    return jnp.where(keep, x.reshape(shape) * keep_scale, 0.0).reshape(x.shape)
+
+
+def init(acc, sinks=None):
+    """The online softmax's state before any tile: (running maximum, sum, weighted values
+    ``acc``, zeros ``(..., rows, d)``). A sink (broadcasting to the rows, or None) is one more
+    score, of value 0: each row starts from maximum = sink, sum = 1."""
+    zeros = jnp.zeros_like(acc[..., 0])
+    if sinks is None:
+        return jnp.full_like(zeros, -jnp.inf), zeros, acc
+    return zeros + sinks, zeros + (sinks > -jnp.inf).astype(zeros.dtype), acc
+
+
+def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
+    """The state after one tile of ``scores`` ``s``: ``mix(p)`` is the tile's weights ``p``
+    times its values (``(..., rows, d)``); ``keep`` drops weights after the sum (as ``dropped``)."""
+    m, norm, acc = state
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - shift[..., None])
+    alpha = jnp.exp(m - shift)
+    norm = alpha * norm + p.sum(axis=-1)
+    if keep is not None:
+        p = dropped(p, keep, keep_scale, shape)
+    return m_new, norm, alpha[..., None] * acc + mix(p)
+
+
+def finish(state):
+    """(output ``(..., rows, d)``, row log-sum-exp ``(..., rows)``). A row with no allowed key
+    gets output 0 and log-sum-exp +inf, so that its weights ``exp(s - lse)`` recomputed in the
+    backward are 0."""
+    m, norm, acc = state
+    out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
+    log_norm = jnp.log(jnp.where(norm > 0.0, norm, 1.0))
+    return out, jnp.where(norm > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + log_norm, jnp.inf)
+
+
+def backward(s, lse, delta, dp, tanh=None, keep=None, keep_scale=1.0, shape=None):
+    """(weights used ``P`` (dropout applied), gradient of the capped and biased scores (the
+    bias's), gradient of the scores before the cap) of one tile, from its ``scores`` ``s``,
+    the rows' ``lse`` and ``delta = rowsum(dO * O)`` laid to broadcast against ``s``, and
+    ``dp = dO V^T``. Exact scores never exceed their row's lse; the clamp bounds scores the
+    kernel left unmasked (zero-padded keys), whose weights then count for nothing."""
+    p = jnp.exp(jnp.minimum(s - lse, 0.0))
+    p_used = p
+    if keep is not None:
+        p_used, dp = dropped(p, keep, keep_scale, shape), dropped(dp, keep, keep_scale, shape)
+    ds = p * (dp - delta)
+    return p_used, ds, ds if tanh is None else ds * (1.0 - tanh * tanh)

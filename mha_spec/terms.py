@@ -42,7 +42,7 @@ class Where(NamedTuple):
     length: Any = None
 
 
-def _and(a, b):
+def conjoin(a, b):
     """``a & b``, either of which may be None (nothing excluded)."""
     return b if a is None else a if b is None else a & b
 
@@ -169,14 +169,14 @@ class Terms(Term):
     def visible(self, q: Where, k: Where):
         result = None
         for term in self.terms:
-            result = _and(result, term.visible(q, k))
+            result = conjoin(result, term.visible(q, k))
         return result
 
     def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
         whole = live = None
         for term in self.terms:
             w, v = term.block(q_lo, q_hi, k_lo, k_hi)
-            whole, live = _and(whole, w), _and(live, v)
+            whole, live = conjoin(whole, w), conjoin(live, v)
         return whole, live
 
 

@@ -94,10 +94,10 @@ def test_blockwise_matches_oracle_across_blocks(name, tiny_blocks):
 
 def _visits(q_len, kv_len, block_q, block_k, *, causal=False, window=None, terms=(None,) * 5, allowed=None):
     """Per query block: (whole key blocks, partial key blocks), as the forward visits them."""
-    cfg = _blockwise._Config(block_q, block_k, q_len, kv_len, causal, window, 1.0, 1.0, 0.0, None)
+    cfg = _blockwise.Config(block_q, block_k, q_len, kv_len, causal, window, 1.0, 1.0, 0.0, None)
     if terms[0] is None and (causal or window):
         terms = (jnp.arange(q_len)[None], jnp.arange(kv_len)[None]) + terms[2:]
-    order, whole, live = _blockwise._schedule(*_blockwise._classes(cfg, allowed, terms, padding=True))
+    order, whole, live = _blockwise.schedule(*_blockwise.classes(cfg, allowed, terms, padding=True))
     return [(int(w), int(n) - int(w)) for w, n in zip(whole, live)]
 
 

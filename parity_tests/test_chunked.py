@@ -80,9 +80,9 @@ def test_every_implementation_matches_the_oracle(case, tiny_blocks):
 
 def _visits(q_len, kv_len, block_q, block_k, *, causal, chunk):
     """Per query block: (whole key blocks, partial key blocks), as the forward visits them."""
-    cfg = _blockwise._Config(block_q, block_k, q_len, kv_len, causal, None, 1.0, 1.0, 0.0, None, chunk_size=chunk)
+    cfg = _blockwise.Config(block_q, block_k, q_len, kv_len, causal, None, 1.0, 1.0, 0.0, None, chunk_size=chunk)
     terms = (jnp.arange(q_len)[None], jnp.arange(kv_len)[None], None, None, None)
-    order, whole, live = _blockwise._schedule(*_blockwise._classes(cfg, None, terms, padding=True))
+    order, whole, live = _blockwise.schedule(*_blockwise.classes(cfg, None, terms, padding=True))
     return [(int(w), int(n) - int(w)) for w, n in zip(whole, live)]
 
 

@@ -129,3 +129,51 @@ def test_flash_is_blockwise_on_cpu():
     np.testing.assert_array_equal(flash["out"], block["out"])
     for a, b in zip(flash["grads"], block["grads"]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_splash_internals_are_where_they_were_written_for():
+    """The kernel is built from jax's splash modules that their package does not export; when a
+    jax release moves one of those names, this says which, and for which jax it was written."""
+    from mha_jax import _splash
+
+    found = _splash.jax_internals()
+    assert set(found) == {n for names in _splash.INTERNALS.values() for n in names}
+    for chunk in (None, 64):  # the kernel as built from them (NumPy work: no device)
+        try:
+            _splash._kernel(2, 128, 256, True, None, chunk, 2.0, True)
+        except TypeError as error:
+            raise AssertionError(f"jax {jax.__version__}'s splash kernel no longer takes what mha_jax._splash "
+                                 f"passes (written for jax {_splash.WRITTEN_FOR}): {error}") from error
+
+
+HAS_KEY = {  # (q_len, kv_len, Spec keywords): rows with no key in every case
+    "window (3, 0), more queries": (45, 37, dict(window=(3, 0))),
+    "window (0, 4), more queries": (45, 37, dict(window=(0, 4))),
+    "causal window, more queries": (45, 37, dict(is_causal=True, window=(5, 0))),
+    "lengths inside (0, K)": (37, 45, dict(is_causal=True, window=(2, 0), lengths=np.array([17, 3]))),
+    "window and lengths": (45, 37, dict(window=(2, 1), lengths=np.array([37, 30]))),
+    "causal chunks and lengths": (45, 37, dict(is_causal=True, chunk_size=8, lengths=np.array([20, 37]))),
+    "segments and a window": (37, 45, dict(window=(4, 0), query_segment_ids=SEGMENTS["query_segment_ids"],
+                                           key_segment_ids=SEGMENTS["key_segment_ids"])),
+    "segments alone": (37, 45, dict(query_segment_ids=SEGMENTS["query_segment_ids"],
+                                    key_segment_ids=SEGMENTS["key_segment_ids"] + 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(HAS_KEY))
+def test_splash_rows_with_no_key_are_the_dense_masks(name):
+    """Which queries see some key (the rows set to 0 after the kernel), from the terms' block
+    ranges, is exactly where the dense mask of the same terms has a key: windows either side,
+    causality, chunks, lengths strictly between 0 and the key count, and segments."""
+    from mha_jax import _splash
+    from mha_spec.terms import Spec
+
+    q_len, kv_len, kw = HAS_KEY[name]
+    kw = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    if "query_segment_ids" in kw:
+        kw["query_segment_ids"], kw["key_segment_ids"] = kw["query_segment_ids"][:, :q_len], kw["key_segment_ids"]
+    spec = Spec((B, H, q_len, kv_len), **kw)
+    dense = np.broadcast_to(np.asarray(spec.dense(jnp.arange)).any(axis=-1), (B, 1, q_len))[:, 0]
+    got = np.asarray(_splash.has_key(spec))[:, :, 0, 0]
+    assert not dense.all(), "the case has rows with no key"
+    np.testing.assert_array_equal(got, dense)
