@@ -82,8 +82,8 @@ def compile_case(chip: str, case: str, block: int | None = None) -> dict:
     impl, step, length, devices = case.split(":")
     length, devices = int(length), int(devices)
     if block is not None:  # a kernel block size to try (the default's are 512/256/128)
-        _splash._BLOCKS = (block,) + _splash._BLOCKS
-        _splash._kernel.cache_clear()
+        _splash.BLOCKS = (block,) + _splash.BLOCKS
+        _splash.kernel.cache_clear()
     topology = topologies.get_topology_desc(CHIPS[chip]["topology"], "tpu")
     grid = (2, 2) if devices == 4 else (1, 1)
     mesh = Mesh(np.array(topology.devices[:devices]).reshape(grid), ("data", "heads"),

@@ -117,7 +117,7 @@ def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: 
     return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
 
 
-def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
+def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
               keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None):
     """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``.
 
@@ -136,7 +136,7 @@ def attention(q, k, v, spec: masks._Spec, *, allowed, bias, keep, dropout_rng, s
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
     cfg = Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
                   keep_scale, dropout_rate, precision, soft_cap, bands, spec.chunk_size)
-    positions = masks._positions(spec) if "position" in spec.terms.reads else (None, None)
+    positions = masks.positions(spec) if "position" in spec.terms.reads else (None, None)
     terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
     args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))

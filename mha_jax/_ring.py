@@ -149,7 +149,7 @@ def _check_key(sequence_axis, rng):
     )
 
 
-def attention(q, k, v, spec: masks._Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
+def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
               allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
               keep_scale: float = 1.0):
     """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)``, in their dtype (what

@@ -35,7 +35,7 @@ from mha_jax import _platform, masks
 from mha_spec.terms import Where
 
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
-_BLOCKS = (512, 256, 128)
+BLOCKS = (512, 256, 128)
 
 # The kernel is built from the modules of ``splash_attention`` that its package does not export
 # (``make_splash_mha`` less its ``jnp.array`` of the block tables, and the chunked mask), as jax
@@ -64,7 +64,7 @@ def jax_internals() -> dict:
     return found
 
 
-def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
+def refusal(spec: masks.Spec, *, dropout: bool) -> str | None:
     """Why the kernel cannot express this call (naming the argument), or None."""
     if not all(isinstance(n, int) for n in spec.shape[2:]):
         return "a symbolic length (jax.export.symbolic_shape: its block tables are built for known lengths)"
@@ -83,14 +83,14 @@ def refusal(spec: masks._Spec, *, dropout: bool) -> str | None:
 
 def block_size(length: int) -> int:
     """The largest of 512, 256, 128 that divides ``length`` (a multiple of 128)."""
-    return next(b for b in _BLOCKS if length % b == 0)
+    return next(b for b in BLOCKS if length % b == 0)
 
 
 def padded(length: int) -> int:
     return -(-max(length, 1) // _LANES) * _LANES
 
 
-def attention(query, key, value, spec: masks._Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
+def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
     """Output ``(batch, q_len, heads, head_dim)`` in float32 of query ``(batch, q_len, heads,
     head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``, in their own dtype
     (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None. Compiled for a TPU
@@ -109,7 +109,7 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
     if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     q_pad, kv_pad = padded(q_len), padded(kv_len)
-    kernel = _kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, spec.chunk_size, soft_cap, interpret)
+    built = kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, spec.chunk_size, soft_cap, interpret)
     q = _pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), q_pad)
     k, v = (_pad(x.transpose(0, 2, 1, 3), kv_pad) for x in (key, value))
     q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
@@ -117,7 +117,7 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
 
     def one(q, k, v, q_ids, kv_ids, sinks):
         ids = None if q_ids is None else splash.SegmentIds(q_ids, kv_ids)
-        return kernel(q, k, v, segment_ids=ids, sinks=sinks)
+        return built(q, k, v, segment_ids=ids, sinks=sinks)
 
     def batched(q, k, v, q_ids, kv_ids, sinks):
         id_axes = None if q_ids is None else 0
@@ -129,7 +129,7 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
+def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
     """The kernel for one mask structure and padded size (built once: its block tables are
     NumPy work)."""
     internal = jax_internals()
@@ -164,7 +164,7 @@ def _pad(x, length):
     return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))) if x.shape[2] != length else x
 
 
-def _segment_ids(spec: masks._Spec, q_pad: int, kv_pad: int):
+def _segment_ids(spec: masks.Spec, q_pad: int, kv_pad: int):
     """int32 ``(batch, q_pad)``, ``(batch, kv_pad)`` segment ids carrying segments, key lengths
     and the padding keys (an id no query has), or (None, None) where nothing needs them."""
     batch, _, q_len, kv_len = spec.shape
@@ -186,7 +186,7 @@ def _segment_ids(spec: masks._Spec, q_pad: int, kv_pad: int):
     return qs, ks
 
 
-def has_key(spec: masks._Spec):
+def has_key(spec: masks.Spec):
     """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. Over default
     positions the keys that causality, windows, chunks and lengths leave a query are one range
     of indices ``[lo, hi]``: ``lo`` the first key ``k`` with keys ``0..k`` live by the terms'

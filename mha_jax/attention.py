@@ -543,7 +543,7 @@ def _mix(weights, v, precision):
     return out.transpose(0, 3, 1, 2, 4)
 
 
-def _cudnn(query, key, value, spec: masks._Spec, scale):
+def _cudnn(query, key, value, spec: masks.Spec, scale):
     """``jax.nn.dot_product_attention(implementation="cudnn")`` with our semantics, on
     bfloat16/float16 inputs in the public layout; output in float32.
 
@@ -555,7 +555,7 @@ def _cudnn(query, key, value, spec: masks._Spec, scale):
     # cuDNN's own causality is top-left, ours at default positions; its window is left to the
     # mask (jax.nn ignored it without one, jax #32357), as are segments and other positions.
     native_causal = spec.is_causal and spec.default_positions
-    allowed = masks._dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
+    allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
     out = jax.nn.dot_product_attention(
         query, key, value,
         bias=None if spec.bias is None else jnp.broadcast_to(spec.bias, shape).astype(query.dtype),
@@ -563,7 +563,7 @@ def _cudnn(query, key, value, spec: masks._Spec, scale):
         is_causal=native_causal, key_value_seq_lengths=spec.lengths, implementation="cudnn",
     ).astype(jnp.float32)
     live = jnp.ones(shape, bool)
-    dense = masks._dense(spec)
+    dense = masks.dense(spec)
     if dense is not None:
         live = live & dense
     if spec.bias is not None:

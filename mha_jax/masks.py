@@ -158,8 +158,3 @@ def zero_unused_inputs(inputs_k, inputs_v, spec: Spec, segments: bool = True):
         return inputs_k, inputs_v
     unused = unused[:, 0, :, None]
     return jnp.where(unused, 0, inputs_k), jnp.where(unused, 0, inputs_v)
-
-
-# Former names, still used by the kernel modules (_blockwise, _ring, _splash) and attention._cudnn
-# until they are renamed there.
-_Spec, _dense, _positions = Spec, dense, positions

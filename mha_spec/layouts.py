@@ -515,6 +515,3 @@ def read_checkpoint(state_dict_or_path: Any, load_file: Callable[[str], dict], v
             f"got {type(state_dict_or_path).__name__}"
         )
     return {str(k): value(str(k), v) for k, v in state_dict_or_path.items()}
-
-
-_some = some  # the former name, still used by parity_tests/tool/ports.py until it is renamed there

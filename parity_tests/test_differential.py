@@ -49,17 +49,6 @@ def _torch_implementations(call: Call) -> tuple[str, ...]:
     return ("math",) if call.dropout or call.soft_cap is not None else ("math", "sdpa")
 
 
-# The TPU kernel gives a query whose chunk holds no key (a chunk past the last key, or past the
-# key length) the kernel's own output, not 0: the rows it sets to 0 are found from causality,
-# windows, lengths and segments, not chunks. ``test_chunk_past_the_last_key`` pins it; until it
-# passes, drawn chunked calls with such rows leave the kernel out.
-SPLASH_CHUNK_ROWS = "splash: a query whose chunk holds no key gets the kernel's output, not 0"
-
-
-def _splash_known_wrong(call: Call, want: dict) -> bool:
-    return call.chunk and bool(np.any(np.all(want["out"] == 0, axis=-1)))
-
-
 def _assert_matches(name: str, got: dict, want: dict) -> None:
     """Output (and which rows are 0: queries that see no key) and gradients against the oracle."""
     assert max(harness.errors(got["out"], want["out"])) <= FWD_TOL, (name, "out", harness.errors(got["out"],
@@ -89,7 +78,7 @@ def check_call(call: Call) -> None:
     if refusal is not None:
         with pytest.raises(ValueError, match=re.escape(f"implementation='splash' does not take {refusal}")):
             cores.run_core("jax", *inputs, dtype="float32", implementation="splash", **kwargs)
-    elif not _splash_known_wrong(call, want):  # SPLASH_CHUNK_ROWS
+    else:
         got = cores.run_core("jax", *inputs, dtype="float32", implementation="splash", **kwargs)
         _assert_matches("splash", got, want)
     for name in _torch_implementations(call):
@@ -143,7 +132,6 @@ def test_key_lengths_inside_the_keys():
     check_call(Call(q_len=8, kv_len=12, lengths=True, seed=1))
 
 
-@pytest.mark.xfail(strict=True, reason=SPLASH_CHUNK_ROWS)
 def test_chunk_past_the_last_key():
     """Causal chunks of 4 over 12 queries and 8 keys: the last chunk's queries see no key, so
     their rows are 0."""

@@ -140,7 +140,7 @@ def test_splash_internals_are_where_they_were_written_for():
     assert set(found) == {n for names in _splash.INTERNALS.values() for n in names}
     for chunk in (None, 64):  # the kernel as built from them (NumPy work: no device)
         try:
-            _splash._kernel(2, 128, 256, True, None, chunk, 2.0, True)
+            _splash.kernel(2, 128, 256, True, None, chunk, 2.0, True)
         except TypeError as error:
             raise AssertionError(f"jax {jax.__version__}'s splash kernel no longer takes what mha_jax._splash "
                                  f"passes (written for jax {_splash.WRITTEN_FOR}): {error}") from error

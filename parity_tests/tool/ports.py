@@ -136,7 +136,7 @@ def _check_flax_names(path: str) -> None:
     if shown != FLAX:
         looks = f"; it looks like --layout {shown}" if shown else ""
         raise ValueError(f"--layout flax: {path} holds no Flax parameter names (query.kernel, ...) "
-                         f"but {layouts._some(keys)}{looks}")
+                         f"but {layouts.some(keys)}{looks}")
 
 
 def _check_norms(checkpoint: Checkpoint) -> None:
