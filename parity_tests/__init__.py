@@ -4,8 +4,14 @@
 - ``verify(torch_fn, jax_fn, inputs)`` and ``Inputs``: an attention on the grid of mask forms,
   dtypes and gradients (``parity_tests.tool.callables``);
 - ``compare(torch_model, flax_model, *inputs)`` and ``compare_gradients``, ``compare_step``,
-  ``compare_decoding``, ``save_reference``, ``load_reference``: a whole PyTorch model against its
-  Flax port, module by module (``parity_tests.porting``).
+  ``compare_decoding``, ``save_reference``, ``load_reference``, ``record``: a whole PyTorch model
+  against its Flax port, module by module (``parity_tests.porting``);
+- ``suggest_mapping(torch_model, flax_model, *inputs)``: a name mapping for ``compare`` where the
+  port names its modules otherwise (``parity_tests.porting.suggest``);
+- ``compare_training(torch_model, flax_model, batches)``: both models trained from the same
+  weights, step by step (``parity_tests.porting.runs``).
+
+``dir(parity_tests)`` lists them; each is imported when first used.
 """
 
 import importlib
@@ -13,12 +19,24 @@ import importlib
 _PUBLIC = {
     "verify": "parity_tests.tool.callables", "Inputs": "parity_tests.tool.callables",
     **{name: "parity_tests.porting" for name in (
-        "compare", "compare_gradients", "compare_step", "compare_decoding", "save_reference", "load_reference")},
+        "compare", "compare_gradients", "compare_step", "compare_decoding", "save_reference", "load_reference",
+        "record")},
+    "suggest_mapping": "parity_tests.porting.suggest", "compare_training": "parity_tests.porting.runs",
 }
 __all__ = sorted(_PUBLIC)
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, *(k for k in globals() if k.startswith("__"))})
 
 
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'parity_tests' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    try:
+        module = importlib.import_module(_PUBLIC[name])
+    except ModuleNotFoundError as error:
+        if error.name != _PUBLIC[name]:
+            raise
+        raise AttributeError(f"parity_tests.{name}: its module {_PUBLIC[name]} is not installed here") from None
+    return getattr(module, name)

@@ -213,7 +213,7 @@ def test_the_guide_example_runs(capsys):
     import pathlib
 
     text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "porting-models.md").read_text()
-    (block,) = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    block = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]][0]
     exec(compile(block, "docs/porting-models.md", "exec"), {})
     assert "first divergence: 1" in capsys.readouterr().out
 
@@ -227,3 +227,225 @@ def test_importing_the_package_imports_no_framework_until_compare_is_used():
             "assert verify is v and compare.__module__ == 'parity_tests.porting.core' and 'torch' not in sys.modules")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+class TorchAttention(torch.nn.Module):
+    """``forward(hidden_states, bias)``: a table of positions (``bias``, floats) given by the caller;
+    each token sees the sum of every token's projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(DIM, DIM)
+        self.out = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, hidden_states, bias):
+        keys = self.proj(hidden_states)
+        return self.out(keys + keys.sum(1, keepdim=True) + bias)
+
+
+class TorchForeign(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.attn = TorchAttention()
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        positions = torch.arange(ids.shape[1], dtype=h.dtype)
+        return self.head(self.attn(h, torch.sin(positions)[None, :, None].expand_as(h)))
+
+
+class NnxAttention(nnx.Module):
+    """``attn(x, positions)``: integer positions, the table made inside; a cache that every call
+    appends to, the sum taken over all it holds (a re-run that sees the cache its first run left
+    behind counts that run's tokens twice)."""
+
+    def __init__(self, w, length: int, wave=jax.numpy.sin):
+        self.wave = wave
+        self.proj = nnx.Linear(DIM, DIM, rngs=nnx.Rngs(0))
+        self.out = nnx.Linear(DIM, DIM, rngs=nnx.Rngs(0))
+        for mine, theirs in ((self.proj, "attn.proj"), (self.out, "attn.out")):
+            mine.kernel.set_value(w[f"{theirs}.weight"].T)
+            mine.bias.set_value(w[f"{theirs}.bias"])
+        self.cache = nnx.Cache(jax.numpy.zeros((2, 4 * length, DIM), np.float32))  # up to 2 rows
+        self.index = nnx.Cache(jax.numpy.zeros((), int))
+
+    def __call__(self, x, positions, cache=None):
+        """``cache``: Variables ``(keys, index)`` the caller holds, written in place of the attention's own."""
+        cache, index = (self.cache, self.index) if cache is None else cache
+        keys = self.proj(x)
+        start = index[...]
+        cache[...] = jax.lax.dynamic_update_slice(cache[...], keys, (0, start, 0))
+        index[...] = start + x.shape[1]
+        bias = self.wave(positions.astype(x.dtype))[..., None]
+        return self.out(keys + cache[...][: x.shape[0]].sum(1, keepdims=True) + bias)
+
+
+class NnxForeign(nnx.Module):
+    def __init__(self, length: int = 5, wave=jax.numpy.sin, cache_argument: bool = False):
+        torch_model = TorchForeign()
+        w = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=nnx.Rngs(0))
+        self.embed.embedding.set_value(w["embed.weight"])
+        self.attn = NnxAttention(w, length, wave)
+        self.head = nnx.Linear(DIM, VOCAB, rngs=nnx.Rngs(0))
+        self.head.kernel.set_value(w["head.weight"].T)
+        self.head.bias.set_value(w["head.bias"])
+        self.cache = nnx.data((nnx.Cache(jax.numpy.zeros((2, 4 * length, DIM), np.float32)),
+                               nnx.Cache(jax.numpy.zeros((), int))) if cache_argument else None)
+
+    def __call__(self, ids):
+        positions = jax.numpy.broadcast_to(jax.numpy.arange(ids.shape[1]), ids.shape)
+        return self.head(self.attn(self.embed(ids), positions, self.cache))
+
+
+def keep_positions(args):
+    """PyTorch's attention call -> the port's: its hidden states, the port's own positions (``...``)."""
+    return (args["hidden_states"], ...), {}
+
+
+@pytest.mark.parametrize("rows, cache_argument", [(1, False), (2, False), (2, True)])
+def test_a_port_that_writes_its_cache_on_every_call_passes(rows, cache_argument):
+    """The cache the attention's own, or Variables its caller passes: the re-run sees it as it was."""
+    ids = tiny_inputs()[0][:rows]
+    port = NnxForeign(cache_argument=cache_argument)
+    report = compare(TorchForeign().eval(), port, ids, mapping={"attn": ("attn", keep_positions)})
+    assert report.passed and all(m.passed for m in report.modules), report.table()
+    attn = report.module("attn")
+    assert attn.added < 1e-6 and attn.sources == ["embed#0"] and attn.jax_sources == ["embed#0"], attn
+
+
+def test_a_row_that_cannot_be_compared_is_neither_passed_nor_failed():
+    report = compare(TorchForeign().eval(), NnxForeign(), *tiny_inputs(), mapping={"head": "attn.out"})
+    attn, head = report.module("attn"), report.module("head")
+    assert attn.outcome == "not compared" and not attn.passed and not attn.failed, report.table()
+    assert "no PyTorch input fits argument 1 (2, 5)" in attn.note
+    assert head.outcome == "not compared" and "hold different numbers of elements" in head.note
+    assert report.passed and "4 paired modules (2 passed, 0 failed, 2 not compared)" in report.table()
+    assert "not compared (no PyTorch input fits argument 1" in report.table()
+
+
+@pytest.mark.parametrize("adapter", [None, keep_positions])
+def test_a_defect_between_the_projections_is_named_at_the_attention(adapter):
+    """The port's table of positions made with a cosine: without an adapter the attention is not
+    compared, and its inherited error, beyond what it may inherit while its input held, names it."""
+    mapping = {"attn": "attn" if adapter is None else ("attn", adapter)}
+    report = compare(TorchForeign().eval(), NnxForeign(wave=jax.numpy.cos), *tiny_inputs(), mapping=mapping)
+    assert report.first_divergence == "attn" and not report.passed, report.table()
+    assert report.module("attn.proj").passed and report.module("attn.out").passed, report.table()
+    assert report.module("attn").by_flow == (adapter is None), report.table()
+    mark = "FIRST DIVERGENCE (found by inherited error)" if adapter is None else "FIRST DIVERGENCE"
+    assert next(r for r in report.rows() if r[0] == "attn")[-1] == mark
+    assert "verdict: FAILED: first divergence at attn" in report.table()
+
+
+def test_the_bound_follows_pytorchs_own_rounding():
+    from parity_tests.porting import verdict
+
+    report = compare(torch_tiny(), nnx_tiny(), *tiny_inputs(), mapping=MAPPING)
+    dense = report.module("blocks.0.proj")
+    assert dense.reference is not None and 0 < dense.reference < 1e-6, report.table()
+    assert dense.bound == max(dense.tolerance, verdict.ROUNDING_FACTOR * dense.reference)
+    assert verdict.bound(1e-6, 4e-7) == 1.6e-6 and verdict.bound(1e-6, None) == 1e-6
+    assert verdict.outcome(None, 1.0) == "not compared" and verdict.outcome(float("nan"), 1.0) == "failed"
+
+
+def test_an_unpaired_parameter_fails_the_gradients_and_the_command_line_says_so(capsys):
+    from parity_tests.porting import compare_gradients
+
+    report = compare_gradients(torch_tiny(), nnx_tiny(), *tiny_inputs())  # blocks.N.proj is named dense
+    assert not report.passed and all(p.passed for p in report.parameters)
+    assert "verdict: FAILED: 4 PyTorch parameters without a JAX pair (blocks.0.proj.weight" in report.table()
+    wrong = compare_gradients(torch_tiny(), nnx_tiny_wrong_epsilon(), *tiny_inputs(), mapping=MAPPING)
+    assert not wrong.passed and "gradients: verdict: FAILED: embed.weight 4." in wrong.table(), wrong.table()
+    here = "parity_tests.test_compare_api"
+    code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--flax", f"{here}:nnx_tiny", "--inputs",
+                     f"{here}:tiny_inputs", "--mapping", f"{here}:MAPPING", "--gradients")
+    assert code == 0, out
+    code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--flax", f"{here}:nnx_tiny", "--inputs",
+                     f"{here}:tiny_inputs", "--mapping", f"{here}:PARTIAL", "--gradients")
+    assert code == 1 and "FAILED: " in out and "PyTorch parameters without a JAX pair" in out.splitlines()[-1], out
+
+
+PARTIAL = {r"blocks\.0\.proj": r"blocks.0.dense", r"head\.act": None}  # blocks.1.proj left without its pair
+
+
+def test_one_adamw_step_with_weight_decay_and_a_port_that_must_fail_it():
+    """At a learning rate of 1e-2 and weight decay of 0.1 a step that left out the decay on one
+    side moves every weight by 1e-3 of itself; a port with one bias off fails."""
+    from parity_tests.porting import compare_step
+
+    report = compare_step(torch_tiny(), nnx_tiny(), *tiny_inputs(), mapping=MAPPING, learning_rate=1e-2,
+                          weight_decay=0.1)
+    assert report.passed and report.worst.error < 1e-5, report.table()
+    wrong = nnx_tiny()
+    wrong.head.bias.set_value(wrong.head.bias[...] + 0.05)
+    report = compare_step(torch_tiny(), wrong, *tiny_inputs(), mapping=MAPPING, learning_rate=1e-2, weight_decay=0.1)
+    assert not report.passed and [p.name for p in report.parameters if not p.passed] == ["head.bias"]
+    assert "verdict: FAILED: head.bias" in report.table()
+
+
+def test_a_decode_with_equal_tokens_and_logits_off_fails_naming_the_row_and_step():
+    from parity_tests.porting.decoding import DecodeReport, DecodeResult
+
+    off = DecodeResult("JAX, left-padded batch", 1, [4, 5, 6], [4, 5, 6], 0.5, 1e-4, [0.0, 0.5, 0.5])
+    other = DecodeResult("JAX, the row alone", 0, [4, 7, 6], [4, 5, 6], 0.0, 1e-4, [0.0, 0.0, 0.0])
+    good = DecodeResult("JAX, the row alone", 1, [4, 5, 6], [4, 5, 6], 0.0, 1e-4, [0.0, 0.0, 0.0])
+    assert not off.passed and off.first_step == 1 and not other.passed and other.first_step == 1 and good.passed
+    table = DecodeReport([good, off, other], 3).table()
+    assert table.splitlines()[-1] == ("decoding: verdict: FAILED: JAX, left-padded batch row 1: differs from step 1 "
+                                      "(logits 5.00e-01 > 1e-04); JAX, the row alone row 0: differs from step 1 "
+                                      "(token 7 for 5)"), table
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16", "int64", "int32", "bool"])
+def test_a_saved_reference_reads_back_bit_for_bit(tmp_path, dtype):
+    from parity_tests.porting import load_reference
+    from parity_tests.porting.recording import Call, Recording
+    from parity_tests.porting.reference import write
+    from parity_tests.tool.arrays import numpy_dtype
+
+    values = np.array([0.0, 1.0, -2.5, 3.0e-3, 65504.0, 1e-30])
+    x = values.astype(numpy_dtype(dtype)) if dtype != "bool" else values > 0.5
+    call = Call("a.b", 0, "m.C", [("hidden_states", x)], x[::-1].copy(), ["input.0"], x, x)
+    write(tmp_path, Recording([x], [("logits", x)], [call], dtype))
+    back = load_reference(tmp_path)
+    read = [back.inputs[0], back.outputs[0][1], *[a for _, a in back.calls[0].inputs], back.calls[0].output,
+            back.calls[0].output64, back.calls[0].inherited64]
+    expected = [x, x, x, x[::-1], x, x]
+    assert all(a.dtype == e.dtype and a.tobytes() == e.tobytes() for a, e in zip(read, expected)), (read, x)
+    assert back.calls[0].sources == ["input.0"] and back.dtype == dtype
+
+
+def test_dir_and_help_list_the_public_api():
+    import pydoc
+
+    import parity_tests
+
+    public = {"compare", "compare_decoding", "compare_gradients", "compare_step", "compare_training",
+              "load_reference", "record", "save_reference", "suggest_mapping", "verify", "Inputs"}
+    assert public <= set(dir(parity_tests)) and "importlib" not in dir(parity_tests)
+    text = pydoc.render_doc(parity_tests, renderer=pydoc.plaintext)
+    assert all(name in text for name in public), text[:3000]
+
+
+def test_mapping_auto_asks_suggest_mapping(monkeypatch):
+    import types
+
+    from parity_tests.porting import record
+
+    asked = []
+
+    def suggest_mapping(torch_model, flax_model, *inputs):
+        asked.append((torch_model, flax_model, inputs))
+        return MAPPING
+
+    monkeypatch.setitem(sys.modules, "parity_tests.porting.suggest", types.SimpleNamespace(
+        suggest_mapping=suggest_mapping))
+    theirs, port, inputs = torch_tiny(), nnx_tiny(), tiny_inputs()
+    report = compare(theirs, port, *inputs, mapping="auto")
+    assert report.passed and len(report.modules) == 8 and asked == [(theirs, port, inputs)], report.table()
+    with pytest.raises(ValueError, match="mapping='auto' runs the PyTorch model"):
+        compare(record(theirs, *inputs), port, mapping="auto")

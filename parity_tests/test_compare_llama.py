@@ -70,6 +70,34 @@ def test_sixteen_greedy_tokens_as_generate_alone_and_in_padded_batches(models):
     assert {r.what for r in report.results} == {"JAX, the row alone", "JAX, left-padded batch",
                                                 "JAX, right-padded batch", "PyTorch, left-padded batch"}
     assert all(len(r.tokens) == 16 for r in report.results)
+    assert report.table().splitlines()[-1] == "decoding: verdict: PASSED"
+    left = compare_decoding(torch_model, port, prompts, steps=16, paddings=("left",))
+    assert left.passed and "JAX, right-padded batch" not in {r.what for r in left.results}, left.table()
+    with pytest.raises(ValueError, match="paddings must name 'left' and/or 'right'"):
+        compare_decoding(torch_model, port, prompts, paddings=("middle",))
+
+
+def test_a_defect_of_the_cached_step_is_named_at_its_step_and_module(models, monkeypatch):
+    """An attention whose output is 1% larger when it decodes one token from its cache: the
+    prompt's logits agree, step 1 differs, and the first module differing in it is that attention."""
+    torch_model, port = models
+    attention = port.model.layers[1].self_attn
+
+    class Off(type(attention)):
+        def __call__(self, x, *args, **kwargs):
+            out = super().__call__(x, *args, **kwargs)
+            return out * 1.01 if x.shape[1] == 1 else out
+
+    monkeypatch.setattr(attention, "__class__", Off)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, llama.CONFIG["vocab_size"], n) for n in (5, 9, 3)]
+    report = compare_decoding(torch_model, port, prompts[:1], steps=16, paddings=(), mapping=llama.MAPPING)
+    (alone, _) = report.results
+    assert not alone.passed and alone.tokens == alone.expected and alone.first_step == 1, report.table()
+    assert alone.module == "model.layers.1.self_attn", report.table()
+    assert report.table().splitlines()[-1] == (
+        "decoding: verdict: FAILED: JAX, the row alone row 0: differs from step 1 (logits "
+        f"{alone.step_errors[1]:.2e} > 1e-04); first module differing in that step: model.layers.1.self_attn")
 
 
 def _planted(monkeypatch, port, defect):
@@ -181,3 +209,33 @@ def test_a_sliding_window_is_compared_and_a_port_without_it_found(tmp_path, batc
     monkeypatch.setattr(port.model.layers[1].self_attn, "local_window_size", None)
     report = compare(torch_model, port, *batch, mapping=llama.MAPPING, valid=batch[1].astype(bool))
     assert report.first_divergence == "model.layers.1.self_attn", report.table()
+
+
+@pytest.fixture(scope="module")
+def large_logits(tmp_path_factory, batch):
+    """The Llama with every query and key projection 50 times larger: attention logits of a trained
+    model's size, whose float32 softmax rounds to 1.6e-6 and more, beyond the fixed 1e-6."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("large")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.CONFIG, attn_implementation="eager"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(50.0)
+            layer.self_attn.k_proj.weight.mul_(50.0)
+    model.save_pretrained(folder)
+    return record(llama.transformers_model(folder), *batch), folder
+
+
+def test_large_logits_pass_within_pytorchs_own_rounding_and_a_planted_epsilon_is_named(large_logits, monkeypatch):
+    reference, folder = large_logits
+    port = llama.from_pretrained(folder)
+    valid = reference.inputs[1].astype(bool)
+    report = compare(reference, port, mapping=llama.MAPPING, valid=valid)
+    attention = [m for m in report.modules if m.attention]
+    assert report.passed and max(m.added for m in attention) > 1e-6, report.table()  # beyond the fixed tolerance
+    assert all(m.reference > 1e-6 and m.added <= m.bound == 4 * m.reference for m in attention), report.table()
+    monkeypatch.setattr(port.model.layers[1].post_attention_layernorm, "epsilon", 2e-5)
+    report = compare(reference, port, mapping=llama.MAPPING, valid=valid)
+    assert report.first_divergence == "model.layers.1.post_attention_layernorm", report.table()

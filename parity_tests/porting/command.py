@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"JSON report written to {args.json}")
     if args.report:
         print(f"Markdown report written to {', '.join(report.markdown(args.report))}")
-    print("every comparison passed" if passed else "FAILED: " + (
-        f"first divergence at {report.first_divergence}" if report.first_divergence else "see above"))
+    failures = report.failures() + [f for extra in out.values() if isinstance(extra, dict)
+                                    for f in extra.get("failures", [])]
+    print("every comparison passed" if passed else "FAILED: " + ("; ".join(failures) or "see above"))
     return 0 if passed else 1

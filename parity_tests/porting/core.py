@@ -10,6 +10,7 @@ import numpy as np
 from parity_tests.porting import arrays, jax_side, logits, names, settings
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.report import ModuleResult, OutputResult, Report
+from parity_tests.tool.arrays import to_float64
 
 
 def _is_ours(cls: str) -> bool:
@@ -75,7 +76,11 @@ def compare(
       flax_model: an ``nnx.Module``, or a linen ``(module, variables)`` pair.
       inputs: NumPy arrays, each given to both models as its framework's array (integers stay integers).
       mapping: regular expressions on PyTorch module names -> the JAX module's name (``\\1``
-        references allowed; None leaves a module out), for modules whose names differ.
+        references allowed; None leaves a module out), for modules whose names differ; a value
+        ``(name, adapter)`` also maps PyTorch's recorded call to the JAX module's (``adapter(args:
+        dict[str, np.ndarray]) -> (args, kwargs)``, ``...`` or an argument left out keeping the JAX
+        call's own);
+        ``"auto"``: the mapping ``suggest_mapping`` proposes.
       dtype: the dtype both sides' parameters must hold (default: PyTorch's; JAX must hold the same).
       valid: bool ``(batch, length)``: compare only these positions (padding left out) of every
         array whose shape starts with ``(batch, length)``.
@@ -84,10 +89,13 @@ def compare(
       output_tolerance: relative error the outputs may have (default: by dtype, ``settings.OUTPUT_TOLERANCES``).
 
     Returns:
-      A ``Report``: ``modules`` (each with ``name``, ``added``, ``inherited``, ``passed``) in
-      execution order, ``first_divergence``, ``outputs``, ``logits``, ``settings``.
+      A ``Report``: ``modules`` (each with ``name``, ``added``, ``reference``, ``bound``,
+      ``inherited``, ``outcome``: passed, failed or not compared) in execution order,
+      ``first_divergence``, ``outputs``, ``logits``, ``settings``.
     """
     flax = jax_side.as_flax(flax_model)
+    if isinstance(mapping, str) and mapping == "auto":
+        mapping = _suggested(torch_model, flax_model, inputs)
     compiled = names.check_mapping(mapping)
     valid = None if valid is None else np.asarray(valid, bool)
     saved = isinstance(torch_model, Recording)
@@ -99,16 +107,27 @@ def compare(
         if jax_dtype != ref.dtype:
             raise ValueError(f"the JAX side holds {jax_dtype} parameters and the PyTorch side {ref.dtype}: "
                              "compare them in one dtype")
-        pairs = {}
+        pairs, adapters = {}, {}
         for call in ref.calls:
             target = names.jax_name(call.name, compiled)
             if target is not None:
                 pairs[(target, call.occurrence)] = call
-        output, jax_calls = jax_side.run(flax, inputs, pairs, valid)
+                if names.adapter(call.name, compiled) is not None:
+                    adapters[call.key] = names.adapter(call.name, compiled)
+        output, jax_calls = jax_side.run(flax, inputs, pairs, valid, adapters)
     torch_settings = {k: v for k, v in ref.settings.items() if k.startswith("torch")}
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
     return _report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
+
+
+def _suggested(torch_model, flax_model, inputs) -> dict:
+    """``mapping="auto"``: the mapping ``suggest_mapping`` makes of both models run on ``inputs``."""
+    if isinstance(torch_model, Recording):
+        raise ValueError("mapping='auto' runs the PyTorch model: give the model, not a saved reference")
+    from parity_tests.porting.suggest import suggest_mapping
+
+    return suggest_mapping(torch_model, flax_model, *inputs)
 
 
 def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
@@ -121,6 +140,47 @@ def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
                          f"got {valid.shape}")
 
 
+def _optional_error(a, b, valid) -> float | None:
+    """``a`` against ``b`` where ``b`` is finite (transformers' float64 masks make a left-padded row
+    NaN); None without ``b`` or without a finite entry, so that the fixed tolerance alone judges."""
+    if a is None or b is None or a.size != b.size:
+        return None
+    a, b = to_float64(a).reshape(b.shape), to_float64(b)
+    finite = np.isfinite(b)
+    if not finite.any():
+        return None
+    error = arrays.relative_error(np.where(finite, a, 0.0), np.where(finite, b, 0.0), valid)
+    return error if np.isfinite(error) else None
+
+
+def _row(call, mine, ref: Recording, valid) -> ModuleResult:
+    attention = _is_ours(call.cls) or _is_ours(mine.cls)
+    dtype = str(call.output.dtype) if call.output is not None and arrays.is_float(call.output) else ref.dtype
+    tolerance = settings.attention_tolerance(dtype) if attention else settings.module_tolerance(dtype)
+    sources = [s for s in call.sources if s is not None]
+    return ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance, mine.added,
+                        mine.inherited, mine.note, _optional_error(call.output, call.output64, valid),
+                        _optional_error(call.output, call.inherited64, valid), sources,
+                        jax_sources=[s for s in mine.sources if s is not None])
+
+
+def judge_by_flow(modules: list[ModuleResult]) -> None:
+    """A row without an added error fails, ``by_flow``, when its inherited error is beyond what it
+    may inherit while every input whose error is known (the output of a paired module, or the
+    model's input) was within what it may: the error arose inside it. Inputs made by code between
+    modules, or by unpaired modules, are not known; a row with no known input stays not compared."""
+    by_key = {m.key: m for m in modules}
+    for m in modules:
+        if m.added is not None or m.inherited is None:
+            continue
+        known = [(0.0, 0.0) if s.startswith("input.") else (by_key[s].inherited, by_key[s].inherited_bound)
+                 for s in m.sources if s.startswith("input.") or (s in by_key and by_key[s].inherited is not None)]
+        if not known:
+            m.note = m.note or "the errors of its inputs are not known"
+            continue
+        m.by_flow = all(error <= limit for error, limit in known) and m.inherited > m.inherited_bound
+
+
 def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
     by_torch = {(pairs[(c.name, c.occurrence)].key): c for c in jax_calls if (c.name, c.occurrence) in pairs}
     modules, unpaired = [], []
@@ -128,12 +188,9 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
         mine = by_torch.get(call.key)
         if mine is None:
             unpaired.append(call.name)
-            continue
-        attention = _is_ours(call.cls) or _is_ours(mine.cls)
-        dtype = str(call.output.dtype) if call.output is not None and arrays.is_float(call.output) else ref.dtype
-        tolerance = settings.attention_tolerance(dtype) if attention else settings.module_tolerance(dtype)
-        modules.append(ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance,
-                                    mine.added, mine.inherited, mine.note))
+        else:
+            modules.append(_row(call, mine, ref, valid))
+    judge_by_flow(modules)
     paired = set(pairs)
     unpaired_jax = [c.name for c in jax_calls if (c.name, c.occurrence) not in paired]
     tolerance = output_tolerance if output_tolerance is not None else settings.OUTPUT_TOLERANCES.get(ref.dtype, 1e-4)
@@ -141,8 +198,11 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
     for name, mine, theirs in _pair_outputs(output, ref.outputs):
         if not arrays.is_float(theirs):
             continue
-        errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
+        try:
+            errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
+        except ValueError:  # an output of another size cannot hold: it fails, its error infinite
+            errors = float("inf"), float("inf")
         outputs.append(OutputResult(name, *errors, tolerance))
-        if name == "logits":
+        if name == "logits" and np.isfinite(errors[0]):
             metrics = logits.metrics(mine, theirs, k=top_k, valid=valid)
     return Report(modules, outputs, metrics, recorded, unpaired, unpaired_jax)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, settings
+from parity_tests.porting import arrays, jax_side, settings, verdict
 
 
 @dataclass
@@ -29,13 +29,34 @@ class DecodeResult:
     expected: list[int]
     logits_error: float
     tolerance: float
+    step_errors: list[float] = field(default_factory=list)
+    module: str | None = None  # the first module whose output differs in the first step that differs
 
     @property
     def passed(self) -> bool:
         return self.tokens == self.expected and self.logits_error <= self.tolerance
 
+    @property
+    def first_step(self) -> int | None:
+        """The first step whose token differs or whose logits are beyond the tolerance (None: none)."""
+        for step, (mine, theirs) in enumerate(zip(self.tokens, self.expected)):
+            error = self.step_errors[step] if step < len(self.step_errors) else 0.0
+            if mine != theirs or not error <= self.tolerance:
+                return step
+        return None if self.passed else len(self.expected)
+
+    def failure(self) -> str:
+        """The failure in words: the row, the way of decoding, the first step that differs and how."""
+        step = self.first_step
+        if step is None or step >= len(self.tokens):
+            return f"{self.what} row {self.row}: logits {self.logits_error:.2e} > {self.tolerance:.0e}"
+        how = (f"token {self.tokens[step]} for {self.expected[step]}" if self.tokens[step] != self.expected[step]
+               else f"logits {self.step_errors[step]:.2e} > {self.tolerance:.0e}")
+        where = f"; first module differing in that step: {self.module}" if self.module else ""
+        return f"{self.what} row {self.row}: differs from step {step} ({how}){where}"
+
     def as_json(self) -> dict:
-        return dict(asdict(self), passed=self.passed)
+        return dict(asdict(self), passed=self.passed, first_step=self.first_step)
 
 
 @dataclass
@@ -48,15 +69,22 @@ class DecodeReport:
     def passed(self) -> bool:
         return all(r.passed for r in self.results)
 
+    def failures(self) -> list[str]:
+        return [r.failure() for r in self.results if not r.passed]
+
     def table(self) -> str:
         lines = [f"greedy decoding, {self.steps} tokens a row, against transformers' generate for the row alone:"]
         for r in self.results:
+            step = "" if r.passed else f", first differs at step {r.first_step}" + (
+                f" (first module differing: {r.module})" if r.module else "")
             lines.append(f"  {r.what:<28} row {r.row}: tokens {'equal' if r.tokens == r.expected else 'DIFFER'}, "
-                         f"logits {r.logits_error:.2e} (tolerance {r.tolerance:.0e}) {'ok' if r.passed else 'FAILED'}")
+                         f"logits {r.logits_error:.2e} (tolerance {r.tolerance:.0e}) {'ok' if r.passed else 'FAILED'}"
+                         + step)
+        lines.append(verdict.line(self.passed, self.failures(), "decoding: verdict"))
         return "\n".join(lines)
 
     def as_json(self) -> dict:
-        return {"passed": self.passed, "steps": self.steps, "settings": self.settings,
+        return {"passed": self.passed, "failures": self.failures(), "steps": self.steps, "settings": self.settings,
                 "results": [r.as_json() for r in self.results]}
 
 
@@ -124,11 +152,17 @@ def greedy_torch(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -
     return arrays.numpy(new), np.stack([arrays.numpy(x) for x in out.logits], axis=1)
 
 
-def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16,
-                     tolerance: float | None = None) -> DecodeReport:
+def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16, tolerance: float | None = None,
+                     paddings: tuple[str, ...] = ("left", "right"), mapping=None) -> DecodeReport:
     """Each prompt (1-D integer arrays of different lengths) decoded greedily for ``steps`` tokens:
     transformers' ``generate`` on each row alone is the reference; the JAX model decodes each row
-    alone and the rows in a left- and a right-padded batch, and PyTorch the left-padded batch."""
+    alone and the rows in a batch padded on each side of ``paddings`` (``"left"``, ``"right"``:
+    a port that pads on one side only is checked on that side), and PyTorch the left-padded batch.
+    A failing result names its first differing step and, where the row fails decoded alone, the
+    first module whose output differs in that step (``mapping`` pairs the modules, as ``compare``'s)."""
+    paddings = tuple(paddings)
+    if not set(paddings) <= {"left", "right"}:
+        raise ValueError(f"paddings must name 'left' and/or 'right', got {paddings!r}")
     flax = jax_side.as_flax(flax_model)
     if flax.kind != "nnx":
         raise TypeError("compare_decoding takes an nnx model (its cache is in the model)")
@@ -148,15 +182,80 @@ def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16,
         def check(what, tokens, logits, rows):
             for i, row in enumerate(rows):
                 expected_tokens, expected_logits = alone[row]
+                per_step = [arrays.relative_error(logits[i, k], expected_logits[0, k]) for k in range(steps)]
                 results.append(DecodeResult(what, row, tokens[i].tolist(), expected_tokens[0].tolist(),
-                                            arrays.relative_error(logits[i], expected_logits[0]), tolerance))
+                                            arrays.relative_error(logits[i], expected_logits[0]), tolerance,
+                                            per_step))
 
         longest = max(map(len, prompts)) + steps  # one cache shape for every run
         for i, p in enumerate(prompts):
             check("JAX, the row alone", *greedy_jax(flax.module, p[None], np.arange(len(p))[None], steps, longest), [i])
         rows = list(range(len(prompts)))
-        for side in ("left", "right"):
+        for side in paddings:
             decoded = greedy_jax(flax.module, *padded(prompts, left=side == "left"), steps, longest)
             check(f"JAX, {side}-padded batch", *decoded, rows)
         check("PyTorch, left-padded batch", *greedy_torch(torch_model, *padded(prompts, left=True), steps), rows)
+        _locate_failures(results, torch_model, flax, prompts, alone, longest, mapping)
     return DecodeReport(results, steps, {**numerics, "dtype": dtype})
+
+
+def _locate_failures(results: list[DecodeResult], torch_model, flax, prompts, alone, longest: int, mapping) -> None:
+    """Each failing JAX result's ``module``: the first module that differs in its first differing step,
+    the row decoded alone (a row that passes alone and fails padded: said so)."""
+    found: dict[tuple[int, int], str] = {}
+    alone_failed = {r.row: r.first_step for r in results if r.what == "JAX, the row alone" and not r.passed}
+    for r in results:
+        if r.passed or not r.what.startswith("JAX") or r.first_step is None or r.first_step >= len(r.expected):
+            continue
+        if r.row not in alone_failed:
+            r.module = "none alone (the row passes decoded alone: the padding is what differs)"
+            continue
+        key = (r.row, alone_failed[r.row])
+        if key not in found:
+            found[key] = locate_step(torch_model, flax, prompts[r.row], alone[r.row][0][0], key[1], longest, mapping)
+        r.module = found[key]
+
+
+def _last_position(x: np.ndarray | None, length: int) -> np.ndarray | None:
+    """``x[:, -1:]`` for an array of ``(1, length, ...)``: the last token's part of a whole-sequence run."""
+    if x is None or x.ndim < 2 or x.shape[:2] != (1, length):
+        return x
+    return np.ascontiguousarray(x[:, -1:])
+
+
+def locate_step(torch_model, flax, prompt: np.ndarray, expected: np.ndarray, step: int, max_length: int,
+                mapping=None) -> str:
+    """The first module whose output differs when the port decodes ``step`` with its cache (the
+    prompt and ``expected[:step - 1]`` cached, ``expected[step - 1]`` the step's token) against
+    PyTorch run on the whole sequence (its last token's part): ``compare``'s first divergence,
+    else the first module whose inherited error is beyond what it may inherit."""
+    from flax import nnx
+
+    from parity_tests.porting import core, names, torch_side
+
+    sequence = np.concatenate([prompt, expected[:step]]).astype(prompt.dtype)[None]
+    length = sequence.shape[1]
+    ref = torch_side.record(torch_model, [sequence], settings={}, dtype=settings.check_dtype(
+        "PyTorch", torch_side.parameter_dtypes(torch_model), None))
+    if step:
+        cut = lambda x: _last_position(x, length)  # noqa: E731
+        for call in ref.calls:
+            call.inputs = [(n, cut(x)) for n, x in call.inputs]
+            call.output, call.output64, call.inherited64 = cut(call.output), cut(call.output64), cut(call.inherited64)
+        ref.outputs = [(n, cut(x)) for n, x in ref.outputs]
+    model = nnx.clone(flax.module)
+    model.init_cache(1, max_length)
+    positions = np.arange(length)[None]
+    if step:
+        _decode_call()(model, sequence[:, :-1], positions[:, :-1])
+    compiled = names.check_mapping(mapping)
+    pairs = {(names.jax_name(c.name, compiled), c.occurrence): c for c in ref.calls
+             if names.jax_name(c.name, compiled) is not None}
+    tokens, where = (sequence[:, -1:], positions[:, -1:]) if step else (sequence, positions)
+    output, calls = jax_side.run(jax_side.Flax("nnx", model), [tokens], pairs, None,
+                                 position_ids=jax_side.to_jax(where), decode=True)
+    report = core._report(ref, output, calls, pairs, None, 5, {}, None)
+    if report.first_divergence:
+        return report.first_divergence
+    return next((m.label for m in report.modules if m.inherited is not None and m.inherited > m.inherited_bound),
+                "none found (every module's output within what it may inherit)")

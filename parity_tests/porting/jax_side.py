@@ -1,20 +1,26 @@
 """The JAX side: an nnx module (its submodules' calls intercepted by wrapping their classes'
 ``__call__`` for the run) or a linen ``(module, variables)`` pair (``nn.intercept_methods``).
 Each call of a submodule paired with a recorded PyTorch call is run a second time on the
-PyTorch call's inputs, with its own keyword arguments: the error that module adds."""
+PyTorch call's inputs, with its own keyword arguments, the module's state and its stateful
+arguments as they were when the call began: the error that module adds."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import types
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from parity_tests.porting import arrays, names
-from parity_tests.porting.recording import Call
+from parity_tests.porting.recording import Call, Flow
+
+# an input adapter: PyTorch's recorded call (argument name -> NumPy array) -> the JAX call's (args, kwargs)
+Adapter = Callable[[dict], tuple]
 
 
 @dataclass
@@ -62,7 +68,9 @@ def as_flax(model) -> Flax:
 
 @dataclass
 class JaxCall:
-    """One JAX module call and, when paired, its errors against the PyTorch call."""
+    """One JAX module call and, when paired, its errors against the PyTorch call; ``note`` says
+    why an error could not be computed; ``sources``: for each array argument, the JAX call whose
+    output it is (``name#occurrence``, ``input.N``, None: made by code between modules)."""
 
     name: str
     occurrence: int
@@ -71,6 +79,7 @@ class JaxCall:
     inherited: float | None = None
     added: float | None = None
     note: str = ""
+    sources: list[str | None] = field(default_factory=list)
 
 
 def _kind(dtype) -> str:
@@ -78,17 +87,20 @@ def _kind(dtype) -> str:
 
 
 def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]]) -> tuple:
-    """The call's positional arrays replaced by the PyTorch call's: the input of the same parameter
-    name when it holds as many elements of the same kind, else the next unused one that does
-    (reshaped to the JAX argument's shape, in its dtype). A ValueError when one has no match."""
+    """The call's positional arrays (not nnx Variables: those are the port's state) replaced by the
+    PyTorch call's: the input of the same parameter name when it holds as many elements of the same
+    kind, else the next unused one that does (reshaped to the JAX argument's shape, in its dtype).
+    A ValueError when one has no match."""
     import jax.numpy as jnp
 
     params = [p for p in signature.parameters.values()
               if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     used: set[int] = set()
     out = list(args)
+    from flax import nnx
+
     for i, value in enumerate(args):
-        if not arrays.is_array(value):
+        if not arrays.is_array(value) or isinstance(value, nnx.Variable):  # a Variable is state: the port's own
             continue
         size, kind = int(np.prod(value.shape)), _kind(value.dtype)
         fits = [j for j, (_, x) in enumerate(recorded) if j not in used and x.size == size and _kind(x.dtype) == kind]
@@ -102,40 +114,127 @@ def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[s
     return tuple(out)
 
 
+def adapted(adapter: Adapter, recorded: list[tuple[str, np.ndarray]], args: tuple, kwargs: dict) -> tuple:
+    """The JAX call ``adapter`` makes of PyTorch's recorded call: ``adapter({name: array})``
+    returns ``(args, kwargs)``; an argument given as ``...`` (Ellipsis), and one it leaves out
+    (a keyword, or positions past its ``args``), is the JAX call's own (its cache, flags), as it
+    was when the call began. NumPy arrays
+    become JAX arrays of their own dtype. Anything the adapter raises is a ValueError naming it."""
+    try:
+        given = adapter(dict(recorded))
+        new_args, new_kwargs = given
+    except Exception as error:  # the adapter is the user's code: its failure is reported on the row
+        raise ValueError(f"the input adapter {getattr(adapter, '__name__', adapter)!r} raised "
+                         f"{type(error).__name__}: {error}") from None
+    as_jax = lambda x: to_jax(x) if isinstance(x, np.ndarray) else x  # noqa: E731
+    out = [args[i] if a is Ellipsis else as_jax(a) for i, a in enumerate(new_args)] + list(args[len(new_args):])
+    return tuple(out), {**kwargs, **{k: as_jax(v) for k, v in dict(new_kwargs).items() if v is not Ellipsis}}
+
+
+def _as_it_was(value):
+    """``value`` as it is now, kept from later writes: arrays (immutable) as they are, containers
+    rebuilt, anything else (an nnx Variable, a cache object) deep-copied when it can be."""
+    from flax import nnx
+
+    if isinstance(value, nnx.Variable):  # a Variable's deepcopy is its bare array: copy it as a Variable
+        return value.copy()
+    if arrays.is_array(value) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_it_was(v) for v in value) if not hasattr(value, "_fields") else value
+    if isinstance(value, dict):
+        return {k: _as_it_was(v) for k, v in value.items()}
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # an object that cannot be copied is given as it is
+        return value
+
+
+@dataclass
+class ModuleState:
+    """The state a module writes when called (every nnx Variable that is not a Param: a cache, a
+    counter), taken and put back, so that a re-run sees the module as it was when its call began."""
+
+    module: object
+
+    def take(self):
+        import jax
+        from flax import nnx
+
+        return jax.tree.map(lambda x: x, nnx.state(self.module, nnx.Not(nnx.Param)))
+
+    def put(self, state) -> None:
+        from flax import nnx
+
+        if state is not None:
+            nnx.update(self.module, state)
+
+
 @dataclass
 class Interceptor:
-    """Called for every submodule call: runs it, and again on the paired PyTorch call's inputs."""
+    """Called for every submodule call: runs it, and again on the paired PyTorch call's inputs
+    (through its mapping entry's input adapter, when it has one), with the module and its
+    stateful arguments as they were when the call began."""
 
     pairs: dict[tuple[str, int], Call]
     valid: np.ndarray | None = None
+    adapters: dict[tuple[str, int], Adapter] = field(default_factory=dict)
     calls: list[JaxCall] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     replaying: bool = False
+    flow: Flow = field(default_factory=Flow)
 
-    def __call__(self, name: str, cls: str, fn, signature: inspect.Signature, args: tuple, kwargs: dict, again=None):
+    def __call__(self, name: str, cls: str, fn, signature: inspect.Signature, args: tuple, kwargs: dict, again=None,
+                 state: ModuleState | None = None):
         """``fn(*args, **kwargs)``, recorded; ``again`` (default ``fn``) runs it on PyTorch's inputs."""
         if self.replaying:
             return fn(*args, **kwargs)
         occurrence = self.counts[name]
         self.counts[name] += 1
+        reference = self.pairs.get((name, occurrence))
+        began = None
+        if reference is not None:
+            began = (_as_it_was(args), _as_it_was(kwargs), state.take() if state is not None else None)
         output = fn(*args, **kwargs)
         out = arrays.primary(output)
-        call = JaxCall(name, occurrence, cls, None if out is None else arrays.dtype_name(out))
-        reference = self.pairs.get((name, occurrence))
+        call = JaxCall(name, occurrence, cls, None if out is None else arrays.dtype_name(out),
+                       sources=[self.flow.source(v) for v in [*args, *kwargs.values()] if arrays.is_array(v)])
+        self.flow.mark(out, f"{name}#{occurrence}")
         if reference is not None and out is not None and reference.output is not None:
+            notes = []
             try:
                 call.inherited = arrays.relative_error(out, reference.output, self.valid)
-                replaced = substitute(signature, args, reference.inputs)
-                self.replaying = True
-                try:
-                    added = arrays.primary((again or fn)(*replaced, **kwargs))
-                finally:
-                    self.replaying = False
-                call.added = arrays.relative_error(added, reference.output, self.valid)
             except ValueError as error:
-                call.note = str(error)
+                notes.append(str(error))
+            try:
+                call.added = self.added(reference, signature, began, again or fn, state)
+            except (ValueError, TypeError) as error:
+                notes.append(str(error))
+            call.note = "; ".join(dict.fromkeys(notes))
         self.calls.append(call)
         return output
+
+    def added(self, reference: Call, signature, began, fn, state: ModuleState | None) -> float:
+        """The error of ``fn`` on PyTorch's inputs, the module and its arguments as the call ``began``."""
+        args, kwargs, before = began
+        adapter = self.adapters.get(reference.key)
+        if adapter is not None:
+            args, kwargs = adapted(adapter, reference.inputs, args, kwargs)
+        else:
+            args = substitute(signature, args, reference.inputs)
+        after = state.take() if state is not None else None
+        if state is not None:
+            state.put(before)
+        self.replaying = True
+        try:
+            output = arrays.primary(fn(*args, **kwargs))
+        finally:
+            self.replaying = False
+            if state is not None:
+                state.put(after)
+        if output is None:
+            raise ValueError("the re-run returned no array")
+        return arrays.relative_error(output, reference.output, self.valid)
 
 
 def _class_name(obj) -> str:
@@ -162,7 +261,8 @@ def _nnx_intercepted(model, interceptor: Interceptor):
             active.add(id(self))
             try:
                 bound = types.MethodType(original, self)
-                return interceptor(name, _class_name(self), bound, inspect.signature(bound), args, kwargs)
+                return interceptor(name, _class_name(self), bound, inspect.signature(bound), args, kwargs,
+                                   state=ModuleState(self))
             finally:
                 active.discard(id(self))
         return __call__
@@ -205,10 +305,14 @@ def to_jax(x):
     return jnp.asarray(np.asarray(x))
 
 
-def run(model: Flax, inputs, pairs: dict[tuple[str, int], Call], valid=None) -> tuple[object, list[JaxCall]]:
-    """``model(*inputs)`` with every submodule call intercepted; returns its output and the calls."""
-    interceptor = Interceptor(pairs, valid)
+def run(model: Flax, inputs, pairs: dict[tuple[str, int], Call], valid=None,
+        adapters: dict[tuple[str, int], Adapter] | None = None, **kwargs) -> tuple[object, list[JaxCall]]:
+    """``model(*inputs, **kwargs)`` with every submodule call intercepted; returns its output and the calls."""
+    interceptor = Interceptor(pairs, valid, adapters or {})
     context = _nnx_intercepted(model.module, interceptor) if model.kind == "nnx" else _linen_intercepted(interceptor)
+    given = [to_jax(x) for x in inputs]
+    for i, x in enumerate(given):
+        interceptor.flow.mark(x, f"input.{i}")
     with context:
-        output = model(*(to_jax(x) for x in inputs))
+        output = model(*given, **kwargs)
     return output, interceptor.calls

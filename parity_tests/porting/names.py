@@ -3,15 +3,16 @@
 nnx paths (``('layers', 0, 'mlp')``, printed ``layers[0].mlp`` or ``layers.0.mlp``) and linen paths
 (``('layers_0', 'mlp')``) become ``layers.0.mlp``; a PyTorch name is paired with the JAX module of
 the same name after ``mapping`` (regular expressions on the PyTorch name, first match wins;
-a replacement of None leaves the module out) has renamed it.
+a replacement of None leaves the module out; ``(name, adapter)`` also gives the module's input
+adapter, see ``jax_side.adapted``) has renamed it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-Mapping_ = Mapping[str, "str | None"]
+Mapping_ = Mapping[str, "str | None | tuple[str, Callable]"]
 
 
 def normalize(name: str | Iterable) -> str:
@@ -27,23 +28,40 @@ def linen(path: Iterable[str]) -> str:
     return ".".join(re.sub(r"^(.+)_(\d+)$", r"\1.\2", part) for part in path)
 
 
-def check_mapping(mapping: Mapping_ | None) -> list[tuple[re.Pattern, str | None]]:
-    """The mapping compiled, in order; a pattern that is not a regular expression is an error naming it."""
+def check_mapping(mapping: Mapping_ | None) -> list[tuple[re.Pattern, str | None, Callable | None]]:
+    """The mapping compiled, in order, as ``(pattern, replacement, adapter)``: a value is a JAX name,
+    None, or ``(JAX name, input adapter)``; a pattern that is not a regular expression is an error naming it."""
     compiled = []
-    for pattern, replacement in (mapping or {}).items():
+    for pattern, value in (mapping or {}).items():
         try:
-            compiled.append((re.compile(pattern), replacement))
+            regex = re.compile(pattern)
         except re.error as error:
             raise ValueError(f"mapping: {pattern!r} is not a regular expression ({error})") from None
+        replacement, adapter = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
         if replacement is not None and not isinstance(replacement, str):
-            raise TypeError(f"mapping: the replacement of {pattern!r} must be a string or None, got {replacement!r}")
+            raise TypeError(f"mapping: the replacement of {pattern!r} must be a string, None or (string, adapter), "
+                            f"got {value!r}")
+        if adapter is not None and not callable(adapter):
+            raise TypeError(f"mapping: the input adapter of {pattern!r} must be callable, got {adapter!r}")
+        compiled.append((regex, replacement, adapter))
     return compiled
 
 
-def jax_name(torch_name: str, mapping: list[tuple[re.Pattern, str | None]]) -> str | None:
+def _match(torch_name: str, mapping) -> tuple | None:
+    return next((entry for entry in mapping if entry[0].fullmatch(torch_name)), None)
+
+
+def jax_name(torch_name: str, mapping: list[tuple]) -> str | None:
     """The JAX module name paired with ``torch_name``: the first pattern that matches the whole
     name renames it (None: unpaired); no match: the same name."""
-    for pattern, replacement in mapping:
-        if pattern.fullmatch(torch_name):
-            return None if replacement is None else normalize(pattern.sub(replacement, torch_name))
-    return torch_name
+    entry = _match(torch_name, mapping)
+    if entry is None:
+        return torch_name
+    pattern, replacement = entry[0], entry[1]
+    return None if replacement is None else normalize(pattern.sub(replacement, torch_name))
+
+
+def adapter(torch_name: str, mapping: list[tuple]) -> Callable | None:
+    """The input adapter of the mapping entry that pairs ``torch_name``, or None."""
+    entry = _match(torch_name, mapping)
+    return entry[2] if entry is not None and len(entry) > 2 else None

@@ -1,7 +1,7 @@
 """A saved reference: the PyTorch side of ``compare`` (its inputs, outputs and every module call's
-inputs and output) in a folder, ``arrays.safetensors`` and ``reference.json`` (names, order,
-dtypes and the settings it ran under), read back where PyTorch is not installed. Reading imports
-neither PyTorch nor transformers."""
+inputs and output, the outputs of its float64 copy, the data flow) in a folder,
+``arrays.safetensors`` and ``reference.json`` (names, order, dtypes and the settings it ran
+under), read back where PyTorch is not installed. Reading imports neither PyTorch nor transformers."""
 
 from __future__ import annotations
 
@@ -60,7 +60,10 @@ def write(path: str | os.PathLike, recording: Recording) -> None:
         "outputs": [named(f"output.{i}", name, x) for i, (name, x) in enumerate(recording.outputs)],
         "calls": [{"name": c.name, "occurrence": c.occurrence, "class": c.cls,
                    "inputs": [named(f"call.{j}.input.{k}", name, x) for k, (name, x) in enumerate(c.inputs)],
-                   "output": None if c.output is None else _put(store, f"call.{j}.output", c.output)}
+                   "sources": c.sources,
+                   **{what: None if getattr(c, attr) is None else _put(store, f"call.{j}.{what}", getattr(c, attr))
+                      for what, attr in (("output", "output"), ("output64", "output64"),
+                                         ("inherited64", "inherited64"))}}
                   for j, c in enumerate(recording.calls)],
     }
     save_file(store, os.path.join(path, ARRAYS))
@@ -80,7 +83,9 @@ def load_reference(path: str | os.PathLike) -> Recording:
     if index.get("format") != FORMAT:
         raise ValueError(f"{index_path}: format {index.get('format')!r}, this version reads format {FORMAT}")
     store = load_file(os.path.join(path, ARRAYS))
+    read = lambda entry: None if entry is None else _get(store, entry)  # noqa: E731
     calls = [Call(c["name"], c["occurrence"], c["class"], [(e["name"], _get(store, e)) for e in c["inputs"]],
-                  None if c["output"] is None else _get(store, c["output"])) for c in index["calls"]]
+                  read(c["output"]), c.get("sources", []), read(c.get("output64")), read(c.get("inherited64")))
+             for c in index["calls"]]
     return Recording([_get(store, e) for e in index["inputs"]], [(e["name"], _get(store, e)) for e in index["outputs"]],
                      calls, index["dtype"], index["settings"])

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from parity_tests.porting import verdict
 from parity_tests.porting.logits import LogitMetrics
 
 
@@ -14,7 +15,12 @@ from parity_tests.porting.logits import LogitMetrics
 class ModuleResult:
     """A paired module: ``name`` (PyTorch's), ``jax_name``, ``occurrence`` (0: its first call),
     ``added`` (relative error of the JAX module on PyTorch's inputs), ``inherited`` (of its output
-    in the end-to-end run), ``tolerance`` (for ``added``; the attention tolerance for ours)."""
+    in the end-to-end run), ``tolerance`` (the floor of its bound; the attention tolerance for
+    ours), ``reference`` (the PyTorch module's own error against itself in float64, on the same
+    inputs) and ``reference_inherited`` (PyTorch's output against the whole model run in float64),
+    ``note`` (why a value is missing), ``sources`` (the PyTorch modules whose outputs its inputs
+    are: ``name#occurrence``, ``input.N`` for the model's inputs; ``jax_sources`` the same on the
+    JAX side, in JAX's names), ``by_flow`` (failed by inherited error: see ``outcome``)."""
 
     name: str
     jax_name: str
@@ -26,19 +32,55 @@ class ModuleResult:
     added: float | None
     inherited: float | None
     note: str = ""
+    reference: float | None = None
+    reference_inherited: float | None = None
+    sources: list[str] = field(default_factory=list)
+    by_flow: bool = False
+    jax_sources: list[str] = field(default_factory=list)
+
+    @property
+    def bound(self) -> float:
+        """What ``added`` may be: the tolerance, or ``ROUNDING_FACTOR`` times PyTorch's own rounding."""
+        return verdict.bound(self.tolerance, self.reference)
+
+    @property
+    def inherited_bound(self) -> float:
+        """What ``inherited`` may be: the tolerance, or ``ROUNDING_FACTOR`` times PyTorch's own
+        error against the whole model in float64 at this module."""
+        return verdict.bound(self.tolerance, self.reference_inherited)
+
+    @property
+    def outcome(self) -> str:
+        """``added`` against ``bound``; without ``added``: failed when found by inherited error
+        (``by_flow``), else not compared."""
+        if self.added is None:
+            return verdict.FAILED if self.by_flow else verdict.NOT_COMPARED
+        return verdict.outcome(self.added, self.bound)
 
     @property
     def passed(self) -> bool:
-        return self.added is None or self.added <= self.tolerance
+        return self.outcome == verdict.PASSED
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome == verdict.FAILED
 
     @property
     def label(self) -> str:
         return self.name if not self.occurrence else f"{self.name} (call {self.occurrence + 1})"
 
+    @property
+    def key(self) -> str:
+        return f"{self.name}#{self.occurrence}"
+
     def as_json(self) -> dict:
         return {"name": self.name, "jax_name": self.jax_name, "occurrence": self.occurrence, "class": self.cls,
                 "attention": self.attention, "dtype": self.dtype, "tolerance": self.tolerance, "added": self.added,
-                "inherited": self.inherited, "passed": self.passed, "note": self.note}
+                "inherited": self.inherited, "reference": self.reference,
+                "reference_inherited": self.reference_inherited, "bound": self.bound,
+                "inherited_bound": self.inherited_bound, "sources": self.sources, "jax_sources": self.jax_sources,
+                "outcome": self.outcome,
+                "found_by_inherited_error": self.by_flow, "passed": self.passed, "note": self.note}
 
 
 @dataclass
@@ -58,11 +100,15 @@ class OutputResult:
         return dict(asdict(self), passed=self.passed)
 
 
+HEADER = ["module (PyTorch)", "JAX module", "added", "PyTorch's own", "allowed", "inherited", "outcome"]
+
+
 @dataclass
 class Report:
     """``modules`` in execution order; ``first_divergence``: the PyTorch name of the first module
-    adding more than its tolerance, or None; ``outputs``; ``logits`` (None without a ``logits``
-    field); ``settings`` (precision, dtypes, versions); the modules either side left unpaired."""
+    that failed (adding more than it may, or found by inherited error), or None; ``outputs``;
+    ``logits`` (None without a ``logits`` field); ``settings`` (precision, dtypes, versions); the
+    modules either side left unpaired."""
 
     modules: list[ModuleResult]
     outputs: list[OutputResult]
@@ -73,11 +119,25 @@ class Report:
 
     @property
     def first_divergence(self) -> str | None:
-        return next((m.name for m in self.modules if not m.passed), None)
+        return next((m.name for m in self.modules if m.failed), None)
+
+    @property
+    def not_compared(self) -> list[ModuleResult]:
+        return [m for m in self.modules if m.outcome == verdict.NOT_COMPARED]
 
     @property
     def passed(self) -> bool:
         return self.first_divergence is None and all(o.passed for o in self.outputs)
+
+    def failures(self) -> list[str]:
+        """What failed, in words: the first divergence and every output beyond its tolerance."""
+        first = next((m for m in self.modules if m.failed), None)
+        found = []
+        if first is not None:
+            how = " (found by inherited error)" if first.by_flow else ""
+            found.append(f"first divergence at {first.label}{how}")
+        found += [f"{o.name} relative error {o.relative:.2e} > {o.tolerance:.0e}" for o in self.outputs if not o.passed]
+        return found
 
     def module(self, name: str, occurrence: int = 0) -> ModuleResult:
         """The row of PyTorch module ``name``; a KeyError names the paired modules when it is not one."""
@@ -87,20 +147,29 @@ class Report:
         raise KeyError(f"{name!r} is not a paired module; paired: {', '.join(m.name for m in self.modules[:20])}...")
 
     def as_json(self) -> dict:
-        return {"passed": self.passed, "first_divergence": self.first_divergence, "settings": self.settings,
-                "outputs": [o.as_json() for o in self.outputs],
+        return {"passed": self.passed, "first_divergence": self.first_divergence, "failures": self.failures(),
+                "counts": {o: sum(m.outcome == o for m in self.modules)
+                           for o in (verdict.PASSED, verdict.FAILED, verdict.NOT_COMPARED)},
+                "settings": self.settings, "outputs": [o.as_json() for o in self.outputs],
                 "logits": None if self.logits is None else self.logits.as_json(),
                 "modules": [m.as_json() for m in self.modules],
                 "unpaired_torch": self.unpaired_torch, "unpaired_jax": self.unpaired_jax}
 
     def rows(self) -> list[list[str]]:
-        """The table's cells: module, JAX module, added, inherited, tolerance, pass (the first divergence marked)."""
-        first = self.first_divergence
+        """The table's cells (``HEADER``): the first divergence marked, a not-compared row saying why."""
+        first = next((m for m in self.modules if m.failed), None)
         out = []
         for m in self.modules:
-            mark = "FIRST DIVERGENCE" if m.name == first and not m.passed else ("yes" if m.passed else "NO")
-            out.append([m.label, m.jax_name, _e(m.added), _e(m.inherited), f"{m.tolerance:.0e}"
-                        + (" (attention)" if m.attention else ""), mark if not m.note else f"{mark} ({m.note})"])
+            if m is first:
+                mark = "FIRST DIVERGENCE" + (" (found by inherited error)" if m.by_flow else "")
+            elif m.failed:
+                mark = "FAILED" + (" (by inherited error)" if m.by_flow else "")
+            else:
+                mark = m.outcome
+            if m.outcome == verdict.NOT_COMPARED and m.note:
+                mark = f"{mark} ({m.note})"
+            allowed = f"{m.bound:.1e}" + (" (attention)" if m.attention else "")
+            out.append([m.label, m.jax_name, _e(m.added), _e(m.reference), allowed, _e(m.inherited), mark])
         return out
 
     def summary(self) -> list[str]:
@@ -111,26 +180,30 @@ class Report:
             lines.append(f"logits: KL mean {g.kl_mean:.2e}, max {g.kl_max:.2e} at token {g.kl_max_token}; "
                          f"top-1 agreement {g.top1:.3f}, top-{g.k} overlap {g.topk:.3f}")
         first = self.first_divergence
-        lines.append(f"{len(self.modules)} paired modules; "
-                     + (f"first divergence: {first}" if first else "none adds more than its tolerance"))
+        lines.append(f"{len(self.modules)} paired modules ({verdict.counts(m.outcome for m in self.modules)}); "
+                     + (f"first divergence: {first}" if first else "none adds more than it may"))
+        if self.not_compared:
+            lines.append(f"not compared ({len(self.not_compared)}, neither passed nor failed): "
+                         + ", ".join(m.label for m in self.not_compared[:8])
+                         + (" ..." if len(self.not_compared) > 8 else ""))
         if self.unpaired_torch:
             lines.append(f"PyTorch modules without a JAX pair ({len(self.unpaired_torch)}): "
                          + ", ".join(self.unpaired_torch[:8]) + (" ..." if len(self.unpaired_torch) > 8 else ""))
+        lines.append(verdict.line(self.passed, self.failures(), "verdict"))
         return lines
 
     def table(self) -> str:
-        """A plain-text table, one row per module in order, then the outputs and settings."""
-        header = ["module (PyTorch)", "JAX module", "added", "inherited", "tolerance", "pass"]
+        """A plain-text table, one row per module in order, then the outputs, the verdict and the settings."""
         rows = self.rows()
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
         line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-        return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows), "", *self.summary(),
+        return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, rows), "", *self.summary(),
                           "settings: " + ", ".join(f"{k} {v}" for k, v in self.settings.items())])
 
     def markdown(self, path: str, title: str = "Comparing a port") -> list[str]:
         """Write the report as Markdown at ``path``, with a plot of the error each module adds and
         inherits beside it when matplotlib can be imported (the ``bench`` extra). Returns the files."""
-        header = ["module (PyTorch)", "JAX module", "added", "inherited", "tolerance", "pass"]
+        header = HEADER
         lines = [f"# {title}", "", *[f"- {s}" for s in self.summary()],
                  "- settings: " + ", ".join(f"`{k}` {v}" for k, v in self.settings.items()), "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -156,7 +229,7 @@ def _e(x: float | None) -> str:
 
 
 def plot(report: Report, path: str) -> str | None:
-    """Error added and inherited per module against its tolerance, on a log scale; None without matplotlib."""
+    """Error added and inherited per module against what it may add, on a log scale; None without matplotlib."""
     try:
         import matplotlib
 
@@ -169,8 +242,8 @@ def plot(report: Report, path: str) -> str | None:
     fig, ax = plt.subplots(figsize=(max(6, len(report.modules) * 0.12), 3.5))
     ax.semilogy(x, [max(m.added or 0, floor) for m in report.modules], ".", label="added")
     ax.semilogy(x, [max(m.inherited or 0, floor) for m in report.modules], "x", label="inherited", alpha=0.5)
-    ax.step(x, [m.tolerance for m in report.modules], where="mid", color="C3", label="tolerance")
-    first = next((i for i, m in enumerate(report.modules) if not m.passed), None)
+    ax.step(x, [m.bound for m in report.modules], where="mid", color="C3", label="allowed")
+    first = next((i for i, m in enumerate(report.modules) if m.failed), None)
     if first is not None:
         ax.axvline(first, color="C3", linestyle=":", label=f"first divergence: {report.modules[first].label}")
     ax.set_title(f"error per module (an error of 0 drawn at {floor:.0e})", fontsize=9)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, names, settings
+from parity_tests.porting import arrays, jax_side, names, settings, verdict
 
 WEIGHT_NAMES = ("kernel", "scale", "embedding", "weight")
 
@@ -54,19 +54,32 @@ class ParameterReport:
         return bool(self.parameters) and all(p.passed for p in self.parameters) and not self.unpaired_torch
 
     @property
-    def worst(self) -> ParameterResult:
-        return max(self.parameters, key=lambda p: p.error / p.tolerance)
+    def worst(self) -> ParameterResult | None:
+        return max(self.parameters, key=lambda p: p.error / p.tolerance, default=None)
+
+    def failures(self) -> list[str]:
+        """What failed, in words: each parameter beyond its tolerance, those without a pair, or none paired."""
+        found = [f"{p.name} {p.error:.2e} > {p.tolerance:.0e}" for p in self.parameters if not p.passed]
+        if self.unpaired_torch:
+            found.append(f"{len(self.unpaired_torch)} PyTorch parameters without a JAX pair "
+                         f"({', '.join(self.unpaired_torch[:4])}{' ...' if len(self.unpaired_torch) > 4 else ''})")
+        if not self.parameters:
+            found.append("no parameter paired")
+        return found
 
     def table(self) -> str:
-        width = max(len(p.name) for p in self.parameters)
-        lines = [f"{self.what}: {len(self.parameters)} parameters, worst {self.worst.name} {self.worst.error:.2e}"]
+        width = max([len(p.name) for p in self.parameters] + [1])
+        worst = self.worst
+        lines = [f"{self.what}: {len(self.parameters)} parameters"
+                 + (f", worst {worst.name} {worst.error:.2e}" if worst is not None else "")]
         lines += [f"  {p.name.ljust(width)}  {p.error:.2e}  {'ok' if p.passed else 'FAILED'}" for p in self.parameters]
         if self.unpaired_torch:
-            lines.append("  PyTorch parameters without a JAX pair: " + ", ".join(self.unpaired_torch))
+            lines.append("  PyTorch parameters without a JAX pair (not compared): " + ", ".join(self.unpaired_torch))
+        lines.append(verdict.line(self.passed, self.failures(), f"{self.what}: verdict"))
         return "\n".join(lines)
 
     def as_json(self) -> dict:
-        return {"what": self.what, "passed": self.passed, "settings": self.settings,
+        return {"what": self.what, "passed": self.passed, "failures": self.failures(), "settings": self.settings,
                 "parameters": [p.as_json() for p in self.parameters],
                 "unpaired_torch": self.unpaired_torch, "unpaired_jax": self.unpaired_jax}
 
