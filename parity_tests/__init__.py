@@ -6,8 +6,9 @@
 - ``compare(torch_model, flax_model, *inputs)`` and ``compare_gradients``, ``compare_step``,
   ``compare_decoding``, ``save_reference``, ``load_reference``, ``record``: a whole PyTorch model
   against its Flax port, module by module (``parity_tests.porting``);
-- ``suggest_mapping(torch_model, flax_model, *inputs)``: a name mapping for ``compare`` where the
-  port names its modules otherwise (``parity_tests.porting.suggest``);
+- ``suggest_mapping(torch_model, flax_model, *inputs)`` and ``print_suggestion`` (the same, printed
+  as a dict to paste): a name mapping for ``compare`` where the port names its modules otherwise
+  (``parity_tests.porting``);
 - ``compare_training(torch_model, flax_model, batches)``: both models trained from the same
   weights, step by step (``parity_tests.porting.runs``).
 
@@ -20,8 +21,8 @@ _PUBLIC = {
     "verify": "parity_tests.tool.callables", "Inputs": "parity_tests.tool.callables",
     **{name: "parity_tests.porting" for name in (
         "compare", "compare_gradients", "compare_step", "compare_decoding", "save_reference", "load_reference",
-        "record")},
-    "suggest_mapping": "parity_tests.porting.suggest", "compare_training": "parity_tests.porting.runs",
+        "record", "suggest_mapping", "print_suggestion")},
+    "compare_training": "parity_tests.porting.runs",
 }
 __all__ = sorted(_PUBLIC)
 

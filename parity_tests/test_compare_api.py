@@ -428,27 +428,37 @@ def test_dir_and_help_list_the_public_api():
     import parity_tests
 
     public = {"compare", "compare_decoding", "compare_gradients", "compare_step", "compare_training",
-              "load_reference", "record", "save_reference", "suggest_mapping", "verify", "Inputs"}
+              "load_reference", "print_suggestion", "record", "save_reference", "suggest_mapping", "verify",
+              "Inputs"}
     assert public <= set(dir(parity_tests)) and "importlib" not in dir(parity_tests)
     text = pydoc.render_doc(parity_tests, renderer=pydoc.plaintext)
     assert all(name in text for name in public), text[:3000]
 
 
-def test_mapping_auto_asks_suggest_mapping(monkeypatch):
-    import types
+def test_mapping_auto_pairs_as_suggest_mapping_from_one_pytorch_run(monkeypatch):
+    """``mapping="auto"`` pairs as ``suggest_mapping`` does (``blocks.N.proj`` with ``blocks.N.dense``),
+    from the recording ``compare`` makes: PyTorch runs once."""
+    from parity_tests.porting import suggest_mapping, torch_side
 
-    from parity_tests.porting import record
-
-    asked = []
-
-    def suggest_mapping(torch_model, flax_model, *inputs):
-        asked.append((torch_model, flax_model, inputs))
-        return MAPPING
-
-    monkeypatch.setitem(sys.modules, "parity_tests.porting.suggest", types.SimpleNamespace(
-        suggest_mapping=suggest_mapping))
     theirs, port, inputs = torch_tiny(), nnx_tiny(), tiny_inputs()
+    assert dict(suggest_mapping(theirs, port, *inputs)) == {r"blocks\.(\d+)\.proj": r"blocks.\1.dense"}
+    runs, recorded = [], torch_side.record
+    monkeypatch.setattr(torch_side, "record", lambda *a, **k: runs.append(1) or recorded(*a, **k))
     report = compare(theirs, port, *inputs, mapping="auto")
-    assert report.passed and len(report.modules) == 8 and asked == [(theirs, port, inputs)], report.table()
-    with pytest.raises(ValueError, match="mapping='auto' runs the PyTorch model"):
-        compare(record(theirs, *inputs), port, mapping="auto")
+    pairs = [(m.name, m.jax_name) for m in report.modules]
+    assert report.passed and len(pairs) == 8 and ("blocks.1.proj", "blocks.1.dense") in pairs, report.table()
+    assert runs == [1]
+    wrong = compare(theirs, nnx_tiny_wrong_epsilon(), *inputs, mapping="auto")
+    assert wrong.first_divergence == "blocks.1.norm" and "FAILED" in wrong.table(), wrong.table()
+
+
+def test_the_command_line_suggests_a_mapping_and_compares_with_it(capsys, tmp_path):
+    here = "parity_tests.test_compare_api"
+    models = ["--torch", f"{here}:torch_tiny", "--flax", f"{here}:nnx_tiny", "--inputs", f"{here}:tiny_inputs"]
+    code, out = _cli(capsys, *models, "--suggest-mapping")
+    assert code == 0 and eval(out) == {r"blocks\.(\d+)\.proj": r"blocks.\1.dense"}, out  # noqa: S307 (pasted)
+    code, out = _cli(capsys, *models, "--mapping", "auto")
+    assert code == 0 and "8 paired modules (8 passed" in out and "every comparison passed" in out, out
+    code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--flax", f"{here}:nnx_tiny_wrong_epsilon", "--inputs",
+                     f"{here}:tiny_inputs", "--mapping", "auto")
+    assert code == 1 and out.splitlines()[-1].startswith("FAILED: first divergence at blocks.1.norm;"), out

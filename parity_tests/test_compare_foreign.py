@@ -13,7 +13,7 @@ import torch
 
 from parity_tests import compare
 from parity_tests import foreign_port as fp
-from parity_tests.porting import names, record, settings
+from parity_tests.porting import names, record, settings, verdict
 from parity_tests.porting.suggest import Suggestion, format_suggestion, kind, print_suggestion, suggest_mapping
 
 ATTENTIONS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
@@ -45,9 +45,12 @@ def suggestion(reference, port):
     return suggest_mapping(reference, port)
 
 
-def _outcome(row) -> str:
-    """A report row's outcome: ``passed``, ``failed`` or ``not compared``."""
-    return getattr(row, "outcome", "passed" if row.passed else "failed")
+def _never_passed_unmeasured(report) -> None:
+    """No row reads as passed without an added error; a row without one is failed (by the data flow)
+    or not compared, and says which in the table."""
+    for m in report.modules:
+        assert m.added is not None or m.outcome in (verdict.FAILED, verdict.NOT_COMPARED), report.table()
+        assert m.added is not None or not m.passed, report.table()
 
 
 def _logits(torch_model, ids, mask) -> np.ndarray:
@@ -97,9 +100,13 @@ def test_the_correct_port_passes_with_one_row_and_with_two_padded_rows(torch_mod
     assert report.passed and report.first_divergence is None, report.table()
     assert "FAILED" not in report.table()
     assert [m.name for m in report.modules if m.name in ATTENTIONS] == ATTENTIONS
+    _never_passed_unmeasured(report)
+    layers = [m for m in report.modules if re.fullmatch(r"model\.layers\.\d+(\.self_attn)?", m.name)]
     if mapping is fp.ADAPTED:  # with an adapter every attention and decoder layer adds an error of its own
-        adapted = [m for m in report.modules if re.fullmatch(r"model\.layers\.\d+(\.self_attn)?", m.name)]
-        assert len(adapted) == 4 and all(m.added is not None and m.added < 1e-5 for m in adapted), report.table()
+        assert len(layers) == 4 and all(m.added is not None and m.added < 1e-5 for m in layers), report.table()
+    else:  # segment_ids (rows, 12) is never filled with transformers' position_ids, whatever their shapes
+        assert all(m.outcome == verdict.NOT_COMPARED and "integer argument" in m.note for m in layers), \
+            report.table()
 
 
 @pytest.mark.parametrize("mapping", [fp.MAPPING, fp.ADAPTED], ids=["names only", "adapters"])
@@ -110,7 +117,13 @@ def test_a_planted_defect_is_named_at_the_module_that_holds_it(torch_model, refe
     assert report.first_divergence == where, report.table()
     assert not report.passed and "FAILED" in report.table(), report.table()
     rows = [m.name for m in report.modules]
-    assert all(_outcome(m) != "failed" for m in report.modules[: rows.index(where)]), report.table()
+    assert all(m.outcome != verdict.FAILED for m in report.modules[: rows.index(where)]), report.table()
+    assert report.table().splitlines()[-2].startswith(f"verdict: FAILED: first divergence at {where}")
+    _never_passed_unmeasured(report)
+    if where in ATTENTIONS:  # measured with the adapter, found by the data flow without one
+        row = report.module(where)
+        assert (row.added is not None and row.added > row.bound) if mapping is fp.ADAPTED else row.by_flow, \
+            report.table()
 
 
 def test_a_pair_whose_arrays_cannot_match_is_not_compared_and_never_passed(reference, port, batch):
@@ -120,7 +133,7 @@ def test_a_pair_whose_arrays_cannot_match_is_not_compared_and_never_passed(refer
     report = compare(reference, port, mapping=mapping, valid=batch[1].astype(bool))
     row = report.module("model.rotary_emb")
     assert row.added is None and row.inherited is None and not row.passed, report.table()
-    assert _outcome(row) == "not compared", report.table()
+    assert row.outcome == verdict.NOT_COMPARED, report.table()
     assert report.passed and "not compared" in report.table(), report.table()
 
 
@@ -239,3 +252,24 @@ def test_modules_whose_arrays_cannot_match_are_listed_not_paired():
 ])
 def test_the_kind_of_a_module(cls, name, expected):
     assert kind(cls, name) == expected
+
+
+def test_an_integer_argument_is_filled_only_from_the_input_of_its_name():
+    import inspect
+
+    from parity_tests.porting import jax_side
+
+    def attn(x, segment_ids):
+        return x
+
+    def embed(tokens):
+        return tokens
+
+    x, ids = np.ones((1, 12, 4), np.float32), np.ones((1, 12), np.int32)
+    positions = [("hidden_states", 2 * x), ("position_ids", np.arange(12)[None])]
+    with pytest.raises(ValueError, match=r"argument 1 \(1, 12\).*only from the input of its name \(segment_ids\)"):
+        jax_side.substitute(inspect.signature(attn), (x, ids), positions)
+    filled = jax_side.substitute(inspect.signature(attn), (x, ids), [*positions, ("segment_ids", 3 * ids)])
+    assert float(filled[0].max()) == 2 and int(filled[1].max()) == 3  # x by size, segment_ids by name
+    (tokens,) = jax_side.substitute(inspect.signature(embed), (ids,), [("input", 5 * ids)])
+    assert int(tokens.max()) == 5  # the one input of a call that has one

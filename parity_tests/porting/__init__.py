@@ -4,7 +4,8 @@
 every submodule's inputs and outputs on both sides, pairs the modules by name and reports for
 each the error it inherits and the error it adds, naming the first module that adds too much.
 ``compare_gradients``, ``compare_step`` and ``compare_decoding`` take the same models;
-``save_reference``/``load_reference`` keep the PyTorch side for a machine without PyTorch.
+``save_reference``/``load_reference`` keep the PyTorch side for a machine without PyTorch;
+``suggest_mapping``/``print_suggestion`` propose the ``mapping`` for a port whose names differ.
 Importing this package imports neither framework; each function imports what it runs.
 """
 
@@ -13,9 +14,10 @@ from parity_tests.porting.decoding import compare_decoding
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.reference import load_reference, save_reference
 from parity_tests.porting.report import ModuleResult, Report
+from parity_tests.porting.suggest import Suggestion, print_suggestion, suggest_mapping
 from parity_tests.porting.training import compare_gradients, compare_step
 
 __all__ = [
     "ModuleResult", "Recording", "Report", "compare", "compare_decoding", "compare_gradients", "compare_step",
-    "load_reference", "record", "save_reference",
+    "Suggestion", "load_reference", "print_suggestion", "record", "save_reference", "suggest_mapping",
 ]

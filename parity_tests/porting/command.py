@@ -29,7 +29,10 @@ def add_parser(commands, epilog: str) -> None:
     parser.add_argument("--inputs", metavar="SPEC",
                         help="module:name or file.py:name: a tuple of NumPy arrays (or a factory returning one), "
                              "or an .npz file (its arrays in order); default with --reference: the reference's")
-    parser.add_argument("--mapping", metavar="SPEC", help="module:name of a dict: PyTorch name pattern -> JAX name")
+    parser.add_argument("--mapping", metavar="SPEC",
+                        help="module:name of a dict: PyTorch name pattern -> JAX name; 'auto': the suggested one")
+    parser.add_argument("--suggest-mapping", action="store_true",
+                        help="print the mapping suggested from both models' module calls (a dict to paste), and stop")
     parser.add_argument("--mask-input", type=int, metavar="N",
                         help="compare only the positions where input N (an attention mask) is nonzero")
     parser.add_argument("--dtype", metavar="DTYPE", help="the dtype both sides must hold (default: PyTorch's)")
@@ -72,7 +75,8 @@ def _inputs(spec: str | None) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The comparison the arguments ask for: prints the table; the exit code (0 passed, 1 failed)."""
+    """The comparison the arguments ask for: prints the table; the exit code (0 passed, 1 failed).
+    ``--suggest-mapping`` prints the suggested mapping instead (exit code 0)."""
     from parity_tests.porting import compare, compare_gradients, compare_step, load_reference, save_reference
 
     if (args.torch is None) == (args.reference is None):
@@ -84,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--torch needs --inputs (the arrays both models are given)")
     torch_model = load(args.torch, "--torch") if args.torch else load_reference(args.reference)
     flax_model = load(args.flax, "--flax")
-    mapping = load(args.mapping, "--mapping") if args.mapping else None
+    if args.suggest_mapping:
+        from parity_tests.porting import print_suggestion
+
+        print_suggestion(torch_model, flax_model, *inputs)
+        return 0
+    mapping = args.mapping if args.mapping in (None, "auto") else load(args.mapping, "--mapping")
     if args.save_reference:
         torch_model = save_reference(args.save_reference, torch_model, *inputs, dtype=args.dtype)
         print(f"reference saved in {args.save_reference}")

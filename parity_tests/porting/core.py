@@ -80,7 +80,8 @@ def compare(
         ``(name, adapter)`` also maps PyTorch's recorded call to the JAX module's (``adapter(args:
         dict[str, np.ndarray]) -> (args, kwargs)``, ``...`` or an argument left out keeping the JAX
         call's own);
-        ``"auto"``: the mapping ``suggest_mapping`` proposes.
+        ``"auto"``: the mapping ``suggest_mapping`` proposes from this run's recording (or the
+        saved reference) and the port.
       dtype: the dtype both sides' parameters must hold (default: PyTorch's; JAX must hold the same).
       valid: bool ``(batch, length)``: compare only these positions (padding left out) of every
         array whose shape starts with ``(batch, length)``.
@@ -94,14 +95,17 @@ def compare(
       ``first_divergence``, ``outputs``, ``logits``, ``settings``.
     """
     flax = jax_side.as_flax(flax_model)
-    if isinstance(mapping, str) and mapping == "auto":
-        mapping = _suggested(torch_model, flax_model, inputs)
-    compiled = names.check_mapping(mapping)
+    auto = isinstance(mapping, str) and mapping == "auto"
+    compiled = None if auto else names.check_mapping(mapping)
     valid = None if valid is None else np.asarray(valid, bool)
     saved = isinstance(torch_model, Recording)
     with settings.numerics(matmul_precision, torch_needed=not saved) as numerics:
         ref = reference(torch_model, inputs, dtype)
         inputs = ref.inputs
+        if auto:  # suggested from the recording just made: PyTorch runs once
+            from parity_tests.porting.suggest import suggest_mapping
+
+            compiled = names.check_mapping(suggest_mapping(ref, flax))
         _check_valid(valid, ref)
         jax_dtype = settings.check_dtype("JAX", flax.dtypes(), ref.dtype)
         if jax_dtype != ref.dtype:
@@ -119,15 +123,6 @@ def compare(
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
     return _report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
-
-
-def _suggested(torch_model, flax_model, inputs) -> dict:
-    """``mapping="auto"``: the mapping ``suggest_mapping`` makes of both models run on ``inputs``."""
-    if isinstance(torch_model, Recording):
-        raise ValueError("mapping='auto' runs the PyTorch model: give the model, not a saved reference")
-    from parity_tests.porting.suggest import suggest_mapping
-
-    return suggest_mapping(torch_model, flax_model, *inputs)
 
 
 def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:

@@ -86,29 +86,39 @@ def _kind(dtype) -> str:
     return "float" if np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16" else "integer"
 
 
+def _fit(i: int, value, name: str | None, recorded: list[tuple[str, np.ndarray]], used: set[int], only: bool) -> int:
+    """The index of the PyTorch input that fills JAX argument ``i`` (``value``, parameter ``name``):
+    one of as many elements and the same kind, of the same name first. A float argument may take
+    the next unused one of another name (``x`` for ``hidden_states``); an integer argument (ids,
+    positions, segments: arrays of one size often mean different things) only one of its own name,
+    or the one input when it is the only array on both sides (``tokens`` for ``input_ids``).
+    A ValueError says why none fits."""
+    size, kind = int(np.prod(value.shape)), _kind(value.dtype)
+    fits = [j for j, (_, x) in enumerate(recorded) if j not in used and x.size == size and _kind(x.dtype) == kind]
+    named = [j for j in fits if recorded[j][0] == name]
+    if named or (fits and (kind == "float" or only)):
+        return (named or fits)[0]
+    have = ", ".join(f"{n} {x.shape} {x.dtype}" for n, x in recorded) or "none"
+    why = "" if kind == "float" else f"; an integer argument is filled only from the input of its name ({name})"
+    raise ValueError(f"no PyTorch input fits argument {i} {tuple(value.shape)} (PyTorch's inputs: {have}){why}")
+
+
 def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]]) -> tuple:
     """The call's positional arrays (not nnx Variables: those are the port's state) replaced by the
-    PyTorch call's: the input of the same parameter name when it holds as many elements of the same
-    kind, else the next unused one that does (reshaped to the JAX argument's shape, in its dtype).
-    A ValueError when one has no match."""
+    PyTorch call's (see ``_fit``), reshaped to the JAX argument's shape, in its dtype. A ValueError
+    when one has no match: the row is then not compared, never filled by a guess."""
     import jax.numpy as jnp
+    from flax import nnx
 
     params = [p for p in signature.parameters.values()
               if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    mine = [i for i, v in enumerate(args) if arrays.is_array(v) and not isinstance(v, nnx.Variable)]
+    only = len(mine) == 1 and len(recorded) == 1
     used: set[int] = set()
     out = list(args)
-    from flax import nnx
-
-    for i, value in enumerate(args):
-        if not arrays.is_array(value) or isinstance(value, nnx.Variable):  # a Variable is state: the port's own
-            continue
-        size, kind = int(np.prod(value.shape)), _kind(value.dtype)
-        fits = [j for j, (_, x) in enumerate(recorded) if j not in used and x.size == size and _kind(x.dtype) == kind]
-        named = [j for j in fits if i < len(params) and recorded[j][0] == params[i].name]
-        if not fits:
-            have = ", ".join(f"{n} {x.shape}" for n, x in recorded) or "none"
-            raise ValueError(f"no PyTorch input fits argument {i} {tuple(value.shape)} (PyTorch's inputs: {have})")
-        j = (named or fits)[0]
+    for i in mine:  # a Variable is state: the port's own
+        value = args[i]
+        j = _fit(i, value, params[i].name if i < len(params) else None, recorded, used, only)
         used.add(j)
         out[i] = jnp.asarray(recorded[j][1].reshape(value.shape)).astype(value.dtype)
     return tuple(out)

@@ -89,7 +89,7 @@ def _jax_modules(flax_model, inputs) -> list[Module]:
         flax = jax_side.Flax("nnx", nnx.clone(flax.module))
     found: dict[str, Module] = {}
 
-    def seen(name, cls, fn, signature, args, kwargs, again=None):
+    def seen(name, cls, fn, signature, args, kwargs, again=None, state=None):
         output = fn(*args, **kwargs)
         if name not in found:
             out = arrays.primary(output)
@@ -249,8 +249,9 @@ def format_suggestion(suggestion: Suggestion) -> str:
     return "\n".join(lines)
 
 
-def print_suggestion(torch_model, flax_model, *inputs, file=sys.stdout) -> Suggestion:
-    """``suggest_mapping``'s mapping printed to ``file`` as a dict literal to paste; returns it."""
+def print_suggestion(torch_model, flax_model, *inputs, file=None) -> Suggestion:
+    """``suggest_mapping``'s mapping printed to ``file`` (default: standard output as it is at the
+    call) as a dict literal to paste; returns it."""
     suggestion = suggest_mapping(torch_model, flax_model, *inputs)
-    print(format_suggestion(suggestion), file=file)
+    print(format_suggestion(suggestion), file=sys.stdout if file is None else file)
     return suggestion
