@@ -21,8 +21,7 @@ _PUBLIC = {
     "verify": "parity_tests.tool.callables", "Inputs": "parity_tests.tool.callables",
     **{name: "parity_tests.porting" for name in (
         "compare", "compare_gradients", "compare_step", "compare_decoding", "save_reference", "load_reference",
-        "record", "suggest_mapping", "print_suggestion")},
-    "compare_training": "parity_tests.porting.runs",
+        "record", "suggest_mapping", "print_suggestion", "compare_training")},
 }
 __all__ = sorted(_PUBLIC)
 

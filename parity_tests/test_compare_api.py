@@ -462,3 +462,14 @@ def test_the_command_line_suggests_a_mapping_and_compares_with_it(capsys, tmp_pa
     code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--flax", f"{here}:nnx_tiny_wrong_epsilon", "--inputs",
                      f"{here}:tiny_inputs", "--mapping", "auto")
     assert code == 1 and out.splitlines()[-1].startswith("FAILED: first divergence at blocks.1.norm;"), out
+
+
+def test_the_command_line_trains_both_models_step_by_step(capsys):
+    here = "parity_tests.test_compare_api"
+    common = ["--torch", f"{here}:torch_tiny", "--inputs", f"{here}:tiny_inputs", "--mapping", f"{here}:MAPPING"]
+    code, out = _cli(capsys, *common, "--flax", f"{here}:nnx_tiny", "--train", "3")
+    assert code == 0 and "every comparison passed" in out, out
+    code, out = _cli(capsys, *common, "--flax", f"{here}:nnx_tiny_wrong_epsilon", "--train", "3")
+    assert code == 1 and "FAILED" in out.splitlines()[-1], out
+    code, out = _cli(capsys, *common, "--flax", f"{here}:nnx_tiny", "--train", "0")
+    assert code == 2 and "--train takes a number of steps of at least 1, got 0" in out, out

@@ -5,7 +5,8 @@ every submodule's inputs and outputs on both sides, pairs the modules by name an
 each the error it inherits and the error it adds, naming the first module that adds too much.
 ``compare_gradients``, ``compare_step`` and ``compare_decoding`` take the same models;
 ``save_reference``/``load_reference`` keep the PyTorch side for a machine without PyTorch;
-``suggest_mapping``/``print_suggestion`` propose the ``mapping`` for a port whose names differ.
+``suggest_mapping``/``print_suggestion`` propose the ``mapping`` for a port whose names differ;
+``compare_training`` trains a copy of each model and compares them step by step.
 Importing this package imports neither framework; each function imports what it runs.
 """
 
@@ -14,10 +15,12 @@ from parity_tests.porting.decoding import compare_decoding
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.reference import load_reference, save_reference
 from parity_tests.porting.report import ModuleResult, Report
+from parity_tests.porting.runs import TrainingReport, compare_training
 from parity_tests.porting.suggest import Suggestion, print_suggestion, suggest_mapping
 from parity_tests.porting.training import compare_gradients, compare_step
 
 __all__ = [
-    "ModuleResult", "Recording", "Report", "compare", "compare_decoding", "compare_gradients", "compare_step",
-    "Suggestion", "load_reference", "print_suggestion", "record", "save_reference", "suggest_mapping",
+    "ModuleResult", "Recording", "Report", "Suggestion", "TrainingReport", "compare", "compare_decoding",
+    "compare_gradients", "compare_step", "compare_training", "load_reference", "print_suggestion", "record",
+    "save_reference", "suggest_mapping",
 ]

@@ -38,6 +38,9 @@ def add_parser(commands, epilog: str) -> None:
     parser.add_argument("--dtype", metavar="DTYPE", help="the dtype both sides must hold (default: PyTorch's)")
     parser.add_argument("--gradients", action="store_true", help="also compare the gradients of every parameter")
     parser.add_argument("--step", action="store_true", help="also compare every parameter after one AdamW step")
+    parser.add_argument("--train", type=int, metavar="STEPS",
+                        help="also train a copy of each model for STEPS steps on the inputs (next-token cross-entropy "
+                             "of the logits, AdamW on both sides) and compare them after every step")
     parser.add_argument("--save-reference", metavar="DIR", help="save the PyTorch side (with --torch) to compare later")
     parser.add_argument("--json", metavar="PATH", help="write a JSON report")
     parser.add_argument("--report", metavar="PATH",
@@ -74,6 +77,16 @@ def _inputs(spec: str | None) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
+def _train(args: argparse.Namespace, flax_model, inputs: tuple, mapping):
+    """``compare_training`` on a fresh PyTorch model, the inputs as its one batch."""
+    from parity_tests.porting import compare_training, suggest_mapping
+
+    torch_model = load(args.torch, "--torch")
+    if mapping == "auto":
+        mapping = dict(suggest_mapping(torch_model, flax_model, *inputs))
+    return compare_training(torch_model, flax_model, [inputs], steps=args.train, mapping=mapping)
+
+
 def run(args: argparse.Namespace) -> int:
     """The comparison the arguments ask for: prints the table; the exit code (0 passed, 1 failed).
     ``--suggest-mapping`` prints the suggested mapping instead (exit code 0)."""
@@ -81,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.torch is None) == (args.reference is None):
         raise ValueError("give one of --torch (the PyTorch model) and --reference (a saved reference)")
-    if args.reference and (args.save_reference or args.gradients or args.step):
-        raise ValueError("--save-reference, --gradients and --step run the PyTorch model: they need --torch")
+    if args.reference and (args.save_reference or args.gradients or args.step or args.train):
+        raise ValueError("--save-reference, --gradients, --step and --train run the PyTorch model: they need --torch")
+    if args.train is not None and args.train < 1:
+        raise ValueError(f"--train takes a number of steps of at least 1, got {args.train}")
     inputs = _inputs(args.inputs)
     if args.torch and not inputs:
         raise ValueError("--torch needs --inputs (the arrays both models are given)")
@@ -112,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
             print(extra.table())
             out[check.__name__.removeprefix("compare_")] = extra.as_json()
             passed = passed and extra.passed
+    if args.train:
+        training = _train(args, flax_model, inputs, mapping)
+        print(training.table())
+        out["training"] = training.as_json()
+        passed = passed and training.passed
     if args.json:
         import json
 
