@@ -123,11 +123,11 @@ class MultiHeadDotProductAttention(nn.Module):
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        window = self.local_window_size if local_window_size is None else local_window_size
-        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
-                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)

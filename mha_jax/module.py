@@ -242,11 +242,11 @@ class MultiHeadAttention(nnx.Module):
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
                              "nnx.view(..., decode=True, batch_size=, max_length=) first")
-        window = self.local_window_size if local_window_size is None else local_window_size
-        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
-                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (self.in_features,
                               self.in_kv_features), max_length=self.cached_key.shape[-3] if decoding else None,
                               sequence_axis=self.sequence_axis)
