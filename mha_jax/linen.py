@@ -121,49 +121,20 @@ class MultiHeadDotProductAttention(nn.Module):
         ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection, and later
         calls append to it as ``mha_jax.MultiHeadAttention``'s decoding does."""
         if inputs_kv is not None:
-            if inputs_k is not None or inputs_v is not None:  # flax's texts, which code matches
-                raise ValueError(
-                    "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k and "
-                    "inputs_v (inputs_kv is deprecated in flax)"
-                )
-            warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
-                          DeprecationWarning, stacklevel=2)
-            inputs_k = inputs_v = inputs_kv
+            inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        window = self.local_window_size if local_window_size is None else local_window_size
-        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
-                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)
         batch_shape, (inputs_q, inputs_k, inputs_v), spec = call.batch_shape, call.inputs, call.spec
-        qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
-        num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-        head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
+        query, key, value = self._project(inputs_q, inputs_k, inputs_v)
         rate = arguments.check_dropout_rate("dropout_rate", self.dropout_rate)
-
-        def projection(features, name):
-            return nn.DenseGeneral(
-                features, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                bias_init=self.bias_init, use_bias=self.use_bias, precision=self.precision,
-                dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls, name=name,
-            )
-
-        query = projection((self.num_heads, head_dim), "query")(inputs_q)
-        key = projection((num_kv_heads, head_dim), "key")(inputs_k)
-        value = projection((num_kv_heads, head_dim), "value")(inputs_v)
-        qk_norm = arguments.check_qk_norm(self.normalize_qk)
-        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
-            def layer_norm(name):
-                return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype,
-                                    param_dtype=self.param_dtype)
-            query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
-        elif qk_norm is not None:
-            query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
-            key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
         if not decoding:
             query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         if self.decode:
@@ -186,6 +157,35 @@ class MultiHeadDotProductAttention(nn.Module):
         )(out)
         out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, weights) if return_weights else out
+
+    def _project(self, inputs_q: jax.Array, inputs_k: jax.Array, inputs_v: jax.Array):
+        """The query, key and value projections ``(batch, len, heads, head_dim)`` of the inputs
+        ``(batch, len, features)``, with ``normalize_qk``'s norms on the queries and keys (in
+        flax's order of construction, so that the same RNG gives flax's parameters)."""
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
+
+        def projection(features, name):
+            return nn.DenseGeneral(
+                features, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                bias_init=self.bias_init, use_bias=self.use_bias, precision=self.precision,
+                dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls, name=name,
+            )
+
+        query = projection((self.num_heads, head_dim), "query")(inputs_q)
+        key = projection((num_kv_heads, head_dim), "key")(inputs_k)
+        value = projection((num_kv_heads, head_dim), "value")(inputs_v)
+        qk_norm = arguments.check_qk_norm(self.normalize_qk)
+        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
+            def layer_norm(name):
+                return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype,
+                                    param_dtype=self.param_dtype)
+            query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
+        elif qk_norm is not None:
+            query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
+            key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
+        return query, key, value
 
     def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
         """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
@@ -219,6 +219,19 @@ class MultiHeadDotProductAttention(nn.Module):
                 "pass one (flax.linen.dot_product_attention, say) to use them"
             )
         return dict(einsums, force_fp32_for_softmax=self.force_fp32_for_softmax)
+
+
+def _inputs_kv(inputs_k: jax.Array | None, inputs_v: jax.Array | None, inputs_kv: jax.Array) -> jax.Array:
+    """flax's deprecated ``inputs_kv`` (the key and value input), refused beside ``inputs_k`` or
+    ``inputs_v`` with flax's texts (which code matches), else returned with flax's warning."""
+    if inputs_k is not None or inputs_v is not None:
+        raise ValueError(
+            "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k and "
+            "inputs_v (inputs_kv is deprecated in flax)"
+        )
+    warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
+                  DeprecationWarning, stacklevel=3)
+    return inputs_kv
 
 
 class _LinenNorm(nn.Module):

@@ -168,20 +168,9 @@ class MultiHeadAttention(nnx.Module):
         self.query = projection(in_features, (num_heads, self.head_dim))
         self.key = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
         self.value = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
-        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
-            def layer_norm(metadata):
-                return nnx.LayerNorm(
-                    self.head_dim, use_bias=False, epsilon=qk_norm.eps, dtype=dtype, param_dtype=param_dtype,
-                    promote_dtype=ln_promote_dtype, rngs=rngs, scale_metadata=metadata,
-                )
-            self.query_ln = layer_norm(query_ln_scale_metadata)
-            self.key_ln = layer_norm(key_ln_scale_metadata)
-        elif qk_norm is not None:
-            self.query_ln = _Norm(qk_norm, num_heads, self.head_dim, param_dtype, query_ln_scale_metadata, rngs)
-            self.key_ln = _Norm(qk_norm, self.num_kv_heads, self.head_dim, param_dtype, key_ln_scale_metadata, rngs)
-        else:
-            self.query_ln = nnx.data(None)
-            self.key_ln = nnx.data(None)
+        self.query_ln, self.key_ln = _qk_norms(
+            qk_norm, (num_heads, self.num_kv_heads), self.head_dim, dtype, param_dtype, ln_promote_dtype,
+            (query_ln_scale_metadata, key_ln_scale_metadata), rngs)
         self.out = nnx.LinearGeneral(
             (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
             kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
@@ -253,11 +242,11 @@ class MultiHeadAttention(nnx.Module):
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
                              "nnx.view(..., decode=True, batch_size=, max_length=) first")
-        window = self.local_window_size if local_window_size is None else local_window_size
-        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
-                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (self.in_features,
                               self.in_kv_features), max_length=self.cached_key.shape[-3] if decoding else None,
                               sequence_axis=self.sequence_axis)
@@ -348,6 +337,25 @@ class MultiHeadAttention(nnx.Module):
                     raise TypeError("'batch_size' and 'max_length' must be provided when initializing cache.")
                 batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
                 self.init_cache((*batch, max_length, self.in_features), self.dtype or self.param_dtype)
+
+
+def _qk_norms(qk_norm: QKNorm | None, heads: tuple[int, int], head_dim: int, dtype, param_dtype, promote_dtype,
+              metadata: tuple[Mapping[str, Any], Mapping[str, Any]], rngs: nnx.Rngs) -> tuple:
+    """The norms ``(query_ln, key_ln)`` of ``normalize_qk`` for ``heads`` (query heads, key/value
+    heads) of ``head_dim``: flax's LayerNorm (``qk_norm`` flax's), else ``_Norm``, else none; the
+    query's made first, as in flax, so that the same Rngs give the same parameters."""
+    if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
+        def layer_norm(scale_metadata):
+            return nnx.LayerNorm(
+                head_dim, use_bias=False, epsilon=qk_norm.eps, dtype=dtype, param_dtype=param_dtype,
+                promote_dtype=promote_dtype, rngs=rngs, scale_metadata=scale_metadata,
+            )
+        query_ln = layer_norm(metadata[0])
+        return query_ln, layer_norm(metadata[1])
+    if qk_norm is not None:
+        query_ln = _Norm(qk_norm, heads[0], head_dim, param_dtype, metadata[0], rngs)
+        return query_ln, _Norm(qk_norm, heads[1], head_dim, param_dtype, metadata[1], rngs)
+    return nnx.data(None), nnx.data(None)
 
 
 class _Norm(nnx.Module):

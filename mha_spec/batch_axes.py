@@ -29,6 +29,15 @@ class Call:
     query_positions: Any = None
 
 
+def call_masking(layer_window: Any, attention_chunk_size: int | None, *, local_window_size: Any,
+                 **masking: Any) -> dict:
+    """A module call's masking arguments and ``dropout_mask``, by name, as ``merged_call`` takes
+    them: the call's ``local_window_size``, default the layer's ``layer_window``, and the
+    layer's ``attention_chunk_size`` beside the call's ``masking``."""
+    window = layer_window if local_window_size is None else local_window_size
+    return dict(masking, local_window_size=window, attention_chunk_size=attention_chunk_size)
+
+
 def check_not_decoding(masking: Mapping[str, Any]) -> None:
     """Refuse what the cache sets, given to a decoding step."""
     given = [name for name in SET_BY_CACHE if masking.get(name) is not None]

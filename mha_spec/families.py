@@ -137,27 +137,10 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     if model_type == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"config (bert) sets position_embedding_type={config['position_embedding_type']!r}, "
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
-    bias = bool(config.get("attention_bias", model_type == "gpt_neox"))  # GPTNeoXConfig's default is True
-    qkv_bias, out_bias = {"qwen2": (True, False), "phi3": (False, False), "gptj": (False, False),
-                          "stablelm": (bool(config.get("use_qkv_bias", False)), False)}.get(model_type, (bias, bias))
-    scale = 1.0 / math.sqrt(head_dim)
-    if model_type in ("gemma2", "gemma3_text"):
-        scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
-    if model_type in ("gpt2", "bert"):  # no bias key in their configs, biases always
-        qkv_bias = out_bias = True
-    if model_type == "gpt2":
-        scale = scale if config.get("scale_attn_weights", True) else 1.0
-        scale = scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
+    qkv_bias, out_bias = _biases(config, model_type)
+    scale = _scale(config, model_type, head_dim, layer)
     cap = config.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
-    eps = config.get("rms_norm_eps", 1e-6)
-    qk_norm = {
-        "qwen3": QKNorm("rms", True, eps),
-        "gemma3_text": QKNorm("rms", True, eps, offset=1.0),
-        "olmo2": QKNorm("rms", False, eps),
-    }.get(model_type)
-    if config.get({"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}.get(model_type, ""), False):
-        # a LayerNorm of each head's features, without bias, with each head's own scale
-        qk_norm = QKNorm("layer", True, config.get("layer_norm_eps", 1e-5), per_head_scale=True)
+    qk_norm = _qk_norm(config, model_type)
     layer_type = _layer_types(config, model_type, layers)[layer]
     window = None
     if layer_type == "sliding_attention" and config.get("sliding_window"):
@@ -174,6 +157,40 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         is_causal=model_type != "bert" or bool(config.get("is_decoder", False)), ignore=_OUTSIDE.get(model_type, ()),
         attention_chunk_size=chunk,
     )
+
+
+def _biases(config: Mapping[str, Any], model_type: str) -> tuple[bool, bool]:
+    """Whether the layer has ``(query/key/value biases, an output bias)``."""
+    if model_type in ("gpt2", "bert"):  # no bias key in their configs, biases always
+        return True, True
+    bias = bool(config.get("attention_bias", model_type == "gpt_neox"))  # GPTNeoXConfig's default is True
+    return {"qwen2": (True, False), "phi3": (False, False), "gptj": (False, False),
+            "stablelm": (bool(config.get("use_qkv_bias", False)), False)}.get(model_type, (bias, bias))
+
+
+def _scale(config: Mapping[str, Any], model_type: str, head_dim: int, layer: int) -> float:
+    """The factor of layer ``layer``'s logits: ``1 / sqrt(head_dim)`` unless the family sets another."""
+    scale = 1.0 / math.sqrt(head_dim)
+    if model_type in ("gemma2", "gemma3_text"):
+        scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
+    if model_type == "gpt2":
+        scale = scale if config.get("scale_attn_weights", True) else 1.0
+        scale = scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
+    return scale
+
+
+def _qk_norm(config: Mapping[str, Any], model_type: str) -> QKNorm | None:
+    """The norm of the queries and keys of the family (and config), None without one."""
+    eps = config.get("rms_norm_eps", 1e-6)
+    qk_norm = {
+        "qwen3": QKNorm("rms", True, eps),
+        "gemma3_text": QKNorm("rms", True, eps, offset=1.0),
+        "olmo2": QKNorm("rms", False, eps),
+    }.get(model_type)
+    if config.get({"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}.get(model_type, ""), False):
+        # a LayerNorm of each head's features, without bias, with each head's own scale
+        qk_norm = QKNorm("layer", True, config.get("layer_norm_eps", 1e-5), per_head_scale=True)
+    return qk_norm
 
 
 def _llama4_config(config: Mapping[str, Any]) -> dict:

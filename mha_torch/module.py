@@ -168,11 +168,11 @@ class MultiHeadAttention(nn.Module):
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
-        window = self.local_window_size if local_window_size is None else local_window_size
-        masking = dict(mask=mask, bias=bias, is_causal=is_causal, query_positions=query_positions,
-                       key_positions=key_positions, local_window_size=window, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=self.attention_chunk_size, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
+            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
+            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
         if cache is not None:
             return self._decode(query, key, value, cache, masking, need_weights)
         heads, kv_heads = self._local_heads()
