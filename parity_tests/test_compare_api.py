@@ -471,5 +471,8 @@ def test_the_command_line_trains_both_models_step_by_step(capsys):
     assert code == 0 and "every comparison passed" in out, out
     code, out = _cli(capsys, *common, "--flax", f"{here}:nnx_tiny_wrong_epsilon", "--train", "3")
     assert code == 1 and "FAILED" in out.splitlines()[-1], out
+    code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--inputs", f"{here}:tiny_inputs", "--mapping", "auto",
+                     "--flax", f"{here}:nnx_tiny", "--gradients", "--step", "--train", "2")
+    assert code == 0 and "every comparison passed" in out, out
     code, out = _cli(capsys, *common, "--flax", f"{here}:nnx_tiny", "--train", "0")
     assert code == 2 and "--train takes a number of steps of at least 1, got 0" in out, out

@@ -79,12 +79,9 @@ def _inputs(spec: str | None) -> tuple:
 
 def _train(args: argparse.Namespace, flax_model, inputs: tuple, mapping):
     """``compare_training`` on a fresh PyTorch model, the inputs as its one batch."""
-    from parity_tests.porting import compare_training, suggest_mapping
+    from parity_tests.porting import compare_training
 
-    torch_model = load(args.torch, "--torch")
-    if mapping == "auto":
-        mapping = dict(suggest_mapping(torch_model, flax_model, *inputs))
-    return compare_training(torch_model, flax_model, [inputs], steps=args.train, mapping=mapping)
+    return compare_training(load(args.torch, "--torch"), flax_model, [inputs], steps=args.train, mapping=mapping)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         print_suggestion(torch_model, flax_model, *inputs)
         return 0
     mapping = args.mapping if args.mapping in (None, "auto") else load(args.mapping, "--mapping")
+    if mapping == "auto" and (args.gradients or args.step or args.train):  # pairs their parameters too
+        from parity_tests.porting import suggest_mapping
+
+        mapping = dict(suggest_mapping(torch_model, flax_model, *inputs))
     if args.save_reference:
         torch_model = save_reference(args.save_reference, torch_model, *inputs, dtype=args.dtype)
         print(f"reference saved in {args.save_reference}")
