@@ -108,6 +108,15 @@ def linen_tiny():
     return LinenTiny(), {"params": params}
 
 
+class NnxTinyDetached(NnxTiny):
+    """Equal outputs, but no gradient reaches below the head: only training tells it apart."""
+
+    def __call__(self, ids):
+        out = super().__call__(ids)
+        h = jax.lax.stop_gradient(out["hidden"])
+        return {"logits": self.head(h), "hidden": h}
+
+
 def torch_tiny():
     return TorchTiny().eval()
 
@@ -474,5 +483,7 @@ def test_the_command_line_trains_both_models_step_by_step(capsys):
     code, out = _cli(capsys, "--torch", f"{here}:torch_tiny", "--inputs", f"{here}:tiny_inputs", "--mapping", "auto",
                      "--flax", f"{here}:nnx_tiny", "--gradients", "--step", "--train", "2")
     assert code == 0 and "every comparison passed" in out, out
+    code, out = _cli(capsys, *common, "--flax", f"{here}:NnxTinyDetached", "--train", "2")
+    assert code == 1 and "every comparison passed" not in out and "FAILED" in out.splitlines()[-1], out
     code, out = _cli(capsys, *common, "--flax", f"{here}:nnx_tiny", "--train", "0")
     assert code == 2 and "--train takes a number of steps of at least 1, got 0" in out, out
