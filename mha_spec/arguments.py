@@ -15,30 +15,43 @@ from mha_spec.qk_norm import QKNorm
 from mha_spec.terms import check_chunk_size
 
 
-def _require_counts(num_heads: int, num_kv_heads: int) -> None:
-    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+def _is_int(n: Any) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+
+
+def _require_positive(*counts: tuple[str, Any]) -> None:
+    """ValueError naming the first ``(name, n)`` whose ``n`` is not a positive integer."""
+    for name, n in counts:
+        if not _is_int(n) or n < 1:
             raise ValueError(f"{name} must be a positive integer, got {n!r}")
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (right-aligned, NumPy's rules)."""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+
+
+def _real(x: Any, message: str) -> float:
+    """``float(x)``, or TypeError ``message`` where ``x`` is no real number."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(message) from None
 
 
 def check_head_counts(num_heads: int, num_kv_heads: int) -> None:
     """Both counts positive integers, the key/value heads dividing the query heads."""
-    _require_counts(num_heads, num_kv_heads)
+    _require_positive(("num_heads", num_heads), ("num_kv_heads", num_kv_heads))
     if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})"
-        )
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
 
 
 def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name: str) -> int:
     """Validate head counts against a feature size; return head_dim."""
-    _require_counts(num_heads, num_kv_heads)
-    if not isinstance(features, (int, np.integer)) or isinstance(features, bool) or features < 1:
-        raise ValueError(f"{features_name} must be a positive integer, got {features!r}")
+    _require_positive(("num_heads", num_heads), ("num_kv_heads", num_kv_heads), (features_name, features))
     if features % num_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must divide {features_name} ({features})"
-        )
+        raise ValueError(f"num_heads ({num_heads}) must divide {features_name} ({features})")
     check_head_counts(num_heads, num_kv_heads)
     return features // num_heads
 
@@ -46,20 +59,13 @@ def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name:
 def check_broadcast(name: str, shape: Sequence[int], target: Sequence[int], target_names: str) -> None:
     """ValueError unless ``shape`` broadcasts to ``target`` (right-aligned, numpy rules)."""
     shape, target = tuple(shape), tuple(target)
-    ok = len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(shape[::-1], target[::-1])
-    )
-    if not ok:
-        raise ValueError(
-            f"{name} of shape {shape} does not broadcast to {target_names} = {target}"
-        )
+    if not _broadcasts(shape, target):
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {target_names} = {target}")
 
 
 def check_dropout_rate(name: str, rate: float) -> float:
-    try:
-        rate = float(rate)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in [0, 1), got {rate!r}") from None
+    """A number in ``[0, 1)``, as a float."""
+    rate = _real(rate, f"{name} must be a number in [0, 1), got {rate!r}")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {rate}")
     return rate
@@ -80,10 +86,7 @@ def check_scale(scale) -> float | None:
     """None, or a finite real number."""
     if scale is None:
         return None
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a real number, got {scale!r}") from None
+    value = _real(scale, f"scale must be a real number, got {scale!r}")
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
     return value
@@ -93,12 +96,10 @@ def check_logit_soft_cap(cap) -> float | None:
     """None, or a positive finite real number (a Python or NumPy scalar: it is static under ``jit``)."""
     if cap is None:
         return None
+    message = f"logit_soft_cap must be a positive finite number, got {cap!r}"
     if isinstance(cap, (bool, np.bool_, str, bytes)):  # float() would read True or '50'
-        raise TypeError(f"logit_soft_cap must be a positive finite number, got {cap!r}")
-    try:
-        value = float(cap)
-    except (TypeError, ValueError):
-        raise TypeError(f"logit_soft_cap must be a positive finite number, got {cap!r}") from None
+        raise TypeError(message)
+    value = _real(cap, message)
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(f"logit_soft_cap must be a positive finite number, got {value}")
     return value
@@ -107,9 +108,7 @@ def check_logit_soft_cap(cap) -> float | None:
 def check_sinks_shape(shape: Sequence[int], heads: int) -> None:
     """ValueError unless ``shape`` is ``(heads,)``: one sink logit per query head."""
     if tuple(shape) != (heads,):
-        raise ValueError(
-            f"sinks must have shape (heads,) = ({heads},), one logit per query head, got {tuple(shape)}"
-        )
+        raise ValueError(f"sinks must have shape (heads,) = ({heads},), one logit per query head, got {tuple(shape)}")
 
 
 def check_padding_valid(shape: tuple[int, ...], kind: str, dtype) -> None:
@@ -132,8 +131,7 @@ def check_mask_sizes(q_len, kv_len) -> int:
 def check_segments_given(query_given: bool, key_given: bool) -> None:
     """Segment ids come in pairs: the queries' and the keys'."""
     if query_given != key_given:
-        given, missing = ("query_segment_ids", "key_segment_ids") if query_given else \
-            ("key_segment_ids", "query_segment_ids")
+        given, missing = ("query_segment_ids", "key_segment_ids")[:: 1 if query_given else -1]
         raise ValueError(
             f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)"
         )
@@ -186,6 +184,7 @@ def check_inputs_agree(names: Sequence[str], shapes: Sequence[Sequence[int]], dt
 
 
 def check_is_causal(is_causal) -> bool:
+    """A Python or NumPy bool, as a bool."""
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     return bool(is_causal)
@@ -202,10 +201,8 @@ def check_window(window) -> tuple[int, int] | None:
     """None, an integer ``w`` (the window ``(w, w)``) or ``(left, right)``, each >= 0."""
     if window is None:
         return None
-    pair = (window, window) if isinstance(window, (int, np.integer)) and not isinstance(window, bool) else window
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
-        isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in pair
-    )):
+    pair = (window, window) if _is_int(window) else window
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(map(_is_int, pair))):
         raise TypeError(f"local_window_size must be an integer or a pair (left, right) of integers, got {window!r}")
     if min(pair) < 0:
         raise ValueError(f"local_window_size must be >= 0 on both sides, got {window!r}")
@@ -224,39 +221,11 @@ def check_qk_norm(normalize_qk) -> QKNorm | None:
     raise TypeError(f"normalize_qk must be a bool or a QKNorm, got {type(normalize_qk).__name__}")
 
 
-def check_sequence_shape(name: str, shape: Sequence[int], batch: int, length: int, length_name: str) -> None:
-    """ValueError unless ``shape`` is ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
-    shape = tuple(shape)
-    if not (shape == (length,) or (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)):
-        raise ValueError(
-            f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
-            f"({batch}, {length}), got {shape}"
-        )
-
-
-def check_lengths_shape(name: str, shape: Sequence[int], batch: int) -> None:
-    """ValueError unless ``shape`` is ``()``, ``(1,)`` or ``(batch,)``."""
-    if tuple(shape) not in ((), (1,), (batch,)):
-        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(shape)}")
-
-
-def check_lengths_range(name: str, values: np.ndarray, kv_len: int) -> None:
-    """ValueError unless every length lies in ``[0, kv_len]``."""
-    if values.size and (values.min() < 0 or values.max() > kv_len):
-        raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")
-
-
-
-
 def check_positions_shape(shape: Sequence[int], batch_shape: Sequence[int], length: int) -> None:
     """ValueError unless ``shape`` is ``(len,)`` or ``(*batch, len)`` with batch axes broadcasting
     to the input's."""
     shape, batch_shape = tuple(shape), tuple(batch_shape)
-    lead = shape[:-1]
-    ok = len(shape) >= 1 and shape[-1] == length and len(lead) <= len(batch_shape) and all(
-        a in (1, b) for a, b in zip(reversed(lead), reversed(batch_shape))
-    )
-    if not ok:
+    if not (len(shape) >= 1 and shape[-1] == length and _broadcasts(shape[:-1], batch_shape)):
         raise ValueError(
             f"positions must have shape (len,) = ({length},) or (*batch, len) with batch axes broadcasting "
             f"to {batch_shape}, got {shape}"
@@ -268,41 +237,10 @@ def check_positions_shape(shape: Sequence[int], batch_shape: Sequence[int], leng
 _KINDS = {"float": "a real floating-point array", "int": "an integer array"}
 
 
-def check_kind(name: str, kind: str, want: str, dtype: Any, shape: Sequence[int]) -> None:
-    """TypeError unless an array's dtype ``kind`` ('float', 'int', ...) is ``want``."""
-    if kind != want:
-        raise TypeError(f"{name} must be {_KINDS[want]}, got dtype {dtype} with shape {tuple(shape)}")
-
-
 def check_rank(name: str, shape: Sequence[int], rank: int, layout: str) -> None:
+    """ValueError unless ``shape`` has ``rank`` axes, laid out as ``layout``."""
     if len(shape) != rank:
         raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(shape)}")
-
-
-def check_attention_shapes(query: Sequence[int], key: Sequence[int], value: Sequence[int], dtypes: Sequence[Any],
-                           heads_first: bool) -> tuple[int, int, int, int, int, int]:
-    """The functional core's query/key/value shapes and dtypes (each already a real floating
-    array), laid out ``(batch, len, heads, head_dim)`` (JAX) or, with ``heads_first``,
-    ``(batch, heads, len, head_dim)`` (PyTorch); (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
-    qkv_layout, kv_layout = (("(batch, heads, q_len, head_dim)", "(batch, kv_heads, kv_len, head_dim)") if heads_first
-                             else ("(batch, q_len, heads, head_dim)", "(batch, kv_len, kv_heads, head_dim)"))
-    check_rank("query", query, 4, qkv_layout)
-    check_rank("key", key, 4, kv_layout)
-    check_rank("value", value, 4, kv_layout)
-    if not (dtypes[0] == dtypes[1] == dtypes[2]):
-        raise TypeError(f"query, key and value must share one dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
-    query, key, value = tuple(query), tuple(key), tuple(value)
-    batch, q_len, heads, head_dim = (query[0], query[2], query[1], query[3]) if heads_first else query
-    if key != value:
-        raise ValueError(f"key and value must have the same shape {kv_layout}, got key {key} and value {value}")
-    k_batch, kv_len, kv_heads, k_dim = (key[0], key[2], key[1], key[3]) if heads_first else key
-    if k_batch != batch or k_dim != head_dim:
-        raise ValueError(f"key/value {key} must match query {query} in batch and head_dim")
-    if head_dim == 0:
-        raise ValueError(f"query, key and value need head_dim >= 1, got query {query}, key {key}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, key {key}")
-    return batch, q_len, heads, head_dim, kv_len, kv_heads
 
 
 @dataclass(frozen=True)
@@ -328,36 +266,65 @@ class ArrayChecks:
         if not self.is_array(x):
             raise TypeError(f"{name} must be {self.array}, got {type(x).__name__}")
 
-    def require_float(self, name: str, x) -> None:
-        """TypeError unless ``x`` is a real floating-point array."""
+    def require_kind(self, name: str, x, want: str) -> None:
+        """TypeError unless ``x`` is an array of dtype kind ``want``: ``'float'`` (real) or ``'int'``."""
         self.require_array(name, x)
-        check_kind(name, self.kind(x), "float", self.dtype(x), x.shape)
+        if self.kind(x) != want:
+            raise TypeError(f"{name} must be {_KINDS[want]}, got dtype {self.dtype(x)} with shape {tuple(x.shape)}")
+
+    def require_float(self, name: str, x) -> None:
+        self.require_kind(name, x, "float")
 
     def require_int(self, name: str, x) -> None:
-        """TypeError unless ``x`` is an integer array."""
-        self.require_array(name, x)
-        check_kind(name, self.kind(x), "int", self.dtype(x), x.shape)
+        self.require_kind(name, x, "int")
 
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
-        """The functional core's inputs; (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
+        """The functional core's real floating inputs, laid out ``(batch, len, heads, head_dim)`` or,
+        with ``heads_first``, ``(batch, heads, len, head_dim)``; (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
         for name, x in (("query", query), ("key", key), ("value", value)):
             self.require_float(name, x)
-        return check_attention_shapes(query.shape, key.shape, value.shape, (query.dtype, key.dtype, value.dtype),
-                                      heads_first=self.heads_first)
+        order = (0, 2, 1, 3) if self.heads_first else (0, 1, 2, 3)  # to (batch, len, heads, head_dim)
+        layout = "(batch, {}, {}, head_dim)" if self.heads_first else "(batch, {1}, {0}, head_dim)"
+        kv_layout = layout.format("kv_heads", "kv_len")
+        check_rank("query", query.shape, 4, layout.format("heads", "q_len"))
+        check_rank("key", key.shape, 4, kv_layout)
+        check_rank("value", value.shape, 4, kv_layout)
+        if not (query.dtype == key.dtype == value.dtype):
+            raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        query, key, value = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+        batch, q_len, heads, head_dim = (query[i] for i in order)
+        if key != value:
+            raise ValueError(f"key and value must have the same shape {kv_layout}, got key {key} and value {value}")
+        k_batch, kv_len, kv_heads, k_dim = (key[i] for i in order)
+        if k_batch != batch or k_dim != head_dim:
+            raise ValueError(f"key/value {key} must match query {query} in batch and head_dim")
+        if head_dim == 0:
+            raise ValueError(f"query, key and value need head_dim >= 1, got query {query}, key {key}")
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(
+                f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, key {key}"
+            )
+        return batch, q_len, heads, head_dim, kv_len, kv_heads
 
     def check_sequence(self, name: str, x, batch: int, length: int, length_name: str) -> None:
         """An integer array of shape ``(length,)``, ``(1, length)`` or ``(batch, length)``."""
         self.require_int(name, x)
-        check_sequence_shape(name, x.shape, batch, length, length_name)
+        shape = tuple(x.shape)
+        if not (shape == (length,) or (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)):
+            raise ValueError(
+                f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
+                f"({batch}, {length}), got {shape}"
+            )
 
     def check_lengths(self, name: str, lengths, batch: int, kv_len: int) -> None:
         """An integer ``(batch,)`` (or scalar) array of lengths in ``[0, kv_len]``; the range is
         checked where the values are known."""
         self.require_int(name, lengths)
-        check_lengths_shape(name, lengths.shape, batch)
+        if tuple(lengths.shape) not in ((), (1,), (batch,)):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
         values = self.values(lengths)
-        if values is not None:
-            check_lengths_range(name, values, kv_len)
+        if values is not None and values.size and (values.min() < 0 or values.max() > kv_len):
+            raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")
 
     def check_dropout_mask(self, x, shape: tuple[int, ...], layout: str) -> None:
         """A bool (True = keep) or 0/1 integer keep-mask broadcasting to ``shape``."""

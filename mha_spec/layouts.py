@@ -6,8 +6,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mha_spec.arguments import check_head_counts
 
@@ -21,8 +20,7 @@ NORMS = ("q_norm", "k_norm")
 SINKS = "sinks"
 
 
-@dataclass(frozen=True)
-class _Source:
+class _Source(NamedTuple):
     """One key of a checkpoint: ``key`` (relative to the prefix) holds ``part`` of ``targets``."""
 
     key: str
@@ -32,37 +30,21 @@ class _Source:
 
 def from_names(names: Mapping[str, str]) -> tuple[_Source, ...]:
     """Sources of a per-projection mapping: entry ``ours -> name`` reads ``name.weight``/``.bias``."""
-    return tuple(
-        _Source(f"{name}.{part}", part, FUSED.get(ours, (ours,)))
-        for ours, name in names.items()
-        for part in PARTS
-    )
+    return tuple(_Source(f"{name}.{part}", part, FUSED.get(ours, (ours,)))
+                 for ours, name in names.items() for part in PARTS)
 
 
 _QKV = FUSED["qkv_proj"]
 # QK-norm scales and sinks, named alike by this package and Hugging Face's attention classes
 _EXTRAS = tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS) + (_Source(SINKS, "", (SINKS,)),)
 LAYOUTS: dict[str, tuple[_Source, ...]] = {
-    "mha_torch": from_names(
-        {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "out_proj"}
-    ) + _EXTRAS,
+    "mha_torch": from_names(dict(zip(PROJECTIONS, PROJECTIONS))) + _EXTRAS,
     # torch.nn.MultiheadAttention: a fused in_proj_weight when kdim == vdim == embed_dim, else
     # three separate weights; the input bias stays fused in both cases.
-    "torch_mha": (
-        _Source("in_proj_weight", "weight", _QKV),
-        _Source("q_proj_weight", "weight", ("q_proj",)),
-        _Source("k_proj_weight", "weight", ("k_proj",)),
-        _Source("v_proj_weight", "weight", ("v_proj",)),
-        _Source("in_proj_bias", "bias", _QKV),
-        _Source("out_proj.weight", "weight", ("out_proj",)),
-        _Source("out_proj.bias", "bias", ("out_proj",)),
-    ),
-    "hf": from_names(
-        {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj"}
-    ) + _EXTRAS,
-    "bert": from_names(
-        {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}
-    ),
+    "torch_mha": (_Source("in_proj_weight", "weight", _QKV), *(_Source(f"{p}_weight", "weight", (p,)) for p in _QKV),
+                  _Source("in_proj_bias", "bias", _QKV), *from_names({"out_proj": "out_proj"})),
+    "hf": from_names(dict(zip(PROJECTIONS, ("q_proj", "k_proj", "v_proj", "o_proj")))) + _EXTRAS,
+    "bert": from_names(dict(zip(PROJECTIONS, ("self.query", "self.key", "self.value", "output.dense")))),
     "fused_qkv": from_names({"qkv_proj": "qkv_proj", "out_proj": "o_proj"}) + _EXTRAS,
 }
 # Keys of options we do not have: an error naming the option, even under ``ignore``.
@@ -70,7 +52,7 @@ _UNSUPPORTED = {"torch_mha": {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_
 FLAX = "flax"  # Flax parameter names (query.kernel), read by mha_jax.to_torch, not by read_layout
 AUTO = "auto"  # the layout detected from the keys
 # Every layout a file may be in, as errors list them.
-LAYOUT_NAMES = ("mha_torch", "torch_mha", "hf", "bert", "fused_qkv", FLAX)
+LAYOUT_NAMES = (*LAYOUTS, FLAX)
 # The keys that show a layout (a key shows ``name`` when it is ``name`` or ends with ``.name``),
 # and, for a file that shows none, the words that make a layout likely.
 _SIGNATURES = {
@@ -92,14 +74,10 @@ def _shows(keys: Sequence[str], name: str) -> bool:
 
 
 def detect_layout(keys: Any, *, where: str = "the keys") -> str:
-    """The layout of a checkpoint from its key names (a mapping's keys or any iterable of str).
-
-    ``in_proj_weight``/``q_proj_weight``: ``torch_mha``; ``q_proj.weight`` with
-    ``out_proj.weight``: ``mha_torch``, with ``o_proj.weight``: ``hf``; ``self.query.weight``:
-    ``bert``; ``qkv_proj.weight``: ``fused_qkv``; ``query.kernel``: ``flax``. A key may carry a
-    prefix (``encoder.layer.0.attention.self.query.weight``). ValueError naming the likely
-    layouts when none or several fit.
-    """
+    """The layout of a checkpoint from its key names (a mapping's keys or any iterable of str): the
+    one whose keys (``_SIGNATURES``) they show, each maybe under a prefix
+    (``encoder.layer.0.attention.self.query.weight``); ValueError naming the likely layouts when
+    none or several fit."""
     keys = sorted(map(str, keys))
     fits = [name for name, alternatives in _SIGNATURES.items()
             if any(all(_shows(keys, k) for k in group) for group in alternatives)]
@@ -198,9 +176,9 @@ def read_layout(
     under the prefix must be used, or named (by its start, relative to the prefix) in
     ``ignore``. Fused weights ``((heads + 2 * kv_heads) * head_dim, in)`` are split by rows into
     views, which is why ``num_heads``/``num_kv_heads`` are needed. With them, every shape is
-    checked too (``shape_problems``); ``expected`` (``mha_torch`` name -> shape, a module's
-    parameters) adds the keys the module has and lacks. Raises one ValueError listing every
-    missing, repeated, unsupported, unexpected or mis-shaped key, each once, in the file's names.
+    checked too; ``expected`` (``mha_torch`` name -> shape, a module's parameters) adds the keys
+    the module has and lacks. Raises one ValueError listing every missing, repeated, unsupported,
+    unexpected or mis-shaped key, each once, in the file's names.
     """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
@@ -211,9 +189,7 @@ def read_layout(
     layout, detected, undetected = _choose_layout(selected, layout, mapping, where)
     sources = _sources(layout, mapping)
     if not selected:
-        raise ValueError(
-            f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})"
-        )
+        raise ValueError(f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})")
 
     problems: list[str] = []
     ignored = set()
@@ -237,14 +213,15 @@ def read_layout(
         problems += _module_fit(out, given, expected, sources, prefix, problems)
     if _positive_int(num_heads) and _positive_int(num_kv_heads):
         present = {name: array for name, array in out.items() if expected is None or name in expected}
-        problems += shape_problems(present, num_heads, num_kv_heads, expected, names=shown)
+        problems += _check_shapes(present, num_heads, num_kv_heads, expected, shown)[1]
     if any(p.startswith("missing key") for p in problems):
         problems += _fitting_prefixes(state, sources, prefix)
         if not detected and mapping is None:
             problems += _looks_like(selected, layout)
     if problems:
         problems += [undetected] if undetected else []
-        named = _name(layout, mapping) + (", detected from the keys" if detected else "")
+        named = repr(layout) if mapping is None else f"mapping {dict(mapping)!r}"
+        named += ", detected from the keys" if detected else ""
         raise ValueError(f"state_dict (layout {named}): " + "; ".join(dict.fromkeys(problems)))
     return out
 
@@ -332,20 +309,12 @@ def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: s
 
 def _fitting_prefixes(state: Mapping[str, Any], sources: tuple[_Source, ...], prefix: str) -> list[str]:
     """A hint when weights are missing: the prefixes under which the layout's weights are found."""
-    fits = {
-        key[: len(key) - len(s.key)]
-        for key in state for s in sources
-        if s.part == "weight" and key.endswith(s.key) and key[: len(key) - len(s.key)] in ("", *_dotted_heads(key))
-    }
+    starts = {key[: len(key) - len(s.key)] for key in state for s in sources
+              if s.part == "weight" and key.endswith(s.key)}
+    fits = {start for start in starts if start.endswith(".") or not start}  # whole dotted components only
     fits.discard(prefix)
     shown = ", ".join(map(repr, sorted(fits)[:4])) + (", ..." if len(fits) > 4 else "")
     return [f"the layout's weights are found under prefix {shown}"] if fits else []
-
-
-def _dotted_heads(key: str) -> list[str]:
-    """Every start of ``key`` that ends with a dot: 'a.b.c' -> ['a.', 'a.b.']."""
-    parts = key.split(".")
-    return [".".join(parts[:i]) + "." for i in range(1, len(parts))]
 
 
 def _positive_int(n: Any) -> int:
@@ -362,11 +331,8 @@ def _expected(sources: tuple[_Source, ...], proj: str, part: str, prefix: str) -
     return keys[0] if len(keys) == 1 else f"{keys[0]} (or {' or '.join(keys[1:])})"
 
 
-def _name(layout: str, mapping: Mapping[str, str] | None) -> str:
-    return repr(layout) if mapping is None else f"mapping {dict(mapping)!r}"
-
-
 def some(state: Mapping[str, Any], n: int = 4) -> str:
+    """The first ``n`` keys of ``state``, sorted, for a message."""
     keys = sorted(state)
     return ", ".join(map(repr, keys[:n])) + (f", ... ({len(keys)} in all)" if len(keys) > n else "") or "none"
 
@@ -384,44 +350,27 @@ def check_state(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
     return head_dim
 
 
-def shape_problems(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
-                   expected: Mapping[str, Sequence[int]] | None = None, *,
-                   names: Mapping[str, str] | None = None) -> list[str]:
-    """Every mis-shaped entry of ``state`` (``mha_torch`` names; any may be absent), each once,
-    as ``"'key' has shape (found), expected (shape)"``; ``names`` gives the key a message shows.
-
-    The shapes expected are ``expected``'s (a module's) where given; otherwise they follow from
-    ``num_heads``, ``num_kv_heads`` and the head_dim that the most entries agree on: query rows
-    and output columns ``num_heads * head_dim``, key/value rows ``num_kv_heads * head_dim``,
-    biases ``(rows,)``, norms ``(head_dim,)`` or ``(heads * head_dim,)``, sinks ``(num_heads,)``.
-    So one wrong entry is named, not the others that disagree with it.
-    """
-    return _check_shapes(state, num_heads, num_kv_heads, expected, names or {})[1]
-
-
 _WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
 _ORDER = tuple(f"{p}.{part}" for p in PROJECTIONS for part in PARTS) + tuple(f"{n}.weight" for n in NORMS) + (SINKS,)
 _KV = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 
 
-def _rank(name: str) -> int:
-    return 2 if name in _WEIGHTS else 1
-
-
 def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: Mapping[str, Sequence[int]] | None,
                   names: Mapping[str, str]) -> tuple[int, list[str]]:
-    """``(head_dim, problems)``; head_dim 0 when no head_dim fits. Head counts that cannot be
-    raise first: no shape could fit them."""
+    """``(head_dim, problems)``: every mis-shaped entry of ``state`` (``mha_torch`` names, any
+    absent), each once, as ``names`` shows its key. Shapes are ``module``'s where given, else they
+    follow from the head counts and the head_dim that the most entries agree on (``_head_dim``),
+    so that one wrong entry is named, not the others that disagree with it; head_dim 0 when none
+    fits. Head counts that cannot be raise first: no shape could fit them."""
     check_head_counts(heads, kv_heads)
     shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
     shown = {k: names.get(k, repr(k)) for k in _ORDER}
-    problems = [f"{shown[k]} has shape {s}, expected rank {_rank(k)}" for k, s in shapes.items()
-                if len(s) != _rank(k) and not (module and k in module)]
-    ranked = {k: s for k, s in shapes.items() if len(s) == _rank(k)}
-    if module and "q_proj.weight" in module:
-        head_dim = module["q_proj.weight"][0] // heads
-    else:
-        head_dim = _head_dim(ranked, heads, kv_heads)
+    rank = {k: 2 if k in _WEIGHTS else 1 for k in _ORDER}
+    problems = [f"{shown[k]} has shape {s}, expected rank {rank[k]}" for k, s in shapes.items()
+                if len(s) != rank[k] and not (module and k in module)]
+    ranked = {k: s for k, s in shapes.items() if len(s) == rank[k]}
+    from_module = module and "q_proj.weight" in module
+    head_dim = module["q_proj.weight"][0] // heads if from_module else _head_dim(ranked, heads, kv_heads)
     if not head_dim and not any(k in ranked for k in _WEIGHTS):
         return 0, problems  # nothing to split into heads: the missing weights are reported by name
     if not head_dim:
@@ -433,13 +382,16 @@ def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: M
         if want and s not in want:
             why = _why(k, s, want[0], heads, kv_heads, head_dim)
             problems.append(f"{shown[k]} has shape {s}, expected {' or '.join(map(str, want))}{why}")
-    kv_rows = {ranked[k][0] for k in _KV if k in ranked}
-    if len(kv_rows) == 1 and (n := kv_rows.pop()) != kv_heads * head_dim and n % head_dim == 0 \
-            and heads % (n // head_dim) == 0:
-        problems.append(
-            f"the key/value rows fit num_kv_heads={n // head_dim} (head_dim={head_dim}), not num_kv_heads={kv_heads}"
-        )
+    if (n := _kv_heads_found(ranked, heads, head_dim)) and n != kv_heads:
+        problems.append(f"the key/value rows fit num_kv_heads={n} (head_dim={head_dim}), not num_kv_heads={kv_heads}")
     return head_dim, problems
+
+
+def _kv_heads_found(shapes: Mapping[str, tuple], heads: int, head_dim: int) -> int:
+    """The key/value head count that every key/value row count agrees on, if it divides ``heads``; else 0."""
+    rows = {shapes[k][0] for k in _KV if k in shapes}
+    n, rest = divmod(rows.pop(), head_dim) if len(rows) == 1 else (0, 1)
+    return n if n and not rest and heads % n == 0 else 0
 
 
 def _why(name: str, found: tuple, want: tuple, heads: int, kv_heads: int, head_dim: int) -> str:
@@ -485,9 +437,7 @@ def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
         allowed = _allowed(shapes, heads, kv_heads, head_dim)
         bad = {k for k, s in shapes.items() if k in allowed and s not in allowed[k]}
         kv_bad = bad & set(_KV)
-        kv_rows = {shapes[k][0] for k in _KV if k in shapes}
-        rows = next(iter(kv_rows)) if len(kv_rows) == 1 else None
-        one_mistake = rows is not None and rows % head_dim == 0 and heads % (rows // head_dim or heads + 1) == 0
+        one_mistake = _kv_heads_found(shapes, heads, head_dim)
         mistakes = len(bad - kv_bad) + (min(len(kv_bad), 1) if one_mistake else len(kv_bad))
         return mistakes, -votes.count(head_dim), head_dim
 

@@ -1,29 +1,9 @@
-"""Which keys a query may see: the masking terms on positions, as objects.
-
-Each term is a small frozen object that holds no array: what it reads (positions, segment ids,
-key indices and lengths) is given to it, laid out by the caller to broadcast, as ``Where``.
-
-- ``visible(q, k)``: bool, which keys each query may see;
-- ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)`` from a block's ranges (the smallest and
-  the largest of each quantity over its queries and over its keys): ``live`` False when no query
-  of the block may see a key of it (the block is empty), ``whole`` True when every query may
-  see every key (no mask needed). In between the block is partial.
-
-The terms, for query ``i`` at position ``qp[i]`` and key ``j`` at ``kp[j]``:
-
-- ``Causal``: ``kp[j] <= qp[i]`` (``is_causal``);
-- ``Window``: ``qp[i] - left <= kp[j] <= qp[i] + right`` (``local_window_size``);
-- ``Chunked``: ``qp[i] // size == kp[j] // size`` (``attention_chunk_size``: Llama 4's chunks);
-- ``Segments``: the two segment ids are equal (``query_segment_ids``, ``key_segment_ids``);
-- ``Lengths``: ``j < key_value_seq_lengths[b]``.
-
-Both are written with operators alone (``<=``, ``&``, ``==``, ``//``, broadcasting), so that
-they run alike on NumPy, JAX and PyTorch arrays, inside a traced graph. Terms combine with
-``&`` into ``Terms``, a conjunction that does the same over its members (None: no restriction).
-"""
+"""Which keys a query may see: the masking terms on positions, as objects (``Term``), combined
+with ``&`` into ``Terms``, a conjunction; and ``Spec``, one call's parsed masking."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -48,11 +28,25 @@ def conjoin(a, b):
 
 
 class Term:
-    """One masking term. ``reads``: the ``Where`` fields it reads; ``shift_invariant``: whether
-    it reads positions only relative to each other (moving every position by one amount changes
-    nothing), so that a consumer may read it on positions relative to a block's first query."""
+    """One masking term: a small frozen object that holds no array. What it reads (positions,
+    segment ids, key indices and lengths) is given to it as ``Where``, laid out by the caller to
+    broadcast. It provides:
 
-    reads: ClassVar[frozenset[str]] = frozenset()
+    - ``visible(q, k)``: bool, which keys each query may see;
+    - ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)`` from a block's ranges (the smallest and
+      the largest of each quantity over its queries and over its keys): ``live`` False when no
+      query of the block may see a key of it (the block is empty), ``whole`` True when every
+      query may see every key (no mask needed); in between the block is partial;
+    - ``reads``: the ``Where`` fields it reads (by default positions);
+    - ``shift_invariant``: whether it reads positions only relative to each other (moving every
+      position by one amount changes nothing), so that a consumer may read it on positions
+      relative to a block's first query.
+
+    Both methods use operators alone (``<=``, ``&``, ``==``, ``//``, broadcasting), so that they
+    run alike on NumPy, JAX and PyTorch arrays, inside a traced graph; None: no restriction.
+    """
+
+    reads: ClassVar[frozenset[str]] = frozenset({"position"})
     shift_invariant: ClassVar[bool] = True
 
     @property
@@ -65,9 +59,7 @@ class Term:
 
 @dataclass(frozen=True)
 class Causal(Term):
-    """A query sees the keys at positions ``<=`` its own."""
-
-    reads: ClassVar[frozenset[str]] = frozenset({"position"})
+    """A query sees the keys at positions ``<=`` its own (``is_causal``)."""
 
     def visible(self, q: Where, k: Where):
         return k.position <= q.position
@@ -78,11 +70,10 @@ class Causal(Term):
 
 @dataclass(frozen=True)
 class Window(Term):
-    """A query at position ``p`` sees the keys at positions ``p - left .. p + right``."""
+    """A query at position ``p`` sees the keys at positions ``p - left .. p + right`` (``local_window_size``)."""
 
     left: int
     right: int
-    reads: ClassVar[frozenset[str]] = frozenset({"position"})
 
     def visible(self, q: Where, k: Where):
         return (k.position >= q.position - self.left) & (k.position <= q.position + self.right)
@@ -101,7 +92,7 @@ def _same(q_lo, q_hi, k_lo, k_hi):
 
 @dataclass(frozen=True)
 class Segments(Term):
-    """A query sees the keys of its own segment (equal segment ids)."""
+    """A query sees the keys of its own segment (equal ``query_segment_ids``, ``key_segment_ids``)."""
 
     reads: ClassVar[frozenset[str]] = frozenset({"segment"})
 
@@ -114,7 +105,7 @@ class Segments(Term):
 
 @dataclass(frozen=True)
 class Lengths(Term):
-    """Keys at index ``>=`` the example's length are padding, seen by no query."""
+    """Keys at index ``>=`` the example's length (``key_value_seq_lengths``) are padding, seen by no query."""
 
     reads: ClassVar[frozenset[str]] = frozenset({"index", "length"})
 
@@ -127,11 +118,10 @@ class Lengths(Term):
 
 @dataclass(frozen=True)
 class Chunked(Term):
-    """A query sees the keys of its own chunk of ``size`` positions (Llama 4's chunked
-    attention): ``q_pos // size == k_pos // size``."""
+    """A query sees the keys of its own chunk of ``size`` positions (``attention_chunk_size``, Llama 4's
+    chunked attention): ``q_pos // size == k_pos // size``."""
 
     size: int
-    reads: ClassVar[frozenset[str]] = frozenset({"position"})
     shift_invariant: ClassVar[bool] = False
 
     def visible(self, q: Where, k: Where):
@@ -167,17 +157,11 @@ class Terms(Term):
         return Terms(tuple(t for t in self.terms if t.reads <= frozenset(fields)))
 
     def visible(self, q: Where, k: Where):
-        result = None
-        for term in self.terms:
-            result = conjoin(result, term.visible(q, k))
-        return result
+        return functools.reduce(conjoin, (term.visible(q, k) for term in self.terms), None)
 
     def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
-        whole = live = None
-        for term in self.terms:
-            w, v = term.block(q_lo, q_hi, k_lo, k_hi)
-            whole, live = conjoin(whole, w), conjoin(live, v)
-        return whole, live
+        blocks = [term.block(q_lo, q_hi, k_lo, k_hi) for term in self.terms]
+        return tuple(functools.reduce(conjoin, side, None) for side in zip(*blocks)) if blocks else (None, None)
 
 
 def of(is_causal: bool, window: tuple[int, int] | None, chunk_size: int | None, segments: bool,
@@ -205,10 +189,8 @@ def check_chunk_size(size) -> int | None:
 def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
     """bool ``(batch,)``: the step overwrote a position some new query may still see. Past
     ``max_length`` positions the oldest are overwritten, up to ``end - max_length - 1``; the
-    queries at ``start .. end - 1`` may still see that one unless a term of ``terms`` (a window
-    that looks back only, a chunk) says none of them can. A window that looks ahead, without
-    causality, is not read: a cache of ``left + chunk`` slots is a rolling buffer for look-back
-    windows only."""
+    queries at ``start .. end - 1`` may still see it unless a term of ``terms`` says none can (a
+    window that looks back only, or ahead with causality: a rolling buffer; a chunk)."""
     wrapped = end > max_length
     causal = any(isinstance(t, Causal) for t in terms)
     bounds = Terms(tuple(t for t in terms.only({"position"})
@@ -274,25 +256,9 @@ class Spec:
         )[:, None]
         return visible if self.allowed is None else self.allowed & visible
 
-    def dense_excluded(self, kv_heads: int) -> Any:
-        """bool ``(batch|1, kv_heads|1, kv_len|1)``: the keys that the dense mask or a ``-inf``
-        bias excludes for every query of the heads sharing a key/value head; None without them."""
-        unused = None
-        dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
-        for ex in dense:
-            if ex is None:
-                continue
-            ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)  # over queries: (batch?, heads?, kv?)
-            if ex.shape[1] != 1:  # over the query heads of each key/value head
-                ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
-            unused = ex if unused is None else unused | ex
-        return unused
-
     def ranged_excluded(self, arange, extremes) -> Any:
         """bool ``(batch|1, kv_len)``: the keys that lengths, causality, windows or chunks exclude
-        for every query, read from the queries' extreme positions (``extremes(positions)``: their
-        smallest and largest along axis 1, kept), each key alone; None when no such term applies
-        (``arange`` as in ``positions``)."""
+        for every query, read from the queries' extreme positions; None when no such term applies."""
         ranged = self.terms.only({"index", "length", "position"} if self.shape[2] > 0 else {"index", "length"})
         if not ranged:
             return None
@@ -304,14 +270,23 @@ class Spec:
 
     def excluded_keys(self, kv_heads: int, arange, extremes, present) -> Any:
         """bool ``(batch|1, kv_heads|1, kv_len)``: the keys that no query of the heads sharing a
-        key/value head may see, each term read alone (``dense_excluded``, ``ranged_excluded``,
-        and segments absent from the queries: ``present(query_ids, key_ids)``, bool ``(batch|1,
-        kv_len)``, whether each key's id occurs among the queries'; None leaves them out); None
-        when no term excludes a key."""
+        key/value head may see, each term read alone; None when no term excludes a key.
+
+        ``arange`` as in ``positions``; ``extremes(positions)``: their smallest and largest along
+        axis 1, kept; ``present(query_ids, key_ids)``: bool ``(batch|1, kv_len)``, whether each
+        key's segment id occurs among the queries' (None: segments are not read).
+        """
+        unused = None
+        dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
+        for ex in dense:
+            if ex is not None:  # the dense mask's and the bias's exclusions, over queries: (batch?, heads?, kv?)
+                ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)
+                if ex.shape[1] != 1:  # over the query heads of each key/value head
+                    ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
+                unused = ex if unused is None else unused | ex
         keys = [self.ranged_excluded(arange, extremes)]
         if present is not None and self.query_segment_ids is not None and self.shape[2] > 0:
             keys.append(~present(self.query_segment_ids, self.key_segment_ids))
-        unused = self.dense_excluded(kv_heads)
         for ex in keys:
             if ex is not None:
                 unused = ex[:, None, :] if unused is None else unused | ex[:, None, :]

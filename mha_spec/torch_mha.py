@@ -1,19 +1,10 @@
 """``torch.nn.MultiheadAttention``'s masks: what they mean in ours, and their shape rules.
 
-Its boolean masks mean the opposite of ours: True = ignore. Its float masks are added to the
-logits, which is our ``bias`` (our own ``mask`` is nonzero = attend in ``mha_jax`` but
-float-additive in ``mha_torch``, so the pair below is what means the same in both):
-
-=========================================  ========================  ==================================================
-``torch.nn.MultiheadAttention``            shape                     ours, from ``mask_from_torch_mha``
-=========================================  ========================  ==================================================
-``attn_mask`` bool, True = ignore          ``(q_len, kv_len)``       ``mask = ~attn_mask``
-``attn_mask`` bool, True = ignore          ``(batch*heads, q, kv)``  ``mask = ~attn_mask`` as ``(batch, heads, q, kv)``
-``attn_mask`` float, added to the logits   either                    ``bias =`` the same values
-``key_padding_mask`` bool, True = padding  ``(batch, kv_len)``       ``mask = ~kpm[:, None, None, :]``
-``key_padding_mask`` float, added          ``(batch, kv_len)``       ``bias = kpm[:, None, None, :]``
-both                                                                 ``mask``: both allow; ``bias``: the sum
-=========================================  ========================  ==================================================
+Its boolean masks mean the opposite of ours (True = ignore): ``mask = ~attn_mask``, a 3-d
+``(batch * heads, q_len, kv_len)`` one read as ``(batch, heads, q_len, kv_len)``, and
+``mask = ~key_padding_mask[:, None, None, :]``. Its float masks are added to the logits: our
+``bias``. Our own float ``mask`` means attend where nonzero in ``mha_jax`` but is added in
+``mha_torch``, so each part keeps its kind. The table of every case is in ``docs/masks.md``.
 """
 
 from __future__ import annotations
@@ -74,10 +65,8 @@ def combine(parts: list) -> tuple[Any, Any]:
     ``(batch, heads, q_len, kv_len)``: the bool ones (True = ignore) negated and and-ed, the
     float ones summed (in their promoted dtype). Each part stays in its own kind: a float 0/-inf
     "mask" would read as nonzero = attend in ``mha_jax``."""
-    def is_bool(x) -> bool:
-        return str(x.dtype).removeprefix("torch.") == "bool"
-
-    allowed = [~p for p in parts if is_bool(p)]
-    added = [p for p in parts if not is_bool(p)]
+    bools = [str(p.dtype).removeprefix("torch.") == "bool" for p in parts]
+    allowed = [~p for p, is_bool in zip(parts, bools) if is_bool]
+    added = [p for p, is_bool in zip(parts, bools) if not is_bool]
     return (functools.reduce(operator.and_, allowed) if allowed else None,
             functools.reduce(operator.add, added) if added else None)

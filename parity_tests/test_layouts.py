@@ -551,3 +551,12 @@ def test_ranks_are_checked_after_renaming():
     jax_message, torch_message, _ = _both(state, layout="hf")
     assert jax_message == torch_message == ("state_dict (layout 'hf'): 'o_proj.weight' has shape (10, 12, 1), "
                                             "expected (10, 12)")
+
+
+def test_key_and_value_weights_without_rows_are_named():
+    """Key/value weights with no rows fit no head count: each is named with the rows expected."""
+    kv = ("k_proj", "v_proj")
+    state = dict(canonical(bias=False), **{f"{p}.weight": np.zeros((0, E), np.float32) for p in kv})
+    named = [f"'{p}.weight' has shape (0, 10), expected (6, 10) (num_kv_heads=2 x head_dim=3 rows)" for p in kv]
+    for message in _both(state):
+        assert message.endswith("; ".join(named)), message
