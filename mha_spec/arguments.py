@@ -1,6 +1,5 @@
-"""Argument checks that read no array library: head counts, broadcasting, rates, scales,
-logit soft-caps, windows, sequence, length, position and sink shapes. Every message names the
-argument and the shapes."""
+"""Argument checks, each written once for both twins: those that read no array library, and
+``ArrayChecks``, those of array arguments. Every message names the argument and the shapes."""
 
 from __future__ import annotations
 
@@ -237,12 +236,6 @@ def check_positions_shape(shape: Sequence[int], batch_shape: Sequence[int], leng
 _KINDS = {"float": "a real floating-point array", "int": "an integer array"}
 
 
-def check_rank(name: str, shape: Sequence[int], rank: int, layout: str) -> None:
-    """ValueError unless ``shape`` has ``rank`` axes, laid out as ``layout``."""
-    if len(shape) != rank:
-        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(shape)}")
-
-
 @dataclass(frozen=True)
 class ArrayChecks:
     """The checks of array arguments, given how one framework reads an array: each twin's
@@ -281,14 +274,15 @@ class ArrayChecks:
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
         """The functional core's real floating inputs, laid out ``(batch, len, heads, head_dim)`` or,
         with ``heads_first``, ``(batch, heads, len, head_dim)``; (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            self.require_float(name, x)
         order = (0, 2, 1, 3) if self.heads_first else (0, 1, 2, 3)  # to (batch, len, heads, head_dim)
         layout = "(batch, {}, {}, head_dim)" if self.heads_first else "(batch, {1}, {0}, head_dim)"
-        kv_layout = layout.format("kv_heads", "kv_len")
-        check_rank("query", query.shape, 4, layout.format("heads", "q_len"))
-        check_rank("key", key.shape, 4, kv_layout)
-        check_rank("value", value.shape, 4, kv_layout)
+        q_layout, kv_layout = layout.format("heads", "q_len"), layout.format("kv_heads", "kv_len")
+        inputs = (("query", query, q_layout), ("key", key, kv_layout), ("value", value, kv_layout))
+        for name, x, _ in inputs:
+            self.require_float(name, x)
+        for name, x, axes in inputs:
+            if len(x.shape) != 4:
+                raise ValueError(f"{name} must have rank 4 {axes}, got shape {tuple(x.shape)}")
         if not (query.dtype == key.dtype == value.dtype):
             raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
         query, key, value = tuple(query.shape), tuple(key.shape), tuple(value.shape)

@@ -120,10 +120,7 @@ def _read_sources(selected: Mapping[str, Any], sources, prefix: str, ignored: se
     """(our name -> array, our name -> the key it came from, our name -> how messages name it,
     the keys used) of the ``sources`` found in ``selected`` and not ``ignored``; fused weights
     split by rows. Names given twice are added to ``problems``."""
-    out: dict[str, Any] = {}
-    given: dict[str, str] = {}
-    shown: dict[str, str] = {}
-    used = set()
+    out, given, shown, used = {}, {}, {}, set()
     for source in sources:
         if source.key not in selected or source.key in ignored:
             continue
@@ -191,17 +188,12 @@ def read_layout(
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})")
 
-    problems: list[str] = []
-    ignored = set()
-    for entry in ignore:
-        hits = {k for k in selected if k.startswith(entry)}
-        if not hits:
-            problems.append(f"ignore entry {entry!r} matches no key under prefix {prefix!r}")
-        ignored |= hits
+    ignored = {k for k in selected if k.startswith(tuple(ignore))}
+    problems = [f"ignore entry {entry!r} matches no key under prefix {prefix!r}" for entry in ignore
+                if not any(k.startswith(entry) for k in selected)]
     unsupported = _UNSUPPORTED.get(layout, {}) if mapping is None else {}
-    for key, option in unsupported.items():
-        if key in selected:
-            problems.append(f"key {prefix + key!r} comes from {option}, which this attention does not have")
+    problems += [f"key {prefix + key!r} comes from {option}, which this attention does not have"
+                 for key, option in unsupported.items() if key in selected]
 
     out, given, shown, used = _read_sources(selected, sources, prefix, ignored, num_heads, num_kv_heads, problems)
     unexpected = sorted(k for k in selected if k not in used and k not in ignored and k not in unsupported)

@@ -85,8 +85,7 @@ class Window(Term):
 
 
 def _same(q_lo, q_hi, k_lo, k_hi):
-    """(whole, live) of "equal ids" over id ranges: whole where all four are one id, live where
-    the ranges meet."""
+    """(whole, live) of "equal ids" over id ranges: whole where all four are one id, live where they meet."""
     return (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo), (k_hi >= q_lo) & (k_lo <= q_hi)
 
 
