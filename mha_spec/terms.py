@@ -159,8 +159,8 @@ class Terms(Term):
         return functools.reduce(conjoin, (term.visible(q, k) for term in self.terms), None)
 
     def block(self, q_lo: Where, q_hi: Where, k_lo: Where, k_hi: Where):
-        blocks = [term.block(q_lo, q_hi, k_lo, k_hi) for term in self.terms]
-        return tuple(functools.reduce(conjoin, side, None) for side in zip(*blocks)) if blocks else (None, None)
+        wholes, lives = zip(*(term.block(q_lo, q_hi, k_lo, k_hi) for term in self.terms)) if self.terms else ((), ())
+        return functools.reduce(conjoin, wholes, None), functools.reduce(conjoin, lives, None)
 
 
 def of(is_causal: bool, window: tuple[int, int] | None, chunk_size: int | None, segments: bool,
@@ -188,8 +188,8 @@ def check_chunk_size(size) -> int | None:
 def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
     """bool ``(batch,)``: the step overwrote a position some new query may still see. Past
     ``max_length`` positions the oldest are overwritten, up to ``end - max_length - 1``; the
-    queries at ``start .. end - 1`` may still see it unless a term of ``terms`` says none can (a
-    window that looks back only, or ahead with causality: a rolling buffer; a chunk)."""
+    queries at ``start .. end - 1`` may still see it unless a term of ``terms`` says none can: a
+    chunk, or a window that looks back only (or ahead too, under causality)."""
     wrapped = end > max_length
     causal = any(isinstance(t, Causal) for t in terms)
     bounds = Terms(tuple(t for t in terms.only({"position"})
