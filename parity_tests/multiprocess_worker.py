@@ -1,14 +1,15 @@
 """One of the two JAX processes that ``test_multiprocess.py`` starts: JAX's multi-controller runtime on one
 machine, as on a TPU pod slice or a GPU cluster, where each process drives its own devices only.
 
-``python -m parity_tests.multiprocess_worker PROCESS_ID PORT OUT_DIR``, with
+``python -m parity_tests.multiprocess_worker PROCESS_ID PORT OUT_DIR PAGE``, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: the process joins the coordinator on
 ``localhost:PORT`` (2 processes, CPU collectives over gloo), so that ``jax.devices()`` lists the 8 devices of
 both processes and ``jax.local_devices()`` its own 4. Every check builds a global mesh, gives each process
 only the block of each input that its own devices hold (``jax.make_array_from_process_local_data``), runs
 the attention and gathers the results with ``multihost_utils.process_allgather``; each process writes what
 it gathered to ``OUT_DIR/results_PROCESS_ID.npz`` (and a check's error to ``errors_PROCESS_ID.json``) for
-the test to compare with the same functions run in one process (``reference``).
+the test to compare with the same functions run in one process (``reference``). Last, it runs the
+per-host program of the docs' ``PAGE`` (``page_example``) and the same step on one of its devices.
 
 The data and the functions are shared with the test: ``data()`` (NumPy, float32), ``ring``,
 ``flash`` and ``train_step`` run the same code with a mesh or without one.
@@ -247,11 +248,34 @@ def _check_decode(d: dict) -> dict:
         return {"decode": gathered("decode", jnp.concatenate(outs, axis=1))["decode/0"]}
 
 
+def page_example(page: pathlib.Path) -> str:
+    """The code of the block of ``page`` that ``test_multiprocess.py`` runs: the first after its marker."""
+    marker = "<!-- run by: parity_tests/test_multiprocess.py::test_docs_launching_example_runs_on_two_processes -->"
+    return page.read_text().split(marker + "\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _check_page(page: pathlib.Path, d: dict) -> dict:
+    """The docs' per-host program (a training step, the batch across the processes, ring attention within
+    each), and the same step on one device of this process, over the gathered inputs and parameters."""
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    names = {}
+    exec(compile(page_example(page), str(page), "exec"), names)
+    layer, loss_fn = names["layer"], names["loss_fn"]
+    x, (graphdef, state) = multihost_utils.process_allgather((names["x"], nnx.split(layer)), tiled=True)
+    alone = nnx.merge(graphdef, state)
+    alone.sequence_axis = None  # the same layer without the ring
+    return gathered("page", (names["loss"], names["grads"])) | _named("page-alone", nnx.value_and_grad(loss_fn)(
+        alone, x)) | {"page-x": x}
+
+
 CHECKS = {"ring": _check_ring, "flash": _check_flash, "train_step": _check_train_step, "decode": _check_decode}
 
 
-def run_checks(process_id: int, port: int, out: pathlib.Path) -> None:
-    """Join the 2-process job and run every check, each one's error recorded rather than raised."""
+def run_checks(process_id: int, port: int, out: pathlib.Path, page: pathlib.Path) -> None:
+    """Join the 2-process job and run every check, each one's error recorded rather than raised; ``page``:
+    the docs' page whose per-host program runs as the last check."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -259,7 +283,7 @@ def run_checks(process_id: int, port: int, out: pathlib.Path) -> None:
                                process_id=process_id)
     layout = np.array([jax.process_count(), jax.device_count(), jax.local_device_count()])
     d, results, errors = data(), {"layout": layout}, {}
-    for name, check in CHECKS.items():
+    for name, check in (CHECKS | {"page": functools.partial(_check_page, page)}).items():
         try:
             results |= check(d)
         except Exception:  # recorded for the test of this check; the other checks still run
@@ -270,4 +294,4 @@ def run_checks(process_id: int, port: int, out: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    run_checks(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]))
+    run_checks(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]), pathlib.Path(sys.argv[4]))

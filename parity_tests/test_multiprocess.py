@@ -33,6 +33,7 @@ from parity_tests import multiprocess_worker as worker
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300  # both processes, all checks; on 2 busy cores they take about a minute
 TOLERANCE = 1e-6  # max |2 processes - one device| / max |one device|, float32
+PAGE = "launching.md"  # its per-host JAX program runs in the 2 processes
 DEVICES_FLAG = f"--xla_force_host_platform_device_count={worker.LOCAL_DEVICES}"
 
 
@@ -61,7 +62,8 @@ def _start(out: pathlib.Path) -> list[subprocess.Popen]:
     for process_id in range(worker.PROCESSES):
         with open(out / f"log_{process_id}.txt", "w") as log:
             processes.append(subprocess.Popen(
-                [sys.executable, "-m", "parity_tests.multiprocess_worker", str(process_id), str(port), str(out)],
+                [sys.executable, "-m", "parity_tests.multiprocess_worker", str(process_id), str(port), str(out),
+                 str(ROOT / "docs" / PAGE)],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return processes
 
@@ -120,6 +122,11 @@ def _assert_equal_to_one_device(runs, name: str) -> None:
             assert error <= TOLERANCE, (process, key, error)
 
 
+def _leaves(results: dict, name: str) -> list[np.ndarray]:
+    """The leaves ``name/0``, ``name/1``, ... of ``results``, in order."""
+    return [results[f"{name}/{i}"] for i in range(sum(key.startswith(name + "/") for key in results))]
+
+
 def test_each_process_drives_4_of_the_8_devices(runs):
     for results, _ in runs[1]:
         assert results["layout"].tolist() == [worker.PROCESSES, 8, worker.LOCAL_DEVICES]
@@ -144,3 +151,17 @@ def test_module_training_step_with_the_batch_across_processes_equals_one_device(
 def test_decoding_with_the_batch_across_processes_equals_the_full_pass(runs):
     """A prompt and one-token steps over the cache, against the full causal pass on one device."""
     _assert_equal_to_one_device(runs, "decode")
+
+
+def test_docs_launching_example_runs_on_two_processes(runs):
+    """The page's per-host program: each process feeds its own example, the global batch is both; its loss
+    and gradients equal the same step on one device."""
+    for results, errors in runs[1]:
+        assert "page" not in errors, errors.get("page")
+        assert results["page-x"].shape == (worker.PROCESSES, worker.L, worker.FEATURES)
+        got, want = _leaves(results, "page"), _leaves(results, "page-alone")
+        assert len(got) == len(want) > 1
+        scale = max(np.abs(w).max() for w in want[1:])  # the gradients, against the largest
+        assert abs(got[0] - want[0]) <= TOLERANCE * abs(want[0])
+        for a, b in zip(got[1:], want[1:]):
+            assert a.shape == b.shape and np.abs(a - b).max() <= TOLERANCE * scale
