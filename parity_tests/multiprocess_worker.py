@@ -227,7 +227,8 @@ def _check_train_step(d: dict) -> dict:
 
 def _check_decode(d: dict) -> dict:
     """Decoding with the batch (inputs and cache) over the processes: a prompt outside ``jit``, then one-token
-    steps inside."""
+    steps inside; ``decode-overflow`` ``(B, 2)``: each row's ``cache_overflow`` with the cache full, and after
+    one more step outside ``jit`` (which one process cannot check alone, so it sets the flag, as in ``jit``)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -245,7 +246,11 @@ def _check_decode(d: dict) -> dict:
         outs = [model(x[:, :PROMPT], decode=True, is_causal=True)]  # op by op: the checks read no global values
         step = nnx.jit(lambda m, x: m(x, decode=True, is_causal=True))
         outs += [step(model, x[:, t:t + 1]) for t in range(PROMPT, PROMPT + STEPS)]
-        return {"decode": gathered("decode", jnp.concatenate(outs, axis=1))["decode/0"]}
+        full = model.cache_overflow[...]
+        model(x[:, :1], decode=True, is_causal=True)  # past the last slot, outside jit: flagged, as inside
+        overflow = jnp.stack([full, model.cache_overflow[...]], axis=1)
+        return {"decode": gathered("decode", jnp.concatenate(outs, axis=1))["decode/0"],
+                "decode-overflow": gathered("overflow", overflow)["overflow/0"]}
 
 
 def page_example(page: pathlib.Path) -> str:

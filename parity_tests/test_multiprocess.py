@@ -149,8 +149,11 @@ def test_module_training_step_with_the_batch_across_processes_equals_one_device(
 
 
 def test_decoding_with_the_batch_across_processes_equals_the_full_pass(runs):
-    """A prompt and one-token steps over the cache, against the full causal pass on one device."""
+    """A prompt and one-token steps over the cache, against the full causal pass on one device; one step
+    more, outside ``jit``, sets each row's overflow flag (one device would raise)."""
     _assert_equal_to_one_device(runs, "decode")
+    for results, _ in runs[1]:
+        assert results["decode-overflow"].tolist() == [[False, True]] * worker.B
 
 
 def test_docs_launching_example_runs_on_two_processes(runs):
