@@ -59,13 +59,13 @@ def module_parameters(model) -> dict:
     return jax.tree.map(lambda p: (0.3 * rng.standard_normal(p.shape)).astype(np.float32), nnx.state(model, nnx.Param))
 
 
-def new_module(implementation: str | None = None):
+def new_module():
     """Our nnx module, ``H`` heads over ``FEATURES``, with ``module_parameters``."""
     from flax import nnx
 
     from mha_jax import MultiHeadAttention
 
-    model = MultiHeadAttention(H, FEATURES, implementation=implementation, rngs=nnx.Rngs(0))
+    model = MultiHeadAttention(H, FEATURES, rngs=nnx.Rngs(0))
     nnx.update(model, module_parameters(model))
     return model
 
@@ -109,7 +109,7 @@ def flash(q, k, v, lengths, cot):
 
 
 def reference() -> dict[str, np.ndarray]:
-    """Every result of ``run_checks``, computed here on one device (no mesh), under the same names."""
+    """The results of the ``CHECKS``, computed here on one device (no mesh), under the same names."""
     import jax
     from flax import nnx
 
