@@ -184,17 +184,22 @@ def _batch_heads_mesh():
 
 
 def _check_flash(d: dict) -> dict:
-    """``"flash"`` with the batch over the processes and the heads over each one's devices."""
+    """``"flash"`` with the batch over the processes and the heads over each one's devices: output and
+    gradients, and the output outside ``jit`` (``flash-eager``)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from mha_jax import dot_product_attention
 
     mesh = _batch_heads_mesh()
     with jax.set_mesh(mesh):
         heads = NamedSharding(mesh, P("data", None, "model"))
         args = (feed(d["q"], heads), feed(d["kh"], heads), feed(d["vh"], heads),
                 feed(d["lengths"], NamedSharding(mesh, P("data"))), feed(d["cot"], heads))
-        return gathered("flash", jax.jit(flash)(*args))
+        # outside jit too: the key lengths' values, held by both processes, are not read
+        eager = dot_product_attention(*args[:3], is_causal=True, key_value_seq_lengths=args[3], implementation="flash")
+        return gathered("flash", jax.jit(flash)(*args)) | gathered("flash-eager", eager)
 
 
 def _parameter_spec(path, leaf):

@@ -140,7 +140,11 @@ def test_ring_attention_with_the_length_across_processes_equals_one_device(runs,
 
 
 def test_flash_with_the_batch_across_processes_equals_one_device(runs):
+    """Output and gradients under ``jit``, and the output of a call outside it (global key lengths)."""
     _assert_equal_to_one_device(runs, "flash")
+    want = runs[0]["flash/0"]
+    for results, _ in runs[1]:
+        assert np.abs(results["flash-eager/0"] - want).max() <= TOLERANCE * np.abs(want).max()
 
 
 def test_module_training_step_with_the_batch_across_processes_equals_one_device(runs):
