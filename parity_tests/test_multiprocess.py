@@ -10,7 +10,8 @@ the same functions run here on one device (float32, to 1e-6 of the largest value
   one's devices;
 - the nnx module's training step (loss and gradients), batch over the processes, heads and the
   parameters' heads over each one's devices;
-- decoding with the inputs and the cache sharded over the batch, the prompt outside ``jit``.
+- decoding with the inputs and the cache sharded over the batch, the prompt outside ``jit``;
+- the per-host program of ``docs/launching.md`` (batch across the processes, ring within each).
 
 The 2 processes (``parity_tests/multiprocess_worker.py``) start once for this file and run every check;
 each test asserts one of them. They need no service: the coordinator is process 0, on a free port.
