@@ -25,8 +25,9 @@ def dtype_kind(x) -> str:
 
 
 def concrete(x) -> bool:
-    """Whether ``x``'s values are known here (not a tracer inside ``jit`` or ``grad``)."""
-    return not isinstance(x, jax.core.Tracer)
+    """Whether ``x``'s values are known here: not a tracer inside ``jit`` or ``grad``, nor a global
+    array of which other processes hold shards (``jax.distributed``; reading it would fail)."""
+    return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
 
 
 _CHECKS = arguments.ArrayChecks(

@@ -1,12 +1,20 @@
-"""The PyTorch module under torch's tensor parallelism: with ``parallelize_module``
-(``ColwiseParallel`` on the query/key/value projections, ``RowwiseParallel`` on the output) each of
-2 ranks (gloo, CPU, processes of their own) computes its own heads, and the result equals the
-single-process module, forward and backward, grouped heads and masks included.
+"""The PyTorch module on 2 ranks (gloo, CPU, processes of their own, started once for this file):
+
+- under torch's tensor parallelism (``parallelize_module``: ``ColwiseParallel`` on the query/key/value
+  projections, ``RowwiseParallel`` on the output) each rank computes its own heads, and the result equals the
+  single-process module, forward and backward, grouped heads and masks included; so does decoding, each rank
+  caching its own key/value heads, by the fast path (one-token steps, nothing else given) and by the general
+  step (the same tokens at given positions), against the full causal pass;
+- torch's context parallelism (``torch.distributed.tensor.experimental.context_parallel``, the length split
+  over the ranks) has no ring for the CPU kernel of ``F.scaled_dot_product_attention`` (checked in this
+  process: which kernels it replaces, which one the module calls on a CPU).
 """
 
 import os
 import socket
 import sys
+import time
+import traceback
 
 import pytest
 import torch
@@ -15,6 +23,8 @@ import torch.multiprocessing as mp
 import mha_torch
 
 E, H, KV = 16, 4, 2
+PROMPT, STEPS = 5, 3  # decoding: a prompt of 5 tokens, then 3 one-token steps
+WORLD, TIMEOUT_S = 2, 240
 
 
 def _reference(seed: int = 0):
@@ -32,6 +42,34 @@ def _run(model, x, mask):
     return out.detach(), x.grad
 
 
+def _tokens() -> torch.Tensor:
+    """The decoded sequence ``(2, PROMPT + STEPS, E)``, float64."""
+    return torch.randn(2, PROMPT + STEPS, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _decode(model, kv_heads: int, general: bool) -> tuple[torch.Tensor, int]:
+    """The outputs of decoding ``_tokens()`` (a prompt, then one-token steps) over a cache of ``kv_heads``
+    heads, and how many steps the fast path took; ``general``: the positions given, which the fast path
+    leaves to the general step."""
+    x, taken = _tokens(), []
+    fast_step = model._fast_step
+
+    def spy(*args):
+        out = fast_step(*args)
+        taken.append(out is not None)
+        return out
+
+    model._fast_step = spy
+    cache = mha_torch.KVCache(2, PROMPT + STEPS, kv_heads, E // H, dtype=torch.float64)
+    with torch.no_grad():
+        outs = []
+        for start, stop in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, PROMPT + STEPS)]:
+            positions = dict(query_positions=torch.arange(start, stop).expand(2, -1)) if general else {}
+            outs.append(model(x[:, start:stop], cache=cache, is_causal=True, **positions))
+    del model._fast_step
+    return torch.cat(outs, dim=1), sum(taken)
+
+
 def _rank(rank: int, world: int, port: int, results):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -39,31 +77,102 @@ def _rank(rank: int, world: int, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model, x, mask = _reference()
         mesh = init_device_mesh("cpu", (world,))
         plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
                 "out_proj": RowwiseParallel()}
+        model, x, mask = _reference()
         parallelize_module(model, mesh, plan)
-        assert model._local_heads() == (H // world, KV // world)
-        out, grad = _run(model, x, mask)
-        results[rank] = (out, grad)
+        mine = {"local_heads": model._local_heads(), "module": _run(model, x, mask)}
+        for general in (False, True):
+            mine["general" if general else "fast"] = _decode(model, KV // world, general)
+        results[rank] = mine
+    except Exception:
+        results[rank] = traceback.format_exc()
+        raise
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not torch.distributed.is_available(), reason="gloo on Linux")
-def test_tensor_parallel_module_equals_the_single_process_module():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Each rank's results: its ranks' processes started once, killed if they outlive ``TIMEOUT_S``."""
+    if sys.platform != "linux" or not torch.distributed.is_available():
+        pytest.skip("gloo on Linux")
+    manager = mp.get_context("spawn").Manager()  # not forked: this process runs JAX's threads
     results = manager.dict()
-    mp.spawn(_rank, args=(2, port, results), nprocs=2, join=True)
+    context = mp.start_processes(_rank, args=(WORLD, _free_port(), results), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the {WORLD} ranks ran past {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    found = dict(results)
+    manager.shutdown()
+    for rank in range(WORLD):
+        assert isinstance(found.get(rank), dict), f"rank {rank}: {found.get(rank)}"
+    return found
+
+
+def test_tensor_parallel_module_equals_the_single_process_module(ranks):
     out, grad = _run(*_reference())
-    for rank in range(2):
-        tp_out, tp_grad = results[rank]
+    for rank in range(WORLD):
+        tp_out, tp_grad = ranks[rank]["module"]
+        assert ranks[rank]["local_heads"] == (H // WORLD, KV // WORLD)
         assert torch.allclose(tp_out, out, rtol=0, atol=1e-12)
         assert torch.allclose(tp_grad, grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_tensor_parallel_decoding_equals_the_full_causal_pass(ranks, path):
+    """Each rank caches its 1 key/value head; the one-token steps take the fast path unless positions are
+    given, which sends every step to the general one."""
+    model, _, _ = _reference()
+    full = model(_tokens(), is_causal=True).detach()
+    for rank in range(WORLD):
+        out, fast_steps = ranks[rank][path]
+        assert fast_steps == (STEPS if path == "fast" else 0)
+        assert torch.allclose(out, full, rtol=0, atol=1e-12), (out - full).abs().max()
+    model, _, _ = _reference()
+    alone, fast_steps = _decode(model, KV, path == "general")  # one process takes the same path
+    assert fast_steps == (STEPS if path == "fast" else 0) and torch.allclose(alone, full, rtol=0, atol=1e-12)
+
+
+def test_context_parallel_has_no_ring_for_the_cpu_kernel():
+    """torch's context parallelism runs its ring in place of the CUDA kernels of
+    ``F.scaled_dot_product_attention`` (flash, memory-efficient, cuDNN) only; on a CPU the call goes to
+    another kernel, which it leaves to DTensor's sharding rules (none for it: ``docs/scaling.md`` quotes the
+    errors). The module's attention on a CPU is that kernel."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = _reference()[0].float()
+    with Calls() as calls:
+        model(_tokens().float(), is_causal=True)
+    cpu_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert cpu_kernel in calls.ops
+    ringed = {op.name() for op in _attention.custom_ops}
+    assert ringed == {f"aten::_scaled_dot_product_{kind}_attention{part}"
+                      for kind in ("flash", "efficient", "cudnn") for part in ("", "_backward")}, ringed
 
 
 def test_a_shard_that_splits_a_group_of_heads_is_refused():
