@@ -49,11 +49,9 @@ def from_torch(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
-    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (and with
-    ``q_norm``/``k_norm`` weights, the ``normalize_qk`` scales ``query_ln``/``key_ln``; with
-    ``sinks``, ``"sinks"``) of NumPy
-    arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
-    ``linen`` params or through ``load_weights``.
+    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (with
+    ``q_norm``/``k_norm`` weights also ``query_ln``/``key_ln`` scales; with ``sinks``, ``"sinks"``)
+    of NumPy arrays in the source dtype, usable as ``linen`` params or through ``load_weights``.
 
     ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
@@ -76,7 +74,7 @@ def _from_torch(
     state_dict_or_path: Mapping[str, Any] | str | os.PathLike, num_heads: int, num_kv_heads: int | None,
     expected: Mapping[str, tuple[int, ...]] | None = None, **naming: Any,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names, checked with the names."""
+    """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     state = layouts.read_layout(
         read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
@@ -163,7 +161,7 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
             f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
         )
     params = _from_torch(
-        state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
+        state_dict_or_path, module.num_heads, module.num_kv_heads, {k: v.shape for k, v in to_torch(module).items()},
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
     for flax_name in params:
@@ -174,24 +172,6 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
         for name, array in params[flax_name].items():
             variable = getattr(layer, name)
             variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
-
-
-def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
-    """The module's parameter shapes under ``mha_torch`` names (``to_torch``'s reshapes, no copy)."""
-    tree = _params_dict(module)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for flax_name, torch_name in _FLAX_NAMES:
-        kernel = tuple(tree[flax_name]["kernel"].shape)
-        shapes[f"{torch_name}.weight"] = (kernel[2], kernel[0] * kernel[1]) if flax_name == "out" else \
-            (kernel[1] * kernel[2], kernel[0])
-        if "bias" in tree[flax_name]:
-            shapes[f"{torch_name}.bias"] = (int(np.prod(tree[flax_name]["bias"].shape)),)
-    for flax_name, torch_name in _FLAX_NORMS:
-        if flax_name in tree:
-            shapes[f"{torch_name}.weight"] = (int(np.prod(tree[flax_name]["scale"].shape)),)
-    if tree.get(layouts.SINKS) is not None:
-        shapes[layouts.SINKS] = tuple(tree[layouts.SINKS].shape)
-    return shapes
 
 
 def _params_dict(params: Any) -> dict:
@@ -237,16 +217,10 @@ def _read_params(path: str | os.PathLike) -> dict:
             with open(path, "rb") as f:
                 return msgpack_restore(f.read())
         if path.endswith(".safetensors"):
+            from flax.traverse_util import unflatten_dict
             from safetensors.numpy import load_file
 
-            tree: dict = {}
-            for name, array in load_file(path).items():
-                *parents, leaf = name.split(".")
-                node = tree
-                for parent in parents:
-                    node = node.setdefault(parent, {})
-                node[leaf] = array
-            return tree
+            return unflatten_dict({tuple(name.split(".")): array for name, array in load_file(path).items()})
     except OSError:  # a missing or unreadable file keeps its own, already clear, error
         raise
     except Exception as error:  # msgpack and safetensors raise their own types for bad bytes

@@ -29,13 +29,25 @@ class Call:
     query_positions: Any = None
 
 
-def call_masking(layer_window: Any, attention_chunk_size: int | None, *, local_window_size: Any,
-                 **masking: Any) -> dict:
-    """A module call's masking arguments and ``dropout_mask``, by name, as ``merged_call`` takes
-    them: the call's ``local_window_size``, default the layer's ``layer_window``, and the
-    layer's ``attention_chunk_size`` beside the call's ``masking``."""
-    window = layer_window if local_window_size is None else local_window_size
-    return dict(masking, local_window_size=window, attention_chunk_size=attention_chunk_size)
+# The masking arguments of the public calls, in their signatures' order. A call's body picks them
+# from its ``locals()`` (``masking``) instead of naming each a second time.
+MASKING = ("mask", "bias", "is_causal", "query_positions", "key_positions", "local_window_size", "query_segment_ids",
+           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size")
+
+
+def masking(arguments: Mapping[str, Any], *extra: str) -> dict:
+    """The arguments named in ``MASKING`` (then ``extra``) among a call's ``arguments`` (its
+    ``locals()`` on entry), by name."""
+    return {name: arguments[name] for name in MASKING + extra if name in arguments}
+
+
+def call_masking(layer_window: Any, attention_chunk_size: int | None, arguments: Mapping[str, Any]) -> dict:
+    """A module call's masking arguments and ``dropout_mask``, picked from ``arguments`` (the
+    call's ``locals()`` on entry), as ``merged_call`` takes them: the call's ``local_window_size``,
+    default the layer's ``layer_window``, and the layer's ``attention_chunk_size``."""
+    picked = masking(arguments, "dropout_mask")
+    window = layer_window if picked["local_window_size"] is None else picked["local_window_size"]
+    return dict(picked, local_window_size=window, attention_chunk_size=attention_chunk_size)
 
 
 def check_not_decoding(masking: Mapping[str, Any]) -> None:
