@@ -8,6 +8,7 @@ head_dim)`` are QK-normed, rotated, cached ``(batch, max_length, num_kv_heads, h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -63,14 +64,10 @@ def prepare(inputs: tuple, masking: Mapping, num_heads: int, features: tuple[int
     """The checked call of a Flax module (``features``: the inputs' feature sizes, None read from
     the inputs: linen), as ``batch_axes.merged_call``; not decoding, the keys no query may attend to zeroed."""
     self_attention, *inputs = _check_inputs(*inputs, *features)
-    call = batch_axes.merged_call(tuple(inputs), self_attention, masking, jnp.broadcast_to, masks.parse, num_heads,
-                                  max_length)
-    if max_length is not None:
-        return call
-    query, key, value = call.inputs
     # a length sharded for the ring: segments absent from the queries are not looked for
-    key, value = masks.zero_unused_inputs(key, value, call.spec, segments=sequence_axis is None)
-    return dataclasses.replace(call, inputs=(query, key, value))
+    zero_unused = functools.partial(masks.zero_unused_inputs, segments=sequence_axis is None)
+    return batch_axes.merged_call(tuple(inputs), self_attention, masking, jnp.broadcast_to, masks.parse, zero_unused,
+                                  num_heads, max_length)
 
 
 def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> _Cache:

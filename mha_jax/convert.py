@@ -161,7 +161,7 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
             f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
         )
     params = _from_torch(
-        state_dict_or_path, module.num_heads, module.num_kv_heads, {k: v.shape for k, v in to_torch(module).items()},
+        state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
     for flax_name in params:
@@ -172,6 +172,24 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
         for name, array in params[flax_name].items():
             variable = getattr(layer, name)
             variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
+
+
+def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """The module's parameter shapes under ``mha_torch`` names (``to_torch``'s reshapes, no copy)."""
+    tree = _params_dict(module)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for flax_name, torch_name in _FLAX_NAMES:
+        kernel = tuple(tree[flax_name]["kernel"].shape)
+        shapes[f"{torch_name}.weight"] = (kernel[2], kernel[0] * kernel[1]) if flax_name == "out" else \
+            (kernel[1] * kernel[2], kernel[0])
+        if "bias" in tree[flax_name]:
+            shapes[f"{torch_name}.bias"] = (int(np.prod(tree[flax_name]["bias"].shape)),)
+    for flax_name, torch_name in _FLAX_NORMS:
+        if flax_name in tree:
+            shapes[f"{torch_name}.weight"] = (int(np.prod(tree[flax_name]["scale"].shape)),)
+    if tree.get(layouts.SINKS) is not None:
+        shapes[layouts.SINKS] = tuple(tree[layouts.SINKS].shape)
+    return shapes
 
 
 def _params_dict(params: Any) -> dict:

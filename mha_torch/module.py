@@ -8,7 +8,6 @@ each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.we
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -374,16 +373,12 @@ def _prepare(inputs: tuple, masking: dict, num_heads: int, features: tuple[int, 
             max_length: int | None = None) -> batch_axes.Call:
     """The checked call of the module (``features``: ``embed_dim``, ``kdim``, ``vdim``; ``dtype``: the
     parameters'), as ``batch_axes.merged_call``; not decoding, the keys no query may attend to zeroed."""
-    self_attention, query, key, value = _self_attention(*inputs)
+    self_attention, query, key, value = arguments.default_inputs(*inputs, ("query", "key", "value"), "tensor")
     _check_inputs(query, key, value, *features)
     _check_parameter_dtype(query, dtype)
     parse = functools.partial(masks.parse, device=query.device)
-    call = batch_axes.merged_call((query, key, value), self_attention, masking, _expand, parse, num_heads, max_length)
-    if max_length is not None:
-        return call
-    query, key, value = call.inputs
-    key, value = masks.zero_unused_inputs(key, value, call.spec)
-    return dataclasses.replace(call, inputs=(query, key, value))
+    return batch_axes.merged_call((query, key, value), self_attention, masking, _expand, parse,
+                                  masks.zero_unused_inputs, num_heads, max_length)
 
 
 def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
@@ -397,11 +392,6 @@ def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.expand(shape)
-
-
-def _self_attention(query, key, value):
-    """The defaults for absent key and value inputs; True when the keys are the queries."""
-    return arguments.default_inputs(query, key, value, ("query", "key", "value"), "tensor")
 
 
 def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:
