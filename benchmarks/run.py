@@ -417,18 +417,24 @@ def _check() -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _structured(progress, task) -> tuple[list, dict]:
+    """The structured-mask timings and their check against ``"xla"``, two steps of ``task``."""
+    progress.update(task, description="structured: check against xla")
+    check = _check()
+    progress.advance(task)
+    progress.update(task, description="structured masks")
+    structured = _probe("jax", "structured")
+    progress.advance(task)
+    return structured, check
+
+
 def run_structured(progress, rounds: int = 3, length: int = 4096) -> dict:
     """The structured-mask points alone: the check against ``"xla"``, the structured timings,
     and ``mha_jax`` (blockwise) against torch SDPA at ``length``, the two frameworks' processes
     alternating for ``rounds`` rounds; each core row is the median over rounds of each round's
     best run (``rounds_s`` lists them)."""
     task = progress.add_task("structured", total=2 + 2 * rounds)
-    progress.update(task, description="check against xla")
-    check = _check()
-    progress.advance(task)
-    progress.update(task, description="structured masks")
-    structured = _probe("jax", "structured")
-    progress.advance(task)
+    structured, check = _structured(progress, task)
     runs: dict[tuple, list[dict]] = {}
     for r in range(rounds):
         for framework in ("torch", "jax"):
@@ -476,13 +482,7 @@ def run(lengths, memory_lengths, module: bool, progress, long_length: int | None
             progress.update(task, description=f"modules {framework}")
             modules += _probe(framework, "modules")
             progress.advance(task)
-    task = progress.add_task("structured masks", total=2)
-    progress.update(task, description="structured: check against xla")
-    check = _check()
-    progress.advance(task)
-    progress.update(task, description="structured masks")
-    structured = _probe("jax", "structured")
-    progress.advance(task)
+    structured, check = _structured(progress, progress.add_task("structured masks", total=2))
     return {"core": rows, "memory": memory, "modules": modules, "structured": structured, "structured_check": check}
 
 

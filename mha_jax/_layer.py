@@ -8,6 +8,7 @@ head_dim)`` are QK-normed, rotated, cached ``(batch, max_length, num_kv_heads, h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -19,7 +20,7 @@ from flax import nnx
 
 from mha_jax import _cache, _checks, masks
 from mha_jax.attention import spec_attention
-from mha_spec import arguments, batch_axes, kv_cache, terms
+from mha_spec import arguments, batch_axes, kv_cache
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -38,10 +39,8 @@ class _Cache:
 
 
 def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_features: int | None):
-    """flax's defaults for absent key and value inputs, then the ranks, dtypes, batch axes and
-    feature sizes of the inputs ``(*batch, len, features)``, naming each; feature sizes None are
-    read from the inputs (linen). ``(self_attention, inputs_q, inputs_k, inputs_v)``, True when
-    the keys are the queries."""
+    """flax's defaults for absent key and value inputs, then the inputs ``(*batch, len, features)``
+    checked (feature sizes None: read from them, linen): ``(self_attention, inputs_q, inputs_k, inputs_v)``."""
     self_attention, inputs_q, inputs_k, inputs_v = arguments.default_inputs(
         inputs_q, inputs_k, inputs_v, ("inputs_q", "inputs_k", "inputs_v"), "array")
     if in_features is None:
@@ -62,63 +61,41 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
 
 def prepare(inputs: tuple, masking: Mapping, num_heads: int, features: tuple[int | None, int | None], *,
             max_length: int | None = None, sequence_axis: str | None = None) -> batch_axes.Call:
-    """The checked call of a Flax module: ``inputs`` (query, key, value; absent ones as flax
-    defaults them) and ``masking`` (the call's masking arguments and ``dropout_mask``, by name)
-    with their batch axes merged into one (``features``: the inputs' feature sizes, None read
-    from the inputs: linen). Not decoding, the spec of ``(batch, num_heads, q_len, kv_len)``,
-    the keys no query may attend to zeroed; decoding (``max_length``: the cache's), the spec
-    over the cache's slots, whose positions ``decode_step`` sets."""
+    """The checked call of a Flax module (``features``: the inputs' feature sizes, None read from
+    the inputs: linen), as ``batch_axes.merged_call``; not decoding, the keys no query may attend to zeroed."""
     self_attention, *inputs = _check_inputs(*inputs, *features)
-    call = batch_axes.merged_call(tuple(inputs), self_attention, masking, jnp.broadcast_to, masks.parse, num_heads,
-                                  max_length)
-    if max_length is not None:
-        return call
-    query, key, value = call.inputs
     # a length sharded for the ring: segments absent from the queries are not looked for
-    key, value = masks.zero_unused_inputs(key, value, call.spec, segments=sequence_axis is None)
-    return dataclasses.replace(call, inputs=(query, key, value))
+    zero_unused = functools.partial(masks.zero_unused_inputs, segments=sequence_axis is None)
+    return batch_axes.merged_call(tuple(inputs), self_attention, masking, jnp.broadcast_to, masks.parse, zero_unused,
+                                  num_heads, max_length)
 
 
 def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> _Cache:
-    """A module's cache as ours, checked against the step's inputs, its batch axes merged as the
-    inputs' are: ``key``/``value`` ``(*batch, max_length, kv_heads, head_dim)``, ``index``
-    ``(*batch,)`` or, as flax's class makes it, a scalar (every row at that position), and
-    ``overflow`` ``(*batch,)`` or None, as flax's (nothing overwritten)."""
+    """A module's cache, checked against the step's inputs, with its batch axes merged as theirs:
+    ``key``/``value`` ``(*batch, max_length, kv_heads, head_dim)``, ``index`` ``(*batch,)`` or, as flax's
+    class makes it, a scalar (every row there), ``overflow`` ``(*batch,)`` or, as flax's, None."""
     index = jnp.asarray(index)
     index = jnp.broadcast_to(index, batch_shape) if index.ndim == 0 else index
     overflow = jnp.zeros(index.shape, bool) if overflow is None else overflow
-    max_length = key.shape[-3]
-    expected = (*batch_shape, max_length, kv_heads, head_dim)
-    if tuple(key.shape) != expected or tuple(index.shape) != tuple(batch_shape):
-        raise ValueError(
-            f"the cache holds cached_key {tuple(key.shape)} and cache_index {tuple(index.shape)}, but the inputs need "
-            f"(*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {tuple(batch_shape)}; "
-            "call init_cache with the inputs' batch axes"
-        )
-    if n > max_length:
-        raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {max_length}")
+    kv_cache.check_cache(("cached_key", "cache_index"), "call init_cache with the inputs' batch axes", key.shape,
+                         index.shape, batch_shape, kv_heads, head_dim, n)
     flat = (batch,) + tuple(key.shape[len(batch_shape):])
     return _Cache(key.reshape(flat), value.reshape(flat), index.reshape(batch), overflow.reshape(batch))
 
 
 def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call):
-    """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions
-    (``call.query_positions`` ``(batch, n)`` or ``(n,)``, default each row's end onward) and
-    append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``: ``(query, key,
-    cache, spec)``, the rotated ones, the updated cache and ``call.spec`` with the positions of
-    the new queries and of the ``max_length`` slots."""
+    """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default
+    each row's end onward) and append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``:
+    ``(query, key, cache, spec)``, ``spec`` with the positions of the new queries and of the slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
     max_length = cache.key.shape[1]
-    if cache.key.dtype != key.dtype:
-        raise TypeError(
-            f"cached_key has dtype {cache.key.dtype} but the keys are {key.dtype}: "
-            f"init_cache(input_shape, dtype={key.dtype})"
-        )
+    kv_cache.check_dtype(str(cache.key.dtype), str(key.dtype), "cached_key",
+                         f"init_cache(input_shape, dtype={key.dtype})")
     end = _cache.advance(start, pos)
-    overflow = terms.cache_overflows(start, end, max_length, call.spec.terms)
-    kv_cache.check_overflow(np.asarray(overflow) if _checks.concrete(overflow) else None, end, max_length)
+    overflow = kv_cache.check_step(start, end, max_length, call.spec.terms,
+                                   lambda x: np.asarray(x) if _checks.concrete(x) else None)
     written = (_cache.write(cache.key, key, pos), _cache.write(cache.value, value, pos))
     updated = _Cache(*written, end, cache.overflow | overflow)
     return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
@@ -127,11 +104,9 @@ def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call)
 def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_rng, dropout_mask,
             sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping = MappingProxyType({}),
             zero_unused: bool = True, sinks: jax.Array | None = None, sequence_axis: str | None = None):
-    """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for
-    the nnx and linen modules (``module`` gives the attributes): ``(out, weights, sown)``, the
-    weights asked for by ``return_weights`` and those to sow (before dropout, as flax sows them),
-    each None unless asked for, with the inputs' batch axes. ``sinks``: the module's ``(num_heads,)``
-    sink logits, if it has them; ``sequence_axis``: the ring's mesh axis, or None."""
+    """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for the nnx
+    and linen modules: ``(out, weights, sown)``, the weights asked for and those to sow (before dropout,
+    as flax sows them), each None unless asked for. ``sinks``: the module's ``(num_heads,)`` or None."""
     rate = module.dropout_rate
     if module.attention_fn is None and _checks.dtype_kind(query) == "complex":
         return _attend_complex(module, query, key, value, spec, batch_shape, dropout_rng=dropout_rng,
@@ -180,9 +155,8 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
 
 def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng, dropout_mask, sow_weights,
                     return_weights, sinks, sequence_axis, attention_fn_kwargs):
-    """``_attend`` of complex inputs, which flax's classes take: flax's own
-    ``dot_product_attention`` (linen's or nnx's, as the module's class), called as flax calls
-    it; this package's additions to the attention need real inputs."""
+    """``attend`` of complex inputs, which flax's classes take: flax's own ``dot_product_attention``,
+    called as flax calls it; this package's additions need real inputs."""
     given = [name for name, value in dict(
         **_logit_terms(module, sinks), implementation=module.implementation, sequence_axis=sequence_axis,
         dropout_mask=dropout_mask, return_weights=return_weights or None,
@@ -208,8 +182,7 @@ def check_sequence_axis(sequence_axis):
 
 
 def _logit_terms(module, sinks) -> dict:
-    """What a module adds to the logits and their softmax, those it has of ``scale``,
-    ``logit_soft_cap`` and ``sinks`` (an array ``(num_heads,)`` or None)."""
+    """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` (``(num_heads,)`` or None) the module has, by name."""
     terms = dict(scale=module.scale, logit_soft_cap=module.logit_soft_cap, sinks=sinks)
     return {name: value for name, value in terms.items() if value is not None}
 
@@ -227,9 +200,8 @@ def _mean(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra,
                        attention_fn=None):
-    """A user's flax-style ``attention_fn`` (default ``module.attention_fn``), called with flax's
-    arguments on the inputs' batch axes; what the spec holds beyond a native causal flag reaches
-    it as a boolean mask."""
+    """A flax-style ``attention_fn`` (default ``module.attention_fn``) called with flax's arguments on
+    the inputs' batch axes; the spec beyond a native causal flag reaches it as a boolean mask."""
     attention_fn = module.attention_fn if attention_fn is None else attention_fn
     parameters = inspect.signature(attention_fn).parameters
     # is_causal as flax passes it: always from nnx's class, never from linen's (whose function has

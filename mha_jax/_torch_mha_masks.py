@@ -1,11 +1,5 @@
-"""Masks to and from the convention of ``torch.nn.MultiheadAttention``.
-
-What its masks mean in ours is the table of ``mha_spec.torch_mha``. Twin of
-``mha_torch/_torch_mha_masks.py``; here the masks are JAX (or NumPy) arrays.
-
-``mask_to_torch_mha(mask, shape, bias=...)`` goes back: bool ``attn_mask`` (True = ignore)
-without a bias, else float ``attn_mask`` (the bias, ``-inf`` where the mask forbids).
-"""
+"""Masks to and from the convention of ``torch.nn.MultiheadAttention``, read as the table of
+``mha_spec.torch_mha`` says. Twin of ``mha_torch/_torch_mha_masks.py``; here they are JAX (or NumPy) arrays."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from mha_jax import _blockwise, _checks, _platform, _ring, _splash, masks
 from mha_jax.masks import MASK_LAYOUT
-from mha_spec import arguments, docstrings
+from mha_spec import arguments, batch_axes, docstrings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +95,8 @@ def dot_product_attention(
       {logit_terms}
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
-      dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (``"xla"`` and
-        ``"blockwise"`` draw different masks from the same key).
+      dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (each implementation
+        draws its own).
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
         ``(batch, heads, q_len, kv_len)``; when given it is used instead of ``dropout_rng``.
       return_weights: also return the attention weights actually applied to ``value``
@@ -104,33 +104,24 @@ def dot_product_attention(
         sink's share is not among them.
       precision: passed to the matrix products.
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
-        blocks, memory linear in length; blocks that causality, windows, chunks, segments or lengths
-        empty are skipped, and blocks they leave whole are not masked), ``"cudnn"`` (NVIDIA
-        GPUs, through ``jax.nn.dot_product_attention``; bfloat16/float16, neither
-        ``logit_soft_cap``, ``sinks`` nor dropout), ``"splash"`` (JAX's Pallas TPU kernel:
-        causality and windows at default positions, segments, lengths, ``logit_soft_cap`` and
-        ``sinks``; no ``mask``, ``bias``, dropout or position arrays with causality/windows;
-        computed in float32 at most; off a TPU, the same kernel in Pallas interpret mode,
-        slow), ``"flash"`` (the fast kernel of the chip the program is compiled for:
-        ``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, ``"blockwise"`` elsewhere, and
-        ``"blockwise"`` too where the chip's kernel cannot express the call), or None:
-        ``"xla"`` at every size, as flax (no behaviour changes with the length; ask for
-        ``"blockwise"`` or ``"flash"`` for long inputs). The platform is that of the target
-        where the program is lowered (``jax.lax.platform_dependent``), not the host's: a CPU
-        host exports (``jax.export``) and compiles for GPUs and TPUs; a kernel lowered for a
-        platform it does not run on fails then, by name.
-        Every implementation but ``"xla"`` has reverse-mode derivatives of first order only:
-        under ``jax.jvp``/``jacfwd`` or a derivative of a derivative they raise, naming ``"xla"``.
-      sequence_axis: the name of a mesh axis (of the mesh set by ``jax.set_mesh``) over which the
-        query and key/value lengths are sharded: ring attention, key/value blocks passed from
-        device to device (``jax.lax.ppermute``), never gathered; the inputs and the output are
-        laid out as ``P(None, sequence_axis)`` places them (contiguous blocks), the zig-zag order
-        that balances causal work is taken inside. Both lengths must be multiples of twice the
-        axis's size. It takes every masking term (a dense ``mask``, ``bias`` or ``dropout_mask``
-        is held by query rows, as the queries are, and never sent round the ring), ``scale``,
-        ``logit_soft_cap``, ``sinks`` and dropout (drawn from a threefry key: the bits ``"xla"``
-        draws on one device, on any mesh), but no ``return_weights``; first-order reverse-mode
-        derivatives only (the bias's included).
+        blocks, memory linear in length; blocks the masking terms empty are skipped, those they
+        leave whole not masked), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
+        bfloat16/float16, neither ``logit_soft_cap``, ``sinks`` nor dropout), ``"splash"`` (JAX's
+        Pallas TPU kernel: causality and windows at default positions, segments, lengths,
+        ``logit_soft_cap`` and ``sinks``; no ``mask``, ``bias``, dropout or position arrays with
+        causality/windows; float32 at most; off a TPU, slow Pallas interpret mode), ``"flash"``
+        (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, else or where the chip's kernel cannot
+        express the call ``"blockwise"``), or None: ``"xla"`` at every size, as flax. The platform is
+        the one the program is lowered for (``jax.lax.platform_dependent``), not the host's; a kernel
+        lowered for a platform it does not run on fails then, by name. Every implementation but
+        ``"xla"`` has first-order reverse-mode derivatives only (else an error naming ``"xla"``).
+      sequence_axis: a mesh axis (of ``jax.set_mesh``'s mesh) over which the query and key/value
+        lengths are sharded, as ``P(None, sequence_axis)`` lays them out: ring attention, key/value
+        blocks passed round (``jax.lax.ppermute``), never gathered, in a zig-zag order that balances
+        causal work. Both lengths must be multiples of twice the axis's size. It takes every masking
+        term (dense ones held by query rows), ``scale``, ``logit_soft_cap``, ``sinks`` and dropout
+        (the bits ``"xla"`` draws on one device from a threefry key), no ``return_weights``;
+        first-order reverse-mode derivatives only.
 
     Returns:
       ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
@@ -138,11 +129,7 @@ def dot_product_attention(
       output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks.parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-                       query_positions=query_positions, key_positions=key_positions,
-                       local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=attention_chunk_size)
+    spec = masks.parse((batch, heads, q_len, kv_len), **batch_axes.masking(locals()))
     return spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
@@ -485,15 +472,10 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=No
     return out, weights
 
 
-# A product per key/value head batches matrix-vector products over heads, and XLA:CPU first
-# copies the keys and values into head-major order: for a few queries over a long cache (a
-# decoding step) that copy and the narrow products cost 3x to 7x the work. With few query rows,
-# one product of every query row with every head's keys (and of every row's weights with every
-# head's values) reads the cache in place, and each head keeps the block that is its own: it
-# does kv_heads times the multiplications (none more with one key/value head), cheaper while
-# rows x kv_heads stays small. Nothing from another head's block enters a head's result (no NaN
-# crosses heads); the result differs from the per-head products only by rounding. Over few keys
-# neither costs much to run, and the per-head products compile to fewer operations.
+# With few query rows over many keys (a decoding step), one product of every query row with every
+# head's keys (and of the weights with every head's values) reads the cache in place, where per-head
+# products make XLA:CPU copy it head-major first; each head keeps its own block (kv_heads times the
+# multiplications, cheaper while rows x kv_heads stays small; only rounding differs).
 _ROWS_OVER_HEADS = 1024
 _MANY_KEYS = 128
 
@@ -501,8 +483,7 @@ _MANY_KEYS = 128
 def _over_all_heads(x, q_len, kv_len, groups: int, kv_heads: int) -> bool:
     if not (isinstance(q_len, int) and isinstance(kv_len, int)):  # symbolic (jax.export): per head
         return False
-    # An Explicit mesh's sharding (jax.make_mesh's) is in the arrays' types, and merging heads
-    # into rows would have to say how each reshape is sharded: per head there.
+    # per head on an Explicit mesh, whose sharding each reshape merging heads into rows would have to state
     if any(axis is not None for axis in getattr(jax.typeof(x).sharding, "spec", ())):
         return False
     return kv_len >= _MANY_KEYS and q_len * groups * kv_heads * kv_heads <= _ROWS_OVER_HEADS
@@ -544,16 +525,11 @@ def _mix(weights, v, precision):
 
 
 def _cudnn(query, key, value, spec: masks.Spec, scale):
-    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our semantics, on
-    bfloat16/float16 inputs in the public layout; output in float32.
-
-    Causality at default positions and key/value lengths go to cuDNN as such; windows, segments
-    and other positions are materialised into its mask. cuDNN gives a fully masked row the mean
-    of V; those rows are set to 0 here.
-    """
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our semantics, on bfloat16/float16
+    inputs in the public layout; output in float32. Causality at default positions (top-left, as
+    cuDNN's) and lengths go to cuDNN as such, other terms into its mask (its window is ignored
+    without one, jax #32357); the fully masked rows it gives the mean of V are set to 0."""
     batch, heads, q_len, kv_len = shape = spec.shape
-    # cuDNN's own causality is top-left, ours at default positions; its window is left to the
-    # mask (jax.nn ignored it without one, jax #32357), as are segments and other positions.
     native_causal = spec.is_causal and spec.default_positions
     allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
     out = jax.nn.dot_product_attention(

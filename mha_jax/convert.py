@@ -49,11 +49,9 @@ def from_torch(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
-    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (and with
-    ``q_norm``/``k_norm`` weights, the ``normalize_qk`` scales ``query_ln``/``key_ln``; with
-    ``sinks``, ``"sinks"``) of NumPy
-    arrays in the source dtype (float64 survives without ``jax_enable_x64``), usable as
-    ``linen`` params or through ``load_weights``.
+    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (with
+    ``q_norm``/``k_norm`` weights also ``query_ln``/``key_ln`` scales; with ``sinks``, ``"sinks"``)
+    of NumPy arrays in the source dtype, usable as ``linen`` params or through ``load_weights``.
 
     ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
@@ -76,7 +74,7 @@ def _from_torch(
     state_dict_or_path: Mapping[str, Any] | str | os.PathLike, num_heads: int, num_kv_heads: int | None,
     expected: Mapping[str, tuple[int, ...]] | None = None, **naming: Any,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names, checked with the names."""
+    """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     state = layouts.read_layout(
         read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
@@ -237,16 +235,10 @@ def _read_params(path: str | os.PathLike) -> dict:
             with open(path, "rb") as f:
                 return msgpack_restore(f.read())
         if path.endswith(".safetensors"):
+            from flax.traverse_util import unflatten_dict
             from safetensors.numpy import load_file
 
-            tree: dict = {}
-            for name, array in load_file(path).items():
-                *parents, leaf = name.split(".")
-                node = tree
-                for parent in parents:
-                    node = node.setdefault(parent, {})
-                node[leaf] = array
-            return tree
+            return unflatten_dict({tuple(name.split(".")): array for name, array in load_file(path).items()})
     except OSError:  # a missing or unreadable file keeps its own, already clear, error
         raise
     except Exception as error:  # msgpack and safetensors raise their own types for bad bytes

@@ -20,7 +20,7 @@ from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
 from mha_jax import _layer, masks
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import arguments, batch_axes, terms
+from mha_spec import arguments, batch_axes
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -83,11 +83,9 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); these need none.
-        arguments.check_implementation(self.implementation, IMPLEMENTATIONS)
+        arguments.check_options(self.implementation, IMPLEMENTATIONS, self.scale, self.local_window_size,
+                                self.attention_chunk_size)
         arguments.check_qk_norm(self.normalize_qk)
-        arguments.check_scale(self.scale)
-        arguments.check_window(self.local_window_size)
-        terms.check_chunk_size(self.attention_chunk_size)
         _layer.check_sequence_axis(self.sequence_axis)
         super().__post_init__()
 
@@ -123,11 +121,7 @@ class MultiHeadDotProductAttention(nn.Module):
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        masking = batch_axes.call_masking(
-            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
-            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)
@@ -159,9 +153,8 @@ class MultiHeadDotProductAttention(nn.Module):
         return (out, weights) if return_weights else out
 
     def _project(self, inputs_q: jax.Array, inputs_k: jax.Array, inputs_v: jax.Array):
-        """The query, key and value projections ``(batch, len, heads, head_dim)`` of the inputs
-        ``(batch, len, features)``, with ``normalize_qk``'s norms on the queries and keys (in
-        flax's order of construction, so that the same RNG gives flax's parameters)."""
+        """The projections ``(batch, len, heads, head_dim)`` of the inputs ``(batch, len, features)``,
+        QK-normed, made in flax's order (the same RNG gives flax's parameters)."""
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
         head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
@@ -188,11 +181,8 @@ class MultiHeadDotProductAttention(nn.Module):
         return query, key, value
 
     def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
-        """flax's ``'cache'`` collection: made (zeros shaped as this call's keys) by the first call,
-        which attends as without a cache; later calls rotate the new queries and keys at their
-        positions, append them to it and attend over it: ``(query, key, value, spec)``. A cache
-        flax's class made (a scalar ``cache_index``, no ``cache_overflow``) is taken as every
-        row at that position, and leaves as ours."""
+        """flax's ``'cache'`` collection, made by the first call (which attends as without one); later
+        calls append the rotated keys and values and attend over it: ``(query, key, value, spec)``."""
         batch_shape = call.batch_shape
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
@@ -205,7 +195,6 @@ class MultiHeadDotProductAttention(nn.Module):
                                    *key.shape)
         query, key, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, call)
         cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
-        # flax's cache (a scalar index, no flag: made above) becomes ours
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)
         return query, cache.key.astype(key.dtype), cache.value.astype(value.dtype), spec
 
@@ -222,8 +211,7 @@ class MultiHeadDotProductAttention(nn.Module):
 
 
 def _inputs_kv(inputs_k: jax.Array | None, inputs_v: jax.Array | None, inputs_kv: jax.Array) -> jax.Array:
-    """flax's deprecated ``inputs_kv`` (the key and value input), refused beside ``inputs_k`` or
-    ``inputs_v`` with flax's texts (which code matches), else returned with flax's warning."""
+    """flax's deprecated ``inputs_kv``, refused beside ``inputs_k``/``inputs_v``, with flax's texts."""
     if inputs_k is not None or inputs_v is not None:
         raise ValueError(
             "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k and "
@@ -235,8 +223,7 @@ def _inputs_kv(inputs_k: jax.Array | None, inputs_v: jax.Array | None, inputs_kv
 
 
 class _LinenNorm(nn.Module):
-    """A QK-norm other than flax's LayerNorm, as the nnx module's: ``scale``
-    ``(head_dim,)`` shared by the heads, else ``(heads, head_dim)``."""
+    """A QK-norm other than flax's LayerNorm, as the nnx module's ``_Norm``."""
 
     qk_norm: QKNorm
     param_dtype: jnp.dtype = jnp.float32

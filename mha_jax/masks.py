@@ -1,14 +1,8 @@
-"""What each query may see: masks, biases and positions, parsed once.
+"""What each query may see: masks, biases and positions, parsed once into ``mha_spec.terms.Spec``.
 
-``mask`` broadcasts (right-aligned, numpy rules) to ``(batch, heads, q_len, kv_len)`` and follows
-the JAX/Flax convention: any dtype, nonzero = attend (flax's ``make_attention_mask``,
-``make_causal_mask`` and ``combine_masks`` give float32 0/1 masks; they mean what they mean in
-flax). Additive terms go in ``bias``.
-
-The structured terms (causality, windows, chunks, segments, lengths) are those of
-``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``Spec.terms``.
-
-Twin of ``mha_torch/masks.py``.
+``mask`` broadcasts to ``(batch, heads, q_len, kv_len)``, in flax's convention: any dtype, nonzero =
+attend (flax's float32 0/1 masks work as they are); additive terms go in ``bias``. Twin of
+``mha_torch/masks.py``.
 """
 
 from __future__ import annotations
@@ -75,9 +69,8 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
-    """``spec`` (parsed over a decoding cache's slots) with the step's positions, int32 as ``parse``
-    keeps them: the new tokens' ``(batch, n)``, the slots' ``(batch, max_length)`` and the count
-    of written slots ``(batch,)``."""
+    """``spec`` (over a decoding cache's slots) with the step's positions as ``parse`` keeps them: the
+    new tokens' ``(batch, n)``, the slots' ``(batch, max_length)``, the count of written slots ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
     queries = _sequence("query_positions", query_positions, batch, q_len, "q_len")
     keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len")
@@ -150,9 +143,8 @@ def _present(query_ids, key_ids):
 
 
 def zero_unused_inputs(inputs_k, inputs_v, spec: Spec, segments: bool = True):
-    """The modules' ``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` with zeros at the
-    keys that no query of any head may attend to, before they are projected (``segments`` as in
-    ``unused_keys``)."""
+    """The modules' ``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` zeroed at the keys no query
+    of any head may attend to, before they are projected (``segments`` as in ``unused_keys``)."""
     unused = unused_keys(spec, segments=segments)
     if unused is None:
         return inputs_k, inputs_v

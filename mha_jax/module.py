@@ -238,15 +238,11 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
+        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
         decoding = self.decode if decode is None else decode
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
                              "nnx.view(..., decode=True, batch_size=, max_length=) first")
-        masking = batch_axes.call_masking(
-            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
-            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (self.in_features,
                               self.in_kv_features), max_length=self.cached_key.shape[-3] if decoding else None,
                               sequence_axis=self.sequence_axis)
@@ -288,7 +284,7 @@ class MultiHeadAttention(nnx.Module):
         return (out, weights) if return_weights else out
 
     def _dropout_rng(self, rngs, deterministic, dropout_mask=None) -> jax.Array | None:
-        """The key of this call's dropout mask (from the call's ``rngs``, else those kept), None without dropout."""
+        """The key of this call's dropout mask (the call's ``rngs``, else those kept), None without dropout."""
         if not _layer.dropping(self.dropout_rate, deterministic, self.deterministic, dropout_mask):
             return None
         rngs = rngs if rngs is not None else self.rngs
@@ -341,9 +337,8 @@ class MultiHeadAttention(nnx.Module):
 
 def _qk_norms(qk_norm: QKNorm | None, heads: tuple[int, int], head_dim: int, dtype, param_dtype, promote_dtype,
               metadata: tuple[Mapping[str, Any], Mapping[str, Any]], rngs: nnx.Rngs) -> tuple:
-    """The norms ``(query_ln, key_ln)`` of ``normalize_qk`` for ``heads`` (query heads, key/value
-    heads) of ``head_dim``: flax's LayerNorm (``qk_norm`` flax's), else ``_Norm``, else none; the
-    query's made first, as in flax, so that the same Rngs give the same parameters."""
+    """``(query_ln, key_ln)`` for ``heads`` (query, key/value) of ``head_dim``: flax's LayerNorm, else
+    ``_Norm``, else none; the query's first, as in flax (the same Rngs give the same parameters)."""
     if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
         def layer_norm(scale_metadata):
             return nnx.LayerNorm(

@@ -1,4 +1,5 @@
-"""The batch axes of the modules' inputs, merged into one and restored; a module call so merged."""
+"""The masking arguments of a call, picked by name; the batch axes of the modules' inputs, merged into one and
+restored; a module call so merged."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+# The masking arguments of the public calls, in their signatures' order. A call's body picks them
+# from its ``locals()`` (``masking``) instead of naming each a second time.
+MASKING = ("mask", "bias", "is_causal", "query_positions", "key_positions", "local_window_size", "query_segment_ids",
+           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size")
 # A module call's arguments that carry batch axes, in the order they are merged (and checked).
 BATCHED = ("dropout_mask", "mask", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
            "key_value_seq_lengths")
@@ -29,52 +34,45 @@ class Call:
     query_positions: Any = None
 
 
-def call_masking(layer_window: Any, attention_chunk_size: int | None, *, local_window_size: Any,
-                 **masking: Any) -> dict:
-    """A module call's masking arguments and ``dropout_mask``, by name, as ``merged_call`` takes
-    them: the call's ``local_window_size``, default the layer's ``layer_window``, and the
-    layer's ``attention_chunk_size`` beside the call's ``masking``."""
-    window = layer_window if local_window_size is None else local_window_size
-    return dict(masking, local_window_size=window, attention_chunk_size=attention_chunk_size)
+def masking(arguments: Mapping[str, Any], *extra: str) -> dict:
+    """The arguments named in ``MASKING`` (then ``extra``) among a call's ``arguments`` (its
+    ``locals()`` on entry), by name."""
+    return {name: arguments[name] for name in MASKING + extra if name in arguments}
 
 
-def check_not_decoding(masking: Mapping[str, Any]) -> None:
-    """Refuse what the cache sets, given to a decoding step."""
-    given = [name for name in SET_BY_CACHE if masking.get(name) is not None]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths"
-        )
+def call_masking(layer_window: Any, attention_chunk_size: int | None, arguments: Mapping[str, Any]) -> dict:
+    """A module call's masking arguments and ``dropout_mask``, picked from ``arguments`` (the
+    call's ``locals()`` on entry), as ``merged_call`` takes them: the call's ``local_window_size``,
+    default the layer's ``layer_window``, and the layer's ``attention_chunk_size``."""
+    picked = masking(arguments, "dropout_mask")
+    window = layer_window if picked["local_window_size"] is None else picked["local_window_size"]
+    return dict(picked, local_window_size=window, attention_chunk_size=attention_chunk_size)
+
 
 # Axes after the batch axes, per module argument: masks and biases (heads, q_len, kv_len),
 # positions and segment ids (len,), lengths none.
 _TRAILING = {"mask": 3, "bias": 3, "dropout_mask": 3, "key_value_seq_lengths": 0}
 
 
-def flatten_batch(inputs: tuple, broadcast: Callable, **terms: Any) -> tuple[tuple[int, ...], tuple, dict]:
-    """Inputs ``(*batch, len, features)`` as ``(prod(batch), len, features)`` and each term with
-    its batch axes merged likewise: ``(batch_shape, inputs, terms)``. ``broadcast(x, shape)`` is
-    the framework's broadcast; one batch axis is left as it is."""
-    batch_shape = tuple(inputs[0].shape[:-2])
-    if len(batch_shape) == 1:
-        return batch_shape, inputs, terms
-    inputs = tuple(x.reshape((math.prod(batch_shape),) + tuple(x.shape[-2:])) for x in inputs)
-    return batch_shape, inputs, {
-        name: _merge_batch(name, x, batch_shape, _TRAILING.get(name, 1), broadcast) for name, x in terms.items()
-    }
-
-
 def merged_call(inputs: tuple, self_attention: bool, masking: Mapping[str, Any], broadcast: Callable, parse: Callable,
-                num_heads: int, max_length: int | None = None) -> Call:
+                zero_unused: Callable, num_heads: int, max_length: int | None = None) -> Call:
     """A module call of checked ``inputs`` (query, key, value ``(*batch, len, features)``) and
     ``masking`` (its masking arguments and ``dropout_mask``, by name), with the batch axes of both
-    merged into one (``broadcast`` as in ``flatten_batch``) and the masking parsed (``parse``: the
+    merged into one (``broadcast(x, shape)``: the framework's) and the masking parsed (``parse``: the
     framework's ``masks.parse``) for ``num_heads``. In self-attention the key positions and
-    segment ids default to the query's. ``max_length``: the cache's, while decoding."""
-    if max_length is not None:
-        check_not_decoding(masking)
-    batch_shape, (query, key, value), arrays = flatten_batch(
-        inputs, broadcast, **{name: masking.get(name) for name in BATCHED})
+    segment ids default to the query's. Not decoding, ``zero_unused(key, value, spec)`` zeroes the
+    keys no query may attend to; ``max_length``: the cache's, while decoding."""
+    given = [name for name in SET_BY_CACHE if masking.get(name) is not None]
+    if max_length is not None and given:
+        raise ValueError(
+            f"{', '.join(given)} cannot be given while decoding: the cache sets the keys' positions and lengths"
+        )
+    batch_shape, arrays = tuple(inputs[0].shape[:-2]), {name: masking.get(name) for name in BATCHED}
+    if len(batch_shape) != 1:
+        inputs = tuple(x.reshape((math.prod(batch_shape),) + tuple(x.shape[-2:])) for x in inputs)
+        arrays = {name: _merge_batch(name, x, batch_shape, _TRAILING.get(name, 1), broadcast)
+                  for name, x in arrays.items()}
+    query, key, value = inputs
     dropout_mask, query_positions = arrays.pop("dropout_mask"), None
     if max_length is not None:  # checked against the cache's positions by the decoding step
         query_positions = arrays.pop("query_positions")
@@ -84,6 +82,8 @@ def merged_call(inputs: tuple, self_attention: bool, masking: Mapping[str, Any],
     shape = (query.shape[0], num_heads, query.shape[1], key.shape[1] if max_length is None else max_length)
     spec = parse(shape, is_causal=masking.get("is_causal", False), local_window_size=masking.get("local_window_size"),
                  attention_chunk_size=masking.get("attention_chunk_size"), **arrays)
+    if max_length is None:
+        key, value = zero_unused(key, value, spec)
     return Call(batch_shape, (query, key, value), spec, dropout_mask, query_positions)
 
 

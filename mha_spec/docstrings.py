@@ -38,6 +38,10 @@ sinks: real floating ``(heads,)``, one learned logit per query head that joins e
   less than 1, and a query that may attend to no key still gets 0. Differentiable.""",
     # RotaryEmbedding in both twins
     "rotary_embedding": """\
+``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
+scaling=None, max_position_embeddings=None)``, or ``RotaryEmbedding.from_config(config)``
+from a transformers ``config.json`` dict.
+
 - ``rotary_dim``: the first ``rotary_dim`` features of each head rotate, the rest pass through
   unchanged (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``, GPT-J ``rotary_dim``).
 - ``interleaved``: rotate pairs ``(2i, 2i + 1)`` (GPT-J); else pairs ``(i, i + rotary_dim / 2)``
@@ -55,7 +59,10 @@ Precision: ``inv_freq`` is float32, computed as transformers computes it. For fl
 the angles, cos and sin are computed in float64 from it, more precisely than transformers
 (which computes them in float32 and casts); for other dtypes they are computed in float32 as
 transformers does, and the rotation is applied in float32 (bfloat16 and float16 inputs
-included, where transformers rotates in the input's dtype) before casting back to ``x``'s dtype.""",
+included, where transformers rotates in the input's dtype) before casting back to ``x``'s dtype.
+
+Immutable and hashable. Besides the call: ``inv_freq``, ``frequencies(seq_len)``,
+``attention_factor``, ``rope_type`` and ``seq_len_threshold()``.""",
     # from_hf in both twins
     "from_hf_config": """\
 config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``

@@ -1,12 +1,9 @@
-"""Key/value cache arithmetic for decoding: where new tokens go and what each slot holds, for the
-twins' ``_cache.py`` (each passes its framework's arrays and operations).
+"""Key/value cache arithmetic for decoding, over each twin's arrays and operations.
 
-A cache of ``max_length`` slots per row holds the token at position ``p`` in slot
-``p % max_length``; each row keeps its own end (one past its last position written). Slot ``s``
-of a row whose end is ``e`` then holds position ``s + max_length * floor((e - 1 - s) /
-max_length)``, a negative one if never written. While ``e <= max_length`` nothing is overwritten;
-past it the oldest positions are, which is right only when every query's window starts after them
-(a rolling buffer for sliding-window attention).
+A cache of ``max_length`` slots per row holds the token at position ``p`` in slot ``p % max_length``;
+each row keeps its end ``e`` (one past its last position written), and slot ``s`` holds position
+``s + max_length * floor((e - 1 - s) / max_length)``, negative if never written. Past ``e = max_length``
+the oldest positions are overwritten: a rolling buffer, right when every query's window starts after them.
 """
 
 from __future__ import annotations
@@ -15,6 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from mha_spec import terms
 
 
 def check_step_positions(shape: Sequence[int], kind: str, dtype: Any, batch: int, n: int) -> None:
@@ -27,6 +26,28 @@ def check_step_positions(shape: Sequence[int], kind: str, dtype: Any, batch: int
             f"query_positions must have shape (batch, n) = {(batch, n)} or (n,) = ({n},) "
             f"while decoding, got {tuple(shape)}"
         )
+
+
+def check_cache(names: tuple[str, str], remedy: str, key_shape: Sequence[int], index_shape: Sequence[int],
+                batch_shape: Sequence[int], kv_heads: int, head_dim: int, n: int) -> None:
+    """A cache against a step of ``n`` tokens with inputs of ``batch_shape``: its keys ``(*batch,
+    max_length, kv_heads, head_dim)`` and index ``(*batch,)`` (``names``: as the twin calls them;
+    ``remedy``: how to make a fitting one)."""
+    max_length, batch_shape = key_shape[-3], tuple(batch_shape)
+    expected = (*batch_shape, max_length, kv_heads, head_dim)
+    if tuple(key_shape) != expected or tuple(index_shape) != batch_shape:
+        raise ValueError(
+            f"the cache holds {names[0]} {tuple(key_shape)} and {names[1]} {tuple(index_shape)}, but the inputs "
+            f"need (*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {batch_shape}; {remedy}"
+        )
+    if n > max_length:
+        raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {max_length}")
+
+
+def check_dtype(cached: str, dtype: str, name: str, remedy: str) -> None:
+    """A step's keys in the cache's dtype (``name``: the cache's keys, as the twin calls them)."""
+    if cached != dtype:
+        raise TypeError(f"{name} has dtype {cached} but the keys are {dtype}: {remedy}")
 
 
 def advance(end: Any, last: Any, maximum: Callable) -> Any:
@@ -43,10 +64,18 @@ def slot_positions(end: Any, max_length: int, slots: Any, minimum: Callable) -> 
     return held, minimum(end, max_length)
 
 
+def check_step(start: Any, end: Any, max_length: int, step_terms: Any, values: Callable) -> Any:
+    """bool ``(batch,)``: whether a step moving the rows' ends from ``start`` to ``end`` overwrote a
+    position its queries (``step_terms``) may still see; refused (``check_overflow``) where
+    ``values(overflow)`` gives its values (None under ``jit`` or compilation)."""
+    overflow = terms.cache_overflows(start, end, max_length, step_terms)
+    check_overflow(values(overflow), end, max_length)
+    return overflow
+
+
 def check_overflow(overflow: np.ndarray | None, end: np.ndarray, max_length: int) -> None:
-    """Refuse a step that overwrote a position its queries may still see: ``overflow`` bool
-    ``(batch,)`` (None where its values are not known here: under ``jit`` or compilation, where the
-    cache's flag records it instead), ``end`` the rows' new ends."""
+    """Refuse a step that overwrote a position its queries may still see: ``overflow`` bool ``(batch,)``
+    (None under ``jit`` or compilation, where the cache's flag records it), ``end`` the rows' new ends."""
     if overflow is None or not overflow.any():
         return
     row = int(np.argmax(overflow))

@@ -1,23 +1,15 @@
-"""Rotary position embeddings' parameters: their checks, what transformers derives from them in
-Python floats, and how a transformers ``config.json`` names them.
+"""Rotary position embeddings: their parameters and checks, how a transformers ``config.json``
+names them, and the arithmetic both twins' ``RotaryEmbedding`` run over their own arrays.
 
 The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for operation in
-float32, so that they match a transformers model's: ``default`` (``compute_default_rope_parameters``
-of Llama and GPT-NeoX), ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``. Where
-transformers divides a Python number by a tensor, torch computes ``reciprocal(x) * a``; so does
-each twin's ``rdiv``, which keeps the twins on the same roundings. The frequencies are written
-once, below (``inv_freq``), over the float32 operations each twin passes in (``FrequencyOps``):
-each then rounds as transformers does, operation for operation, in its own framework.
+float32 (``default``, ``linear``, ``dynamic``, ``yarn``, ``longrope``, ``llama3``), over each twin's
+``FrequencyOps``, which round as torch's operations do.
 
-``dynamic`` and ``longrope`` depend on the sequence length, which transformers reads from
-``max(position_ids) + 1`` in ``dynamic_rope_update`` (one length for the whole batch, as the twins).
-For ``longrope`` it picks the factors anew at each call, as the twins do. For ``dynamic`` its module
-keeps state: the frequencies of the longest sequence seen, until a sequence shorter than
-``max_position_embeddings`` resets them. In the twins nothing is kept: each call computes the length
-from its own ``positions``, so the result depends on the call alone. The two agree whenever the
-call's length is the longest seen so far (a forward pass over a whole sequence, or decoding steps
-whose positions grow); after a longer sequence, transformers keeps that sequence's frequencies where
-the twins compute the current one's.
+``dynamic`` and ``longrope`` depend on the sequence length, ``max(position_ids) + 1`` over the
+batch as in transformers' ``dynamic_rope_update``. transformers' ``dynamic`` module keeps the
+frequencies of the longest sequence seen; the twins keep nothing and read each call's own
+positions, so the two agree while the call's length is the longest so far (a whole sequence, or
+decoding steps whose positions grow).
 """
 
 from __future__ import annotations
@@ -26,13 +18,12 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 # rope_type -> (keys transformers' init function requires, keys it reads when present), as
-# ``transformers.modeling_rope_utils`` (5.x) reads ``rope_parameters``: ``_compute_*_parameters``
-# and the ``_validate_*_rope_parameters`` that list each type's keys.
+# ``transformers.modeling_rope_utils`` (5.x) reads ``rope_parameters``.
 ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "default": ((), ()),
     "linear": (("factor",), ()),
@@ -44,8 +35,7 @@ ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
 }
-# Keys whose value may be None: transformers then derives it (factor = max_position_embeddings /
-# original_max_position_embeddings, the attention factor from the paper's formula, beta defaults).
+# Keys whose value may be None: transformers then derives it.
 _NULLABLE = {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
 _NULLABLE_FACTOR = {"yarn", "longrope"}
 
@@ -62,8 +52,7 @@ class Scaling(Mapping):
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Scaling is immutable")
 
-    def __reduce__(self):
-        # copy and pickle rebuild it through __init__, not by setting its slot.
+    def __reduce__(self):  # copy and pickle rebuild it through __init__
         return Scaling, (self._items,)
 
     def __getitem__(self, key: str) -> Any:
@@ -97,8 +86,7 @@ def _is_int(x: Any) -> bool:
 def check_rope(
     head_dim: Any, rotary_dim: Any, theta: Any, interleaved: Any, scaling: Mapping | None, max_position_embeddings: Any
 ) -> tuple[int, int, float, bool, Scaling | None, int | None]:
-    """Validate a rotary embedding's arguments; return them normalised:
-    ``(head_dim, rotary_dim, theta, interleaved, scaling, max_position_embeddings)``."""
+    """A rotary embedding's arguments checked and normalised, in this order."""
     if not _is_int(head_dim) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -244,9 +232,9 @@ def dynamic_theta(theta: float, factor: float, seq_len: int, max_pos: int, rotar
 
 @dataclass(frozen=True)
 class RotaryParameters:
-    """The parameters of a rotary position embedding, checked; the base of each framework's
-    ``RotaryEmbedding``, which adds the arrays. Immutable and hashable (a static argument to
-    ``jax.jit``); ``scaling`` is kept as a ``Scaling``, ``rotary_dim`` None as ``head_dim``."""
+    """A rotary position embedding's checked parameters and arithmetic, the base of each twin's
+    ``RotaryEmbedding`` (which sets ``array_ops``). Immutable and hashable; ``scaling`` is kept as a
+    ``Scaling``, ``rotary_dim`` None as ``head_dim``."""
 
     head_dim: int
     _: KW_ONLY
@@ -255,6 +243,8 @@ class RotaryParameters:
     interleaved: bool = False
     scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int | None = None
+
+    array_ops: ClassVar[FrequencyOps]  # the twin's array operations, set by its RotaryEmbedding
 
     def __post_init__(self) -> None:
         checked = check_rope(
@@ -289,6 +279,52 @@ class RotaryParameters:
             return self.scaling["original_max_position_embeddings"]
         return None
 
+    @property
+    def inv_freq(self) -> Any:
+        """float32 ``(rotary_dim // 2,)``: the frequencies before any sequence length is seen,
+        which a transformers rotary module holds after construction."""
+        return self.frequencies()
+
+    def frequencies(self, seq_len: Any = None) -> Any:
+        """float32 ``(rotary_dim // 2,)``: the frequencies for sequences of length ``seq_len``
+        (an integer, or a scalar integer array, traced or not), as transformers' forward pass
+        computes them after ``dynamic_rope_update``: they differ from ``inv_freq`` only for
+        ``dynamic`` and ``longrope`` past their threshold length."""
+        ops = self.array_ops
+        initial = ops.constant(lambda: _initial_inv_freq(self, ops))
+        threshold = self.seq_len_threshold()
+        if seq_len is None or threshold is None:
+            return initial
+        seq_len = ops.asarray(seq_len)
+        if self.rope_type == "dynamic":
+            longer = _dynamic_inv_freq(self, seq_len, ops)
+        else:
+            longer = ops.constant(lambda: _longrope_inv_freq(self, ops, "long_factor"))
+        # transformers: recompute once max(position_ids) + 1 passes the threshold.
+        return ops.where(seq_len > threshold, ops.on(longer, seq_len), ops.on(initial, seq_len))
+
+    def cos_sin(self, positions: Any, dtype: Any) -> tuple[Any, Any]:
+        """cos and sin ``(*batch, len, rotary_dim // 2)`` of integer ``positions`` ``(*batch, len)``
+        in ``dtype``, times the attention factor, as ``LlamaRotaryEmbedding.forward`` (which repeats
+        them to ``rotary_dim``)."""
+        ops = self.array_ops
+        seq_len = positions.max() + 1 if self.seq_len_threshold() is not None else None
+        frequencies = ops.on(self.frequencies(seq_len), positions)
+        angles = ops.cast(positions[..., None], dtype) * ops.cast(frequencies, dtype)
+        return ops.cos(angles) * self.attention_factor, ops.sin(angles) * self.attention_factor
+
+    def rotate(self, x: Any, cos: Any, sin: Any) -> Any:
+        """``x * cos + rotate(x) * sin`` on the first ``rotary_dim`` features of ``x``, in ``cos``'s
+        dtype, the rest unchanged; ``cos``, ``sin`` broadcast to ``x[..., :rotary_dim // 2]``. The
+        pairs rotated are ``(2i, 2i + 1)`` (GPT-J's rotate_every_two) when ``interleaved``, else
+        ``(i, i + rotary_dim / 2)`` (Llama's rotate_half)."""
+        ops, dim, half = self.array_ops, self.rotary_dim, self.rotary_dim // 2
+        rot = ops.cast(x[..., :dim], cos.dtype)
+        x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if self.interleaved else (rot[..., :half], rot[..., half:])
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rotated = ops.stack([y1, y2]).reshape(rot.shape) if self.interleaved else ops.concat([y1, y2])
+        return ops.concat([ops.cast(rotated, x.dtype), x[..., dim:]])
+
 
 
 # Keys whose presence says a config.json describes rotary embeddings.
@@ -302,24 +338,18 @@ _INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere")
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
-    """``RotaryEmbedding``'s arguments from a transformers ``config.json`` dict, or None when it
-    has none of the keys in ``_ROPE_CONFIG_KEYS``. Read as ``RotaryEmbeddingConfigMixin``
-    (``convert_rope_params_to_dict``, ``standardize_rope_params``) and the model config classes
-    read them; ``config`` is not modified:
+    """``RotaryEmbedding``'s arguments from a transformers ``config.json`` dict (not modified), or
+    None when it has none of ``_ROPE_CONFIG_KEYS``; read as transformers'
+    ``RotaryEmbeddingConfigMixin`` and the model config classes read them:
 
-    - the rope parameters: ``rope_scaling`` (older) or ``rope_parameters`` (transformers 5), whose
-      ``rope_type`` (or ``type``) and the keys it reads become ``scaling``;
+    - ``scaling``: ``rope_scaling`` (older) or ``rope_parameters``, ``rope_type`` (or ``type``) standardised;
     - theta: ``rope_parameters['rope_theta']``, ``rope_theta``, ``rotary_emb_base`` (GPT-NeoX), 10000;
-    - head_dim: the argument, ``head_dim``, or ``hidden_size // num_attention_heads`` (GPT-J:
-      ``n_embd // n_head``);
-    - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)`` with the fraction from
-      ``partial_rotary_factor`` (in the rope parameters or beside them), ``rotary_pct``
-      (GPT-NeoX), the model's default (GPT-NeoX 0.25, Phi 0.5, StableLM 0.25) or 1;
-    - max_position_embeddings (GPT-J: ``n_positions``), and for llama3, yarn and longrope
-      ``original_max_position_embeddings``: a top-level one (Phi-3) wins, else the rope
-      parameters' own, else max_position_embeddings;
-    - interleaved for GPT-J, CodeGen, Llama 4 and Cohere (``model_type``), whose attention rotates pairs
-      ``(2i, 2i + 1)``; every other model rotates halves."""
+    - head_dim: the argument, ``head_dim``, or ``hidden_size // num_attention_heads`` (GPT-J: ``n_embd // n_head``);
+    - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)``, the fraction from
+      ``partial_rotary_factor``, ``rotary_pct`` (GPT-NeoX), the model's default or 1;
+    - max_position_embeddings (GPT-J: ``n_positions``); for llama3, yarn and longrope
+      ``original_max_position_embeddings``: a top-level one (Phi-3), the rope parameters', else that;
+    - interleaved for the ``_INTERLEAVED_MODELS``, which rotate pairs ``(2i, 2i + 1)``."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
     if not any(key in config for key in _ROPE_CONFIG_KEYS):
@@ -376,12 +406,9 @@ def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: 
     params.pop("type", None)
     params.pop("rope_theta", None)
     params.pop("partial_rotary_factor", None)
-    # Phi3Config: its older names for LongRoPE.
-    if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+    if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names
         rope_type = "longrope"
-    if rope_type in ("llama3", "yarn", "longrope"):
-        # standardize_rope_params: a top-level original_max_position_embeddings (Phi-3) wins,
-        # else the key defaults to max_position_embeddings.
+    if rope_type in ("llama3", "yarn", "longrope"):  # as standardize_rope_params
         if config.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
         elif max_pos is not None:
@@ -389,16 +416,6 @@ def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: 
     if rope_type == "default" and not params:
         return None
     return {"rope_type": rope_type, **params}
-
-
-def rotated_halves(rot: Any, cos: Any, sin: Any, interleaved: bool) -> tuple[Any, Any]:
-    """``(y1, y2)``: the rotated pairs of ``rot`` ``(..., rotary_dim)`` (an array of any
-    framework), ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``, with the pairs ``(x1, x2)``
-    ``(2i, 2i + 1)`` (GPT-J's rotate_every_two) when ``interleaved``, else ``(i, i + rotary_dim / 2)``
-    (Llama's rotate_half); the caller puts them back in that order."""
-    half = rot.shape[-1] // 2
-    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_positions: Any) -> tuple[Any, Any]:
@@ -419,11 +436,14 @@ def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_posit
 
 @dataclass(frozen=True)
 class FrequencyOps:
-    """A twin's float32 operations, each rounding as torch's operation that transformers uses:
-    ``rdiv(a, x)`` the number ``a`` over an array, ``div(x, a)`` an array over a number,
-    ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)`` ``arange(0, dim, 2) / dim``
-    (on ``like``'s device, if given), ``arange(n)``, ``array(values)``, ``where``,
-    ``clip(x, lo, hi)`` and ``at_least(n, m)``, the integer ``max(n, m)`` as float32."""
+    """A twin's operations on arrays. In float32, each rounding as torch's operation that
+    transformers uses: ``rdiv(a, x)`` the number ``a`` over an array, ``div(x, a)`` an array over a
+    number, ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)`` ``arange(0, dim, 2)
+    / dim`` (on ``like``'s device, if given), ``arange(n)``, ``array(values)``, ``where``,
+    ``clip(x, lo, hi)`` and ``at_least(n, m)``, the integer ``max(n, m)`` as float32. Then
+    ``constant(f)``: ``f()`` computed as a constant (under ``jax.jit`` too), ``asarray(n)``,
+    ``on(x, like)``: ``x`` on ``like``'s device, ``cast(x, dtype)``, ``cos``, ``sin``, and
+    ``stack``/``concat`` of a list along the last axis."""
 
     rdiv: Callable
     div: Callable
@@ -434,6 +454,14 @@ class FrequencyOps:
     where: Callable
     clip: Callable
     at_least: Callable
+    constant: Callable
+    asarray: Callable
+    on: Callable
+    cast: Callable
+    cos: Callable
+    sin: Callable
+    stack: Callable
+    concat: Callable
 
 
 def _default_inv_freq(ops: FrequencyOps, theta: Any, dim: int, like: Any = None) -> Any:
@@ -454,7 +482,7 @@ def _dynamic_init_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     return _default_inv_freq(ops, theta, rope.rotary_dim)
 
 
-def dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -> Any:
+def _dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -> Any:
     """``_compute_dynamic_ntk_parameters`` as ``dynamic_rope_update`` calls it, with ``seq_len`` a
     0-d integer array: the grown base in float32, the frequencies where ``seq_len`` is."""
     factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
@@ -476,7 +504,7 @@ def _yarn_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
-def longrope_inv_freq(rope: RotaryParameters, ops: FrequencyOps, which: str = "short_factor") -> Any:
+def _longrope_inv_freq(rope: RotaryParameters, ops: FrequencyOps, which: str = "short_factor") -> Any:
     """``_compute_longrope_parameters``: each frequency divided by its own factor, ``short_factor``
     up to ``original_max_position_embeddings``, ``long_factor`` past it."""
     ext_factors = ops.array(rope.scaling[which])
@@ -504,12 +532,12 @@ _INIT_INV_FREQ = {
     "linear": _linear_inv_freq,
     "dynamic": _dynamic_init_inv_freq,
     "yarn": _yarn_inv_freq,
-    "longrope": longrope_inv_freq,
+    "longrope": _longrope_inv_freq,
     "llama3": _llama3_inv_freq,
 }
 
 
-def inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+def _initial_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     """float32 ``(rotary_dim // 2,)``: the frequencies of ``rope`` at construction, as
     transformers' init function of its ``rope_type`` computes them."""
     return _INIT_INV_FREQ[rope.rope_type](rope, ops)

@@ -1,9 +1,5 @@
-"""Key/value cache for decoding: the cache object, and the cache arithmetic (``mha_spec.kv_cache``)
-over tensors.
-
-Twin of ``mha_jax/_cache.py`` (whose cache lives in the Flax module's ``nnx.Cache`` variables;
-here it is an object passed to the call).
-"""
+"""Key/value cache for decoding: the cache object passed to the call, and ``mha_spec.kv_cache``
+over tensors. Twin of ``mha_jax/_cache.py``, whose cache lives in the module's variables."""
 
 from __future__ import annotations
 
@@ -63,8 +59,7 @@ class KVCache:
         return self.key_storage.shape[-2]
 
     def merged(self, batch: int) -> KVCache:
-        """This cache with its batch axes merged into one of ``batch`` rows, as views: writes to
-        the result reach this cache."""
+        """This cache with its batch axes merged into one of ``batch`` rows, as views of it."""
         flat = KVCache.__new__(KVCache)
         axes = self.index.dim()
         flat.key_storage, flat.value_storage = (x.view((batch,) + tuple(x.shape[axes:]))
@@ -88,11 +83,9 @@ def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
 
 
 def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, padded: bool) -> None:
-    """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` in place at
-    slots ``pos % max_length``; ``padded``: ``pos`` may hold padding tokens. A padding token
-    (``pos < 0``) rewrites the value already in the slot of the row's last position
-    (``start - 1``), which no real token of a step that has a padding token can reach: the
-    indices stay fixed-shape for ``torch.compile``."""
+    """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` in place at slots
+    ``pos % max_length``. A padding token (``pos < 0``, where ``padded``) rewrites the slot of the row's
+    last position (``start - 1``) with what it holds: fixed-shape indices for ``torch.compile``."""
     max_length = cache.shape[1]
     rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
     if not padded:

@@ -1,10 +1,5 @@
-"""Argument checks shared by the functional core and the module.
-
-``mha_spec.arguments.ArrayChecks`` over tensors: the checks and messages of
-``mha_jax/_checks.py``, so that a bad argument fails alike in both frameworks. Every message
-names the argument and the shapes. Tensors are always concrete here, so a length's range is
-always checked (JAX skips it under ``jit``).
-"""
+"""Argument checks of the functional core and the module: ``mha_spec.arguments.ArrayChecks`` over
+tensors, so that a bad argument fails alike in both twins (tensors are concrete: ranges always checked)."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def dtype_kind(x) -> str:
 
 
 def dtype_name(x) -> str:
-    """A tensor's dtype as JAX and NumPy print it (``int32``, not ``torch.int32``), so that
-    messages naming it read the same in both frameworks."""
+    """A tensor's dtype as JAX and NumPy print it (``int32``, not ``torch.int32``)."""
     return str(x.dtype).removeprefix("torch.")
 
 

@@ -1,12 +1,5 @@
-"""Masks to and from the convention of ``torch.nn.MultiheadAttention``.
-
-What its masks mean in ours is the table of ``mha_spec.torch_mha``. Twin of
-``mha_jax/_torch_mha_masks.py``; here they are tensors.
-
-``mask_to_torch_mha(mask, shape, bias=...)`` goes back: bool ``attn_mask`` (True = ignore)
-when nothing is additive, else float ``attn_mask`` (the bias, plus a float mask, ``-inf``
-where a bool or integer mask forbids).
-"""
+"""Masks to and from the convention of ``torch.nn.MultiheadAttention``, read as the table of
+``mha_spec.torch_mha`` says. Twin of ``mha_jax/_torch_mha_masks.py``; here they are tensors."""
 
 from __future__ import annotations
 

@@ -12,15 +12,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mha_spec import arguments, docstrings, terms
+from mha_spec import arguments, batch_axes, docstrings, terms
 from mha_torch import _checks, masks
 from mha_torch.masks import MASK_LAYOUT
 
 
 @dataclasses.dataclass(frozen=True)
 class _Kernel:
-    """What one implementation takes; the choice and its error messages are read from these
-    (the twin of the kernel records of ``mha_jax/attention.py``)."""
+    """What one implementation takes; the choice and its error messages are read from these."""
 
     name: str
     weights: bool = False  # need_weights (only a kernel that forms the weights)
@@ -96,11 +95,7 @@ def dot_product_attention(
       device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
     """
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks.parse((batch, heads, q_len, kv_len), mask=mask, bias=bias, is_causal=is_causal,
-                       query_positions=query_positions, key_positions=key_positions,
-                       local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-                       attention_chunk_size=attention_chunk_size, device=query.device)
+    spec = masks.parse((batch, heads, q_len, kv_len), device=query.device, **batch_axes.masking(locals()))
     return spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
         dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
@@ -132,9 +127,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
 
     dtype = query.dtype
-    # On a GPU, SDPA's fused kernels (flash, cuDNN, memory-efficient) take half-precision inputs
-    # and accumulate in float32 themselves; cast to float32 first, they fall back to the math
-    # kernel, which forms every score (bfloat16, 32 heads of 16K queries: 32 GiB).
+    # On a GPU, SDPA's fused kernels take half-precision inputs and accumulate in float32 themselves;
+    # cast to float32 first, they would fall back to the math kernel, which forms every score.
     fused = implementation == "sdpa" and query.is_cuda and dtype in (torch.bfloat16, torch.float16)
     compute = dtype if fused else torch.promote_types(dtype, torch.float32)
     unused = masks.unused_keys(spec, kv_heads) if zero_unused else None
@@ -195,18 +189,10 @@ def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=
 
 
 def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
-    """``F.scaled_dot_product_attention`` with our semantics: causality alone at default
-    positions as its ``is_causal`` (top-left, as ours there), anything else materialised into
-    one ``attn_mask``: bool, or float with ``-inf`` where not allowed when there is a bias.
-
-    SDPA gives a row with no allowed key an output of 0 and gradients of 0, as ours (checked
-    with torch 2.13 on CPU, float64/float32/bfloat16, bool and float masks), so those rows
-    need no fixing here.
-
-    ``sinks`` ``(heads,)``: one more key and value of zeros, whose score ``q . 0 = 0`` plus its
-    ``attn_mask`` column, the sink, is the sink logit exactly; its value adds nothing to the
-    output, and the sink's gradient comes back through the float mask.
-    """
+    """``F.scaled_dot_product_attention`` with our semantics: causality alone at default positions as
+    its ``is_causal`` (top-left, as ours there), anything else as one ``attn_mask`` (bool, or float
+    with ``-inf`` where not allowed beside a bias). Like ours, SDPA gives a row with no allowed key
+    0 and gradients 0 (torch 2.13). ``sinks`` ``(heads,)``: see ``_with_sink_key``."""
     native_causal = (
         spec.terms.members == (terms.Causal(),) and spec.default_positions
         and spec.allowed is None and spec.bias is None and sinks is None
@@ -225,10 +211,8 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
     batch, heads, q_len, head_dim = q.shape
     groups = heads // k.shape[1]
     if groups > 1 and attn_mask is None and not native_causal and dropout_p == 0:
-        # Each key/value head's group of query heads as rows of one head: SDPA's enable_gqa
-        # reads a key/value head once per query head, this reads it once (a one-token decoding
-        # step over a long cache takes a fraction of the time). Without a mask,
-        # causality or dropout, no term depends on the query head or row, so nothing changes.
+        # Each key/value head's group of query heads as rows of one head: SDPA's enable_gqa reads a
+        # key/value head once per query head, this once. No term depends on the query head or row here.
         out = F.scaled_dot_product_attention(q.reshape(batch, k.shape[1], groups * q_len, head_dim), k, v, scale=scale)
         return out.view(batch, heads, q_len, head_dim)
     return F.scaled_dot_product_attention(
@@ -238,9 +222,9 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
 
 
 def _with_sink_key(q, k, v, attn_mask, sinks):
-    """(q, k, v, attn_mask) with one more key and value of zeros after the last, and a float
-    mask ``(batch|1, heads, q_len, kv_len + 1)`` whose last column is ``sinks``: the others
-    are the mask given (bool as 0/-inf), or 0 without one."""
+    """(q, k, v, attn_mask) with one more key and value of zeros, and a float mask ``(batch|1, heads,
+    q_len, kv_len + 1)`` whose last column is ``sinks``: that key's score ``q . 0 + sink`` is the sink
+    logit exactly, its value adds nothing, and the sink's gradient comes back through the mask."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len, head_dim = k.shape[1], k.shape[2], k.shape[3]
     zero = k.new_zeros(batch, kv_heads, 1, head_dim)

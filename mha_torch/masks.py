@@ -1,19 +1,9 @@
-"""What each query may see: masks, biases and positions, parsed once.
+"""What each query may see: masks, biases and positions, parsed once into ``mha_spec.terms.Spec``.
 
-``mask`` broadcasts (right-aligned, numpy rules) to ``(batch, heads, q_len, kv_len)`` and follows
-the convention of ``F.scaled_dot_product_attention``:
-
-- bool: True = attend;
-- integer: nonzero = attend (0/1 masks work as they are);
-- floating: added to the logits (``-inf`` excludes a key), as ``bias`` is.
-
-This is the one deliberate difference from ``mha_jax``, whose ``mask`` follows flax (any dtype,
-nonzero = attend): a float mask is additive here, a 0/1 keep-mask there. Both take ``bias``.
-Beware: ``torch.nn.MultiheadAttention``'s boolean masks mean the opposite (True = ignore).
-
-The structured terms (causality, windows, chunks, segments, lengths) are those of
-``mha_spec.terms``, kept as positions; every consumer reads their conjunction, ``Spec.terms``.
-
+``mask`` broadcasts to ``(batch, heads, q_len, kv_len)``, in the convention of
+``F.scaled_dot_product_attention``: bool True = attend, integer nonzero = attend, floating added to
+the logits (as ``bias``). The one deliberate difference from ``mha_jax``, whose float mask is a 0/1
+keep-mask as flax's; ``torch.nn.MultiheadAttention``'s bool masks mean the opposite (True = ignore).
 Twin of ``mha_jax/masks.py``.
 """
 
@@ -93,9 +83,8 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
-    """``spec`` (parsed over a decoding cache's slots) with the step's positions, int64 on the
-    spec's device as ``parse`` keeps them: the new tokens' ``(batch, n)``, the slots' ``(batch,
-    max_length)`` and the count of written slots ``(batch,)``."""
+    """``spec`` (over a decoding cache's slots) with the step's positions as ``parse`` keeps them: the
+    new tokens' ``(batch, n)``, the slots' ``(batch, max_length)``, the count of written slots ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
     queries = _sequence("query_positions", query_positions, batch, q_len, "q_len", spec.device)
     keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len", spec.device)
@@ -161,8 +150,8 @@ def _present(query_ids, key_ids):
 
 
 def zero_unused_inputs(inputs_k, inputs_v, spec: Spec):
-    """The module's ``key``/``value`` inputs ``(batch, kv_len, features)`` with zeros at the
-    keys that no query of any head may attend to, before they are projected."""
+    """The module's ``key``/``value`` inputs ``(batch, kv_len, features)`` zeroed at the keys no query
+    of any head may attend to, before they are projected."""
     unused = unused_keys(spec)
     if unused is None:
         return inputs_k, inputs_v

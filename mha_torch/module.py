@@ -8,7 +8,6 @@ each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.we
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import arguments, batch_axes, kv_cache, terms
+from mha_spec import arguments, batch_axes, kv_cache
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
@@ -168,11 +167,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
-        masking = batch_axes.call_masking(
-            self.local_window_size, self.attention_chunk_size, mask=mask, bias=bias, is_causal=is_causal,
-            query_positions=query_positions, key_positions=key_positions, local_window_size=local_window_size,
-            query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            key_value_seq_lengths=key_value_seq_lengths, dropout_mask=dropout_mask)
+        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
         if cache is not None:
             return self._decode(query, key, value, cache, masking, need_weights)
         heads, kv_heads = self._local_heads()
@@ -184,15 +179,13 @@ class MultiHeadAttention(nn.Module):
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
 
     def _logit_terms(self) -> dict:
-        """What the module adds to the logits and their softmax, those it has of ``scale``,
-        ``logit_soft_cap`` and ``sinks``."""
+        """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` the module has, by name."""
         terms = dict(scale=self.scale, logit_soft_cap=self.logit_soft_cap, sinks=self.sinks)
         return {name: value for name, value in terms.items() if value is not None}
 
     def _local_heads(self) -> tuple[int, int]:
-        """(query heads, key/value heads) this process computes: all of them, or under tensor
-        parallelism (``parallelize_module`` with ``ColwiseParallel`` on the projections) the
-        heads of its shard of the projection weights."""
+        """(query heads, key/value heads) this process computes: all, or under tensor parallelism
+        (``ColwiseParallel`` projections) those of its shard of the projection weights."""
         def rows(weight):
             return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
@@ -210,9 +203,8 @@ class MultiHeadAttention(nn.Module):
         return heads, kv_heads
 
     def _decode(self, query, key, value, cache: KVCache, masking: dict, need_weights: bool):
-        """One decoding step: append the new tokens' keys and values to ``cache``, attend over it. The fast path
-        (``_fast_step``) when it takes the call; else the general one: the checked inputs, the cache written at the
-        tokens' positions and attended over every slot with those positions (fixed shapes for torch.compile)."""
+        """One decoding step: ``_fast_step`` when it takes the call, else the cache written at the tokens' positions
+        and attended over every slot (fixed shapes for torch.compile)."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
         if (key is None or key is query) and value is None \
@@ -234,15 +226,10 @@ class MultiHeadAttention(nn.Module):
         return self._attend(q, keys, values, spec, call.batch_shape, need_weights)
 
     def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
-        """The decoding fast path: self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or
-        not causal) over ``cache`` when every row is at one position with room for the ``n`` tokens, outside
-        torch.compile, the caller having checked that nothing else restricts the keys (no mask, bias, window,
-        chunks or given positions). The keys and values are written by slicing (out of place under autograd, see
-        ``_writable``) and the queries attend over the filled slots with no mask: each key/value head's group of
-        query heads as rows of one head in one ``F.scaled_dot_product_attention`` (a hand-written step's tensor
-        operations), or through ``_attention`` for sinks, a soft-cap, dropout, weights ``(*batch, heads, n,
-        filled slots)`` or another implementation. Only the checks these operations need: None (nothing done)
-        for any other call, which the general path then takes, giving the same attention or the errors it names."""
+        """Self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or not causal) over ``cache`` when
+        every row is at one position with room for ``n`` tokens, outside torch.compile, nothing else restricting the
+        keys (the caller checks): the keys written by slicing, the queries over the filled slots unmasked. None for
+        any other call, which the general path takes (with the same result, or the errors it names)."""
         keys, weight = cache.key_storage, self.q_proj.weight
         if not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() or query.ndim < 2 \
                 or query.shape[-1] != self.embed_dim or query.dtype != weight.dtype:
@@ -285,8 +272,8 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.reshape(*batch_shape, n, heads * head_dim))
 
     def _project(self, query, key, value, batch: int, heads: int, kv_heads: int):
-        """Queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads, kv_len, head_dim)``
-        of the inputs ``(*batch, q_len|kv_len, features)``, QK-normed."""
+        """QK-normed queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads, kv_len,
+        head_dim)`` of the inputs ``(*batch, q_len|kv_len, features)``."""
         q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], self.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if self.q_norm is not None:
@@ -298,9 +285,8 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, q, keys, values, spec: masks.Spec, batch_shape, need_weights: bool, dropout_mask=None,
                 zero_unused: bool = False):
         """Queries ``(batch, heads, q_len, head_dim)`` over ``keys``/``values`` ``(batch, kv_heads, kv_len,
-        head_dim)`` as ``spec`` says, with the module's dropout (or ``dropout_mask``) and logit terms, projected
-        out: ``(*batch, q_len, out_dim)``, or ``(output, weights)``. ``zero_unused=False``: a cache's slots hold
-        finite values, none zeroed (see ``_attention``)."""
+        head_dim)`` with the module's dropout and logit terms, projected out: ``(*batch, q_len, out_dim)``, or
+        ``(output, weights)``."""
         batch, heads, n = spec.shape[:3]
         dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
@@ -317,7 +303,7 @@ class MultiHeadAttention(nn.Module):
 
 def _split_heads(x: torch.Tensor, batch: int, length: int, heads: int, head_dim: int) -> torch.Tensor:
     """``x`` ``(*batch, length, heads * head_dim)`` or ``(batch, length, heads, head_dim)``, contiguous, as
-    ``(batch, heads, length, head_dim)``: for one token a view without a transpose (an operation fewer per step)."""
+    ``(batch, heads, length, head_dim)``; for one token a view without a transpose."""
     if length == 1:
         return x.view(batch, heads, 1, head_dim)
     return x.view(batch, length, heads, head_dim).transpose(1, 2)
@@ -347,38 +333,26 @@ def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> KVCache:
-    """The cache against the step's inputs, as a view with the batch axes merged as the inputs'
-    are (writes to the view reach the cache)."""
-    expected = (*batch_shape, cache.key.shape[-3], kv_heads, head_dim)
-    if tuple(cache.key.shape) != expected or tuple(cache.index.shape) != tuple(batch_shape):
-        raise ValueError(
-            f"the cache holds key {tuple(cache.key.shape)} and index {tuple(cache.index.shape)}, but the inputs "
-            f"need (*batch, max_length, num_kv_heads, head_dim) = {expected} and (*batch,) = {tuple(batch_shape)}; "
-            "make the KVCache with the inputs' batch axes"
-        )
-    if n > cache.max_length:
-        raise ValueError(f"a chunk of {n} tokens does not fit a cache of max_length {cache.max_length}")
+    """The cache checked against the step's inputs, its batch axes merged as the inputs' (a view)."""
+    kv_cache.check_cache(("key", "index"), "make the KVCache with the inputs' batch axes", cache.key.shape,
+                         cache.index.shape, batch_shape, kv_heads, head_dim, n)
     if len(batch_shape) == 1:
         return cache
     return cache.merged(batch)
 
 
 def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
-    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new tokens' positions
-    (``call.query_positions`` ``(batch, n)`` or ``(n,)``, default each row's index onward) and append ``k``/``v``
-    ``(batch, kv_heads, n, head_dim)`` to ``cache`` there (see ``_writable``): ``(q, spec)``, the rotated queries
-    and ``call.spec`` with the positions of the new queries and of the ``max_length`` slots."""
+    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new tokens' positions (default each row's
+    index onward) and append ``k``/``v`` ``(batch, kv_heads, n, head_dim)`` to ``cache``: ``(q, spec)``, ``spec``
+    with the positions of the new queries and of the ``max_length`` slots."""
     start, max_length = cache.index.clone(), cache.max_length
     pos = _cache.positions(start, k.shape[2], call.query_positions)
     q, k = rotate_at(rotary, q, k, pos, pos)
-    if cache.key_storage.dtype != k.dtype:
-        raise TypeError(
-            f"the cache's key has dtype {str(cache.key.dtype).removeprefix('torch.')} but the keys are "
-            f"{str(k.dtype).removeprefix('torch.')}: KVCache(..., dtype={k.dtype})"
-        )
+    kv_cache.check_dtype(_checks.dtype_name(cache.key), _checks.dtype_name(k), "the cache's key",
+                         f"KVCache(..., dtype={k.dtype})")
     end = _cache.advance(start, pos)
-    overflow = terms.cache_overflows(start, end, max_length, call.spec.terms)
-    kv_cache.check_overflow(None if torch.compiler.is_compiling() else overflow.cpu().numpy(), end, max_length)
+    overflow = kv_cache.check_step(start, end, max_length, call.spec.terms,
+                                   lambda x: None if torch.compiler.is_compiling() else x.cpu().numpy())
     key, value = k.transpose(1, 2), v.transpose(1, 2)
     _writable(cache, key, value)
     _cache.write(cache.key, key, pos, start, padded=call.query_positions is not None)
@@ -389,37 +363,26 @@ def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
 
 
 def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Before a step writes the new ``key``/``value`` into ``cache``: under autograd (grad mode on, they or the
-    cache requiring gradients) the attention keeps the tensors it reads for the backward pass, so the cache takes
-    copies to write into, the old ones left to the graph, and gradients flow through the cache from step to step
-    (as in the full causal pass and JAX's functional cache); otherwise it is written in place."""
+    """Under autograd the cache takes copies to write ``key``/``value`` into, the old ones left to the graph
+    (gradients flow through the cache from step to step, as in JAX's functional cache); else it is written in place."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache.key_storage, cache.value_storage)):
         cache.key_storage, cache.value_storage = cache.key_storage.clone(), cache.value_storage.clone()
 
 
 def _prepare(inputs: tuple, masking: dict, num_heads: int, features: tuple[int, int, int], dtype: torch.dtype, *,
             max_length: int | None = None) -> batch_axes.Call:
-    """The checked call of the module: ``inputs`` (query, key, value; absent ones defaulted) and
-    ``masking`` (the call's masking arguments and ``dropout_mask``, by name) with their batch axes
-    merged into one (``features``: ``embed_dim``, ``kdim``, ``vdim``; ``dtype``: the parameters').
-    Not decoding, the spec of ``(batch, num_heads, q_len, kv_len)`` on the query's device, the
-    keys no query may attend to zeroed; decoding (``max_length``: the cache's), the spec over the
-    cache's slots, whose positions ``_decode_step`` sets."""
-    self_attention, query, key, value = _self_attention(*inputs)
+    """The checked call of the module (``features``: ``embed_dim``, ``kdim``, ``vdim``; ``dtype``: the
+    parameters'), as ``batch_axes.merged_call``; not decoding, the keys no query may attend to zeroed."""
+    self_attention, query, key, value = arguments.default_inputs(*inputs, ("query", "key", "value"), "tensor")
     _check_inputs(query, key, value, *features)
     _check_parameter_dtype(query, dtype)
     parse = functools.partial(masks.parse, device=query.device)
-    call = batch_axes.merged_call((query, key, value), self_attention, masking, _expand, parse, num_heads, max_length)
-    if max_length is not None:
-        return call
-    query, key, value = call.inputs
-    key, value = masks.zero_unused_inputs(key, value, call.spec)
-    return dataclasses.replace(call, inputs=(query, key, value))
+    return batch_axes.merged_call((query, key, value), self_attention, masking, _expand, parse,
+                                  masks.zero_unused_inputs, num_heads, max_length)
 
 
 def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
-    """The inputs (checked, one dtype) in the parameters' ``dtype``, as ``torch.nn.Linear``
-    needs them (its own error names neither); under autocast, which casts both, any."""
+    """The inputs in the parameters' ``dtype``, as ``torch.nn.Linear`` needs them; any under autocast."""
     if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
         raise TypeError(
             f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {dtype}: pass "
@@ -429,11 +392,6 @@ def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.expand(shape)
-
-
-def _self_attention(query, key, value):
-    """The defaults for absent key and value inputs; True when the keys are the queries."""
-    return arguments.default_inputs(query, key, value, ("query", "key", "value"), "tensor")
 
 
 def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:

@@ -543,23 +543,25 @@ class Result:
                     worst, where = max(e["rel"], e["max_abs"]), f"{pair}: {name}"
         return worst, where
 
+    def _largest(self, error: str) -> float:
+        """The largest ``error`` of outputs and weights (not gradients), any pair."""
+        return max((e[error] for entries in self.details.values() for n, e in entries.items()
+                    if not n.startswith("grad:")), default=0.0)
+
     @property
     def rel(self) -> float:
         """Worst relative error (``||a - b|| / ||b||``) of outputs and weights, any pair."""
-        return max((e["rel"] for entries in self.details.values() for n, e in entries.items()
-                    if not n.startswith("grad:")), default=0.0)
+        return self._largest("rel")
 
     @property
     def max_abs(self) -> float:
         """Worst ``max |a - b| / max |b|`` of outputs and weights, any pair."""
-        return max((e["max_abs"] for entries in self.details.values() for n, e in entries.items()
-                    if not n.startswith("grad:")), default=0.0)
+        return self._largest("max_abs")
 
     @property
     def abs(self) -> float:
         """Worst absolute error ``max |a - b|`` of outputs and weights, any pair."""
-        return max((e["abs"] for entries in self.details.values() for n, e in entries.items()
-                    if not n.startswith("grad:")), default=0.0)
+        return self._largest("abs")
 
     @property
     def grad(self) -> float:

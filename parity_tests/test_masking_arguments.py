@@ -1,0 +1,47 @@
+"""The public calls' bodies pick their masking arguments from ``locals()`` by the names in
+``batch_axes.MASKING``: every parameter of each signature is either one of those names or one the
+body passes on by name, so a parameter added to a signature and to neither list fails here
+instead of being dropped."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import mha_jax
+import mha_jax.linen
+import mha_torch
+from mha_spec import batch_axes
+
+_MODULE_CALL = {"deterministic", "rngs", "sow_weights", "decode", "out_sharding", "qkv_sharding", "dropout_mask",
+                "return_weights"}
+# each public call and its parameters that are not masking arguments
+CALLS = {
+    mha_jax.dot_product_attention: {"query", "key", "value", "scale", "logit_soft_cap", "sinks", "dropout_rate",
+                                    "dropout_rng", "dropout_mask", "return_weights", "precision", "implementation",
+                                    "sequence_axis"},
+    mha_torch.dot_product_attention: {"query", "key", "value", "scale", "logit_soft_cap", "sinks", "dropout_p",
+                                      "dropout_mask", "need_weights", "implementation"},
+    mha_jax.MultiHeadAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v"} | _MODULE_CALL,
+    mha_jax.linen.MultiHeadDotProductAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v", "inputs_kv",
+                                                          "deterministic", "dropout_rng", "sow_weights",
+                                                          "dropout_mask", "return_weights"},
+    mha_torch.MultiHeadAttention.forward: {"self", "query", "key", "value", "need_weights", "dropout_mask", "cache"},
+}
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda call: f"{call.__module__}.{call.__qualname__}")
+def test_every_parameter_is_masking_or_passed_by_name(call):
+    parameters = set(inspect.signature(call).parameters)
+    unknown = parameters - CALLS[call] - set(batch_axes.MASKING)
+    assert not unknown, f"{call.__qualname__}: parameters neither in batch_axes.MASKING nor passed on: {unknown}"
+
+
+def test_masking_picks_the_named_arguments_only():
+    given = dict(mask=1, bias=2, scale=3, dropout_mask=4, self=5)
+    assert batch_axes.masking(given) == {"mask": 1, "bias": 2}
+    assert batch_axes.masking(given, "dropout_mask") == {"mask": 1, "bias": 2, "dropout_mask": 4}
+    picked = batch_axes.call_masking((2, 0), 8, dict(given, local_window_size=None))
+    assert picked["local_window_size"] == (2, 0) and picked["attention_chunk_size"] == 8
+    assert batch_axes.call_masking((2, 0), None, dict(given, local_window_size=3))["local_window_size"] == 3
