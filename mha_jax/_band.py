@@ -129,9 +129,7 @@ def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
 def _queries(cfg, x):
     """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``: the caller's layout (its transpose
     and this one cancel), zero-padded to whole blocks."""
-    x = jnp.moveaxis(x, 3, 1)
-    pad = cfg.n_q * cfg.block_q - x.shape[1]
-    return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return _tiles.pad(jnp.moveaxis(x, 3, 1), 1, cfg.n_q * cfg.block_q)
 
 
 def _block_rows(cfg, x, i):

@@ -310,41 +310,31 @@ def _sliced(terms: dict, start, size: int) -> dict:
     return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
 
 
-def _where(qt: dict, kt: dict, lengths) -> tuple[Where, Where]:
-    """What the terms read of a tile's queries (``qt``: ``qp``, ``qs``) and keys (``kt``: ``kp``,
-    ``ks``, ``index``), each ``(b|1, tile)``, laid against its scores ``(b, h, g, q_tile, k_tile)``."""
-    q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
-    k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
-    return (Where(q5(qt["qp"]), q5(qt.get("qs"))),
-            Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
-                  None if lengths is None else lengths[:, None, None, None, None]))
-
-
 def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias):
     """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None) of queries ``q``
-    ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``."""
+    ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``, the terms read on
+    the tile's query terms ``qt`` (``qp``, ``qs``) and key terms ``kt`` (``kp``, ``ks``, ``index``)."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
-    qw, kw = _where(qt, kt, lengths)
+    q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
+    k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
+    qw = Where(q5(qt["qp"]), q5(qt.get("qs")))
+    kw = Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
+               None if lengths is None else lengths[:, None, None, None, None])
     return _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw, k=kw,
                          masks=(mask,))
 
 
-def _may_see(cfg: _Config, qp, kp, mask):
-    """A scalar bool, False when the positional terms (read from the tile's extreme positions,
+def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
+    """``update(state)``, skipped where the positional terms (read from the tile's extreme positions,
     shared by the batch) or the dense mask (where this device sees all of it that matters) leave
-    the tile empty; None where neither can tell."""
-    ok = None
+    the tile empty."""
+    may, qp, kp = None, qt["qp"], kt["kp"]
     positional = cfg.terms.only({"position"})
     if positional and qp.shape[0] == 1 and kp.shape[0] == 1:
-        ok = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
+        may = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
     if mask is not None and (not cfg.auto or (mask.shape[0] == 1 or cfg.batch_axes)
                              and (mask.shape[1] == 1 or cfg.head_axes)):
-        ok = conjoin(ok, mask.any())
-    return ok
-
-
-def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
-    may = _may_see(cfg, qt["qp"], kt["kp"], mask)
+        may = conjoin(may, mask.any())
     return update(state) if may is None else jax.lax.cond(may, update, lambda state: state, state)
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from mha_jax import _platform, masks
+from mha_jax import _platform, _tiles, masks
 from mha_spec.terms import Where
 
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
@@ -90,8 +90,8 @@ def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=Non
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     q_pad, kv_pad = padded(q_len), padded(kv_len)
     built = kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, spec.chunk_size, soft_cap, interpret)
-    q = _pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), q_pad)
-    k, v = (_pad(x.transpose(0, 2, 1, 3), kv_pad) for x in (key, value))
+    q = _tiles.pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), 2, q_pad)
+    k, v = (_tiles.pad(x.transpose(0, 2, 1, 3), 2, kv_pad) for x in (key, value))
     q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
     sinks = None if sinks is None else sinks.astype(jnp.float32)
 
@@ -135,11 +135,6 @@ def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
         fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False, mask_value=internal["DEFAULT_MASK_VALUE"],
         attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=function, interpret=interpret,
     )
-
-
-def _pad(x, length):
-    """``(batch, heads, len, d)`` zero-padded along ``len``."""
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))) if x.shape[2] != length else x
 
 
 def _segment_ids(spec: masks.Spec, q_pad: int, kv_pad: int):
