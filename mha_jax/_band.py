@@ -1,22 +1,15 @@
 """Sliding-window attention over default positions as one band per query block.
 
-With default positions (query ``i`` and key ``j`` at positions ``i`` and ``j``) and a window
-``(left, right)``, the keys a block of ``block`` queries starting at ``i0`` may see are the
-``width = block + left + right`` keys starting at ``i0 - left``. Each query block therefore
-takes its band with one slice and one product, with one softmax over it (one step of
-``_tiles``' online softmax, from its start): no loop over key blocks, and which scores the
-window excludes is the same pattern for every block (relative offsets), so no positions are
-read. The tiles of ``_blockwise`` (512 x 256) would cover ``512 + left`` keys for every 512
-queries, twice the window's pairs at ``left = 512``, with a loop step per tile; a band of 128
-queries covers ``128 + left``.
+With default positions and a window ``(left, right)``, the keys a block of ``block`` queries from
+``i0`` may see are the ``width = block + left + right`` keys from ``i0 - left``: each query block
+takes its band with one slice and one product, and one step of ``_tiles``' online softmax. The
+window's pattern is the same in every band (relative offsets), so no positions are read.
 
 Interface as ``_blockwise``'s: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
-``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (the positions
-None: default). Inside, the queries and the output stay in the caller's layout ``(batch,
-q_len, kv_heads, groups, head_dim)`` (the caller's transposes cancel) and each block is
-transposed in the loop; the scale is applied to each band's scores. A custom VJP recomputes
-each band's transposed scores from the saved row log-sum-exp (so that every product takes its
-operands as stored) and adds each band's key and value gradients into theirs in place.
+``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (positions None).
+Inside, queries and output stay in the caller's layout ``(batch, q_len, kv_heads, groups,
+head_dim)`` (the caller's transposes cancel) and each block is transposed in the loop. The custom
+VJP recomputes each band's transposed scores from the saved row log-sum-exp.
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ _BLOCK = 128  # queries per band (docs/performance.md: how it was chosen)
 
 @dataclass(frozen=True)
 class _Band:
-    block_q: int  # named as ``_blockwise.Config``'s, whose query-block helpers take it
+    block_q: int  # as ``_blockwise.Config``'s, for ``_tiles.query_rows``
     q_len: int
     kv_len: int
     left: int
@@ -58,10 +51,9 @@ class _Band:
 
 
 def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -> tuple[int, int, int] | None:
-    """(block, left, right) when ``terms`` hold a window over default positions that is cheaper
-    as bands than as tiles (its band's scores fit in ``_BAND_SCORES``), else None. Causality
-    makes ``right`` 0; a side wider than the keys is cut to them. Every term that reads positions
-    must read them relative to each other (a window, causality), not where they are (chunks)."""
+    """(block, left, right) when ``terms`` hold a window (and only terms that read positions
+    relative to each other) whose band's scores fit in ``_BAND_SCORES``, else None. Causality
+    makes ``right`` 0; a side wider than the keys is cut to them."""
     window = [t for t in terms if isinstance(t, Window)]
     if not window or not all(t.shift_invariant for t in terms) or q_len == 0 or kv_len == 0:
         return None
@@ -74,9 +66,8 @@ def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -
 
 
 def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
-    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype`` over
-    ``terms`` = (None, None, query segment ids, key segment ids, lengths) read by the terms of
-    ``conditions``, whose window spans ``(left, right)`` (causality folded into ``right``)."""
+    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``: ``terms`` (qp,
+    kp, qs, ks, lengths) read by ``conditions``, whose window is ``(left, right)`` (causality in ``right``)."""
     cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
     return _band(cfg, q, k, v, terms[2:])
 
@@ -91,11 +82,9 @@ def _padded_keys(cfg, x, axis):
     return jnp.pad(x, widths)
 
 
-def _visible(cfg, i, g, terms):
-    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the terms (window,
-    causality, segments, lengths), and keys that exist (not the padding before 0 or past
-    ``kv_len``). Positions are read relative to the band's first query, the same in every band:
-    NumPy operands, so that the window is a constant rather than recomputed for every score."""
+def _visible(cfg, i, terms):
+    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the terms, and keys that
+    exist. Positions are relative to the band's first query (NumPy: the window is a constant)."""
     rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)
     cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left  # relative key positions
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
@@ -109,8 +98,7 @@ def _visible(cfg, i, g, terms):
 
 
 def _segments(cfg, terms):
-    """(query segment ids padded as the queries' blocks, key segment ids laid as the keys'
-    bands, lengths); the padding's ids are never read unmasked."""
+    """(query segment ids padded to whole blocks, key segment ids laid as the keys, lengths)."""
     qs, ks, lengths = terms
     if qs is None:
         return terms
@@ -124,12 +112,10 @@ def _band(cfg, q, k, v, terms):
 
 
 def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
-    """One band's scores ``(b, h, g * block, width)``, -inf where not visible (``_tiles.scores``,
-    scaled there); with ``transposed`` the transposed scores ``(b, h, width, g * block)``, which
-    the backward's products take as stored (XLA:CPU runs a product with a transposed left
-    operand as a slower kernel)."""
+    """One band's scores ``(b, h, g * block, width)``, -inf where not visible; with ``transposed``
+    ``(b, h, width, g * block)``, which the backward's products take as stored."""
     b, h = q_i.shape[:2]
-    visible = _visible(cfg, i, g, terms)  # (b|1, 1, 1|g, block, width)
+    visible = _visible(cfg, i, terms)  # (b|1, 1, 1|g, block, width)
     scale = jnp.asarray(cfg.scale, q_i.dtype)
     if transposed:
         s = jnp.einsum("bhkd,bhmd->bhkm", k_band, q_i, precision=cfg.precision)
@@ -141,33 +127,26 @@ def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
 
 
 def _queries(cfg, x):
-    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``: the queries' axis back before
-    the heads, as the caller's arrays hold it (its transpose and this one cancel: no copy), and
-    zero-padded to whole blocks."""
-    x = jnp.moveaxis(x, 3, 1)
-    pad = cfg.n_q * cfg.block_q - x.shape[1]
-    return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``: the caller's layout (its transpose
+    and this one cancel), zero-padded to whole blocks."""
+    return _tiles.pad(jnp.moveaxis(x, 3, 1), 1, cfg.n_q * cfg.block_q)
 
 
 def _block_rows(cfg, x, i):
-    """Query block ``i`` of ``_queries``' layout as rows ``(b, h, g * block, ...)``: each block
-    is transposed in the loop, in cache, rather than all the queries before it."""
+    """Query block ``i`` of ``_queries``' layout as rows ``(b, h, g * block, ...)``."""
     b, _, h, g = x.shape[:4]
     x = jnp.moveaxis(lax.dynamic_slice_in_dim(x, i * cfg.block_q, cfg.block_q, 1), 1, 3)
     return x.reshape((b, h, g * cfg.block_q) + x.shape[4:])
 
 
 def _in_caller_layout(cfg, x):
-    """One block's rows ``(b, h, g * block, d)`` -> ``(b, block, h, g, d)``, the caller's layout
-    (transposed in the loop, in cache)."""
+    """One block's rows ``(b, h, g * block, d)`` -> ``(b, block, h, g, d)``, the caller's layout."""
     b, h, _, d = x.shape
     return jnp.moveaxis(x.reshape(b, h, -1, cfg.block_q, d), 3, 1)
 
 
 def _unblocked(cfg, x):
-    """The blocks ``(n, b, block, h, g, d)`` -> ``(b, h, g, q_len, d)``, through the caller's
-    layout ``(b, q_len, h, g, d)``: with one example a reshape, and the caller's transpose back
-    cancels the last one."""
+    """The blocks ``(n, b, block, h, g, d)`` -> ``(b, h, g, q_len, d)``, through the caller's layout."""
     n, b = x.shape[:2]
     x = jnp.moveaxis(x, 0, 1).reshape((b, n * cfg.block_q) + x.shape[3:])
     return jnp.moveaxis(x[:, : cfg.q_len], 1, 3)
@@ -205,8 +184,7 @@ def _backward(cfg, residuals, d_out):
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
     kt = jnp.swapaxes(kp, 2, 3)  # (b, h, d, padded): dQ^T = K^T dS^T as stored
 
-    # On transposed scores S^T (keys by queries), as ``_blockwise``'s backward: dV = P^T dO,
-    # dK = dS^T Q and dQ^T = K^T dS^T all take their operands as stored.
+    # On transposed scores S^T, as ``_blockwise``'s backward: every product takes its operands as stored.
     def block(carry, args):
         dk, dv = carry
         i, lse_i, delta_i = args

@@ -1,46 +1,26 @@
 """Blockwise (flash-style) attention in pure JAX: memory linear in length.
 
-Queries are processed in blocks; for each, an online softmax runs over key blocks, so no
-``(q_len, kv_len)`` matrix is ever formed. A custom VJP recomputes each block's scores in the
-backward pass from the saved row log-sum-exp instead of storing them.
+Queries are processed in blocks, each with an online softmax over key blocks (``_tiles``' tile
+step), so no ``(q_len, kv_len)`` matrix is formed; a custom VJP recomputes each block's scores from
+the saved row log-sum-exp. Which blocks are visited comes from the terms' block summaries: a block
+is whole (no mask applied), partial or empty (never visited), so a sliding window costs O(length x
+window). A window over default positions with nothing else per score runs as ``_band`` instead.
 
-Which blocks are visited comes from positions, not from a dense mask: from each block's range
-of positions, segment ids and key indices (and the boolean mask's block summary, when one is
-given), every block is whole (no score masked: no mask is applied), partial (masked) or empty
-(never visited, in either pass). Each query block visits its whole key blocks, then its partial
-ones; the backward does the same per key block over query blocks. Sliding windows therefore cost
-O(length x window), and packed segments only the blocks within each segment. A window over
-default positions with nothing else per score (no dense mask, bias, dropout, sinks or cap) runs
-as ``_band`` instead: one slice of keys per block of 128 queries, with no tiles.
-
-Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
-``(batch, kv_heads, kv_len, head_dim)``; masks keep their own (broadcast) shape
-``(batch|1, kv_heads|1, groups|1, q_len|1, kv_len|1)`` and are sliced per block.
-
-Inside, batch and kv heads are the two batch axes of the matrix products and a query block's
-groups and queries one row axis (``rows = groups * block_q``), so grouped heads share each key
-block's product. Batch and heads are never merged with another axis: a sharding of either
-(data or head parallelism, on an Auto or Explicit mesh) carries through every block as it is,
-and inside ``jax.shard_map`` the loops' carries take the inputs' varying mesh axes. Every
-product is laid out as XLA:CPU's matmul takes it, ``(batch, heads, m, k) @ (batch, heads, k, n)``,
-with no per-block transpose: keys are transposed once for the forward's
-``Q K^T``, and the backward works on transposed scores ``S^T = K Q^T``, so that ``dV = P^T dO``,
-``dK = dS^T Q`` and ``dQ^T = K^T dS^T`` all take their operands as stored. The softmax scale
-is folded into the queries once rather than applied to every score.
-
-A logit soft-cap is applied to each block's scores before the bias and masks (and its
-derivative ``1 - tanh^2`` to each block's score gradient); sinks start each row's running
-maximum and sum (``m = sink``, ``l = 1``), and their gradient is read off the saved log-sum-exp
-after the loops. Without them nothing of them is traced. Each block's scores and its step of
-the online softmax, forward and backward, are ``_tiles``' (the ring's too).
+Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value ``(batch,
+kv_heads, kv_len, head_dim)``; masks keep their broadcast shape ``(batch|1, kv_heads|1, groups|1,
+q_len|1, kv_len|1)``. Inside, batch and kv heads are the products' batch axes (so a sharding of
+either carries through) and a query block's groups and queries one row axis (``rows = groups *
+block_q``), so grouped heads share each product. Products take their operands as stored, as
+XLA:CPU's matmul does: keys are transposed once for ``Q K^T``, and the backward works on transposed
+scores ``S^T = K Q^T``. The scale is folded into the queries.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,17 +61,21 @@ class Config:
         return -(-self.kv_len // self.block_k)
 
 
-def _fit(n: int, cap: int) -> int:
-    return min(cap, max(8, 1 << (n - 1).bit_length()))
+# The blocks' caps (query rows over all groups, keys) by (backward, causal): finer causal blocks
+# waste less on the diagonal (docs/performance.md: how they were chosen).
+_CAPS = {(False, False): (1024, 512), (False, True): (512, 256), (True, False): (512, 1024), (True, True): (512, 512)}
 
 
-def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
-    """Powers of two up to the caps, halved (larger first, down to 64) until one block's
-    scores fit in ``_BLOCK_SCORES``. A symbolic size (``jax.export.symbolic_shape``) counts as
-    a long length, or as 8 batch x heads: the blocks must not depend on the size it takes."""
+def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False,
+                backward: bool = False) -> tuple[int, int]:
+    """(query, key) blocks: powers of two up to ``_CAPS``, halved (larger first, down to 64) until
+    one block's scores fit in ``_BLOCK_SCORES``. A symbolic size counts as a long length, or as 8
+    batch x heads. The backward's serve where no drawn dropout mask ties them to the forward's."""
+    cap_q, cap_k = _CAPS[backward, causal]
+    cap_q = max(cap_q // groups, 8)
     q_len, kv_len = (n if isinstance(n, int) else cap for n, cap in ((q_len, cap_q), (kv_len, cap_k)))
     batch_heads = batch_heads if isinstance(batch_heads, int) else 8
-    block_q, block_k = _fit(q_len, cap_q), _fit(kv_len, cap_k)
+    block_q, block_k = (min(cap, max(8, 1 << (n - 1).bit_length())) for n, cap in ((q_len, cap_q), (kv_len, cap_k)))
     while batch_heads * groups * block_q * block_k > _BLOCK_SCORES and max(block_q, block_k) > 64:
         if block_q * groups >= block_k:
             block_q //= 2
@@ -100,37 +84,17 @@ def _sizes(q_len, kv_len, batch_heads, groups, cap_q, cap_k):
     return block_q, block_k
 
 
-def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False
-                ) -> tuple[int, int]:
-    """Forward blocks: 1024 query rows (over all groups) x 512 keys, or 512 x 256 when causal
-    (finer blocks waste less on the diagonal), smaller for short inputs or many heads
-    (docs/performance.md: how they were chosen)."""
-    cap_q, cap_k = (512, 256) if causal else (1024, 512)
-    return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
-
-
-def backward_block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False
-                         ) -> tuple[int, int]:
-    """Backward blocks (when no drawn dropout mask ties them to the forward's): 512 query rows
-    x 1024 keys, or 512 x 512 when causal."""
-    cap_q, cap_k = (512, 512) if causal else (512, 1024)
-    return _sizes(q_len, kv_len, batch_heads, groups, max(cap_q // groups, 8), cap_k)
+backward_block_sizes = functools.partial(block_sizes, backward=True)
 
 
 def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
               keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None):
-    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``.
-
-    ``spec`` gives the structured terms (positions, segments, lengths, causality, window);
-    ``allowed``/``keep`` (bool) and ``bias`` (float) are None or 5-d in the interface layout.
-    ``dropout_rng`` draws a keep-mask per block (a stream of its own, not the plain path's).
-    ``soft_cap`` (a float or None) caps each block's scores as ``cap * tanh(s / cap)`` before
-    the bias and masks; ``sinks`` ``(1, kv_heads, groups)`` in ``q.dtype``, or None, is each
-    query head's sink logit, the start of its rows' running maximum and sum.
-    """
+    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``. ``spec`` gives
+    the structured terms; ``allowed``, ``keep`` (bool) and ``bias`` are None or 5-d in the interface
+    layout; ``dropout_rng`` draws a keep-mask per block (a stream of its own); ``soft_cap`` a float or
+    None; ``sinks`` ``(1, kv_heads, groups)`` in ``q.dtype`` or None."""
     if q.shape[3] == 0:  # no query: nothing to visit (and no block to slice one from)
         return jnp.zeros_like(q)
-    # A window over default positions, with nothing else per score, is a band per query block.
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
@@ -142,15 +106,23 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
         return _run(cfg, *args)
-    # Sharding in types. Where only batch and heads are sharded, each device runs the kernel on
-    # its own examples and heads (unless dropout is drawn: the bits drawn for the whole batch are
-    # then sharded as they fall); otherwise it runs with the axes automatic, its layout
-    # propagated from the inputs' (batch and heads stay axes of their own throughout). The
-    # output is sharded as the query.
+    # Sharding in types: where only batch and heads are sharded (and no dropout is drawn, whose
+    # bits are drawn for the whole batch), each device runs on its own examples and heads;
+    # otherwise the axes are made automatic. The output is sharded as the query.
     out_spec = jax.typeof(q).sharding.spec
     batch, heads = _names(out_spec[0]), _names(out_spec[1])
     if dropout_rng is None and (batch or heads) and not any(_names(e) for e in out_spec[2:]):
-        out = _per_device(functools.partial(_run, cfg), args, batch, heads, explicit)
+        n, kv_heads = q.shape[:2]
+
+        def place(x, has_heads):  # the batch (where not broadcast) and the key/value heads split
+            entries = [batch if x.shape[0] == n else None] + [None] * (x.ndim - 1)
+            if has_heads and x.shape[1] == kv_heads:
+                entries[1] = heads
+            return P(*(e or None for e in entries))
+
+        specs = (*(None if x is None else place(x, True) for x in args[:7]), None,
+                 jax.tree.map(lambda x: place(x, False), terms))
+        out = per_device(functools.partial(_run, cfg), args, specs, P(batch or None, heads or None))
         # axes of 1 device
         return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)
     return jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=out_spec)(*args)
@@ -163,36 +135,17 @@ def _names(entry) -> tuple:
     return tuple(a for a in names if sizes[a] > 1)
 
 
-def _per_device(run, args, batch, heads, explicit):
-    """``run(*args)`` inside ``jax.shard_map`` over the Explicit axes: every array's batch (its
-    first axis, where not broadcast) split over the ``batch`` axes, the key/value heads of q,
-    k, v and the masks over the ``heads`` axes, the rest whole. Each device then decides which
-    blocks to visit from its own examples and heads, with no communication, and the gradient of
-    an input shared over an axis (a bias shared by the batch) is summed over it once, after the
-    backward (JAX's differentiation of ``shard_map``)."""
-    leaves, tree = jax.tree.flatten(args[:7])  # q, k, v, the masks and sinks: (batch|1, kv_heads|1, ...)
-    terms, terms_tree = jax.tree.flatten(args[7:])  # positions, segments (batch|1, len), lengths (batch,)
-    n, kv_heads = args[0].shape[:2]
+def per_device(run, args: tuple, specs: tuple, out_specs, check_vma: bool = True):
+    """``run(*args)`` inside ``jax.shard_map`` over the mesh's Explicit axes, each array of ``args``
+    resharded to its PartitionSpec in ``specs`` (``args``' tree). The gradient of an input shared
+    over an axis is summed over it by JAX's differentiation of ``shard_map``."""
 
-    def place(x, has_heads):
-        entries = [None] * x.ndim
-        if x.shape[0] == n:
-            entries[0] = batch or None
-        if has_heads and x.shape[1] == kv_heads:
-            entries[1] = heads or None
-        spec = P(*entries)
-        if jax.typeof(x).sharding.spec != spec:
-            x = jax.sharding.reshard(x, spec)
-        return x, spec
+    def placed(x, spec):
+        return x if jax.typeof(x).sharding.spec == spec else jax.sharding.reshard(x, spec)
 
-    placed = [place(x, True) for x in leaves] + [place(x, False) for x in terms]
-
-    def local(*xs):
-        return run(*jax.tree.unflatten(tree, xs[: len(leaves)]), *jax.tree.unflatten(terms_tree, xs[len(leaves):]))
-
-    sharded = jax.shard_map(local, in_specs=tuple(spec for _, spec in placed),
-                            out_specs=P(batch or None, heads or None), axis_names=set(explicit), check_vma=True)
-    return sharded(*(x for x, _ in placed))
+    args = jax.tree.map(placed, args, specs)
+    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
+    return jax.shard_map(run, in_specs=specs, out_specs=out_specs, axis_names=explicit, check_vma=check_vma)(*args)
 
 
 def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
@@ -205,21 +158,14 @@ def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
 
 
 def _varying(xs, others):
-    """``xs`` made varying over every manual mesh axis (inside ``jax.shard_map``) that any
-    array of ``xs`` or ``others`` varies over; outside one, ``xs`` as they are.
-
-    The loops' carries start from these arrays (``zeros_like``), so that they enter each loop
-    with the type they leave it with; and the differentiated inputs all share that type, so that
-    each gradient has its input's type (the sum over the axes an input was replicated on is
-    the transpose of this cast, outside the custom VJP).
-    """
+    """``xs`` made varying over every manual mesh axis (inside ``jax.shard_map``) that any array of
+    ``xs`` or ``others`` varies over: the loops' carries start from them (``zeros_like``), and each
+    gradient then has its input's type."""
     axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves((xs, others))))
 
     def vary(x):
         missing = tuple(sorted(axes - _vma(x)))
-        if not missing:
-            return x
-        return to_varying(x, missing)
+        return to_varying(x, missing) if missing else x
 
     return tuple(None if x is None else vary(x) for x in xs)
 
@@ -265,11 +211,9 @@ def _pad_masks(cfg, arrays):
 
 
 def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
-    """Block (i, j)'s scores and the tanh of its cap (``_tiles.scores``) from its products ``s``.
-    A partial block is masked by the structured terms, the boolean mask and (forward only: the
-    backward's clamp bounds them, see ``_tiles.backward``) the padding of the last key block.
-    Masks broadcast against the block ``(b, h, g, block_q, block_k)``, or ``(b, h, block_k, g,
-    block_q)`` when ``transposed``."""
+    """Block (i, j)'s scores and the tanh of its cap from its products ``s`` ``(b, h, g, block_q,
+    block_k)``, or ``(b, h, block_k, g, block_q)`` when ``transposed``. A partial block is masked by
+    the terms, the mask and (forward only: ``_tiles.backward`` clamps) the last key block's padding."""
     bias = None if bias is None else _tile(cfg, bias, i, j, transposed)
     if not partial:
         return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias)
@@ -295,24 +239,24 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
                          masks=allowed_tile)
 
 
+def _edge_padded(x, n, block):
+    """A ``(b|1, len)`` term padded to ``n`` whole blocks, its last entry repeated (None for None)."""
+    return None if x is None else jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), mode="edge")
+
+
 def _ranges(x, block, n):
-    """(min, max) over each block of a ``(b|1, len)`` term: ``(b|1, n)`` each (None for None).
-    The last block's padding repeats its last entry, so that it changes neither."""
+    """(min, max) over each block of a ``(b|1, len)`` term: ``(b|1, n)`` each (None for None)."""
     if x is None:
         return None
-    x = jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), mode="edge").reshape(x.shape[0], n, block)
+    x = _edge_padded(x, n, block).reshape(x.shape[0], n, block)
     return x.min(axis=2), x.max(axis=2)
 
 
 def _pad_terms(cfg, terms):
-    """Positions and segment ids padded to whole blocks (their last entry repeated)."""
+    """Positions and segment ids padded to whole blocks (``_edge_padded``)."""
     qp, kp, qs, ks, lengths = terms
-
-    def pad(x, n, block):
-        return None if x is None else jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), mode="edge")
-
-    return (pad(qp, cfg.n_q, cfg.block_q), pad(kp, cfg.n_k, cfg.block_k),
-            pad(qs, cfg.n_q, cfg.block_q), pad(ks, cfg.n_k, cfg.block_k), lengths)
+    return (_edge_padded(qp, cfg.n_q, cfg.block_q), _edge_padded(kp, cfg.n_k, cfg.block_k),
+            _edge_padded(qs, cfg.n_q, cfg.block_q), _edge_padded(ks, cfg.n_k, cfg.block_k), lengths)
 
 
 def _conjunction(cfg, terms) -> Terms:
@@ -321,10 +265,9 @@ def _conjunction(cfg, terms) -> Terms:
 
 
 def classes(cfg, allowed, terms, padding):
-    """(whole, live): bool ``(n_q, n_k)``. A block is live if some score in it may be attended
-    to in some batch element (as far as each term's block summary tells), and whole if every
-    score in it may be, in every batch element, so that it needs no mask. With ``padding`` the
-    last key block's padding counts as masked."""
+    """(whole, live): bool ``(n_q, n_k)``: live where some score may be attended to in some batch
+    element (as the terms' block summaries tell), whole where every score may be in every one (no
+    mask needed). With ``padding`` the last key block's padding counts as masked."""
     qp, kp, qs, ks, lengths = terms
     q_pos, k_pos = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)  # (lo, hi) (b|1, n)
     q_ids, k_ids = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
@@ -351,11 +294,7 @@ def classes(cfg, allowed, terms, padding):
 
 def _mask_blocks(cfg, allowed):
     """(any, all) of a boolean 5-d mask over each block and every batch element and head."""
-    a = allowed.reshape(allowed.shape[3:]) if allowed.shape[:3] == (1, 1, 1) else None
-    if a is None:
-        some, every = allowed.any(axis=(0, 1, 2)), allowed.all(axis=(0, 1, 2))
-    else:
-        some = every = a
+    some, every = allowed.any(axis=(0, 1, 2)), allowed.all(axis=(0, 1, 2))
 
     def blocks(x, fill, reduce):
         if x.shape[0] != 1:
@@ -370,8 +309,8 @@ def _mask_blocks(cfg, allowed):
 
 
 def schedule(whole, live):
-    """Per row of the class tables: (block order, whole blocks, live blocks). The order lists
-    the whole blocks first, then the partial ones, then the empty ones."""
+    """Per row of the class tables: (block order: whole, partial, then empty blocks; the number of
+    whole blocks; of live blocks)."""
     rank = jnp.where(whole, 0, jnp.where(live, 1, 2))
     order = jnp.argsort(rank, axis=1, stable=True).astype(jnp.int32)
     return order, whole.sum(axis=1, dtype=jnp.int32), live.sum(axis=1, dtype=jnp.int32)
@@ -424,21 +363,10 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     return out, (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
 
 
-class _Transposed(NamedTuple):
-    """The backward's query blocks ``(n_q, b, h, rows, ...)`` (scaled queries, output
-    gradients, both also transposed; the rows' lse and delta) and masks with their key axis
-    before the groups ``(b|1, h|1, k|1, g|1, q|1)``, padded; terms padded to whole blocks."""
-
-    qs: jax.Array
-    qst: jax.Array
-    do: jax.Array
-    dot: jax.Array
-    lse: jax.Array
-    delta: jax.Array
-    allowed: jax.Array | None
-    bias: jax.Array | None
-    keep: jax.Array | None
-    terms: tuple
+# The backward's query blocks ``(n_q, b, h, rows, ...)`` (scaled queries, output gradients, both
+# also transposed; the rows' lse and delta), masks with their key axis before the groups ``(b|1,
+# h|1, k|1, g|1, q|1)``, padded, and terms padded to whole blocks.
+_Transposed = collections.namedtuple("_Transposed", "qs qst do dot lse delta allowed bias keep terms")
 
 
 def _flash_bwd(cfg, residuals, d_out):
@@ -482,17 +410,13 @@ def _flash_bwd(cfg, residuals, d_out):
         d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
     d_sinks = None
     if sinks is not None:
-        # The sink's weight exp(sink - lse) times its score gradient 0 - rowsum(dP * P), summed
-        # over the batch and the queries of each head.
-        p_sink = jnp.exp(sinks[..., None] - lse)  # (b, h, g, q_len)
-        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(sinks.shape).astype(sinks.dtype)
+        d_sinks = _tiles.sink_gradient(sinks[..., None], lse, delta).reshape(sinks.shape).astype(sinks.dtype)
     return dq, keys(dk), keys(dv), None, d_bias, None, d_sinks, None, None
 
 
 def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partial):
-    """The gradients (dQ^T blocks, dK and dV of key block ``j``, the transposed bias's or None)
-    plus block (i, j)'s share, on its transposed scores ``S^T = K Q^T``; ``key_block``: K, V,
-    K^T of block ``j``."""
+    """``grads`` (dQ^T blocks, dK and dV of key block ``j``, the transposed bias's or None) plus block
+    (i, j)'s share, on its transposed scores ``S^T = K Q^T``; ``key_block``: K, V, K^T of block ``j``."""
     dqt, dk_j, dv_j, d_bias = grads
     k_j, v_j, kt_j = key_block
     b, h, block_k = k_j.shape[:3]

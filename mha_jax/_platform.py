@@ -1,23 +1,15 @@
 """A kernel lowered for its own platform only, inside a program lowered for several.
 
-``jax.lax.platform_dependent`` keeps, for each platform of a program, the branch written for it;
-but JAX lowers every kept branch for *all* the program's platforms, so a branch holding cuDNN's
-fused attention (whose primitives lower for ``cuda`` alone) fails in a program exported for
-``("cpu", "cuda", "tpu")``. ``on(platform, fn)`` wraps a kernel so that its forward and its
-backward pass are each one primitive whose lowering lowers the kernel's program for ``platform``
-alone: the program then holds each platform's kernel, and the platform index of
-``platform_dependent`` runs only the one of the platform it is compiled for.
+``jax.lax.platform_dependent`` lowers every branch for all the program's platforms, so a branch
+holding cuDNN's fused attention (which lowers for ``cuda`` alone) fails in a program exported for
+``("cpu", "cuda", "tpu")``. ``on(platform, fn)`` makes a kernel's forward and backward each one
+primitive whose lowering lowers it for ``platform`` alone. Derivatives go through a
+``jax.custom_vjp`` (the kernel's own residuals and pullback). ``x32`` traces with 32-bit defaults
+(the TPU kernel's index arithmetic mixes int32 with Python integers).
 
-Derivatives go through a ``jax.custom_vjp`` (the forward keeps the kernel's own residuals, the
-backward is the kernel's own pullback), so the primitive needs no derivative rule of its own.
-``x32`` traces the kernel with 32-bit defaults (the TPU kernel's block index arithmetic mixes
-int32 indices with Python integers, which ``jax_enable_x64`` would make int64).
-
-The two JAX internals this package uses are here alone, written for ``JAX_VERSION``:
-``convert_constvars_jaxpr`` (not re-exported by ``jax.extend``) and cuDNN attention's version
-check, replaced while tracing on a host without CUDA (``cudnn_traced_anywhere``).
-``INTERNALS`` names them; ``parity_tests/test_jax_internals.py`` fails, naming the internal and
-this version, when a JAX release moves one.
+The JAX internals this package uses are here alone, written for ``JAX_VERSION`` and named in
+``INTERNALS``: ``convert_constvars_jaxpr`` and cuDNN attention's version check (replaced while
+tracing on a host without CUDA); ``parity_tests/test_jax_internals.py`` fails when one moves.
 """
 
 from __future__ import annotations
@@ -61,12 +53,7 @@ _lowered_p = Primitive("mha_lowered_for")
 _lowered_p.multiple_results = True
 _lowered_p.def_abstract_eval(lambda *args, jaxpr, platform: [v.aval for v in jaxpr.jaxpr.outvars])
 
-
-def _impl(*args, jaxpr, platform):
-    return jax.jit(jaxpr_as_fun(jaxpr))(*args)
-
-
-_lowered_p.def_impl(_impl)
+_lowered_p.def_impl(lambda *args, jaxpr, platform: jax.jit(jaxpr_as_fun(jaxpr))(*args))
 
 
 def _lowering(ctx, *args, jaxpr, platform):
@@ -95,8 +82,7 @@ _SPEC_ARRAYS = ("allowed", "bias", "query_positions", "key_positions", "query_se
 
 
 def spec_arrays(spec) -> dict:
-    """The arrays of a parsed ``masks.Spec`` (None where absent), to pass to ``on``; rebuild
-    the spec inside with ``dataclasses.replace(spec, **arrays)``."""
+    """The arrays of a parsed ``masks.Spec`` (None where absent), to pass to ``on``."""
     return {name: getattr(spec, name) for name in _SPEC_ARRAYS}
 
 
@@ -160,11 +146,9 @@ def on(platform: str | None, fn, *args, x32: bool = False):
 
 @contextlib.contextmanager
 def cudnn_traced_anywhere():
-    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without
-    CUDA (to export or compile for a GPU from a CPU host). Its wrapper asks the local cuDNN for
-    its version while tracing and stops when there is none; the version only gates checks for
-    GPUs newer than this package's (compute capability 10.3, latent attention), and the GPU that
-    compiles the program checks what it supports. Where CUDA is installed nothing changes."""
+    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without CUDA
+    (to export for a GPU). Its wrapper asks the local cuDNN for its version, which only gates checks
+    for GPUs newer than this package's; the GPU that compiles the program checks what it supports."""
     fused = jax_internal("jax._src.cudnn.fused_attention_stablehlo")
     if fused.cuda_versions is not None:
         yield

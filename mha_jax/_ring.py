@@ -1,52 +1,19 @@
 """Ring attention: the query/key/value length sharded over one mesh axis (``sequence_axis``).
 
-Each of the axis's ``n`` devices holds a block of queries and a block of keys and values. The
-key/value blocks (with the per-key terms given as arrays: key positions, key segment ids) go
-round the ring with ``jax.lax.ppermute``, ``n - 1`` steps; each device combines its partial
-results with the online softmax, tile by tile, with the tile step of ``_tiles`` (the blockwise
-kernel's).
-The backward pass is a second ring: the key/value blocks travel with the gradients of their
-keys and values, which after ``n`` steps are home again; the gradient of a device's queries
-stays on it. Nothing is gathered.
+Each of the axis's ``n`` devices holds a block of queries and one of keys and values; the key/value
+blocks (with their per-key terms) go round the ring with ``ppermute`` and each device combines them
+tile by tile with ``_tiles``' online softmax. The backward is a second ring in which the blocks
+travel with their gradients, home after ``n`` steps. Nothing is gathered.
 
-Zig-zag layout: the length is cut into ``2n`` chunks and device ``i`` works on chunks ``i`` and
-``2n - 1 - i``, one from the front and one from the back, so that under causality every
-device has as many visible (query, key) pairs as another. The inputs are sharded contiguously
-(device ``i`` holds chunks ``2i`` and ``2i + 1``, as ``P(None, sequence_axis)`` places them)
-and the output comes back so: the reordering is two ``ppermute`` of half a block per array on
-the way in and on the way out, outside the ring. Positions are the chunks' own (``arange`` in
-the user's order, or the given ones moved with their chunks), so the masks mean what they mean
-on one device.
+Zig-zag layout: of ``2n`` chunks, device ``i`` works on chunks ``i`` and ``2n - 1 - i``, so that
+under causality every device has as many visible pairs; inputs sharded contiguously are reordered by
+two half-block ``ppermute`` on the way in and out. Dense terms (``mask``, ``bias``, a keep-mask) are
+held as the queries are (their rows, every key column) and never travel. Keys that no query of a
+tile may see are zeroed in that tile, so that whatever they hold (NaN) reaches nothing.
 
-Dense terms (a boolean ``mask``, an additive ``bias``, an explicit dropout keep-mask), each
-broadcasting to ``(batch, heads, q_len, kv_len)``, are held as the queries are: each device has
-the rows of its own queries (the query axis sharded over the ring's axis and reordered to
-zig-zag with the queries, two half-block ``ppermute`` outside the ring) and every key column;
-an axis of 1 stays whole (a padding mask ``(batch, 1, 1, kv_len)`` is on every device), and the
-heads axis splits into key/value heads x groups as the blockwise kernel lays it out. Nothing of
-them goes round the ring: a step slices out the key columns of the block visiting it (its
-source device tells which two chunks of keys it holds). The bias's gradient is accumulated
-where its rows are, in the backward ring, and goes back as the bias came (summed, once after
-the ring, over the devices of an axis the bias is broadcast along: its query axis, or a batch
-or heads axis the ring holds). Keys that no query of a tile may see by the mask or a ``-inf``
-bias are zeroed in that tile, so that whatever they hold (NaN) reaches nothing, as on one
-device. A query that may see no key gets 0 and gradients 0.
-
-Drawn dropout (``dropout_rate > 0`` with a key) hashes each weight's bit from the key and the
-weight's global index (example, head, query, key) with ``threefry2x32``, as
-``jax.random.bernoulli(key, 1 - rate, (batch, heads, q_len, kv_len))`` does for a threefry key
-(under ``jax_threefry_partitionable``, the default): the bits are those that
-``implementation="xla"`` draws on one device, whatever the number of devices, the ring's order
-or the tile sizes. The backward recomputes them; they are never stored. A key of another
-implementation (``rbg``) first draws a threefry key from itself: its bits are then not
-``"xla"``'s, but still the same on any mesh.
-
-Each step goes over its blocks in tiles of at most ``TILE`` queries x ``TILE`` keys, scored in
-float32 or wider; a tile that causality or the window leave empty for every example is skipped
-(under causality, with the zig-zag layout, half of each step's tiles but the first step's), and
-so is a tile that the dense mask leaves empty, where every device can tell alone (a mask shared
-by the examples and heads, or split over axes the ring holds). Keys and values travel in the
-inputs' dtype, their gradients in the compute dtype.
+Drawn dropout hashes each weight's bit from the key and its global index with ``threefry2x32``, as
+``jax.random.bernoulli(key, 1 - rate, (batch, heads, q_len, kv_len))`` does for a threefry key: the
+bits of ``implementation="xla"`` on one device, whatever the mesh or tiles.
 """
 
 from __future__ import annotations
@@ -90,73 +57,53 @@ class _Config:
 
 
 def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation) -> int:
-    """The axis's size, after refusing by name and size what a ring cannot run on (no mesh, an
-    axis not in it, already manual or of size 1, lengths that do not split into ``2n`` chunks, a
-    ``dropout_rng`` that is not one key) and what it does not take (``return_weights``, cuDNN).
-    Every masking term and dropout it takes; their shapes are checked where they are parsed."""
+    """The axis's size, after refusing by name what a ring cannot run on (no such mesh axis, one
+    manual or of size 1, lengths not in ``2n`` chunks, a ``dropout_rng`` not one key) or take."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
+
+    def refused(why: str, error=ValueError):
+        return error(f"sequence_axis={sequence_axis!r} {why}")
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        raise ValueError(
-            f"sequence_axis={sequence_axis!r} needs a mesh: call under jax.set_mesh(mesh), with a mesh that has "
-            f"an axis {sequence_axis!r}"
-        )
+        raise refused(f"needs a mesh: call under jax.set_mesh(mesh), with a mesh that has an axis {sequence_axis!r}")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     if sequence_axis not in sizes:
-        raise ValueError(f"sequence_axis={sequence_axis!r} is not an axis of the mesh, whose axes are {sizes}")
+        raise refused(f"is not an axis of the mesh, whose axes are {sizes}")
     if sequence_axis in getattr(mesh, "manual_axes", ()):
-        raise ValueError(
-            f"sequence_axis={sequence_axis!r} is already manual here (inside jax.shard_map over it): call the "
-            "attention outside shard_map, or leave that axis out of the shard_map's axis_names"
-        )
+        raise refused("is already manual here (inside jax.shard_map over it): call the attention outside shard_map, "
+                      "or leave that axis out of the shard_map's axis_names")
     n = sizes[sequence_axis]
     if n == 1:
-        raise ValueError(
-            f"sequence_axis={sequence_axis!r} has size 1 in the mesh {sizes}: a ring needs 2 devices or more; "
-            "pass sequence_axis=None"
-        )
+        raise refused(f"has size 1 in the mesh {sizes}: a ring needs 2 devices or more; pass sequence_axis=None")
     for name, length in (("q_len", q_len), ("kv_len", kv_len)):
         if length % (2 * n):
-            raise ValueError(
-                f"sequence_axis={sequence_axis!r} of size {n} needs {name} to be a multiple of 2 x {n} = {2 * n} "
-                f"(each device holds a front and a back chunk), got {name}={length}"
-            )
+            raise refused(f"of size {n} needs {name} to be a multiple of 2 x {n} = {2 * n} (each device holds a "
+                          f"front and a back chunk), got {name}={length}")
     if dropout_rng is not None:
-        _check_key(sequence_axis, dropout_rng)
+        dtype, shape = getattr(dropout_rng, "dtype", None), tuple(getattr(dropout_rng, "shape", ()))
+        typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+        # one key: typed of shape (), or raw uint32 of rank 1 (jax.random.PRNGKey)
+        if not ((typed and shape == ()) or (not typed and dtype == jnp.uint32 and len(shape) == 1)):
+            raise refused(f"with dropout_rate > 0 needs dropout_rng to be one PRNG key (jax.random.key(seed)), got "
+                          f"{type(dropout_rng).__name__} with shape {shape} and dtype {dtype}",
+                          ValueError if typed or dtype == jnp.uint32 else TypeError)  # a key of another shape, or none
     if return_weights:
-        raise ValueError(
-            f"sequence_axis={sequence_axis!r} does not take return_weights=True (the ring never forms them)"
-        )
+        raise refused("does not take return_weights=True (the ring never forms them)")
     if implementation == "cudnn":
-        raise ValueError(
-            f"sequence_axis={sequence_axis!r} does not take implementation='cudnn'; use None, 'xla' or 'blockwise' "
-            "(the ring computes each step itself)"
-        )
+        raise refused("does not take implementation='cudnn'; use None, 'xla' or 'blockwise' (the ring computes each "
+                      "step itself)")
     return n
-
-
-def _check_key(sequence_axis, rng):
-    """One PRNG key: typed of shape ``()``, or raw uint32 of rank 1 (``jax.random.PRNGKey``)."""
-    dtype, shape = getattr(rng, "dtype", None), tuple(getattr(rng, "shape", ()))
-    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    if (typed and shape == ()) or (not typed and dtype == jnp.uint32 and len(shape) == 1):
-        return
-    error = ValueError if typed or dtype == jnp.uint32 else TypeError  # keys of another shape, or no key
-    raise error(
-        f"sequence_axis={sequence_axis!r} with dropout_rate > 0 needs dropout_rng to be one PRNG key "
-        f"(jax.random.key(seed)), got {type(rng).__name__} with shape {shape} and dtype {dtype}"
-    )
 
 
 def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
               allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
               keep_scale: float = 1.0):
-    """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)``, in their dtype (what
-    travels); ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None; ``allowed``, ``keep``
-    (bool) and ``bias`` (real floating) 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``, or
-    None; ``dropout_rng`` a key to draw dropout at ``dropout_rate`` (when ``keep`` is None).
-    Returns q's shape and dtype."""
+    """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)`` -> q's shape and dtype.
+    ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None; ``allowed``, ``keep`` (bool) and
+    ``bias`` None or 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``; ``dropout_rng`` draws
+    dropout at ``dropout_rate`` when ``keep`` is None."""
     batch_axes, head_axes = _explicit_axes(q, axis)
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
@@ -175,13 +122,9 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
 
 
 def _indices(cfg: _Config, batch: int, kv_heads: int, drawn: bool) -> dict:
-    """Arrays that give each device its index along the ring (``device``, int32 ``(n,)`` over the
-    axis) and, for drawn dropout, the global indices of its examples and key/value heads
-    (uint32, over the axes that split them). Given as inputs rather than read with
-    ``jax.lax.axis_index``: inside a ``shard_map`` manual over some axes only (an Auto mesh),
-    ``axis_index`` lowers to a ``partition-id`` in a nested manual computation, which XLA's SPMD
-    partitioner rejects in larger programs (jax 0.10.2: "PartitionId instruction is not
-    supported for SPMD partitioning")."""
+    """Each device's index along the ring (``device``, int32 ``(n,)``) and, for drawn dropout, the
+    global indices of its examples and key/value heads (uint32): inputs, as XLA's SPMD partitioner
+    rejects ``axis_index`` inside a ``shard_map`` manual over some axes only."""
     indices = dict(device=jnp.arange(cfg.size, dtype=jnp.int32))
     if drawn:
         indices.update(examples=jnp.arange(batch, dtype=jnp.uint32), kv_heads=jnp.arange(kv_heads, dtype=jnp.uint32))
@@ -189,9 +132,8 @@ def _indices(cfg: _Config, batch: int, kv_heads: int, drawn: bool) -> dict:
 
 
 def _seed(rng):
-    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with: the key's own data for a
-    threefry key (typed, or raw as ``jax.random.PRNGKey`` makes it under the default
-    implementation), two words drawn from it for another implementation."""
+    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with (a key of another
+    implementation draws it)."""
     key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
     if str(jax.random.key_impl(key)) == "threefry2x32":
         return jax.random.key_data(key)
@@ -199,9 +141,8 @@ def _seed(rng):
 
 
 def _explicit_axes(q, axis: str):
-    """The Explicit mesh axes over which q ``(b, len, kv_heads, groups, d)`` shards its batch and its
-    heads: the ring's ``shard_map`` takes them as manual too, so that each device keeps its own
-    examples and heads (left out, they would be gathered). Auto axes stay with the compiler."""
+    """The Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too,
+    so that each device keeps its own examples and heads."""
     spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
     as_tuple = lambda x: () if x is None else (x,) if isinstance(x, str) else tuple(x)  # noqa: E731
     batch, heads = as_tuple(spec[0]), as_tuple(spec[2])
@@ -255,9 +196,8 @@ DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1)
 
 
 def _local_dense(cfg: _Config, dense: dict, bias, me, q_index, groups: int) -> dict:
-    """On one device: the dense terms with their rows (if not broadcast) in zig-zag order, and for
-    drawn dropout the seed and the 64-bit counters (``hi``, ``lo`` uint32 ``(b, kv_heads, groups,
-    q_block)``) of the device's rows at key 0."""
+    """On one device: the dense terms with their rows in zig-zag order, and for drawn dropout the
+    seed and the 64-bit counters (``hi``, ``lo`` uint32 ``(b, kv_heads, groups, q_block)``) of its rows."""
     local = {name: x for name, x in dense.items() if name in DENSE or name == "seed"}
     if bias is not None:
         local["bias"] = bias
@@ -279,8 +219,8 @@ def _dense_rows(local: dict, start, size: int) -> dict:
 
 
 def _dense_tile(cfg: _Config, rows: dict, keys):
-    """(mask, bias, keep) of one tile, each None or 5-d: the columns of the global key indices
-    ``keys`` (int32 ``(tile,)``, consecutive) of a row tile's terms; keep drawn if dropout is."""
+    """(mask, bias, keep) of one tile, each None or 5-d: the columns ``keys`` (int32 ``(tile,)``,
+    consecutive global indices) of a row tile's terms; keep drawn if dropout is."""
     cols = lambda x: x if x is None or x.shape[4] == 1 else _rows(x, keys[0], keys.shape[0], 4)  # noqa: E731
     mask, bias, keep = (cols(rows.get(name)) for name in DENSE)
     if "seed" in rows:
@@ -308,9 +248,7 @@ def _add64(a, b):
 
 def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
     """(hi, lo) uint32 ``(b, kv_heads, groups, q_block)``: the flat index in ``cfg.shape`` of each
-    of the device's (example, head, query) rows at key 0, as ``jax.random.bernoulli`` counts.
-    ``examples``, ``kv_heads``: uint32, the global indices of the device's examples and key/value
-    heads; ``q_index``: int32, of its queries."""
+    of the device's rows at key 0, from the global indices of its examples, heads and queries."""
     _, heads, q_len, kv_len = cfg.shape
     u32 = jnp.uint32
     head = (kv_heads[:, None] * u32(groups) + jnp.arange(groups, dtype=u32))[None, :, :, None]
@@ -322,10 +260,9 @@ def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
 
 
 def _drawn(cfg: _Config, seed, hi, lo, keys):
-    """bool ``(b, kv_heads, groups, q_tile, k_tile)``: the keep bits of a tile, each hashed from
-    its flat index as ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` does (threefry2x32 of
-    the 64-bit index; its uniform in ``cfg.uniform`` from the top mantissa bits, kept below
-    ``1 - rate``), so that they are the bits of one device's draw."""
+    """bool ``(b, kv_heads, groups, q_tile, k_tile)``: a tile's keep bits, as
+    ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` draws them (threefry2x32 of the 64-bit
+    index, a uniform in ``cfg.uniform`` from its top mantissa bits, kept below ``1 - rate``)."""
     keys = keys.astype(jnp.uint32)
     lo = lo[..., None] + keys
     hi = hi[..., None] + (lo < keys).astype(jnp.uint32)
@@ -373,45 +310,31 @@ def _sliced(terms: dict, start, size: int) -> dict:
     return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
 
 
-def _where(qt: dict, kt: dict, lengths) -> tuple[Where, Where]:
-    """What the terms read of a tile's queries and keys, laid to broadcast against its scores
-    ``(b, kv_heads, groups, q_tile, k_tile)``. ``qt``: ``qp``, ``qs``; ``kt``: ``kp``, ``ks``,
-    ``index`` (key indices in the user's order), each ``(b|1, tile)``."""
+def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias):
+    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None) of queries ``q``
+    ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``, the terms read on
+    the tile's query terms ``qt`` (``qp``, ``qs``) and key terms ``kt`` (``kp``, ``ks``, ``index``)."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
-    return (Where(q5(qt["qp"]), q5(qt.get("qs"))),
-            Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
-                  None if lengths is None else lengths[:, None, None, None, None]))
-
-
-def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias):
-    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None) of a tile of
-    queries ``q`` ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``
-    (``_tiles.scores``)."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
-    qw, kw = _where(qt, kt, lengths)
+    qw = Where(q5(qt["qp"]), q5(qt.get("qs")))
+    kw = Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
+               None if lengths is None else lengths[:, None, None, None, None])
     return _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw, k=kw,
                          masks=(mask,))
 
 
-def _may_see(cfg: _Config, qp, kp, mask):
-    """A scalar bool, False when the terms on positions (causality, the window, chunks) leave a
-    tile empty for every example, read from the tile's extreme positions, or the dense mask
-    leaves it empty; None (always computed) where neither can tell. The positions must be the
-    batch's (deciding over a batch sharded elsewhere would need a reduction), and the mask shared
-    by the examples and heads or split only over axes the ring holds as manual."""
-    ok = None
+def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
+    """``update(state)``, skipped where the positional terms (read from the tile's extreme positions,
+    shared by the batch) or the dense mask (where this device sees all of it that matters) leave
+    the tile empty."""
+    may, qp, kp = None, qt["qp"], kt["kp"]
     positional = cfg.terms.only({"position"})
     if positional and qp.shape[0] == 1 and kp.shape[0] == 1:
-        ok = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
+        may = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
     if mask is not None and (not cfg.auto or (mask.shape[0] == 1 or cfg.batch_axes)
                              and (mask.shape[1] == 1 or cfg.head_axes)):
-        ok = conjoin(ok, mask.any())
-    return ok
-
-
-def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
-    may = _may_see(cfg, qt["qp"], kt["kp"], mask)
+        may = conjoin(may, mask.any())
     return update(state) if may is None else jax.lax.cond(may, update, lambda state: state, state)
 
 
@@ -422,9 +345,8 @@ def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
 
 
 def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dict, state):
-    """Online softmax of the query block ``q`` ``(b, q_block, kv_heads, groups, d)`` over one
-    key/value block: ``state`` = (running max, sum ``(b, kv_heads, groups, q_block)``, weighted
-    values ``(..., d)``), tile by tile."""
+    """``state`` (running max, sum ``(b, kv_heads, groups, q_block)``, weighted values ``(..., d)``)
+    of the queries ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block, by tiles."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
 
     def q_tile(i, state):
@@ -467,9 +389,8 @@ def _bias_tile(d_bias, r, keys, tq: int):
 
 
 def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, dense: dict, grads):
-    """The gradients ``grads`` = (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv
-    ``(b, kv_block, kv_heads, d)``, the bias's (its local shape) or None) plus one key/value
-    block's share, tile by tile."""
+    """``grads`` (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv ``(b, kv_block, kv_heads, d)``,
+    the bias's or None) plus one key/value block's share, by tiles."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
 
     def q_tile(i, grads):
@@ -517,23 +438,37 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
 
 # --- forward and backward rings ------------------------------------------------------------------
 
-def _local_terms(cfg: _Config, terms: dict, me, chunk_q: int):
-    """Zig-zag query terms and travelling key terms, on device ``me``."""
+def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
+    """What both rings start from on one device: (ring size, the device's index, key chunk, its
+    zig-zag query terms, the travelling key terms, its dense terms (``_local_dense``), lengths)."""
+    n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see _indices)
+    chunk_q = q.shape[1] // 2
     zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
-    qt = dict(qp=zig.get("qp", _index(me, cfg.size, chunk_q)), qs=zig.get("qs"))
+    qt = dict(qp=zig.get("qp", _index(me, n, chunk_q)), qs=zig.get("qs"))
     kt = {name: zig[name] for name in ("kp", "ks") if name in zig}
-    return qt, kt
+    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
+    return n, me, k.shape[1] // 2, qt, kt, local, terms.get("lengths")
+
+
+def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
+    """``carry`` after ``step(s, carry, *blocks)`` for ``s`` in ``0..n-1``, the travelling ``blocks``
+    sent to the next device while each step uses them; ``moved(carry)`` between steps."""
+
+    def ring_step(s, loop):
+        carry, blocks = loop
+        sent = _next(blocks, cfg)
+        carry = step(s, carry, *blocks)
+        return (carry if moved is None else moved(carry)), sent
+
+    carry, last = jax.lax.fori_loop(0, cfg.size - 1, ring_step, (carry, blocks))
+    return step(cfg.size - 1, carry, *last)
 
 
 def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
     """On one device: its blocks (contiguous), in the inputs' dtype; the keys and values travel
     in it, each tile is computed in float32 or wider."""
-    n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see _indices)
-    chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
+    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, terms, dense)
     q, k, v = (_to_zigzag(x, cfg, me) for x in (q, k, v))
-    qt, kt = _local_terms(cfg, terms, me, chunk_q)
-    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
-    lengths = terms.get("lengths")
     if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
         pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
@@ -543,49 +478,35 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
     def step(s, state, k, v, kt):
         return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
 
-    def ring_step(s, carry):
-        state, k, v, kt = carry
-        sent = _next((k, v, kt), cfg)  # on its way while this block is used
-        return step(s, state, k, v, kt), *sent
-
     state = _tiles.init(acc, None if sinks is None else sinks[None, :, :, None])
-    state, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, (state, k, v, kt))
-    out, lse = _tiles.finish(step(n - 1, state, k_last, v_last, kt_last))
+    out, lse = _tiles.finish(_around(cfg, step, state, (k, v, kt)))
     result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
     return result, (q, k, v, out, lse)
 
 
 def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, terms, dense, dout):
     """``shared``: the manual axes the bias is not split over (its gradient is summed over them)."""
-    n, me = cfg.size, dense["device"][0]
-    chunk_q, chunk_k = q.shape[1] // 2, k.shape[1] // 2
-    qt, kt = _local_terms(cfg, terms, me, chunk_q)
-    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
-    lengths = terms.get("lengths")
+    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, terms, dense)
     qc = q.astype(out.dtype)
     dout = _to_zigzag(dout, cfg, me).astype(out.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
     delta = jnp.sum(dout * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
-    dq = jnp.zeros_like(dout)
-    d_bias = None if bias is None else _varying(cfg, jnp.zeros(local["bias"].shape, out.dtype))
+    d_bias = None
+    if bias is not None:  # varying over every manual axis, as what the loops add to it is
+        d_bias = _blockwise.to_varying(jnp.zeros(local["bias"].shape, out.dtype), tuple(sorted(_manual(cfg))))
 
     def step(s, grads, k, v, kt):
         kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
         return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, local, grads)
 
-    def ring_step(s, carry):
-        (dq, dk, dv, d_bias), k, v, kt = carry
-        sent = _next((k, v, kt), cfg)
-        dq, dk, dv, d_bias = step(s, (dq, dk, dv, d_bias), k, v, kt)
-        return (dq, *_next((dk, dv), cfg), d_bias), *sent  # the block's gradients travel with it
+    def moved(grads):  # a block's key and value gradients travel with it
+        return grads[0], *_next(grads[1:3], cfg), grads[3]
 
     zeros = jnp.zeros_like(k, dtype=out.dtype)
-    grads, k_last, v_last, kt_last = jax.lax.fori_loop(0, n - 1, ring_step, ((dq, zeros, zeros, d_bias), k, v, kt))
-    dq, dk, dv, d_bias = step(n - 1, grads, k_last, v_last, kt_last)
+    dq, dk, dv, d_bias = _around(cfg, step, (jnp.zeros_like(dout), zeros, zeros, d_bias), (k, v, kt), moved)
     dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
     dsinks = None
-    if sinks is not None:  # d lse / d sink = the sink's weight; its gradient is -weight * delta
-        weight = jnp.exp(sinks[None, :, :, None] - lse)
-        dsinks = jax.lax.psum(-jnp.sum(weight * delta, axis=(0, 3)), (cfg.axis, *cfg.batch_axes))
+    if sinks is not None:
+        dsinks = jax.lax.psum(_tiles.sink_gradient(sinks[None, :, :, None], lse, delta), (cfg.axis, *cfg.batch_axes))
     if d_bias is not None:  # rows home; summed over the devices that share the bias
         if bias.shape[3] > 1:
             d_bias = _from_zigzag(d_bias, cfg, me, dim=3)
@@ -594,24 +515,19 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
     return dq, _from_zigzag(dk.astype(k.dtype), cfg, me), _from_zigzag(dv.astype(v.dtype), cfg, me), dsinks, d_bias
 
 
-def _varying(cfg: _Config, x):
-    """``x`` made varying over every manual axis, as what the loops add to it is."""
-    axes = tuple(sorted(_manual(cfg)))
-    return _blockwise.to_varying(x, axes)
-
-
-def _specs(cfg: _Config, terms: dict):
-    """The terms' specs: ``(b|1, len)`` arrays and ``lengths`` ``(b,)``."""
-    return {
-        name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
-        for name, x in terms.items()
-    }
+def _in_specs(cfg: _Config, bias, terms: dict, dense: dict):
+    """The rings' specs: (blocks of the length, per-query rows, heads, the bias's, (the terms', the
+    dense terms')); terms are ``(b|1, len)`` arrays and ``lengths`` ``(b,)``."""
+    terms_specs = {name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
+                   for name, x in terms.items()}
+    dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
+    return (cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h"), _dense_spec(cfg, bias),
+            (terms_specs, dense_specs))
 
 
 def _dense_spec(cfg: _Config, x, name: str = "bias"):
-    """A dense term's spec: its rows over the sequence axis, its examples and heads as the
-    query's; a broadcast axis (of 1) and the key axis whole. The indices of devices, examples
-    and key/value heads over their axes; the seed replicated."""
+    """A dense term's spec: rows over the sequence axis, examples and heads as the query's, an axis
+    of 1 and the keys whole; the indices over their axes; the seed replicated."""
     if name in ("device", "examples", "kv_heads"):
         return cfg.spec(dict(device="s", examples="b", kv_heads="h")[name])
     if x is None or name == "seed":
@@ -646,9 +562,8 @@ def _ring(cfg: _Config, q, k, v, sinks, bias, terms, dense):
 
 
 def _ring_fwd(cfg: _Config, q, k, v, sinks, bias, terms, dense):
-    seq, per_query, heads = cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h")
-    dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
-    in_specs = (seq, seq, seq, heads, _dense_spec(cfg, bias), _specs(cfg, terms), dense_specs)
+    seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
+    in_specs = (seq, seq, seq, heads, bias_spec, *terms_specs)
     f = jax.shard_map(
         functools.partial(_forward_body, cfg), in_specs=in_specs,
         out_specs=(seq, (seq, seq, seq, per_query, per_query)), axis_names=_manual(cfg), check_vma=True,
@@ -659,10 +574,8 @@ def _ring_fwd(cfg: _Config, q, k, v, sinks, bias, terms, dense):
 
 def _ring_bwd(cfg: _Config, saved, dout):
     residuals, sinks, bias, terms, dense = saved
-    seq, per_query, heads = cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h")
-    bias_spec = _dense_spec(cfg, bias)
-    dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
-    in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, _specs(cfg, terms), dense_specs, seq)
+    seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
+    in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, *terms_specs, seq)
     f = jax.shard_map(
         functools.partial(_backward_body, cfg, _shared(cfg, bias)), in_specs=in_specs,
         out_specs=(seq, seq, seq, heads, bias_spec), axis_names=_manual(cfg), check_vma=True,

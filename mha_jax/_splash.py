@@ -1,29 +1,22 @@
 """The TPU kernel: JAX's splash attention (Pallas), with our masking terms.
 
-``jax.experimental.pallas.ops.tpu.splash_attention`` (maintained in JAX itself, so pinned with
-it) computes one example's attention over heads ``(heads, q_len, head_dim)`` against
-``(kv_heads, kv_len, head_dim)`` (grouped heads natively), skipping the blocks its mask leaves
-empty, with a logit soft-cap and per-head sinks. Our terms map to it as follows:
+``jax.experimental.pallas.ops.tpu.splash_attention`` computes one example's attention over heads
+``(heads, q_len, head_dim)`` against ``(kv_heads, kv_len, head_dim)``, skipping the blocks its mask
+leaves empty, with a logit soft-cap and per-head sinks. Our terms map to it so:
 
-- causality and windows over default positions are its static masks (``CausalMask``,
-  ``LocalMask``; a causal window is a window that stops at the diagonal), known block by block
-  when the program is built;
-- segment ids and key/value lengths are its segment ids, one row per example: a key beyond its
-  example's length, or in the padding up to a whole block, gets an id that no query has;
+- causality and windows over default positions are its static masks (a causal window is a window
+  that stops at the diagonal), chunks its chunked causal mask;
+- segment ids and key/value lengths are its segment ids: a key beyond its example's length, or
+  in the padding to a whole block, gets an id that no query has;
 - the scale is folded into the queries (the cap applies to the scaled logits, as ours);
-- a query that sees no key gets 0: the kernel gives such a row the mean of the values it
-  visited, and the row is set to 0 after it (its gradient is then 0 too).
+- a query that sees no key gets 0 (the kernel gives it the mean of the values it visited).
 
-What it cannot take (a dense ``mask``, a ``bias``, dropout, causality or windows over positions
-given as arrays) is refused by name (``refusal``). Lengths are padded to whole blocks; blocks are
-the largest of 512, 256 and 128 that divide the padded length (the compile test for v5e and v6e
-builds them at 8K and 32K tokens). Off a TPU the same kernel runs in Pallas interpret mode: slow,
-for tests and for checking a program before a TPU job.
+What it cannot take is refused by name (``refusal``). Lengths are padded to whole blocks of the
+largest of 512, 256 and 128 that divides them. Off a TPU the kernel runs in Pallas interpret mode.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 
@@ -31,15 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from mha_jax import _platform, masks
+from mha_jax import _platform, _tiles, masks
 from mha_spec.terms import Where
 
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
 BLOCKS = (512, 256, 128)
 
-# The kernel is built from the modules of ``splash_attention`` that its package does not export
-# (``make_splash_mha`` less its ``jnp.array`` of the block tables, and the chunked mask), as jax
-# ``WRITTEN_FOR`` lays them out; ``jax_internals`` is their one use, and a test checks each name.
+# What the kernel is built from that ``splash_attention`` does not export, as jax ``WRITTEN_FOR``
+# lays it out; ``jax_internals`` is its one use, and a test checks each name.
 WRITTEN_FOR = "0.10.2"
 INTERNALS = {
     "splash_attention_kernel": ("SplashAttentionKernel", "DEFAULT_MASK_VALUE"),
@@ -49,8 +41,7 @@ INTERNALS = {
 
 
 def jax_internals() -> dict:
-    """The names of ``INTERNALS``, by name, from jax's splash modules; a clear error where this
-    jax moved one."""
+    """The names of ``INTERNALS`` from jax's splash modules; an ImportError naming what moved."""
     found = {}
     for module, names in INTERNALS.items():
         try:
@@ -92,26 +83,15 @@ def padded(length: int) -> int:
 
 def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
     """Output ``(batch, q_len, heads, head_dim)`` in float32 of query ``(batch, q_len, heads,
-    head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``, in their own dtype
-    (the kernel accumulates in float32); ``sinks`` ``(heads,)`` or None. Compiled for a TPU
-    (and lowered for the TPU alone in a program for several platforms), or in interpret mode.
-
-    On a mesh, ``attention.py`` calls it on each device's examples and heads (a Pallas kernel
-    is not partitioned by the compiler)."""
-    return _local(query, key, value, _platform.spec_arrays(spec), sinks, spec=spec, scale=scale, soft_cap=soft_cap,
-                  interpret=interpret)
-
-
-def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret):
-    """``attention`` on one device's examples and heads."""
-    spec = dataclasses.replace(spec, **arrays)
+    head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``; ``sinks`` ``(heads,)`` or
+    None. Lowered for the TPU alone, or in interpret mode; on a mesh, called per device."""
     batch, heads, q_len, kv_len = spec.shape
     if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
     q_pad, kv_pad = padded(q_len), padded(kv_len)
     built = kernel(heads, q_pad, kv_pad, spec.is_causal, spec.window, spec.chunk_size, soft_cap, interpret)
-    q = _pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), q_pad)
-    k, v = (_pad(x.transpose(0, 2, 1, 3), kv_pad) for x in (key, value))
+    q = _tiles.pad((query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3), 2, q_pad)
+    k, v = (_tiles.pad(x.transpose(0, 2, 1, 3), 2, kv_pad) for x in (key, value))
     q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
     sinks = None if sinks is None else sinks.astype(jnp.float32)
 
@@ -130,8 +110,7 @@ def _local(query, key, value, arrays, sinks, *, spec, scale, soft_cap, interpret
 
 @functools.lru_cache(maxsize=64)
 def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
-    """The kernel for one mask structure and padded size (built once: its block tables are
-    NumPy work)."""
+    """The kernel for one mask structure and padded size (built once: its block tables are NumPy work)."""
     internal = jax_internals()
     if chunk is not None:  # causal within each chunk of positions (Llama 4's)
         one = internal["ChunkedCausalMask"]((q_len, kv_len), chunk_size=chunk)
@@ -146,8 +125,7 @@ def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                               block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     # ``make_splash_mha`` less its ``jnp.array`` of the block tables: NumPy constants, so that the
-    # kernel can be built inside a trace and on a mesh of devices that are only described (a
-    # topology compiled for from a CPU host)
+    # kernel can be built inside a trace and for devices only described (a topology)
     mask = splash.MultiHeadMask([one] * heads)
     shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
     fwd, function = internal["process_mask"](mask, (bq, bk), **shards)
@@ -157,11 +135,6 @@ def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
         fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False, mask_value=internal["DEFAULT_MASK_VALUE"],
         attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=function, interpret=interpret,
     )
-
-
-def _pad(x, length):
-    """``(batch, heads, len, d)`` zero-padded along ``len``."""
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))) if x.shape[2] != length else x
 
 
 def _segment_ids(spec: masks.Spec, q_pad: int, kv_pad: int):
@@ -187,12 +160,10 @@ def _segment_ids(spec: masks.Spec, q_pad: int, kv_pad: int):
 
 
 def has_key(spec: masks.Spec):
-    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. Over default
-    positions the keys that causality, windows, chunks and lengths leave a query are one range
-    of indices ``[lo, hi]``: ``lo`` the first key ``k`` with keys ``0..k`` live by the terms'
-    ``block``, ``hi`` the last with ``k..kv_len-1`` live, each found by bisection; with segments,
-    a key of the query's own segment must lie in it (found by binary search over the keys sorted
-    by segment), so that no ``(q_len, kv_len)`` array is formed."""
+    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. The keys the
+    positional terms and lengths leave a query are one range ``[lo, hi]``, each end found by
+    bisection on the terms' ``block``; with segments, a key of the query's segment must lie in it
+    (binary search over the keys sorted by segment). No ``(q_len, kv_len)`` array is formed."""
     batch, _, q_len, kv_len = spec.shape
     ranged = spec.terms.only({"position", "index", "length"})
     query = Where(jnp.arange(q_len, dtype=jnp.int32)[None])
@@ -205,8 +176,9 @@ def has_key(spec: masks.Spec):
 
     lo, hi = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), last, jnp.int32)
     if ranged:
-        lo = _least(lambda k: live(jnp.zeros_like(k), k), kv_len, q_len)
-        hi = last - _least(lambda k: live(last - k, jnp.full_like(k, last)), kv_len, q_len)
+        first, end = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), kv_len, jnp.int32)
+        lo = _least(lambda k: live(jnp.zeros_like(k), k), first, end, kv_len)
+        hi = last - _least(lambda k: live(last - k, jnp.full_like(k, last)), first, end, kv_len)
     ok = lo <= hi
     if spec.query_segment_ids is not None:
         n = max(x.shape[0] for x in (spec.query_segment_ids, spec.key_segment_ids, lo, hi))
@@ -215,11 +187,10 @@ def has_key(spec: masks.Spec):
     return jnp.broadcast_to(ok, (batch, q_len))[:, :, None, None]
 
 
-def _least(holds, n: int, q_len: int):
-    """int32 ``(batch|1, q_len)``: the least ``k`` in ``0..n-1`` for which ``holds(k)`` (bool,
-    false then true along ``k``), or ``n`` where none does."""
-    first, end = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), n, jnp.int32)
-    for _ in range(n.bit_length()):
+def _least(holds, first, end, n: int):
+    """The least ``k`` in ``[first, end)`` (int32 arrays, a range of at most ``n``) for which
+    ``holds(k)`` (bool, false then true along ``k``), or ``end`` where none does: a bisection."""
+    for _ in range(max(n, 1).bit_length()):
         mid = (first + end) // 2
         yes, active = holds(mid), first < end
         first, end = jnp.where(active & ~yes, mid + 1, first), jnp.where(active & yes, mid, end)
@@ -230,12 +201,7 @@ def _segment_in_range(qs, ks, lo, hi):
     """bool ``(q_len,)``: whether a key of each query's segment ``qs`` has its index in
     ``[lo, hi]``, for one example's key segment ids ``ks``."""
     order = jnp.argsort(ks, stable=True).astype(jnp.int32)  # by segment, indices ascending within each
-    ids = ks[order]
+    ids, last = ks[order], ks.shape[0] - 1
     start, end = jnp.searchsorted(ids, qs, side="left"), jnp.searchsorted(ids, qs, side="right")
-    first, last = start, end  # the first place in [start, end) whose index is >= lo
-    for _ in range(max(ks.shape[0], 1).bit_length()):
-        mid = (first + last) // 2
-        below = order[jnp.minimum(mid, ks.shape[0] - 1)] < lo
-        active = first < last
-        first, last = jnp.where(active & below, mid + 1, first), jnp.where(active & ~below, mid, last)
-    return (first < end) & (order[jnp.minimum(first, ks.shape[0] - 1)] <= hi)
+    first = _least(lambda mid: order[jnp.minimum(mid, last)] >= lo, start, end, ks.shape[0])  # index >= lo
+    return (first < end) & (order[jnp.minimum(first, last)] <= hi)

@@ -1,16 +1,12 @@
 """Tiles of queries and keys: their layout, and the one step of attention over a tile.
 
-Layout (``_blockwise`` and ``_band``): a query block holds ``block_q`` rows of every query head
-of a key/value head's group, so one product serves the group; the last block of each is
-zero-padded.
+Layout (``_blockwise``, ``_band``): a query block holds ``block_q`` rows of every query head of a
+key/value head's group, so one product serves the group; the last block is zero-padded.
 
-The tile step, the same for every kernel that walks tiles (``_blockwise``, ``_band``, the
-ring): ``scores`` turns a tile's products ``Q K^T`` into its scores with every term; ``forward``
-carries the online softmax (running maximum, sum and weighted values) over one tile of scores,
-``init`` starts it (sinks enter there) and ``finish`` ends it; ``backward`` is the gradient
-through one tile, from the row log-sum-exp ``finish`` gives. Each kernel keeps its own layout
-(its products and where its tiles lie), and hands a tile's arrays to these functions: shapes
-below are those of a tile's scores, ``(..., rows, keys)`` flat as the product gives them.
+The tile step of every kernel that walks tiles (``_blockwise``, ``_band``, the ring): ``scores``
+turns a tile's products ``Q K^T`` into scores with every term; ``init``, ``forward`` and ``finish``
+carry the online softmax over tiles; ``backward`` is the gradient through one tile. Shapes are a
+tile's scores ``(..., rows, keys)``, flat as the kernel's product gives them.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ from mha_spec.terms import Terms, Where, conjoin
 
 
 def pad(x, axis, size, broadcast=False):
-    """Zero-pad ``axis`` to ``size``; with ``broadcast``, an axis of 1 (a mask broadcast along
-    it) stays as it is."""
+    """Zero-pad ``axis`` to ``size``; with ``broadcast``, an axis of 1 stays as it is."""
     if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
         return x
     widths = [(0, 0)] * x.ndim
@@ -56,12 +51,10 @@ def key_rows(cfg, x):
 
 def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | None = None, q: Where | None = None,
            k: Where | None = None, masks=()):
-    """(scores, tanh of the cap or None) of one tile from its products ``s``: times ``scale``
-    (None: folded into the queries already), capped as ``cap * tanh(s / cap)``, plus ``bias``,
-    and -inf where a term excludes: the structured ``terms`` read on the tile's queries ``q``
-    and keys ``k``, and each bool of ``masks`` (None: all allowed). ``bias`` and the masks
-    broadcast to ``shape``, the tile's scores as the kernel lays them out (``s`` is reshaped to
-    it only when they are applied, and back)."""
+    """(scores, tanh of the cap or None) of one tile from its products ``s``: times ``scale`` (None:
+    folded into the queries), capped as ``cap * tanh(s / cap)``, plus ``bias``, and -inf where the
+    ``terms`` (read on the tile's queries ``q`` and keys ``k``) or a bool of ``masks`` exclude.
+    ``bias`` and the masks broadcast to ``shape``, the scores as the kernel lays them out."""
     if scale is not None:
         s = s * scale
     t = None
@@ -77,23 +70,20 @@ def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | Non
     s = s.reshape(shape)
     if bias is not None:
         s = s + bias.astype(s.dtype)
-    # A score term that adds to every score (a per-head linear bias of key minus query position,
-    # read from ``q.position`` and ``k.position``) adds here, once for every kernel.
     if ok is not None:
         s = jnp.where(ok, s, -jnp.inf)
     return s.reshape(flat), t
 
 
 def dropped(x, keep, keep_scale, shape):
-    """Tile ``x`` with dropout applied: the kept entries of ``keep`` (broadcasting to ``shape``)
-    scaled by ``keep_scale``, the others 0."""
+    """Tile ``x`` with its entries kept by ``keep`` (broadcasting to ``shape``) times ``keep_scale``, the others 0."""
     return jnp.where(keep, x.reshape(shape) * keep_scale, 0.0).reshape(x.shape)
 
 
 def init(acc, sinks=None):
-    """The online softmax's state before any tile: (running maximum, sum, weighted values
-    ``acc``, zeros ``(..., rows, d)``). A sink (broadcasting to the rows, or None) is one more
-    score, of value 0: each row starts from maximum = sink, sum = 1."""
+    """The online softmax's state before any tile: (running maximum, sum, weighted values ``acc``,
+    zeros ``(..., rows, d)``). A sink (broadcasting to the rows, or None) starts a row at maximum =
+    sink, sum = 1."""
     zeros = jnp.zeros_like(acc[..., 0])
     if sinks is None:
         return jnp.full_like(zeros, -jnp.inf), zeros, acc
@@ -101,8 +91,8 @@ def init(acc, sinks=None):
 
 
 def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
-    """The state after one tile of ``scores`` ``s``: ``mix(p)`` is the tile's weights ``p``
-    times its values (``(..., rows, d)``); ``keep`` drops weights after the sum (as ``dropped``)."""
+    """The state after one tile of scores ``s``: ``mix(p)`` is the weights ``p`` times the tile's
+    values ``(..., rows, d)``; ``keep`` drops weights after the sum (``dropped``)."""
     m, norm, acc = state
     m_new = jnp.maximum(m, s.max(axis=-1))
     shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -115,9 +105,8 @@ def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
 
 
 def finish(state):
-    """(output ``(..., rows, d)``, row log-sum-exp ``(..., rows)``). A row with no allowed key
-    gets output 0 and log-sum-exp +inf, so that its weights ``exp(s - lse)`` recomputed in the
-    backward are 0."""
+    """(output ``(..., rows, d)``, row log-sum-exp ``(..., rows)``); a row with no allowed key gets
+    output 0 and log-sum-exp +inf, so that its weights recomputed in the backward are 0."""
     m, norm, acc = state
     out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
     log_norm = jnp.log(jnp.where(norm > 0.0, norm, 1.0))
@@ -125,14 +114,19 @@ def finish(state):
 
 
 def backward(s, lse, delta, dp, tanh=None, keep=None, keep_scale=1.0, shape=None):
-    """(weights used ``P`` (dropout applied), gradient of the capped and biased scores (the
-    bias's), gradient of the scores before the cap) of one tile, from its ``scores`` ``s``,
-    the rows' ``lse`` and ``delta = rowsum(dO * O)`` laid to broadcast against ``s``, and
-    ``dp = dO V^T``. Exact scores never exceed their row's lse; the clamp bounds scores the
-    kernel left unmasked (zero-padded keys), whose weights then count for nothing."""
+    """(weights used ``P`` (dropout applied), gradient of the capped and biased scores (the bias's),
+    gradient of the scores before the cap) of one tile, from its scores ``s``, the rows' ``lse``
+    and ``delta = rowsum(dO * O)`` broadcasting against ``s``, and ``dp = dO V^T``. The clamp
+    bounds scores the kernel left unmasked (zero-padded keys), whose weights count for nothing."""
     p = jnp.exp(jnp.minimum(s - lse, 0.0))
     p_used = p
     if keep is not None:
         p_used, dp = dropped(p, keep, keep_scale, shape), dropped(dp, keep, keep_scale, shape)
     ds = p * (dp - delta)
     return p_used, ds, ds if tanh is None else ds * (1.0 - tanh * tanh)
+
+
+def sink_gradient(sinks, lse, delta):
+    """``(heads, groups)``: each sink's gradient, its weight ``exp(sink - lse)`` times its score
+    gradient ``-delta``, summed over the batch and rows of ``lse`` and ``delta`` ``(b, h, g, rows)``."""
+    return -jnp.sum(jnp.exp(sinks - lse) * delta, axis=(0, 3))
