@@ -297,8 +297,9 @@ _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pc
 # Rotary fractions that models' config classes set when config.json leaves them out.
 # GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
 _DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
-# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``.
-_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere")
+# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``,
+# GLM's, Helium's and ERNIE 4.5's tables repeated in place.
+_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere", "cohere2", "glm", "glm4", "helium", "ernie4_5")
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
@@ -318,7 +319,7 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
     - max_position_embeddings (GPT-J: ``n_positions``), and for llama3, yarn and longrope
       ``original_max_position_embeddings``: a top-level one (Phi-3) wins, else the rope
       parameters' own, else max_position_embeddings;
-    - interleaved for GPT-J, CodeGen, Llama 4 and Cohere (``model_type``), whose attention rotates pairs
+    - interleaved for the models of ``_INTERLEAVED_MODELS`` (``model_type``), whose attention rotates pairs
       ``(2i, 2i + 1)``; every other model rotates halves."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
