@@ -200,9 +200,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
     "gemma": Family(),
     "vaultgemma": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
-    "olmo": Family(),
+    "olmo": Family(refuses=(("clip_qkv", "clipped projections"),)),
     "olmo3": Family(qk_norm=QKNorm("rms", False, 1e-6), layer_types=_layer_types_every(4)),
-    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5)),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", "clipped projections"),)),
     "flex_olmo": Family(qk_norm=QKNorm("rms", False, 1e-6)),
     "phimoe": Family(qkv_bias="attention_bias", out_bias="attention_bias", layer_types=_layer_types_sliding_if_set),
     "granite": Family(scale=_scale_granite),
@@ -240,6 +240,8 @@ FAMILIES: dict[str, Family] = {
     "minimax_m2": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", False, 1e-6)),
     "dots1": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
     "mellum": Family(qk_norm=QKNorm("rms", True, 1e-6)),
+    "exaone_moe": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
+                         layer_types=_layer_types_pattern(4), rope_sliding_only=True),
     "kolibri1": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
                        layer_types=_layer_types_pattern(4), rope_sliding_only=True),
     "hy_v3": Family(qk_norm=QKNorm("rms", True, 1e-6)),
@@ -248,6 +250,7 @@ FAMILIES: dict[str, Family] = {
                      fused=("query_key_value", "dense"), defaults=dict(multi_query=True),
                      refuses=(("alibi", _ALIBI),)),
 }
+FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
