@@ -15,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mha_spec.qk_norm import QKNorm
@@ -88,7 +88,8 @@ def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
 
 def _check_bert(config: Mapping[str, Any], layer: int) -> None:
     if config.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"config (bert) sets position_embedding_type={config['position_embedding_type']!r}, "
+        raise ValueError(f"config ({config.get('model_type')}) sets "
+                         f"position_embedding_type={config['position_embedding_type']!r}, "
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
@@ -140,10 +141,26 @@ class Family:
     per_head_norms: Mapping[str, str] | None = None  # norm -> the key start of its per-head weights
     head_norm_matrix: bool = False  # a per-head norm saved as a (heads, head_dim) matrix
     renames: Mapping[str, str] = field(default_factory=dict)  # a key's start under the prefix -> the layout's
+    aliases: Mapping[str, str] = field(default_factory=dict)  # our size names -> the config's (XGLM's)
 
 
 _LLAMA = Family()
 _GPT_NEOX_BUFFERS = ("bias", "masked_bias", "rotary_emb.inv_freq")
+
+
+def _bert_like(model: str) -> Family:
+    """BERT's self-attention and output projection in a model whose base is saved as ``model``."""
+    return Family(prefix=model + ".encoder.layer.{layer}.attention.", layout="bert", qkv_bias=True, out_bias=True,
+                  kv_heads=None, reads_head_dim=False, rope=False, causal="is_decoder", check=_check_bert,
+                  ignore=("output.LayerNorm",))
+
+
+def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
+    """BART's and OPT's self-attention: positions added before it, ``out_proj`` for the output."""
+    return Family(prefix=prefix, qkv_bias=bias, out_bias=bias, bias_default=True, kv_heads=None,
+                  reads_head_dim=False, rope=False, renames={"out_proj.": "o_proj."})
+
+
 # Llama4TextConfig's and SmolLM3Config's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 _SMOLLM3 = dict(no_rope_layer_interval=4)
@@ -186,9 +203,15 @@ FAMILIES: dict[str, Family] = {
                    fused=("c_attn", "c_proj")),
     # an encoder: bidirectional unless the config makes it a decoder; the keys as BERT's task
     # models save them (``bert.`` before the base model's names)
-    "bert": Family(prefix="bert.encoder.layer.{layer}.attention.", layout="bert", qkv_bias=True, out_bias=True,
-                   kv_heads=None, reads_head_dim=False, rope=False, causal="is_decoder", check=_check_bert,
-                   ignore=("output.LayerNorm",)),
+    "bert": _bert_like("bert"),
+    **{name: _bert_like(model) for name, model in (
+        ("bert-generation", "bert"), ("camembert", "roberta"), ("data2vec-text", "data2vec_text"),
+        ("electra", "electra"), ("ernie", "ernie"), ("rembert", "rembert"), ("roberta", "roberta"),
+        ("roc_bert", "roc_bert"), ("xlm-roberta", "roberta"), ("xmod", "roberta"))},
+    "opt": _learned_positions("model.decoder.layers.{layer}.self_attn.", "enable_bias"),
+    "biogpt": _learned_positions("biogpt.layers.{layer}.self_attn."),
+    "xglm": replace(_learned_positions("model.layers.{layer}.self_attn."), aliases=dict(
+        hidden_size="d_model", num_attention_heads="attention_heads", num_hidden_layers="num_layers")),
     # Llama's layer under other names and defaults
     "mixtral": Family(layer_types=_layer_types_sliding_if_set),
     "ministral": Family(layer_types=_layer_types_sliding_if_set),
@@ -222,6 +245,9 @@ FAMILIES: dict[str, Family] = {
                       layer_types=_layer_types_pattern(4), rope_sliding_only=True),
     "cohere2": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
                       rope_default=(("rope_theta",), "rope_theta", 10000.0)),
+    "ernie4_5_moe": Family(qkv_bias="use_bias", out_bias="use_bias"),
+    "cohere2_moe": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+                          rope_default=(("rope_theta",), "rope_theta", 10000.0)),
     "internlm3": Family(),
     "iquestcoder": Family(),
     "jais2": Family(),
@@ -316,6 +342,8 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
         )
     family = FAMILIES[model_type]
     config = {**family.defaults, **config}
+    config.update({name: config[alias] for name, alias in family.aliases.items()
+                   if name not in config and alias in config})
     if family.no_rope_layers:
         config = _with_no_rope_layers(config)
     refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key) and key not in family.reads]

@@ -13,6 +13,7 @@ The table of ``docs/models.md`` is generated from the records.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,11 +48,14 @@ FEATURES = (
     "relative position bias",  # a learned or bucketed bias of the distance (XLNet, Reformer, CPM-Ant)
     "differential attention",  # two softmaxes subtracted
     "learned gates on the attention",  # a gate from the input on the output, or a learned per-key bias
+    "a norm inside the attention block",  # a LayerNorm before the projections, inside the saved module
+    "a mask from the content",  # block-sparse or dynamic masks
+    "RoFormer's sinusoidal rotary table",
     "a norm after the attention",  # a norm of the heads' output before the output projection
     "QK-norm after the rotary embedding",
     "per-position query scaling",
     "shared key/value layers",  # layers that reuse another layer's keys and values
-    "projections this layout cannot split",
+    "a checkpoint layout not yet written",
     "cross-attention",  # layers that attend to another model's states
     "a multimodal model's checkpoint (its text model's weights under another prefix)",
 )
@@ -87,6 +91,8 @@ def _model(config):
     cls = getattr(transformers, transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
         config.model_type])
     model = cls._from_config(config).eval()  # float32: grouped expert kernels take no float64
+    if hasattr(model, "set_default_language"):  # X-MOD's adapters: one language's
+        model.set_default_language("en_XX")
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.3 + (0.5 if "norm" in name else 0.0))
@@ -152,11 +158,16 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
         _keep_float64(monkeypatch, module)
     x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
-    if options.ignore:  # BERT's block: its self-attention and output projection, not the residual and norm
-        out = module.output.dense(module.self(hidden, *rest, **kwargs)[0])
-    else:
-        out = module(hidden, *rest, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # XGLM's clamp builds its bound at the default dtype
+    try:
+        if options.ignore:  # BERT's block: its self-attention and output projection, not the residual and norm
+            out = module.output.dense(module.self(hidden, *rest, **kwargs)[0])
+        else:
+            out = module(hidden, *rest, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+    finally:
+        torch.set_default_dtype(default)
     d_out = np.random.default_rng(1).normal(size=out.shape)
     out.backward(torch.tensor(d_out, dtype=out.dtype))
     grads = {"input": hidden.grad}
@@ -166,13 +177,23 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
     return inputs, out.detach().double().numpy(), _theirs_by_our_names(grads, options), state
 
 
+def _representatives(raw: dict, count: int) -> list[int]:
+    """The first layer of each kind (its options but the prefix): every kind the config has, once."""
+    kinds = {}
+    for layer in range(count):
+        options = families.layer_options(raw, layer)
+        kinds.setdefault(repr(dataclasses.replace(options, prefix="")), layer)
+    return sorted(kinds.values())
+
+
 def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None) -> dict:
-    """Layers ``layers`` (default: every one) of the family's small model, both twins against it:
+    """Layers ``layers`` (default: one of each kind; ``test_every_layer_reads_as_transformers_model_uses_it``
+    checks that the kinds are the model's) of the family's small model, both twins against it:
     dtype -> the worst (output, gradient) errors."""
     config = _config(model_type, record.config, record.layers)
     model = _model(config)
     raw = families.read_config(config.to_dict())
-    layers = range(record.layers) if layers is None else layers
+    layers = _representatives(raw, record.layers) if layers is None else layers
     options = {layer: families.layer_options(raw, layer) for layer in layers}
     calls = _captured(model, {layer: model.get_submodule(o.prefix.rstrip(".")) for layer, o in options.items()})
     worst = {}
@@ -200,11 +221,17 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Supported(_TESTED) for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
                                              "olmo2", "phi3", "gpt_neox", "gpt2", "gptj", "stablelm", "cohere")},
     "llama4_text": Supported("chunked layers, NoPE layers (attn_temperature_tuning refused)",
-                             dict(attn_temperature_tuning=False, attention_chunk_size=4, no_rope_layer_interval=2,
+                             dict(attn_temperature_tuning=False, attention_chunk_size=16, no_rope_layer_interval=2,
                                   use_qk_norm=False, **_MOE)),
     "bert": Supported("a decoder (is_decoder): causal, biases, no rotary; its block's LayerNorm left unread",
                       dict(is_decoder=True, num_key_value_heads=None, head_dim=None)),
-    "gpt-sw3": Supported("GPT-2's layer", dict(n_positions=16)),
+    "gpt-sw3": Supported(_TESTED),  # GPT-2's classes, its config's model_type gpt2
+    **{name: Supported("BERT's self-attention as a decoder (is_decoder): causal, biases, no rotary; the block's "
+                       "LayerNorm left unread", dict(is_decoder=True, num_key_value_heads=None, head_dim=None))
+       for name in ("bert-generation", "camembert", "data2vec-text", "electra", "ernie", "rembert", "roberta",
+                    "roc_bert", "xlm-roberta", "xmod")},
+    **{name: Supported("biases, positions added before it, the output projection out_proj",
+                       dict(num_key_value_heads=None, head_dim=None)) for name in ("opt", "biogpt", "xglm")},
     "mixtral": Supported("Mistral's layer: sliding window", dict(sliding_window=WINDOW, **_MOE)),
     "ministral": Supported("sliding layers from layer_types", dict(sliding_window=WINDOW)),
     "ministral3": Refused("per-position query scaling", "rope parameters' llama_4_scaling_beta"),
@@ -243,8 +270,12 @@ RECORDS: dict[str, Supported | Refused] = {
                             dict(sliding_window=WINDOW, num_experts=2, num_experts_per_tok=1), layers=5),
     "cohere2": Supported("interleaved pairs, sliding layers, rotary on the sliding layers only",
                          dict(sliding_window=WINDOW), layers=5),
-    "internlm3": Supported("Llama's layer"),
-    "iquestcoder": Supported("Llama's layer"),
+    "ernie4_5_moe": Supported("interleaved pairs (its rotation in float32), biases (use_bias)",
+                              dict(use_bias=True, moe_num_experts=2, moe_k=1)),
+    "cohere2_moe": Supported("interleaved pairs, sliding layers, rotary on the sliding layers only",
+                             dict(sliding_window=WINDOW, num_experts=2, num_experts_per_tok=1), layers=5),
+    "internlm3": Supported(_TESTED),  # LlamaForCausalLM itself
+    "iquestcoder": Supported(_TESTED),  # LlamaForCausalLM itself
     "jais2": Supported("Llama's layer"),
     "nemotron": Supported("half of each head rotating"),
     "cwm": Supported("sliding layers from layer_types", dict(sliding_window=WINDOW)),
@@ -282,13 +313,12 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
-    **{name: Refused("projections this layout cannot split") for name in (
+    **{name: Refused("a checkpoint layout not yet written") for name in (
         "codegen", "dbrx", "gpt_bigcode", "jetmoe", "ctrl", "openai-gpt", "gpt_neo", "gpt_neox_japanese", "xlm",
-        "opt", "biogpt", "xglm", "git", "moshi", "modernbert-decoder", "ernie4_5_moe", "cohere2_moe",
-        "cohere_compass_text")},
+        "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in (
-        "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert", "rembert",
-        "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod", "mllama")},
+        "big_bird", "megatron-bert", "rembert",
+        "roberta-prelayernorm", "roformer", "xlm-roberta-xl", "mllama")},
     **{name: Refused("shared key/value layers") for name in (
         "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
         "gemma4_unified_text", "gemma4_unified_assistant")},
@@ -349,3 +379,72 @@ def test_family_equals_its_transformers_attention(model_type, monkeypatch):
     worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
     assert max(worst["float64"]) < 1e-12, worst
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
+
+
+# configs longer than their layer pattern's period: (family, config keywords, layers)
+PATTERNS = {
+    "llama4_text": (dict(RECORDS["llama4_text"].config, attention_chunk_size=4, no_rope_layer_interval=4), 9),
+    "smollm3": (RECORDS["smollm3"].config, 9),
+    "olmo3": (RECORDS["olmo3"].config, 9),
+    "cohere2": (RECORDS["cohere2"].config, 9),
+    "exaone4": (RECORDS["exaone4"].config, 9),
+    "gemma2": (dict(sliding_window=WINDOW), 5),
+    "gemma3_text": (dict(sliding_window=WINDOW, sliding_window_pattern=3), 7),
+    "gpt_oss": (dict(sliding_window=WINDOW, **_MOE), 5),
+    "qwen2": (dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2), 5),
+    "mistral": (dict(sliding_window=WINDOW), 3),
+    "vaultgemma": (RECORDS["vaultgemma"].config, 5),
+}
+DERIVED = ("layer_types", "no_rope_layers")  # keys config classes fill in: a config.json may leave them out
+
+
+def _their_rope(module) -> bool:
+    """Whether transformers' attention module rotates (each family's own test, read from its forward)."""
+    if hasattr(module, "use_rope"):  # Llama 4, SmolLM3: no_rope_layers
+        return bool(module.use_rope)
+    if type(module).__name__.startswith("Cohere2"):
+        return module.sliding_window is not None
+    if hasattr(module, "is_sliding"):  # EXAONE 4: rotary on the sliding layers, or everywhere without a window
+        return module.sliding_window is None or module.is_sliding
+    return True
+
+
+def _our_mask(options, positions, live):
+    """The keys each query sees under the layer's options: causal by position, its window, its chunk."""
+    q, k = positions[:, :, None], positions[:, None, :]
+    allowed = (k <= q) & live[:, None, :]
+    if options.window is not None:
+        allowed &= q - k <= options.window[0]
+    if options.attention_chunk_size:
+        allowed &= q // options.attention_chunk_size == k // options.attention_chunk_size
+    return allowed
+
+
+@pytest.mark.parametrize("model_type", list(PATTERNS))
+def test_every_layer_reads_as_transformers_model_uses_it(model_type):
+    """Each layer of a config longer than its pattern's period: the keys each query sees (the
+    mask transformers' model builds for that layer: window, chunk), whether it rotates, and its
+    rope parameters where the model keeps one set per layer type; from the config as transformers
+    saves it and without the per-layer keys its config class fills in."""
+    extra, count = PATTERNS[model_type]
+    config = _config(model_type, extra, count)
+    model = _model(config)
+    full = config.to_dict()
+    bare = {k: v for k, v in full.items() if k not in DERIVED}
+    modules = {layer: model.get_submodule(families.layer_options(full, layer).prefix.rstrip("."))
+               for layer in range(count)}
+    calls = _captured(model, modules)
+    positions = _positions().numpy()
+    live = np.arange(S)[None] < np.array(LENGTHS)[:, None]
+    for raw in (full, bare):
+        for layer, module in modules.items():
+            options = families.layer_options(families.read_config(raw), layer)
+            mask = calls[layer][1]["attention_mask"]
+            theirs = (mask == 0).numpy()[:, 0] if mask.dtype.is_floating_point else mask.numpy()[:, 0]
+            ours = _our_mask(options, positions - positions[:, :1], live)  # transformers: by index
+            assert (ours == theirs)[live].all(), (layer, options.window, options.attention_chunk_size)
+            assert (options.rope is not None) == _their_rope(module), (layer, "rotary")
+            parameters = full.get("rope_parameters") or {}
+            layer_type = full.get("layer_types", [None] * count)[layer]
+            if options.rope is not None and isinstance(parameters.get(layer_type), dict):
+                assert options.rope["rope_parameters"] == parameters[layer_type], (layer, "rope parameters")

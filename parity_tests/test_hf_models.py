@@ -173,7 +173,7 @@ def _keep_float64(monkeypatch, attention):
 
             monkeypatch.setattr(module, "forward", forward)
     name = type(attention).__name__
-    if name in ("CohereAttention", "Cohere2Attention"):  # its rotation casts queries and keys to float32
+    if name in ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"):  # its rotation casts q, k to float32
         modeling = __import__(type(attention).__module__, fromlist=["_"])
 
         def rotate64(q, k, cos, sin, unsqueeze_dim=1):
@@ -181,7 +181,7 @@ def _keep_float64(monkeypatch, attention):
             return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
-    if name == "Ernie4_5Attention":  # its rotation casts queries and keys to float32
+    if name in ("Ernie4_5Attention", "Ernie4_5_MoeAttention"):  # its rotation casts queries and keys to float32
         modeling = __import__(type(attention).__module__, fromlist=["_"])
 
         def rotate_pairs64(q, k, cos, sin, unsqueeze_dim=1):
