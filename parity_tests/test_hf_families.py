@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pathlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -316,9 +317,12 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("a checkpoint layout not yet written") for name in (
         "codegen", "dbrx", "gpt_bigcode", "jetmoe", "ctrl", "openai-gpt", "gpt_neo", "gpt_neox_japanese", "xlm",
         "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
-    **{name: Refused("cross-attention") for name in (
-        "big_bird", "megatron-bert", "rembert",
-        "roberta-prelayernorm", "roformer", "xlm-roberta-xl", "mllama")},
+    **{name: Refused("cross-attention") for name in ("mllama",)},
+    # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
+    **{name: Refused("a norm inside the attention block") for name in (
+        "megatron-bert", "roberta-prelayernorm", "xlm-roberta-xl")},
+    "big_bird": Refused("a mask from the content", "block-sparse attention (attention_type='block_sparse')"),
+    "roformer": Refused("RoFormer's sinusoidal rotary table"),
     **{name: Refused("shared key/value layers") for name in (
         "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
         "gemma4_unified_text", "gemma4_unified_assistant")},
@@ -448,3 +452,100 @@ def test_every_layer_reads_as_transformers_model_uses_it(model_type):
             layer_type = full.get("layer_types", [None] * count)[layer]
             if options.rope is not None and isinstance(parameters.get(layer_type), dict):
                 assert options.rope["rope_parameters"] == parameters[layer_type], (layer, "rope parameters")
+
+
+def family_table() -> str:
+    """The family table of ``docs/models.md``, from ``RECORDS``."""
+    rows = ["| `model_type` | from_hf | what its layers use, or what it lacks |", "|---|---|---|"]
+    for name in sorted(RECORDS):
+        record = RECORDS[name]
+        if isinstance(record, Supported):
+            rows.append(f"| `{name}` | supported | {record.uses} |")
+        else:
+            why = record.reason + (f": {record.detail}" if record.detail else "")
+            rows.append(f"| `{name}` | refused | {why} |")
+    supported = sum(isinstance(r, Supported) for r in RECORDS.values())
+    return "\n".join(rows) + f"\n\n{supported} of {len(RECORDS)} families supported.\n"
+
+
+def test_the_docs_family_table_is_the_records():
+    """``docs/models.md``'s table between its markers is ``family_table()``: regenerate it with
+    ``python -c "from parity_tests.test_hf_families import family_table; print(family_table())"``."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    start, end = "<!-- families: start -->\n", "<!-- families: end -->"
+    assert start in page and end in page
+    assert page.split(start)[1].split(end)[0].strip() == family_table().strip()
+
+
+CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4")
+STEPS = (4, 1, 1, 1)  # a prompt of 4 tokens, then one at a time: S = 7
+
+
+def _their_decode(model, layer, options, x, dtype, monkeypatch):
+    """transformers' attention of ``layer`` with a ``DynamicCache``, over ``STEPS``: its outputs."""
+    import inspect
+
+    torch_dtype = getattr(torch, dtype)
+    module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
+    if dtype == "float64":
+        _keep_float64(monkeypatch, module)
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    positions = torch.arange(S)[None].expand(B, -1)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    if dtype == "float64":
+        cos, sin = _tables64(rotary, positions, cos.shape[-1])
+    parameters = inspect.signature(module.forward).parameters
+    cache, outs, start = transformers.DynamicCache(), [], 0
+    for n in STEPS:
+        q, k = torch.arange(start, start + n)[:, None], torch.arange(start + n)[None]
+        allowed = (k <= q) & ((q - k <= options.window[0]) if options.window else True)
+        mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
+        keywords = {"past_key_values" if "past_key_values" in parameters else "layer_past": cache,
+                    "position_embeddings": (cos[:, start:start + n].to(torch_dtype),
+                                            sin[:, start:start + n].to(torch_dtype)),
+                    "attention_mask": mask[None, None].expand(B, 1, -1, -1)}
+        keywords.update({k: v for k, v in (("alibi", None), ("use_cache", True)) if k in parameters})
+        with torch.no_grad():
+            out = module(torch.tensor(x[:, start:start + n], dtype=torch_dtype), **keywords)
+        outs.append((out[0] if isinstance(out, tuple) else out).double().numpy())
+        start += n
+    monkeypatch.undo()
+    return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _our_decode(raw, layer, state, x, dtype):
+    """Both twins' decoding over ``STEPS`` (a cache of S slots): (torch's, JAX's) outputs."""
+    import jax.numpy as jnp
+
+    torch_module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
+    jax_module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=getattr(jnp, dtype))
+    options = families.layer_options(families.read_config(raw), layer)
+    cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
+    jax_module.init_cache((B, S, HIDDEN), getattr(jnp, dtype))
+    outs_t, outs_j, start = [], [], 0
+    for n in STEPS:
+        chunk = x[:, start:start + n]
+        with torch.no_grad():
+            outs_t.append(torch_module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
+                                       is_causal=True).double().numpy())
+        outs_j.append(np.asarray(jax_module(jnp.asarray(chunk, getattr(jnp, dtype)), decode=True, is_causal=True),
+                                 np.float64))
+        start += n
+    return np.concatenate(outs_t, axis=1), np.concatenate(outs_j, axis=1)
+
+
+@pytest.mark.parametrize("model_type", CACHED)
+def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(model_type, monkeypatch):
+    """A prompt then single tokens: transformers' attention with ``past_key_values`` (a
+    ``DynamicCache``) against both twins decoding with their caches, every kind of layer."""
+    record = RECORDS[model_type]
+    config = _config(model_type, record.config, record.layers)
+    model, raw = _model(config), config.to_dict()
+    x = np.random.default_rng(3).normal(size=(B, S, HIDDEN))
+    for layer in _representatives(families.read_config(raw), record.layers):
+        options = families.layer_options(families.read_config(raw), layer)
+        for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-6)):
+            theirs, state = _their_decode(model, layer, options, x, dtype, monkeypatch)
+            state = {options.prefix + k: v for k, v in state.items()}
+            for name, ours in zip(("torch", "jax"), _our_decode(raw, layer, state, x, dtype)):
+                assert _rel(ours, theirs) < tolerance, (layer, dtype, name, _rel(ours, theirs))
