@@ -1,9 +1,12 @@
 """Hugging Face model families: a layer's attention options read from a ``config.json`` dict.
 
-Plain Python, no array library and no transformers import. Each family's rules are read from
-transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x): which projections have
-biases, the scale, the window of each layer type, the QK-norm, soft-capping, sinks, and where
-the layer's weights sit in the whole model's checkpoint.
+Plain Python, no array library and no transformers import. Each family is one ``Family`` record
+in ``FAMILIES``, read from transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x):
+where the layer's weights sit in the whole model's checkpoint and in which layout, which
+projections have biases, the scale, the window of each layer type, the rotary embedding and the
+layers without one, the QK-norm, soft-capping, sinks, and the options it sets that this
+attention does not compute (refused by name). A family like Llama is a record of defaults;
+``layer_options`` reads every record the same way.
 """
 
 from __future__ import annotations
@@ -12,37 +15,268 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mha_spec.qk_norm import QKNorm
 
-# model_type -> the key prefix of layer N's attention in the model's checkpoint, and its layout
 _PREFIX = "model.layers.{layer}.self_attn."
-FAMILIES = {
-    "llama": (_PREFIX, "hf"),
-    "mistral": (_PREFIX, "hf"),
-    "qwen2": (_PREFIX, "hf"),
-    "qwen3": (_PREFIX, "hf"),
-    "gemma2": (_PREFIX, "hf"),
-    "gemma3_text": (_PREFIX, "hf"),
-    "gpt_oss": (_PREFIX, "hf"),
-    "olmo2": (_PREFIX, "hf"),
-    "llama4_text": (_PREFIX, "hf"),
-    "phi3": (_PREFIX, "fused_qkv"),
-    "stablelm": (_PREFIX, "hf"),  # its per-head QK-norm's keys joined by ``layer_keys``
-    "cohere": (_PREFIX, "hf"),
-    "gptj": ("transformer.h.{layer}.attn.", "mha_torch"),
-    # read by ``layer_state`` into this package's names: heads interleaved in one fused weight
-    # (GPT-NeoX), transposed ``Conv1D`` weights (GPT-2)
-    "gpt_neox": ("gpt_neox.layers.{layer}.attention.", "gpt_neox"),
-    "gpt2": ("transformer.h.{layer}.attn.", "gpt2"),
+
+
+def _layer_types_full(config: Mapping[str, Any], layers: int) -> list[str]:
+    return ["full_attention"] * layers
+
+
+def _layer_types_sliding_if_set(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Mistral's rule: every layer sliding when the config sets ``sliding_window``."""
+    kind = "sliding_attention" if config.get("sliding_window") is not None else "full_attention"
+    return [kind] * layers
+
+
+def _layer_types_every(period: int) -> Callable[[Mapping[str, Any], int], list[str]]:
+    """Sliding layers but every ``period``-th full."""
+    def rule(config: Mapping[str, Any], layers: int) -> list[str]:
+        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    return rule
+
+
+def _layer_types_pattern(default: int) -> Callable[[Mapping[str, Any], int], list[str]]:
+    """Gemma 3's and Cohere 2's rule: every ``sliding_window_pattern``-th layer full."""
+    def rule(config: Mapping[str, Any], layers: int) -> list[str]:
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", default))
+        return _layer_types_every(pattern)(config, layers)
+    return rule
+
+
+def _layer_types_qwen(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen2's rule: with ``use_sliding_window``, the layers from ``max_window_layers`` on slide."""
+    sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+    first = config.get("max_window_layers", layers)
+    return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+
+
+def _layer_types_chunked(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Llama4TextConfig's rule: the layers that rotate are chunked."""
+    return ["chunked_attention" if rope else "full_attention" for rope in config["no_rope_layers"]]
+
+
+def _layer_types_smollm3(config: Mapping[str, Any], layers: int) -> list[str]:
+    """SmolLM3Config's rule: with ``use_sliding_window``, the layers without rotary slide."""
+    sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+    return ["sliding_attention" if sliding and not rope else "full_attention" for rope in config["no_rope_layers"]]
+
+
+def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    return config.get("query_pre_attn_scalar", head_dim) ** -0.5
+
+
+def _scale_gpt2(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    scale = 1.0 / math.sqrt(head_dim) if config.get("scale_attn_weights", True) else 1.0
+    return scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
+
+
+def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
+
+
+def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
+    """Falcon's key heads: ``num_kv_heads`` in its newer layout, else one (``multi_query``) or one per head."""
+    if config.get("new_decoder_architecture"):
+        return config.get("num_kv_heads")
+    return 1 if config.get("multi_query", True) else None
+
+
+def _check_bert(config: Mapping[str, Any], layer: int) -> None:
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"config ({config.get('model_type')}) sets "
+                         f"position_embedding_type={config['position_embedding_type']!r}, "
+                         "which this attention does not compute (only 'absolute' embeddings, added before it)")
+
+
+def _check_llama4(config: Mapping[str, Any], layer: int) -> None:
+    """A NoPE layer of Llama 4 scales its queries by position (``attn_temperature_tuning``)."""
+    if config["no_rope_layers"][layer] == 0 and config["attn_temperature_tuning"]:
+        raise ValueError(
+            f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE layer {layer} by "
+            "position: this attention does not compute it"
+        )
+
+
+@dataclass(frozen=True)
+class Family:
+    """How transformers' attention of one ``model_type`` reads its config and saves its weights.
+
+    A bias, a head count or a flag given as a string is the config key that holds it; the
+    callables compute what no key holds directly. ``refuses``: ``(config key, feature)`` pairs,
+    a key set (truthy, in the config or its rope parameters) naming a feature this attention
+    does not compute."""
+
+    prefix: str = _PREFIX  # layer N's attention in the checkpoint, ``{layer}`` for N
+    layout: str = "hf"  # the loaders' layout; "gpt_neox", "gpt2", "falcon": fused weights split here
+    qkv_bias: bool | str = "attention_bias"
+    out_bias: bool | str = "attention_bias"
+    bias_default: bool = False  # a bias key's value where the config leaves it out
+    kv_heads: str | Callable[[Mapping[str, Any]], int] | None = "num_key_value_heads"  # None: as many as heads
+    reads_head_dim: bool = True  # False: head_dim is hidden_size // heads whatever the config says
+    scale: Callable[[Mapping[str, Any], int, int], float] | None = None  # (config, head_dim, layer)
+    soft_cap: str | None = None  # the key of the logits' soft-cap
+    sinks: bool = False
+    qk_norm: QKNorm | None = None  # with its default eps
+    qk_norm_flag: str | None = None  # the key that switches ``qk_norm`` on; None: always on
+    qk_norm_eps: str = "rms_norm_eps"
+    layer_types: Callable[[Mapping[str, Any], int], list[str]] = _layer_types_full  # where no layer_types
+    window_flag: str | None = None  # a key that must be set for sliding layers to slide
+    rope: bool = True
+    rope_default: tuple[tuple[str, ...], str, Any] | None = None  # (keys, any of which gives it; key set; value)
+    no_rope_layers: bool = False  # reads ``no_rope_layers`` (default: every ``no_rope_layer_interval``-th)
+    rope_sliding_only: bool = False  # with a ``sliding_window``, only the sliding layers rotate
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # the config class's, where config.json is silent
+    reads: tuple[str, ...] = ()  # keys of ``_REFUSED`` that it computes
+    refuses: tuple[tuple[str, str], ...] = ()
+    check: Callable[[Mapping[str, Any], int], None] | None = None  # raises on what it cannot build
+    causal: bool | str = True  # or the key that makes an encoder a decoder
+    ignore: tuple[str, ...] = ()  # keys under the prefix that belong to the block, not the attention
+    buffers: tuple[str, ...] = ()  # keys under the prefix that hold no weight (older files' buffers)
+    fused: tuple[str, str] | None = None  # the fused q/k/v and output projections' names
+    per_head_norms: Mapping[str, str] | None = None  # norm -> the key start of its per-head weights
+    head_norm_matrix: bool = False  # a per-head norm saved as a (heads, head_dim) matrix
+    renames: Mapping[str, str] = field(default_factory=dict)  # a key's start under the prefix -> the layout's
+    aliases: Mapping[str, str] = field(default_factory=dict)  # our size names -> the config's (XGLM's)
+
+
+_LLAMA = Family()
+_GPT_NEOX_BUFFERS = ("bias", "masked_bias", "rotary_emb.inv_freq")
+
+
+def _bert_like(model: str) -> Family:
+    """BERT's self-attention and output projection in a model whose base is saved as ``model``."""
+    return Family(prefix=model + ".encoder.layer.{layer}.attention.", layout="bert", qkv_bias=True, out_bias=True,
+                  kv_heads=None, reads_head_dim=False, rope=False, causal="is_decoder", check=_check_bert,
+                  ignore=("output.LayerNorm",))
+
+
+def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
+    """BART's and OPT's self-attention: positions added before it, ``out_proj`` for the output."""
+    return Family(prefix=prefix, qkv_bias=bias, out_bias=bias, bias_default=True, kv_heads=None,
+                  reads_head_dim=False, rope=False, renames={"out_proj.": "o_proj."})
+
+
+# Llama4TextConfig's and SmolLM3Config's defaults, where a config leaves them out
+_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
+_SMOLLM3 = dict(no_rope_layer_interval=4)
+_ALIBI = "ALiBi"
+
+# model_type -> its record
+FAMILIES: dict[str, Family] = {
+    "llama": _LLAMA,
+    "mistral": Family(layer_types=_layer_types_sliding_if_set),
+    "qwen2": Family(qkv_bias=True, out_bias=False, layer_types=_layer_types_qwen),
+    "qwen3": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
+    "gemma2": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
+    "gemma3_text": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
+                          qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), layer_types=_layer_types_pattern(6)),
+    "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
+    "olmo2": Family(qk_norm=QKNorm("rms", False, 1e-6)),
+    "llama4_text": Family(layer_types=_layer_types_chunked, no_rope_layers=True, defaults=_LLAMA4,
+                          reads=("attention_chunk_size",), check=_check_llama4),
+    "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_sliding_if_set),
+    # its QK-norm a LayerNorm per head, each head's weight its own key (joined by ``layer_keys``)
+    "stablelm": Family(qkv_bias="use_qkv_bias", out_bias=False, reads_head_dim=False,
+                       qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True), qk_norm_flag="qk_layernorm",
+                       qk_norm_eps="layer_norm_eps", rope_default=(("partial_rotary_factor", "rotary_pct"),
+                                                                   "partial_rotary_factor", 0.25),
+                       per_head_norms={"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}),
+    "cohere": Family(qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True), qk_norm_flag="use_qk_norm",
+                     qk_norm_eps="layer_norm_eps", rope_default=(("rope_theta",), "rope_theta", 500000.0),
+                     reads=("use_qk_norm",), head_norm_matrix=True),
+    "gptj": Family(prefix="transformer.h.{layer}.attn.", layout="mha_torch", qkv_bias=False, out_bias=False,
+                   kv_heads=None, reads_head_dim=False, rope_default=(("rotary_dim",), "rotary_dim", 64),
+                   buffers=("bias", "masked_bias")),
+    # heads interleaved in one fused weight, read by ``layer_state``; a quarter of each head rotates
+    "gpt_neox": Family(prefix="gpt_neox.layers.{layer}.attention.", layout="gpt_neox", bias_default=True,
+                       kv_heads=None, reads_head_dim=False, buffers=_GPT_NEOX_BUFFERS,
+                       fused=("query_key_value", "dense"),
+                       rope_default=(("rotary_pct", "partial_rotary_factor"), "rotary_pct", 0.25)),
+    # transposed ``Conv1D`` weights, read by ``layer_state``; no rotary embedding
+    "gpt2": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True, kv_heads=None,
+                   reads_head_dim=False, scale=_scale_gpt2, rope=False, buffers=("bias", "masked_bias"),
+                   fused=("c_attn", "c_proj")),
     # an encoder: bidirectional unless the config makes it a decoder; the keys as BERT's task
     # models save them (``bert.`` before the base model's names)
-    "bert": ("bert.encoder.layer.{layer}.attention.", "bert"),
+    "bert": _bert_like("bert"),
+    **{name: _bert_like(model) for name, model in (
+        ("bert-generation", "bert"), ("camembert", "roberta"), ("data2vec-text", "data2vec_text"),
+        ("electra", "electra"), ("ernie", "ernie"), ("rembert", "rembert"), ("roberta", "roberta"),
+        ("roc_bert", "roc_bert"), ("xlm-roberta", "roberta"), ("xmod", "roberta"))},
+    "opt": _learned_positions("model.decoder.layers.{layer}.self_attn.", "enable_bias"),
+    "biogpt": _learned_positions("biogpt.layers.{layer}.self_attn."),
+    "xglm": replace(_learned_positions("model.layers.{layer}.self_attn."), aliases=dict(
+        hidden_size="d_model", num_attention_heads="attention_heads", num_hidden_layers="num_layers")),
+    # Llama's layer under other names and defaults
+    "mixtral": Family(layer_types=_layer_types_sliding_if_set),
+    "ministral": Family(layer_types=_layer_types_sliding_if_set),
+    "ministral3": Family(layer_types=_layer_types_sliding_if_set,
+                         refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
+    "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True,
+                         layer_types=_layer_types_sliding_if_set),
+    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen),
+    "qwen3_moe": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
+    "gemma": Family(),
+    "vaultgemma": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
+    "olmo": Family(refuses=(("clip_qkv", "clipped projections"),)),
+    "olmo3": Family(qk_norm=QKNorm("rms", False, 1e-6), layer_types=_layer_types_every(4)),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", "clipped projections"),)),
+    "flex_olmo": Family(qk_norm=QKNorm("rms", False, 1e-6)),
+    "phimoe": Family(qkv_bias="attention_bias", out_bias="attention_bias", layer_types=_layer_types_sliding_if_set),
+    "granite": Family(scale=_scale_granite),
+    "granitemoe": Family(scale=_scale_granite),
+    "granitemoeshared": Family(scale=_scale_granite),
+    "hyperclovax": Family(scale=_scale_granite),
+    "helium": Family(out_bias=False),
+    "glm": Family(out_bias=False, rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
+    "glm4": Family(out_bias=False, rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
+    "seed_oss": Family(out_bias="attention_out_bias"),
+    "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
+                      defaults=_SMOLLM3),
+    "arcee": Family(),
+    "apertus": Family(qk_norm=QKNorm("rms", True, 1e-6)),
+    "ernie4_5": Family(qkv_bias="use_bias", out_bias="use_bias"),
+    "exaone4": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
+                      layer_types=_layer_types_pattern(4), rope_sliding_only=True),
+    "cohere2": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+                      rope_default=(("rope_theta",), "rope_theta", 10000.0)),
+    "ernie4_5_moe": Family(qkv_bias="use_bias", out_bias="use_bias"),
+    "cohere2_moe": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+                          rope_default=(("rope_theta",), "rope_theta", 10000.0)),
+    "internlm3": Family(),
+    "iquestcoder": Family(),
+    "jais2": Family(),
+    "nemotron": Family(rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
+    "cwm": Family(layer_types=_layer_types_sliding_if_set),
+    "phi": Family(qkv_bias=True, out_bias=True, reads_head_dim=False, renames={"dense.": "o_proj."},
+                  rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5),
+                  refuses=(("qk_layernorm", "QK LayerNorm with bias"),)),
+    "persimmon": Family(layout="gpt_neox", qkv_bias=True, out_bias=True, kv_heads=None, reads_head_dim=False,
+                        fused=("query_key_value", "dense"), defaults=dict(qk_layernorm=True),
+                        rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5),
+                        refuses=(("qk_layernorm", "QK LayerNorm with bias"),)),
+    "glm4_moe": Family(out_bias=False, qk_norm=QKNorm("rms", True, 1e-6), qk_norm_flag="use_qk_norm",
+                       reads=("use_qk_norm",), rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
+    "solar_open": Family(out_bias=False),
+    "minimax_m2": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", False, 1e-6)),
+    "dots1": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
+    "mellum": Family(qk_norm=QKNorm("rms", True, 1e-6)),
+    "exaone_moe": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
+                         layer_types=_layer_types_pattern(4), rope_sliding_only=True),
+    "kolibri1": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
+                       layer_types=_layer_types_pattern(4), rope_sliding_only=True),
+    "hy_v3": Family(qk_norm=QKNorm("rms", True, 1e-6)),
+    "falcon": Family(prefix="transformer.h.{layer}.self_attention.", layout="falcon", qkv_bias="bias",
+                     out_bias="bias", kv_heads=_falcon_kv_heads, reads_head_dim=False,
+                     fused=("query_key_value", "dense"), defaults=dict(multi_query=True),
+                     refuses=(("alibi", _ALIBI),)),
 }
-# Keys under a layer's prefix that belong to the block, not to the attention: left unread.
-_OUTSIDE = {"bert": ("output.LayerNorm",)}
+FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
@@ -52,17 +286,6 @@ _REFUSED = {
     "use_qk_norm": "Llama 4's QK-norm",
     "use_bidirectional_attention": "bidirectional attention",
     "attention_chunk_size": "chunked attention (Llama 4)",
-}
-_READ = {"llama4_text": ("attention_chunk_size",), "cohere": ("use_qk_norm",)}
-# Llama4TextConfig's defaults, where a config leaves them out
-_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
-# Values config classes set where config.json leaves them out: (the keys, in the config or its rope
-# parameters, any of which gives it; the key set; its default)
-_ROPE_DEFAULTS = {
-    "gpt_neox": (("rotary_pct", "partial_rotary_factor"), "rotary_pct", 0.25),  # a quarter of each head rotates
-    "stablelm": (("partial_rotary_factor", "rotary_pct"), "partial_rotary_factor", 0.25),
-    "gptj": (("rotary_dim",), "rotary_dim", 64),
-    "cohere": (("rope_theta",), "rope_theta", 500000.0),  # CohereConfig.default_theta
 }
 
 
@@ -109,112 +332,85 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     return config
 
 
-def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
-    """The attention options of layer ``layer`` of a transformers model's ``config``."""
+def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
+    """``(model_type, its record, the config with the record's defaults)``; raises, naming the
+    option, on a family not in ``FAMILIES`` or an option the family sets that is not computed."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(
             f"config's model_type {model_type!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
         )
-    if model_type == "llama4_text":
-        config = _llama4_config(config)
-    refused = [f"{key} ({what})" for key, what in _REFUSED.items()
-               if config.get(key) and key not in _READ.get(model_type, ())]
+    family = FAMILIES[model_type]
+    config = {**family.defaults, **config}
+    config.update({name: config[alias] for name, alias in family.aliases.items()
+                   if name not in config and alias in config})
+    if family.no_rope_layers:
+        config = _with_no_rope_layers(config)
+    refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key) and key not in family.reads]
+    rope_parameters = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    refused += [f"{key} ({what})" for key, what in family.refuses if config.get(key) or rope_parameters.get(key)]
     if refused:
         raise ValueError(f"config ({model_type}) sets {', '.join(refused)}, which this attention does not compute")
+    return model_type, family, config
+
+
+def _with_no_rope_layers(config: dict) -> dict:
+    """``no_rope_layers`` (1: the layer rotates) as the config classes fill it in when absent:
+    a layer without rotary every ``no_rope_layer_interval``-th, the interval's last."""
+    layers = config.get("num_hidden_layers")
+    if not config.get("no_rope_layers") and isinstance(layers, int):
+        interval = config["no_rope_layer_interval"]
+        config["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(layers)]
+    return config
+
+
+def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
+    """The attention options of layer ``layer`` of a transformers model's ``config``."""
+    model_type, family, config = family_of(config)
     layers = _required(config, "num_hidden_layers", model_type)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
         raise ValueError(f"layer must be an integer in [0, {layers}) (num_hidden_layers={layers}), got {layer!r}")
     hidden = _required(config, "hidden_size", model_type)
     heads = _required(config, "num_attention_heads", model_type)
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    # their attention reads neither key: one key head per query head
-    if model_type in ("gpt_neox", "gpt2", "bert", "gptj"):
-        kv_heads, head_dim = heads, hidden // heads
-    if model_type == "stablelm":  # reads num_key_value_heads, not head_dim
-        head_dim = hidden // heads
-    if model_type == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"config (bert) sets position_embedding_type={config['position_embedding_type']!r}, "
-                         "which this attention does not compute (only 'absolute' embeddings, added before it)")
-    qkv_bias, out_bias = _biases(config, model_type)
-    scale = _scale(config, model_type, head_dim, layer)
-    cap = config.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
-    qk_norm = _qk_norm(config, model_type)
-    layer_type = _layer_types(config, model_type, layers)[layer]
+    kv_heads = family.kv_heads(config) if callable(family.kv_heads) else config.get(family.kv_heads or "")
+    kv_heads = kv_heads or heads
+    head_dim = (config.get("head_dim") if family.reads_head_dim else None) or hidden // heads
+    if family.check:
+        family.check(config, layer)
+    qkv_bias, out_bias = (_flag(config, b, family.bias_default) for b in (family.qkv_bias, family.out_bias))
+    scale = family.scale(config, head_dim, layer) if family.scale else 1.0 / math.sqrt(head_dim)
+    layer_type = _layer_types(config, family, layers)[layer]
     window = None
-    if layer_type == "sliding_attention" and config.get("sliding_window"):
+    if (layer_type == "sliding_attention" and config.get("sliding_window")
+            and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config["sliding_window"]) - 1, 0)
-    prefix, layout = FAMILIES[model_type]
-    rope = None if model_type in ("gpt2", "bert") else _rope_config(config, model_type, layer_type, head_dim)
-    chunk = None
-    if model_type == "llama4_text":  # chunked layers rotate, the others (NoPE) do not
-        rope, chunk = _llama4_layer(config, layer, layer_type, rope)
+    rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
+    if family.no_rope_layers and not config["no_rope_layers"][layer]:
+        rope = None
+    if family.rope_sliding_only and config.get("sliding_window") is not None and layer_type != "sliding_attention":
+        rope = None
+    chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
+    chunk = config.get("attention_chunk_size") if chunked else None
     return LayerOptions(
-        model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale, cap, model_type == "gpt_oss",
-        window, qk_norm, rope, prefix.format(layer=layer), layout,
-        is_causal=model_type != "bert" or bool(config.get("is_decoder", False)), ignore=_OUTSIDE.get(model_type, ()),
-        attention_chunk_size=chunk,
+        model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
+        config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
+        rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
+        ignore=family.ignore, attention_chunk_size=chunk,
     )
 
 
-def _biases(config: Mapping[str, Any], model_type: str) -> tuple[bool, bool]:
-    """Whether the layer has ``(query/key/value biases, an output bias)``."""
-    if model_type in ("gpt2", "bert"):  # no bias key in their configs, biases always
-        return True, True
-    bias = bool(config.get("attention_bias", model_type == "gpt_neox"))  # GPTNeoXConfig's default is True
-    return {"qwen2": (True, False), "phi3": (False, False), "gptj": (False, False),
-            "stablelm": (bool(config.get("use_qkv_bias", False)), False)}.get(model_type, (bias, bias))
+def _flag(config: Mapping[str, Any], value: bool | str, default: bool) -> bool:
+    """A record's flag: the value, or the config's value of the key it names."""
+    return bool(config.get(value, default)) if isinstance(value, str) else value
 
 
-def _scale(config: Mapping[str, Any], model_type: str, head_dim: int, layer: int) -> float:
-    """The factor of layer ``layer``'s logits: ``1 / sqrt(head_dim)`` unless the family sets another."""
-    scale = 1.0 / math.sqrt(head_dim)
-    if model_type in ("gemma2", "gemma3_text"):
-        scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
-    if model_type == "gpt2":
-        scale = scale if config.get("scale_attn_weights", True) else 1.0
-        scale = scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
-    return scale
-
-
-def _qk_norm(config: Mapping[str, Any], model_type: str) -> QKNorm | None:
-    """The norm of the queries and keys of the family (and config), None without one."""
-    eps = config.get("rms_norm_eps", 1e-6)
-    qk_norm = {
-        "qwen3": QKNorm("rms", True, eps),
-        "gemma3_text": QKNorm("rms", True, eps, offset=1.0),
-        "olmo2": QKNorm("rms", False, eps),
-    }.get(model_type)
-    if config.get({"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}.get(model_type, ""), False):
-        # a LayerNorm of each head's features, without bias, with each head's own scale
-        qk_norm = QKNorm("layer", True, config.get("layer_norm_eps", 1e-5), per_head_scale=True)
-    return qk_norm
-
-
-def _llama4_config(config: Mapping[str, Any]) -> dict:
-    """A Llama 4 text config with ``Llama4TextConfig``'s defaults where it leaves them out: its
-    NoPE layers every ``no_rope_layer_interval``-th."""
-    config = {**_LLAMA4, **config}
-    layers = config.get("num_hidden_layers")
-    if not config.get("no_rope_layers") and isinstance(layers, int):
-        config["no_rope_layers"] = [int((i + 1) % config["no_rope_layer_interval"] != 0) for i in range(layers)]
-    return config
-
-
-def _llama4_layer(config: Mapping[str, Any], layer: int, layer_type: str, rope: dict) -> tuple[dict | None, int | None]:
-    """(rope config or None, chunk size or None) of a Llama 4 text layer, as ``Llama4TextAttention``
-    reads them: a layer with ``no_rope_layers[layer]`` 0 (a NoPE layer) has no rotary embedding,
-    and its queries scaled by position (``attn_temperature_tuning``), which is refused; a
-    ``"chunked_attention"`` layer sees the keys of its chunk of ``attention_chunk_size``."""
-    if config["no_rope_layers"][layer] == 0 and config["attn_temperature_tuning"]:
-        raise ValueError(
-            f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE layer {layer} by "
-            "position: this attention does not compute it"
-        )
-    chunk = config["attention_chunk_size"] if layer_type == "chunked_attention" else None
-    return (rope if config["no_rope_layers"][layer] else None), chunk
+def _qk_norm(config: Mapping[str, Any], family: Family) -> QKNorm | None:
+    """The family's QK-norm with the config's eps, None without one."""
+    if family.qk_norm is None or (family.qk_norm_flag and not config.get(family.qk_norm_flag, False)):
+        return None
+    norm = family.qk_norm
+    return QKNorm(norm.kind, norm.per_head, config.get(family.qk_norm_eps, norm.eps), norm.offset, norm.per_head_scale)
 
 
 def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
@@ -224,42 +420,30 @@ def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
     return value
 
 
-def _layer_types(config: Mapping[str, Any], model_type: str, layers: int) -> list[str]:
-    """Each layer's ``"sliding_attention"``/``"full_attention"``: the config's ``layer_types``,
-    else the rule its transformers configuration class applies when it has none."""
+def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
+    """Each layer's ``"sliding_attention"``/``"full_attention"``/``"chunked_attention"``: the
+    config's ``layer_types``, else the rule its transformers configuration class applies."""
     types = config.get("layer_types")
     if types:
         if len(types) != layers:
             raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
         return list(types)
-    if model_type in ("gemma2", "gpt_oss"):  # alternating, the first sliding
-        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    if model_type == "gemma3_text":
-        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if model_type in ("qwen2", "qwen3"):
-        sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
-        first = config.get("max_window_layers", layers)
-        return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
-    if model_type == "llama4_text":  # Llama4TextConfig: the layers that rotate are chunked
-        return ["chunked_attention" if rope else "full_attention" for rope in config["no_rope_layers"]]
-    if model_type in ("mistral", "phi3") and config.get("sliding_window") is not None:
-        return ["sliding_attention"] * layers
-    return ["full_attention"] * layers
+    return family.layer_types(config, layers)
 
 
-def _rope_config(config: Mapping[str, Any], model_type: str, layer_type: str, head_dim: int) -> dict:
+def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
     """The config the layer's ``RotaryEmbedding.from_config`` reads: the model's, with rope
-    parameters of the layer's type where the model keeps one set per type (Gemma 3)."""
+    parameters of the layer's type where the model keeps one set per type (Gemma 3, OLMo 3)."""
     rope = dict(config, head_dim=head_dim)
-    if model_type in _ROPE_DEFAULTS:
-        keys, key, default = _ROPE_DEFAULTS[model_type]
+    if family.rope_default:
+        keys, key, default = family.rope_default
         if not any(k in config or k in (config.get("rope_parameters") or {}) for k in keys):
             rope[key] = default
     parameters = config.get("rope_parameters")
     if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
         rope["rope_parameters"] = dict(parameters[layer_type])
-    elif model_type == "gemma3_text" and layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+    elif config.get("model_type") == "gemma3_text" and layer_type == "sliding_attention" and \
+            "rope_local_base_freq" in config:
         rope.pop("rope_scaling", None)  # older Gemma 3 configs: local layers, default rope at their own base
         rope["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
     return rope
@@ -283,13 +467,6 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
     return [os.path.join(os.path.dirname(path), file) for file in files]
 
 
-# Keys under a layer's prefix that hold no weight: buffers older checkpoints saved (causal masks,
-# rotary tables), read by no layout.
-_BUFFERS = {"gpt_neox": ("bias", "masked_bias", "rotary_emb.inv_freq"), "gpt2": ("bias", "masked_bias"),
-            "gptj": ("bias", "masked_bias")}
-_FUSED_NAMES = {"gpt_neox": ("query_key_value", "dense"), "gpt2": ("c_attn", "c_proj")}
-# StableLM's QK-norm: one LayerNorm per head, ``q_layernorm.norms.{head}.weight`` ``(head_dim,)``
-_PER_HEAD_NORMS = {"stablelm": {"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}}
 
 
 def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], read_file: Callable[[str, str], dict]
@@ -315,7 +492,7 @@ def load_arguments(options: LayerOptions, state: Mapping[str, Any], concatenate:
     """``(state, keywords)`` for a twin's ``load_weights`` to load the layer: GPT-NeoX's and GPT-2's
     fusions, which no loader layout reads, split here (``layer_state``); for the others the keys
     a layout reads (``layer_keys``) and the layout's name, prefix and ignored keys."""
-    if options.layout in ("gpt_neox", "gpt2"):
+    if FAMILIES[options.model_type].fused:
         return layer_state(options, state), {}
     return layer_keys(options, state, concatenate), {"layout": options.layout, "prefix": options.prefix,
                                                      "ignore": options.ignore}
@@ -328,16 +505,20 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
     ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``. Other keys and arrays are
     passed as they are."""
     prefix = options.prefix
-    buffers = {prefix + k for k in _BUFFERS.get(options.model_type, ())}
+    family = FAMILIES[options.model_type]
+    buffers = {prefix + k for k in family.buffers}
     out = {k: v for k, v in state.items() if k not in buffers}
-    for norm, start in _PER_HEAD_NORMS.get(options.model_type, {}).items():
+    for norm, start in (family.per_head_norms or {}).items():
         start = prefix + start
         heads = {k: k[len(start):].removesuffix(".weight") for k in out
                  if k.startswith(start) and k.endswith(".weight")}
         if heads and all(h.isdigit() for h in heads.values()):  # else left for the layout to name
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
-    if options.model_type == "cohere":
+    for old, new in family.renames.items():
+        for key in [k for k in out if k.startswith(prefix + old)]:
+            out[prefix + new + key[len(prefix + old):]] = out.pop(key)
+    if family.head_norm_matrix:
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
             if weight is not None and len(weight.shape) == 2:
@@ -346,23 +527,24 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
-    """A GPT-NeoX or GPT-2 layer's keys (under ``options.prefix``) in this package's names.
-
-    GPT-NeoX's ``query_key_value`` rows are ``(heads, 3, head_dim)``: each head's query, key and
-    value rows together; GPT-2's ``Conv1D`` weights are ``(in, out)``, the transposes of a
-    ``Linear``'s, with ``c_attn``'s columns ``[q; k; v]``. Raises one ValueError listing every
-    missing, unexpected or mis-shaped key.
+    """A fused layer's keys (under ``options.prefix``: GPT-NeoX's, GPT-2's, Falcon's) in this
+    package's names. Its fused weight's rows are split by ``_split_fused``; GPT-2's ``Conv1D``
+    weights are ``(in, out)``, the transposes of a ``Linear``'s. Raises one ValueError listing
+    every missing, unexpected or mis-shaped key.
     """
-    prefix, heads, head_dim, hidden = options.prefix, options.num_heads, options.head_dim, options.hidden_size
-    fused, out = _FUSED_NAMES[options.layout]
+    prefix, hidden = options.prefix, options.hidden_size
+    family = FAMILIES[options.model_type]
+    fused, out = family.fused
     selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r}")
     conv = options.layout == "gpt2"
+    rows = (options.num_heads + 2 * options.num_kv_heads) * options.head_dim
+    width = options.num_heads * options.head_dim
     expected = {  # key -> shape as stored
-        f"{fused}.weight": (hidden, 3 * hidden) if conv else (3 * hidden, hidden),
-        f"{fused}.bias": (3 * hidden,),
-        f"{out}.weight": (hidden, hidden),
+        f"{fused}.weight": (hidden, rows) if conv else (rows, hidden),
+        f"{fused}.bias": (rows,),
+        f"{out}.weight": (width, hidden) if conv else (hidden, width),
         f"{out}.bias": (hidden,),
     }
     if not options.qkv_bias:
@@ -374,24 +556,34 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
         f"{prefix + k!r} has shape {tuple(selected[k].shape)}, expected {shape}"
         for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
     ]
-    buffers = _BUFFERS[options.model_type]
-    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in buffers]
+    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in family.buffers]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
     weight = selected[f"{fused}.weight"]
     bias = selected.get(f"{fused}.bias")
-    if conv:
-        weight = weight.T
-    if options.layout == "gpt_neox":  # rows (heads, 3, head_dim): part i of every head
-        parts = [weight.reshape(heads, 3, head_dim, hidden)[:, i].reshape(heads * head_dim, hidden) for i in range(3)]
-        bias_parts = None if bias is None else [bias.reshape(heads, 3, head_dim)[:, i].reshape(-1) for i in range(3)]
-    else:  # rows [q; k; v]
-        parts = [weight[i * hidden:(i + 1) * hidden] for i in range(3)]
-        bias_parts = None if bias is None else [bias[i * hidden:(i + 1) * hidden] for i in range(3)]
+    parts = _split_fused(weight.T if conv else weight, options)
     result = {f"{name}.weight": part for name, part in zip(("q_proj", "k_proj", "v_proj"), parts)}
-    if bias_parts is not None:
+    if bias is not None:
+        bias_parts = _split_fused(bias, options)
         result.update({f"{name}.bias": part for name, part in zip(("q_proj", "k_proj", "v_proj"), bias_parts)})
     result["out_proj.weight"] = selected[f"{out}.weight"].T if conv else selected[f"{out}.weight"]
     if f"{out}.bias" in selected:
         result["out_proj.bias"] = selected[f"{out}.bias"]
     return result
+
+
+def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
+    """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``:
+    GPT-NeoX's and Falcon's rows are ``(kv_heads, group + 2, head_dim)``, each key head's
+    ``group`` query heads, then its key and value (GPT-NeoX and Falcon's older layers: group 1;
+    Falcon's multi-query layers: one key head); GPT-2's are ``[q; k; v]``."""
+    heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
+    rest = tuple(fused.shape[1:])
+    if options.layout == "gpt2":
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return [fused[:q], fused[q:q + kv], fused[q + kv:q + 2 * kv]]
+    group = heads // kv_heads
+    rows = fused.reshape((kv_heads, group + 2, head_dim) + rest)
+    return [rows[:, :group].reshape((heads * head_dim,) + rest),
+            rows[:, group].reshape((kv_heads * head_dim,) + rest),
+            rows[:, group + 1].reshape((kv_heads * head_dim,) + rest)]

@@ -333,8 +333,10 @@ _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pc
 # Rotary fractions that models' config classes set when config.json leaves them out.
 # GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
 _DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
-# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``.
-_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere")
+# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``,
+# GLM's, Helium's and ERNIE 4.5's tables repeated in place.
+_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere", "cohere2", "cohere2_moe", "glm", "glm4", "helium",
+                       "ernie4_5", "ernie4_5_moe")
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:

@@ -173,7 +173,7 @@ def _keep_float64(monkeypatch, attention):
 
             monkeypatch.setattr(module, "forward", forward)
     name = type(attention).__name__
-    if name == "CohereAttention":  # its rotation casts queries and keys to float32
+    if name in ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"):  # its rotation casts q, k to float32
         modeling = __import__(type(attention).__module__, fromlist=["_"])
 
         def rotate64(q, k, cos, sin, unsqueeze_dim=1):
@@ -181,6 +181,15 @@ def _keep_float64(monkeypatch, attention):
             return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
+    if name in ("Ernie4_5Attention", "Ernie4_5_MoeAttention"):  # its rotation casts queries and keys to float32
+        modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+        def rotate_pairs64(q, k, cos, sin, unsqueeze_dim=1):
+            cos, sin = (t.unsqueeze(unsqueeze_dim)[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
+                        for t in (cos, sin))
+            return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
     if name == "GPTJAttention":  # its logits in float32 from a float32 sin/cos table: both in float64
         dim = attention.rotary_dim
         inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))).double()  # float32 values
@@ -295,7 +304,7 @@ def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
     with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; "
-                                         r"supported: bert, cohere, gemma2, .*phi3, qwen2, qwen3, stablelm"):
+                                         r"supported: apertus, arcee, bert, .*, phi3, .*, stablelm, .*"):
         from_hf(dict(base, model_type="t5"))
     with pytest.raises(ValueError,
                        match=r"position_embedding_type='relative_key', which this attention does not compute"):

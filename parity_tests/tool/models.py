@@ -175,11 +175,11 @@ def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, t
 
 def by_our_names(grads: dict, options) -> dict:
     """transformers' gradient names -> ours, renamed and split as the loaders read the layer's
-    checkpoint (``read_layout``; GPT-NeoX's and GPT-2's fused weights by ``layer_state``)."""
+    checkpoint (``read_layout``; fused weights, GPT-NeoX's, GPT-2's, Falcon's, by ``layer_state``)."""
     from mha_spec import families, layouts
 
     state = {options.prefix + k: g for k, g in grads.items()}
-    if options.layout in ("gpt_neox", "gpt2"):
+    if families.FAMILIES[options.model_type].fused:
         return families.layer_state(options, state)
     state = families.layer_keys(options, state, np.concatenate)
     return layouts.read_layout(state, layout=options.layout, prefix=options.prefix,

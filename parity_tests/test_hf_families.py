@@ -1,0 +1,604 @@
+"""Every causal-LM family of the installed transformers, accounted for.
+
+Each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` has one record in ``RECORDS``:
+supported (``from_hf`` builds it; its own model, built by transformers from a small config with
+random weights, runs once, and the attention module of a layer is run again on the arguments
+the model gave it: its mask and its rotary tables; both twins must give its outputs and
+gradients, float64 to 1e-12 with transformers' float32 steps kept in float64 as
+``test_hf_models.py`` does, float32 to 1e-6) or refused with a reason from ``REASONS`` (and
+``from_hf`` raises on it). A family that transformers adds fails the census until recorded.
+The table of ``docs/models.md`` is generated from the records.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import mha_jax
+import mha_torch
+from mha_spec import families
+from parity_tests.test_hf_models import (
+    _keep_float64,
+    _ours_jax,
+    _ours_torch,
+    _rel,
+    _tables64,
+    _theirs_by_our_names,
+)
+
+B, S, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2, 7, 32, 4, 2, 8
+OFFSETS, LENGTHS = (3, 0), (7, 5)  # as test_hf_models.py: the same shapes, compiled once
+COMMON = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+              num_hidden_layers=2, max_position_embeddings=16, intermediate_size=8, vocab_size=11, pad_token_id=0)
+WINDOW = 3
+
+# Why a family is refused: its layers compute no softmax attention, or it is an encoder-decoder,
+# or its attention needs a feature this package does not compute (named).
+NO_SOFTMAX = "no softmax attention (state space, linear or recurrent layers)"
+ENCODER_DECODER = "encoder-decoder"
+FEATURES = (
+    "ALiBi", "multi-head latent attention", "value head dim != head dim",
+    "relative position bias",  # a learned or bucketed bias of the distance (XLNet, Reformer, CPM-Ant)
+    "differential attention",  # two softmaxes subtracted
+    "learned gates on the attention",  # a gate from the input on the output, or a learned per-key bias
+    "a norm inside the attention block",  # a LayerNorm before the projections, inside the saved module
+    "a mask from the content",  # block-sparse or dynamic masks
+    "RoFormer's sinusoidal rotary table",
+    "a norm after the attention",  # a norm of the heads' output before the output projection
+    "QK-norm after the rotary embedding",
+    "per-position query scaling",
+    "multimodal rotary positions",
+    "sinks not yet proven in this family",  # its own sink arithmetic, in float32 (Granite SWA) or not yet compared
+    "shared key/value layers",  # layers that reuse another layer's keys and values
+    "a checkpoint layout not yet written",
+    "cross-attention",  # layers that attend to another model's states
+    "a multimodal model's checkpoint (its text model's weights under another prefix)",
+)
+REASONS = (NO_SOFTMAX, ENCODER_DECODER, *FEATURES)
+
+
+@dataclass(frozen=True)
+class Supported:
+    """A family ``from_hf`` builds: ``config`` its small config's own keywords, ``uses`` what it proves."""
+
+    uses: str
+    config: dict = field(default_factory=dict)
+    layers: int = 2  # the config's layer count: a whole period of its layer pattern
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+    detail: str = ""
+
+
+def _config(model_type: str, extra: dict, layers: int = 2):
+    """transformers' config of the family, small, eager attention (``extra``'s None: a key left out)."""
+    keywords = {k: v for k, v in dict(COMMON, num_hidden_layers=layers, **extra).items() if v is not None}
+    config = transformers.AutoConfig.for_model(model_type, **keywords)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _model(config):
+    """transformers' causal LM of the family with random weights (of a few units: every scale and cap matters)."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
+        config.model_type])
+    model = cls._from_config(config).eval()  # float32: grouped expert kernels take no float64
+    if hasattr(model, "set_default_language"):  # X-MOD's adapters: one language's
+        model.set_default_language("en_XX")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (0.5 if "norm" in name else 0.0))
+    return model
+
+
+def _positions():
+    return torch.stack([torch.arange(S) + o for o in OFFSETS])
+
+
+def _captured(model, modules: dict):
+    """(args, keywords) the model gives each of ``modules`` (name -> module) on a padded batch
+    whose rows start at OFFSETS."""
+    seen = {}
+    handles = [module.register_forward_pre_hook(
+        lambda module, args, kwargs, name=name: seen.setdefault(name, (args, dict(kwargs))), with_kwargs=True)
+        for name, module in modules.items()]
+    ids = torch.tensor(np.random.default_rng(2).integers(0, 11, (B, S)))
+    live = torch.tensor(np.arange(S)[None] < np.array(LENGTHS)[:, None]).long()
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=live, position_ids=_positions(), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _rotary64(model, cos, layer_type):
+    """The rotary tables the model gave (``cos`` of them), computed again in float64 from its own ``inv_freq``."""
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    has_type = hasattr(rotary, f"{layer_type}_inv_freq")
+    interleaved = type(rotary).__name__.startswith("Cohere")
+    return _tables64(rotary, _positions(), cos.shape[-1], layer_type if has_type else None, interleaved)
+
+
+def _at_dtype(model, layer, args, kwargs, dtype):
+    """The model's arguments to a layer at ``dtype``: its additive mask at the dtype's minimum, its
+    rotary tables (in float64 from ``inv_freq``), the hidden states left out."""
+    torch_dtype = getattr(torch, dtype)
+    kwargs = dict(kwargs)
+    kwargs.pop("hidden_states", None)
+    tables = kwargs.get("position_embeddings")
+    if isinstance(tables, tuple) and dtype == "float64":
+        layer_types = getattr(model.config, "layer_types", None)
+        kwargs["position_embeddings"] = _rotary64(model, tables[0], layer_types[layer] if layer_types else None)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dtype.is_floating_point:
+        kwargs["attention_mask"] = torch.zeros(mask.shape, dtype=torch_dtype).masked_fill(
+            mask != 0, torch.finfo(torch_dtype).min)
+    for key, value in kwargs.items():
+        if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value):
+            kwargs[key] = tuple(v.to(torch_dtype) for v in value)
+    return args[1:], kwargs
+
+
+def _theirs(model, options, layer, call, dtype, monkeypatch):
+    """transformers' attention of ``layer`` on the arguments its model gave it (``call``):
+    inputs, output, gradients by our names, the layer's checkpoint."""
+    module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(getattr(torch, dtype))
+    rest, kwargs = _at_dtype(model, layer, *call, dtype)
+    if dtype == "float64":
+        _keep_float64(monkeypatch, module)
+    x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
+    hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # XGLM's clamp builds its bound at the default dtype
+    try:
+        if options.ignore:  # BERT's block: its self-attention and output projection, not the residual and norm
+            out = module.output.dense(module.self(hidden, *rest, **kwargs)[0])
+        else:
+            out = module(hidden, *rest, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+    finally:
+        torch.set_default_dtype(default)
+    d_out = np.random.default_rng(1).normal(size=out.shape)
+    out.backward(torch.tensor(d_out, dtype=out.dtype))
+    grads = {"input": hidden.grad}
+    grads.update({name: p.grad for name, p in module.named_parameters() if p.grad is not None})
+    state = {options.prefix + k: v.detach().clone() for k, v in module.state_dict().items()}
+    inputs = (x, _positions().numpy(), None, d_out)
+    return inputs, out.detach().double().numpy(), _theirs_by_our_names(grads, options), state
+
+
+def _grad_error(ours: dict, theirs: dict) -> float:
+    """The worst relative error over the gradients, each floored at a hundredth of the largest
+    gradient's norm: a gradient that is 0 in exact arithmetic (a key bias without rotary shifts a
+    row's logits alike) is rounding noise on both sides, of the size of the others' rounding."""
+    floor = 1e-2 * max(float(np.linalg.norm(g)) for g in theirs.values())
+    return max(float(np.linalg.norm(ours[k] - theirs[k])) / max(float(np.linalg.norm(theirs[k])), floor)
+               for k in theirs)
+
+
+def _representatives(raw: dict, count: int) -> list[int]:
+    """The first layer of each kind (its options but the prefix): every kind the config has, once."""
+    kinds = {}
+    for layer in range(count):
+        options = families.layer_options(raw, layer)
+        kinds.setdefault(repr(dataclasses.replace(options, prefix="")), layer)
+    return sorted(kinds.values())
+
+
+def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None) -> dict:
+    """Layers ``layers`` (default: one of each kind; ``test_every_layer_reads_as_transformers_model_uses_it``
+    checks that the kinds are the model's) of the family's small model, both twins against it:
+    dtype -> the worst (output, gradient) errors."""
+    config = _config(model_type, record.config, record.layers)
+    model = _model(config)
+    raw = families.read_config(config.to_dict())
+    layers = _representatives(raw, record.layers) if layers is None else layers
+    options = {layer: families.layer_options(raw, layer) for layer in layers}
+    calls = _captured(model, {layer: model.get_submodule(o.prefix.rstrip(".")) for layer, o in options.items()})
+    worst = {}
+    for dtype in dtypes:
+        out_worst = grad_worst = 0.0
+        for layer in layers:
+            inputs, out_hf, theirs, state = _theirs(model, options[layer], layer, calls[layer], dtype, monkeypatch)
+            for run in (_ours_torch, _ours_jax):
+                out, grads = run(config, layer, state, inputs, dtype)
+                assert sorted(grads) == sorted(theirs), (run.__name__, sorted(grads), sorted(theirs))
+                out_worst = max(out_worst, _rel(out, out_hf))
+                grad_worst = max(grad_worst, _grad_error(grads, theirs))
+            monkeypatch.undo()
+        worst[dtype] = out_worst, grad_worst
+    return worst
+
+
+_TESTED = "proven in test_hf_models.py"
+_MOE = dict(num_local_experts=2, num_experts_per_tok=1)
+_TEXT = FEATURES[-1]
+_HYBRID = NO_SOFTMAX
+_BERT = dict(is_decoder=True)
+RECORDS: dict[str, Supported | Refused] = {
+    # families proven in test_hf_models.py on their own (their record there names what each proves)
+    **{name: Supported(_TESTED) for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
+                                             "olmo2", "phi3", "gpt_neox", "gpt2", "gptj", "stablelm", "cohere")},
+    "llama4_text": Supported("proven in test_chunked.py: chunked layers, NoPE layers (attn_temperature_tuning refused)",
+                             dict(attn_temperature_tuning=False, attention_chunk_size=16, no_rope_layer_interval=2,
+                                  use_qk_norm=False, **_MOE)),
+    "bert": Supported("a decoder (is_decoder): causal, biases, no rotary; its block's LayerNorm left unread",
+                      dict(is_decoder=True, num_key_value_heads=None, head_dim=None)),
+    "gpt-sw3": Supported(_TESTED),  # GPT-2's classes, its config's model_type gpt2
+    **{name: Supported("BERT's self-attention as a decoder (is_decoder): causal, biases, no rotary; the block's "
+                       "LayerNorm left unread", dict(is_decoder=True, num_key_value_heads=None, head_dim=None))
+       for name in ("bert-generation", "camembert", "data2vec-text", "electra", "ernie", "rembert", "roberta",
+                    "roc_bert", "xlm-roberta", "xmod")},
+    **{name: Supported("biases, positions added before it, the output projection out_proj",
+                       dict(num_key_value_heads=None, head_dim=None)) for name in ("opt", "biogpt", "xglm")},
+    "mixtral": Supported("Mistral's layer: sliding window", dict(sliding_window=WINDOW, **_MOE)),
+    "ministral": Supported("sliding layers from layer_types", dict(sliding_window=WINDOW)),
+    "ministral3": Refused("per-position query scaling", "rope parameters' llama_4_scaling_beta"),
+    "starcoder2": Supported("biases on all four projections (use_bias), sliding window", dict(sliding_window=WINDOW)),
+    "qwen2_moe": Supported("q/k/v biases (qkv_bias)", dict(num_experts=2, num_experts_per_tok=1)),
+    "qwen3_moe": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
+    "gemma": Supported("Llama's layer"),
+    "vaultgemma": Supported("soft-cap, query_pre_attn_scalar, alternating sliding layers",
+                            dict(sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=12)),
+    "olmo": Supported("Llama's layer (clip_qkv refused)"),
+    "olmo3": Supported("RMS QK-norm over the projection, rope parameters per layer type, sliding layers",
+                       dict(sliding_window=WINDOW), layers=5),
+    "olmoe": Supported("RMS QK-norm over the projection", dict(num_experts=2, num_experts_per_tok=1)),
+    "flex_olmo": Supported("RMS QK-norm over the projection", dict(num_experts=2, num_experts_per_tok=1)),
+    "phimoe": Supported("biases (attention_bias), sliding window", dict(sliding_window=WINDOW, **_MOE)),
+    "granite": Supported("the scale from attention_multiplier", dict(attention_multiplier=0.2)),
+    "granitemoe": Supported("the scale from attention_multiplier", dict(attention_multiplier=0.2, **_MOE)),
+    "granitemoeshared": Supported("the scale from attention_multiplier", dict(attention_multiplier=0.2, **_MOE)),
+    "hyperclovax": Supported("the scale from attention_multiplier", dict(attention_multiplier=0.2)),
+    "helium": Supported("interleaved pairs (2i, 2i + 1)"),
+    "glm": Supported("interleaved pairs, half of each head rotating"),
+    "glm4": Supported("interleaved pairs, half of each head rotating, q/k/v biases"),
+    "glm4_moe": Supported("half of each head rotating, RMS QK-norm (use_qk_norm)",
+                          dict(use_qk_norm=True, n_routed_experts=2, num_experts_per_tok=1)),
+    "seed_oss": Supported("head_dim not hidden / heads, the output bias apart (attention_out_bias)",
+                          dict(attention_bias=True)),
+    "smollm3": Supported("no_rope_layers: every 4th layer without rotary, sliding NoPE layers",
+                         dict(use_sliding_window=True, sliding_window=WINDOW), layers=5),
+    "arcee": Supported("Llama's layer"),
+    "aria_text": Refused(_TEXT),
+    "apertus": Supported("RMS QK-norm per head"),
+    "ernie4_5": Supported("interleaved pairs (its rotation in float32), biases (use_bias)", dict(use_bias=True)),
+    "exaone4": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
+                         dict(sliding_window=WINDOW), layers=5),
+    "exaone_moe": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
+                            dict(sliding_window=WINDOW, num_experts=2, num_experts_per_tok=1), layers=5),
+    "cohere2": Supported("interleaved pairs, sliding layers, rotary on the sliding layers only",
+                         dict(sliding_window=WINDOW), layers=5),
+    "ernie4_5_moe": Supported("interleaved pairs (its rotation in float32), biases (use_bias)",
+                              dict(use_bias=True, moe_num_experts=2, moe_k=1)),
+    "cohere2_moe": Supported("interleaved pairs, sliding layers, rotary on the sliding layers only",
+                             dict(sliding_window=WINDOW, num_experts=2, num_experts_per_tok=1), layers=5),
+    "internlm3": Supported(_TESTED),  # LlamaForCausalLM itself
+    "iquestcoder": Supported(_TESTED),  # LlamaForCausalLM itself
+    "jais2": Supported("Llama's layer"),
+    "nemotron": Supported("half of each head rotating"),
+    "cwm": Supported("sliding layers from layer_types", dict(sliding_window=WINDOW)),
+    "phi": Supported("q/k/v and output (dense) biases, half of each head rotating (its QK LayerNorm, with a bias, "
+                     "refused)"),
+    "persimmon": Supported("a fused query_key_value with each head's rows together, half of each head rotating "
+                           "(its QK LayerNorm, with a bias, refused)", dict(qk_layernorm=False, head_dim=None)),
+    "falcon": Supported("a fused query_key_value: one key head (multi_query) or grouped (new_decoder_architecture); "
+                        "ALiBi refused", dict(head_dim=None)),
+    "solar_open": Supported("q/k/v biases", dict(attention_bias=True, n_routed_experts=2, num_experts_per_tok=1)),
+    "minimax_m2": Supported("RMS QK-norm over the projection", dict(rotary_dim=HEAD_DIM, **_MOE)),
+    "minimax_m3_vl_text": Refused("multimodal rotary positions", "its model's tables are not the text positions'"),
+    "dots1": Supported("RMS QK-norm per head", dict(n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1)),
+    "mellum": Supported("RMS QK-norm per head"),
+    "kolibri1": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
+                          dict(sliding_window=WINDOW), layers=5),
+    "hy_v3": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
+    # refused: no softmax attention in some or all layers
+    **{name: Refused(NO_SOFTMAX) for name in (
+        "bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "granitemoe_swa", "inkling_text",
+        "inkling2_text", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax",
+        "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
+        "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "hrm_text", "zaya")},
+    **{name: Refused(ENCODER_DECODER) for name in (
+        "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen", "musicgen_melody",
+        "mvp", "pegasus", "plbart", "prophetnet", "whisper", "trocr")},
+    **{name: Refused("ALiBi") for name in ("bloom", "mpt")},
+    **{name: Refused("multi-head latent attention") for name in (
+        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "minicpm3",
+        "youtu", "axk1", "axk2", "dots3_note", "dots3_note_text", "hy_v4")},
+    **{name: Refused("value head dim != head dim") for name in ("mimo_v2_flash",)},
+    **{name: Refused("relative position bias") for name in ("cpmant", "xlnet", "reformer", "deepseek_v4")},
+    **{name: Refused("differential attention") for name in ("diffllama",)},
+    **{name: Refused("learned gates on the attention") for name in (
+        "afmoe", "laguna", "beam")},
+    **{name: Refused("sinks not yet proven in this family") for name in ("flint", "granite_swa")},
+    "blt": Refused("cross-attention", "between bytes and patches"),
+    "doge": Refused("a mask from the content", "its dynamic mask"),
+    **{name: Refused("a norm after the attention") for name in ("bitnet",)},
+    **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
+                                                                          "nanochat")},
+    **{name: Refused("a checkpoint layout not yet written") for name in (
+        "codegen", "dbrx", "gpt_bigcode", "jetmoe", "ctrl", "openai-gpt", "gpt_neo", "gpt_neox_japanese", "xlm",
+        "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
+    **{name: Refused("cross-attention") for name in ("mllama",)},
+    # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
+    **{name: Refused("a norm inside the attention block") for name in (
+        "megatron-bert", "roberta-prelayernorm", "xlm-roberta-xl")},
+    "big_bird": Refused("a mask from the content", "block-sparse attention (attention_type='block_sparse')"),
+    "roformer": Refused("RoFormer's sinusoidal rotary table"),
+    **{name: Refused("shared key/value layers") for name in (
+        "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
+        "gemma4_unified_text", "gemma4_unified_assistant")},
+    **{name: Refused(_TEXT) for name in (
+        "gemma3", "llama4", "fuyu", "got_ocr2", "moss_transcribe_diarize", "emu3", "phi4_multimodal")},
+}
+
+
+def test_every_causal_lm_family_of_transformers_is_recorded():
+    """Each family of the installed transformers is supported or refused with a listed reason; a
+    family that transformers adds (or drops) fails here until its record is written."""
+    names = set(transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert sorted(names - set(RECORDS)) == [], "families without a record"
+    assert sorted(set(RECORDS) - names) == [], "records of families transformers does not have"
+    assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
+    supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
+    assert all(name in families.FAMILIES for name in supported)
+    assert len(supported) >= 55, len(supported)
+
+
+REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
+    "falcon": (dict(alibi=True, head_dim=None), "ALiBi"),
+    "ministral3": (dict(), "per-position query scaling"),
+    "phi": (dict(qk_layernorm=True), "QK LayerNorm with bias"),
+    "persimmon": (dict(head_dim=None), "QK LayerNorm with bias"),
+    "olmo": (dict(clip_qkv=8.0), "clipped projections"),
+}
+
+
+def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
+    """Seed-OSS's head_dim 12 with hidden 32 and 4 heads: the checkpoint's projections
+    ``(48, 32)`` and ``(32, 48)`` load (a misread head_dim fails by shape; both twins read the
+    same ``layer_options``)."""
+    config = _config("seed_oss", dict(head_dim=12))
+    state = {k: v for k, v in _model(config).state_dict().items() if ".layers.1." in k}
+    assert families.layer_options(config.to_dict(), 1).head_dim == 12
+    assert mha_torch.from_hf(config.to_dict(), state, layer=1).head_dim == 12
+
+
+def test_refused_families_and_options_raise_naming_what_is_missing():
+    """A refused family's config (transformers' defaults) raises (a multimodal model's reads as its
+    text model, whose weights sit elsewhere); an option of a supported family that changes the
+    function is refused by name."""
+    for name, record in RECORDS.items():
+        if isinstance(record, Refused) and record.reason != _TEXT:
+            try:
+                raw = transformers.AutoConfig.for_model(name).to_dict()
+            except Exception:  # noqa: BLE001 -- transformers refuses its own defaults (gemma4_assistant)
+                continue
+            expected = rf"\({record.reason}\)" if name in families.FAMILIES else r"model_type '.*' is not a supported"
+            with pytest.raises(ValueError, match=expected):
+                families.layer_options(families.read_config(raw), 0)
+    for name, (extra, feature) in REFUSED_OPTIONS.items():
+        raw = _config(name, extra).to_dict()
+        for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
+            with pytest.raises(ValueError, match=rf"config \({name}\) sets .*\({feature}\), which this attention"):
+                from_hf(raw)
+
+
+NEW = [name for name, r in RECORDS.items() if isinstance(r, Supported) and not r.uses.startswith("proven in")]
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_family_equals_its_transformers_attention(model_type, monkeypatch):
+    """Every layer of the family's small model (a whole period of its layer pattern): both twins
+    against transformers' attention, outputs and gradients of the input and of every weight."""
+    record = RECORDS[model_type]
+    worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
+    assert max(worst["float64"]) < 1e-12, worst
+    assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
+
+
+# configs longer than their layer pattern's period: (family, config keywords, layers)
+PATTERNS = {
+    "llama4_text": (dict(RECORDS["llama4_text"].config, attention_chunk_size=4, no_rope_layer_interval=4), 9),
+    "smollm3": (RECORDS["smollm3"].config, 9),
+    "olmo3": (RECORDS["olmo3"].config, 9),
+    "cohere2": (RECORDS["cohere2"].config, 9),
+    "exaone4": (RECORDS["exaone4"].config, 9),
+    "gemma2": (dict(sliding_window=WINDOW), 5),
+    "gemma3_text": (dict(sliding_window=WINDOW, sliding_window_pattern=3), 7),
+    "gpt_oss": (dict(sliding_window=WINDOW, **_MOE), 5),
+    "qwen2": (dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2), 5),
+    "mistral": (dict(sliding_window=WINDOW), 3),
+    "vaultgemma": (RECORDS["vaultgemma"].config, 5),
+}
+DERIVED = ("layer_types", "no_rope_layers")  # keys config classes fill in: a config.json may leave them out
+
+
+def _their_rope(module) -> bool:
+    """Whether transformers' attention module rotates (each family's own test, read from its forward)."""
+    if hasattr(module, "use_rope"):  # Llama 4, SmolLM3: no_rope_layers
+        return bool(module.use_rope)
+    if type(module).__name__.startswith("Cohere2"):
+        return module.sliding_window is not None
+    if hasattr(module, "is_sliding"):  # EXAONE 4: rotary on the sliding layers, or everywhere without a window
+        return module.sliding_window is None or module.is_sliding
+    return True
+
+
+def _our_mask(options, positions, live):
+    """The keys each query sees under the layer's options: causal by position, its window, its chunk."""
+    q, k = positions[:, :, None], positions[:, None, :]
+    allowed = (k <= q) & live[:, None, :]
+    if options.window is not None:
+        allowed &= q - k <= options.window[0]
+    if options.attention_chunk_size:
+        allowed &= q // options.attention_chunk_size == k // options.attention_chunk_size
+    return allowed
+
+
+@pytest.mark.parametrize("model_type", list(PATTERNS))
+def test_every_layer_reads_as_transformers_model_uses_it(model_type):
+    """Each layer of a config longer than its pattern's period: the keys each query sees (the
+    mask transformers' model builds for that layer: window, chunk), whether it rotates, and its
+    rope parameters where the model keeps one set per layer type; from the config as transformers
+    saves it and without the per-layer keys its config class fills in."""
+    extra, count = PATTERNS[model_type]
+    config = _config(model_type, extra, count)
+    model = _model(config)
+    full = config.to_dict()
+    bare = {k: v for k, v in full.items() if k not in DERIVED}
+    modules = {layer: model.get_submodule(families.layer_options(full, layer).prefix.rstrip("."))
+               for layer in range(count)}
+    calls = _captured(model, modules)
+    positions = _positions().numpy()
+    live = np.arange(S)[None] < np.array(LENGTHS)[:, None]
+    for raw in (full, bare):
+        for layer, module in modules.items():
+            options = families.layer_options(families.read_config(raw), layer)
+            mask = calls[layer][1]["attention_mask"]
+            theirs = (mask == 0).numpy()[:, 0] if mask.dtype.is_floating_point else mask.numpy()[:, 0]
+            ours = _our_mask(options, positions - positions[:, :1], live)  # transformers: by index
+            assert (ours == theirs)[live].all(), (layer, options.window, options.attention_chunk_size)
+            assert (options.rope is not None) == _their_rope(module), (layer, "rotary")
+            parameters = full.get("rope_parameters") or {}
+            layer_type = full.get("layer_types", [None] * count)[layer]
+            if options.rope is not None and isinstance(parameters.get(layer_type), dict):
+                assert options.rope["rope_parameters"] == parameters[layer_type], (layer, "rope parameters")
+
+
+def family_table() -> str:
+    """The family table of ``docs/models.md``, from ``RECORDS``."""
+    rows = ["| `model_type` | from_hf | what its layers use, or what it lacks |", "|---|---|---|"]
+    for name in sorted(RECORDS):
+        record = RECORDS[name]
+        if isinstance(record, Supported):
+            rows.append(f"| `{name}` | supported | {record.uses} |")
+        else:
+            why = record.reason + (f": {record.detail}" if record.detail else "")
+            rows.append(f"| `{name}` | refused | {why} |")
+    supported = sum(isinstance(r, Supported) for r in RECORDS.values())
+    return "\n".join(rows) + f"\n\n{supported} of {len(RECORDS)} families supported.\n"
+
+
+def test_the_docs_family_table_is_the_records():
+    """``docs/models.md``'s table between its markers is ``family_table()``: regenerate it with
+    ``python -c "from parity_tests.test_hf_families import family_table; print(family_table())"``."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    start, end = "<!-- families: start -->\n", "<!-- families: end -->"
+    assert start in page and end in page
+    assert page.split(start)[1].split(end)[0].strip() == family_table().strip()
+
+
+CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4")
+STEPS = (4, 1, 1, 1)  # a prompt of 4 tokens, then one at a time: S = 7
+
+
+def _their_decode(model, layer, options, x, dtype, monkeypatch):
+    """transformers' attention of ``layer`` with a ``DynamicCache``, over ``STEPS``: its outputs."""
+    import inspect
+
+    torch_dtype = getattr(torch, dtype)
+    module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
+    if dtype == "float64":
+        _keep_float64(monkeypatch, module)
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    positions = torch.arange(S)[None].expand(B, -1)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    if dtype == "float64":
+        cos, sin = _tables64(rotary, positions, cos.shape[-1])
+    parameters = inspect.signature(module.forward).parameters
+    cache, outs, start = transformers.DynamicCache(), [], 0
+    for n in STEPS:
+        q, k = torch.arange(start, start + n)[:, None], torch.arange(start + n)[None]
+        allowed = (k <= q) & ((q - k <= options.window[0]) if options.window else True)
+        mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
+        keywords = {"past_key_values" if "past_key_values" in parameters else "layer_past": cache,
+                    "position_embeddings": (cos[:, start:start + n].to(torch_dtype),
+                                            sin[:, start:start + n].to(torch_dtype)),
+                    "attention_mask": mask[None, None].expand(B, 1, -1, -1)}
+        keywords.update({k: v for k, v in (("alibi", None), ("use_cache", True)) if k in parameters})
+        with torch.no_grad():
+            out = module(torch.tensor(x[:, start:start + n], dtype=torch_dtype), **keywords)
+        outs.append((out[0] if isinstance(out, tuple) else out).double().numpy())
+        start += n
+    monkeypatch.undo()
+    return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _our_decode(raw, layer, state, x, dtype):
+    """Both twins' decoding over ``STEPS`` (a cache of S slots): (torch's, JAX's) outputs."""
+    import jax.numpy as jnp
+
+    torch_module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
+    jax_module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=getattr(jnp, dtype))
+    options = families.layer_options(families.read_config(raw), layer)
+    cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
+    jax_module.init_cache((B, S, HIDDEN), getattr(jnp, dtype))
+    outs_t, outs_j, start = [], [], 0
+    for n in STEPS:
+        chunk = x[:, start:start + n]
+        with torch.no_grad():
+            outs_t.append(torch_module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
+                                       is_causal=True).double().numpy())
+        outs_j.append(np.asarray(jax_module(jnp.asarray(chunk, getattr(jnp, dtype)), decode=True, is_causal=True),
+                                 np.float64))
+        start += n
+    return np.concatenate(outs_t, axis=1), np.concatenate(outs_j, axis=1)
+
+
+@pytest.mark.parametrize("model_type", CACHED)
+def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(model_type, monkeypatch):
+    """A prompt then single tokens: transformers' attention with ``past_key_values`` (a
+    ``DynamicCache``) against both twins decoding with their caches, every kind of layer."""
+    record = RECORDS[model_type]
+    config = _config(model_type, record.config, record.layers)
+    model, raw = _model(config), config.to_dict()
+    x = np.random.default_rng(3).normal(size=(B, S, HIDDEN))
+    for layer in _representatives(families.read_config(raw), record.layers):
+        options = families.layer_options(families.read_config(raw), layer)
+        for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-6)):
+            theirs, state = _their_decode(model, layer, options, x, dtype, monkeypatch)
+            state = {options.prefix + k: v for k, v in state.items()}
+            for name, ours in zip(("torch", "jax"), _our_decode(raw, layer, state, x, dtype)):
+                assert _rel(ours, theirs) < tolerance, (layer, dtype, name, _rel(ours, theirs))
+
+
+def test_verify_and_conversion_of_a_new_family(tmp_path):
+    """Falcon (its fused query_key_value, grouped: two key heads) saved by transformers:
+    ``mha-parity verify --config`` passes on its layer 1, and a layer converted JAX -> PyTorch (``to_torch``,
+    ``load_weights``) computes what the PyTorch layer from the same checkpoint computes."""
+    import jax.numpy as jnp
+    from safetensors.torch import save_model
+
+    from parity_tests.tool import models
+
+    config = _config("falcon", dict(head_dim=None, vocab_size=50, pad_token_id=None, new_decoder_architecture=True,
+                                    num_kv_heads=KV_HEADS))
+    model = _model(config)
+    config.save_pretrained(tmp_path)
+    save_model(model, str(tmp_path / "model.safetensors"))
+    _, results = models.verify(tmp_path / "config.json", tmp_path / "model.safetensors", layers=[1])
+    assert [r.layer for r in results] == [1] and results[0].passed, results[0].errors
+    state = model.state_dict()
+    flax_layer = mha_jax.from_hf(config.to_dict(), state, layer=1)
+    twin = mha_torch.from_hf(config.to_dict(), layer=1)
+    mha_torch.load_weights(twin, mha_jax.to_torch(flax_layer))
+    reference = mha_torch.from_hf(config.to_dict(), state, layer=1)
+    x = torch.tensor(np.random.default_rng(4).normal(size=(B, S, HIDDEN)), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(twin(x, is_causal=True), reference(x, is_causal=True))
+    assert np.allclose(np.asarray(flax_layer(jnp.asarray(x.numpy()), is_causal=True)),
+                       reference(x, is_causal=True).detach().numpy(), atol=1e-5)
