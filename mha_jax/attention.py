@@ -304,30 +304,23 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
     """``_dispatch`` inside ``jax.shard_map`` over the mesh's Explicit axes: each device runs the
     kernel on its own examples and heads (with the masking terms of its examples)."""
     spec, b = call["spec"], call["spec"].shape[0]
-
-    def place(x, entries):
-        return None if x is None else jax.sharding.reshard(x, P(*entries))
-
-    arrays = {n: place(x, (batch if x.shape[0] == b else None,) + (None,) * (x.ndim - 1)) if x is not None else None
-              for n, x in _platform.spec_arrays(spec).items()}
-    if spec.allowed is not None or spec.bias is not None:  # (batch|1, heads|1, q, k): heads too
-        for n in ("allowed", "bias"):
-            x = getattr(spec, n)
-            if x is not None:
-                x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-                entries = (batch if x.shape[0] == b else None, heads if x.shape[1] > 1 else None, None, None)
-                arrays[n] = place(x, entries)
-    layout = (batch, None, heads, None)
-    args = (place(query, layout), place(key, layout), place(value, layout), arrays, place(call["sinks"], (heads,)))
-    in_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, args)
+    arrays = _platform.spec_arrays(spec)
+    specs = {n: None if x is None else P(batch if x.shape[0] == b else None, *(None,) * (x.ndim - 1))
+             for n, x in arrays.items()}
+    for n in ("allowed", "bias"):  # (batch|1, heads|1, q, k): heads too
+        if arrays[n] is not None:
+            arrays[n] = x = arrays[n].reshape((1,) * (4 - arrays[n].ndim) + arrays[n].shape)
+            specs[n] = P(batch if x.shape[0] == b else None, heads if x.shape[1] > 1 else None, None, None)
+    layout, sinks = P(batch, None, heads, None), call["sinks"]
+    args = (query, key, value, arrays, sinks)
 
     def local(q, k, v, arrays, sinks):
         shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         here = dict(call, spec=dataclasses.replace(spec, shape=shape, **arrays), sinks=sinks)
         return _dispatch(kernel, names, q, k, v, here)
 
-    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
-    return jax.shard_map(local, in_specs=in_specs, out_specs=P(*layout), axis_names=explicit, check_vma=False)(*args)
+    specs = (layout, layout, layout, specs, None if sinks is None else P(heads))
+    return _blockwise.per_device(local, args, specs, layout, check_vma=False)
 
 
 def _resolve(asked: str, name: str, dtype, call):
