@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from hf_weights import load_modules
 
 import mha_jax
 
@@ -155,22 +156,10 @@ class BertForMaskedLM(nnx.Module):
 
 def load(model: BertForMaskedLM, state: Mapping, param_dtype=jnp.float32) -> None:
     """Everything but the attention (which ``mha_jax.from_hf`` loaded) from transformers' state
-    dict (names -> arrays), in ``param_dtype``: a Linear's ``weight`` is the transposed ``kernel``,
-    a LayerNorm's the ``scale``."""
-    def put(variable, value):
-        variable.set_value(jnp.asarray(value, param_dtype))
-
-    for path, module in nnx.iter_modules(model):
-        name = ".".join(map(str, path))
-        if isinstance(module, nnx.Embed):
-            put(module.embedding, state[f"{name}.weight"])
-        elif isinstance(module, nnx.Linear):
-            put(module.kernel, np.asarray(state[f"{name}.weight"]).T)
-            put(module.bias, state[f"{name}.bias"])
-        elif isinstance(module, nnx.LayerNorm):  # the attention's is transformers' attention.output.LayerNorm
-            prefix = name.replace(".attention.LayerNorm", ".attention.output.LayerNorm")
-            put(module.scale, state[f"{prefix}.weight"])
-            put(module.bias, state[f"{prefix}.bias"])
+    dict (names -> arrays), in ``param_dtype``; the attention block's LayerNorm is transformers'
+    ``attention.output.LayerNorm``."""
+    load_modules(model, state, param_dtype, key=lambda name: name.replace(".attention.LayerNorm",
+                                                                          ".attention.output.LayerNorm"))
 
 
 def shipped_bert() -> tuple[str, str]:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from hf_weights import load_modules
 
 import mha_jax
 
@@ -121,19 +122,8 @@ class LlamaForCausalLM(nnx.Module):
 
 def load(model: LlamaForCausalLM, state: Mapping, param_dtype=None) -> None:
     """Everything but the attention (which ``mha_jax.from_hf`` loaded) from transformers' names
-    (in ``param_dtype`` when given): a Linear's ``weight`` is the transposed ``kernel``, an
-    RMSNorm's the ``scale``."""
-    def put(variable, value):
-        variable.set_value(jnp.asarray(value, param_dtype))
-
-    for path, module in nnx.iter_modules(model):
-        name = ".".join(map(str, path))
-        if isinstance(module, nnx.Embed):
-            put(module.embedding, state[f"{name}.weight"])
-        elif isinstance(module, nnx.Linear):
-            put(module.kernel, np.asarray(state[f"{name}.weight"]).T)
-        elif isinstance(module, nnx.RMSNorm):
-            put(module.scale, state[f"{name}.weight"])
+    (in ``param_dtype`` when given)."""
+    load_modules(model, state, param_dtype)
 
 
 def from_pretrained(folder: str | os.PathLike) -> LlamaForCausalLM:

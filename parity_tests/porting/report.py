@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from parity_tests.porting import verdict
 from parity_tests.porting.logits import LogitMetrics
@@ -85,7 +85,7 @@ class ModuleResult:
 
 
 @dataclass
-class OutputResult:
+class OutputResult(verdict.Measured):
     """One output field: relative and max-abs error, the tolerance of its relative error."""
 
     name: str
@@ -94,11 +94,8 @@ class OutputResult:
     tolerance: float
 
     @property
-    def passed(self) -> bool:
-        return self.relative <= self.tolerance
-
-    def as_json(self) -> dict:
-        return dict(asdict(self), passed=self.passed)
+    def error(self) -> float:
+        return self.relative
 
 
 HEADER = ["module (PyTorch)", "JAX module", "added", "PyTorch's own", "allowed", "inherited", "outcome"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,20 +23,13 @@ WEIGHT_NAMES = ("kernel", "scale", "embedding", "weight")
 
 
 @dataclass
-class ParameterResult:
+class ParameterResult(verdict.Measured):
     """One parameter: ``name`` (PyTorch's), ``jax_name``, the relative ``error`` and its ``tolerance``."""
 
     name: str
     jax_name: str
     error: float
     tolerance: float
-
-    @property
-    def passed(self) -> bool:
-        return self.error <= self.tolerance
-
-    def as_json(self) -> dict:
-        return dict(asdict(self), passed=self.passed)
 
 
 @dataclass

@@ -17,6 +17,7 @@ computes in float64 already, or its float64 run could not be made, the bound is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 PASSED, FAILED, NOT_COMPARED = "passed", "failed", "not compared"
@@ -58,3 +59,18 @@ def line(passed: bool, failures: Iterable[str], what: str = "") -> str:
         return f"{prefix}PASSED"
     named = [f for f in failures if f]
     return f"{prefix}FAILED: " + ("; ".join(named) if named else "see above")
+
+
+class Measured:
+    """A result row (a dataclass with ``tolerance``) whose ``error`` passes within it; ``as_json``
+    adds ``passed`` to its fields."""
+
+    error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
+
+    def as_json(self) -> dict:
+        return dict(dataclasses.asdict(self), passed=self.passed)
