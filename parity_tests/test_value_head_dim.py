@@ -8,7 +8,12 @@ Shapes: batch 2, 8 queries over 16 keys, 4 heads over 2 key/value heads, head_di
 4 or 12.
 """
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -98,7 +103,7 @@ def small_blocks(monkeypatch):
 
 CASES = ["causal", "mask+bias+sinks+lengths", "positional terms", "window", "soft_cap+dropout"]
 GRID = [(fw, impl, 4, case) for fw, impl in IMPLEMENTATIONS for case in CASES] + [
-    (fw, impl, 12, "positional terms") for fw, impl in IMPLEMENTATIONS]
+    (fw, impl, 12, "causal") for fw, impl in IMPLEMENTATIONS]
 
 
 @pytest.mark.parametrize("framework, implementation, dv, case", GRID)
@@ -113,7 +118,7 @@ def test_cores_match_oracle_float64(framework, implementation, dv, case, small_b
 @pytest.mark.parametrize("framework, implementation", IMPLEMENTATIONS)
 def test_cores_match_oracle_float32(framework, implementation, small_blocks):
     rng = np.random.default_rng(1)
-    kwargs = _case("positional terms", rng)
+    kwargs = _case("mask+bias+sinks+lengths", rng)
     _check(framework, implementation, "float32", *_inputs(rng, 12, "float32"), kwargs)
 
 
@@ -172,3 +177,104 @@ def test_cudnn_refuses_by_name():
     """``jax.nn.dot_product_attention`` requires the value's shape to be the key's."""
     with pytest.raises(ValueError, match=re.escape("implementation='cudnn' does not take a value head dim apart")):
         _call("jax", (B, Q, H, D), (B, K, HK, D), (B, K, HK, 4), implementation="cudnn")
+
+
+# --- on 4 devices: the ring, and one call per device -----------------------------------------------
+
+# A process of its own (the device count is fixed before JAX starts). The ring over 4 devices (the
+# lengths sharded) in float64; batch and heads sharded over a (2, 2) mesh, where blockwise (float64)
+# and splash (interpret mode, float32) run once per device on their examples and heads.
+MESH_PROGRAM = textwrap.dedent('''
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    jax.config.update("jax_enable_x64", True)
+    import mha_jax
+    from parity_tests.tool import oracle
+
+    B, L, H, HK, D, DV = 2, 16, 4, 2, 8, 4
+    rng = np.random.default_rng(0)
+    def normal(*shape):  # float32 values, held in float64: the same inputs for both dtypes
+        return rng.normal(size=shape).astype(np.float32).astype(np.float64)
+
+
+    q, k, v, cot = normal(B, L, H, D), normal(B, L, HK, D), normal(B, L, HK, DV), normal(B, L, H, DV)
+    sinks, bias = normal(H), normal(1, H, L, L)
+    mask, keep = rng.random((B, 1, L, L)) < 0.8, rng.random((B, H, L, L)) < 0.7
+    ids = np.stack([np.arange(L) // 6, np.arange(L) // 11])
+    pos = np.arange(L)[None] + rng.integers(0, 5, (B, 1))
+    lengths = np.array([L, 11])
+    T = lambda x: np.asarray(x).transpose(0, 2, 1, 3)  # noqa: E731
+
+    CASES = {  # core keywords (those differentiated: sinks, bias), the oracle's
+        "causal+sinks+soft_cap+segments+lengths": (
+            dict(is_causal=True, logit_soft_cap=2.0, query_segment_ids=ids, key_segment_ids=ids,
+                 key_value_seq_lengths=lengths), dict(sinks=sinks),
+            dict(is_causal=True, soft_cap=2.0, query_segment_ids=ids, key_segment_ids=ids, lengths=lengths,
+                 sinks=sinks)),
+        "mask+bias+dropout+window+positions": (
+            dict(mask=mask, dropout_mask=keep, dropout_rate=0.3, local_window_size=(5, 2), query_positions=pos,
+                 key_positions=pos), dict(bias=bias),
+            dict(mask=mask, keep=keep, dropout_rate=0.3, window=(5, 2), query_positions=pos, key_positions=pos,
+                 bias=bias)),
+    }
+
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+
+
+    def want(att):
+        out, _, cache = oracle.attention(T(q), T(k), T(v), oracle.Attention(**att))
+        g = oracle.attention_grads(cache, T(cot))
+        extra = {"sinks": g["sinks"], "bias": g["logits"].sum(axis=0, keepdims=True)}
+        return T(out), [T(g["query"]), T(g["key"]), T(g["value"])], extra
+
+
+    def run(fixed, learned, dtype, **kw):
+        def loss(q, k, v, learned):
+            out = mha_jax.dot_product_attention(q, k, v, **fixed, **learned, **kw)
+            return jnp.sum(out * cot.astype(dtype)), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+
+    def check(got, want_out, want_grads, extra, learned, tol, where):
+        (_, out), grads = got
+        errors = [rel(out, want_out)] + [rel(g, w) for g, w in zip(grads[:3], want_grads)]
+        errors += [rel(grads[3][n], extra[n]) for n in learned]
+        assert np.asarray(out).shape == (B, L, H, DV), (where, np.asarray(out).shape)
+        assert max(errors) <= tol, (where, errors)
+
+
+    # the ring over 4 devices: the lengths sharded, float64
+    mesh = jax.make_mesh((4,), ("seq",), axis_types=(AxisType.Explicit,))
+    for name, (fixed, learned, att) in CASES.items():
+        want_out, want_grads, extra = want(att)
+        with jax.set_mesh(mesh):
+            placed = [jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (q, k, v)]
+            got = jax.jit(run(fixed, learned, jnp.float64, sequence_axis="seq"))(*placed, learned)
+        check(got, want_out, want_grads, extra, learned, 1e-12, ("ring", name))
+
+    # one call per device on its examples and heads (batch and heads sharded): blockwise in float64,
+    # splash (interpret mode) in float32
+    mesh = jax.make_mesh((2, 2), ("data", "heads"), axis_types=(AxisType.Explicit,) * 2)
+    fixed, learned, att = CASES["causal+sinks+soft_cap+segments+lengths"]
+    want_out, want_grads, extra = want(att)
+    for impl, dtype, tol in (("blockwise", jnp.float64, 1e-12), ("splash", jnp.float32, 1e-6)):
+        with jax.set_mesh(mesh):
+            sharding = NamedSharding(mesh, P("data", None, "heads"))
+            placed = [jax.device_put(jnp.asarray(x, dtype), sharding) for x in (q, k, v)]
+            here = {n: jnp.asarray(x, dtype) for n, x in learned.items()}
+            got = jax.jit(run(fixed, here, dtype, implementation=impl))(*placed, here)
+            assert jax.typeof(got[0][1]).sharding.spec == P("data", None, "heads", None), jax.typeof(got[0][1]).sharding
+        check(got, want_out, want_grads, extra, learned, tol, ("per device", impl))
+    print("ok")
+''')
+
+
+def test_ring_and_per_device_calls_on_4_devices():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-c", MESH_PROGRAM], capture_output=True, text=True, cwd=root, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
