@@ -1,11 +1,14 @@
 """A value whose head dim differs from the query's and key's (multi-head latent attention's
 ``v_head_dim``): value ``(batch, kv_len, kv_heads, v_head_dim)`` in JAX's layout, ``(batch,
 kv_heads, kv_len, v_head_dim)`` in PyTorch's, output ``(..., v_head_dim)``. Every implementation
-of both twins, under the masking terms, forward and gradients, against the float64 oracle; the
-checks that refuse a value not matching the key on batch, length and heads, alike in both twins.
+of both twins (blockwise over several blocks, and as a band), under the masking terms, forward and
+gradients (the bias's and sinks' too), against the float64 oracle; a decoding step; drawn dropout;
+the ring and the per-device calls on 4 devices (a process of their own); the checks that refuse a
+value not matching the key on batch, length and heads, alike in both twins. ``"cudnn"``'s refusal
+and ``"splash"`` on one device: ``test_kernel_records.py``.
 
 Shapes: batch 2, 8 queries over 16 keys, 4 heads over 2 key/value heads, head_dim 8, the value's
-4 or 12.
+4 or 12 (on 4 devices: 16 queries and keys, the value's 4).
 """
 
 import functools
@@ -39,6 +42,7 @@ def _case(name: str, rng) -> dict:
     mask = rng.random((B, 1, Q, K)) < 0.7
     mask[0, :, 0] = False  # a query that sees no key: output 0
     return {
+        "none": {},
         "causal": dict(is_causal=True),
         "mask+bias+sinks+lengths": dict(mask=mask, bias=rng.normal(size=(1, H, Q, K)), sinks=rng.normal(size=H),
                                         terms=dict(key_value_seq_lengths=np.array([K, 5]))),
@@ -102,7 +106,7 @@ def small_blocks(monkeypatch):
 
 CASES = ["causal", "mask+bias+sinks+lengths", "positional terms", "window", "soft_cap+dropout"]
 GRID = [(fw, impl, 4, case) for fw, impl in IMPLEMENTATIONS for case in CASES] + [
-    (fw, impl, 12, "causal") for fw, impl in IMPLEMENTATIONS]
+    (fw, impl, 12, "none") for fw, impl in IMPLEMENTATIONS]  # SDPA: a key/value head's group of heads as rows
 
 
 @pytest.mark.parametrize("framework, implementation, dv, case", GRID)
