@@ -21,6 +21,7 @@ from typing import Any
 from mha_spec.qk_norm import QKNorm
 
 _PREFIX = "model.layers.{layer}.self_attn."
+_CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
 
 
 def _layer_types_full(config: Mapping[str, Any], layers: int) -> list[str]:
@@ -66,6 +67,19 @@ def _layer_types_smollm3(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if sliding and not rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
+def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
+    """GPTNeoConfig's ``attention_layers``, expanded from ``attention_types`` (``[[kinds, repeats], ...]``)
+    when absent: its ``"local"`` layers slide."""
+    kinds = config.get("attention_layers") or [
+        kind for pattern, repeats in config.get("attention_types", [[["global", "local"], 12]])
+        for _ in range(repeats) for kind in pattern]
+    return ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
+
+
+def _scale_none(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    return 1.0  # GPT-Neo: logits not scaled
+
+
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
 
@@ -77,6 +91,11 @@ def _scale_gpt2(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
 
 def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
+
+
+def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
+    """GPT-BigCode's key heads: one with ``multi_query`` (its default), else one per head."""
+    return 1 if config.get("multi_query", True) else None
 
 
 def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
@@ -126,7 +145,9 @@ class Family:
     qk_norm_eps: str = "rms_norm_eps"
     layer_types: Callable[[Mapping[str, Any], int], list[str]] = _layer_types_full  # where no layer_types
     window_flag: str | None = None  # a key that must be set for sliding layers to slide
+    window_key: str = "sliding_window"  # the key of the sliding layers' window (keys a query sees, itself included)
     rope: bool = True
+    rope_interleaved: bool = False  # rotates pairs (2i, 2i + 1), not the halves (i, i + rotary_dim / 2)
     rope_default: tuple[tuple[str, ...], str, Any] | None = None  # (keys, any of which gives it; key set; value)
     no_rope_layers: bool = False  # reads ``no_rope_layers`` (default: every ``no_rope_layer_interval``-th)
     rope_sliding_only: bool = False  # with a ``sliding_window``, only the sliding layers rotate
@@ -165,6 +186,7 @@ def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 _SMOLLM3 = dict(no_rope_layer_interval=4)
 _ALIBI = "ALiBi"
+_HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
 
 # model_type -> its record
 FAMILIES: dict[str, Family] = {
@@ -177,7 +199,8 @@ FAMILIES: dict[str, Family] = {
                           qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), layer_types=_layer_types_pattern(6)),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
     "olmo2": Family(qk_norm=QKNorm("rms", False, 1e-6)),
-    "llama4_text": Family(layer_types=_layer_types_chunked, no_rope_layers=True, defaults=_LLAMA4,
+    "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
+                          defaults=_LLAMA4,
                           reads=("attention_chunk_size",), check=_check_llama4),
     "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_sliding_if_set),
     # its QK-norm a LayerNorm per head, each head's weight its own key (joined by ``layer_keys``)
@@ -186,10 +209,12 @@ FAMILIES: dict[str, Family] = {
                        qk_norm_eps="layer_norm_eps", rope_default=(("partial_rotary_factor", "rotary_pct"),
                                                                    "partial_rotary_factor", 0.25),
                        per_head_norms={"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}),
-    "cohere": Family(qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True), qk_norm_flag="use_qk_norm",
+    "cohere": Family(rope_interleaved=True, qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True),
+                     qk_norm_flag="use_qk_norm",
                      qk_norm_eps="layer_norm_eps", rope_default=(("rope_theta",), "rope_theta", 500000.0),
                      reads=("use_qk_norm",), head_norm_matrix=True),
     "gptj": Family(prefix="transformer.h.{layer}.attn.", layout="mha_torch", qkv_bias=False, out_bias=False,
+                   rope_interleaved=True,
                    kv_heads=None, reads_head_dim=False, rope_default=(("rotary_dim",), "rotary_dim", 64),
                    buffers=("bias", "masked_bias")),
     # heads interleaved in one fused weight, read by ``layer_state``; a quarter of each head rotates
@@ -232,21 +257,21 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(scale=_scale_granite),
     "granitemoeshared": Family(scale=_scale_granite),
     "hyperclovax": Family(scale=_scale_granite),
-    "helium": Family(out_bias=False),
-    "glm": Family(out_bias=False, rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
-    "glm4": Family(out_bias=False, rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
+    "helium": Family(rope_interleaved=True, out_bias=False),
+    "glm": Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY),
+    "glm4": Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY),
     "seed_oss": Family(out_bias="attention_out_bias"),
     "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
                       defaults=_SMOLLM3),
     "arcee": Family(),
     "apertus": Family(qk_norm=QKNorm("rms", True, 1e-6)),
-    "ernie4_5": Family(qkv_bias="use_bias", out_bias="use_bias"),
+    "ernie4_5": Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias"),
     "exaone4": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
                       layer_types=_layer_types_pattern(4), rope_sliding_only=True),
-    "cohere2": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+    "cohere2": Family(rope_interleaved=True, layer_types=_layer_types_pattern(4), rope_sliding_only=True,
                       rope_default=(("rope_theta",), "rope_theta", 10000.0)),
-    "ernie4_5_moe": Family(qkv_bias="use_bias", out_bias="use_bias"),
-    "cohere2_moe": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+    "ernie4_5_moe": Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias"),
+    "cohere2_moe": Family(rope_interleaved=True, layer_types=_layer_types_pattern(4), rope_sliding_only=True,
                           rope_default=(("rope_theta",), "rope_theta", 10000.0)),
     "internlm3": Family(),
     "iquestcoder": Family(),
@@ -275,6 +300,28 @@ FAMILIES: dict[str, Family] = {
                      out_bias="bias", kv_heads=_falcon_kv_heads, reads_head_dim=False,
                      fused=("query_key_value", "dense"), defaults=dict(multi_query=True),
                      refuses=(("alibi", _ALIBI),)),
+    # GPT-2's layout and scale under its own prefix
+    "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
+                         kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
+                         fused=("c_attn", "c_proj")),
+    # separate projections of its own names, positions added before it
+    "ctrl": Family(prefix="transformer.h.{layer}.multi_head_attention.", qkv_bias=True, out_bias=True, kv_heads=None,
+                   reads_head_dim=False, rope=False,
+                   renames={"Wq.": "q_proj.", "Wk.": "k_proj.", "Wv.": "v_proj.", "dense.": "o_proj."}),
+    # logits not scaled; its "local" layers see window_size keys, themselves included
+    "gpt_neo": Family(prefix="transformer.h.{layer}.attn.attention.", layout="mha_torch", qkv_bias=False,
+                      out_bias=True, kv_heads=None, reads_head_dim=False, scale=_scale_none, rope=False,
+                      layer_types=_layer_types_gpt_neo, window_key="window_size", buffers=("bias", "masked_bias"),
+                      aliases=dict(num_attention_heads="num_heads", num_hidden_layers="num_layers")),
+    # one fused c_attn (a Linear): [q; k; v] with one key head (multi_query), else each head's q, k, v together
+    "gpt_bigcode": Family(prefix="transformer.h.{layer}.attn.", layout="gpt_bigcode", qkv_bias=True, out_bias=True,
+                          kv_heads=_multi_query_kv_heads, reads_head_dim=False, scale=_scale_gpt2, rope=False,
+                          buffers=("bias", "masked_bias"), fused=("c_attn", "c_proj")),
+    # GPT-J's rotary (rotary_dim, pairs) and a fused qkv_proj in 4 blocks of (q, v, k), read by ``layer_state``
+    "codegen": Family(prefix="transformer.h.{layer}.attn.", layout="codegen", qkv_bias=False, out_bias=False,
+                      kv_heads=None, reads_head_dim=False, rope_interleaved=True,
+                      rope_default=(("rotary_dim",), "rotary_dim", 64), buffers=("bias", "masked_bias"),
+                      fused=("qkv_proj", "out_proj")),
 }
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
@@ -381,10 +428,10 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     scale = family.scale(config, head_dim, layer) if family.scale else 1.0 / math.sqrt(head_dim)
     layer_type = _layer_types(config, family, layers)[layer]
     window = None
-    if (layer_type == "sliding_attention" and config.get("sliding_window")
+    if (layer_type == "sliding_attention" and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
-        window = (int(config["sliding_window"]) - 1, 0)
+        window = (int(config[family.window_key]) - 1, 0)
     rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
     if family.no_rope_layers and not config["no_rope_layers"][layer]:
         rope = None
@@ -575,13 +622,21 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
     """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``:
     GPT-NeoX's and Falcon's rows are ``(kv_heads, group + 2, head_dim)``, each key head's
-    ``group`` query heads, then its key and value (GPT-NeoX and Falcon's older layers: group 1;
-    Falcon's multi-query layers: one key head); GPT-2's are ``[q; k; v]``."""
+    ``group`` query heads, then its key and value (GPT-NeoX, GPT-BigCode's multi-head layers and
+    Falcon's older layers: group 1; Falcon's multi-query layers: one key head); GPT-2's and
+    GPT-BigCode's multi-query ones are ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``,
+    4 blocks of heads (its ``mp_num``), each its queries, values, then keys."""
     heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
     rest = tuple(fused.shape[1:])
-    if options.layout == "gpt2":
+    if options.layout == "gpt2" or (options.layout == "gpt_bigcode" and kv_heads == 1):
         q, kv = heads * head_dim, kv_heads * head_dim
         return [fused[:q], fused[q:q + kv], fused[q + kv:q + 2 * kv]]
+    if options.layout == "codegen":
+        if heads % _CODEGEN_BLOCKS:
+            raise ValueError(f"codegen's fused qkv_proj holds {_CODEGEN_BLOCKS} blocks of heads: num_attention_heads "
+                             f"must be a multiple of {_CODEGEN_BLOCKS}, got {heads}")
+        blocks = fused.reshape((_CODEGEN_BLOCKS, 3, heads * head_dim // _CODEGEN_BLOCKS) + rest)
+        return [blocks[:, part].reshape((heads * head_dim,) + rest) for part in (0, 2, 1)]
     group = heads // kv_heads
     rows = fused.reshape((kv_heads, group + 2, head_dim) + rest)
     return [rows[:, :group].reshape((heads * head_dim,) + rest),

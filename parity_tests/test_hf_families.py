@@ -161,6 +161,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
         _keep_float64(monkeypatch, module)
     x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
+    rest = [hidden if a is call[0][0] else a for a in rest]  # CTRL's forward(v, k, q): the input thrice
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # XGLM's clamp builds its bound at the default dtype
     try:
@@ -168,7 +169,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
             out = module.output.dense(module.self(hidden, *rest, **kwargs)[0])
         else:
             out = module(hidden, *rest, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
+            out = out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT's: a list
     finally:
         torch.set_default_dtype(default)
     d_out = np.random.default_rng(1).normal(size=out.shape)
@@ -228,6 +229,7 @@ _MOE = dict(num_local_experts=2, num_experts_per_tok=1)
 _TEXT = FEATURES[-1]
 _HYBRID = NO_SOFTMAX
 _BERT = dict(is_decoder=True)
+_PLAIN = dict(num_key_value_heads=None, head_dim=None)  # families with one key head per query head
 RECORDS: dict[str, Supported | Refused] = {
     # families proven in test_hf_models.py on their own (their record there names what each proves)
     **{name: Supported(_TESTED) for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
@@ -305,6 +307,13 @@ RECORDS: dict[str, Supported | Refused] = {
     "kolibri1": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
                           dict(sliding_window=WINDOW), layers=5),
     "hy_v3": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
+    "openai-gpt": Supported("GPT-2's fused Conv1D c_attn, biases, no rotary", _PLAIN),
+    "ctrl": Supported("its own projection names (Wq, Wk, Wv, dense), biases, positions added before it", _PLAIN),
+    "gpt_neo": Supported("logits not scaled, local layers (window_size keys, itself included), an output bias",
+                         dict(_PLAIN, window_size=WINDOW, attention_types=[[["global", "local"], 1]])),
+    "gpt_bigcode": Supported("a fused c_attn: one key head, [q; k; v] (multi_query), biases, no rotary", _PLAIN),
+    "codegen": Supported("a fused qkv_proj in 4 blocks of (q, v, k), pairs (2i, 2i + 1) in the first rotary_dim",
+                         dict(_PLAIN, rotary_dim=4)),
     # refused: no softmax attention in some or all layers
     **{name: Refused(NO_SOFTMAX) for name in (
         "bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "granitemoe_swa", "inkling_text",
@@ -330,8 +339,7 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "codegen", "dbrx", "gpt_bigcode", "jetmoe", "ctrl", "openai-gpt", "gpt_neo", "gpt_neox_japanese", "xlm",
-        "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
+        "dbrx", "jetmoe", "gpt_neox_japanese", "xlm", "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -367,6 +375,19 @@ REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (c
 }
 
 
+def test_the_families_that_rotate_pairs_are_those_whose_records_say_so():
+    """``rope_from_config`` (``RotaryEmbedding.from_config``) rotates pairs ``(2i, 2i + 1)`` for a
+    config whose family's record sets ``rope_interleaved``, the halves for every other family."""
+    from mha_spec.rotary import rope_from_config
+
+    pairs = {"gptj", "codegen", "llama4_text", "cohere", "cohere2", "cohere2_moe", "glm", "glm4", "helium", "ernie4_5",
+             "ernie4_5_moe"}
+    assert {name for name, family in families.FAMILIES.items() if family.rope_interleaved} == pairs
+    for name in (*families.FAMILIES, "t5", None):
+        assert rope_from_config(dict(model_type=name, rope_theta=10.0, head_dim=HEAD_DIM))["interleaved"] == (
+            name in pairs), name
+
+
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
     """Seed-OSS's head_dim 12 with hidden 32 and 4 heads: the checkpoint's projections
     ``(48, 32)`` and ``(32, 48)`` load (a misread head_dim fails by shape; both twins read the
@@ -398,13 +419,18 @@ def test_refused_families_and_options_raise_naming_what_is_missing():
 
 
 NEW = [name for name, r in RECORDS.items() if isinstance(r, Supported) and not r.uses.startswith("proven in")]
+# a family's second config, where its checkpoint's layout depends on the config: name -> (family, record)
+VARIANTS = {
+    "gpt_bigcode-multi-head": ("gpt_bigcode", Supported("each head's q, k, v together in c_attn",
+                                                        dict(_PLAIN, multi_query=False))),
+}
 
 
-@pytest.mark.parametrize("model_type", NEW)
-def test_family_equals_its_transformers_attention(model_type, monkeypatch):
+@pytest.mark.parametrize("name", NEW + list(VARIANTS))
+def test_family_equals_its_transformers_attention(name, monkeypatch):
     """Every layer of the family's small model (a whole period of its layer pattern): both twins
     against transformers' attention, outputs and gradients of the input and of every weight."""
-    record = RECORDS[model_type]
+    model_type, record = VARIANTS.get(name, (name, RECORDS.get(name)))
     worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
     assert max(worst["float64"]) < 1e-12, worst
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst

@@ -172,36 +172,90 @@ def _keep_float64(monkeypatch, attention):
                 return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon) * module.weight
 
             monkeypatch.setattr(module, "forward", forward)
-    name = type(attention).__name__
-    if name in ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"):  # its rotation casts q, k to float32
-        modeling = __import__(type(attention).__module__, fromlist=["_"])
+    patch = next((patch for names, patch in _FLOAT32_STEPS.items() if type(attention).__name__ in names), None)
+    if patch is not None:
+        patch(monkeypatch, attention)
 
-        def rotate64(q, k, cos, sin, unsqueeze_dim=1):
-            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-            return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
-    if name in ("Ernie4_5Attention", "Ernie4_5_MoeAttention"):  # its rotation casts queries and keys to float32
-        modeling = __import__(type(attention).__module__, fromlist=["_"])
+def _rotation64(monkeypatch, attention):
+    """Cohere's rotation, which casts queries and keys to float32, in float64."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
 
-        def rotate_pairs64(q, k, cos, sin, unsqueeze_dim=1):
-            cos, sin = (t.unsqueeze(unsqueeze_dim)[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
-                        for t in (cos, sin))
-            return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+    def rotate64(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
-    if name == "GPTJAttention":  # its logits in float32 from a float32 sin/cos table: both in float64
-        dim = attention.rotary_dim
-        inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))).double()  # float32 values
-        angles = torch.arange(attention.max_positions, dtype=torch.float64)[:, None] * inv_freq
-        monkeypatch.setattr(attention, "embed_positions", torch.cat((angles.sin(), angles.cos()), dim=1))
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
 
-        def attn64(query, key, value, attention_mask=None):
-            weights = torch.matmul(query, key.transpose(-1, -2)) / attention.scale_attn + attention_mask
-            weights = torch.nn.functional.softmax(weights, dim=-1)
-            return torch.matmul(weights, value), weights
 
-        monkeypatch.setattr(attention, "_attn", attn64)
+def _pair_rotation64(monkeypatch, attention):
+    """ERNIE 4.5's rotation of pairs, which casts queries and keys to float32, in float64."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def rotate_pairs64(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = (t.unsqueeze(unsqueeze_dim)[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
+                    for t in (cos, sin))
+        return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
+
+
+def _gptj64(monkeypatch, attention):
+    """GPT-J's logits in float32 from a float32 sin/cos table: both in float64."""
+    _keep_table64(monkeypatch, attention)
+
+    def attn64(query, key, value, attention_mask=None):
+        weights = torch.matmul(query, key.transpose(-1, -2)) / attention.scale_attn + attention_mask
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        return torch.matmul(weights, value), weights
+
+    monkeypatch.setattr(attention, "_attn", attn64)
+
+
+def _codegen64(monkeypatch, attention):
+    """CodeGen's float32 table and logits (GPT-J's) in float64; its mask added before the scale."""
+    _keep_table64(monkeypatch, attention)
+
+    def attn64(query, key, value, attention_mask=None):
+        weights = torch.matmul(query, key.transpose(-1, -2))
+        weights = (weights if attention_mask is None else weights + attention_mask) / attention.scale_attn
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        return torch.matmul(weights, value), weights
+
+    monkeypatch.setattr(attention, "_attn", attn64)
+
+
+def _gpt_neo64(monkeypatch, attention):
+    """GPT-Neo's logits, cast to float32, in float64; its causal and local mask (``bias``) kept."""
+
+    def attn64(query, key, value, attention_mask=None):
+        weights = torch.matmul(query, key.transpose(-1, -2))
+        q, k = query.size(-2), key.size(-2)
+        weights = torch.where(attention.bias[:, :, k - q:k, :k], weights, torch.finfo(weights.dtype).min)
+        weights = weights if attention_mask is None else weights + attention_mask
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        return torch.matmul(weights, value), weights
+
+    monkeypatch.setattr(attention, "_attn", attn64)
+
+
+# attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
+_FLOAT32_STEPS = {
+    ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"): _rotation64,
+    ("Ernie4_5Attention", "Ernie4_5_MoeAttention"): _pair_rotation64,
+    ("GPTJAttention",): _gptj64,
+    ("CodeGenAttention",): _codegen64,
+    ("GPTNeoSelfAttention",): _gpt_neo64,
+}
+
+
+def _keep_table64(monkeypatch, attention):
+    """GPT-J's and CodeGen's sin/cos table (``embed_positions``), computed in float32, in float64
+    from the same float32 frequencies."""
+    dim = attention.rotary_dim
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))).double()  # float32 values
+    angles = torch.arange(attention.max_positions, dtype=torch.float64)[:, None] * inv_freq
+    monkeypatch.setattr(attention, "embed_positions", torch.cat((angles.sin(), angles.cos()), dim=1))
 
 
 def _ours_torch(config, layer, state, inputs, dtype, implementation=None):
