@@ -80,6 +80,16 @@ def _scale_none(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return 1.0  # GPT-Neo: logits not scaled
 
 
+def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
+    """FlintConfig's rule: full attention on layers 0 and 1, every 4th from 1 and the last; sliding elsewhere."""
+    return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
+
+
+def _layer_types_granite_swa(config: Mapping[str, Any], layers: int) -> list[str]:
+    """GraniteSWAConfig's rule: every 4th layer full, from layer 0; sliding elsewhere."""
+    return ["sliding_attention" if i % 4 else "full_attention" for i in range(layers)]
+
+
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
 
@@ -151,6 +161,8 @@ class Family:
     rope_default: tuple[tuple[str, ...], str, Any] | None = None  # (keys, any of which gives it; key set; value)
     no_rope_layers: bool = False  # reads ``no_rope_layers`` (default: every ``no_rope_layer_interval``-th)
     rope_sliding_only: bool = False  # with a ``sliding_window``, only the sliding layers rotate
+    rope_windowed_only: bool = False  # only the layers with a window rotate (none without a ``sliding_window``)
+    layer_rope_theta: str | None = None  # the key of each layer's rotary base (0: the layer does not rotate)
     defaults: Mapping[str, Any] = field(default_factory=dict)  # the config class's, where config.json is silent
     reads: tuple[str, ...] = ()  # keys of ``_REFUSED`` that it computes
     refuses: tuple[tuple[str, str], ...] = ()
@@ -300,6 +312,12 @@ FAMILIES: dict[str, Family] = {
                      out_bias="bias", kv_heads=_falcon_kv_heads, reads_head_dim=False,
                      fused=("query_key_value", "dense"), defaults=dict(multi_query=True),
                      refuses=(("alibi", _ALIBI),)),
+    # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
+    "flint": Family(sinks=True, qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_flint,
+                    rope_windowed_only=True),
+    # sinks (as a scale of the output: sigmoid(logsumexp - sink)), Granite's scale, each layer's rotary base
+    "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_granite_swa,
+                          layer_rope_theta="layer_rope_theta"),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
                          kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
@@ -437,6 +455,10 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope = None
     if family.rope_sliding_only and config.get("sliding_window") is not None and layer_type != "sliding_attention":
         rope = None
+    if family.rope_windowed_only and window is None:
+        rope = None
+    if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
+        rope = _with_theta(rope, config[family.layer_rope_theta][layer])
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
     return LayerOptions(
@@ -445,6 +467,15 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
         ignore=family.ignore, attention_chunk_size=chunk,
     )
+
+
+def _with_theta(rope: dict, theta: float) -> dict | None:
+    """The layer's rotary config at its own base ``theta`` (Granite SWA's ``layer_rope_theta``); None for 0."""
+    if not theta:
+        return None
+    parameters = rope.get("rope_parameters")
+    parameters = dict(parameters) if isinstance(parameters, Mapping) else {}
+    return dict(rope, rope_theta=theta, rope_parameters=dict(parameters, rope_theta=theta))
 
 
 def _flag(config: Mapping[str, Any], value: bool | str, default: bool) -> bool:

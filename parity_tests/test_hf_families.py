@@ -55,8 +55,8 @@ FEATURES = (
     "a norm after the attention",  # a norm of the heads' output before the output projection
     "QK-norm after the rotary embedding",
     "per-position query scaling",
+    "clipped projections",  # a clamp of the projections' outputs (clip_qkv)
     "multimodal rotary positions",
-    "sinks not yet proven in this family",  # its own sink arithmetic, in float32 (Granite SWA) or not yet compared
     "shared key/value layers",  # layers that reuse another layer's keys and values
     "a checkpoint layout not yet written",
     "cross-attention",  # layers that attend to another model's states
@@ -307,6 +307,12 @@ RECORDS: dict[str, Supported | Refused] = {
     "kolibri1": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
                           dict(sliding_window=WINDOW), layers=5),
     "hy_v3": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
+    "flint": Supported("sinks, RMS QK-norm per head, rotary on the sliding layers only (none without a window)",
+                       dict(sliding_window=WINDOW, num_experts=2, num_experts_per_tok=1), layers=4),
+    "granite_swa": Supported("sinks as a scale of the output (sigmoid(logsumexp - sink)), attention_multiplier, "
+                             "sliding layers, a rotary base per layer (layer_rope_theta, 0: none)",
+                             dict(sliding_window=WINDOW, attention_multiplier=0.2,
+                                  layer_rope_theta=[10000.0, 10000.0, 0.0]), layers=3),
     "openai-gpt": Supported("GPT-2's fused Conv1D c_attn, biases, no rotary", _PLAIN),
     "ctrl": Supported("its own projection names (Wq, Wk, Wv, dense), biases, positions added before it", _PLAIN),
     "gpt_neo": Supported("logits not scaled, local layers (window_size keys, itself included), an output bias",
@@ -332,14 +338,14 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("differential attention") for name in ("diffllama",)},
     **{name: Refused("learned gates on the attention") for name in (
         "afmoe", "laguna", "beam")},
-    **{name: Refused("sinks not yet proven in this family") for name in ("flint", "granite_swa")},
     "blt": Refused("cross-attention", "between bytes and patches"),
+    "dbrx": Refused("clipped projections", "DbrxAttention clamps its fused Wqkv's output and needs clip_qkv set"),
     "doge": Refused("a mask from the content", "its dynamic mask"),
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "dbrx", "jetmoe", "gpt_neox_japanese", "xlm", "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
+        "jetmoe", "gpt_neox_japanese", "xlm", "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -449,6 +455,8 @@ PATTERNS = {
     "qwen2": (dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2), 5),
     "mistral": (dict(sliding_window=WINDOW), 3),
     "vaultgemma": (RECORDS["vaultgemma"].config, 5),
+    "flint": (RECORDS["flint"].config, 9),
+    "granite_swa": (dict(RECORDS["granite_swa"].config, layer_rope_theta=[10.0, 0.0, 20.0] * 3), 9),
 }
 DERIVED = ("layer_types", "no_rope_layers")  # keys config classes fill in: a config.json may leave them out
 
@@ -457,6 +465,10 @@ def _their_rope(module) -> bool:
     """Whether transformers' attention module rotates (each family's own test, read from its forward)."""
     if hasattr(module, "use_rope"):  # Llama 4, SmolLM3: no_rope_layers
         return bool(module.use_rope)
+    if type(module).__name__ == "FlintAttention":  # rotary on its layers with a window
+        return module.sliding_window is not None
+    if type(module).__name__ == "GraniteSWAAttention":  # its model's rotary base of the layer, 0: none
+        return bool(module.config.layer_rope_theta[module.layer_idx])
     if type(module).__name__.startswith("Cohere2"):
         return module.sliding_window is not None
     if hasattr(module, "is_sliding"):  # EXAONE 4: rotary on the sliding layers, or everywhere without a window
@@ -503,6 +515,9 @@ def test_every_layer_reads_as_transformers_model_uses_it(model_type):
             layer_type = full.get("layer_types", [None] * count)[layer]
             if options.rope is not None and isinstance(parameters.get(layer_type), dict):
                 assert options.rope["rope_parameters"] == parameters[layer_type], (layer, "rope parameters")
+            theta = (full.get("layer_rope_theta") or [None] * count)[layer]  # Granite SWA: a base per layer
+            if options.rope is not None and theta:
+                assert options.rope["rope_parameters"]["rope_theta"] == theta, (layer, "rotary base")
 
 
 def family_table() -> str:

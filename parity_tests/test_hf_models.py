@@ -239,6 +239,37 @@ def _gpt_neo64(monkeypatch, attention):
     monkeypatch.setattr(attention, "_attn", attn64)
 
 
+def _flint64(monkeypatch, attention):
+    """Flint's logits, cast to float32 whatever the input, in float64; its sink an extra logit."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+        weights = weights if attention_mask is None else weights + attention_mask
+        sinks = module.sinks.reshape(1, -1, 1, 1).expand(*weights.shape[:-1], 1).to(weights.dtype)
+        weights = torch.nn.functional.softmax(torch.cat([weights, sinks], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", eager64)
+
+
+def _granite_swa64(monkeypatch, attention):
+    """Granite SWA's sink scale ``sigmoid(logsumexp(logits) - sink)``, cast to float32, in float64."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+        weights = weights if attention_mask is None else weights + attention_mask
+        sink_scale = (torch.logsumexp(weights, dim=-1) - module.sinks.view(1, -1, 1)).sigmoid()
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        out = torch.matmul(weights, value) * sink_scale.unsqueeze(-1)
+        return out.transpose(1, 2).contiguous(), weights
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", eager64)
+
+
 # attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
 _FLOAT32_STEPS = {
     ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"): _rotation64,
@@ -246,6 +277,8 @@ _FLOAT32_STEPS = {
     ("GPTJAttention",): _gptj64,
     ("CodeGenAttention",): _codegen64,
     ("GPTNeoSelfAttention",): _gpt_neo64,
+    ("FlintAttention",): _flint64,
+    ("GraniteSWAAttention",): _granite_swa64,
 }
 
 
