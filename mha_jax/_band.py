@@ -6,7 +6,8 @@ takes its band with one slice and one product, and one step of ``_tiles``' onlin
 window's pattern is the same in every band (relative offsets), so no positions are read.
 
 Interface as ``_blockwise``'s: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
-``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths)`` (positions None).
+``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths, slopes)`` (positions
+unread: ALiBi's slopes ``(b|1, h, g, 1, 1)`` are read on the band's relative positions).
 Inside, queries and output stay in the caller's layout ``(batch, q_len, kv_heads, groups,
 head_dim)`` (the caller's transposes cancel) and each block is transposed in the loop. The custom
 VJP recomputes each band's transposed scores from the saved row log-sum-exp.
@@ -82,13 +83,18 @@ def _padded_keys(cfg, x, axis):
     return jnp.pad(x, widths)
 
 
+def _relative(cfg):
+    """(query, key) positions relative to a band's first query, laid as its scores ``(1, 1, 1, block,
+    width)`` (NumPy: the window is a constant)."""
+    return np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1), np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
+
+
 def _visible(cfg, i, terms):
     """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the terms, and keys that
-    exist. Positions are relative to the band's first query (NumPy: the window is a constant)."""
-    rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)
-    cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left  # relative key positions
+    exist. Positions are relative to the band's first query."""
+    rows, cols = _relative(cfg)
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
-    qs, ks, lengths = terms
+    qs, ks, lengths = terms[:3]
     q_ids = None if qs is None else \
         lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
     k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
@@ -99,11 +105,11 @@ def _visible(cfg, i, terms):
 
 def _segments(cfg, terms):
     """(query segment ids padded to whole blocks, key segment ids laid as the keys, lengths)."""
-    qs, ks, lengths = terms
+    qs, ks = terms[:2]
     if qs is None:
         return terms
     qs = jnp.pad(qs, ((0, 0), (0, cfg.n_q * cfg.block_q - qs.shape[1])), constant_values=-1)
-    return qs, _padded_keys(cfg, ks, 1), lengths
+    return (qs, _padded_keys(cfg, ks, 1), *terms[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -113,17 +119,22 @@ def _band(cfg, q, k, v, terms):
 
 def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
     """One band's scores ``(b, h, g * block, width)``, -inf where not visible; with ``transposed``
-    ``(b, h, width, g * block)``, which the backward's products take as stored."""
+    ``(b, h, width, g * block)``, which the backward's products take as stored. ALiBi's slopes
+    (``terms``' last) are read on positions relative to the band's first query."""
     b, h = q_i.shape[:2]
     visible = _visible(cfg, i, terms)  # (b|1, 1, 1|g, block, width)
     scale = jnp.asarray(cfg.scale, q_i.dtype)
+    rows, cols = _relative(cfg)
+    slopes = terms[3]
     if transposed:
         s = jnp.einsum("bhkd,bhmd->bhkm", k_band, q_i, precision=cfg.precision)
         shape, visible = (b, h, cfg.width, g, cfg.block_q), jnp.moveaxis(visible, 4, 2)
+        rows, cols = np.moveaxis(rows, 4, 2), np.moveaxis(cols, 4, 2)
+        slopes = None if slopes is None else jnp.moveaxis(slopes, 4, 2)
     else:
         s = jnp.einsum("bhmd,bhkd->bhmk", q_i, k_band, precision=cfg.precision)
         shape = (b, h, g, cfg.block_q, cfg.width)
-    return _tiles.scores(s, shape, scale=scale, masks=(visible,))[0]
+    return _tiles.scores(s, shape, scale=scale, masks=(visible,), alibi=slopes, q=Where(rows), k=Where(cols))[0]
 
 
 def _queries(cfg, x):

@@ -100,8 +100,9 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
     cfg = Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
                   keep_scale, dropout_rate, precision, soft_cap, bands, spec.chunk_size)
-    positions = masks.positions(spec) if "position" in spec.terms.reads else (None, None)
-    terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths)
+    slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, h, g, 1, 1)  # (b|1, h, g, 1, 1)
+    positions = masks.positions(spec) if "position" in spec.terms.reads or slopes is not None else (None, None)
+    terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths, slopes)
     args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
@@ -121,7 +122,7 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
             return P(*(e or None for e in entries))
 
         specs = (*(None if x is None else place(x, True) for x in args[:7]), None,
-                 jax.tree.map(lambda x: place(x, False), terms))
+                 (*jax.tree.map(lambda x: place(x, False), terms[:5]), None if slopes is None else place(slopes, True)))
         out = per_device(functools.partial(_run, cfg), args, specs, P(batch or None, heads or None))
         # axes of 1 device
         return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)
@@ -213,9 +214,11 @@ def _pad_masks(cfg, arrays):
 def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
     """Block (i, j)'s scores and the tanh of its cap from its products ``s`` ``(b, h, g, block_q,
     block_k)``, or ``(b, h, block_k, g, block_q)`` when ``transposed``. A partial block is masked by
-    the terms, the mask and (forward only: ``_tiles.backward`` clamps) the last key block's padding."""
+    the terms, the mask and (forward only: ``_tiles.backward`` clamps) the last key block's padding;
+    the ALiBi slopes (``terms``' last) apply to every block."""
     bias = None if bias is None else _tile(cfg, bias, i, j, transposed)
-    if not partial:
+    slopes = terms[5] if terms[5] is None or not transposed else jnp.moveaxis(terms[5], 4, 2)
+    if not partial and slopes is None:
         return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias)
     q_axis, k_axis = _axes(transposed)
     shape = [1] * 5
@@ -230,13 +233,15 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
         layout[axis] = size
         return lax.dynamic_slice_in_dim(x, index * size, size, 1).reshape(layout)
 
-    qp, kp, qs, ks, lengths = terms
+    qp, kp, qs, ks, lengths = terms[:5]
     q = Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q))
     k = Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
               None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
+    if not partial:
+        return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, q=q, k=k, alibi=slopes)
     allowed_tile = (padding, None if allowed is None else _tile(cfg, allowed, i, j, transposed))
     return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, terms=_conjunction(cfg, terms), q=q, k=k,
-                         masks=allowed_tile)
+                         masks=allowed_tile, alibi=slopes)
 
 
 def _edge_padded(x, n, block):
@@ -253,10 +258,10 @@ def _ranges(x, block, n):
 
 
 def _pad_terms(cfg, terms):
-    """Positions and segment ids padded to whole blocks (``_edge_padded``)."""
-    qp, kp, qs, ks, lengths = terms
+    """Positions and segment ids padded to whole blocks (``_edge_padded``); the slopes as they are."""
+    qp, kp, qs, ks, lengths, slopes = terms
     return (_edge_padded(qp, cfg.n_q, cfg.block_q), _edge_padded(kp, cfg.n_k, cfg.block_k),
-            _edge_padded(qs, cfg.n_q, cfg.block_q), _edge_padded(ks, cfg.n_k, cfg.block_k), lengths)
+            _edge_padded(qs, cfg.n_q, cfg.block_q), _edge_padded(ks, cfg.n_k, cfg.block_k), lengths, slopes)
 
 
 def _conjunction(cfg, terms) -> Terms:
@@ -268,7 +273,7 @@ def classes(cfg, allowed, terms, padding):
     """(whole, live): bool ``(n_q, n_k)``: live where some score may be attended to in some batch
     element (as the terms' block summaries tell), whole where every score may be in every one (no
     mask needed). With ``padding`` the last key block's padding counts as masked."""
-    qp, kp, qs, ks, lengths = terms
+    qp, kp, qs, ks, lengths = terms[:5]
     q_pos, k_pos = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)  # (lo, hi) (b|1, n)
     q_ids, k_ids = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
     start = jnp.arange(cfg.n_k)[None, None, :] * cfg.block_k  # each key block's first index

@@ -175,6 +175,12 @@ def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng
     return out, None, None
 
 
+def slopes(alibi_slopes: tuple[float, ...] | None) -> jax.Array | None:
+    """A layer's static ALiBi slopes as an array ``(num_heads,)`` (cast to the compute dtype by the
+    attention), or None."""
+    return None if alibi_slopes is None else jnp.asarray(alibi_slopes)
+
+
 def check_sequence_axis(sequence_axis):
     if sequence_axis is not None and not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
@@ -214,14 +220,14 @@ def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng
         return x if x is None or x.ndim < 4 else batch_axes.unflatten_batch(x, batch_shape)
 
     kwargs = dict(
-        mask=logits_shaped(allowed), bias=logits_shaped(spec.bias), dropout_rng=dropout_rng,
+        mask=logits_shaped(allowed), bias=logits_shaped(masks.biases(spec)), dropout_rng=dropout_rng,
         dropout_rate=module.dropout_rate, broadcast_dropout=module.broadcast_dropout,
         deterministic=dropout_rng is None, dtype=module.dtype, precision=module.precision,
         module=module if sow_weights else None, **extra,
     )
     if passes_causal:
         kwargs["is_causal"] = native_causal
-    if spec.bias is None:  # neither flax class passes bias: not to a function taking **kwargs either
+    if kwargs["bias"] is None:  # neither flax class passes bias: not to a function taking **kwargs either
         del kwargs["bias"]
     if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         dropped = [name for name, value in kwargs.items() if name not in parameters and value not in (None, False)]

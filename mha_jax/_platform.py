@@ -78,7 +78,7 @@ batching.primitive_batchers[_lowered_p] = _batched
 
 
 _SPEC_ARRAYS = ("allowed", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
-                "lengths")
+                "lengths", "alibi_slopes")
 
 
 def spec_arrays(spec) -> dict:

@@ -114,7 +114,8 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
     terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
                  ks=spec.key_segment_ids, lengths=spec.lengths)
     terms = {name: x for name, x in terms.items() if x is not None}
-    dense = dict(allowed=allowed, keep=keep, **_indices(cfg, q.shape[0], k.shape[2], drawn))
+    slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
+    dense = dict(allowed=allowed, keep=keep, slopes=slopes, **_indices(cfg, q.shape[0], k.shape[2], drawn))
     if drawn:
         dense["seed"] = _seed(dropout_rng)
     dense = {name: x for name, x in dense.items() if x is not None}
@@ -198,7 +199,7 @@ DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1)
 def _local_dense(cfg: _Config, dense: dict, bias, me, q_index, groups: int) -> dict:
     """On one device: the dense terms with their rows in zig-zag order, and for drawn dropout the
     seed and the 64-bit counters (``hi``, ``lo`` uint32 ``(b, kv_heads, groups, q_block)``) of its rows."""
-    local = {name: x for name, x in dense.items() if name in DENSE or name == "seed"}
+    local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
     if bias is not None:
         local["bias"] = bias
     for name in DENSE:
@@ -310,10 +311,11 @@ def _sliced(terms: dict, start, size: int) -> dict:
     return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
 
 
-def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias):
+def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias, slopes=None):
     """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None) of queries ``q``
     ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``, the terms read on
-    the tile's query terms ``qt`` (``qp``, ``qs``) and key terms ``kt`` (``kp``, ``ks``, ``index``)."""
+    the tile's query terms ``qt`` (``qp``, ``qs``) and key terms ``kt`` (``kp``, ``ks``, ``index``);
+    ALiBi's ``slopes`` ``(b|1, kv_heads, groups, 1, 1)`` on the same positions."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
@@ -321,7 +323,7 @@ def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias):
     kw = Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
                None if lengths is None else lengths[:, None, None, None, None])
     return _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw, k=kw,
-                         masks=(mask,))
+                         masks=(mask,), alibi=slopes)
 
 
 def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
@@ -361,7 +363,7 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
 
             def update(tile_state):
                 kz, vz = _unseen_zeroed(kj, vj, mask, bias)
-                s, _ = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias)
+                s, _ = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias, rows.get("slopes"))
 
                 def mix(p):
                     return jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
@@ -408,7 +410,7 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
             def update(tile_grads):
                 dqi, dkj, dvj, d_bias_t = tile_grads
                 kz, vz = _unseen_zeroed(kj, vj, mask, bias)
-                s, t = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias)
+                s, t = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias, rows.get("slopes"))
                 dp = jnp.einsum("bhgqd,bkhd->bhgqk", douti, vz, precision=cfg.precision)
                 p_used, ds_bias, ds = _tiles.backward(s, lsei[..., None], deltai[..., None], dp, t, keep,
                                                       cfg.keep_scale, s.shape)

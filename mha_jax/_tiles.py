@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from mha_spec import alibi as _alibi
 from mha_spec.terms import Terms, Where, conjoin
 
 
@@ -50,11 +51,13 @@ def key_rows(cfg, x):
 # --- the tile step ------------------------------------------------------------------------------
 
 def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | None = None, q: Where | None = None,
-           k: Where | None = None, masks=()):
+           k: Where | None = None, masks=(), alibi=None):
     """(scores, tanh of the cap or None) of one tile from its products ``s``: times ``scale`` (None:
-    folded into the queries), capped as ``cap * tanh(s / cap)``, plus ``bias``, and -inf where the
+    folded into the queries), capped as ``cap * tanh(s / cap)``, plus ``bias`` and the ALiBi term of
+    the slopes ``alibi`` on the positions of ``q`` and ``k`` (``mha_spec.alibi.bias``: it reads them
+    relative to each other, so a tile's positions may be relative to a block), and -inf where the
     ``terms`` (read on the tile's queries ``q`` and keys ``k``) or a bool of ``masks`` exclude.
-    ``bias`` and the masks broadcast to ``shape``, the scores as the kernel lays them out."""
+    ``bias``, the slopes and the masks broadcast to ``shape``, the scores as the kernel lays them out."""
     if scale is not None:
         s = s * scale
     t = None
@@ -64,12 +67,14 @@ def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | Non
     ok = None if not terms else terms.visible(q, k)
     for mask in masks:
         ok = conjoin(ok, mask)
-    if bias is None and ok is None:
+    if bias is None and ok is None and alibi is None:
         return s, t
     flat = s.shape
     s = s.reshape(shape)
     if bias is not None:
         s = s + bias.astype(s.dtype)
+    if alibi is not None:
+        s = s + _alibi.bias(alibi, q.position, k.position).astype(s.dtype)
     if ok is not None:
         s = jnp.where(ok, s, -jnp.inf)
     return s.reshape(flat), t

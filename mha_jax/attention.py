@@ -30,6 +30,7 @@ class _Kernel:
     dropout: bool = True
     soft_cap: bool = True
     sinks: bool = True
+    alibi: bool = True  # alibi_slopes (the ALiBi term read on positions)
     forward_mode: bool = False  # jax.jvp, jacfwd, derivatives of derivatives (custom-VJP kernels have none)
     dtypes: tuple[str, ...] = ()  # the query/key/value dtypes it takes; () for every floating dtype
     platform: str | None = None  # the platform it is compiled for; None for every platform
@@ -43,7 +44,7 @@ _KERNELS = {k.name: k for k in (
     _Kernel("xla", weights=True, forward_mode=True, ring=True),
     _Kernel("blockwise", ring=True),
     _Kernel("cudnn", dropout=False, soft_cap=False, sinks=False, dtypes=("bfloat16", "float16"), platform="cuda"),
-    _Kernel("splash", dropout=False, platform="tpu", interpret_elsewhere=True),
+    _Kernel("splash", dropout=False, alibi=False, platform="tpu", interpret_elsewhere=True),  # its kernel has no bias
     _Kernel("flash", per_platform=(("cuda", "cudnn"), ("tpu", "splash"), ("default", "blockwise"))),
 )}
 IMPLEMENTATIONS = tuple(_KERNELS)
@@ -68,6 +69,7 @@ def dot_product_attention(
     key_segment_ids: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     attention_chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
@@ -106,10 +108,11 @@ def dot_product_attention(
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
         blocks, memory linear in length; blocks the masking terms empty are skipped, those they
         leave whole not masked), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
-        bfloat16/float16, neither ``logit_soft_cap``, ``sinks`` nor dropout), ``"splash"`` (JAX's
+        bfloat16/float16, neither ``logit_soft_cap``, ``sinks`` nor dropout; ``alibi_slopes`` as a
+        dense bias), ``"splash"`` (JAX's
         Pallas TPU kernel: causality and windows at default positions, segments, lengths,
-        ``logit_soft_cap`` and ``sinks``; no ``mask``, ``bias``, dropout or position arrays with
-        causality/windows; float32 at most; off a TPU, slow Pallas interpret mode), ``"flash"``
+        ``logit_soft_cap`` and ``sinks``; no ``mask``, ``bias``, ``alibi_slopes``, dropout or
+        position arrays with causality/windows; float32 at most; off a TPU, slow Pallas interpret mode), ``"flash"``
         (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, else or where the chip's kernel cannot
         express the call ``"blockwise"``), or None: ``"xla"`` at every size, as flax. The platform is
         the one the program is lowered for (``jax.lax.platform_dependent``), not the host's; a kernel
@@ -165,7 +168,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         return (out, empty.reshape(shape)) if return_weights else out
     kernel = _choose(
         implementation, return_weights, keep is not None or rng is not None, query.dtype,
-        soft_cap is not None, sinks is not None,
+        soft_cap is not None, sinks is not None, spec.alibi_slopes is not None,
     )
     if not kernel.forward_mode:
         _check_derivatives(kernel.name, query, key, value, spec.bias, sinks)
@@ -179,6 +182,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
+    if spec.alibi_slopes is not None:  # the ALiBi term in the compute dtype, on every path
+        spec = dataclasses.replace(spec, alibi_slopes=spec.alibi_slopes.astype(compute))
     if ring is not None:  # zeroes its own padding (and masked) keys, block by block
         out = _ring.attention(
             query.reshape(batch, q_len, kv_heads, groups, head_dim), key, value, spec,
@@ -223,7 +228,7 @@ def _check_head_sharding(query, heads, kv_heads):
         )
 
 
-def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> _Kernel:
+def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False, alibi=False) -> _Kernel:
     """The record of the implementation asked for, after the checks that hold on every platform."""
     if implementation is None:
         return _KERNELS["xla"]
@@ -235,17 +240,18 @@ def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sink
         return kernel
     if kernel.platform is not None and not kernel.interpret_elsewhere:
         dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
-    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks)
+    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks, alibi)
     if refused is not None:
         error, message = refused
         raise error(message)
     return kernel
 
 
-def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks) -> tuple[type, str] | None:
+def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks, alibi=False) -> tuple[type, str] | None:
     """(exception type, message) when ``kernel`` cannot take a call of these options, else None."""
     name = kernel.name
-    missing = [n for n, given, takes in (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks))
+    missing = [n for n, given, takes in (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks),
+                                         ("alibi_slopes", alibi, kernel.alibi))
                if given and not takes]
     if missing:
         return ValueError, f"implementation={name!r} does not take {' and '.join(missing)}; use 'xla' or 'blockwise'"
@@ -311,6 +317,8 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
         if arrays[n] is not None:
             arrays[n] = x = arrays[n].reshape((1,) * (4 - arrays[n].ndim) + arrays[n].shape)
             specs[n] = P(batch if x.shape[0] == b else None, heads if x.shape[1] > 1 else None, None, None)
+    if arrays["alibi_slopes"] is not None:  # (batch|1, heads): heads too
+        specs["alibi_slopes"] = P(batch if arrays["alibi_slopes"].shape[0] == b else None, heads)
     layout, sinks = P(batch, None, heads, None), call["sinks"]
     args = (query, key, value, arrays, sinks)
 
@@ -330,7 +338,7 @@ def _resolve(asked: str, name: str, dtype, call):
     (or, for splash's terms, now)."""
     spec = call["spec"]
     refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
-                       call["soft_cap"] is not None, call["sinks"] is not None)
+                       call["soft_cap"] is not None, call["sinks"] is not None, spec.alibi_slopes is not None)
     if asked != name:  # "flash": the platform's kernel where it takes the call
         if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
             return "blockwise"
@@ -360,8 +368,8 @@ def _run_xla(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, drop
     q = query.astype(compute).reshape(batch, q_len, key.shape[2], heads // key.shape[2], query.shape[3])
     if rng is not None:
         keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, spec.shape)
-    return _xla(q, key.astype(compute), value.astype(compute), masks.dense(spec), spec.bias, keep, keep_scale, scale,
-                precision, soft_cap, None if sinks is None else sinks.astype(compute))
+    return _xla(q, key.astype(compute), value.astype(compute), masks.dense(spec), masks.biases(spec), keep, keep_scale,
+                scale, precision, soft_cap, None if sinks is None else sinks.astype(compute))
 
 
 def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
@@ -525,9 +533,10 @@ def _cudnn(query, key, value, spec: masks.Spec, scale):
     batch, heads, q_len, kv_len = shape = spec.shape
     native_causal = spec.is_causal and spec.default_positions
     allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
+    bias = masks.biases(spec)  # with the ALiBi term, a dense bias
     out = jax.nn.dot_product_attention(
         query, key, value,
-        bias=None if spec.bias is None else jnp.broadcast_to(spec.bias, shape).astype(query.dtype),
+        bias=None if bias is None else jnp.broadcast_to(bias, shape).astype(query.dtype),
         mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
         is_causal=native_causal, key_value_seq_lengths=spec.lengths, implementation="cudnn",
     ).astype(jnp.float32)

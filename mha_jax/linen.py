@@ -20,7 +20,7 @@ from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
 from mha_jax import _layer, masks
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import arguments, batch_axes
+from mha_spec import alibi, arguments, batch_axes
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -40,8 +40,9 @@ class MultiHeadDotProductAttention(nn.Module):
     ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention
     (which always takes the softmax in float32 or wider); plus ``num_kv_heads``,
     ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``, ``logit_soft_cap``,
-    ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias`` and
-    ``sequence_axis`` (ring attention over that mesh axis) as in ``mha_jax.MultiHeadAttention``.
+    ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias``,
+    ``sequence_axis`` (ring attention over that mesh axis) and ``alibi_slopes`` (ALiBi: a tuple of
+    ``num_heads`` static slopes) as in ``mha_jax.MultiHeadAttention``.
     Randomness: linen's ``'params'`` and ``'dropout'`` RNG collections.
     """
 
@@ -80,6 +81,7 @@ class MultiHeadDotProductAttention(nn.Module):
     use_out_bias: bool | None = None
     sequence_axis: str | None = None
     attention_chunk_size: int | None = None
+    alibi_slopes: tuple[float, ...] | None = None
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); these need none.
@@ -87,6 +89,7 @@ class MultiHeadDotProductAttention(nn.Module):
                                 self.attention_chunk_size)
         arguments.check_qk_norm(self.normalize_qk)
         _layer.check_sequence_axis(self.sequence_axis)
+        alibi.check_module_slopes(self.alibi_slopes, self.num_heads)
         super().__post_init__()
 
     @nn.compact
@@ -121,7 +124,8 @@ class MultiHeadDotProductAttention(nn.Module):
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
+        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
+                                          _layer.slopes(alibi.check_module_slopes(self.alibi_slopes, self.num_heads)))
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks
-from mha_spec import arguments, docstrings, terms
+from mha_spec import alibi, arguments, docstrings, terms
 from mha_spec.terms import Spec
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
@@ -41,9 +41,9 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
 
 def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
           key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None) -> Spec:
+          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None) -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
-    batch, _, q_len, kv_len = shape
+    batch, heads, q_len, kv_len = shape
     allowed = None
     if mask is not None:
         _checks.require_array("mask", mask)
@@ -65,6 +65,7 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         arguments.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
         _lengths(key_value_seq_lengths, batch, kv_len), terms.check_chunk_size(attention_chunk_size),
+        alibi_slopes=_slopes(alibi_slopes, batch, heads),
     )
 
 
@@ -93,6 +94,16 @@ def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int):
             _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len"))
 
 
+def _slopes(slopes, batch: int, heads: int):
+    """Real floating ``(heads,)`` or ``(batch, heads)`` as ``(batch|1, heads)``, a constant (no gradient)."""
+    if slopes is None:
+        return None
+    _checks.require_float("alibi_slopes", slopes)
+    alibi.check_slopes_shape(slopes.shape, batch, heads)
+    slopes = jax.lax.stop_gradient(jnp.asarray(slopes))
+    return slopes[None] if slopes.ndim == 1 else slopes
+
+
 def _lengths(lengths, batch: int, kv_len: int):
     if lengths is None:
         return None
@@ -107,6 +118,15 @@ def _arange(n: int) -> jax.Array:
 def positions(spec: Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
     return spec.positions(_arange)
+
+
+def biases(spec: Spec):
+    """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term, as
+    the dense implementations add them; None if neither is given."""
+    term = spec.alibi(_arange)
+    if term is None:
+        return spec.bias
+    return term if spec.bias is None else spec.bias + term
 
 
 def dense(spec: Spec):

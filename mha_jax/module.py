@@ -9,7 +9,7 @@ scales ``query_ln``/``key_ln``. Built from the same ``nnx.Rngs`` it holds flax's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -20,7 +20,7 @@ from flax.nnx.nn import dtypes
 
 from mha_jax import _layer, masks
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import arguments, batch_axes
+from mha_spec import alibi, arguments, batch_axes
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -78,6 +78,9 @@ class MultiHeadAttention(nnx.Module):
       sequence_axis: a mesh axis over which the length is sharded: ring attention, see
         ``mha_jax.dot_product_attention`` (not while decoding, whose steps attend over the cache
         as without it).
+      alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``,
+        ``mpt_slopes``): each head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions
+        rotary reads (while decoding, the cache's); None: none.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class MultiHeadAttention(nnx.Module):
         use_out_bias: bool | None = None,
         sequence_axis: str | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -153,6 +157,7 @@ class MultiHeadAttention(nnx.Module):
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
         self.sequence_axis = _layer.check_sequence_axis(sequence_axis)
+        self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -238,7 +243,8 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
+        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
+                                          _layer.slopes(self.alibi_slopes))
         decoding = self.decode if decode is None else decode
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "

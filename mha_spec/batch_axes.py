@@ -11,7 +11,7 @@ from typing import Any
 # The masking arguments of the public calls, in their signatures' order. A call's body picks them
 # from its ``locals()`` (``masking``) instead of naming each a second time.
 MASKING = ("mask", "bias", "is_causal", "query_positions", "key_positions", "local_window_size", "query_segment_ids",
-           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size")
+           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size", "alibi_slopes")
 # A module call's arguments that carry batch axes, in the order they are merged (and checked).
 BATCHED = ("dropout_mask", "mask", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
            "key_value_seq_lengths")
@@ -40,13 +40,15 @@ def masking(arguments: Mapping[str, Any], *extra: str) -> dict:
     return {name: arguments[name] for name in MASKING + extra if name in arguments}
 
 
-def call_masking(layer_window: Any, attention_chunk_size: int | None, arguments: Mapping[str, Any]) -> dict:
+def call_masking(layer_window: Any, attention_chunk_size: int | None, arguments: Mapping[str, Any],
+                 alibi_slopes: Any = None) -> dict:
     """A module call's masking arguments and ``dropout_mask``, picked from ``arguments`` (the
     call's ``locals()`` on entry), as ``merged_call`` takes them: the call's ``local_window_size``,
-    default the layer's ``layer_window``, and the layer's ``attention_chunk_size``."""
+    default the layer's ``layer_window``, and the layer's ``attention_chunk_size`` and
+    ``alibi_slopes`` (an array ``(num_heads,)`` or None)."""
     picked = masking(arguments, "dropout_mask")
     window = layer_window if picked["local_window_size"] is None else picked["local_window_size"]
-    return dict(picked, local_window_size=window, attention_chunk_size=attention_chunk_size)
+    return dict(picked, local_window_size=window, attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes)
 
 
 # Axes after the batch axes, per module argument: masks and biases (heads, q_len, kv_len),
@@ -81,7 +83,8 @@ def merged_call(inputs: tuple, self_attention: bool, masking: Mapping[str, Any],
             arrays[f"key_{name}"] = arrays.get(f"query_{name}")
     shape = (query.shape[0], num_heads, query.shape[1], key.shape[1] if max_length is None else max_length)
     spec = parse(shape, is_causal=masking.get("is_causal", False), local_window_size=masking.get("local_window_size"),
-                 attention_chunk_size=masking.get("attention_chunk_size"), **arrays)
+                 attention_chunk_size=masking.get("attention_chunk_size"), alibi_slopes=masking.get("alibi_slopes"),
+                 **arrays)
     if max_length is None:
         key, value = zero_unused(key, value, spec)
     return Call(batch_shape, (query, key, value), spec, dropout_mask, query_positions)

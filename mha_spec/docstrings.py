@@ -27,7 +27,10 @@ query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)
   one row for every batch element), given together: a query sees keys of its own segment.
 key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
 attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
-  ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).""",
+  ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
+alibi_slopes: real floating ``(heads,)`` or ``(batch, heads)``: ALiBi, each head adds
+  ``-slope * |q_pos - k_pos|`` to the logits, on the positions above (flash-attn's
+  convention; ``mha_spec.alibi`` computes bloom's and MPT's slopes). A constant: no gradient.""",
     # the logit terms after the masks
     "logit_terms": """\
 scale: multiplies the logits; default ``1 / sqrt(head_dim)``.

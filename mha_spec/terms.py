@@ -10,6 +10,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from mha_spec import alibi as _alibi
+
 
 class Where(NamedTuple):
     """What the terms read of queries or keys, each laid out to broadcast (None: not given).
@@ -206,8 +208,9 @@ class Spec:
     ``allowed`` (bool) and ``bias`` (float) broadcast to ``shape`` = ``(batch, heads, q_len,
     kv_len)``; positions and segment ids are integer ``(batch|1, len)``, ``lengths`` integer
     ``(batch,)`` (int32 in JAX, int64 in PyTorch); ``window`` is ``(left, right)``; ``chunk_size``
-    an int. None means absent (default positions: ``arange``). ``device``: where PyTorch's
-    tensors are (and its default positions are made); None in JAX.
+    an int; ``alibi_slopes`` float ``(batch|1, heads)``, the ALiBi term's (``mha_spec.alibi``),
+    a constant (no gradient). None means absent (default positions: ``arange``). ``device``: where
+    PyTorch's tensors are (and its default positions are made); None in JAX.
     """
 
     shape: tuple[int, int, int, int]
@@ -222,6 +225,7 @@ class Spec:
     lengths: Any = None
     chunk_size: int | None = None
     device: Any = field(default=None, compare=False)
+    alibi_slopes: Any = None
 
     @property
     def default_positions(self) -> bool:
@@ -240,6 +244,14 @@ class Spec:
         qp = arange(q_len)[None] if self.query_positions is None else self.query_positions
         kp = arange(kv_len)[None] if self.key_positions is None else self.key_positions
         return qp, kp
+
+    def alibi(self, arange) -> Any:
+        """float ``(batch|1, heads, q_len, kv_len)``: the ALiBi term ``-slope * |q_pos - k_pos|`` on
+        the call's positions (``arange`` as in ``positions``), in the slopes' dtype; None without slopes."""
+        if self.alibi_slopes is None:
+            return None
+        qp, kp = self.positions(arange)
+        return _alibi.bias(self.alibi_slopes[:, :, None, None], qp[:, None, :, None], kp[:, None, None, :])
 
     def dense(self, arange) -> Any:
         """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none

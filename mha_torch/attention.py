@@ -51,6 +51,7 @@ def dot_product_attention(
     key_segment_ids: torch.Tensor | None = None,
     key_value_seq_lengths: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -137,10 +138,12 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         key, value = key.masked_fill(unused, 0), value.masked_fill(unused, 0)
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
     sinks = None if sinks is None else sinks.to(compute)
+    if spec.alibi_slopes is not None:  # the ALiBi term in the compute dtype
+        spec = dataclasses.replace(spec, alibi_slopes=spec.alibi_slopes.to(compute))
     if implementation == "math":
         if keep is None and dropout_p > 0:
             keep = torch.rand(shape, device=query.device) >= dropout_p
-        out, weights = _math(q, k, v, masks.dense(spec), spec.bias, keep, keep_scale, scale, soft_cap, sinks)
+        out, weights = _math(q, k, v, masks.dense(spec), masks.biases(spec), keep, keep_scale, scale, soft_cap, sinks)
     else:
         out = _sdpa(q, k, v, spec, scale, dropout_p, sinks)
         weights = None
@@ -195,15 +198,13 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
     0 and gradients 0 (torch 2.13). ``sinks`` ``(heads,)``: see ``_with_sink_key``."""
     native_causal = (
         spec.terms.members == (terms.Causal(),) and spec.default_positions
-        and spec.allowed is None and spec.bias is None and sinks is None
+        and spec.allowed is None and spec.bias is None and spec.alibi_slopes is None and sinks is None
     )
-    attn_mask = None
+    attn_mask, bias = None, masks.biases(spec)
     if not native_causal:
         attn_mask = masks.dense(spec)
-        if spec.bias is not None:
-            attn_mask = spec.bias.to(q.dtype) if attn_mask is None else torch.where(
-                attn_mask, spec.bias.to(q.dtype), -math.inf
-            )
+        if bias is not None:
+            attn_mask = bias.to(q.dtype) if attn_mask is None else torch.where(attn_mask, bias.to(q.dtype), -math.inf)
     if attn_mask is not None and attn_mask.ndim < 4:  # SDPA wants at least (q_len, kv_len)
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
     if sinks is not None:

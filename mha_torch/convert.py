@@ -86,6 +86,8 @@ def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
         for name, other in (("num_kv_heads", "num_heads"), ("qkv_dim", "embed_dim"), ("out_dim", "embed_dim"))
         if getattr(module, name) != getattr(module, other)
     ]
+    if module.alibi_slopes is not None:
+        problems.append("alibi_slopes is set (it has no ALiBi)")
     if problems:
         raise ValueError("torch.nn.MultiheadAttention cannot hold this module: " + "; ".join(problems))
     weight = module.q_proj.weight

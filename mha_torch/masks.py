@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from mha_spec import arguments, docstrings, terms
+from mha_spec import alibi, arguments, docstrings, terms
 from mha_spec.terms import Spec
 from mha_torch import _checks
 
@@ -43,10 +43,10 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.
 
 def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
           key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, device=None) -> Spec:
+          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, device=None) -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len);
     the tensors kept are moved to ``device`` (the query's)."""
-    batch, _, q_len, kv_len = shape
+    batch, heads, q_len, kv_len = shape
     allowed = additive = None
     if mask is not None:
         _checks.require_array("mask", mask)
@@ -79,6 +79,7 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         arguments.check_window(local_window_size),
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len, device),
         _lengths(key_value_seq_lengths, batch, kv_len, device), terms.check_chunk_size(attention_chunk_size), device,
+        alibi_slopes=_slopes(alibi_slopes, batch, heads, device),
     )
 
 
@@ -107,6 +108,16 @@ def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int, device=No
             _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len", device))
 
 
+def _slopes(slopes, batch: int, heads: int, device=None):
+    """Real floating ``(heads,)`` or ``(batch, heads)`` as ``(batch|1, heads)``, a constant (no gradient)."""
+    if slopes is None:
+        return None
+    _checks.require_float("alibi_slopes", slopes)
+    alibi.check_slopes_shape(slopes.shape, batch, heads)
+    slopes = slopes.detach().to(device)
+    return slopes[None] if slopes.ndim == 1 else slopes
+
+
 def _lengths(lengths, batch: int, kv_len: int, device=None):
     if lengths is None:
         return None
@@ -117,6 +128,15 @@ def _lengths(lengths, batch: int, kv_len: int, device=None):
 def positions(spec: Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
     return spec.positions(functools.partial(torch.arange, device=spec.device))
+
+
+def biases(spec: Spec):
+    """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term, as
+    the implementations add them; None if neither is given."""
+    term = spec.alibi(functools.partial(torch.arange, device=spec.device))
+    if term is None:
+        return spec.bias
+    return term if spec.bias is None else spec.bias + term
 
 
 def dense(spec: Spec):

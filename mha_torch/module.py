@@ -9,14 +9,14 @@ each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.we
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mha_spec import arguments, batch_axes, kv_cache
+from mha_spec import alibi, arguments, batch_axes, kv_cache
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
@@ -58,6 +58,9 @@ class MultiHeadAttention(nn.Module):
       out_bias: a bias on the output projection; default ``bias`` (Qwen2: biases on the
         query/key/value projections only).
       device, dtype: of the parameters.
+      alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``,
+        ``mpt_slopes``): each head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions
+        rotary reads (while decoding, the cache's); None: none.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class MultiHeadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: Sequence[float] | None = None,
     ):
         super().__init__()
         self.embed_dim = embed_dim
@@ -103,6 +107,7 @@ class MultiHeadAttention(nn.Module):
             implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
         self.logit_soft_cap = logit_soft_cap
         self.rotary = rotary
+        self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         kv_dim = self.num_kv_heads * self.head_dim
@@ -167,7 +172,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
-        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
+        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(), self._slopes())
         if cache is not None:
             return self._decode(query, key, value, cache, masking, need_weights)
         heads, kv_heads = self._local_heads()
@@ -177,6 +182,13 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
         q, k = rotate_at(self.rotary, q, k, *masks.positions(call.spec))
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
+
+    def _slopes(self) -> torch.Tensor | None:
+        """The layer's static ALiBi slopes as a tensor ``(num_heads,)`` on the parameters' device (cast
+        to the compute dtype by the attention), or None."""
+        if self.alibi_slopes is None:
+            return None
+        return torch.tensor(self.alibi_slopes, dtype=torch.float64, device=self.q_proj.weight.device)
 
     def _logit_terms(self) -> dict:
         """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` the module has, by name."""

@@ -1,5 +1,5 @@
 """Each kernel record against its kernel: what ``mha_jax.dot_product_attention`` says an
-implementation takes (dropout, a logit soft-cap, sinks, the weights, forward-mode derivatives,
+implementation takes (dropout, a logit soft-cap, sinks, ALiBi slopes, the weights, forward-mode derivatives,
 dtypes, the platform it is compiled for, the kernel each platform runs, the ring) is exactly what
 that kernel receives and honours. A claim is checked by running the kernel on this CPU where it
 runs here (the TPU kernel in Pallas interpret mode) against the float64 oracle, or by lowering its
@@ -27,7 +27,7 @@ from parity_tests.conftest import X64
 from parity_tests.tool import harness, oracle
 
 B, Q, K, H, HK, D = 2, 12, 8, 4, 2, 8
-CLAIMS = {"name", "weights", "dropout", "soft_cap", "sinks", "forward_mode", "dtypes", "platform",
+CLAIMS = {"name", "weights", "dropout", "soft_cap", "sinks", "alibi", "forward_mode", "dtypes", "platform",
           "interpret_elsewhere", "ring", "per_platform"}
 # The custom call that shows each platform kernel in a program (the others are computed by XLA's
 # own operations).
@@ -128,23 +128,30 @@ def test_dropout_is_honoured_where_claimed_and_refused_elsewhere(name):
     _close(jax.jit(by_mask)(*args), _oracle(*args, keep=keep, dropout_rate=0.5)[0], _dtype(record))
 
 
-@pytest.mark.parametrize("term", ["soft_cap", "sinks"])
+# ALiBi's slopes (rounded to float32) and the bias they make at default positions, as the oracle adds it
+SLOPES = np.float32(np.random.default_rng(3).uniform(0.1, 1.0, size=H)).astype(np.float64)
+ALIBI_BIAS = -SLOPES[:, None, None] * np.abs(np.arange(Q)[:, None] - np.arange(K)[None, :])
+
+
+@pytest.mark.parametrize("term", ["soft_cap", "sinks", "alibi"])
 @pytest.mark.parametrize("name", NAMES)
 def test_logit_terms_are_honoured_where_claimed_and_refused_elsewhere(name, term):
     """Logits three times the usual size, so that a soft-cap of 2 changes them."""
     record, args = RECORDS[name], _inputs(_dtype(RECORDS[name]), scale=3.0)
     sinks = np.random.default_rng(2).normal(size=H)
-    given = dict(logit_soft_cap=2.0) if term == "soft_cap" else dict(sinks=jnp.asarray(sinks, _dtype(record)))
+    given = {"soft_cap": dict(logit_soft_cap=2.0), "sinks": dict(sinks=jnp.asarray(sinks, _dtype(record))),
+             "alibi": dict(alibi_slopes=jnp.asarray(SLOPES, _dtype(record)))}[term]
     fn = _attention(name, **given)
     if not getattr(record, term):
-        argument = "logit_soft_cap" if term == "soft_cap" else "sinks"
+        argument = {"soft_cap": "logit_soft_cap", "sinks": "sinks", "alibi": "alibi_slopes"}[term]
         with pytest.raises(ValueError, match=re.escape(f"implementation={name!r} does not take {argument}")):
             _lowered(name, fn, args)
         return
     if not _runs_here(record):
         _lowered(name, fn, args)
         return
-    want, _ = _oracle(*args, **(dict(soft_cap=2.0) if term == "soft_cap" else dict(sinks=sinks)))
+    want, _ = _oracle(*args, **{"soft_cap": dict(soft_cap=2.0), "sinks": dict(sinks=sinks),
+                                "alibi": dict(bias=ALIBI_BIAS[None])}[term])
     assert not np.allclose(want, _oracle(*args)[0], atol=1e-3)  # the term matters here
     _close(jax.jit(fn)(*args), want, _dtype(record))
 

@@ -1,0 +1,98 @@
+"""ALiBi (attention with linear biases): each head ``h`` adds ``-slope[h] * |q_pos - k_pos|`` to
+every logit, a penalty linear in the distance between a query's and a key's positions
+(flash-attn's ``alibi_slopes`` convention).
+
+The term reads positions only relative to each other (moving every position by one amount changes
+nothing), so a kernel may read it on positions relative to a block. Under causality (``k_pos <=
+q_pos``) it equals transformers' ``slope * k_pos`` (bloom, falcon) and MPT's ``slope * (k_pos -
+(K - 1))`` up to ``-slope * q_pos`` or a constant per query row, which softmax ignores.
+
+The slopes as transformers computes them, in float32, returned as Python floats: ``bloom_slopes``
+(``_get_alibi_slopes`` of bloom, also falcon's) and ``mpt_slopes`` (``build_mpt_alibi_tensor``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def bias(slopes: Any, q_position: Any, k_position: Any) -> Any:
+    """``-slopes * |q_position - k_position|``, each argument laid out to broadcast (slopes over the
+    heads, positions over queries and keys). Operators alone: it runs alike on NumPy, JAX and
+    PyTorch arrays, inside a traced graph."""
+    return -slopes * abs(q_position - k_position)
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _powers(base: float, exponents: Sequence[int]) -> list[float]:
+    """``base ** e`` as float32 ``pow`` of a float32 base gives it (the exact power of the rounded
+    base, rounded once)."""
+    base = _f32(base)
+    return [_f32(base ** e) for e in exponents]
+
+
+def bloom_slopes(num_heads: int) -> tuple[float, ...]:
+    """Bloom's slopes (transformers' ``_get_alibi_slopes``, float32): for the largest power of two
+    ``n <= num_heads``, ``b ** 1 .. b ** n`` with ``b = 2 ** (-8 / n)``; the remaining heads take
+    the odd powers ``c ** 1, c ** 3, ...`` of ``c = 2 ** (-4 / n)`` (the slopes of ``2n`` heads that
+    fall between those of ``n``)."""
+    num_heads = _check_heads(num_heads)
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = _powers(2 ** (-(2 ** -(math.log2(n) - 3))), range(1, n + 1))
+    if n != num_heads:
+        remaining = min(n, num_heads - n)
+        slopes += _powers(2 ** (-(2 ** -(math.log2(2 * n) - 3))), range(1, 1 + 2 * remaining, 2))
+    return tuple(slopes)
+
+
+def mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> tuple[float, ...]:
+    """MPT's slopes (transformers' ``build_mpt_alibi_tensor``, float32): for the smallest power of two
+    ``n >= num_heads``, ``2 ** -(k * alibi_bias_max / n)`` for ``k = 1 .. n``; with fewer heads the
+    odd-indexed ones (``k`` = 2, 4, ...) first, then the even-indexed, cut to ``num_heads``."""
+    num_heads = _check_heads(num_heads)
+    n = 2 ** math.ceil(math.log2(num_heads))
+    step = _f32(alibi_bias_max / n)
+    slopes = [_f32(1.0 / _f32(2.0 ** _f32(_f32(k) * step))) for k in range(1, n + 1)]
+    if n != num_heads:
+        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
+    return tuple(slopes)
+
+
+def _check_heads(num_heads) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    return int(num_heads)
+
+
+def check_slopes_shape(shape: Sequence[int], batch: int, heads: int) -> None:
+    """ValueError unless ``shape`` is ``(heads,)`` or ``(batch, heads)``: one slope per query head
+    (per example)."""
+    if tuple(shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = ({batch}, {heads}), one slope "
+            f"per query head, got {tuple(shape)}"
+        )
+
+
+def check_module_slopes(slopes: Sequence[float] | None, num_heads: int) -> tuple[float, ...] | None:
+    """A module's ``alibi_slopes``: None or ``num_heads`` finite real numbers, as a tuple of floats."""
+    if slopes is None:
+        return None
+    values = tuple(np.asarray(slopes, dtype=np.float64).reshape(-1).tolist()) if hasattr(slopes, "shape") else None
+    if values is None:
+        try:
+            values = tuple(float(s) for s in slopes)
+        except (TypeError, ValueError):
+            raise TypeError(f"alibi_slopes must be a sequence of num_heads={num_heads} numbers or None, "
+                            f"got {slopes!r}") from None
+    if len(values) != num_heads or not all(math.isfinite(s) for s in values):
+        raise ValueError(f"alibi_slopes must hold num_heads={num_heads} finite numbers, one per query head, "
+                         f"got {len(values)}: {values}")
+    return values
