@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mha_spec import alibi
 from mha_spec.qk_norm import QKNorm
 
 _PREFIX = "model.layers.{layer}.self_attn."
@@ -115,6 +117,39 @@ def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
     return 1 if config.get("multi_query", True) else None
 
 
+def _scale_mpt(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    scale = config.get("softmax_scale")  # MptAttention: attn_config's softmax_scale, else 1 / sqrt(head_dim)
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _alibi_bloom(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...]:
+    """Bloom's slopes: its logits ``q.k / sqrt(head_dim) + slope * k_pos``."""
+    return alibi.bloom_slopes(heads)
+
+
+def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
+    """MPT's slopes (``alibi_bias_max``), added to the scaled logits; None when ``alibi`` is off."""
+    if not config.get("alibi", True):
+        return None
+    return alibi.mpt_slopes(heads, config.get("alibi_bias_max", 8))
+
+
+def _alibi_falcon(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
+    """Falcon's ALiBi (``alibi``; None without): bloom's slopes rounded to bfloat16 as its
+    ``build_alibi_tensor`` rounds them, added to the logits before their scale ``1 / sqrt(head_dim)``
+    (``(q.k + slope * k_pos) * inv_norm_factor``): the scaled slopes here."""
+    if not config.get("alibi"):
+        return None
+    return tuple(_bfloat16(slope) / math.sqrt(head_dim) for slope in alibi.bloom_slopes(heads))
+
+
+def _bfloat16(x: float) -> float:
+    """``x`` rounded to bfloat16 (the nearest, ties to even), as torch's ``.bfloat16()`` rounds a float32."""
+    bits = int(struct.unpack("<I", struct.pack("<f", x))[0])
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
 def _check_bert(config: Mapping[str, Any], layer: int) -> None:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"config ({config.get('model_type')}) sets "
@@ -150,6 +185,8 @@ class Family:
     scale: Callable[[Mapping[str, Any], int, int], float] | None = None  # (config, head_dim, layer)
     soft_cap: str | None = None  # the key of the logits' soft-cap
     sinks: bool = False
+    alibi: Callable[[Mapping[str, Any], int, int], tuple[float, ...] | None] | None = None  # (config, heads,
+    # head_dim) -> each head's ALiBi slope as ``alibi_slopes`` takes it (added to the scaled logits); None: none
     qk_norm: QKNorm | None = None  # with its default eps
     qk_norm_flag: str | None = None  # the key that switches ``qk_norm`` on; None: always on
     qk_norm_eps: str = "rms_norm_eps"
@@ -175,6 +212,7 @@ class Family:
     head_norm_matrix: bool = False  # a per-head norm saved as a (heads, head_dim) matrix
     renames: Mapping[str, str] = field(default_factory=dict)  # a key's start under the prefix -> the layout's
     aliases: Mapping[str, str] = field(default_factory=dict)  # our size names -> the config's (XGLM's)
+    nested: str | None = None  # a sub-config whose keys are read as the config's own (MPT's attn_config)
 
 
 _LLAMA = Family()
@@ -197,7 +235,7 @@ def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
 # Llama4TextConfig's and SmolLM3Config's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 _SMOLLM3 = dict(no_rope_layer_interval=4)
-_ALIBI = "ALiBi"
+_CLIPPED = "clipped projections"  # a clamp of the projections' outputs (clip_qkv)
 _HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
 
 # model_type -> its record
@@ -260,9 +298,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
     "gemma": Family(),
     "vaultgemma": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
-    "olmo": Family(refuses=(("clip_qkv", "clipped projections"),)),
+    "olmo": Family(refuses=(("clip_qkv", _CLIPPED),)),
     "olmo3": Family(qk_norm=QKNorm("rms", False, 1e-6), layer_types=_layer_types_every(4)),
-    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", "clipped projections"),)),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", _CLIPPED),)),
     "flex_olmo": Family(qk_norm=QKNorm("rms", False, 1e-6)),
     "phimoe": Family(qkv_bias="attention_bias", out_bias="attention_bias", layer_types=_layer_types_sliding_if_set),
     "granite": Family(scale=_scale_granite),
@@ -310,14 +348,25 @@ FAMILIES: dict[str, Family] = {
     "hy_v3": Family(qk_norm=QKNorm("rms", True, 1e-6)),
     "falcon": Family(prefix="transformer.h.{layer}.self_attention.", layout="falcon", qkv_bias="bias",
                      out_bias="bias", kv_heads=_falcon_kv_heads, reads_head_dim=False,
-                     fused=("query_key_value", "dense"), defaults=dict(multi_query=True),
-                     refuses=(("alibi", _ALIBI),)),
+                     fused=("query_key_value", "dense"), defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
     "flint": Family(sinks=True, qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_flint,
                     rope_windowed_only=True),
     # sinks (as a scale of the output: sigmoid(logsumexp - sink)), Granite's scale, each layer's rotary base
     "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_granite_swa,
                           layer_rope_theta="layer_rope_theta"),
+    # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
+    "bloom": Family(prefix="transformer.h.{layer}.self_attention.", layout="gpt_neox", qkv_bias=True, out_bias=True,
+                    kv_heads=None, reads_head_dim=False, rope=False, alibi=_alibi_bloom,
+                    fused=("query_key_value", "dense")),
+    # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
+    "mpt": Family(prefix="transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
+                  kv_heads=None, reads_head_dim=False, scale=_scale_mpt, rope=False, alibi=_alibi_mpt,
+                  nested="attn_config", renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
+                  refuses=(("clip_qkv", _CLIPPED), ("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
+                           ("attn_uses_sequence_id", "a mask from the content")),
+                  aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
+                               max_position_embeddings="max_seq_len")),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
                          kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
@@ -376,6 +425,7 @@ class LayerOptions:
     is_causal: bool = True  # a decoder's mask; BERT's encoder sees every key
     ignore: tuple[str, ...] = ()  # keys under ``prefix`` that are not the attention's (BERT's LayerNorm)
     attention_chunk_size: int | None = None  # Llama 4's chunked layers: chunks of positions
+    alibi_slopes: tuple[float, ...] | None = None  # ALiBi, one slope per head (``mha_spec.alibi``)
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -406,7 +456,8 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
             f"config's model_type {model_type!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
         )
     family = FAMILIES[model_type]
-    config = {**family.defaults, **config}
+    nested = config.get(family.nested) if family.nested else None
+    config = {**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}
     config.update({name: config[alias] for name, alias in family.aliases.items()
                    if name not in config and alias in config})
     if family.no_rope_layers:
@@ -459,13 +510,16 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
         rope = _with_theta(rope, config[family.layer_rope_theta][layer])
+    slopes = family.alibi(config, heads, head_dim) if family.alibi else None
+    if slopes is not None:  # positions as ALiBi's distances, not rotary (Falcon's alibi layers)
+        rope = None
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
     return LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
         config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
-        ignore=family.ignore, attention_chunk_size=chunk,
+        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
     )
 
 

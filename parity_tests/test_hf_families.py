@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pathlib
 from dataclasses import dataclass, field
 
@@ -143,13 +144,24 @@ def _at_dtype(model, layer, args, kwargs, dtype):
         layer_types = getattr(model.config, "layer_types", None)
         kwargs["position_embeddings"] = _rotary64(model, tables[0], layer_types[layer] if layer_types else None)
     mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dtype.is_floating_point:
+    if mask is not None and mask.dtype.is_floating_point:  # Falcon's with ALiBi also holds it: left out
         kwargs["attention_mask"] = torch.zeros(mask.shape, dtype=torch_dtype).masked_fill(
-            mask != 0, torch.finfo(torch_dtype).min)
+            mask < torch.finfo(mask.dtype).min / 2, torch.finfo(torch_dtype).min)
     for key, value in kwargs.items():
         if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value):
             kwargs[key] = tuple(v.to(torch_dtype) for v in value)
+        elif key != "attention_mask" and isinstance(value, torch.Tensor) and value.is_floating_point():
+            kwargs[key] = value.to(torch_dtype)  # ALiBi's tensors (bloom's, Falcon's alibi, MPT's position_bias)
     return args[1:], kwargs
+
+
+def _positional(module, given, rest, hidden):
+    """The layer's positional arguments after its input, for the input ``hidden``: where the model
+    gave its input again (``given``: CTRL's ``forward(v, k, q)``), ``hidden``; Bloom's ``residual``
+    (added inside its attention) zero, for the attention alone."""
+    names = list(inspect.signature(module.forward).parameters)[1:]
+    return [torch.zeros_like(hidden) if name == "residual" else hidden if a is given else a
+            for name, a in zip(names, rest)]
 
 
 def _theirs(model, options, layer, call, dtype, monkeypatch):
@@ -161,7 +173,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
         _keep_float64(monkeypatch, module)
     x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
-    rest = [hidden if a is call[0][0] else a for a in rest]  # CTRL's forward(v, k, q): the input thrice
+    rest = _positional(module, call[0][0], rest, hidden)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # XGLM's clamp builds its bound at the default dtype
     try:
@@ -298,7 +310,7 @@ RECORDS: dict[str, Supported | Refused] = {
     "persimmon": Supported("a fused query_key_value with each head's rows together, half of each head rotating "
                            "(its QK LayerNorm, with a bias, refused)", dict(qk_layernorm=False, head_dim=None)),
     "falcon": Supported("a fused query_key_value: one key head (multi_query) or grouped (new_decoder_architecture); "
-                        "ALiBi refused", dict(head_dim=None)),
+                        "ALiBi (alibi: bloom's slopes in bfloat16, added before the scale)", dict(head_dim=None)),
     "solar_open": Supported("q/k/v biases", dict(attention_bias=True, n_routed_experts=2, num_experts_per_tok=1)),
     "minimax_m2": Supported("RMS QK-norm over the projection", dict(rotary_dim=HEAD_DIM, **_MOE)),
     "minimax_m3_vl_text": Refused("multimodal rotary positions", "its model's tables are not the text positions'"),
@@ -313,6 +325,10 @@ RECORDS: dict[str, Supported | Refused] = {
                              "sliding layers, a rotary base per layer (layer_rope_theta, 0: none)",
                              dict(sliding_window=WINDOW, attention_multiplier=0.2,
                                   layer_rope_theta=[10000.0, 10000.0, 0.0]), layers=3),
+    "bloom": Supported("ALiBi (bloom's slopes), each head's q, k, v rows together in query_key_value, biases",
+                       _PLAIN),
+    "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv, softmax_scale from attn_config "
+                     "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
     "openai-gpt": Supported("GPT-2's fused Conv1D c_attn, biases, no rotary", _PLAIN),
     "ctrl": Supported("its own projection names (Wq, Wk, Wv, dense), biases, positions added before it", _PLAIN),
     "gpt_neo": Supported("logits not scaled, local layers (window_size keys, itself included), an output bias",
@@ -329,7 +345,6 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(ENCODER_DECODER) for name in (
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen", "musicgen_melody",
         "mvp", "pegasus", "plbart", "prophetnet", "whisper", "trocr")},
-    **{name: Refused("ALiBi") for name in ("bloom", "mpt")},
     **{name: Refused("multi-head latent attention") for name in (
         "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "minicpm3",
         "youtu", "axk1", "axk2", "dots3_note", "dots3_note_text", "hy_v4")},
@@ -373,7 +388,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
-    "falcon": (dict(alibi=True, head_dim=None), "ALiBi"),
+    "mpt": (dict(attn_config=dict(clip_qkv=8.0)), "clipped projections"),
     "ministral3": (dict(), "per-position query scaling"),
     "phi": (dict(qk_layernorm=True), "QK LayerNorm with bias"),
     "persimmon": (dict(head_dim=None), "QK LayerNorm with bias"),
@@ -392,6 +407,52 @@ def test_the_families_that_rotate_pairs_are_those_whose_records_say_so():
     for name in (*families.FAMILIES, "t5", None):
         assert rope_from_config(dict(model_type=name, rope_theta=10.0, head_dim=HEAD_DIM))["interleaved"] == (
             name in pairs), name
+
+
+@pytest.mark.parametrize("heads", [12, 71])
+def test_alibi_slopes_are_those_transformers_builds(heads):
+    """Each ALiBi family's slopes, for head counts that are not powers of two, against the tensors
+    its transformers model builds (the key at position 1): bloom's float32 ones, Falcon's rounded to
+    bfloat16 (ours over ``sqrt(head_dim)``: it adds them before the scale), MPT's."""
+    from transformers.models.bloom import modeling_bloom
+    from transformers.models.falcon import modeling_falcon
+    from transformers.models.mpt import modeling_mpt
+
+    keys = torch.ones(1, 2, dtype=torch.long)
+    head_dim = 2
+    expected = {
+        "bloom": modeling_bloom.build_alibi_tensor(keys, heads, torch.float32)[:, 0, 1],
+        "falcon": modeling_falcon.build_alibi_tensor(keys, heads, torch.float32)[:, 0, 1],
+        "mpt": -modeling_mpt.build_mpt_alibi_tensor(heads, 2)[:, 0, 0],
+    }
+    for name, theirs in expected.items():
+        raw = dict(model_type=name, hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
+                   alibi=True)
+        ours = np.array(families.layer_options(raw, 0).alibi_slopes) * (np.sqrt(head_dim) if name == "falcon" else 1)
+        assert np.allclose(ours, theirs.double().numpy(), rtol=1e-15, atol=0), name
+
+
+def test_falcon_alibi_is_its_sdpa_path():
+    """Falcon with ``alibi``: its model's SDPA path (the ALiBi in its mask, over ``sqrt(head_dim)``)
+    computes what ``from_hf`` builds, as its original code did (``(q.k + alibi) * inv_norm_factor``);
+    its eager path adds the ALiBi a second time (in its attention and in the model's mask), which
+    the census leaves out by giving the attention the causal mask alone."""
+    model_type, record = VARIANTS["falcon-alibi"]
+    config = _config(model_type, record.config, record.layers)
+    config._attn_implementation = "sdpa"
+    model = _model(config)
+    options = families.layer_options(config.to_dict(), 1)
+    attention = model.get_submodule(options.prefix.rstrip("."))
+    args, kwargs = _captured(model, {1: attention})[1]
+    kwargs.pop("hidden_states", None)
+    x = torch.tensor(np.random.default_rng(0).normal(size=(B, S, HIDDEN)), dtype=torch.float32)
+    state = {options.prefix + k: v for k, v in attention.state_dict().items()}
+    with torch.no_grad():
+        theirs = attention(x, *args[1:], **kwargs)[0]
+        ours = mha_torch.from_hf(config.to_dict(), state, layer=1)(
+            x, is_causal=True, query_positions=_positions(), key_value_seq_lengths=torch.tensor(LENGTHS))
+    live = torch.arange(S)[None] < torch.tensor(LENGTHS)[:, None]
+    assert _rel(ours[live].double().numpy(), theirs[live].double().numpy()) < 1e-6
 
 
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
@@ -427,6 +488,8 @@ def test_refused_families_and_options_raise_naming_what_is_missing():
 NEW = [name for name, r in RECORDS.items() if isinstance(r, Supported) and not r.uses.startswith("proven in")]
 # a family's second config, where its checkpoint's layout depends on the config: name -> (family, record)
 VARIANTS = {
+    "falcon-alibi": ("falcon", Supported("ALiBi, one key head per head (falcon-rw)",
+                                         dict(head_dim=None, alibi=True, multi_query=False))),
     "gpt_bigcode-multi-head": ("gpt_bigcode", Supported("each head's q, k, v together in c_attn",
                                                         dict(_PLAIN, multi_query=False))),
 }
@@ -543,40 +606,64 @@ def test_the_docs_family_table_is_the_records():
     assert page.split(start)[1].split(end)[0].strip() == family_table().strip()
 
 
-CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4")
+CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4", "bloom", "mpt", "falcon-alibi")
 STEPS = (4, 1, 1, 1)  # a prompt of 4 tokens, then one at a time: S = 7
 
 
 def _their_decode(model, layer, options, x, dtype, monkeypatch):
     """transformers' attention of ``layer`` with a ``DynamicCache``, over ``STEPS``: its outputs."""
-    import inspect
-
     torch_dtype = getattr(torch, dtype)
     module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
-    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
-    positions = torch.arange(S)[None].expand(B, -1)
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    if dtype == "float64":
-        cos, sin = _tables64(rotary, positions, cos.shape[-1])
+    tables = _decode_tables(model, dtype)
     parameters = inspect.signature(module.forward).parameters
     cache, outs, start = transformers.DynamicCache(), [], 0
     for n in STEPS:
-        q, k = torch.arange(start, start + n)[:, None], torch.arange(start + n)[None]
-        allowed = (k <= q) & ((q - k <= options.window[0]) if options.window else True)
-        mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
         keywords = {"past_key_values" if "past_key_values" in parameters else "layer_past": cache,
-                    "position_embeddings": (cos[:, start:start + n].to(torch_dtype),
-                                            sin[:, start:start + n].to(torch_dtype)),
-                    "attention_mask": mask[None, None].expand(B, 1, -1, -1)}
-        keywords.update({k: v for k, v in (("alibi", None), ("use_cache", True)) if k in parameters})
+                    **_step_arguments(model, module, options, parameters, start, n, tables, torch_dtype)}
+        keywords.update({k: v for k, v in (("use_cache", True),) if k in parameters})
         with torch.no_grad():
             out = module(torch.tensor(x[:, start:start + n], dtype=torch_dtype), **keywords)
         outs.append((out[0] if isinstance(out, tuple) else out).double().numpy())
         start += n
     monkeypatch.undo()
     return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _decode_tables(model, dtype):
+    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1``, float64 from its ``inv_freq``
+    in float64; None without a rotary embedding (the ALiBi families)."""
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        return None
+    positions = torch.arange(S)[None].expand(B, -1)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    return _tables64(rotary, positions, cos.shape[-1]) if dtype == "float64" else (cos, sin)
+
+
+def _step_arguments(model, module, options, parameters, start, n, tables, torch_dtype):
+    """A decoding step's arguments for queries ``start .. start + n`` over keys ``0 .. start + n``:
+    the causal (and window) mask (MPT's: boolean, True = masked), the rotary tables, the ALiBi
+    tensors the models build (bloom's and Falcon's ``alibi``, MPT's ``position_bias``) and
+    Bloom's residual (zero: the attention alone)."""
+    modeling = __import__(type(module).__module__, fromlist=["_"])
+    q, k = torch.arange(start, start + n)[:, None], torch.arange(start + n)[None]
+    allowed = ((k <= q) & ((q - k <= options.window[0]) if options.window else True))[None, None]
+    if "position_bias" in parameters:  # MPT
+        return {"attention_mask": ~allowed.expand(B, 1, -1, -1),
+                "position_bias": modeling.build_mpt_alibi_tensor(options.num_heads, start + n).to(torch_dtype)}
+    mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
+    arguments = {"attention_mask": mask.expand(B, 1, -1, -1)}
+    if tables is not None:
+        arguments["position_embeddings"] = tuple(t[:, start:start + n].to(torch_dtype) for t in tables)
+    if "alibi" in parameters:
+        keys = torch.ones(B, start + n, dtype=torch.long)
+        arguments["alibi"] = (modeling.build_alibi_tensor(keys, options.num_heads, torch_dtype)
+                              if getattr(model.config, "alibi", True) else None)
+    if "residual" in parameters:  # Bloom adds the block's residual inside its attention
+        arguments["residual"] = torch.zeros(B, n, HIDDEN, dtype=torch_dtype)
+    return arguments
 
 
 def _our_decode(raw, layer, state, x, dtype):
@@ -604,7 +691,7 @@ def _our_decode(raw, layer, state, x, dtype):
 def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(model_type, monkeypatch):
     """A prompt then single tokens: transformers' attention with ``past_key_values`` (a
     ``DynamicCache``) against both twins decoding with their caches, every kind of layer."""
-    record = RECORDS[model_type]
+    model_type, record = VARIANTS.get(model_type, (model_type, RECORDS.get(model_type)))
     config = _config(model_type, record.config, record.layers)
     model, raw = _model(config), config.to_dict()
     x = np.random.default_rng(3).normal(size=(B, S, HIDDEN))

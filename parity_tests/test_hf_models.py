@@ -270,6 +270,27 @@ def _granite_swa64(monkeypatch, attention):
     monkeypatch.setattr(modeling, "eager_attention_forward", eager64)
 
 
+def _mpt64(monkeypatch, attention):
+    """MPT's softmax, of its logits cast to float32, in float64 (its forward, that cast left out)."""
+
+    def forward(hidden_states, position_bias, past_key_values=None, attention_mask=None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        q, k, v = (t.reshape(batch, length, attention.n_heads, attention.head_dim).transpose(1, 2)
+                   for t in attention.Wqkv(hidden_states).chunk(3, dim=2))
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attention.layer_idx)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * attention.softmax_scale
+        if position_bias is not None:
+            scores = scores + position_bias[:, -min(position_bias.size(1), length):, -k.shape[-2]:]
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, torch.finfo(q.dtype).min)
+        weights = torch.nn.functional.softmax(scores, dim=-1)
+        out = torch.matmul(weights, v).permute(0, 2, 1, 3).reshape(batch, length, -1)
+        return attention.out_proj(out), weights
+
+    monkeypatch.setattr(attention, "forward", forward)
+
+
 # attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
 _FLOAT32_STEPS = {
     ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"): _rotation64,
@@ -279,6 +300,7 @@ _FLOAT32_STEPS = {
     ("GPTNeoSelfAttention",): _gpt_neo64,
     ("FlintAttention",): _flint64,
     ("GraniteSWAAttention",): _granite_swa64,
+    ("MptAttention",): _mpt64,
 }
 
 
