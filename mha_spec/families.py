@@ -429,7 +429,8 @@ class LayerOptions:
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
-    """A ``config.json`` as a dict (a path is read); a multimodal config's ``text_config``."""
+    """A ``config.json`` as a dict (a path is read); a multimodal config's ``text_config``; the
+    sizes under our names where the config names them its own way (``_ALIASES``, a family's ``aliases``)."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if not os.path.exists(path):
@@ -442,6 +443,10 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     if "text_config" in config and "num_attention_heads" not in config:
         config = dict(config["text_config"])
     for name, alias in _ALIASES.items():
+        if name not in config and alias in config:
+            config[name] = config[alias]
+    family = FAMILIES.get(config.get("model_type"))
+    for name, alias in (family.aliases if family else {}).items():  # a family's own names (GPT-Neo's, MPT's)
         if name not in config and alias in config:
             config[name] = config[alias]
     return config

@@ -455,6 +455,16 @@ def test_falcon_alibi_is_its_sdpa_path():
     assert _rel(ours[live].double().numpy(), theirs[live].double().numpy()) < 1e-6
 
 
+def test_read_config_names_the_sizes_of_every_supported_family():
+    """``read_config`` of each supported family's config as transformers saves it holds its sizes
+    under our names (``mha-parity verify`` reads them there), whatever the family calls them."""
+    for name, record in RECORDS.items():
+        if isinstance(record, Supported) and record.uses != _TESTED:
+            raw = families.read_config(_config(name, record.config, record.layers).to_dict())
+            sizes = [raw.get(k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers")]
+            assert sizes == [HIDDEN, HEADS, record.layers], (name, sizes)
+
+
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
     """Seed-OSS's head_dim 12 with hidden 32 and 4 heads: the checkpoint's projections
     ``(48, 32)`` and ``(32, 48)`` load (a misread head_dim fails by shape; both twins read the
