@@ -78,6 +78,31 @@ def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
 
 
+def _layer_types_modernbert(config: Mapping[str, Any], layers: int) -> list[str]:
+    """ModernBertDecoderConfig's rule: every ``global_attn_every_n_layers``-th layer full, from layer 0."""
+    every = config.get("global_attn_every_n_layers", 3)
+    return ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+
+
+def _standardize_modernbert(config: dict) -> dict:
+    """What ModernBertDecoderConfig derives where a config.json leaves it out: the window
+    ``local_attention // 2`` (none for 0 or None), and rope parameters per layer type, at
+    ``global_rope_theta`` and ``local_rope_theta`` (160000, 10000), its ``rope_scaling`` in both."""
+    if "sliding_window" not in config:
+        local = config.get("local_attention", 128)
+        config["sliding_window"] = local // 2 if local else None
+    if isinstance(config["sliding_window"], int) and config["sliding_window"] < 1:  # its -1: no window
+        config["sliding_window"] = None
+    parameters = config.get("rope_parameters")
+    if not (isinstance(parameters, Mapping) and isinstance(parameters.get("full_attention"), Mapping)):
+        scaling = dict(config.pop("rope_scaling", None) or {})
+        config["rope_parameters"] = {
+            kind: {"rope_type": "default", **scaling, "rope_theta": config.get(key, theta)}
+            for kind, key, theta in (("full_attention", "global_rope_theta", 160000.0),
+                                     ("sliding_attention", "local_rope_theta", 10000.0))}
+    return config
+
+
 def _scale_none(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return 1.0  # GPT-Neo: logits not scaled
 
@@ -213,6 +238,7 @@ class Family:
     renames: Mapping[str, str] = field(default_factory=dict)  # a key's start under the prefix -> the layout's
     aliases: Mapping[str, str] = field(default_factory=dict)  # our size names -> the config's (XGLM's)
     nested: str | None = None  # a sub-config whose keys are read as the config's own (MPT's attn_config)
+    standardize: Callable[[dict], dict] | None = None  # fills in keys its config class derives (a copy)
 
 
 _LLAMA = Family()
@@ -367,6 +393,10 @@ FAMILIES: dict[str, Family] = {
                            ("attn_uses_sequence_id", "a mask from the content")),
                   aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
                                max_position_embeddings="max_seq_len")),
+    # sliding layers (local_attention // 2 keys), rope parameters per layer type, the output projection Wo
+    "modernbert-decoder": Family(prefix="model.layers.{layer}.attn.", reads_head_dim=False, kv_heads=None,
+                                 layer_types=_layer_types_modernbert, standardize=_standardize_modernbert,
+                                 renames={"Wo.": "o_proj."}),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
                          kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
@@ -467,6 +497,8 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
                    if name not in config and alias in config})
     if family.no_rope_layers:
         config = _with_no_rope_layers(config)
+    if family.standardize:
+        config = family.standardize(config)
     refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key) and key not in family.reads]
     rope_parameters = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
     refused += [f"{key} ({what})" for key, what in family.refuses if config.get(key) or rope_parameters.get(key)]

@@ -173,7 +173,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
         _keep_float64(monkeypatch, module)
     x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
-    rest = _positional(module, call[0][0], rest, hidden)
+    rest = _positional(module, call[0][0] if call[0] else call[1].get("hidden_states"), rest, hidden)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # XGLM's clamp builds its bound at the default dtype
     try:
@@ -329,6 +329,8 @@ RECORDS: dict[str, Supported | Refused] = {
                        _PLAIN),
     "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv, softmax_scale from attn_config "
                      "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
+    "modernbert-decoder": Supported("sliding layers (local_attention // 2 keys), rope parameters per layer type, "
+                                    "the output projection Wo", dict(_PLAIN, local_attention=2 * WINDOW), layers=3),
     "openai-gpt": Supported("GPT-2's fused Conv1D c_attn, biases, no rotary", _PLAIN),
     "ctrl": Supported("its own projection names (Wq, Wk, Wv, dense), biases, positions added before it", _PLAIN),
     "gpt_neo": Supported("logits not scaled, local layers (window_size keys, itself included), an output bias",
@@ -360,7 +362,7 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "jetmoe", "gpt_neox_japanese", "xlm", "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
+        "jetmoe", "gpt_neox_japanese", "xlm", "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -465,6 +467,21 @@ def test_read_config_names_the_sizes_of_every_supported_family():
             assert sizes == [HIDDEN, HEADS, record.layers], (name, sizes)
 
 
+def test_an_older_modernbert_decoder_config_reads_as_its_config_class_fills_it_in():
+    """A ModernBERT decoder config.json of the older form (``local_attention``, ``global_rope_theta``,
+    ``local_rope_theta``, ``rope_scaling``; no ``sliding_window``, ``layer_types`` or per-type
+    ``rope_parameters``): each layer's window and rope parameters as ``ModernBertDecoderConfig`` derives them."""
+    old = dict(model_type="modernbert-decoder", hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=4,
+               local_attention=6, global_rope_theta=1234.0, local_rope_theta=55.0, global_attn_every_n_layers=2,
+               rope_scaling=dict(rope_type="linear", factor=2.0))
+    theirs = transformers.ModernBertDecoderConfig(**{k: v for k, v in old.items() if k != "model_type"})
+    for layer in range(4):
+        options = families.layer_options(old, layer)
+        layer_type = theirs.layer_types[layer]
+        assert options.window == ((theirs.sliding_window - 1, 0) if layer_type == "sliding_attention" else None)
+        assert options.rope["rope_parameters"] == theirs.rope_parameters[layer_type], layer
+
+
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
     """Seed-OSS's head_dim 12 with hidden 32 and 4 heads: the checkpoint's projections
     ``(48, 32)`` and ``(32, 48)`` load (a misread head_dim fails by shape; both twins read the
@@ -529,6 +546,7 @@ PATTERNS = {
     "mistral": (dict(sliding_window=WINDOW), 3),
     "vaultgemma": (RECORDS["vaultgemma"].config, 5),
     "flint": (RECORDS["flint"].config, 9),
+    "modernbert-decoder": (dict(RECORDS["modernbert-decoder"].config, global_attn_every_n_layers=3), 7),
     "granite_swa": (dict(RECORDS["granite_swa"].config, layer_rope_theta=[10.0, 0.0, 20.0] * 3), 9),
 }
 DERIVED = ("layer_types", "no_rope_layers")  # keys config classes fill in: a config.json may leave them out

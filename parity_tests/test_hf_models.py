@@ -178,7 +178,7 @@ def _keep_float64(monkeypatch, attention):
 
 
 def _rotation64(monkeypatch, attention):
-    """Cohere's rotation, which casts queries and keys to float32, in float64."""
+    """Cohere's and ModernBERT decoder's rotation, which casts queries and keys to float32, in float64."""
     modeling = __import__(type(attention).__module__, fromlist=["_"])
 
     def rotate64(q, k, cos, sin, unsqueeze_dim=1):
@@ -293,7 +293,7 @@ def _mpt64(monkeypatch, attention):
 
 # attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
 _FLOAT32_STEPS = {
-    ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"): _rotation64,
+    ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention", "ModernBertDecoderAttention"): _rotation64,
     ("Ernie4_5Attention", "Ernie4_5_MoeAttention"): _pair_rotation64,
     ("GPTJAttention",): _gptj64,
     ("CodeGenAttention",): _codegen64,
