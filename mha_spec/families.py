@@ -397,6 +397,11 @@ FAMILIES: dict[str, Family] = {
     "modernbert-decoder": Family(prefix="model.layers.{layer}.attn.", reads_head_dim=False, kv_heads=None,
                                  layer_types=_layer_types_modernbert, standardize=_standardize_modernbert,
                                  renames={"Wo.": "o_proj."}),
+    # its own projection names, biases, positions added before it; causal when ``causal`` is set
+    "xlm": Family(prefix="transformer.attentions.{layer}.", qkv_bias=True, out_bias=True, kv_heads=None,
+                  reads_head_dim=False, rope=False, causal="causal",
+                  renames={"q_lin.": "q_proj.", "k_lin.": "k_proj.", "v_lin.": "v_proj.", "out_lin.": "o_proj."},
+                  aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
                          kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),

@@ -56,6 +56,7 @@ FEATURES = (
     "a norm after the attention",  # a norm of the heads' output before the output projection
     "QK-norm after the rotary embedding",
     "per-position query scaling",
+    "routed query and output projections",  # experts chosen per token for the query and output projections
     "clipped projections",  # a clamp of the projections' outputs (clip_qkv)
     "multimodal rotary positions",
     "shared key/value layers",  # layers that reuse another layer's keys and values
@@ -148,7 +149,9 @@ def _at_dtype(model, layer, args, kwargs, dtype):
         kwargs["attention_mask"] = torch.zeros(mask.shape, dtype=torch_dtype).masked_fill(
             mask < torch.finfo(mask.dtype).min / 2, torch.finfo(torch_dtype).min)
     for key, value in kwargs.items():
-        if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value):
+        if isinstance(value, transformers.Cache):  # XLM's, filled by the model's call: the layer runs alone
+            kwargs[key] = None
+        elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value):
             kwargs[key] = tuple(v.to(torch_dtype) for v in value)
         elif key != "attention_mask" and isinstance(value, torch.Tensor) and value.is_floating_point():
             kwargs[key] = value.to(torch_dtype)  # ALiBi's tensors (bloom's, Falcon's alibi, MPT's position_bias)
@@ -331,6 +334,10 @@ RECORDS: dict[str, Supported | Refused] = {
                      "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
     "modernbert-decoder": Supported("sliding layers (local_attention // 2 keys), rope parameters per layer type, "
                                     "the output projection Wo", dict(_PLAIN, local_attention=2 * WINDOW), layers=3),
+    "xlm": Supported("its own projection names (q_lin, k_lin, v_lin, out_lin), biases, positions added before it; "
+                     "bidirectional unless causal (compared bidirectional: its causal mask lets padded queries see "
+                     "padding)", _PLAIN),
+    "jetmoe": Refused("routed query and output projections", "a mixture of attention experts (JetMoeMoA)"),
     "openai-gpt": Supported("GPT-2's fused Conv1D c_attn, biases, no rotary", _PLAIN),
     "ctrl": Supported("its own projection names (Wq, Wk, Wv, dense), biases, positions added before it", _PLAIN),
     "gpt_neo": Supported("logits not scaled, local layers (window_size keys, itself included), an output bias",
@@ -362,7 +369,7 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "jetmoe", "gpt_neox_japanese", "xlm", "git", "moshi", "cohere_compass_text")},
+        "gpt_neox_japanese", "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -480,6 +487,13 @@ def test_an_older_modernbert_decoder_config_reads_as_its_config_class_fills_it_i
         layer_type = theirs.layer_types[layer]
         assert options.window == ((theirs.sliding_window - 1, 0) if layer_type == "sliding_attention" else None)
         assert options.rope["rope_parameters"] == theirs.rope_parameters[layer_type], layer
+
+
+def test_xlm_is_causal_where_its_config_says_causal():
+    """XLM's attention is causal when its config sets ``causal`` (its model's triangular mask), else bidirectional."""
+    for causal in (False, True):
+        raw = _config("xlm", dict(_PLAIN, causal=causal)).to_dict()
+        assert families.layer_options(families.read_config(raw), 1).is_causal is causal
 
 
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():

@@ -14,6 +14,7 @@ rotary tables, which it computes in float32, come from its own ``inv_freq`` in f
 from __future__ import annotations
 
 import inspect
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -172,7 +173,9 @@ def _keep_float64(monkeypatch, attention):
                 return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon) * module.weight
 
             monkeypatch.setattr(module, "forward", forward)
-    patch = next((patch for names, patch in _FLOAT32_STEPS.items() if type(attention).__name__ in names), None)
+    kind = type(attention)
+    names = (kind.__name__, f"{kind.__module__.rsplit('.', 1)[-1]}.{kind.__name__}")  # XLM's name is CTRL's too
+    patch = next((patch for keys, patch in _FLOAT32_STEPS.items() if set(names) & set(keys)), None)
     if patch is not None:
         patch(monkeypatch, attention)
 
@@ -291,6 +294,22 @@ def _mpt64(monkeypatch, attention):
     monkeypatch.setattr(attention, "forward", forward)
 
 
+def _xlm64(monkeypatch, attention):
+    """XLM's softmax, of its logits cast to float32, in float64 (its self-attention, that cast left out)."""
+
+    def forward(input, mask, kv=None, cache=None, output_attentions=False, **kwargs):
+        batch, length, _ = input.size()
+        q, k, v = (lin(input).view(batch, -1, attention.n_heads, attention.head_dim).transpose(1, 2)
+                   for lin in (attention.q_lin, attention.k_lin, attention.v_lin))
+        scores = torch.matmul(q / math.sqrt(attention.head_dim), k.transpose(2, 3))
+        masked = (mask == 0).view((batch, 1, length, -1) if mask.dim() == 3 else (batch, 1, 1, -1))
+        scores = scores.masked_fill(masked.expand_as(scores), torch.finfo(scores.dtype).min)
+        weights = torch.nn.functional.softmax(scores, dim=-1)
+        return (attention.out_lin(torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, -1)),)
+
+    monkeypatch.setattr(attention, "forward", forward)
+
+
 # attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
 _FLOAT32_STEPS = {
     ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention", "ModernBertDecoderAttention"): _rotation64,
@@ -301,6 +320,7 @@ _FLOAT32_STEPS = {
     ("FlintAttention",): _flint64,
     ("GraniteSWAAttention",): _granite_swa64,
     ("MptAttention",): _mpt64,
+    ("modeling_xlm.MultiHeadAttention",): _xlm64,
 }
 
 
