@@ -103,6 +103,11 @@ def _standardize_modernbert(config: dict) -> dict:
     return config
 
 
+def _last_layer(config: Mapping[str, Any], layer: int) -> bool:
+    """GPT-NeoX-Japanese's output bias: its last layer's attention alone has one (``dense_bias``)."""
+    return layer == config["num_hidden_layers"] - 1
+
+
 def _scale_none(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return 1.0  # GPT-Neo: logits not scaled
 
@@ -203,7 +208,7 @@ class Family:
     prefix: str = _PREFIX  # layer N's attention in the checkpoint, ``{layer}`` for N
     layout: str = "hf"  # the loaders' layout; "gpt_neox", "gpt2", "falcon": fused weights split here
     qkv_bias: bool | str = "attention_bias"
-    out_bias: bool | str = "attention_bias"
+    out_bias: bool | str | Callable[[Mapping[str, Any], int], bool] = "attention_bias"  # or (config, layer) -> it
     bias_default: bool = False  # a bias key's value where the config leaves it out
     kv_heads: str | Callable[[Mapping[str, Any]], int] | None = "num_key_value_heads"  # None: as many as heads
     reads_head_dim: bool = True  # False: head_dim is hidden_size // heads whatever the config says
@@ -402,6 +407,10 @@ FAMILIES: dict[str, Family] = {
                   reads_head_dim=False, rope=False, causal="causal",
                   renames={"q_lin.": "q_proj.", "k_lin.": "k_proj.", "v_lin.": "v_proj.", "out_lin.": "o_proj."},
                   aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
+    # GPT-NeoX's fused layout without biases; the last layer's output bias a key of its own (dense_bias)
+    "gpt_neox_japanese": Family(prefix="gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox",
+                                qkv_bias=False, out_bias=_last_layer, kv_heads=None, reads_head_dim=False,
+                                fused=("query_key_value", "dense"), renames={"dense_bias": "dense.bias"}),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
                          kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
@@ -535,7 +544,9 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     head_dim = (config.get("head_dim") if family.reads_head_dim else None) or hidden // heads
     if family.check:
         family.check(config, layer)
-    qkv_bias, out_bias = (_flag(config, b, family.bias_default) for b in (family.qkv_bias, family.out_bias))
+    qkv_bias = _flag(config, family.qkv_bias, family.bias_default)
+    out_bias = family.out_bias(config, layer) if callable(family.out_bias) else _flag(
+        config, family.out_bias, family.bias_default)
     scale = family.scale(config, head_dim, layer) if family.scale else 1.0 / math.sqrt(head_dim)
     layer_type = _layer_types(config, family, layers)[layer]
     window = None
@@ -689,9 +700,7 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
         if heads and all(h.isdigit() for h in heads.values()):  # else left for the layout to name
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
-    for old, new in family.renames.items():
-        for key in [k for k in out if k.startswith(prefix + old)]:
-            out[prefix + new + key[len(prefix + old):]] = out.pop(key)
+    out = {prefix + _renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
     if family.head_norm_matrix:
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
@@ -703,15 +712,17 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
     """A fused layer's keys (under ``options.prefix``: GPT-NeoX's, GPT-2's, Falcon's) in this
     package's names. Its fused weight's rows are split by ``_split_fused``; GPT-2's ``Conv1D``
-    weights are ``(in, out)``, the transposes of a ``Linear``'s. Raises one ValueError listing
-    every missing, unexpected or mis-shaped key.
+    weights are ``(in, out)``, the transposes of a ``Linear``'s; keys of other names are read
+    renamed (``renames``: GPT-NeoX-Japanese's ``dense_bias``). Raises one ValueError listing every
+    missing, unexpected or mis-shaped key, in the checkpoint's names.
     """
     prefix, hidden = options.prefix, options.hidden_size
     family = FAMILIES[options.model_type]
     fused, out = family.fused
-    selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    selected = {_renamed(k[len(prefix):], family.renames): v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r}")
+    stored = {new: old for old, new in family.renames.items()}  # messages name the checkpoint's keys
     conv = options.layout == "gpt2"
     rows = (options.num_heads + 2 * options.num_kv_heads) * options.head_dim
     width = options.num_heads * options.head_dim
@@ -725,12 +736,13 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
         expected.pop(f"{fused}.bias")
     if not options.out_bias:
         expected.pop(f"{out}.bias")
-    problems = [f"missing key {prefix + k!r}" for k in expected if k not in selected]
+    problems = [f"missing key {prefix + _renamed(k, stored)!r}" for k in expected if k not in selected]
     problems += [
-        f"{prefix + k!r} has shape {tuple(selected[k].shape)}, expected {shape}"
+        f"{prefix + _renamed(k, stored)!r} has shape {tuple(selected[k].shape)}, expected {shape}"
         for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
     ]
-    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in family.buffers]
+    problems += [f"unexpected key {prefix + _renamed(k, stored)!r}" for k in selected
+                 if k not in expected and k not in family.buffers]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
     weight = selected[f"{fused}.weight"]
@@ -744,6 +756,12 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
     if f"{out}.bias" in selected:
         result["out_proj.bias"] = selected[f"{out}.bias"]
     return result
+
+
+def _renamed(key: str, renames: Mapping[str, str]) -> str:
+    """``key`` with the first start of ``renames`` it has replaced (``dense_bias`` -> ``dense.bias``)."""
+    start = next((old for old in renames if key.startswith(old)), None)
+    return key if start is None else renames[start] + key[len(start):]
 
 
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:

@@ -167,6 +167,15 @@ def _positional(module, given, rest, hidden):
             for name, a in zip(names, rest)]
 
 
+def _attention_output(out):
+    """The attention's output from what its module returns: a tensor, or the first of a tuple (a
+    list: OpenAI GPT's); GPT-NeoX-Japanese's output bias, returned apart for its block to add, added."""
+    if not isinstance(out, (tuple, list)):
+        return out
+    bias = out[2] if len(out) == 3 and isinstance(out[2], torch.Tensor) else None
+    return out[0] if bias is None or bias.shape != out[0].shape[-1:] else out[0] + bias
+
+
 def _theirs(model, options, layer, call, dtype, monkeypatch):
     """transformers' attention of ``layer`` on the arguments its model gave it (``call``):
     inputs, output, gradients by our names, the layer's checkpoint."""
@@ -183,8 +192,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
         if options.ignore:  # BERT's block: its self-attention and output projection, not the residual and norm
             out = module.output.dense(module.self(hidden, *rest, **kwargs)[0])
         else:
-            out = module(hidden, *rest, **kwargs)
-            out = out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT's: a list
+            out = _attention_output(module(hidden, *rest, **kwargs))
     finally:
         torch.set_default_dtype(default)
     d_out = np.random.default_rng(1).normal(size=out.shape)
@@ -334,6 +342,8 @@ RECORDS: dict[str, Supported | Refused] = {
                      "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
     "modernbert-decoder": Supported("sliding layers (local_attention // 2 keys), rope parameters per layer type, "
                                     "the output projection Wo", dict(_PLAIN, local_attention=2 * WINDOW), layers=3),
+    "gpt_neox_japanese": Supported("GPT-NeoX's fused query_key_value without biases, the last layer's output bias "
+                                   "(dense_bias, added by its block)", _PLAIN),
     "xlm": Supported("its own projection names (q_lin, k_lin, v_lin, out_lin), biases, positions added before it; "
                      "bidirectional unless causal (compared bidirectional: its causal mask lets padded queries see "
                      "padding)", _PLAIN),
@@ -369,7 +379,7 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "gpt_neox_japanese", "git", "moshi", "cohere_compass_text")},
+        "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
