@@ -403,7 +403,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 55, len(supported)
+    assert len(supported) >= 86, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -504,6 +504,18 @@ def test_xlm_is_causal_where_its_config_says_causal():
     for causal in (False, True):
         raw = _config("xlm", dict(_PLAIN, causal=causal)).to_dict()
         assert families.layer_options(families.read_config(raw), 1).is_causal is causal
+
+
+def test_a_fused_layer_names_its_missing_keys_as_its_checkpoint_names_them():
+    """GPT-NeoX-Japanese's last layer without its output bias: the error names ``dense_bias``, the
+    key its checkpoint holds, not the name it is read under."""
+    raw = _config("gpt_neox_japanese", _PLAIN).to_dict()
+    prefix = families.layer_options(raw, 1).prefix
+    state = {prefix + "query_key_value.weight": torch.zeros(3 * HIDDEN, HIDDEN),
+             prefix + "dense.weight": torch.zeros(HIDDEN, HIDDEN)}
+    for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
+        with pytest.raises(ValueError, match=rf"missing key '{prefix}dense_bias'"):
+            from_hf(raw, {k: v.numpy() for k, v in state.items()}, layer=1)
 
 
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
