@@ -13,6 +13,7 @@ rotary tables, which it computes in float32, come from its own ``inv_freq`` in f
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -242,32 +243,24 @@ def _gpt_neo64(monkeypatch, attention):
     monkeypatch.setattr(attention, "_attn", attn64)
 
 
-def _flint64(monkeypatch, attention):
-    """Flint's logits, cast to float32 whatever the input, in float64; its sink an extra logit."""
+def _sinks64(monkeypatch, attention, as_scale: bool):
+    """An eager attention with sinks whose steps run in float32 whatever the input, in float64:
+    Flint's (its logits cast to float32; the sink an extra softmax logit) or, ``as_scale``, Granite
+    SWA's (the sink a scale ``sigmoid(logsumexp(logits) - sink)`` of the output, cast to float32)."""
     modeling = __import__(type(attention).__module__, fromlist=["_"])
 
     def eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
-        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-        weights = weights if attention_mask is None else weights + attention_mask
-        sinks = module.sinks.reshape(1, -1, 1, 1).expand(*weights.shape[:-1], 1).to(weights.dtype)
-        weights = torch.nn.functional.softmax(torch.cat([weights, sinks], dim=-1), dim=-1)[..., :-1]
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-    monkeypatch.setattr(modeling, "eager_attention_forward", eager64)
-
-
-def _granite_swa64(monkeypatch, attention):
-    """Granite SWA's sink scale ``sigmoid(logsumexp(logits) - sink)``, cast to float32, in float64."""
-    modeling = __import__(type(attention).__module__, fromlist=["_"])
-
-    def eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
-        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-        weights = weights if attention_mask is None else weights + attention_mask
-        sink_scale = (torch.logsumexp(weights, dim=-1) - module.sinks.view(1, -1, 1)).sigmoid()
-        weights = torch.nn.functional.softmax(weights, dim=-1)
-        out = torch.matmul(weights, value) * sink_scale.unsqueeze(-1)
+        logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+        logits = logits if attention_mask is None else logits + attention_mask
+        sinks = module.sinks.view(1, -1, 1).to(logits.dtype)
+        if as_scale:
+            weights = torch.nn.functional.softmax(logits, dim=-1)
+            out = torch.matmul(weights, value) * (torch.logsumexp(logits, dim=-1) - sinks).sigmoid().unsqueeze(-1)
+        else:
+            sinks = sinks[..., None].expand(*logits.shape[:-1], 1)
+            weights = torch.nn.functional.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+            out = torch.matmul(weights, value)
         return out.transpose(1, 2).contiguous(), weights
 
     monkeypatch.setattr(modeling, "eager_attention_forward", eager64)
@@ -317,8 +310,8 @@ _FLOAT32_STEPS = {
     ("GPTJAttention",): _gptj64,
     ("CodeGenAttention",): _codegen64,
     ("GPTNeoSelfAttention",): _gpt_neo64,
-    ("FlintAttention",): _flint64,
-    ("GraniteSWAAttention",): _granite_swa64,
+    ("FlintAttention",): functools.partial(_sinks64, as_scale=False),
+    ("GraniteSWAAttention",): functools.partial(_sinks64, as_scale=True),
     ("MptAttention",): _mpt64,
     ("modeling_xlm.MultiHeadAttention",): _xlm64,
 }
