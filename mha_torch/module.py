@@ -188,6 +188,9 @@ class MultiHeadAttention(nn.Module):
         to the compute dtype by the attention), or None."""
         if self.alibi_slopes is None:
             return None
+        if self._local_heads()[0] != self.num_heads:
+            raise ValueError("alibi_slopes reaches all num_heads heads: it is not taken with projections sharded "
+                             "over ranks (tensor parallelism)")
         return torch.tensor(self.alibi_slopes, dtype=torch.float64, device=self.q_proj.weight.device)
 
     def _logit_terms(self) -> dict:
