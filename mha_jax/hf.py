@@ -50,6 +50,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
         local_window_size=options.window, param_dtype=param_dtype, implementation=implementation,
         rngs=nnx.Rngs(0) if rngs is None else rngs, attention_chunk_size=options.attention_chunk_size,
+        alibi_slopes=options.alibi_slopes,
     )
     if weights is not None:
         state = families.read_layer(weights, options.prefix, read_state, _read_file)

@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mha_spec import alibi
 from mha_spec.qk_norm import QKNorm
 
 _PREFIX = "model.layers.{layer}.self_attn."
+_CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
 
 
 def _layer_types_full(config: Mapping[str, Any], layers: int) -> list[str]:
@@ -66,6 +69,59 @@ def _layer_types_smollm3(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if sliding and not rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
+def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
+    """GPTNeoConfig's ``attention_layers``, expanded from ``attention_types`` (``[[kinds, repeats], ...]``)
+    when absent: its ``"local"`` layers slide."""
+    kinds = config.get("attention_layers") or [
+        kind for pattern, repeats in config.get("attention_types", [[["global", "local"], 12]])
+        for _ in range(repeats) for kind in pattern]
+    return ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
+
+
+def _layer_types_modernbert(config: Mapping[str, Any], layers: int) -> list[str]:
+    """ModernBertDecoderConfig's rule: every ``global_attn_every_n_layers``-th layer full, from layer 0."""
+    every = config.get("global_attn_every_n_layers", 3)
+    return ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+
+
+def _standardize_modernbert(config: dict) -> dict:
+    """What ModernBertDecoderConfig derives where a config.json leaves it out: the window
+    ``local_attention // 2`` (none for 0 or None), and rope parameters per layer type, at
+    ``global_rope_theta`` and ``local_rope_theta`` (160000, 10000), its ``rope_scaling`` in both."""
+    if "sliding_window" not in config:
+        local = config.get("local_attention", 128)
+        config["sliding_window"] = local // 2 if local else None
+    if isinstance(config["sliding_window"], int) and config["sliding_window"] < 1:  # its -1: no window
+        config["sliding_window"] = None
+    parameters = config.get("rope_parameters")
+    if not (isinstance(parameters, Mapping) and isinstance(parameters.get("full_attention"), Mapping)):
+        scaling = dict(config.pop("rope_scaling", None) or {})
+        config["rope_parameters"] = {
+            kind: {"rope_type": "default", **scaling, "rope_theta": config.get(key, theta)}
+            for kind, key, theta in (("full_attention", "global_rope_theta", 160000.0),
+                                     ("sliding_attention", "local_rope_theta", 10000.0))}
+    return config
+
+
+def _last_layer(config: Mapping[str, Any], layer: int) -> bool:
+    """GPT-NeoX-Japanese's output bias: its last layer's attention alone has one (``dense_bias``)."""
+    return layer == config["num_hidden_layers"] - 1
+
+
+def _scale_none(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    return 1.0  # GPT-Neo: logits not scaled
+
+
+def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
+    """FlintConfig's rule: full attention on layers 0 and 1, every 4th from 1 and the last; sliding elsewhere."""
+    return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
+
+
+def _layer_types_granite_swa(config: Mapping[str, Any], layers: int) -> list[str]:
+    """GraniteSWAConfig's rule: every 4th layer full, from layer 0; sliding elsewhere."""
+    return ["sliding_attention" if i % 4 else "full_attention" for i in range(layers)]
+
+
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
 
@@ -79,11 +135,49 @@ def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> floa
     return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
 
 
+def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
+    """GPT-BigCode's key heads: one with ``multi_query`` (its default), else one per head."""
+    return 1 if config.get("multi_query", True) else None
+
+
 def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
     """Falcon's key heads: ``num_kv_heads`` in its newer layout, else one (``multi_query``) or one per head."""
     if config.get("new_decoder_architecture"):
         return config.get("num_kv_heads")
     return 1 if config.get("multi_query", True) else None
+
+
+def _scale_mpt(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    scale = config.get("softmax_scale")  # MptAttention: attn_config's softmax_scale, else 1 / sqrt(head_dim)
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _alibi_bloom(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...]:
+    """Bloom's slopes: its logits ``q.k / sqrt(head_dim) + slope * k_pos``."""
+    return alibi.bloom_slopes(heads)
+
+
+def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
+    """MPT's slopes (``alibi_bias_max``), added to the scaled logits; None when ``alibi`` is off."""
+    if not config.get("alibi", True):
+        return None
+    return alibi.mpt_slopes(heads, config.get("alibi_bias_max", 8))
+
+
+def _alibi_falcon(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
+    """Falcon's ALiBi (``alibi``; None without): bloom's slopes rounded to bfloat16 as its
+    ``build_alibi_tensor`` rounds them, added to the logits before their scale ``1 / sqrt(head_dim)``
+    (``(q.k + slope * k_pos) * inv_norm_factor``): the scaled slopes here."""
+    if not config.get("alibi"):
+        return None
+    return tuple(_bfloat16(slope) / math.sqrt(head_dim) for slope in alibi.bloom_slopes(heads))
+
+
+def _bfloat16(x: float) -> float:
+    """``x`` rounded to bfloat16 (the nearest, ties to even), as torch's ``.bfloat16()`` rounds a float32."""
+    bits = int(struct.unpack("<I", struct.pack("<f", x))[0])
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 def _check_bert(config: Mapping[str, Any], layer: int) -> None:
@@ -114,22 +208,28 @@ class Family:
     prefix: str = _PREFIX  # layer N's attention in the checkpoint, ``{layer}`` for N
     layout: str = "hf"  # the loaders' layout; "gpt_neox", "gpt2", "falcon": fused weights split here
     qkv_bias: bool | str = "attention_bias"
-    out_bias: bool | str = "attention_bias"
+    out_bias: bool | str | Callable[[Mapping[str, Any], int], bool] = "attention_bias"  # or (config, layer) -> it
     bias_default: bool = False  # a bias key's value where the config leaves it out
     kv_heads: str | Callable[[Mapping[str, Any]], int] | None = "num_key_value_heads"  # None: as many as heads
     reads_head_dim: bool = True  # False: head_dim is hidden_size // heads whatever the config says
     scale: Callable[[Mapping[str, Any], int, int], float] | None = None  # (config, head_dim, layer)
     soft_cap: str | None = None  # the key of the logits' soft-cap
     sinks: bool = False
+    alibi: Callable[[Mapping[str, Any], int, int], tuple[float, ...] | None] | None = None  # (config, heads,
+    # head_dim) -> each head's ALiBi slope as ``alibi_slopes`` takes it (added to the scaled logits); None: none
     qk_norm: QKNorm | None = None  # with its default eps
     qk_norm_flag: str | None = None  # the key that switches ``qk_norm`` on; None: always on
     qk_norm_eps: str = "rms_norm_eps"
     layer_types: Callable[[Mapping[str, Any], int], list[str]] = _layer_types_full  # where no layer_types
     window_flag: str | None = None  # a key that must be set for sliding layers to slide
+    window_key: str = "sliding_window"  # the key of the sliding layers' window (keys a query sees, itself included)
     rope: bool = True
+    rope_interleaved: bool = False  # rotates pairs (2i, 2i + 1), not the halves (i, i + rotary_dim / 2)
     rope_default: tuple[tuple[str, ...], str, Any] | None = None  # (keys, any of which gives it; key set; value)
     no_rope_layers: bool = False  # reads ``no_rope_layers`` (default: every ``no_rope_layer_interval``-th)
     rope_sliding_only: bool = False  # with a ``sliding_window``, only the sliding layers rotate
+    rope_windowed_only: bool = False  # only the layers with a window rotate (none without a ``sliding_window``)
+    layer_rope_theta: str | None = None  # the key of each layer's rotary base (0: the layer does not rotate)
     defaults: Mapping[str, Any] = field(default_factory=dict)  # the config class's, where config.json is silent
     reads: tuple[str, ...] = ()  # keys of ``_REFUSED`` that it computes
     refuses: tuple[tuple[str, str], ...] = ()
@@ -142,6 +242,8 @@ class Family:
     head_norm_matrix: bool = False  # a per-head norm saved as a (heads, head_dim) matrix
     renames: Mapping[str, str] = field(default_factory=dict)  # a key's start under the prefix -> the layout's
     aliases: Mapping[str, str] = field(default_factory=dict)  # our size names -> the config's (XGLM's)
+    nested: str | None = None  # a sub-config whose keys are read as the config's own (MPT's attn_config)
+    standardize: Callable[[dict], dict] | None = None  # fills in keys its config class derives (a copy)
 
 
 _LLAMA = Family()
@@ -164,7 +266,8 @@ def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
 # Llama4TextConfig's and SmolLM3Config's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 _SMOLLM3 = dict(no_rope_layer_interval=4)
-_ALIBI = "ALiBi"
+_CLIPPED = "clipped projections"  # a clamp of the projections' outputs (clip_qkv)
+_HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
 
 # model_type -> its record
 FAMILIES: dict[str, Family] = {
@@ -177,7 +280,8 @@ FAMILIES: dict[str, Family] = {
                           qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), layer_types=_layer_types_pattern(6)),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
     "olmo2": Family(qk_norm=QKNorm("rms", False, 1e-6)),
-    "llama4_text": Family(layer_types=_layer_types_chunked, no_rope_layers=True, defaults=_LLAMA4,
+    "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
+                          defaults=_LLAMA4,
                           reads=("attention_chunk_size",), check=_check_llama4),
     "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_sliding_if_set),
     # its QK-norm a LayerNorm per head, each head's weight its own key (joined by ``layer_keys``)
@@ -186,10 +290,12 @@ FAMILIES: dict[str, Family] = {
                        qk_norm_eps="layer_norm_eps", rope_default=(("partial_rotary_factor", "rotary_pct"),
                                                                    "partial_rotary_factor", 0.25),
                        per_head_norms={"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}),
-    "cohere": Family(qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True), qk_norm_flag="use_qk_norm",
+    "cohere": Family(rope_interleaved=True, qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True),
+                     qk_norm_flag="use_qk_norm",
                      qk_norm_eps="layer_norm_eps", rope_default=(("rope_theta",), "rope_theta", 500000.0),
                      reads=("use_qk_norm",), head_norm_matrix=True),
     "gptj": Family(prefix="transformer.h.{layer}.attn.", layout="mha_torch", qkv_bias=False, out_bias=False,
+                   rope_interleaved=True,
                    kv_heads=None, reads_head_dim=False, rope_default=(("rotary_dim",), "rotary_dim", 64),
                    buffers=("bias", "masked_bias")),
     # heads interleaved in one fused weight, read by ``layer_state``; a quarter of each head rotates
@@ -223,30 +329,30 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
     "gemma": Family(),
     "vaultgemma": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
-    "olmo": Family(refuses=(("clip_qkv", "clipped projections"),)),
+    "olmo": Family(refuses=(("clip_qkv", _CLIPPED),)),
     "olmo3": Family(qk_norm=QKNorm("rms", False, 1e-6), layer_types=_layer_types_every(4)),
-    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", "clipped projections"),)),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", _CLIPPED),)),
     "flex_olmo": Family(qk_norm=QKNorm("rms", False, 1e-6)),
     "phimoe": Family(qkv_bias="attention_bias", out_bias="attention_bias", layer_types=_layer_types_sliding_if_set),
     "granite": Family(scale=_scale_granite),
     "granitemoe": Family(scale=_scale_granite),
     "granitemoeshared": Family(scale=_scale_granite),
     "hyperclovax": Family(scale=_scale_granite),
-    "helium": Family(out_bias=False),
-    "glm": Family(out_bias=False, rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
-    "glm4": Family(out_bias=False, rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
+    "helium": Family(rope_interleaved=True, out_bias=False),
+    "glm": Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY),
+    "glm4": Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY),
     "seed_oss": Family(out_bias="attention_out_bias"),
     "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
                       defaults=_SMOLLM3),
     "arcee": Family(),
     "apertus": Family(qk_norm=QKNorm("rms", True, 1e-6)),
-    "ernie4_5": Family(qkv_bias="use_bias", out_bias="use_bias"),
+    "ernie4_5": Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias"),
     "exaone4": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
                       layer_types=_layer_types_pattern(4), rope_sliding_only=True),
-    "cohere2": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+    "cohere2": Family(rope_interleaved=True, layer_types=_layer_types_pattern(4), rope_sliding_only=True,
                       rope_default=(("rope_theta",), "rope_theta", 10000.0)),
-    "ernie4_5_moe": Family(qkv_bias="use_bias", out_bias="use_bias"),
-    "cohere2_moe": Family(layer_types=_layer_types_pattern(4), rope_sliding_only=True,
+    "ernie4_5_moe": Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias"),
+    "cohere2_moe": Family(rope_interleaved=True, layer_types=_layer_types_pattern(4), rope_sliding_only=True,
                           rope_default=(("rope_theta",), "rope_theta", 10000.0)),
     "internlm3": Family(),
     "iquestcoder": Family(),
@@ -273,8 +379,60 @@ FAMILIES: dict[str, Family] = {
     "hy_v3": Family(qk_norm=QKNorm("rms", True, 1e-6)),
     "falcon": Family(prefix="transformer.h.{layer}.self_attention.", layout="falcon", qkv_bias="bias",
                      out_bias="bias", kv_heads=_falcon_kv_heads, reads_head_dim=False,
-                     fused=("query_key_value", "dense"), defaults=dict(multi_query=True),
-                     refuses=(("alibi", _ALIBI),)),
+                     fused=("query_key_value", "dense"), defaults=dict(multi_query=True), alibi=_alibi_falcon),
+    # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
+    "flint": Family(sinks=True, qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_flint,
+                    rope_windowed_only=True),
+    # sinks (as a scale of the output: sigmoid(logsumexp - sink)), Granite's scale, each layer's rotary base
+    "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_granite_swa,
+                          layer_rope_theta="layer_rope_theta"),
+    # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
+    "bloom": Family(prefix="transformer.h.{layer}.self_attention.", layout="gpt_neox", qkv_bias=True, out_bias=True,
+                    kv_heads=None, reads_head_dim=False, rope=False, alibi=_alibi_bloom,
+                    fused=("query_key_value", "dense")),
+    # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
+    "mpt": Family(prefix="transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
+                  kv_heads=None, reads_head_dim=False, scale=_scale_mpt, rope=False, alibi=_alibi_mpt,
+                  nested="attn_config", renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
+                  refuses=(("clip_qkv", _CLIPPED), ("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
+                           ("attn_uses_sequence_id", "a mask from the content")),
+                  aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
+                               max_position_embeddings="max_seq_len")),
+    # sliding layers (local_attention // 2 keys), rope parameters per layer type, the output projection Wo
+    "modernbert-decoder": Family(prefix="model.layers.{layer}.attn.", reads_head_dim=False, kv_heads=None,
+                                 layer_types=_layer_types_modernbert, standardize=_standardize_modernbert,
+                                 renames={"Wo.": "o_proj."}),
+    # its own projection names, biases, positions added before it; causal when ``causal`` is set
+    "xlm": Family(prefix="transformer.attentions.{layer}.", qkv_bias=True, out_bias=True, kv_heads=None,
+                  reads_head_dim=False, rope=False, causal="causal",
+                  renames={"q_lin.": "q_proj.", "k_lin.": "k_proj.", "v_lin.": "v_proj.", "out_lin.": "o_proj."},
+                  aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
+    # GPT-NeoX's fused layout without biases; the last layer's output bias a key of its own (dense_bias)
+    "gpt_neox_japanese": Family(prefix="gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox",
+                                qkv_bias=False, out_bias=_last_layer, kv_heads=None, reads_head_dim=False,
+                                fused=("query_key_value", "dense"), renames={"dense_bias": "dense.bias"}),
+    # GPT-2's layout and scale under its own prefix
+    "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
+                         kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
+                         fused=("c_attn", "c_proj")),
+    # separate projections of its own names, positions added before it
+    "ctrl": Family(prefix="transformer.h.{layer}.multi_head_attention.", qkv_bias=True, out_bias=True, kv_heads=None,
+                   reads_head_dim=False, rope=False,
+                   renames={"Wq.": "q_proj.", "Wk.": "k_proj.", "Wv.": "v_proj.", "dense.": "o_proj."}),
+    # logits not scaled; its "local" layers see window_size keys, themselves included
+    "gpt_neo": Family(prefix="transformer.h.{layer}.attn.attention.", layout="mha_torch", qkv_bias=False,
+                      out_bias=True, kv_heads=None, reads_head_dim=False, scale=_scale_none, rope=False,
+                      layer_types=_layer_types_gpt_neo, window_key="window_size", buffers=("bias", "masked_bias"),
+                      aliases=dict(num_attention_heads="num_heads", num_hidden_layers="num_layers")),
+    # one fused c_attn (a Linear): [q; k; v] with one key head (multi_query), else each head's q, k, v together
+    "gpt_bigcode": Family(prefix="transformer.h.{layer}.attn.", layout="gpt_bigcode", qkv_bias=True, out_bias=True,
+                          kv_heads=_multi_query_kv_heads, reads_head_dim=False, scale=_scale_gpt2, rope=False,
+                          buffers=("bias", "masked_bias"), fused=("c_attn", "c_proj")),
+    # GPT-J's rotary (rotary_dim, pairs) and a fused qkv_proj in 4 blocks of (q, v, k), read by ``layer_state``
+    "codegen": Family(prefix="transformer.h.{layer}.attn.", layout="codegen", qkv_bias=False, out_bias=False,
+                      kv_heads=None, reads_head_dim=False, rope_interleaved=True,
+                      rope_default=(("rotary_dim",), "rotary_dim", 64), buffers=("bias", "masked_bias"),
+                      fused=("qkv_proj", "out_proj")),
 }
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
@@ -311,10 +469,12 @@ class LayerOptions:
     is_causal: bool = True  # a decoder's mask; BERT's encoder sees every key
     ignore: tuple[str, ...] = ()  # keys under ``prefix`` that are not the attention's (BERT's LayerNorm)
     attention_chunk_size: int | None = None  # Llama 4's chunked layers: chunks of positions
+    alibi_slopes: tuple[float, ...] | None = None  # ALiBi, one slope per head (``mha_spec.alibi``)
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
-    """A ``config.json`` as a dict (a path is read); a multimodal config's ``text_config``."""
+    """A ``config.json`` as a dict (a path is read); a multimodal config's ``text_config``; the
+    sizes under our names where the config names them its own way (``_ALIASES``, a family's ``aliases``)."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if not os.path.exists(path):
@@ -329,6 +489,10 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     for name, alias in _ALIASES.items():
         if name not in config and alias in config:
             config[name] = config[alias]
+    family = FAMILIES.get(config.get("model_type"))
+    for name, alias in (family.aliases if family else {}).items():  # a family's own names (GPT-Neo's, MPT's)
+        if name not in config and alias in config:
+            config[name] = config[alias]
     return config
 
 
@@ -341,11 +505,14 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
             f"config's model_type {model_type!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
         )
     family = FAMILIES[model_type]
-    config = {**family.defaults, **config}
+    nested = config.get(family.nested) if family.nested else None
+    config = {**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}
     config.update({name: config[alias] for name, alias in family.aliases.items()
                    if name not in config and alias in config})
     if family.no_rope_layers:
         config = _with_no_rope_layers(config)
+    if family.standardize:
+        config = family.standardize(config)
     refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key) and key not in family.reads]
     rope_parameters = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
     refused += [f"{key} ({what})" for key, what in family.refuses if config.get(key) or rope_parameters.get(key)]
@@ -377,18 +544,27 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     head_dim = (config.get("head_dim") if family.reads_head_dim else None) or hidden // heads
     if family.check:
         family.check(config, layer)
-    qkv_bias, out_bias = (_flag(config, b, family.bias_default) for b in (family.qkv_bias, family.out_bias))
+    qkv_bias = _flag(config, family.qkv_bias, family.bias_default)
+    out_bias = family.out_bias(config, layer) if callable(family.out_bias) else _flag(
+        config, family.out_bias, family.bias_default)
     scale = family.scale(config, head_dim, layer) if family.scale else 1.0 / math.sqrt(head_dim)
     layer_type = _layer_types(config, family, layers)[layer]
     window = None
-    if (layer_type == "sliding_attention" and config.get("sliding_window")
+    if (layer_type == "sliding_attention" and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
-        window = (int(config["sliding_window"]) - 1, 0)
+        window = (int(config[family.window_key]) - 1, 0)
     rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
     if family.no_rope_layers and not config["no_rope_layers"][layer]:
         rope = None
     if family.rope_sliding_only and config.get("sliding_window") is not None and layer_type != "sliding_attention":
+        rope = None
+    if family.rope_windowed_only and window is None:
+        rope = None
+    if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
+        rope = _with_theta(rope, config[family.layer_rope_theta][layer])
+    slopes = family.alibi(config, heads, head_dim) if family.alibi else None
+    if slopes is not None:  # positions as ALiBi's distances, not rotary (Falcon's alibi layers)
         rope = None
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
@@ -396,8 +572,17 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
         config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
-        ignore=family.ignore, attention_chunk_size=chunk,
+        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
     )
+
+
+def _with_theta(rope: dict, theta: float) -> dict | None:
+    """The layer's rotary config at its own base ``theta`` (Granite SWA's ``layer_rope_theta``); None for 0."""
+    if not theta:
+        return None
+    parameters = rope.get("rope_parameters")
+    parameters = dict(parameters) if isinstance(parameters, Mapping) else {}
+    return dict(rope, rope_theta=theta, rope_parameters=dict(parameters, rope_theta=theta))
 
 
 def _flag(config: Mapping[str, Any], value: bool | str, default: bool) -> bool:
@@ -515,9 +700,7 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
         if heads and all(h.isdigit() for h in heads.values()):  # else left for the layout to name
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
-    for old, new in family.renames.items():
-        for key in [k for k in out if k.startswith(prefix + old)]:
-            out[prefix + new + key[len(prefix + old):]] = out.pop(key)
+    out = {prefix + _renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
     if family.head_norm_matrix:
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
@@ -529,15 +712,17 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
     """A fused layer's keys (under ``options.prefix``: GPT-NeoX's, GPT-2's, Falcon's) in this
     package's names. Its fused weight's rows are split by ``_split_fused``; GPT-2's ``Conv1D``
-    weights are ``(in, out)``, the transposes of a ``Linear``'s. Raises one ValueError listing
-    every missing, unexpected or mis-shaped key.
+    weights are ``(in, out)``, the transposes of a ``Linear``'s; keys of other names are read
+    renamed (``renames``: GPT-NeoX-Japanese's ``dense_bias``). Raises one ValueError listing every
+    missing, unexpected or mis-shaped key, in the checkpoint's names.
     """
     prefix, hidden = options.prefix, options.hidden_size
     family = FAMILIES[options.model_type]
     fused, out = family.fused
-    selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    selected = {_renamed(k[len(prefix):], family.renames): v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r}")
+    stored = {new: old for old, new in family.renames.items()}  # messages name the checkpoint's keys
     conv = options.layout == "gpt2"
     rows = (options.num_heads + 2 * options.num_kv_heads) * options.head_dim
     width = options.num_heads * options.head_dim
@@ -551,12 +736,13 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
         expected.pop(f"{fused}.bias")
     if not options.out_bias:
         expected.pop(f"{out}.bias")
-    problems = [f"missing key {prefix + k!r}" for k in expected if k not in selected]
+    problems = [f"missing key {prefix + _renamed(k, stored)!r}" for k in expected if k not in selected]
     problems += [
-        f"{prefix + k!r} has shape {tuple(selected[k].shape)}, expected {shape}"
+        f"{prefix + _renamed(k, stored)!r} has shape {tuple(selected[k].shape)}, expected {shape}"
         for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
     ]
-    problems += [f"unexpected key {prefix + k!r}" for k in selected if k not in expected and k not in family.buffers]
+    problems += [f"unexpected key {prefix + _renamed(k, stored)!r}" for k in selected
+                 if k not in expected and k not in family.buffers]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
     weight = selected[f"{fused}.weight"]
@@ -572,16 +758,30 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
     return result
 
 
+def _renamed(key: str, renames: Mapping[str, str]) -> str:
+    """``key`` with the first start of ``renames`` it has replaced (``dense_bias`` -> ``dense.bias``)."""
+    start = next((old for old in renames if key.startswith(old)), None)
+    return key if start is None else renames[start] + key[len(start):]
+
+
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
     """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``:
     GPT-NeoX's and Falcon's rows are ``(kv_heads, group + 2, head_dim)``, each key head's
-    ``group`` query heads, then its key and value (GPT-NeoX and Falcon's older layers: group 1;
-    Falcon's multi-query layers: one key head); GPT-2's are ``[q; k; v]``."""
+    ``group`` query heads, then its key and value (GPT-NeoX, GPT-BigCode's multi-head layers and
+    Falcon's older layers: group 1; Falcon's multi-query layers: one key head); GPT-2's and
+    GPT-BigCode's multi-query ones are ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``,
+    4 blocks of heads (its ``mp_num``), each its queries, values, then keys."""
     heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
     rest = tuple(fused.shape[1:])
-    if options.layout == "gpt2":
+    if options.layout == "gpt2" or (options.layout == "gpt_bigcode" and kv_heads == 1):
         q, kv = heads * head_dim, kv_heads * head_dim
         return [fused[:q], fused[q:q + kv], fused[q + kv:q + 2 * kv]]
+    if options.layout == "codegen":
+        if heads % _CODEGEN_BLOCKS:
+            raise ValueError(f"codegen's fused qkv_proj holds {_CODEGEN_BLOCKS} blocks of heads: num_attention_heads "
+                             f"must be a multiple of {_CODEGEN_BLOCKS}, got {heads}")
+        blocks = fused.reshape((_CODEGEN_BLOCKS, 3, heads * head_dim // _CODEGEN_BLOCKS) + rest)
+        return [blocks[:, part].reshape((heads * head_dim,) + rest) for part in (0, 2, 1)]
     group = heads // kv_heads
     rows = fused.reshape((kv_heads, group + 2, head_dim) + rest)
     return [rows[:, :group].reshape((heads * head_dim,) + rest),

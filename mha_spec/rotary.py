@@ -333,10 +333,16 @@ _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pc
 # Rotary fractions that models' config classes set when config.json leaves them out.
 # GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
 _DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
-# Models that rotate pairs (2i, 2i + 1): GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``,
-# GLM's, Helium's and ERNIE 4.5's tables repeated in place.
-_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4_text", "cohere", "cohere2", "cohere2_moe", "glm", "glm4", "helium",
-                       "ernie4_5", "ernie4_5_moe")
+
+
+def _interleaved(model_type: Any) -> bool:
+    """Whether the family rotates pairs ``(2i, 2i + 1)``: its record's ``rope_interleaved`` in
+    ``mha_spec.families`` (GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``,
+    GLM's, Helium's and ERNIE 4.5's tables repeated in place)."""
+    from mha_spec.families import FAMILIES  # the records; imported when a config is read, not with the array code
+
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    return bool(family and family.rope_interleaved)
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
@@ -351,7 +357,7 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
       ``partial_rotary_factor``, ``rotary_pct`` (GPT-NeoX), the model's default or 1;
     - max_position_embeddings (GPT-J: ``n_positions``); for llama3, yarn and longrope
       ``original_max_position_embeddings``: a top-level one (Phi-3), the rope parameters', else that;
-    - interleaved for the ``_INTERLEAVED_MODELS``, which rotate pairs ``(2i, 2i + 1)``."""
+    - interleaved for the families whose record says so (``_interleaved``): pairs ``(2i, 2i + 1)``."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
     if not any(key in config for key in _ROPE_CONFIG_KEYS):
@@ -379,7 +385,7 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
         "head_dim": head_dim,
         "rotary_dim": rotary_dim,
         "theta": theta,
-        "interleaved": model_type in _INTERLEAVED_MODELS,
+        "interleaved": _interleaved(model_type),
         "scaling": _config_scaling(params, config, max_pos),
         "max_position_embeddings": max_pos,
     }

@@ -45,7 +45,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         use_sinks=options.use_sinks,
         rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
         local_window_size=options.window, implementation=implementation, dtype=dtype, device=device,
-        attention_chunk_size=options.attention_chunk_size,
+        attention_chunk_size=options.attention_chunk_size, alibi_slopes=options.alibi_slopes,
     )
     if weights is not None:
         state = families.read_layer(weights, options.prefix, read_state, _read_file)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pathlib
 from dataclasses import dataclass, field
 
@@ -55,8 +56,9 @@ FEATURES = (
     "a norm after the attention",  # a norm of the heads' output before the output projection
     "QK-norm after the rotary embedding",
     "per-position query scaling",
+    "routed query and output projections",  # experts chosen per token for the query and output projections
+    "clipped projections",  # a clamp of the projections' outputs (clip_qkv)
     "multimodal rotary positions",
-    "sinks not yet proven in this family",  # its own sink arithmetic, in float32 (Granite SWA) or not yet compared
     "shared key/value layers",  # layers that reuse another layer's keys and values
     "a checkpoint layout not yet written",
     "cross-attention",  # layers that attend to another model's states
@@ -143,13 +145,35 @@ def _at_dtype(model, layer, args, kwargs, dtype):
         layer_types = getattr(model.config, "layer_types", None)
         kwargs["position_embeddings"] = _rotary64(model, tables[0], layer_types[layer] if layer_types else None)
     mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dtype.is_floating_point:
+    if mask is not None and mask.dtype.is_floating_point:  # Falcon's with ALiBi also holds it: left out
         kwargs["attention_mask"] = torch.zeros(mask.shape, dtype=torch_dtype).masked_fill(
-            mask != 0, torch.finfo(torch_dtype).min)
+            mask < torch.finfo(mask.dtype).min / 2, torch.finfo(torch_dtype).min)
     for key, value in kwargs.items():
-        if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value):
+        if isinstance(value, transformers.Cache):  # XLM's, filled by the model's call: the layer runs alone
+            kwargs[key] = None
+        elif isinstance(value, tuple) and all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value):
             kwargs[key] = tuple(v.to(torch_dtype) for v in value)
+        elif key != "attention_mask" and isinstance(value, torch.Tensor) and value.is_floating_point():
+            kwargs[key] = value.to(torch_dtype)  # ALiBi's tensors (bloom's, Falcon's alibi, MPT's position_bias)
     return args[1:], kwargs
+
+
+def _positional(module, given, rest, hidden):
+    """The layer's positional arguments after its input, for the input ``hidden``: where the model
+    gave its input again (``given``: CTRL's ``forward(v, k, q)``), ``hidden``; Bloom's ``residual``
+    (added inside its attention) zero, for the attention alone."""
+    names = list(inspect.signature(module.forward).parameters)[1:]
+    return [torch.zeros_like(hidden) if name == "residual" else hidden if a is given else a
+            for name, a in zip(names, rest)]
+
+
+def _attention_output(out):
+    """The attention's output from what its module returns: a tensor, or the first of a tuple (a
+    list: OpenAI GPT's); GPT-NeoX-Japanese's output bias, returned apart for its block to add, added."""
+    if not isinstance(out, (tuple, list)):
+        return out
+    bias = out[2] if len(out) == 3 and isinstance(out[2], torch.Tensor) else None
+    return out[0] if bias is None or bias.shape != out[0].shape[-1:] else out[0] + bias
 
 
 def _theirs(model, options, layer, call, dtype, monkeypatch):
@@ -161,14 +185,14 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
         _keep_float64(monkeypatch, module)
     x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
+    rest = _positional(module, call[0][0] if call[0] else call[1].get("hidden_states"), rest, hidden)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # XGLM's clamp builds its bound at the default dtype
     try:
         if options.ignore:  # BERT's block: its self-attention and output projection, not the residual and norm
             out = module.output.dense(module.self(hidden, *rest, **kwargs)[0])
         else:
-            out = module(hidden, *rest, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
+            out = _attention_output(module(hidden, *rest, **kwargs))
     finally:
         torch.set_default_dtype(default)
     d_out = np.random.default_rng(1).normal(size=out.shape)
@@ -228,6 +252,7 @@ _MOE = dict(num_local_experts=2, num_experts_per_tok=1)
 _TEXT = FEATURES[-1]
 _HYBRID = NO_SOFTMAX
 _BERT = dict(is_decoder=True)
+_PLAIN = dict(num_key_value_heads=None, head_dim=None)  # families with one key head per query head
 RECORDS: dict[str, Supported | Refused] = {
     # families proven in test_hf_models.py on their own (their record there names what each proves)
     **{name: Supported(_TESTED) for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
@@ -296,7 +321,7 @@ RECORDS: dict[str, Supported | Refused] = {
     "persimmon": Supported("a fused query_key_value with each head's rows together, half of each head rotating "
                            "(its QK LayerNorm, with a bias, refused)", dict(qk_layernorm=False, head_dim=None)),
     "falcon": Supported("a fused query_key_value: one key head (multi_query) or grouped (new_decoder_architecture); "
-                        "ALiBi refused", dict(head_dim=None)),
+                        "ALiBi (alibi: bloom's slopes in bfloat16, added before the scale)", dict(head_dim=None)),
     "solar_open": Supported("q/k/v biases", dict(attention_bias=True, n_routed_experts=2, num_experts_per_tok=1)),
     "minimax_m2": Supported("RMS QK-norm over the projection", dict(rotary_dim=HEAD_DIM, **_MOE)),
     "minimax_m3_vl_text": Refused("multimodal rotary positions", "its model's tables are not the text positions'"),
@@ -305,6 +330,31 @@ RECORDS: dict[str, Supported | Refused] = {
     "kolibri1": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
                           dict(sliding_window=WINDOW), layers=5),
     "hy_v3": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
+    "flint": Supported("sinks, RMS QK-norm per head, rotary on the sliding layers only (none without a window)",
+                       dict(sliding_window=WINDOW, num_experts=2, num_experts_per_tok=1), layers=4),
+    "granite_swa": Supported("sinks as a scale of the output (sigmoid(logsumexp - sink)), attention_multiplier, "
+                             "sliding layers, a rotary base per layer (layer_rope_theta, 0: none)",
+                             dict(sliding_window=WINDOW, attention_multiplier=0.2,
+                                  layer_rope_theta=[10000.0, 10000.0, 0.0]), layers=3),
+    "bloom": Supported("ALiBi (bloom's slopes), each head's q, k, v rows together in query_key_value, biases",
+                       _PLAIN),
+    "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv, softmax_scale from attn_config "
+                     "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
+    "modernbert-decoder": Supported("sliding layers (local_attention // 2 keys), rope parameters per layer type, "
+                                    "the output projection Wo", dict(_PLAIN, local_attention=2 * WINDOW), layers=3),
+    "gpt_neox_japanese": Supported("GPT-NeoX's fused query_key_value without biases, the last layer's output bias "
+                                   "(dense_bias, added by its block)", _PLAIN),
+    "xlm": Supported("its own projection names (q_lin, k_lin, v_lin, out_lin), biases, positions added before it; "
+                     "bidirectional unless causal (compared bidirectional: its causal mask lets padded queries see "
+                     "padding)", _PLAIN),
+    "jetmoe": Refused("routed query and output projections", "a mixture of attention experts (JetMoeMoA)"),
+    "openai-gpt": Supported("GPT-2's fused Conv1D c_attn, biases, no rotary", _PLAIN),
+    "ctrl": Supported("its own projection names (Wq, Wk, Wv, dense), biases, positions added before it", _PLAIN),
+    "gpt_neo": Supported("logits not scaled, local layers (window_size keys, itself included), an output bias",
+                         dict(_PLAIN, window_size=WINDOW, attention_types=[[["global", "local"], 1]])),
+    "gpt_bigcode": Supported("a fused c_attn: one key head, [q; k; v] (multi_query), biases, no rotary", _PLAIN),
+    "codegen": Supported("a fused qkv_proj in 4 blocks of (q, v, k), pairs (2i, 2i + 1) in the first rotary_dim",
+                         dict(_PLAIN, rotary_dim=4)),
     # refused: no softmax attention in some or all layers
     **{name: Refused(NO_SOFTMAX) for name in (
         "bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "granitemoe_swa", "inkling_text",
@@ -314,7 +364,6 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(ENCODER_DECODER) for name in (
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen", "musicgen_melody",
         "mvp", "pegasus", "plbart", "prophetnet", "whisper", "trocr")},
-    **{name: Refused("ALiBi") for name in ("bloom", "mpt")},
     **{name: Refused("multi-head latent attention") for name in (
         "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "minicpm3",
         "youtu", "axk1", "axk2", "dots3_note", "dots3_note_text", "hy_v4")},
@@ -323,15 +372,14 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("differential attention") for name in ("diffllama",)},
     **{name: Refused("learned gates on the attention") for name in (
         "afmoe", "laguna", "beam")},
-    **{name: Refused("sinks not yet proven in this family") for name in ("flint", "granite_swa")},
     "blt": Refused("cross-attention", "between bytes and patches"),
+    "dbrx": Refused("clipped projections", "DbrxAttention clamps its fused Wqkv's output and needs clip_qkv set"),
     "doge": Refused("a mask from the content", "its dynamic mask"),
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
     **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
                                                                           "nanochat")},
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "codegen", "dbrx", "gpt_bigcode", "jetmoe", "ctrl", "openai-gpt", "gpt_neo", "gpt_neox_japanese", "xlm",
-        "git", "moshi", "modernbert-decoder", "cohere_compass_text")},
+        "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -355,16 +403,119 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 55, len(supported)
+    assert len(supported) >= 86, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
-    "falcon": (dict(alibi=True, head_dim=None), "ALiBi"),
+    "mpt": (dict(attn_config=dict(clip_qkv=8.0)), "clipped projections"),
     "ministral3": (dict(), "per-position query scaling"),
     "phi": (dict(qk_layernorm=True), "QK LayerNorm with bias"),
     "persimmon": (dict(head_dim=None), "QK LayerNorm with bias"),
     "olmo": (dict(clip_qkv=8.0), "clipped projections"),
 }
+
+
+def test_the_families_that_rotate_pairs_are_those_whose_records_say_so():
+    """``rope_from_config`` (``RotaryEmbedding.from_config``) rotates pairs ``(2i, 2i + 1)`` for a
+    config whose family's record sets ``rope_interleaved``, the halves for every other family."""
+    from mha_spec.rotary import rope_from_config
+
+    pairs = {"gptj", "codegen", "llama4_text", "cohere", "cohere2", "cohere2_moe", "glm", "glm4", "helium", "ernie4_5",
+             "ernie4_5_moe"}
+    assert {name for name, family in families.FAMILIES.items() if family.rope_interleaved} == pairs
+    for name in (*families.FAMILIES, "t5", None):
+        assert rope_from_config(dict(model_type=name, rope_theta=10.0, head_dim=HEAD_DIM))["interleaved"] == (
+            name in pairs), name
+
+
+@pytest.mark.parametrize("heads", [12, 71])
+def test_alibi_slopes_are_those_transformers_builds(heads):
+    """Each ALiBi family's slopes, for head counts that are not powers of two, against the tensors
+    its transformers model builds (the key at position 1): bloom's float32 ones, Falcon's rounded to
+    bfloat16 (ours over ``sqrt(head_dim)``: it adds them before the scale), MPT's."""
+    from transformers.models.bloom import modeling_bloom
+    from transformers.models.falcon import modeling_falcon
+    from transformers.models.mpt import modeling_mpt
+
+    keys = torch.ones(1, 2, dtype=torch.long)
+    head_dim = 2
+    expected = {
+        "bloom": modeling_bloom.build_alibi_tensor(keys, heads, torch.float32)[:, 0, 1],
+        "falcon": modeling_falcon.build_alibi_tensor(keys, heads, torch.float32)[:, 0, 1],
+        "mpt": -modeling_mpt.build_mpt_alibi_tensor(heads, 2)[:, 0, 0],
+    }
+    for name, theirs in expected.items():
+        raw = dict(model_type=name, hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
+                   alibi=True)
+        ours = np.array(families.layer_options(raw, 0).alibi_slopes) * (np.sqrt(head_dim) if name == "falcon" else 1)
+        assert np.allclose(ours, theirs.double().numpy(), rtol=1e-15, atol=0), name
+
+
+def test_falcon_alibi_is_its_sdpa_path():
+    """Falcon with ``alibi``: its model's SDPA path (the ALiBi in its mask, over ``sqrt(head_dim)``)
+    computes what ``from_hf`` builds, as its original code did (``(q.k + alibi) * inv_norm_factor``);
+    its eager path adds the ALiBi a second time (in its attention and in the model's mask), which
+    the census leaves out by giving the attention the causal mask alone."""
+    model_type, record = VARIANTS["falcon-alibi"]
+    config = _config(model_type, record.config, record.layers)
+    config._attn_implementation = "sdpa"
+    model = _model(config)
+    options = families.layer_options(config.to_dict(), 1)
+    attention = model.get_submodule(options.prefix.rstrip("."))
+    args, kwargs = _captured(model, {1: attention})[1]
+    kwargs.pop("hidden_states", None)
+    x = torch.tensor(np.random.default_rng(0).normal(size=(B, S, HIDDEN)), dtype=torch.float32)
+    state = {options.prefix + k: v for k, v in attention.state_dict().items()}
+    with torch.no_grad():
+        theirs = attention(x, *args[1:], **kwargs)[0]
+        ours = mha_torch.from_hf(config.to_dict(), state, layer=1)(
+            x, is_causal=True, query_positions=_positions(), key_value_seq_lengths=torch.tensor(LENGTHS))
+    live = torch.arange(S)[None] < torch.tensor(LENGTHS)[:, None]
+    assert _rel(ours[live].double().numpy(), theirs[live].double().numpy()) < 1e-6
+
+
+def test_read_config_names_the_sizes_of_every_supported_family():
+    """``read_config`` of each supported family's config as transformers saves it holds its sizes
+    under our names (``mha-parity verify`` reads them there), whatever the family calls them."""
+    for name, record in RECORDS.items():
+        if isinstance(record, Supported) and record.uses != _TESTED:
+            raw = families.read_config(_config(name, record.config, record.layers).to_dict())
+            sizes = [raw.get(k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers")]
+            assert sizes == [HIDDEN, HEADS, record.layers], (name, sizes)
+
+
+def test_an_older_modernbert_decoder_config_reads_as_its_config_class_fills_it_in():
+    """A ModernBERT decoder config.json of the older form (``local_attention``, ``global_rope_theta``,
+    ``local_rope_theta``, ``rope_scaling``; no ``sliding_window``, ``layer_types`` or per-type
+    ``rope_parameters``): each layer's window and rope parameters as ``ModernBertDecoderConfig`` derives them."""
+    old = dict(model_type="modernbert-decoder", hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=4,
+               local_attention=6, global_rope_theta=1234.0, local_rope_theta=55.0, global_attn_every_n_layers=2,
+               rope_scaling=dict(rope_type="linear", factor=2.0))
+    theirs = transformers.ModernBertDecoderConfig(**{k: v for k, v in old.items() if k != "model_type"})
+    for layer in range(4):
+        options = families.layer_options(old, layer)
+        layer_type = theirs.layer_types[layer]
+        assert options.window == ((theirs.sliding_window - 1, 0) if layer_type == "sliding_attention" else None)
+        assert options.rope["rope_parameters"] == theirs.rope_parameters[layer_type], layer
+
+
+def test_xlm_is_causal_where_its_config_says_causal():
+    """XLM's attention is causal when its config sets ``causal`` (its model's triangular mask), else bidirectional."""
+    for causal in (False, True):
+        raw = _config("xlm", dict(_PLAIN, causal=causal)).to_dict()
+        assert families.layer_options(families.read_config(raw), 1).is_causal is causal
+
+
+def test_a_fused_layer_names_its_missing_keys_as_its_checkpoint_names_them():
+    """GPT-NeoX-Japanese's last layer without its output bias: the error names ``dense_bias``, the
+    key its checkpoint holds, not the name it is read under."""
+    raw = _config("gpt_neox_japanese", _PLAIN).to_dict()
+    prefix = families.layer_options(raw, 1).prefix
+    state = {prefix + "query_key_value.weight": torch.zeros(3 * HIDDEN, HIDDEN),
+             prefix + "dense.weight": torch.zeros(HIDDEN, HIDDEN)}
+    for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
+        with pytest.raises(ValueError, match=rf"missing key '{prefix}dense_bias'"):
+            from_hf(raw, {k: v.numpy() for k, v in state.items()}, layer=1)
 
 
 def test_a_head_dim_apart_from_hidden_over_heads_loads_as_transformers_made_it():
@@ -398,13 +549,20 @@ def test_refused_families_and_options_raise_naming_what_is_missing():
 
 
 NEW = [name for name, r in RECORDS.items() if isinstance(r, Supported) and not r.uses.startswith("proven in")]
+# a family's second config, where its checkpoint's layout depends on the config: name -> (family, record)
+VARIANTS = {
+    "falcon-alibi": ("falcon", Supported("ALiBi, one key head per head (falcon-rw)",
+                                         dict(head_dim=None, alibi=True, multi_query=False))),
+    "gpt_bigcode-multi-head": ("gpt_bigcode", Supported("each head's q, k, v together in c_attn",
+                                                        dict(_PLAIN, multi_query=False))),
+}
 
 
-@pytest.mark.parametrize("model_type", NEW)
-def test_family_equals_its_transformers_attention(model_type, monkeypatch):
+@pytest.mark.parametrize("name", NEW + list(VARIANTS))
+def test_family_equals_its_transformers_attention(name, monkeypatch):
     """Every layer of the family's small model (a whole period of its layer pattern): both twins
     against transformers' attention, outputs and gradients of the input and of every weight."""
-    record = RECORDS[model_type]
+    model_type, record = VARIANTS.get(name, (name, RECORDS.get(name)))
     worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
     assert max(worst["float64"]) < 1e-12, worst
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
@@ -423,6 +581,9 @@ PATTERNS = {
     "qwen2": (dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2), 5),
     "mistral": (dict(sliding_window=WINDOW), 3),
     "vaultgemma": (RECORDS["vaultgemma"].config, 5),
+    "flint": (RECORDS["flint"].config, 9),
+    "modernbert-decoder": (dict(RECORDS["modernbert-decoder"].config, global_attn_every_n_layers=3), 7),
+    "granite_swa": (dict(RECORDS["granite_swa"].config, layer_rope_theta=[10.0, 0.0, 20.0] * 3), 9),
 }
 DERIVED = ("layer_types", "no_rope_layers")  # keys config classes fill in: a config.json may leave them out
 
@@ -431,6 +592,10 @@ def _their_rope(module) -> bool:
     """Whether transformers' attention module rotates (each family's own test, read from its forward)."""
     if hasattr(module, "use_rope"):  # Llama 4, SmolLM3: no_rope_layers
         return bool(module.use_rope)
+    if type(module).__name__ == "FlintAttention":  # rotary on its layers with a window
+        return module.sliding_window is not None
+    if type(module).__name__ == "GraniteSWAAttention":  # its model's rotary base of the layer, 0: none
+        return bool(module.config.layer_rope_theta[module.layer_idx])
     if type(module).__name__.startswith("Cohere2"):
         return module.sliding_window is not None
     if hasattr(module, "is_sliding"):  # EXAONE 4: rotary on the sliding layers, or everywhere without a window
@@ -477,6 +642,9 @@ def test_every_layer_reads_as_transformers_model_uses_it(model_type):
             layer_type = full.get("layer_types", [None] * count)[layer]
             if options.rope is not None and isinstance(parameters.get(layer_type), dict):
                 assert options.rope["rope_parameters"] == parameters[layer_type], (layer, "rope parameters")
+            theta = (full.get("layer_rope_theta") or [None] * count)[layer]  # Granite SWA: a base per layer
+            if options.rope is not None and theta:
+                assert options.rope["rope_parameters"]["rope_theta"] == theta, (layer, "rotary base")
 
 
 def family_table() -> str:
@@ -502,40 +670,64 @@ def test_the_docs_family_table_is_the_records():
     assert page.split(start)[1].split(end)[0].strip() == family_table().strip()
 
 
-CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4")
+CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4", "bloom", "mpt", "falcon-alibi")
 STEPS = (4, 1, 1, 1)  # a prompt of 4 tokens, then one at a time: S = 7
 
 
 def _their_decode(model, layer, options, x, dtype, monkeypatch):
     """transformers' attention of ``layer`` with a ``DynamicCache``, over ``STEPS``: its outputs."""
-    import inspect
-
     torch_dtype = getattr(torch, dtype)
     module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
-    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
-    positions = torch.arange(S)[None].expand(B, -1)
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    if dtype == "float64":
-        cos, sin = _tables64(rotary, positions, cos.shape[-1])
+    tables = _decode_tables(model, dtype)
     parameters = inspect.signature(module.forward).parameters
     cache, outs, start = transformers.DynamicCache(), [], 0
     for n in STEPS:
-        q, k = torch.arange(start, start + n)[:, None], torch.arange(start + n)[None]
-        allowed = (k <= q) & ((q - k <= options.window[0]) if options.window else True)
-        mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
         keywords = {"past_key_values" if "past_key_values" in parameters else "layer_past": cache,
-                    "position_embeddings": (cos[:, start:start + n].to(torch_dtype),
-                                            sin[:, start:start + n].to(torch_dtype)),
-                    "attention_mask": mask[None, None].expand(B, 1, -1, -1)}
-        keywords.update({k: v for k, v in (("alibi", None), ("use_cache", True)) if k in parameters})
+                    **_step_arguments(model, module, options, parameters, start, n, tables, torch_dtype)}
+        keywords.update({k: v for k, v in (("use_cache", True),) if k in parameters})
         with torch.no_grad():
             out = module(torch.tensor(x[:, start:start + n], dtype=torch_dtype), **keywords)
         outs.append((out[0] if isinstance(out, tuple) else out).double().numpy())
         start += n
     monkeypatch.undo()
     return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _decode_tables(model, dtype):
+    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1``, float64 from its ``inv_freq``
+    in float64; None without a rotary embedding (the ALiBi families)."""
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        return None
+    positions = torch.arange(S)[None].expand(B, -1)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    return _tables64(rotary, positions, cos.shape[-1]) if dtype == "float64" else (cos, sin)
+
+
+def _step_arguments(model, module, options, parameters, start, n, tables, torch_dtype):
+    """A decoding step's arguments for queries ``start .. start + n`` over keys ``0 .. start + n``:
+    the causal (and window) mask (MPT's: boolean, True = masked), the rotary tables, the ALiBi
+    tensors the models build (bloom's and Falcon's ``alibi``, MPT's ``position_bias``) and
+    Bloom's residual (zero: the attention alone)."""
+    modeling = __import__(type(module).__module__, fromlist=["_"])
+    q, k = torch.arange(start, start + n)[:, None], torch.arange(start + n)[None]
+    allowed = ((k <= q) & ((q - k <= options.window[0]) if options.window else True))[None, None]
+    if "position_bias" in parameters:  # MPT
+        return {"attention_mask": ~allowed.expand(B, 1, -1, -1),
+                "position_bias": modeling.build_mpt_alibi_tensor(options.num_heads, start + n).to(torch_dtype)}
+    mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
+    arguments = {"attention_mask": mask.expand(B, 1, -1, -1)}
+    if tables is not None:
+        arguments["position_embeddings"] = tuple(t[:, start:start + n].to(torch_dtype) for t in tables)
+    if "alibi" in parameters:
+        keys = torch.ones(B, start + n, dtype=torch.long)
+        arguments["alibi"] = (modeling.build_alibi_tensor(keys, options.num_heads, torch_dtype)
+                              if getattr(model.config, "alibi", True) else None)
+    if "residual" in parameters:  # Bloom adds the block's residual inside its attention
+        arguments["residual"] = torch.zeros(B, n, HIDDEN, dtype=torch_dtype)
+    return arguments
 
 
 def _our_decode(raw, layer, state, x, dtype):
@@ -563,7 +755,7 @@ def _our_decode(raw, layer, state, x, dtype):
 def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(model_type, monkeypatch):
     """A prompt then single tokens: transformers' attention with ``past_key_values`` (a
     ``DynamicCache``) against both twins decoding with their caches, every kind of layer."""
-    record = RECORDS[model_type]
+    model_type, record = VARIANTS.get(model_type, (model_type, RECORDS.get(model_type)))
     config = _config(model_type, record.config, record.layers)
     model, raw = _model(config), config.to_dict()
     x = np.random.default_rng(3).normal(size=(B, S, HIDDEN))

@@ -13,7 +13,9 @@ rotary tables, which it computes in float32, come from its own ``inv_freq`` in f
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -172,36 +174,156 @@ def _keep_float64(monkeypatch, attention):
                 return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon) * module.weight
 
             monkeypatch.setattr(module, "forward", forward)
-    name = type(attention).__name__
-    if name in ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention"):  # its rotation casts q, k to float32
-        modeling = __import__(type(attention).__module__, fromlist=["_"])
+    kind = type(attention)
+    names = (kind.__name__, f"{kind.__module__.rsplit('.', 1)[-1]}.{kind.__name__}")  # XLM's name is CTRL's too
+    patch = next((patch for keys, patch in _FLOAT32_STEPS.items() if set(names) & set(keys)), None)
+    if patch is not None:
+        patch(monkeypatch, attention)
 
-        def rotate64(q, k, cos, sin, unsqueeze_dim=1):
-            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-            return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
-    if name in ("Ernie4_5Attention", "Ernie4_5_MoeAttention"):  # its rotation casts queries and keys to float32
-        modeling = __import__(type(attention).__module__, fromlist=["_"])
+def _rotation64(monkeypatch, attention):
+    """Cohere's and ModernBERT decoder's rotation, which casts queries and keys to float32, in float64."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
 
-        def rotate_pairs64(q, k, cos, sin, unsqueeze_dim=1):
-            cos, sin = (t.unsqueeze(unsqueeze_dim)[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
-                        for t in (cos, sin))
-            return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+    def rotate64(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
-    if name == "GPTJAttention":  # its logits in float32 from a float32 sin/cos table: both in float64
-        dim = attention.rotary_dim
-        inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))).double()  # float32 values
-        angles = torch.arange(attention.max_positions, dtype=torch.float64)[:, None] * inv_freq
-        monkeypatch.setattr(attention, "embed_positions", torch.cat((angles.sin(), angles.cos()), dim=1))
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate64)
 
-        def attn64(query, key, value, attention_mask=None):
-            weights = torch.matmul(query, key.transpose(-1, -2)) / attention.scale_attn + attention_mask
-            weights = torch.nn.functional.softmax(weights, dim=-1)
-            return torch.matmul(weights, value), weights
 
-        monkeypatch.setattr(attention, "_attn", attn64)
+def _pair_rotation64(monkeypatch, attention):
+    """ERNIE 4.5's rotation of pairs, which casts queries and keys to float32, in float64."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def rotate_pairs64(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = (t.unsqueeze(unsqueeze_dim)[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
+                    for t in (cos, sin))
+        return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
+
+
+def _gptj64(monkeypatch, attention):
+    """GPT-J's logits in float32 from a float32 sin/cos table: both in float64."""
+    _keep_table64(monkeypatch, attention)
+
+    def attn64(query, key, value, attention_mask=None):
+        weights = torch.matmul(query, key.transpose(-1, -2)) / attention.scale_attn + attention_mask
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        return torch.matmul(weights, value), weights
+
+    monkeypatch.setattr(attention, "_attn", attn64)
+
+
+def _codegen64(monkeypatch, attention):
+    """CodeGen's float32 table and logits (GPT-J's) in float64; its mask added before the scale."""
+    _keep_table64(monkeypatch, attention)
+
+    def attn64(query, key, value, attention_mask=None):
+        weights = torch.matmul(query, key.transpose(-1, -2))
+        weights = (weights if attention_mask is None else weights + attention_mask) / attention.scale_attn
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        return torch.matmul(weights, value), weights
+
+    monkeypatch.setattr(attention, "_attn", attn64)
+
+
+def _gpt_neo64(monkeypatch, attention):
+    """GPT-Neo's logits, cast to float32, in float64; its causal and local mask (``bias``) kept."""
+
+    def attn64(query, key, value, attention_mask=None):
+        weights = torch.matmul(query, key.transpose(-1, -2))
+        q, k = query.size(-2), key.size(-2)
+        weights = torch.where(attention.bias[:, :, k - q:k, :k], weights, torch.finfo(weights.dtype).min)
+        weights = weights if attention_mask is None else weights + attention_mask
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+        return torch.matmul(weights, value), weights
+
+    monkeypatch.setattr(attention, "_attn", attn64)
+
+
+def _sinks64(monkeypatch, attention, as_scale: bool):
+    """An eager attention with sinks whose steps run in float32 whatever the input, in float64:
+    Flint's (its logits cast to float32; the sink an extra softmax logit) or, ``as_scale``, Granite
+    SWA's (the sink a scale ``sigmoid(logsumexp(logits) - sink)`` of the output, cast to float32)."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+        logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+        logits = logits if attention_mask is None else logits + attention_mask
+        sinks = module.sinks.view(1, -1, 1).to(logits.dtype)
+        if as_scale:
+            weights = torch.nn.functional.softmax(logits, dim=-1)
+            out = torch.matmul(weights, value) * (torch.logsumexp(logits, dim=-1) - sinks).sigmoid().unsqueeze(-1)
+        else:
+            sinks = sinks[..., None].expand(*logits.shape[:-1], 1)
+            weights = torch.nn.functional.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+            out = torch.matmul(weights, value)
+        return out.transpose(1, 2).contiguous(), weights
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", eager64)
+
+
+def _mpt64(monkeypatch, attention):
+    """MPT's softmax, of its logits cast to float32, in float64 (its forward, that cast left out)."""
+
+    def forward(hidden_states, position_bias, past_key_values=None, attention_mask=None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        q, k, v = (t.reshape(batch, length, attention.n_heads, attention.head_dim).transpose(1, 2)
+                   for t in attention.Wqkv(hidden_states).chunk(3, dim=2))
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attention.layer_idx)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * attention.softmax_scale
+        if position_bias is not None:
+            scores = scores + position_bias[:, -min(position_bias.size(1), length):, -k.shape[-2]:]
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, torch.finfo(q.dtype).min)
+        weights = torch.nn.functional.softmax(scores, dim=-1)
+        out = torch.matmul(weights, v).permute(0, 2, 1, 3).reshape(batch, length, -1)
+        return attention.out_proj(out), weights
+
+    monkeypatch.setattr(attention, "forward", forward)
+
+
+def _xlm64(monkeypatch, attention):
+    """XLM's softmax, of its logits cast to float32, in float64 (its self-attention, that cast left out)."""
+
+    def forward(input, mask, kv=None, cache=None, output_attentions=False, **kwargs):
+        batch, length, _ = input.size()
+        q, k, v = (lin(input).view(batch, -1, attention.n_heads, attention.head_dim).transpose(1, 2)
+                   for lin in (attention.q_lin, attention.k_lin, attention.v_lin))
+        scores = torch.matmul(q / math.sqrt(attention.head_dim), k.transpose(2, 3))
+        masked = (mask == 0).view((batch, 1, length, -1) if mask.dim() == 3 else (batch, 1, 1, -1))
+        scores = scores.masked_fill(masked.expand_as(scores), torch.finfo(scores.dtype).min)
+        weights = torch.nn.functional.softmax(scores, dim=-1)
+        return (attention.out_lin(torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, -1)),)
+
+    monkeypatch.setattr(attention, "forward", forward)
+
+
+# attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
+_FLOAT32_STEPS = {
+    ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention", "ModernBertDecoderAttention"): _rotation64,
+    ("Ernie4_5Attention", "Ernie4_5_MoeAttention"): _pair_rotation64,
+    ("GPTJAttention",): _gptj64,
+    ("CodeGenAttention",): _codegen64,
+    ("GPTNeoSelfAttention",): _gpt_neo64,
+    ("FlintAttention",): functools.partial(_sinks64, as_scale=False),
+    ("GraniteSWAAttention",): functools.partial(_sinks64, as_scale=True),
+    ("MptAttention",): _mpt64,
+    ("modeling_xlm.MultiHeadAttention",): _xlm64,
+}
+
+
+def _keep_table64(monkeypatch, attention):
+    """GPT-J's and CodeGen's sin/cos table (``embed_positions``), computed in float32, in float64
+    from the same float32 frequencies."""
+    dim = attention.rotary_dim
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))).double()  # float32 values
+    angles = torch.arange(attention.max_positions, dtype=torch.float64)[:, None] * inv_freq
+    monkeypatch.setattr(attention, "embed_positions", torch.cat((angles.sin(), angles.cos()), dim=1))
 
 
 def _ours_torch(config, layer, state, inputs, dtype, implementation=None):
