@@ -18,7 +18,7 @@ from flax import nnx
 from mha_jax.convert import load_weights, read_state
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
-from mha_spec import docstrings, families
+from mha_spec import docstrings, families, latent
 
 
 @docstrings.fill
@@ -47,15 +47,24 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False,
         scale=options.scale, logit_soft_cap=options.logit_soft_cap, use_sinks=options.use_sinks,
-        rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
-        local_window_size=options.window, param_dtype=param_dtype, implementation=implementation,
-        rngs=nnx.Rngs(0) if rngs is None else rngs, attention_chunk_size=options.attention_chunk_size,
+        rotary=_rotary(options), local_window_size=options.window, param_dtype=param_dtype,
+        implementation=implementation, rngs=nnx.Rngs(0) if rngs is None else rngs,
+        attention_chunk_size=options.attention_chunk_size, latent=options.latent,
     )
     if weights is not None:
         state = families.read_layer(weights, options.prefix, read_state, _read_file)
         state, keywords = families.load_arguments(options, read_state(state), np.concatenate)
         load_weights(module, state, **keywords)
     return module
+
+
+def _rotary(options: families.LayerOptions) -> RotaryEmbedding | None:
+    """The layer's rotary embedding; a latent layer's over the rope part of each head."""
+    if options.rope is None:
+        return None
+    if options.latent is not None:
+        return RotaryEmbedding(**latent.rotary_arguments(options.rope, options.latent, options.rope_interleaved))
+    return RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim)
 
 
 def _read_file(path: str, prefix: str) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mha_spec import docstrings, families
+from mha_spec import docstrings, families, latent
 from mha_torch.convert import load_weights, read_state
 from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
@@ -42,10 +42,9 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
-        use_sinks=options.use_sinks,
-        rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
-        local_window_size=options.window, implementation=implementation, dtype=dtype, device=device,
-        attention_chunk_size=options.attention_chunk_size,
+        use_sinks=options.use_sinks, rotary=_rotary(options), local_window_size=options.window,
+        implementation=implementation, dtype=dtype, device=device, attention_chunk_size=options.attention_chunk_size,
+        latent=options.latent,
     )
     if weights is not None:
         state = families.read_layer(weights, options.prefix, read_state, _read_file)
@@ -53,6 +52,15 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
             options, state, lambda arrays: torch.cat([torch.as_tensor(a) for a in arrays]))
         load_weights(module, state, **keywords)
     return module
+
+
+def _rotary(options: families.LayerOptions) -> RotaryEmbedding | None:
+    """The layer's rotary embedding; a latent layer's over the rope part of each head."""
+    if options.rope is None:
+        return None
+    if options.latent is not None:
+        return RotaryEmbedding(**latent.rotary_arguments(options.rope, options.latent, options.rope_interleaved))
+    return RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim)
 
 
 def _read_file(path: str, prefix: str) -> dict[str, torch.Tensor]:
