@@ -66,7 +66,7 @@ def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -
 
 
 def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
-    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``: ``terms`` (qp,
+    """Attention output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``: ``terms`` (qp,
     kp, qs, ks, lengths) read by ``conditions``, whose window is ``(left, right)`` (causality in ``right``)."""
     cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
     return _band(cfg, q, k, v, terms[2:])
@@ -167,7 +167,8 @@ def _forward(cfg, q, k, v, terms):
         def mix(p):
             return jnp.einsum("bhmk,bhkd->bhmd", p, v_band, precision=cfg.precision)
 
-        out, lse = _tiles.finish(_tiles.forward(_tiles.init(jnp.zeros_like(q_i)), s, mix))  # one tile: the band
+        acc = _tiles.accumulator(q_i, v.shape[-1])
+        out, lse = _tiles.finish(_tiles.forward(_tiles.init(acc), s, mix))  # one tile: the band
         return _in_caller_layout(cfg, out), lse
 
     out, lse = lax.map(block, jnp.arange(cfg.n_q))

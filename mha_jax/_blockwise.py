@@ -6,13 +6,13 @@ the saved row log-sum-exp. Which blocks are visited comes from the terms' block 
 is whole (no mask applied), partial or empty (never visited), so a sliding window costs O(length x
 window). A window over default positions with nothing else per score runs as ``_band`` instead.
 
-Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value ``(batch,
-kv_heads, kv_len, head_dim)``; masks keep their broadcast shape ``(batch|1, kv_heads|1, groups|1,
-q_len|1, kv_len|1)``. Inside, batch and kv heads are the products' batch axes (so a sharding of
-either carries through) and a query block's groups and queries one row axis (``rows = groups *
-block_q``), so grouped heads share each product. Products take their operands as stored, as
-XLA:CPU's matmul does: keys are transposed once for ``Q K^T``, and the backward works on transposed
-scores ``S^T = K Q^T``. The scale is folded into the queries.
+Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key ``(batch, kv_heads,
+kv_len, head_dim)``, value ``(batch, kv_heads, kv_len, v_head_dim)``; masks keep their broadcast
+shape ``(batch|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``. Inside, batch and kv heads are the
+products' batch axes (so a sharding of either carries through) and a query block's groups and
+queries one row axis (``rows = groups * block_q``), so grouped heads share each product. Products
+take their operands as stored, as XLA:CPU's matmul does: keys are transposed once for ``Q K^T``,
+and the backward works on transposed scores ``S^T = K Q^T``. The scale is folded into the queries.
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ backward_block_sizes = functools.partial(block_sizes, backward=True)
 
 def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
               keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None):
-    """Attention output ``(batch, kv_heads, groups, q_len, head_dim)`` in ``q.dtype``. ``spec`` gives
+    """Attention output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``. ``spec`` gives
     the structured terms; ``allowed``, ``keep`` (bool) and ``bias`` are None or 5-d in the interface
     layout; ``dropout_rng`` draws a keep-mask per block (a stream of its own); ``soft_cap`` a float or
     None; ``sinks`` ``(1, kv_heads, groups)`` in ``q.dtype`` or None."""
     if q.shape[3] == 0:  # no query: nothing to visit (and no block to slice one from)
-        return jnp.zeros_like(q)
+        return _tiles.accumulator(q, v.shape[-1])
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
@@ -355,7 +355,7 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
             return _tiles.forward(state, s, mix, block_keep, cfg.keep_scale, block5)
 
         state = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False),
-                              _tiles.init(jnp.zeros_like(q_i), sink_rows))
+                              _tiles.init(_tiles.accumulator(q_i, v.shape[-1]), sink_rows))
         return _tiles.finish(lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), state))
 
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
@@ -391,8 +391,8 @@ def _flash_bwd(cfg, residuals, d_out):
         def query_step(t, grads, partial):
             return _backward_tile(cfg, blocks, rng, order_j[t], j, (k_j, v_j, kt_j), grads, partial)
 
-        zeros = jnp.zeros_like(k_j)
-        grads = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), (dqt, zeros, zeros, d_bias))
+        grads = (dqt, jnp.zeros_like(k_j), jnp.zeros_like(v_j), d_bias)
+        grads = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), grads)
         dqt, dk_j, dv_j, d_bias = lax.fori_loop(whole_j, live_j, functools.partial(query_step, partial=True), grads)
         return (dqt, d_bias), (dk_j, dv_j)
 
@@ -403,8 +403,8 @@ def _flash_bwd(cfg, residuals, d_out):
     )
     dq = _tiles.from_query_rows(cfg, jnp.swapaxes(dqt, 3, 4) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
 
-    def keys(x):  # (n_k, b, h, block_k, d) -> (b, h, kv_len, d)
-        return jnp.moveaxis(x, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, d)[:, :, : cfg.kv_len]
+    def keys(x):  # (n_k, b, h, block_k, d) -> (b, h, kv_len, d), d the key's or the value's
+        return jnp.moveaxis(x, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, x.shape[-1])[:, :, : cfg.kv_len]
 
     if d_bias is not None:
         d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)

@@ -100,7 +100,8 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
 def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
               allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
               keep_scale: float = 1.0):
-    """q ``(b, q_len, kv_heads, groups, d)``, k/v ``(b, kv_len, kv_heads, d)`` -> q's shape and dtype.
+    """q ``(b, q_len, kv_heads, groups, d)``, k ``(b, kv_len, kv_heads, d)``, v ``(b, kv_len, kv_heads,
+    dv)`` -> ``(b, q_len, kv_heads, groups, dv)`` in q's dtype.
     ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None; ``allowed``, ``keep`` (bool) and
     ``bias`` None or 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``; ``dropout_rng`` draws
     dropout at ``dropout_rate`` when ``keep`` is None."""
@@ -473,7 +474,7 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
         pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
     qc = q.astype(jnp.promote_types(q.dtype, jnp.float32))
-    acc = jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4))  # (b, kv_heads, groups, q_block, d), as q is placed
+    acc = _tiles.accumulator(qc.transpose(0, 2, 3, 1, 4), v.shape[-1])  # (b, kv_heads, groups, q_block, dv)
 
     def step(s, state, k, v, kt):
         return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
@@ -501,8 +502,8 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
     def moved(grads):  # a block's key and value gradients travel with it
         return grads[0], *_next(grads[1:3], cfg), grads[3]
 
-    zeros = jnp.zeros_like(k, dtype=out.dtype)
-    dq, dk, dv, d_bias = _around(cfg, step, (jnp.zeros_like(dout), zeros, zeros, d_bias), (k, v, kt), moved)
+    zeros = (jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4)), *(jnp.zeros_like(x, dtype=out.dtype) for x in (k, v)))
+    dq, dk, dv, d_bias = _around(cfg, step, (*zeros, d_bias), (k, v, kt), moved)
     dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
     dsinks = None
     if sinks is not None:

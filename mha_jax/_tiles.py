@@ -90,6 +90,12 @@ def init(acc, sinks=None):
     return zeros + sinks, zeros + (sinks > -jnp.inf).astype(zeros.dtype), acc
 
 
+def accumulator(rows, dim: int):
+    """Zeros ``(..., rows, dim)`` of ``rows``' dtype (and, inside ``jax.shard_map``, the manual axes it
+    varies over), from query rows ``(..., rows, d)``: the weighted values' sum, in the value's head dim."""
+    return jnp.broadcast_to(jnp.zeros_like(rows[..., :1]), rows.shape[:-1] + (dim,))
+
+
 def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
     """The state after one tile of scores ``s``: ``mix(p)`` is the weights ``p`` times the tile's
     values ``(..., rows, d)``; ``keep`` drops weights after the sum (``dropped``)."""

@@ -35,6 +35,7 @@ class _Kernel:
     platform: str | None = None  # the platform it is compiled for; None for every platform
     interpret_elsewhere: bool = False  # on other platforms: Pallas interpret mode (else: an error when lowered)
     ring: bool = False  # runs under ``sequence_axis`` (the ring computes each step itself)
+    value_head_dim: bool = True  # a value whose head dim differs from the query's and key's
     # per platform where the program is lowered, the kernel it runs (``"flash"``); "default": elsewhere
     per_platform: tuple[tuple[str, str], ...] = ()
 
@@ -42,7 +43,9 @@ class _Kernel:
 _KERNELS = {k.name: k for k in (
     _Kernel("xla", weights=True, forward_mode=True, ring=True),
     _Kernel("blockwise", ring=True),
-    _Kernel("cudnn", dropout=False, soft_cap=False, sinks=False, dtypes=("bfloat16", "float16"), platform="cuda"),
+    # jax.nn.dot_product_attention requires the value's shape to be the key's
+    _Kernel("cudnn", dropout=False, soft_cap=False, sinks=False, dtypes=("bfloat16", "float16"), platform="cuda",
+            value_head_dim=False),
     _Kernel("splash", dropout=False, platform="tpu", interpret_elsewhere=True),
     _Kernel("flash", per_platform=(("cuda", "cudnn"), ("tpu", "splash"), ("default", "blockwise"))),
 )}
@@ -85,8 +88,9 @@ def dot_product_attention(
 
     Args:
       query: ``(batch, q_len, heads, head_dim)``.
-      key, value: ``(batch, kv_len, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``, and
-        query head ``h`` reads key/value head ``h // (heads // kv_heads)``.
+      key: ``(batch, kv_len, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``, and query head
+        ``h`` reads key/value head ``h // (heads // kv_heads)``.
+      value: ``(batch, kv_len, kv_heads, v_head_dim)``, its head dim its own (the key's by default).
       mask: broadcasts to ``(batch, heads, q_len, kv_len)``; any dtype, nonzero = attend (as in
         flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks work as they are).
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
@@ -124,7 +128,7 @@ def dot_product_attention(
         first-order reverse-mode derivatives only.
 
     Returns:
-      ``(batch, q_len, heads, head_dim)`` in the input dtype, or ``(output, weights)`` with
+      ``(batch, q_len, heads, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
       output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
     """
@@ -145,7 +149,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
-    kv_heads, head_dim = key.shape[2], query.shape[3]
+    kv_heads, head_dim, v_dim = key.shape[2], query.shape[3], value.shape[3]
     scale = arguments.check_scale(scale)
     soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
     if sinks is not None:
@@ -161,11 +165,11 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
         if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
             empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(query.shape)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(batch, q_len, heads, v_dim)
         return (out, empty.reshape(shape)) if return_weights else out
     kernel = _choose(
         implementation, return_weights, keep is not None or rng is not None, query.dtype,
-        soft_cap is not None, sinks is not None,
+        soft_cap is not None, sinks is not None, v_dim != head_dim,
     )
     if not kernel.forward_mode:
         _check_derivatives(kernel.name, query, key, value, spec.bias, sinks)
@@ -187,7 +191,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
             allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
             keep=_grouped(keep, kv_heads), dropout_rng=rng, dropout_rate=dropout_rate, keep_scale=keep_scale,
         )
-        return out.reshape(batch, q_len, heads, head_dim).astype(dtype)
+        return out.reshape(batch, q_len, heads, v_dim).astype(dtype)
     unused = masks.unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
@@ -199,7 +203,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         out, weights = _run_xla(query, key, value, **call)
     else:
         out = _per_platform(kernel, query, key, value, call)
-    out = out.reshape(batch, q_len, heads, head_dim).astype(dtype)
+    out = out.reshape(batch, q_len, heads, v_dim).astype(dtype)
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
     return out
@@ -223,7 +227,7 @@ def _check_head_sharding(query, heads, kv_heads):
         )
 
 
-def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False) -> _Kernel:
+def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False, value_dim=False) -> _Kernel:
     """The record of the implementation asked for, after the checks that hold on every platform."""
     if implementation is None:
         return _KERNELS["xla"]
@@ -235,16 +239,20 @@ def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sink
         return kernel
     if kernel.platform is not None and not kernel.interpret_elsewhere:
         dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
-    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks)
+    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks, value_dim)
     if refused is not None:
         error, message = refused
         raise error(message)
     return kernel
 
 
-def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks) -> tuple[type, str] | None:
-    """(exception type, message) when ``kernel`` cannot take a call of these options, else None."""
+def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks, value_dim=False) -> tuple[type, str] | None:
+    """(exception type, message) when ``kernel`` cannot take a call of these options, else None;
+    ``value_dim``: the value's head dim differs from the key's."""
     name = kernel.name
+    if value_dim and not kernel.value_head_dim:
+        return ValueError, (f"implementation={name!r} does not take a value head dim apart from the key's "
+                            "(value's last axis must be key's); use 'xla' or 'blockwise'")
     missing = [n for n, given, takes in (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks))
                if given and not takes]
     if missing:
@@ -258,13 +266,14 @@ def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks) -> tuple[type, st
 
 
 def _per_platform(kernel: _Kernel, query, key, value, call):
-    """Output ``(batch, q_len, heads, head_dim)`` in the compute dtype, from the kernel of the
+    """Output ``(batch, q_len, heads, v_head_dim)`` in the compute dtype, from the kernel of the
     platform the program is lowered for (``jax.lax.platform_dependent``): a CPU host traces
     every branch and lowers only the target's, so it can export or compile for GPUs and TPUs."""
     pairs = kernel.per_platform or ((kernel.platform or "default", kernel.name),)
     if kernel.interpret_elsewhere:
         pairs += (("default", kernel.name),)
-    names = {platform: _resolve(kernel.name, name, query.dtype, call) for platform, name in pairs}
+    value_dim = value.shape[-1] != key.shape[-1]
+    names = {platform: _resolve(kernel.name, name, query.dtype, call, value_dim) for platform, name in pairs}
     if set(names.values()) == {"blockwise"}:  # one kernel everywhere (it places its own blocks on a mesh)
         return _run_blockwise(query, key, value, **call)
     sharded = _sharded_axes(query, key)
@@ -323,14 +332,14 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
     return _blockwise.per_device(local, args, specs, layout, check_vma=False)
 
 
-def _resolve(asked: str, name: str, dtype, call):
+def _resolve(asked: str, name: str, dtype, call, value_dim=False):
     """What runs where ``implementation=asked`` names ``name``'s kernel: that kernel; for
     ``"flash"``, ``"blockwise"`` where the kernel cannot express the call; asked for by name, a
     refusal ``(exception type, message)`` raised where the program is lowered for its platform
     (or, for splash's terms, now)."""
     spec = call["spec"]
     refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
-                       call["soft_cap"] is not None, call["sinks"] is not None)
+                       call["soft_cap"] is not None, call["sinks"] is not None, value_dim)
     if asked != name:  # "flash": the platform's kernel where it takes the call
         if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
             return "blockwise"
@@ -381,7 +390,7 @@ def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng
         block_q=block_q, block_k=block_k, soft_cap=soft_cap,
         sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups),
     )
-    return out.transpose(0, 3, 1, 2, 4).reshape(query.shape)
+    return out.transpose(0, 3, 1, 2, 4).reshape(query.shape[:3] + value.shape[3:])
 
 
 def _run_cudnn(query, key, value, *, spec, scale, **_):
@@ -428,7 +437,9 @@ def _unavailable(message: str, error: type = ValueError):
     """A branch that fails with ``message`` (``{platform}`` filled in) where it is lowered."""
     def branch(query, key, value):
         compute = jnp.promote_types(query.dtype, jnp.float32)
-        return _unavailable_p.bind(query.astype(compute), message=message, error=error.__name__)
+        # stands for the output (batch, q_len, heads, v_head_dim), as the kernel's branch gives it
+        out = jnp.broadcast_to(query[..., :1], query.shape[:3] + value.shape[3:]).astype(compute)
+        return _unavailable_p.bind(out, message=message, error=error.__name__)
 
     return branch
 
@@ -451,8 +462,8 @@ def _check_derivatives(implementation: str, *arrays) -> None:
 
 
 def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=None, sinks=None):
-    """The plain formulation: q ``(b, q, kv_heads, groups, d)``, k/v ``(b, k, kv_heads, d)``,
-    ``sinks`` ``(heads,)`` or None."""
+    """The plain formulation: q ``(b, q, kv_heads, groups, d)``, k ``(b, k, kv_heads, d)``, v ``(b, k,
+    kv_heads, dv)``, ``sinks`` ``(heads,)`` or None."""
     batch, q_len, kv_heads, groups, _ = q.shape
     shape = (batch, kv_heads * groups, q_len, k.shape[1])
     logits = _scores(q, k, precision).reshape(shape) * scale
@@ -503,8 +514,8 @@ def _scores(q, k, precision):
 
 
 def _mix(weights, v, precision):
-    """Outputs ``(b, q, kv_heads, groups, d)`` of weights ``(b, kv_heads, groups, q, k)`` over v
-    ``(b, k, kv_heads, d)``."""
+    """Outputs ``(b, q, kv_heads, groups, dv)`` of weights ``(b, kv_heads, groups, q, k)`` over v
+    ``(b, k, kv_heads, dv)``."""
     batch, kv_heads, groups, q_len, kv_len = weights.shape
     if not _over_all_heads(v, q_len, kv_len, groups, kv_heads):
         out = jnp.einsum("bhmk,bhkd->bhmd", weights.reshape(batch, kv_heads, groups * q_len, kv_len),

@@ -273,11 +273,13 @@ class ArrayChecks:
 
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
         """The functional core's real floating inputs, laid out ``(batch, len, heads, head_dim)`` or,
-        with ``heads_first``, ``(batch, heads, len, head_dim)``; (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
+        with ``heads_first``, ``(batch, heads, len, head_dim)``; the value's last axis, its head dim, may
+        differ from the query's and key's. Returns (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
         order = (0, 2, 1, 3) if self.heads_first else (0, 1, 2, 3)  # to (batch, len, heads, head_dim)
-        layout = "(batch, {}, {}, head_dim)" if self.heads_first else "(batch, {1}, {0}, head_dim)"
-        q_layout, kv_layout = layout.format("heads", "q_len"), layout.format("kv_heads", "kv_len")
-        inputs = (("query", query, q_layout), ("key", key, kv_layout), ("value", value, kv_layout))
+        layout = "(batch, {}, {}, {})" if self.heads_first else "(batch, {1}, {0}, {2})"
+        q_layout, kv_layout = (layout.format(h, n, "head_dim") for h, n in (("heads", "q_len"), ("kv_heads", "kv_len")))
+        v_layout = layout.format("kv_heads", "kv_len", "v_head_dim")
+        inputs = (("query", query, q_layout), ("key", key, kv_layout), ("value", value, v_layout))
         for name, x, _ in inputs:
             self.require_float(name, x)
         for name, x, axes in inputs:
@@ -287,13 +289,18 @@ class ArrayChecks:
             raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
         query, key, value = tuple(query.shape), tuple(key.shape), tuple(value.shape)
         batch, q_len, heads, head_dim = (query[i] for i in order)
-        if key != value:
-            raise ValueError(f"key and value must have the same shape {kv_layout}, got key {key} and value {value}")
+        if key[:3] != value[:3]:
+            raise ValueError(
+                f"key and value must have the same shape but for the last axis: batch, kv_len and kv_heads must agree "
+                f"(only the head dim may differ), got key {key} and value {value}"
+            )
         k_batch, kv_len, kv_heads, k_dim = (key[i] for i in order)
         if k_batch != batch or k_dim != head_dim:
-            raise ValueError(f"key/value {key} must match query {query} in batch and head_dim")
+            raise ValueError(f"key {key} and value {value} must match query {query} in batch, and key in head_dim")
         if head_dim == 0:
             raise ValueError(f"query, key and value need head_dim >= 1, got query {query}, key {key}")
+        if value[3] == 0:
+            raise ValueError(f"value needs a head dim >= 1 (its last axis), got value {value}")
         if kv_heads == 0 or heads % kv_heads:
             raise ValueError(
                 f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, key {key}"

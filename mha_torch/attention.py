@@ -65,8 +65,9 @@ def dot_product_attention(
 
     Args:
       query: ``(batch, heads, q_len, head_dim)``.
-      key, value: ``(batch, kv_heads, kv_len, head_dim)``; ``kv_heads`` divides ``heads``, and
-        query head ``h`` reads key/value head ``h // (heads // kv_heads)``.
+      key: ``(batch, kv_heads, kv_len, head_dim)``; ``kv_heads`` divides ``heads``, and query head
+        ``h`` reads key/value head ``h // (heads // kv_heads)``.
+      value: ``(batch, kv_heads, kv_len, v_head_dim)``, its head dim its own (the key's by default).
       mask: broadcasts to ``(batch, heads, q_len, kv_len)``; as in
         ``F.scaled_dot_product_attention``: bool True = attend, integer nonzero = attend,
         floating = added to the logits (with ``bias``). ``mha_jax``'s mask differs here: any
@@ -89,7 +90,7 @@ def dot_product_attention(
         for, then ``"math"`` (whatever the sizes).
 
     Returns:
-      ``(batch, heads, q_len, head_dim)`` in the input dtype, or ``(output, weights)`` with
+      ``(batch, heads, q_len, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
       output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32 (on a CUDA
       device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
@@ -109,7 +110,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
-    kv_heads, head_dim = key.shape[1], query.shape[3]
+    kv_heads, head_dim, v_dim = key.shape[1], query.shape[3], value.shape[3]
     scale = arguments.check_scale(scale)
     soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
     if sinks is not None:
@@ -122,7 +123,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
         if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
             empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).to(empty.dtype)
-        out = (empty @ value.unsqueeze(2)).reshape(query.shape)
+        out = (empty @ value.unsqueeze(2)).reshape(batch, heads, q_len, v_dim)
         return (out, empty.reshape(shape)) if need_weights else out
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
 
@@ -172,8 +173,8 @@ def _refusal(kernel: _Kernel, need_weights, explicit_dropout, soft_cap) -> str |
 
 
 def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=None):
-    """The explicit formulation: q ``(b, heads, q, d)``, k/v ``(b, kv_heads, k, d)``,
-    ``sinks`` ``(heads,)`` or None."""
+    """The explicit formulation: q ``(b, heads, q, d)``, k ``(b, kv_heads, k, d)``, v ``(b, kv_heads, k,
+    dv)``, ``sinks`` ``(heads,)`` or None."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -185,7 +186,7 @@ def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=
     if keep is not None:
         weights = torch.where(keep, weights * keep_scale, 0.0)
     out = weights.reshape(batch, kv_heads, groups, q_len, kv_len) @ v.unsqueeze(2)
-    return out.reshape(batch, heads, q_len, head_dim), weights
+    return out.reshape(batch, heads, q_len, v.shape[3]), weights
 
 
 def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
@@ -214,7 +215,7 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
         # Each key/value head's group of query heads as rows of one head: SDPA's enable_gqa reads a
         # key/value head once per query head, this once. No term depends on the query head or row here.
         out = F.scaled_dot_product_attention(q.reshape(batch, k.shape[1], groups * q_len, head_dim), k, v, scale=scale)
-        return out.view(batch, heads, q_len, head_dim)
+        return out.view(batch, heads, q_len, v.shape[3])
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
@@ -227,8 +228,8 @@ def _with_sink_key(q, k, v, attn_mask, sinks):
     logit exactly, its value adds nothing, and the sink's gradient comes back through the mask."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len, head_dim = k.shape[1], k.shape[2], k.shape[3]
-    zero = k.new_zeros(batch, kv_heads, 1, head_dim)
-    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    k = torch.cat([k, k.new_zeros(batch, kv_heads, 1, head_dim)], dim=2)
+    v = torch.cat([v, v.new_zeros(batch, kv_heads, 1, v.shape[3])], dim=2)
     if attn_mask is None:
         attn_mask = q.new_zeros(1, 1, 1, 1)
     elif attn_mask.dtype == torch.bool:

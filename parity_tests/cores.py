@@ -95,7 +95,8 @@ def _run_torch(inputs, mask, bias, sinks, keep, implementation, is_causal, scale
     for x in (q, k, v, *learned):
         if x is not None:
             x.requires_grad_(True)
-    terms = {name: x if name == "local_window_size" else torch.from_numpy(np.array(x)) for name, x in terms.items()}
+    static = ("local_window_size", "attention_chunk_size")
+    terms = {name: x if name in static else torch.from_numpy(np.array(x)) for name, x in terms.items()}
     result = mha_torch.dot_product_attention(
         q, k, v, mask=None if mask is None else _torch_tensor(mask), bias=learned[0], is_causal=is_causal,
         scale=scale, logit_soft_cap=soft_cap, sinks=learned[1], **terms, implementation=implementation,
