@@ -256,3 +256,29 @@ def test_bad_latent_options_fail_by_name(framework):
                                                                             torch.from_numpy(x + 1))
     with pytest.raises(ValueError, match="keys and values both come from the key input's latent"):
         module(x, x, y)
+
+
+def test_linen_holds_the_nnx_tree_and_decodes_with_the_latent_cache():
+    """The linen module's parameters are the nnx module's tree; with them it gives the nnx outputs,
+    in one pass and decoding token by token over a ``'cache'`` of the latent entries alone."""
+    import jax
+
+    layer, _, x = _pair()
+    params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    want = layer(jnp.asarray(x), is_causal=True)
+    options = dict(latent=LATENT, rotary=layer.rotary, param_dtype=jnp.float64)
+    full = mha_jax.linen.MultiHeadDotProductAttention(HEADS, **options)
+    made = full.init(jax.random.key(0), jnp.asarray(x), is_causal=True)["params"]
+    assert jax.tree.map(jnp.shape, made) == jax.tree.map(jnp.shape, params)
+    assert _rel(full.apply({"params": params}, jnp.asarray(x), is_causal=True), want) <= 1e-12
+    step = mha_jax.linen.MultiHeadDotProductAttention(HEADS, decode=True, **options)
+    cache = step.init(jax.random.key(0), jnp.zeros((B, T, HIDDEN)), is_causal=True)["cache"]
+    assert jax.tree.map(jnp.shape, cache) == dict(cache_index=(B,), cache_overflow=(B,),
+                                                  cached_key=(B, T, 1, LATENT.cache_dim))
+    outs = []
+    for i in range(T):
+        out, changed = step.apply({"params": params, "cache": cache}, jnp.asarray(x[:, i:i + 1]), is_causal=True,
+                                  mutable=["cache"])
+        cache = changed["cache"]
+        outs.append(out)
+    assert _rel(jnp.concatenate(outs, axis=1), want) <= 1e-12
