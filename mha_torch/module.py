@@ -339,9 +339,11 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=q.device) >= dropout_p
+        # the absorbed step's one key head under a mask: SDPA would copy it for every query head, "math" reads it once
+        implementation = "math" if absorbed and self.implementation is None else self.implementation
         result = spec_attention(
             q, keys, values, spec, dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
-            implementation=self.implementation, zero_unused=zero_unused, **self._logit_terms(),
+            implementation=implementation, zero_unused=zero_unused, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
         if absorbed:
