@@ -168,21 +168,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     passed = [f"--threads={args.threads}", f"--reps={args.reps}", f"--min-seconds={args.min_seconds}",
               "--lengths", *map(str, args.lengths)]
-    rows = []
-    for framework in ("jax", "torch"):
-        done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode", "--framework", framework, *passed],
-                              capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
-                              env=_child_env(framework, args.threads), check=True)
-        rows += json.loads(done.stdout.strip().splitlines()[-1])
-    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores" + (f", {args.note}" if args.note else "")
-    meta = dict(threads=args.threads, reps=args.reps, min_seconds=args.min_seconds, machine=machine,
+    rows = [row for framework in ("jax", "torch") for row in _child_rows(framework, passed, args.threads)]
+    machine = [f"{platform.machine()} CPU, {os.cpu_count()} cores"] + ([args.note] if args.note else [])
+    meta = dict(threads=args.threads, reps=args.reps, min_seconds=args.min_seconds, machine=", ".join(machine),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu-mla-decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(rows, meta)
-    (RESULTS / "cpu-mla-decode.md").write_text(table)
+    for suffix, text in ((".json", json.dumps(dict(meta=meta, rows=rows), indent=1)), (".md", table)):
+        (RESULTS / f"cpu-mla-decode{suffix}").write_text(text)
     print(table)
     return 0
+
+
+def _child_rows(framework: str, passed: list[str], threads: int) -> list[dict]:
+    """The rows of one framework, measured in a process of its own."""
+    command = [sys.executable, "-m", "benchmarks.mla_decode", "--framework", framework, *passed]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                          env=_child_env(framework, threads), check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mha_jax import masks
-from mha_spec.latent import Latent
+from mha_spec.latent import Latent, RopePart
 from mha_spec.rotary import rotate_at
 
 
@@ -65,19 +65,13 @@ def make_projections(module: nnx.Module, latent: Latent, features: tuple[int, in
     module.kv_b_proj = linear(latent.kv_lora_rank, (num_heads, latent.kv_b_features), use_bias=False)
 
 
-class RopePart:
-    """``rotary`` acting on the last ``qk_rope_head_dim`` features of each head, the rest kept."""
-
-    def __init__(self, rotary, latent: Latent):
-        self.rotary, self.rope = rotary, latent.qk_rope_head_dim
-
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        rope = x.shape[-1] - self.rope
-        return jnp.concatenate([x[..., :rope], self.rotary(x[..., rope:], positions)], axis=-1)
-
-
 def rope_part(rotary, latent: Latent) -> RopePart | None:
-    return None if rotary is None else RopePart(rotary, latent)
+    """``rotary`` on the rope part of each head (``mha_spec.latent.RopePart``), None without one."""
+    return None if rotary is None else RopePart(rotary, latent, _concat_last)
+
+
+def _concat_last(xs: list):
+    return jnp.concatenate(xs, axis=-1)
 
 
 def project_query(module: nnx.Module, x: jax.Array) -> jax.Array:
@@ -107,12 +101,6 @@ def expand(module: nnx.Module, entries: jax.Array, heads: int) -> tuple[jax.Arra
     k_nope, values = lifted[..., :latent.qk_nope_head_dim], lifted[..., latent.qk_nope_head_dim:]
     k_rope = jnp.broadcast_to(entries[..., latent.kv_lora_rank:], (batch, kv_len, heads, latent.qk_rope_head_dim))
     return jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), values
-
-
-def check_inputs(inputs_k, inputs_v) -> None:
-    """A latent module's keys and values come from one input: ``inputs_v`` None or ``inputs_k`` itself."""
-    if inputs_v is not None and inputs_v is not inputs_k:
-        raise ValueError("with latent, keys and values both come from the key input's latent: pass no inputs_v")
 
 
 def attention_inputs(module: nnx.Module, query: jax.Array, entries: jax.Array, spec: masks.Spec):

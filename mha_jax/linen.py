@@ -134,7 +134,7 @@ class MultiHeadDotProductAttention(nn.Module):
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         if self.latent is not None:
-            mla.check_inputs(inputs_k, inputs_v)
+            latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None

@@ -273,7 +273,7 @@ class MultiHeadAttention(nnx.Module):
         """
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
         if self.latent is not None:
-            mla.check_inputs(inputs_k, inputs_v)
+            latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode if decode is None else decode
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "

@@ -19,7 +19,7 @@ its weight, ``q_nope . (W_k c) = (q_nope W_k) . c``, so the step attends with qu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +106,13 @@ def check_latent(latent: Any, num_heads: int, num_kv_heads: int | None, qkv_feat
     return latent
 
 
+def check_inputs(key: Any, value: Any, name: str) -> None:
+    """A latent module's keys and values come from one input: ``value`` (the twin's ``name`` of it) None or
+    ``key`` itself."""
+    if value is not None and value is not key:
+        raise ValueError(f"with latent, keys and values both come from the key input's latent: pass no {name}")
+
+
 def check_rotary(rotary: Any, latent: Latent) -> None:
     """A rotary embedding of a latent module acts on the rope parts: ``head_dim = qk_rope_head_dim``."""
     head_dim = getattr(rotary, "head_dim", None)
@@ -116,10 +123,27 @@ def check_rotary(rotary: Any, latent: Latent) -> None:
         )
 
 
-def rotary_arguments(rope_config: Mapping[str, Any], latent: Latent, interleaved: bool) -> dict[str, Any]:
-    """A latent layer's ``RotaryEmbedding`` arguments: the config's rotary settings (``rope_from_config``)
-    over the ``qk_rope_head_dim`` features, their pairs interleaved as the layer says (DeepSeek-V3's
-    ``rope_interleave``) whatever the model_type: the logits depend on the pairs alone, not on where a
-    rotated pair is placed, which transformers' rotation changes."""
-    arguments = rope_from_config(rope_config, latent.qk_rope_head_dim)
-    return dict(arguments, interleaved=bool(interleaved))
+class RopePart:
+    """``rotary`` (a twin's ``RotaryEmbedding``) acting on the last ``qk_rope_head_dim`` features of each
+    head, the rest kept; ``concat`` joins a list of arrays along the last axis."""
+
+    def __init__(self, rotary: Any, latent: Latent, concat: Callable[[list], Any]):
+        self.rotary, self.rope, self.concat = rotary, latent.qk_rope_head_dim, concat
+
+    def __call__(self, x: Any, positions: Any) -> Any:
+        rope = x.shape[-1] - self.rope
+        return self.concat([x[..., :rope], self.rotary(x[..., rope:], positions)])
+
+
+def layer_rotary(options: Any) -> dict[str, Any] | None:
+    """A layer's ``RotaryEmbedding`` arguments from its ``families.LayerOptions``, None without rotary: the
+    config's settings (``rope_from_config``); a latent layer's over its ``qk_rope_head_dim`` features, the
+    pairs interleaved as the layer says (DeepSeek-V3's ``rope_interleave``) whatever the model_type: the
+    logits depend on the pairs alone, not on where a rotated pair is placed, which transformers' rotation
+    changes."""
+    if options.rope is None:
+        return None
+    if options.latent is None:
+        return rope_from_config(options.rope, options.head_dim)
+    arguments = rope_from_config(options.rope, options.latent.qk_rope_head_dim)
+    return None if arguments is None else dict(arguments, interleaved=bool(options.rope_interleaved))

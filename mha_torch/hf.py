@@ -38,11 +38,13 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       {from_hf_call}
     """
     options = families.layer_options(families.read_config(config), layer)
+    rotary = latent.layer_rotary(options)  # None without one; a latent layer's over its rope part
     module = MultiHeadAttention(
         options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
-        use_sinks=options.use_sinks, rotary=_rotary(options), local_window_size=options.window,
+        use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),
+        local_window_size=options.window,
         implementation=implementation, dtype=dtype, device=device, attention_chunk_size=options.attention_chunk_size,
         latent=options.latent,
     )
@@ -52,15 +54,6 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
             options, state, lambda arrays: torch.cat([torch.as_tensor(a) for a in arrays]))
         load_weights(module, state, **keywords)
     return module
-
-
-def _rotary(options: families.LayerOptions) -> RotaryEmbedding | None:
-    """The layer's rotary embedding; a latent layer's over the rope part of each head."""
-    if options.rope is None:
-        return None
-    if options.latent is not None:
-        return RotaryEmbedding(**latent.rotary_arguments(options.rope, options.latent, options.rope_interleaved))
-    return RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim)
 
 
 def _read_file(path: str, prefix: str) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mha_spec.latent import Latent
+from mha_spec.latent import Latent, RopePart
 from mha_spec.rotary import rotate_at
 from mha_torch import masks
 from mha_torch._cache import KVCache
@@ -58,19 +58,13 @@ def make_projections(module: nn.Module, latent: Latent, features: tuple[int, int
     module.out_proj = nn.Linear(num_heads * latent.v_head_dim, out_dim, bias=biases[1], **factory)
 
 
-class RopePart:
-    """``rotary`` acting on the last ``qk_rope_head_dim`` features of each head, the rest kept."""
-
-    def __init__(self, rotary, latent: Latent):
-        self.rotary, self.rope = rotary, latent.qk_rope_head_dim
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        rope = x.shape[-1] - self.rope
-        return torch.cat([x[..., :rope], self.rotary(x[..., rope:], positions)], dim=-1)
-
-
 def rope_part(rotary, latent: Latent) -> RopePart | None:
-    return None if rotary is None else RopePart(rotary, latent)
+    """``rotary`` on the rope part of each head (``mha_spec.latent.RopePart``), None without one."""
+    return None if rotary is None else RopePart(rotary, latent, _concat_last)
+
+
+def _concat_last(xs: list):
+    return torch.cat(xs, dim=-1)
 
 
 def project_query(module: nn.Module, x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
@@ -103,12 +97,6 @@ def expand(module: nn.Module, entries: torch.Tensor, heads: int) -> tuple[torch.
     k_nope, values = lifted.split([latent.qk_nope_head_dim, latent.v_head_dim], dim=-1)
     k_rope = entries[..., latent.kv_lora_rank:].expand(batch, heads, kv_len, latent.qk_rope_head_dim)
     return torch.cat([k_nope, k_rope], dim=-1), values
-
-
-def check_inputs(key, value) -> None:
-    """A latent module's keys and values come from one input: ``value`` None or ``key`` itself."""
-    if value is not None and value is not key:
-        raise ValueError("with latent, keys and values both come from the key input's latent: pass no value")
 
 
 def attention_inputs(module: nn.Module, q: torch.Tensor, entries: torch.Tensor, spec: masks.Spec):

@@ -199,7 +199,7 @@ class MultiHeadAttention(nn.Module):
         """
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals())
         if self.latent is not None:
-            mla.check_inputs(key, value)
+            latent_spec.check_inputs(key, value, "value")
         if cache is not None:
             return self._decode(query, key, value, cache, masking, need_weights)
         heads, kv_heads = self._local_heads()
