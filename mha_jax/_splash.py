@@ -82,9 +82,10 @@ def padded(length: int) -> int:
 
 
 def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
-    """Output ``(batch, q_len, heads, head_dim)`` in float32 of query ``(batch, q_len, heads,
-    head_dim)`` over key/value ``(batch, kv_len, kv_heads, head_dim)``; ``sinks`` ``(heads,)`` or
-    None. Lowered for the TPU alone, or in interpret mode; on a mesh, called per device."""
+    """Output ``(batch, q_len, heads, v_head_dim)`` in float32 of query ``(batch, q_len, heads,
+    head_dim)`` over key ``(batch, kv_len, kv_heads, head_dim)`` and value ``(batch, kv_len, kv_heads,
+    v_head_dim)`` (the kernel takes a value head dim of its own); ``sinks`` ``(heads,)`` or None.
+    Lowered for the TPU alone, or in interpret mode; on a mesh, called per device."""
     batch, heads, q_len, kv_len = spec.shape
     if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))

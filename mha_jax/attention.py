@@ -90,7 +90,8 @@ def dot_product_attention(
       query: ``(batch, q_len, heads, head_dim)``.
       key: ``(batch, kv_len, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``, and query head
         ``h`` reads key/value head ``h // (heads // kv_heads)``.
-      value: ``(batch, kv_len, kv_heads, v_head_dim)``, its head dim its own (the key's by default).
+      value: ``(batch, kv_len, kv_heads, v_head_dim)``, ``v_head_dim`` may differ from ``head_dim``
+        (as in multi-head latent attention); the output has it.
       mask: broadcasts to ``(batch, heads, q_len, kv_len)``; any dtype, nonzero = attend (as in
         flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks work as they are).
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the

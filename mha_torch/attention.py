@@ -67,7 +67,8 @@ def dot_product_attention(
       query: ``(batch, heads, q_len, head_dim)``.
       key: ``(batch, kv_heads, kv_len, head_dim)``; ``kv_heads`` divides ``heads``, and query head
         ``h`` reads key/value head ``h // (heads // kv_heads)``.
-      value: ``(batch, kv_heads, kv_len, v_head_dim)``, its head dim its own (the key's by default).
+      value: ``(batch, kv_heads, kv_len, v_head_dim)``, ``v_head_dim`` may differ from ``head_dim``
+        (as in multi-head latent attention); the output has it.
       mask: broadcasts to ``(batch, heads, q_len, kv_len)``; as in
         ``F.scaled_dot_product_attention``: bool True = attend, integer nonzero = attend,
         floating = added to the logits (with ``bias``). ``mha_jax``'s mask differs here: any

@@ -28,7 +28,7 @@ from parity_tests.tool import harness, oracle
 
 B, Q, K, H, HK, D = 2, 12, 8, 4, 2, 8
 CLAIMS = {"name", "weights", "dropout", "soft_cap", "sinks", "forward_mode", "dtypes", "platform",
-          "interpret_elsewhere", "ring", "per_platform"}
+          "interpret_elsewhere", "ring", "per_platform", "value_head_dim"}
 # The custom call that shows each platform kernel in a program (the others are computed by XLA's
 # own operations).
 KERNEL_CALLS = {"cudnn": "__cudnn$fmha", "splash": "tpu_custom_call"}
@@ -241,6 +241,38 @@ def test_each_platform_runs_the_kernel_the_record_names(name, platform, kernel):
 
     claimed = named if RECORDS[kernel].dropout else set()
     assert _kernels_in(_program(drop, args + (jax.random.key(0),), target)) == claimed
+
+
+def _value_head_dim_inputs(dtype: str):
+    """query ``(B, Q, H, D)``, key ``(B, K, HK, D)`` and a value ``(B, K, HK, 4)``: a head dim of its own."""
+    q, k, _ = _inputs(dtype)
+    return q, k, jnp.asarray(np.random.default_rng(4).normal(size=(B, K, HK, 4)), dtype)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_value_head_dim_of_its_own_is_taken_where_claimed_and_refused_elsewhere(name):
+    """Claimed: the output ``(B, Q, H, 4)`` against the oracle where the kernel runs here, else the
+    kernel in its platform's program; else a refusal naming it."""
+    record = RECORDS[name]
+    args, fn = _value_head_dim_inputs(_dtype(record)), _attention(name, is_causal=True)
+    if not record.value_head_dim:
+        with pytest.raises(ValueError, match=re.escape(f"implementation={name!r} does not take a value head dim")):
+            _lowered(name, fn, args)
+        return
+    if not _runs_here(record):
+        assert _kernels_in(_program(fn, args, record.platform)) == {name}
+        return
+    _close(jax.jit(fn)(*args), _oracle(*args, is_causal=True)[0], _dtype(record))
+
+
+@pytest.mark.parametrize("name, platform, kernel", PER_PLATFORM)
+def test_each_platform_takes_a_value_head_dim_where_its_kernel_does(name, platform, kernel):
+    """In the platform's program, its kernel where that kernel's record claims a value head dim of
+    its own, else the portable kernel."""
+    target = "cpu" if platform == "default" else platform
+    args = _value_head_dim_inputs(_dtype(RECORDS[kernel]))
+    named = {kernel} if kernel in KERNEL_CALLS and RECORDS[kernel].value_head_dim else set()
+    assert _kernels_in(_program(_attention(name, is_causal=True), args, target)) == named
 
 
 def test_the_tpu_kernel_receives_no_dropout():

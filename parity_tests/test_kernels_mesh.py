@@ -46,9 +46,14 @@ PROGRAM = textwrap.dedent('''
 ''')
 
 
-def test_splash_runs_per_device_on_an_explicit_mesh():
+def run_on_4_devices(program: str) -> None:
+    """``program`` in a Python process of its own on 4 simulated CPU devices; it must print ``ok`` last."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(root))
-    run = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, cwd=root, env=env)
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=root, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
+
+
+def test_splash_runs_per_device_on_an_explicit_mesh():
+    run_on_4_devices(PROGRAM)
