@@ -295,7 +295,6 @@ def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, 
 
 FAMILIES.update({  # DeepSeek-V3's attention and the classes copied from it
     "deepseek_v3": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
-    "axk1": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
     "youtu": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads

@@ -318,7 +318,8 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Supported("multi-head latent attention: low-rank projections, the rope part, v_head_dim apart", dict(
         head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
         qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
-        n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1")},
+        n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu")},
+    "axk1": Refused("multi-head latent attention", "DeepSeek-V3's layer, its record not yet written"),
     "deepseek_v2": Refused("multi-head latent attention", "its complex-valued rotary tables, not yet compared"),
     "longcat_flash": Refused("multi-head latent attention", "its scales of the query and latent (mla_scale_*_lora)"),
     **{name: Refused("a mask from the content", "DSA's indexer, a top-k sparse mask") for name in (
