@@ -101,41 +101,45 @@ def _jax_rows(args: argparse.Namespace) -> list[dict]:
 
 def _torch_rows(args: argparse.Namespace) -> list[dict]:
     import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return [_torch_row(length, args) for length in args.lengths]
+
+
+def _torch_row(length: int, args: argparse.Namespace) -> dict:
+    """The two steps of PyTorch at ``length`` cached keys, timed."""
+    import torch
     import torch.nn.functional as F
 
     import mha_torch
     from mha_torch import latent as mla
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    rows = []
-    for length in args.lengths:
-        module = mha_torch.MultiHeadAttention(HIDDEN, HEADS, latent=_latent(), bias=False,
-                                              rotary=mha_torch.RotaryEmbedding(head_dim=ROPE)).eval()
-        cache = mla.LatentCache(1, length, module.latent)
-        token = torch.randn(1, 1, HIDDEN)
+    module = mha_torch.MultiHeadAttention(HIDDEN, HEADS, latent=_latent(), bias=False,
+                                          rotary=mha_torch.RotaryEmbedding(head_dim=ROPE)).eval()
+    cache = mla.LatentCache(1, length, module.latent)
+    token = torch.randn(1, 1, HIDDEN)
 
-        def run_latent(module=module, cache=cache, token=token, length=length):
-            cache.index.fill_(length - 1)
-            with torch.no_grad():
-                module(token, cache=cache, is_causal=True)
+    def run_latent(module=module, cache=cache, token=token, length=length):
+        cache.index.fill_(length - 1)
+        with torch.no_grad():
+            module(token, cache=cache, is_causal=True)
 
-        keys, values = torch.zeros(1, HEADS, length, NOPE + ROPE), torch.zeros(1, HEADS, length, V)
+    keys, values = torch.zeros(1, HEADS, length, NOPE + ROPE), torch.zeros(1, HEADS, length, V)
 
-        def run_full(module=module, keys=keys, values=values, token=token, index=length - 1):
-            with torch.no_grad():
-                pos = torch.full((1, 1), index, dtype=torch.int32)
-                rope = mla.rope_part(module.rotary, module.latent)
-                query = rope(mla.project_query(module, token, 1, HEADS), pos)
-                key, value = mla.expand(module, rope(mla.project_latent(module, token), pos), HEADS)
-                keys[:, :, index], values[:, :, index] = key[:, :, 0], value[:, :, 0]
-                out = F.scaled_dot_product_attention(query, keys[:, :, :index + 1], values[:, :, :index + 1],
-                                                     scale=module.scale)
-                module.out_proj(out.transpose(1, 2).reshape(1, 1, HEADS * V))
+    def run_full(module=module, keys=keys, values=values, token=token, index=length - 1):
+        with torch.no_grad():
+            pos = torch.full((1, 1), index, dtype=torch.int32)
+            rope = mla.rope_part(module.rotary, module.latent)
+            query = rope(mla.project_query(module, token, 1, HEADS), pos)
+            key, value = mla.expand(module, rope(mla.project_latent(module, token), pos), HEADS)
+            keys[:, :, index], values[:, :, index] = key[:, :, 0], value[:, :, 0]
+            out = F.scaled_dot_product_attention(query, keys[:, :, :index + 1], values[:, :, :index + 1],
+                                                 scale=module.scale)
+            module.out_proj(out.transpose(1, 2).reshape(1, 1, HEADS * V))
 
-        timed = _interleaved({"latent": run_latent, "full keys": run_full}, args.reps, args.min_seconds)
-        rows.append(_row("torch", length, (cache.key.nbytes, keys.nbytes + values.nbytes), timed))
-    return rows
+    timed = _interleaved({"latent": run_latent, "full keys": run_full}, args.reps, args.min_seconds)
+    return _row("torch", length, (cache.key.nbytes, keys.nbytes + values.nbytes), timed)
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
