@@ -29,11 +29,11 @@ INPUT_LAYOUT = "(*batch, length, features)"
 
 @dataclasses.dataclass(frozen=True)
 class _Cache:
-    """A cache with one batch axis: ``key``/``value`` ``(batch, max_length, kv_heads, head_dim)``,
-    ``end`` int32 ``(batch,)`` (next position), ``overflow`` bool ``(batch,)``."""
+    """A cache with one batch axis: ``key``/``value`` ``(batch, max_length, kv_heads, head_dim)`` (``value``
+    None: a latent cache, keys alone), ``end`` int32 ``(batch,)`` (next position), ``overflow`` bool ``(batch,)``."""
 
     key: jax.Array
-    value: jax.Array
+    value: jax.Array | None
     end: jax.Array
     overflow: jax.Array
 
@@ -80,12 +80,14 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
     kv_cache.check_cache(("cached_key", "cache_index"), "call init_cache with the inputs' batch axes", key.shape,
                          index.shape, batch_shape, kv_heads, head_dim, n)
     flat = (batch,) + tuple(key.shape[len(batch_shape):])
-    return _Cache(key.reshape(flat), value.reshape(flat), index.reshape(batch), overflow.reshape(batch))
+    value = None if value is None else value.reshape(flat)  # None: a latent cache, keys alone
+    return _Cache(key.reshape(flat), value, index.reshape(batch), overflow.reshape(batch))
 
 
 def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call):
     """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default
-    each row's end onward) and append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache``:
+    each row's end onward) and append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (``value``
+    None: keys alone, the latent cache's entries):
     ``(query, key, cache, spec)``, ``spec`` with the positions of the new queries and of the slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
@@ -96,7 +98,7 @@ def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call)
     end = _cache.advance(start, pos)
     overflow = kv_cache.check_step(start, end, max_length, call.spec.terms,
                                    lambda x: np.asarray(x) if _checks.concrete(x) else None)
-    written = (_cache.write(cache.key, key, pos), _cache.write(cache.value, value, pos))
+    written = (_cache.write(cache.key, key, pos), None if value is None else _cache.write(cache.value, value, pos))
     updated = _Cache(*written, end, cache.overflow | overflow)
     return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
 

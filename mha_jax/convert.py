@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mha_jax import latent
 from mha_spec import layouts
 
 _FLAX_NAMES = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "out_proj"))
@@ -113,6 +114,8 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     if isinstance(params, (str, os.PathLike)):
         params = _read_params(params)
     tree = _params_dict(params)
+    if latent.is_latent_tree(tree):  # multi-head latent attention's tree
+        return latent.to_torch_state(tree, _to_numpy)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
     known = dict(_FLAX_NAMES + _FLAX_NORMS)
     problems += [f"unexpected {name!r}" for name in tree if name not in known and name != layouts.SINKS]
@@ -160,6 +163,12 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
         raise TypeError(
             f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
         )
+    if getattr(module, "latent", None) is not None:  # transformers' names (layout "mla")
+        state = layouts.read_latent(read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+                                    ignore=ignore, expected=latent.torch_shapes(_params_dict(module)))
+        _check_dtypes(state)
+        latent.load_state(module, state)
+        return
     params = _from_torch(
         state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,

@@ -18,7 +18,7 @@ from flax import nnx
 from mha_jax.convert import load_weights, read_state
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
-from mha_spec import docstrings, families
+from mha_spec import docstrings, families, latent
 
 
 @docstrings.fill
@@ -42,14 +42,16 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       {from_hf_call}
     """
     options = families.layer_options(families.read_config(config), layer)
+    rotary = latent.layer_rotary(options)  # None without one; a latent layer's over its rope part
     module = MultiHeadAttention(
         options.num_heads, options.hidden_size, options.num_heads * options.head_dim, options.hidden_size,
         options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False,
         scale=options.scale, logit_soft_cap=options.logit_soft_cap, use_sinks=options.use_sinks,
-        rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
-        local_window_size=options.window, param_dtype=param_dtype, implementation=implementation,
-        rngs=nnx.Rngs(0) if rngs is None else rngs, attention_chunk_size=options.attention_chunk_size,
+        rotary=None if rotary is None else RotaryEmbedding(**rotary),
+        local_window_size=options.window, param_dtype=param_dtype,
+        implementation=implementation, rngs=nnx.Rngs(0) if rngs is None else rngs,
+        attention_chunk_size=options.attention_chunk_size, latent=options.latent,
         alibi_slopes=options.alibi_slopes,
     )
     if weights is not None:

@@ -3,8 +3,9 @@
 The attributes and the call are flax's, with flax's meaning, plus this package's additions
 (``num_kv_heads``, ``implementation``, the structured masks). Its parameter tree is flax's (and so
 our nnx module's): ``query``/``key``/``value``/``out``, each ``kernel`` and ``bias``, and with
-``normalize_qk`` the scales ``query_ln``/``key_ln``. Given the same parameters it computes
-exactly what ``mha_jax.MultiHeadAttention`` computes.
+``normalize_qk`` the scales ``query_ln``/``key_ln``; with a ``latent``, the nnx module's latent tree
+(``mha_jax.latent.make_projections``). Given the same parameters it computes exactly what
+``mha_jax.MultiHeadAttention`` computes.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 
 from mha_jax import _layer, masks
+from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_spec import alibi, arguments, batch_axes
+from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -41,8 +44,9 @@ class MultiHeadDotProductAttention(nn.Module):
     (which always takes the softmax in float32 or wider); plus ``num_kv_heads``,
     ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``, ``logit_soft_cap``,
     ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias``,
-    ``sequence_axis`` (ring attention over that mesh axis) and ``alibi_slopes`` (ALiBi: a tuple of
-    ``num_heads`` static slopes) as in ``mha_jax.MultiHeadAttention``.
+    ``sequence_axis`` (ring attention over that mesh axis), ``alibi_slopes`` (ALiBi: a tuple of
+    ``num_heads`` static slopes) and ``latent`` (multi-head latent attention, its cache the latent
+    entries) as in ``mha_jax.MultiHeadAttention``.
     Randomness: linen's ``'params'`` and ``'dropout'`` RNG collections.
     """
 
@@ -82,6 +86,7 @@ class MultiHeadDotProductAttention(nn.Module):
     sequence_axis: str | None = None
     attention_chunk_size: int | None = None
     alibi_slopes: tuple[float, ...] | None = None
+    latent: latent_spec.Latent | None = None
 
     def __post_init__(self):
         # The other attributes wait for the inputs (feature sizes); these need none.
@@ -90,6 +95,14 @@ class MultiHeadDotProductAttention(nn.Module):
         arguments.check_qk_norm(self.normalize_qk)
         _layer.check_sequence_axis(self.sequence_axis)
         alibi.check_module_slopes(self.alibi_slopes, self.num_heads)
+        if self.latent is not None:
+            latent_spec.check_latent(self.latent, self.num_heads, self.num_kv_heads, self.qkv_features,
+                                     ("num_kv_heads", "qkv_features"))
+            if arguments.check_qk_norm(self.normalize_qk) is not None:
+                raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
+            latent_spec.check_rotary(self.rotary, self.latent)
+            if self.scale is None:  # the full keys' scale, which the absorbed decoding step keeps
+                object.__setattr__(self, "scale", self.latent.qk_head_dim ** -0.5)
         super().__post_init__()
 
     @nn.compact
@@ -123,6 +136,8 @@ class MultiHeadDotProductAttention(nn.Module):
         calls append to it as ``mha_jax.MultiHeadAttention``'s decoding does."""
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
+        if self.latent is not None:
+            latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
                                           _layer.slopes(alibi.check_module_slopes(self.alibi_slopes, self.num_heads)))
@@ -131,12 +146,20 @@ class MultiHeadDotProductAttention(nn.Module):
                               max_length=max_length, sequence_axis=self.sequence_axis)
         batch_shape, (inputs_q, inputs_k, inputs_v), spec = call.batch_shape, call.inputs, call.spec
         out_features = self.out_features or inputs_q.shape[-1]
-        query, key, value = self._project(inputs_q, inputs_k, inputs_v)
+        parts = None if self.latent is None else _LatentParts(self)
+        if parts is not None:  # the cache's entries for keys, no values
+            query, key, value = mla.project_query(parts, inputs_q), mla.project_latent(parts, inputs_k), None
+        else:
+            query, key, value = self._project(inputs_q, inputs_k, inputs_v)
         rate = arguments.check_dropout_rate("dropout_rate", self.dropout_rate)
-        if not decoding:
-            query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         if self.decode:
             query, key, value, spec = self._cached(query, key, value, call, decoding)
+        if parts is not None and decoding:
+            query, (key, value) = mla.absorb_query(parts, query), mla.cached_keys(key, self.latent, query.dtype)
+        elif parts is not None:
+            query, key, value = mla.attention_inputs(parts, query, key, spec)
+        elif not decoding:
+            query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         dropping = _layer.dropping(rate, deterministic, self.deterministic, call.dropout_mask)
         dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
         out, weights, sown = _layer.attend(
@@ -147,6 +170,8 @@ class MultiHeadDotProductAttention(nn.Module):
         )
         if sown is not None:
             self.sow("intermediates", "attention_weights", sown)
+        if parts is not None and decoding:
+            out = mla.lift_output(parts, out)
         out = nn.DenseGeneral(
             out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init, dtype=self.dtype,
             bias_init=self.out_bias_init or self.bias_init, param_dtype=self.param_dtype, precision=self.precision,
@@ -186,21 +211,26 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
         """flax's ``'cache'`` collection, made by the first call (which attends as without one); later
-        calls append the rotated keys and values and attend over it: ``(query, key, value, spec)``."""
+        calls append the rotated keys and values and attend over it: ``(query, key, value, spec)``. ``value``
+        None: a latent module's, ``key`` its entries (cached alone, rotated on their rope part)."""
         batch_shape = call.batch_shape
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, kv_shape, value.dtype)
+        cached_value = None if value is None else self.variable("cache", "cached_value", jnp.zeros, kv_shape,
+                                                                value.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.zeros(batch_shape, jnp.int32))
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
             return query, key, value, call.spec
-        cache = _layer.check_cache(cached_key.value, cached_value.value, index.value, overflow.value, batch_shape,
-                                   *key.shape)
-        query, key, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, call)
-        cached_key.value, cached_value.value = (x.reshape(cached_key.value.shape) for x in (cache.key, cache.value))
+        cache = _layer.check_cache(cached_key.value, None if value is None else cached_value.value, index.value,
+                                   overflow.value, batch_shape, *key.shape)
+        rotary = self.rotary if value is not None else mla.rope_part(self.rotary, self.latent)
+        query, key, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+        cached_key.value = cache.key.reshape(cached_key.value.shape)
+        if value is not None:
+            cached_value.value = cache.value.reshape(cached_value.value.shape)
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)
-        return query, cache.key.astype(key.dtype), cache.value.astype(value.dtype), spec
+        return query, cache.key.astype(key.dtype), None if value is None else cache.value.astype(value.dtype), spec
 
     def _einsums(self) -> dict:
         """linen's extra ``attention_fn`` arguments (quantised einsums, fp32 softmax)."""
@@ -237,6 +267,60 @@ class _LinenNorm(nn.Module):
         init = nn.initializers.zeros_init() if self.qk_norm.offset else nn.initializers.ones_init()
         shape = x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:]
         return _layer.qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
+
+
+class _LinenRMSNorm(nn.Module):
+    """The latent's RMSNorm (``mha_jax.latent.RMSNorm``): ``scale`` ``(features,)``, ones at first."""
+
+    latent: latent_spec.Latent
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones_init(), x.shape[-1:], self.param_dtype)
+        return self.latent.rms_norm(x, scale, mla._mean_last, jax.lax.rsqrt, mla._cast)
+
+
+class _LatentParts:
+    """A linen module's latent projections under the nnx module's attribute names, for ``mha_jax.latent``'s
+    functions: ``query`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``,
+    ``kv_a_layernorm``, ``kv_b_proj`` (its ``kernel`` read from the module's parameters)."""
+
+    def __init__(self, module: MultiHeadDotProductAttention):
+        latent = module.latent
+        self.latent, self.rotary, self.precision = latent, module.rotary, module.precision
+        self._module = module
+
+        def projection(features, name, use_bias=module.use_bias):
+            return nn.DenseGeneral(
+                features, axis=-1, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=module.kernel_init,
+                bias_init=module.bias_init, use_bias=use_bias, precision=module.precision,
+                dot_general=module.qkv_dot_general, dot_general_cls=module.qkv_dot_general_cls, name=name,
+            )
+
+        queries = (module.num_heads, latent.qk_head_dim)
+        if latent.q_lora_rank is None:
+            self.query = projection(queries, "query", use_bias=False)
+        else:
+            self.q_a_proj = projection(latent.q_lora_rank, "q_a_proj")
+            self.q_a_layernorm = _LinenRMSNorm(latent, module.param_dtype, name="q_a_layernorm")
+            self.q_b_proj = projection(queries, "q_b_proj", use_bias=False)
+        self.kv_a_proj_with_mqa = projection(latent.cache_dim, "kv_a_proj_with_mqa")
+        self.kv_a_layernorm = _LinenRMSNorm(latent, module.param_dtype, name="kv_a_layernorm")
+        # the decoding step reads kv_b_proj's kernel without calling it: from the parameters (None before init)
+        kernel = module.variables.get("params", {}).get("kv_b_proj", {}).get("kernel")
+        self.kv_b_proj = _WithKernel(projection((module.num_heads, latent.kv_b_features), "kv_b_proj", use_bias=False),
+                                     kernel)
+
+
+class _WithKernel:
+    """A linen projection and its ``kernel`` (as an nnx projection shows it)."""
+
+    def __init__(self, layer: nn.Module, kernel: jax.Array | None):
+        self.layer, self.kernel = layer, kernel
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.layer(x)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

@@ -4,7 +4,10 @@ Twin of ``mha_torch/module.py``. The constructor and the call take what flax's c
 flax's order, with flax's meaning; the parameter tree is flax's: ``query``/``key``/``value`` with
 ``kernel (in, heads, head_dim)`` and ``bias (heads, head_dim)``, ``out`` with
 ``kernel (heads, head_dim, out)`` and ``bias (out,)``, and with ``normalize_qk`` the LayerNorm
-scales ``query_ln``/``key_ln``. Built from the same ``nnx.Rngs`` it holds flax's parameters.
+scales ``query_ln``/``key_ln``. Built from the same ``nnx.Rngs`` it holds flax's parameters. With a
+``latent`` (multi-head latent attention) the tree is ``query`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
+``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``out`` (``kernel (heads, v_head_dim, out)``):
+see ``mha_jax.mla.make_projections``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from mha_jax import _layer, masks
+from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_spec import alibi, arguments, batch_axes
+from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
@@ -81,6 +86,14 @@ class MultiHeadAttention(nnx.Module):
       alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``,
         ``mpt_slopes``): each head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions
         rotary reads (while decoding, the cache's); None: none.
+      latent: an ``mha_spec.latent.Latent``: multi-head latent attention (DeepSeek-V2/V3): keys and
+        values of every head lifted from one low-rank latent per token, ``rotary`` on the rope part of
+        each head (its ``head_dim`` is ``qk_rope_head_dim``), ``use_bias`` on the low-rank input
+        projections only; ``num_kv_heads`` and ``qkv_features`` None (or what the latent makes them),
+        no ``normalize_qk``, ``inputs_v`` the keys' input; default scale ``1 / sqrt(qk_head_dim)``. The
+        decoding cache holds the latent entries, ``cached_key`` ``(*batch, max_length, 1, kv_lora_rank
+        + qk_rope_head_dim)``, and no ``cached_value``; a step absorbs ``kv_b_proj`` into the query and
+        the output.
     """
 
     def __init__(
@@ -132,7 +145,12 @@ class MultiHeadAttention(nnx.Module):
         sequence_axis: str | None = None,
         attention_chunk_size: int | None = None,
         alibi_slopes: Sequence[float] | None = None,
+        latent: latent_spec.Latent | None = None,
     ):
+        self.latent = None if latent is None else latent_spec.check_latent(
+            latent, num_heads, num_kv_heads, qkv_features, ("num_kv_heads", "qkv_features"))
+        if self.latent is not None:
+            qkv_features = num_heads * self.latent.qk_head_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.in_features = in_features
@@ -159,25 +177,32 @@ class MultiHeadAttention(nnx.Module):
         self.sequence_axis = _layer.check_sequence_axis(sequence_axis)
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
+        if self.latent is not None:
+            self._check_latent(qk_norm)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
-        def projection(in_features, out_features):
+        def projection(in_features, out_features, **options):
             return nnx.LinearGeneral(
                 in_features, out_features, kernel_init=kernel_init, bias_init=bias_init,
                 promote_dtype=qkv_promote_dtype, dot_general=qkv_dot_general, dot_general_cls=qkv_dot_general_cls,
-                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, **common,
+                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, **dict(common, **options),
             )
 
-        # flax's order of construction, so that the same Rngs give the same parameters
-        self.query = projection(in_features, (num_heads, self.head_dim))
-        self.key = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
-        self.value = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
-        self.query_ln, self.key_ln = _qk_norms(
-            qk_norm, (num_heads, self.num_kv_heads), self.head_dim, dtype, param_dtype, ln_promote_dtype,
-            (query_ln_scale_metadata, key_ln_scale_metadata), rngs)
+        if self.latent is not None:
+            mla.make_projections(self, self.latent, (in_features, self.in_kv_features), num_heads, projection,
+                                    param_dtype, rngs)
+            self.query_ln = self.key_ln = nnx.data(None)
+        else:  # flax's order of construction, so that the same Rngs give the same parameters
+            self.query = projection(in_features, (num_heads, self.head_dim))
+            self.key = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
+            self.value = projection(self.in_kv_features, (self.num_kv_heads, self.head_dim))
+            self.query_ln, self.key_ln = _qk_norms(
+                qk_norm, (num_heads, self.num_kv_heads), self.head_dim, dtype, param_dtype, ln_promote_dtype,
+                (query_ln_scale_metadata, key_ln_scale_metadata), rngs)
+        value_head_dim = self.head_dim if self.latent is None else self.latent.v_head_dim
         self.out = nnx.LinearGeneral(
-            (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+            (num_heads, value_head_dim), self.out_features, axis=(-2, -1),
             kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
             promote_dtype=out_promote_dtype, dot_general=out_dot_general, dot_general_cls=out_dot_general_cls,
             kernel_metadata=out_kernel_metadata or kernel_metadata, bias_metadata=out_bias_metadata or bias_metadata,
@@ -185,6 +210,14 @@ class MultiHeadAttention(nnx.Module):
         )
         self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
+
+    def _check_latent(self, qk_norm) -> None:
+        """The options a ``latent`` module takes; its default scale, kept by the absorbed decoding step."""
+        if qk_norm is not None:
+            raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
+        latent_spec.check_rotary(self.rotary, self.latent)
+        if self.scale is None:
+            self.scale = self.latent.qk_head_dim ** -0.5
 
     # No cache until init_cache (or nnx.update with a cache's state, ours or flax's): as in flax's
     # class, the instance has no such attributes, so that nnx.update can add them.
@@ -245,6 +278,8 @@ class MultiHeadAttention(nnx.Module):
         """
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
                                           _layer.slopes(self.alibi_slopes))
+        if self.latent is not None:
+            latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode if decode is None else decode
         if decoding and self.cached_key is None:
             raise ValueError("decode=True needs a cache: call init_cache(input_shape) or "
@@ -255,27 +290,40 @@ class MultiHeadAttention(nnx.Module):
         batch_shape, (inputs_q, inputs_k, inputs_v), spec = call.batch_shape, call.inputs, call.spec
         if decoding:
             overflow = None if self.cache_overflow is None else self.cache_overflow[...]
-            cache = _layer.check_cache(self.cached_key[...], self.cached_value[...], self.cache_index[...], overflow,
-                                       batch_shape, inputs_q.shape[0], inputs_k.shape[1], self.num_kv_heads,
-                                       self.head_dim)
+            # a latent cache: one key head of the latent entries, no values
+            kv_heads, head_dim = (1, self.latent.cache_dim) if self.latent else (self.num_kv_heads, self.head_dim)
+            cached_value = None if self.cached_value is None else self.cached_value[...]
+            cache = _layer.check_cache(self.cached_key[...], cached_value, self.cache_index[...], overflow,
+                                       batch_shape, inputs_q.shape[0], inputs_k.shape[1], kv_heads, head_dim)
         else:
             dropout_rng = self._dropout_rng(rngs, deterministic, call.dropout_mask)
-        query = self.query(inputs_q, out_sharding=qkv_sharding)
-        key = self.key(inputs_k, out_sharding=qkv_sharding)
-        value = self.value(inputs_v, out_sharding=qkv_sharding)
+        if self.latent is not None:
+            query, key, value = mla.project_query(self, inputs_q), mla.project_latent(self, inputs_k), None
+        else:
+            query = self.query(inputs_q, out_sharding=qkv_sharding)
+            key = self.key(inputs_k, out_sharding=qkv_sharding)
+            value = self.value(inputs_v, out_sharding=qkv_sharding)
         if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
         if decoding:
-            query, _, cache, spec = _layer.decode_step(cache, self.rotary, query, key, value, call)
-            shape = self.cached_key.shape
-            self.cached_key[...], self.cached_value[...] = cache.key.reshape(shape), cache.value.reshape(shape)
+            rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
+            query, _, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+            self.cached_key[...] = cache.key.reshape(self.cached_key.shape)
+            if cache.value is not None:
+                self.cached_value[...] = cache.value.reshape(self.cached_value.shape)
             self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
             if self.cache_overflow is None:  # flax's cache has no flag: it is made here
                 self.cache_overflow = nnx.Cache(cache.overflow.reshape(batch_shape))
             else:
                 self.cache_overflow[...] = cache.overflow.reshape(batch_shape)
             dropout_rng = self._dropout_rng(rngs, deterministic)
-            key, value = cache.key.astype(query.dtype), cache.value.astype(query.dtype)
+            if self.latent is not None:
+                query, (key, value) = mla.absorb_query(self, query), mla.cached_keys(cache.key, self.latent,
+                                                                                             query.dtype)
+            else:
+                key, value = cache.key.astype(query.dtype), cache.value.astype(query.dtype)
+        elif self.latent is not None:
+            query, key, value = mla.attention_inputs(self, query, key, spec)
         else:
             query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
         out, weights, sown = _layer.attend(
@@ -286,6 +334,8 @@ class MultiHeadAttention(nnx.Module):
         )
         if sown is not None:
             self.sow(nnx.Intermediate, "attention_weights", sown)
+        if decoding and self.latent is not None:
+            out = mla.lift_output(self, out)
         out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 
@@ -320,9 +370,12 @@ class MultiHeadAttention(nnx.Module):
                 f"input_shape must be (*batch, max_length, features) with max_length >= 1, got {input_shape}"
             )
         batch_shape, max_length = input_shape[:-2], input_shape[-2]
-        shape = (*batch_shape, max_length, self.num_kv_heads, self.head_dim)
-        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        if self.latent is not None:  # the latent entries, one key head; their first kv_lora_rank features the values
+            self.cached_key = nnx.Cache(jnp.zeros((*batch_shape, max_length, 1, self.latent.cache_dim), dtype))
+        else:
+            shape = (*batch_shape, max_length, self.num_kv_heads, self.head_dim)
+            self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+            self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.zeros(batch_shape, jnp.int32))
         self.cache_overflow = nnx.Cache(jnp.zeros(batch_shape, bool))
 

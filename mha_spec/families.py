@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mha_spec import alibi
+from mha_spec.latent import Latent
 from mha_spec.qk_norm import QKNorm
 
 _PREFIX = "model.layers.{layer}.self_attn."
@@ -244,6 +245,8 @@ class Family:
     aliases: Mapping[str, str] = field(default_factory=dict)  # our size names -> the config's (XGLM's)
     nested: str | None = None  # a sub-config whose keys are read as the config's own (MPT's attn_config)
     standardize: Callable[[dict], dict] | None = None  # fills in keys its config class derives (a copy)
+    latent: bool = False  # multi-head latent attention (DeepSeek-V3's), read by _with_latent
+    latent_interleave: bool | str = False  # a latent layer's rotary pairs (2i, 2i + 1), or the key that says so
 
 
 _LLAMA = Family()
@@ -435,6 +438,26 @@ FAMILIES: dict[str, Family] = {
                       fused=("qkv_proj", "out_proj")),
 }
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
+
+
+def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, int, int | None],
+                   rope_interleave: bool | str) -> Family:
+    """A multi-head latent attention record (``mha_spec.latent``): ``layout="mla"``, transformers' names; its
+    config class's defaults ``kv_lora_rank``, ``q_lora_rank`` and ``(qk_rope_head_dim, qk_nope_head_dim,
+    v_head_dim)`` where config.json is silent; biases on ``q_a_proj``/``kv_a_proj_with_mqa`` and ``o_proj``
+    (``attention_bias``)."""
+    defaults = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=dims[0],
+                    qk_nope_head_dim=dims[1], v_head_dim=dims[2])
+    return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
+
+
+FAMILIES.update({  # DeepSeek-V3's attention and the classes copied from it
+    "deepseek_v3": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
+    "youtu": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
+    "axk1": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
+    "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
+    "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
+})
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
@@ -470,6 +493,8 @@ class LayerOptions:
     ignore: tuple[str, ...] = ()  # keys under ``prefix`` that are not the attention's (BERT's LayerNorm)
     attention_chunk_size: int | None = None  # Llama 4's chunked layers: chunks of positions
     alibi_slopes: tuple[float, ...] | None = None  # ALiBi, one slope per head (``mha_spec.alibi``)
+    latent: Latent | None = None  # multi-head latent attention; ``rope`` then rotates qk_rope_head_dim features
+    rope_interleaved: bool = False  # with ``latent``: the rotary pairs are (2i, 2i + 1), whatever the model_type
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -568,12 +593,32 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope = None
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
-    return LayerOptions(
+    options = LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
         config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
         ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
     )
+    return _with_latent(options, config, family) if family.latent else options
+
+
+def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Family) -> LayerOptions:
+    """A latent layer's options (DeepSeek-V3's attention and the classes copied from it): its ``Latent``, one
+    key/value head per query head of ``qk_nope_head_dim + qk_rope_head_dim``, rotary on the rope part, the scale
+    ``yarn_apply_mscale`` makes (any rope_type but default: times ``mscale(factor, mscale_all_dim)**2``)."""
+    model_type = options.model_type
+    dims = [_required(config, key, model_type) for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")]
+    v_head_dim = config.get("v_head_dim") or options.hidden_size // options.num_heads  # MiniCPM3Config's default
+    latent = Latent(*dims, v_head_dim, config.get("q_lora_rank"))
+    scale = latent.qk_head_dim ** -0.5
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if parameters.get("rope_type", parameters.get("type", "default")) != "default" and parameters.get("mscale_all_dim"):
+        factor = parameters["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * parameters["mscale_all_dim"] * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    rope = None if options.rope is None else dict(options.rope, head_dim=latent.qk_rope_head_dim)
+    return replace(options, num_kv_heads=options.num_heads, head_dim=latent.qk_head_dim, scale=scale, rope=rope,
+                   latent=latent, rope_interleaved=_flag(config, family.latent_interleave, True))
 
 
 def _with_theta(rope: dict, theta: float) -> dict | None:

@@ -457,3 +457,41 @@ def read_checkpoint(state_dict_or_path: Any, load_file: Callable[[str], dict], v
             f"got {type(state_dict_or_path).__name__}"
         )
     return {str(k): value(str(k), v) for k, v in state_dict_or_path.items()}
+
+
+# --- multi-head latent attention (mha_spec.latent): transformers' names, ``o_proj`` read as ``out_proj``
+
+LATENT = "mla"
+_LATENT_RENAMES = {"o_proj.": "out_proj."}
+
+
+def read_latent(state: Mapping[str, Any], *, layout: str | None = None, mapping: Mapping[str, str] | None = None,
+                prefix: str = "", ignore: Sequence[str] = (),
+                expected: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+    """A latent layer's checkpoint (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` or ``out_proj``) in a latent
+    module's names (``o_proj`` as ``out_proj``): the keys under ``prefix`` but those starting with an
+    ``ignore`` entry. ``layout``: None, ``"auto"``, ``"mla"`` or ``"mha_torch"``. ``expected`` (the module's
+    names -> shapes): one ValueError lists every missing, unexpected or mis-shaped key. No ``mapping``."""
+    if mapping is not None:
+        raise ValueError("a latent module reads transformers' names: pass no mapping")
+    if layout not in (None, AUTO, LATENT, "mha_torch"):
+        raise ValueError(f"a latent module reads layout {LATENT!r} (transformers' names) or 'mha_torch', "
+                         f"got {layout!r}")
+    selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        raise ValueError(f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})")
+    out = {}
+    for key, value in selected.items():
+        if not key.startswith(tuple(ignore)):
+            old = next((old for old in _LATENT_RENAMES if key.startswith(old)), None)
+            out[key if old is None else _LATENT_RENAMES[old] + key[len(old):]] = value
+    if expected is None:
+        return out
+    problems = [f"missing key {prefix + k!r} (shape {tuple(shape)})" for k, shape in expected.items() if k not in out]
+    problems += [f"unexpected key {prefix + k!r}" for k in out if k not in expected]
+    problems += [f"{prefix + k!r} has shape {tuple(v.shape)}, the module's is {tuple(expected[k])}"
+                 for k, v in out.items() if k in expected and tuple(v.shape) != tuple(expected[k])]
+    if problems:
+        raise ValueError(f"state_dict (layout {LATENT!r}): " + "; ".join(problems))
+    return out

@@ -30,10 +30,11 @@ class KVCache:
       max_length: slots per row.
       num_kv_heads, head_dim: as the module's.
       dtype, device: of ``key`` and ``value``.
+      values: False for a cache of keys alone (``value`` None): the latent cache.
     """
 
     def __init__(self, batch: int | tuple[int, ...], max_length: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, values: bool = True):
         batch_shape = (batch,) if isinstance(batch, int) else tuple(batch)
         for name, n in (("max_length", max_length), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -42,7 +43,8 @@ class KVCache:
             raise ValueError(f"batch must be a non-negative integer or a tuple of them, got {batch!r}")
         shape = (*batch_shape, num_kv_heads, max_length, head_dim)
         self.key_storage = torch.zeros(shape, dtype=dtype, device=device)
-        self.value_storage = torch.zeros(shape, dtype=dtype, device=device)
+        # no values: a latent cache (mha_torch.latent.LatentCache), whose values are part of its keys
+        self.value_storage = torch.zeros(shape, dtype=dtype, device=device) if values else None
         self.index = torch.zeros(batch_shape, dtype=torch.int32, device=device)
         self.overflow = torch.zeros(batch_shape, dtype=torch.bool, device=device)
 
@@ -51,8 +53,8 @@ class KVCache:
         return self.key_storage.transpose(-3, -2)
 
     @property
-    def value(self) -> torch.Tensor:
-        return self.value_storage.transpose(-3, -2)
+    def value(self) -> torch.Tensor | None:
+        return None if self.value_storage is None else self.value_storage.transpose(-3, -2)
 
     @property
     def max_length(self) -> int:
@@ -60,9 +62,9 @@ class KVCache:
 
     def merged(self, batch: int) -> KVCache:
         """This cache with its batch axes merged into one of ``batch`` rows, as views of it."""
-        flat = KVCache.__new__(KVCache)
+        flat = KVCache.__new__(type(self))
         axes = self.index.dim()
-        flat.key_storage, flat.value_storage = (x.view((batch,) + tuple(x.shape[axes:]))
+        flat.key_storage, flat.value_storage = (None if x is None else x.view((batch,) + tuple(x.shape[axes:]))
                                                 for x in (self.key_storage, self.value_storage))
         flat.index, flat.overflow = self.index.view(batch), self.overflow.view(batch)
         return flat

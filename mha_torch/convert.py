@@ -34,11 +34,16 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
             f"from {type(module).__module__}"
         )
     current = module.state_dict()
-    state = layouts.read_layout(
-        read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
-        ignore=ignore, num_heads=getattr(module, "num_heads", None),
-        num_kv_heads=getattr(module, "num_kv_heads", None), expected={k: tuple(v.shape) for k, v in current.items()},
-    )
+    expected = {k: tuple(v.shape) for k, v in current.items()}
+    if getattr(module, "latent", None) is not None:  # transformers' names (layout "mla")
+        state = layouts.read_latent(read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+                                    ignore=ignore, expected=expected)
+    else:
+        state = layouts.read_layout(
+            read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+            ignore=ignore, num_heads=getattr(module, "num_heads", None),
+            num_kv_heads=getattr(module, "num_kv_heads", None), expected=expected,
+        )
     _check_dtypes(state)
     with torch.no_grad():
         for name, tensor in state.items():

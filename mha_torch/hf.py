@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mha_spec import docstrings, families
+from mha_spec import docstrings, families, latent
 from mha_torch.convert import load_weights, read_state
 from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
@@ -38,14 +38,16 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
       {from_hf_call}
     """
     options = families.layer_options(families.read_config(config), layer)
+    rotary = latent.layer_rotary(options)  # None without one; a latent layer's over its rope part
     module = MultiHeadAttention(
         options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
-        use_sinks=options.use_sinks,
-        rotary=None if options.rope is None else RotaryEmbedding.from_config(options.rope, head_dim=options.head_dim),
-        local_window_size=options.window, implementation=implementation, dtype=dtype, device=device,
-        attention_chunk_size=options.attention_chunk_size, alibi_slopes=options.alibi_slopes,
+        use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),
+        local_window_size=options.window,
+        implementation=implementation, dtype=dtype, device=device, attention_chunk_size=options.attention_chunk_size,
+        latent=options.latent,
+        alibi_slopes=options.alibi_slopes,
     )
     if weights is not None:
         state = families.read_layer(weights, options.prefix, read_state, _read_file)

@@ -3,7 +3,9 @@
 Twin of ``mha_jax/module.py``. State dict: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
 each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.weight`` and
 ``k_norm.weight`` ``(head_dim,)`` (over the whole projection: ``(heads * head_dim,)``); with
-``use_sinks``, ``sinks`` ``(num_heads,)``.
+``use_sinks``, ``sinks`` ``(num_heads,)``. With a ``latent`` (multi-head latent attention), transformers'
+names: ``q_proj`` or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``; ``out_proj`` (see ``mha_torch.mla.make_projections``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha_spec import alibi, arguments, batch_axes, kv_cache
+from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
+from mha_torch import latent as mla
 from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, spec_attention
 
@@ -61,6 +65,12 @@ class MultiHeadAttention(nn.Module):
       alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``,
         ``mpt_slopes``): each head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions
         rotary reads (while decoding, the cache's); None: none.
+      latent: an ``mha_spec.latent.Latent``: multi-head latent attention (DeepSeek-V2/V3): keys and
+        values of every head lifted from one low-rank latent per token, ``rotary`` on the rope part
+        of each head (its ``head_dim`` is ``qk_rope_head_dim``), ``bias`` on the low-rank input
+        projections only; ``num_kv_heads`` and ``qkv_dim`` None (or what the latent makes them), no
+        ``normalize_qk``, the value input the key input; default scale ``1 / sqrt(qk_head_dim)``.
+        Decoding takes an ``mha_torch.mla.LatentCache``.
     """
 
     def __init__(
@@ -88,14 +98,19 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
         attention_chunk_size: int | None = None,
         alibi_slopes: Sequence[float] | None = None,
+        latent: latent_spec.Latent | None = None,
     ):
         super().__init__()
+        self.latent = None if latent is None else latent_spec.check_latent(
+            latent, num_heads, num_kv_heads, qkv_dim, ("num_kv_heads", "qkv_dim"))
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
         self.qkv_dim = embed_dim if qkv_dim is None else qkv_dim
+        if self.latent is not None:
+            self.qkv_dim = num_heads * self.latent.qk_head_dim
         self.out_dim = embed_dim if out_dim is None else out_dim
         for name in ("embed_dim", "kdim", "vdim", "out_dim"):
             arguments.check_heads(1, 1, getattr(self, name), name)
@@ -109,6 +124,10 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
+        if self.latent is not None:
+            self._make_latent(qk_norm, bias if out_bias is None else out_bias, bias, device, dtype)
+            self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
+            return
 
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
@@ -127,6 +146,17 @@ class MultiHeadAttention(nn.Module):
         out_factory = dict(factory, bias=bias if out_bias is None else out_bias)
         self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **out_factory)
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
+
+    def _make_latent(self, qk_norm, out_bias: bool, bias: bool, device, dtype) -> None:
+        """The parameters of multi-head latent attention (``mha_torch.mla.make_projections``)."""
+        if qk_norm is not None:
+            raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
+        latent_spec.check_rotary(self.rotary, self.latent)
+        if self.scale is None:  # the full keys' scale, which the absorbed decoding step keeps
+            self.scale = self.latent.qk_head_dim ** -0.5
+        self.k_proj = self.v_proj = self.q_norm = self.k_norm = None
+        mla.make_projections(self, self.latent, (self.embed_dim, self.kdim, self.out_dim), self.num_heads,
+                                (bias, out_bias), {"device": device, "dtype": dtype})
 
     def forward(
         self,
@@ -173,14 +203,20 @@ class MultiHeadAttention(nn.Module):
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(), self._slopes())
+        if self.latent is not None:
+            latent_spec.check_inputs(key, value, "value")
         if cache is not None:
             return self._decode(query, key, value, cache, masking, need_weights)
         heads, kv_heads = self._local_heads()
         call = _prepare((query, key, value), masking, heads, (self.embed_dim, self.kdim, self.vdim),
-                       self.q_proj.weight.dtype)
+                       self.out_proj.weight.dtype)
         query, key, value = call.inputs
-        q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
-        q, k = rotate_at(self.rotary, q, k, *masks.positions(call.spec))
+        if self.latent is not None:
+            q, entries = mla.project_query(self, query, query.shape[0], heads), mla.project_latent(self, key)
+            q, k, v = mla.attention_inputs(self, q, entries, call.spec)
+        else:
+            q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
+            q, k = rotate_at(self.rotary, q, k, *masks.positions(call.spec))
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
 
     def _slopes(self) -> torch.Tensor | None:
@@ -191,7 +227,7 @@ class MultiHeadAttention(nn.Module):
         if self._local_heads()[0] != self.num_heads:
             raise ValueError("alibi_slopes reaches all num_heads heads: it is not taken with projections sharded "
                              "over ranks (tensor parallelism)")
-        return torch.tensor(self.alibi_slopes, dtype=torch.float64, device=self.q_proj.weight.device)
+        return torch.tensor(self.alibi_slopes, dtype=torch.float64, device=self.out_proj.weight.device)
 
     def _logit_terms(self) -> dict:
         """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` the module has, by name."""
@@ -200,7 +236,9 @@ class MultiHeadAttention(nn.Module):
 
     def _local_heads(self) -> tuple[int, int]:
         """(query heads, key/value heads) this process computes: all, or under tensor parallelism
-        (``ColwiseParallel`` projections) those of its shard of the projection weights."""
+        (``ColwiseParallel`` projections) those of its shard of the projection weights; with a latent, all."""
+        if self.latent is not None:
+            return self.num_heads, self.num_heads
         def rows(weight):
             return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
@@ -222,23 +260,32 @@ class MultiHeadAttention(nn.Module):
         and attended over every slot (fixed shapes for torch.compile)."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
-        if (key is None or key is query) and value is None \
+        if (key is None or key is query) and value is None and self.latent is None \
                 and all(x is None for name, x in masking.items() if name != "is_causal"):
             out = self._fast_step(query, cache, masking["is_causal"], need_weights)
             if out is not None:
                 return out
         heads, kv_heads = self._local_heads()
         call = _prepare((query, key, value), masking, heads, (self.embed_dim, self.kdim, self.vdim),
-                       self.q_proj.weight.dtype, max_length=cache.max_length)
+                       self.out_proj.weight.dtype, max_length=cache.max_length)
         query, key, value = call.inputs
-        flat = _check_cache(cache, call.batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim)
-        q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
-        q, spec = _decode_step(flat, self.rotary, q, k, v, call)
+        if self.latent is not None:  # the cache holds one key head, the latent entries
+            flat = _check_cache(cache, call.batch_shape, query.shape[0], key.shape[1], 1, self.latent.cache_dim)
+            q, k, v = mla.project_query(self, query, query.shape[0], heads), mla.project_latent(self, key), None
+        else:
+            flat = _check_cache(cache, call.batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim)
+            q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
+        rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
+        q, spec = _decode_step(flat, rotary, q, k, v, call)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
             shape = cache.key_storage.shape
-            cache.key_storage, cache.value_storage = flat.key_storage.view(shape), flat.value_storage.view(shape)
-        keys, values = flat.key_storage.to(q.dtype), flat.value_storage.to(q.dtype)
-        return self._attend(q, keys, values, spec, call.batch_shape, need_weights)
+            cache.key_storage = flat.key_storage.view(shape)
+            cache.value_storage = None if flat.value_storage is None else flat.value_storage.view(shape)
+        if self.latent is not None:
+            q, (keys, values) = mla.absorb_query(self, q), mla.cached_keys(flat, self.latent, q.dtype)
+        else:
+            keys, values = flat.key_storage.to(q.dtype), flat.value_storage.to(q.dtype)
+        return self._attend(q, keys, values, spec, call.batch_shape, need_weights, absorbed=self.latent is not None)
 
     def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
         """Self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or not causal) over ``cache`` when
@@ -298,20 +345,25 @@ class MultiHeadAttention(nn.Module):
                 _split_heads(v, batch, kv_len, kv_heads, head_dim))
 
     def _attend(self, q, keys, values, spec: masks.Spec, batch_shape, need_weights: bool, dropout_mask=None,
-                zero_unused: bool = False):
-        """Queries ``(batch, heads, q_len, head_dim)`` over ``keys``/``values`` ``(batch, kv_heads, kv_len,
-        head_dim)`` with the module's dropout and logit terms, projected out: ``(*batch, q_len, out_dim)``, or
-        ``(output, weights)``."""
+                zero_unused: bool = False, absorbed: bool = False):
+        """Queries ``(batch, heads, q_len, head_dim)`` over ``keys`` ``(batch, kv_heads, kv_len, head_dim)`` and
+        ``values`` ``(batch, kv_heads, kv_len, v_head_dim)`` with the module's dropout and logit terms, projected
+        out: ``(*batch, q_len, out_dim)``, or ``(output, weights)``; ``absorbed``: the latent decoding step's
+        outputs, lifted to the value heads first."""
         batch, heads, n = spec.shape[:3]
         dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
             dropout_mask = torch.rand((1, 1) + spec.shape[2:], device=q.device) >= dropout_p
+        # the absorbed step's one key head under a mask: SDPA would copy it for every query head, "math" reads it once
+        implementation = "math" if absorbed and self.implementation is None else self.implementation
         result = spec_attention(
             q, keys, values, spec, dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
-            implementation=self.implementation, zero_unused=zero_unused, **self._logit_terms(),
+            implementation=implementation, zero_unused=zero_unused, **self._logit_terms(),
         )
         out, weights = result if need_weights else (result, None)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * self.head_dim))
+        if absorbed:
+            out = mla.lift_output(self, out)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * out.shape[-1]))
         out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, batch_axes.unflatten_batch(weights, batch_shape)) if need_weights else out
 
@@ -358,7 +410,8 @@ def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int,
 
 def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
     """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new tokens' positions (default each row's
-    index onward) and append ``k``/``v`` ``(batch, kv_heads, n, head_dim)`` to ``cache``: ``(q, spec)``, ``spec``
+    index onward) and append ``k``/``v`` ``(batch, kv_heads, n, head_dim)`` to ``cache`` (``v`` None: keys alone,
+    the latent cache's entries): ``(q, spec)``, ``spec``
     with the positions of the new queries and of the ``max_length`` slots."""
     start, max_length = cache.index.clone(), cache.max_length
     pos = _cache.positions(start, k.shape[2], call.query_positions)
@@ -368,10 +421,11 @@ def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
     end = _cache.advance(start, pos)
     overflow = kv_cache.check_step(start, end, max_length, call.spec.terms,
                                    lambda x: None if torch.compiler.is_compiling() else x.cpu().numpy())
-    key, value = k.transpose(1, 2), v.transpose(1, 2)
+    key, value = k.transpose(1, 2), None if v is None else v.transpose(1, 2)
     _writable(cache, key, value)
     _cache.write(cache.key, key, pos, start, padded=call.query_positions is not None)
-    _cache.write(cache.value, value, pos, start, padded=call.query_positions is not None)
+    if value is not None:
+        _cache.write(cache.value, value, pos, start, padded=call.query_positions is not None)
     cache.index.copy_(end)
     cache.overflow.logical_or_(overflow)
     return q, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
@@ -380,8 +434,10 @@ def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
 def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
     """Under autograd the cache takes copies to write ``key``/``value`` into, the old ones left to the graph
     (gradients flow through the cache from step to step, as in JAX's functional cache); else it is written in place."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (key, value, cache.key_storage, cache.value_storage)):
-        cache.key_storage, cache.value_storage = cache.key_storage.clone(), cache.value_storage.clone()
+    tensors = (key, value, cache.key_storage, cache.value_storage)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        cache.key_storage = cache.key_storage.clone()
+        cache.value_storage = None if cache.value_storage is None else cache.value_storage.clone()
 
 
 def _prepare(inputs: tuple, masking: dict, num_heads: int, features: tuple[int, int, int], dtype: torch.dtype, *,

@@ -364,9 +364,16 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(ENCODER_DECODER) for name in (
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen", "musicgen_melody",
         "mvp", "pegasus", "plbart", "prophetnet", "whisper", "trocr")},
-    **{name: Refused("multi-head latent attention") for name in (
-        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "minicpm3",
-        "youtu", "axk1", "axk2", "dots3_note", "dots3_note_text", "hy_v4")},
+    **{name: Supported("multi-head latent attention: low-rank projections, the rope part, v_head_dim apart", dict(
+        head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1")},
+    "deepseek_v2": Refused("multi-head latent attention", "its complex-valued rotary tables, not yet compared"),
+    "longcat_flash": Refused("multi-head latent attention", "its scales of the query and latent (mla_scale_*_lora)"),
+    **{name: Refused("a mask from the content", "DSA's indexer, a top-k sparse mask") for name in (
+        "deepseek_v32", "glm_moe_dsa", "axk2")},
+    **{name: Refused("learned gates on the attention", "a gate on each head's output, and DSA's indexer") for name in (
+        "dots3_note", "dots3_note_text", "hy_v4")},
     **{name: Refused("value head dim != head dim") for name in ("mimo_v2_flash",)},
     **{name: Refused("relative position bias") for name in ("cpmant", "xlnet", "reformer", "deepseek_v4")},
     **{name: Refused("differential attention") for name in ("diffllama",)},

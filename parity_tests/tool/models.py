@@ -179,6 +179,8 @@ def by_our_names(grads: dict, options) -> dict:
     from mha_spec import families, layouts
 
     state = {options.prefix + k: g for k, g in grads.items()}
+    if options.latent is not None:  # multi-head latent attention: transformers' names, o_proj as out_proj
+        return layouts.read_latent(state, prefix=options.prefix)
     if families.FAMILIES[options.model_type].fused:
         return families.layer_state(options, state)
     state = families.layer_keys(options, state, np.concatenate)
