@@ -110,7 +110,9 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
     raw = read_raw(config_path)
     raw = dict(raw, model_type=_model_type(raw, config_path))
     config = transformers.AutoConfig.for_model(**raw)
-    config._attn_implementation = "eager"
+    # eager attention, but Falcon's with ALiBi: its eager model adds the term twice (in the
+    # attention and in the mask it passes), its SDPA path once, as Falcon's own code does
+    config._attn_implementation = "sdpa" if raw["model_type"] == "falcon" and raw.get("alibi") else "eager"
     files = families.layer_files(weights, "")  # every shard: the whole model runs
     state = {}
     for path in files:
@@ -159,7 +161,8 @@ def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, t
         def hook(module, args, kwargs, output, layer=layer):
             kwargs = dict(kwargs)
             hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
-            rest = args[1:]
+            # the hidden states passed again (CTRL's attention(v, k, q)) are the input again, by position
+            rest = tuple(_SAME if a is hidden else a for a in args[1:])
             seen[layer] = (module, hidden.detach().clone(), rest, kwargs)
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -202,17 +205,28 @@ def _worst(ours: dict, theirs: dict) -> tuple[float, str]:
     return max((_rel(ours[k], theirs[k], floor), k) for k in theirs)
 
 
+_SAME = object()  # in a hooked call's arguments: the hidden states, given again
+
+
 def _run_source(module, hidden, rest, kwargs, d_out, ignore: tuple[str, ...] = ()):
     """The hooked module on ``hidden`` with the model's arguments; where the module holds more
     than the attention (``ignore``: BERT's residual and LayerNorm after ``output.dense``), its
     self-attention and output projection only, as ours computes."""
+    import inspect
+
     x = hidden.detach().clone().requires_grad_(True)
     module.zero_grad(set_to_none=True)
+    rest = tuple(x if a is _SAME else a for a in rest)
     if ignore:
         out = module.output.dense(module.self(x, *rest, **kwargs)[0])
     else:
-        out = module(x, *rest, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out
+        bound = inspect.signature(module.forward).bind(x, *rest, **kwargs)
+        if "residual" in bound.arguments:  # BLOOM's attention adds the block's residual: not the attention's
+            bound.arguments["residual"] = bound.arguments["residual"].new_zeros(bound.arguments["residual"].shape)
+        out = module(*bound.args, **bound.kwargs)
+    if isinstance(out, (tuple, list)):
+        dense_bias = getattr(module, "dense_bias", None)  # GPT-NeoX-Japanese returns its output bias apart
+        out = out[0] + dense_bias if dense_bias is not None and any(o is dense_bias for o in out) else out[0]
     out.backward(d_out)
     grads = {"input": x.grad.double().numpy()}
     grads.update({n: p.grad.double().numpy() for n, p in module.named_parameters() if p.grad is not None})
