@@ -801,3 +801,32 @@ def test_verify_and_conversion_of_a_new_family(tmp_path):
         assert torch.equal(twin(x, is_causal=True), reference(x, is_causal=True))
     assert np.allclose(np.asarray(flax_layer(jnp.asarray(x.numpy()), is_causal=True)),
                        reference(x, is_causal=True).detach().numpy(), atol=1e-5)
+
+
+VERIFIED_CALLS = {  # families whose attention transformers calls another way, and the extra config keys
+    "ctrl": {},  # attention(v, k, q, mask, ...): the hidden states three times
+    "openai-gpt": {},  # returns a list
+    "gpt_neox_japanese": {},  # returns its last layer's output bias apart, added by the block
+    "bloom": {},  # attention(hidden, residual, alibi, mask): adds the block's residual
+    "falcon": dict(alibi=True, multi_query=False, head_dim=None),  # ALiBi (its eager model adds it twice)
+    "llama4_text": {},  # chunked layers: rows from position 0, where index and position chunk alike
+}
+
+
+@pytest.mark.parametrize("name", list(VERIFIED_CALLS))
+def test_verify_config_runs_each_call_form_of_the_source_attention(name, tmp_path):
+    """``mha-parity verify --config`` on every layer of a saved model whose attention transformers
+    calls with other arguments than Llama's, or whose layers chunk: every row passes."""
+    from safetensors.torch import save_model
+
+    from parity_tests.tool import models
+
+    record = RECORDS[name]
+    config = _config(name, dict(record.config, **VERIFIED_CALLS[name]), record.layers)
+    config.max_position_embeddings = 32  # the tool's rows reach position 18
+    model = _model(config)
+    config.save_pretrained(tmp_path)
+    save_model(model, str(tmp_path / "model.safetensors"))
+    _, results = models.verify(tmp_path / "config.json", tmp_path / "model.safetensors")
+    assert len(results) == config.num_hidden_layers
+    assert all(r.passed for r in results), [(r.layer, r.failures()) for r in results]

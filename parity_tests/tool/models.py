@@ -138,18 +138,18 @@ def is_causal(source: Model) -> bool:
     return _causal(source.raw, 0)
 
 
-def _inputs(vocab: int, seed: int):
+def _inputs(vocab: int, seed: int, offsets: tuple[int, ...] = OFFSETS):
     import torch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (BATCH, LENGTH), generator=g)
-    positions = torch.stack([torch.arange(LENGTH) + o for o in OFFSETS])
+    positions = torch.stack([torch.arange(LENGTH) + o for o in offsets])
     lengths = torch.tensor([LENGTH - p for p in PADDING])
     attention_mask = (torch.arange(LENGTH)[None] < lengths[:, None]).long()
     return ids, positions, lengths, attention_mask
 
 
-def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, tuple]:
+def _captured(source: Model, prefixes: dict[int, str], seed: int, offsets: tuple[int, ...]) -> dict[int, tuple]:
     """Each layer's attention module and the (input, keywords) the model called it with."""
     import torch
 
@@ -166,7 +166,7 @@ def _captured(source: Model, prefixes: dict[int, str], seed: int) -> dict[int, t
             seen[layer] = (module, hidden.detach().clone(), rest, kwargs)
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    ids, positions, _, attention_mask = _inputs(source.raw.get("vocab_size", 2), seed)
+    ids, positions, _, attention_mask = _inputs(source.raw.get("vocab_size", 2), seed, offsets)
     try:
         with torch.no_grad():
             source.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
@@ -295,8 +295,11 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
     missing = [k for k in source.missing if any(k.startswith(o.prefix) for o in options.values())]
     if missing:
         raise ValueError(f"--weights lacks the attention weights {missing}")
-    seen = _captured(source, {layer: o.prefix for layer, o in options.items()}, seed)
-    _, positions, lengths, _ = _inputs(2, seed)
+    # transformers chunks (Llama 4) by the index in the sequence, ours by position: both agree on
+    # rows that start at position 0, which a model with chunked layers is given
+    offsets = (0,) * BATCH if any(o.attention_chunk_size for o in options.values()) else OFFSETS
+    seen = _captured(source, {layer: o.prefix for layer, o in options.items()}, seed, offsets)
+    _, positions, lengths, _ = _inputs(2, seed, offsets)
     # padded queries' outputs mean nothing (transformers spreads a row that sees no key evenly,
     # ours gives 0): they are neither compared nor sent a gradient
     live = (np.arange(LENGTH)[None] < np.asarray(lengths)[:, None])[..., None]
