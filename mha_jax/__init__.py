@@ -15,9 +15,11 @@ from mha_jax.hf import from_hf
 from mha_jax.masks import causal_mask, padding_mask
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
+from mha_spec.latent import Latent
 from mha_spec.qk_norm import QKNorm
 
 __all__ = [
+    "Latent",
     "MultiHeadAttention",
     "QKNorm",
     "RotaryEmbedding",

@@ -7,7 +7,7 @@ flax's order, with flax's meaning; the parameter tree is flax's: ``query``/``key
 scales ``query_ln``/``key_ln``. Built from the same ``nnx.Rngs`` it holds flax's parameters. With a
 ``latent`` (multi-head latent attention) the tree is ``query`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``out`` (``kernel (heads, v_head_dim, out)``):
-see ``mha_jax.mla.make_projections``.
+see ``mha_jax.latent.make_projections``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.we
 ``k_norm.weight`` ``(head_dim,)`` (over the whole projection: ``(heads * head_dim,)``); with
 ``use_sinks``, ``sinks`` ``(num_heads,)``. With a ``latent`` (multi-head latent attention), transformers'
 names: ``q_proj`` or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; ``kv_a_proj_with_mqa``,
-``kv_a_layernorm``, ``kv_b_proj``; ``out_proj`` (see ``mha_torch.mla.make_projections``).
+``kv_a_layernorm``, ``kv_b_proj``; ``out_proj`` (see ``mha_torch.latent.make_projections``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class MultiHeadAttention(nn.Module):
         of each head (its ``head_dim`` is ``qk_rope_head_dim``), ``bias`` on the low-rank input
         projections only; ``num_kv_heads`` and ``qkv_dim`` None (or what the latent makes them), no
         ``normalize_qk``, the value input the key input; default scale ``1 / sqrt(qk_head_dim)``.
-        Decoding takes an ``mha_torch.mla.LatentCache``.
+        Decoding takes an ``mha_torch.latent.LatentCache``.
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class MultiHeadAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
 
     def _make_latent(self, qk_norm, out_bias: bool, bias: bool, device, dtype) -> None:
-        """The parameters of multi-head latent attention (``mha_torch.mla.make_projections``)."""
+        """The parameters of multi-head latent attention (``mha_torch.latent.make_projections``)."""
         if qk_norm is not None:
             raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
         latent_spec.check_rotary(self.rotary, self.latent)
