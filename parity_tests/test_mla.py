@@ -88,11 +88,11 @@ def _oracle(twin, x, positions):
     return linear(out.reshape(B, -1, HEADS * lat.v_head_dim), "out_proj")
 
 
-def _decode(layer, twin, x, chunks, positions=None):
+def _decode(layer, twin, x, chunks, positions=None, dtype="float64"):
     """Both twins decoding ``x`` in ``chunks`` from a fresh cache (one chunk: at ``positions``, if given):
     (JAX outputs, torch outputs, torch cache)."""
-    layer.init_cache((B, T, HIDDEN), jnp.float64)
-    cache = LatentCache(B, T, LATENT, dtype=torch.float64)
+    layer.init_cache((B, T, HIDDEN), jnp.dtype(dtype))
+    cache = LatentCache(B, T, LATENT, dtype=getattr(torch, dtype))
     at_j, at_t = ({}, {}) if positions is None else ({"query_positions": jnp.asarray(positions)},
                                                      {"query_positions": torch.from_numpy(positions)})
     out_j, out_t, t = [], [], 0
@@ -172,28 +172,33 @@ def _deepseek(dtype=torch.float64):
     return config, attention, modeling.DeepseekV3RotaryEmbedding(config)
 
 
-def test_decoding_equals_deepseek_v3_attention_with_its_cache(monkeypatch):
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-12), ("float32", 1e-6)])
+def test_decoding_equals_deepseek_v3_attention_with_its_cache(monkeypatch, dtype, tolerance):
     """transformers' attention with its DynamicCache (a prefill of 4 tokens, then 3 steps) and
-    ``from_hf``'s layers with their latent caches give the same outputs, float64, both twins."""
-    config, attention, rotary = _deepseek()
-    _keep_float64(monkeypatch, attention)
-    x = np.random.default_rng(0).normal(size=(B, T, HIDDEN))
+    ``from_hf``'s layers with their latent caches give the same outputs, both twins; float64 with
+    transformers' float32 steps kept in float64, float32 as transformers computes."""
+    config, attention, rotary = _deepseek(getattr(torch, dtype))
+    if dtype == "float64":
+        _keep_float64(monkeypatch, attention)
+    x = np.random.default_rng(0).normal(size=(B, T, HIDDEN)).astype(dtype)
     cache = transformers.DynamicCache(config=config)
     theirs = []
     for start, n in ((0, 4), (4, 1), (5, 1), (6, 1)):
         positions = torch.arange(start, start + n)[None].expand(B, n)
-        tables = _tables64(rotary, positions, LATENT.qk_rope_head_dim)
+        step = torch.from_numpy(x[:, start:start + n])
+        tables = _tables64(rotary, positions, LATENT.qk_rope_head_dim) if dtype == "float64" else \
+            rotary(step, positions)
         mask = torch.where(torch.arange(start + n)[None] <= positions[0, :, None], 0.0, -torch.inf)
         with torch.no_grad():
-            out, _ = attention(torch.from_numpy(x[:, start:start + n]), tables, mask[None, None].double(),
-                               past_key_values=cache)
+            out, _ = attention(step, tables, mask[None, None].to(step.dtype), past_key_values=cache)
         theirs.append(out.numpy())
     theirs = np.concatenate(theirs, axis=1)
     state = {"model.layers.0.self_attn." + k: v for k, v in attention.state_dict().items()}
-    layer = mha_jax.from_hf(config.to_dict(), state, param_dtype=jnp.float64)
-    twin = mha_torch.from_hf(config.to_dict(), state, dtype=torch.float64).eval()
-    got_j, got_t, _ = _decode(layer, twin, x, [4, 1, 1, 1])
-    assert _rel(got_j, theirs) <= 1e-12 and _rel(got_t, theirs) <= 1e-12
+    layer = mha_jax.from_hf(config.to_dict(), state, param_dtype=jnp.dtype(dtype))
+    twin = mha_torch.from_hf(config.to_dict(), state, dtype=getattr(torch, dtype)).eval()
+    got_j, got_t, _ = _decode(layer, twin, x, [4, 1, 1, 1], dtype=dtype)
+    assert _rel(got_j, theirs) <= tolerance and _rel(got_t, theirs) <= tolerance, (_rel(got_j, theirs),
+                                                                                   _rel(got_t, theirs))
 
 
 def test_conversion_between_the_twins_and_from_transformers_names():
