@@ -810,6 +810,7 @@ VERIFIED_CALLS = {  # families whose attention transformers calls another way, a
     "bloom": {},  # attention(hidden, residual, alibi, mask): adds the block's residual
     "falcon": dict(alibi=True, multi_query=False, head_dim=None),  # ALiBi (its eager model adds it twice)
     "llama4_text": {},  # chunked layers: rows from position 0, where index and position chunk alike
+    "xlm": {},  # given its model's cache even without use_cache: the run again must not append to it
 }
 
 

@@ -223,6 +223,9 @@ def _run_source(module, hidden, rest, kwargs, d_out, ignore: tuple[str, ...] = (
         bound = inspect.signature(module.forward).bind(x, *rest, **kwargs)
         if "residual" in bound.arguments:  # BLOOM's attention adds the block's residual: not the attention's
             bound.arguments["residual"] = bound.arguments["residual"].new_zeros(bound.arguments["residual"].shape)
+        for name in ("cache", "past_key_values", "past_key_value", "layer_past"):  # the run again appends nothing
+            if name in bound.arguments:
+                bound.arguments[name] = None
         out = module(*bound.args, **bound.kwargs)
     if isinstance(out, (tuple, list)):
         dense_bias = getattr(module, "dense_bias", None)  # GPT-NeoX-Japanese returns its output bias apart
