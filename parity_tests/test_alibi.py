@@ -32,6 +32,7 @@ from mha_jax import _band, _blockwise
 from mha_spec import alibi
 from parity_tests import cores
 from parity_tests.conftest import X64
+from parity_tests.test_decode import padded_prompts
 from parity_tests.tool import arrays, harness, oracle
 
 B, H, HK, Q, K, D = 2, 4, 2, 7, 9, 8
@@ -381,11 +382,7 @@ def test_ragged_rows_decode_at_their_own_positions_in_both_twins():
     each row as the oracle of that row alone."""
     layer, twin, state, x = _modules("float64")
     lengths = np.array([6, 3])
-    real = np.arange(6)[None] >= 6 - lengths[:, None]
-    pos = np.where(real, np.cumsum(real, axis=1) - 1, -1)
-    prompts = np.zeros((B, 6, E))
-    for b, n in enumerate(lengths):
-        prompts[b, real[b]] = x[b, :n]
+    prompts, real, pos = padded_prompts(x, lengths, 6)
     layer.init_cache((B, T, E), jnp.float64)
     cache = mha_torch.KVCache(B, T, HK, E // H, dtype=torch.float64)
     out_j = [np.asarray(layer(jnp.asarray(prompts), decode=True, is_causal=True, query_positions=jnp.asarray(pos)))]

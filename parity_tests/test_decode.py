@@ -82,6 +82,19 @@ def _torch_of(x, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.array(x, np.float64 if dtype == "float64" else np.float32)).to(getattr(torch, dtype))
 
 
+def padded_prompts(x, lengths, width: int, padding: str = "left"):
+    """Row ``b``'s first ``lengths[b]`` tokens of ``x`` ``(batch, len, features)`` padded to ``width`` on the
+    ``padding`` side: float64 prompts ``(batch, width, features)``, which are real ``(batch, width)``,
+    and their positions (from 0 in each row; -1 on padding)."""
+    lengths = np.asarray(lengths)
+    slots = np.arange(width)[None]
+    real = slots < lengths[:, None] if padding == "right" else slots >= width - lengths[:, None]
+    prompts = np.zeros((len(lengths), width, x.shape[-1]))
+    for b, n in enumerate(lengths):
+        prompts[b, real[b]] = np.asarray(x[b, :n], np.float64)
+    return prompts, real, np.where(real, np.cumsum(real, axis=1) - 1, -1)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_ragged_batch_decodes_each_row_at_its_own_position(padding, dtype):
@@ -90,11 +103,7 @@ def test_ragged_batch_decodes_each_row_at_its_own_position(padding, dtype):
     layer, twin, xj, xt = _pair(2, dtype)
     jdt = jnp.dtype(dtype)
     lengths = np.array([6, 3])
-    real = np.arange(6)[None] < lengths[:, None] if padding == "right" else np.arange(6)[None] >= 6 - lengths[:, None]
-    pos = np.where(real, np.cumsum(real, axis=1) - 1, -1)
-    prompts = np.zeros((B, 6, E))
-    for b, n in enumerate(lengths):
-        prompts[b, real[b]] = np.asarray(xj[b, :n], np.float64)
+    prompts, real, pos = padded_prompts(xj, lengths, 6, padding)
     steps = [np.asarray(xj[:, 6 + i:7 + i], np.float64) for i in range(3)]
     layer.init_cache((B, T, E), jdt)
     cache = mha_torch.KVCache(B, T, 2, E // H, dtype=getattr(torch, dtype))

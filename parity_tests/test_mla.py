@@ -23,6 +23,7 @@ from mha_spec import families
 from mha_spec.latent import Latent
 from mha_torch.latent import LatentCache
 from parity_tests.conftest import X64
+from parity_tests.test_decode import padded_prompts
 from parity_tests.test_hf_models import _keep_float64, _tables64
 
 pytestmark = pytest.mark.skipif(not X64, reason="float64 decoding needs jax_enable_x64")
@@ -127,11 +128,7 @@ def test_a_ragged_batch_decodes_each_row_at_its_own_position():
     then 3 tokens each: every row's outputs are those of the row alone."""
     layer, twin, x = _pair()
     lengths = np.array([4, 2])
-    real = np.arange(4)[None] >= 4 - lengths[:, None]
-    pos = np.where(real, np.cumsum(real, axis=1) - 1, -1)
-    prompts = np.zeros((B, 4, HIDDEN))
-    for b, n in enumerate(lengths):
-        prompts[b, real[b]] = x[b, :n]
+    prompts, real, pos = padded_prompts(x, lengths, 4)
     steps = np.concatenate([prompts, x[:, 4:7]], axis=1)
     got_j, got_t, cache = _decode(layer, twin, steps[:, :4], [4], pos)
     more_j, more_t, _ = _decode_more(layer, twin, cache, x[:, 4:7])
