@@ -831,3 +831,20 @@ def test_verify_config_runs_each_call_form_of_the_source_attention(name, tmp_pat
     _, results = models.verify(tmp_path / "config.json", tmp_path / "model.safetensors")
     assert len(results) == config.num_hidden_layers
     assert all(r.passed for r in results), [(r.layer, r.failures()) for r in results]
+
+
+def test_verify_runs_the_source_eager_but_falcon_with_alibi_through_sdpa(tmp_path):
+    """The tool's source is transformers' eager attention; only Falcon with ``alibi`` runs SDPA
+    (its eager model adds ALiBi twice)."""
+    from safetensors.torch import save_model
+
+    from parity_tests.tool import models
+
+    found = {}
+    for alibi in (False, True):
+        config = _config("falcon", dict(RECORDS["falcon"].config, **dict(VERIFIED_CALLS["falcon"], alibi=alibi)))
+        path = tmp_path / str(alibi)
+        config.save_pretrained(path)
+        save_model(_model(config), str(path / "model.safetensors"))
+        found[alibi] = models.load(path / "config.json", path / "model.safetensors").model.config._attn_implementation
+    assert found == {False: "eager", True: "sdpa"}
