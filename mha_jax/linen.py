@@ -94,7 +94,7 @@ class MultiHeadDotProductAttention(nn.Module):
                                 self.attention_chunk_size)
         arguments.check_qk_norm(self.normalize_qk)
         _layer.check_sequence_axis(self.sequence_axis)
-        alibi.check_module_slopes(self.alibi_slopes, self.num_heads)
+        object.__setattr__(self, "alibi_slopes", alibi.check_module_slopes(self.alibi_slopes, self.num_heads))
         if self.latent is not None:
             latent_spec.check_latent(self.latent, self.num_heads, self.num_kv_heads, self.qkv_features,
                                      ("num_kv_heads", "qkv_features"))
@@ -140,7 +140,7 @@ class MultiHeadDotProductAttention(nn.Module):
             latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
         masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
-                                          _layer.slopes(alibi.check_module_slopes(self.alibi_slopes, self.num_heads)))
+                                          _layer.slopes(self.alibi_slopes))
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)
