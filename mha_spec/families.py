@@ -22,6 +22,7 @@ from typing import Any
 from mha_spec import alibi
 from mha_spec.latent import Latent
 from mha_spec.qk_norm import QKNorm
+from mha_spec.rotary import yarn_mscale
 
 _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
@@ -613,8 +614,7 @@ def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Famil
     scale = latent.qk_head_dim ** -0.5
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if parameters.get("rope_type", parameters.get("type", "default")) != "default" and parameters.get("mscale_all_dim"):
-        factor = parameters["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * parameters["mscale_all_dim"] * math.log(factor) + 1.0
+        mscale = yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
         scale = scale * mscale * mscale
     rope = None if options.rope is None else dict(options.rope, head_dim=latent.qk_rope_head_dim)
     return replace(options, num_kv_heads=options.num_heads, head_dim=latent.qk_head_dim, scale=scale, rope=rope,

@@ -196,11 +196,11 @@ def attention_factor(scaling: Scaling | None, max_pos: int | None) -> float:
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(omax))
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-    return _yarn_mscale(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+def yarn_mscale(scale: float, mscale: float = 1) -> float:
     """``get_mscale`` of ``_compute_yarn_parameters``."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
