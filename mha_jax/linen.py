@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
+from typing_extensions import Unpack
 
 from mha_jax import _layer, masks
 from mha_jax import latent as mla
@@ -119,14 +120,9 @@ class MultiHeadDotProductAttention(nn.Module):
         sow_weights: bool = False,
         bias: jax.Array | None = None,
         is_causal: bool = False,
-        query_positions: jax.Array | None = None,
-        key_positions: jax.Array | None = None,
-        local_window_size: int | tuple[int, int] | None = None,
-        query_segment_ids: jax.Array | None = None,
-        key_segment_ids: jax.Array | None = None,
-        key_value_seq_lengths: jax.Array | None = None,
         dropout_mask: jax.Array | None = None,
         return_weights: bool = False,
+        **masking: Unpack[arguments.PositionMasking[jax.Array]],
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Shapes and arguments as ``mha_jax.MultiHeadAttention.__call__``; ``inputs_kv`` (flax's
         deprecated key-and-value input) and ``dropout_rng`` (default
@@ -139,8 +135,10 @@ class MultiHeadDotProductAttention(nn.Module):
         if self.latent is not None:
             latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
-                                          _layer.slopes(self.alibi_slopes))
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size,
+            dict(locals(), **arguments.position_masking("MultiHeadDotProductAttention.__call__", masking)),
+            _layer.slopes(self.alibi_slopes))
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
+from typing_extensions import Unpack
 
 from mha_jax import _layer, masks
 from mha_jax import latent as mla
@@ -238,14 +239,9 @@ class MultiHeadAttention(nnx.Module):
         out_sharding=None,
         qkv_sharding=None,
         bias: jax.Array | None = None,
-        query_positions: jax.Array | None = None,
-        key_positions: jax.Array | None = None,
-        local_window_size: int | tuple[int, int] | None = None,
-        query_segment_ids: jax.Array | None = None,
-        key_segment_ids: jax.Array | None = None,
-        key_value_seq_lengths: jax.Array | None = None,
         dropout_mask: jax.Array | None = None,
         return_weights: bool = False,
+        **masking: Unpack[arguments.PositionMasking[jax.Array]],
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Attend from ``inputs_q`` to ``inputs_k``/``inputs_v``.
 
@@ -265,19 +261,21 @@ class MultiHeadAttention(nnx.Module):
           is_causal: key position <= query position.
           out_sharding, qkv_sharding: output sharding of the output and the q/k/v projections.
           bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
-          query_positions, key_positions, local_window_size, query_segment_ids, key_segment_ids,
-            key_value_seq_lengths: as in ``mha_jax.dot_product_attention``, with the batch axes of
-            the inputs; in self-attention (``inputs_k`` not given, or ``inputs_q`` itself) the key
-            positions and segment ids default to the query's.
           dropout_mask: explicit keep-mask broadcasting to ``(*batch, num_heads, q_len, kv_len)``;
             always applied, kept weights scaled by ``1 / (1 - dropout_rate)``.
           return_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
+          **masking: ``query_positions``, ``key_positions``, ``local_window_size``, ``query_segment_ids``,
+            ``key_segment_ids`` and ``key_value_seq_lengths``, by name: as in ``mha_jax.dot_product_attention``,
+            with the batch axes of the inputs; in self-attention (``inputs_k`` not given, or ``inputs_q``
+            itself) the key positions and segment ids default to the query's.
 
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(),
-                                          _layer.slopes(self.alibi_slopes))
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size,
+            dict(locals(), **arguments.position_masking("MultiHeadAttention.__call__", masking)),
+            _layer.slopes(self.alibi_slopes))
         if self.latent is not None:
             latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode if decode is None else decode

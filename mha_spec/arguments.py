@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
+from typing_extensions import TypedDict
 
 from mha_spec.qk_norm import QKNorm
 from mha_spec.terms import check_chunk_size
@@ -37,6 +38,31 @@ def _real(x: Any, message: str) -> float:
         return float(x)
     except (TypeError, ValueError):
         raise TypeError(message) from None
+
+
+A = TypeVar("A")
+
+
+class PositionMasking(TypedDict, Generic[A], total=False):
+    """The masking keywords a module's call takes beside flax's (``**masking``), each as the
+    functional core reads it, with the inputs' batch axes; ``A``: the framework's array type."""
+
+    query_positions: A
+    key_positions: A
+    local_window_size: int | tuple[int, int] | None
+    query_segment_ids: A
+    key_segment_ids: A
+    key_value_seq_lengths: A
+
+
+def position_masking(call: str, masking: Mapping[str, Any]) -> dict[str, Any]:
+    """A module call's ``**masking``: each name of ``PositionMasking``, None where not given;
+    TypeError naming any other keyword, as Python names an unexpected one."""
+    names = PositionMasking.__annotations__
+    for name in masking:
+        if name not in names:
+            raise TypeError(f"{call}() got an unexpected keyword argument {name!r}")
+    return {name: masking.get(name) for name in names}
 
 
 def check_head_counts(num_heads: int, num_kv_heads: int) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Unpack
 
 from mha_spec import alibi, arguments, batch_axes, kv_cache
 from mha_spec import latent as latent_spec
@@ -167,15 +168,10 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         is_causal: bool = False,
-        query_positions: torch.Tensor | None = None,
-        key_positions: torch.Tensor | None = None,
-        local_window_size: int | tuple[int, int] | None = None,
-        query_segment_ids: torch.Tensor | None = None,
-        key_segment_ids: torch.Tensor | None = None,
-        key_value_seq_lengths: torch.Tensor | None = None,
         need_weights: bool = False,
         dropout_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        **masking: Unpack[arguments.PositionMasking[torch.Tensor]],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -186,10 +182,7 @@ class MultiHeadAttention(nn.Module):
           mask: broadcasts to ``(*batch, num_heads, q_len, kv_len)``; bool/integer nonzero =
             attend, floating = added to the logits (see ``dot_product_attention``).
           bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
-          is_causal, query_positions, key_positions, local_window_size, query_segment_ids,
-            key_segment_ids, key_value_seq_lengths: as in ``mha_torch.dot_product_attention``;
-            in self-attention (``key`` not given, or ``query`` itself) the key positions and
-            segment ids default to the query's; with the batch axes of the inputs.
+          is_causal: as in ``mha_torch.dot_product_attention``.
           need_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
           dropout_mask: explicit keep-mask ``(*batch, num_heads, q_len, kv_len)``; always
             applied, kept weights scaled by ``1 / (1 - dropout)``.
@@ -198,11 +191,18 @@ class MultiHeadAttention(nn.Module):
             ``(batch, n)`` (default: each row's ``cache.index + arange(n)``; ``-1`` marks
             padding, not cached). Masks and biases then span the cache:
             ``(*batch, heads, n, max_length)``.
+          **masking: ``query_positions``, ``key_positions``, ``local_window_size``,
+            ``query_segment_ids``, ``key_segment_ids`` and ``key_value_seq_lengths``, by name: as in
+            ``mha_torch.dot_product_attention``, with the batch axes of the inputs; in self-attention
+            (``key`` not given, or ``query`` itself) the key positions and segment ids default to
+            the query's.
 
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
-        masking = batch_axes.call_masking(self.local_window_size, self.attention_chunk_size, locals(), self._slopes())
+        masking = batch_axes.call_masking(
+            self.local_window_size, self.attention_chunk_size,
+            dict(locals(), **arguments.position_masking("MultiHeadAttention.forward", masking)), self._slopes())
         if self.latent is not None:
             latent_spec.check_inputs(key, value, "value")
         if cache is not None:

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import inspect
 
+import jax
+import numpy as np
 import pytest
+import torch
+from flax import nnx
 
 import mha_jax
 import mha_jax.linen
 import mha_torch
-from mha_spec import batch_axes
+from mha_spec import arguments, batch_axes
 
 _MODULE_CALL = {"deterministic", "rngs", "sow_weights", "decode", "out_sharding", "qkv_sharding", "dropout_mask",
                 "return_weights"}
@@ -31,11 +35,34 @@ CALLS = {
 }
 
 
+MODULE_CALLS = (mha_jax.MultiHeadAttention.__call__, mha_jax.linen.MultiHeadDotProductAttention.__call__,
+                mha_torch.MultiHeadAttention.forward)
+
+
 @pytest.mark.parametrize("call", CALLS, ids=lambda call: f"{call.__module__}.{call.__qualname__}")
 def test_every_parameter_is_masking_or_passed_by_name(call):
-    parameters = set(inspect.signature(call).parameters)
-    unknown = parameters - CALLS[call] - set(batch_axes.MASKING)
+    parameters = inspect.signature(call).parameters
+    named = {name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    unknown = named - CALLS[call] - set(batch_axes.MASKING)
     assert not unknown, f"{call.__qualname__}: parameters neither in batch_axes.MASKING nor passed on: {unknown}"
+    if call in MODULE_CALLS:  # the position terms by name, **masking: each one is picked as MASKING names it
+        assert parameters["masking"].kind is inspect.Parameter.VAR_KEYWORD
+        assert set(arguments.PositionMasking.__annotations__) <= set(batch_axes.MASKING) - named
+
+
+def test_a_module_call_names_an_unknown_keyword():
+    x = np.zeros((1, 3, 8), np.float32)
+    modules = {
+        "MultiHeadAttention.__call__": mha_jax.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0)),
+        "MultiHeadAttention.forward": mha_torch.MultiHeadAttention(8, 2),
+    }
+    for name, module in modules.items():
+        with pytest.raises(TypeError, match=rf"{name}\(\) got an unexpected keyword argument 'query_position'"):
+            module(x if "call" in name else torch.from_numpy(x), query_position=np.arange(3))
+    linen = mha_jax.linen.MultiHeadDotProductAttention(num_heads=2)
+    with pytest.raises(TypeError, match="MultiHeadDotProductAttention.__call__\\(\\) got an unexpected keyword "
+                                        "argument 'key_segment_id'"):
+        linen.init(jax.random.key(0), x, key_segment_id=np.zeros((1, 3), np.int32))
 
 
 def test_masking_picks_the_named_arguments_only():
