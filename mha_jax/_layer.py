@@ -28,7 +28,7 @@ INPUT_LAYOUT = "(*batch, length, features)"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cache:
+class Cache:
     """A cache with one batch axis: ``key``/``value`` ``(batch, max_length, kv_heads, head_dim)`` (``value``
     None: a latent cache, keys alone), ``end`` int32 ``(batch,)`` (next position), ``overflow`` bool ``(batch,)``."""
 
@@ -70,7 +70,7 @@ def prepare(inputs: tuple, masking: Mapping, num_heads: int, features: tuple[int
                                   num_heads, max_length)
 
 
-def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> _Cache:
+def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> Cache:
     """A module's cache, checked against the step's inputs, with its batch axes merged as theirs:
     ``key``/``value`` ``(*batch, max_length, kv_heads, head_dim)``, ``index`` ``(*batch,)`` or, as flax's
     class makes it, a scalar (every row there), ``overflow`` ``(*batch,)`` or, as flax's, None."""
@@ -81,10 +81,10 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
                          index.shape, batch_shape, kv_heads, head_dim, n)
     flat = (batch,) + tuple(key.shape[len(batch_shape):])
     value = None if value is None else value.reshape(flat)  # None: a latent cache, keys alone
-    return _Cache(key.reshape(flat), value, index.reshape(batch), overflow.reshape(batch))
+    return Cache(key.reshape(flat), value, index.reshape(batch), overflow.reshape(batch))
 
 
-def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call):
+def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
     """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default
     each row's end onward) and append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (``value``
     None: keys alone, the latent cache's entries):
@@ -99,7 +99,7 @@ def decode_step(cache: _Cache, rotary, query, key, value, call: batch_axes.Call)
     overflow = kv_cache.check_step(start, end, max_length, call.spec.terms,
                                    lambda x: np.asarray(x) if _checks.concrete(x) else None)
     written = (_cache.write(cache.key, key, pos), None if value is None else _cache.write(cache.value, value, pos))
-    updated = _Cache(*written, end, cache.overflow | overflow)
+    updated = Cache(*written, end, cache.overflow | overflow)
     return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
 
 
@@ -177,10 +177,13 @@ def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng
     return out, None, None
 
 
-def slopes(alibi_slopes: tuple[float, ...] | None) -> jax.Array | None:
-    """A layer's static ALiBi slopes as an array ``(num_heads,)`` (cast to the compute dtype by the
-    attention), or None."""
-    return None if alibi_slopes is None else jnp.asarray(alibi_slopes)
+def call_masking(module, call: str, named: Mapping, masking: Mapping) -> dict:
+    """A Flax module call's masking arguments, as ``batch_axes.call_masking`` gives them: those it
+    names (its ``locals()``), its ``**masking`` (``call`` names it in a TypeError on an unknown
+    keyword), the layer's window and chunks, and its static ALiBi slopes as an array ``(num_heads,)``."""
+    slopes = None if module.alibi_slopes is None else jnp.asarray(module.alibi_slopes)
+    return batch_axes.call_masking(module.local_window_size, module.attention_chunk_size,
+                                   dict(named, **arguments.position_masking(call, masking)), slopes)
 
 
 def check_sequence_axis(sequence_axis):

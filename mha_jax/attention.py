@@ -164,13 +164,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     ring = None if sequence_axis is None else _ring.check(
         sequence_axis, q_len, kv_len, dropout_rng=rng, return_weights=return_weights, implementation=implementation,
     )
-    if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row
-        groups = heads // kv_heads
-        empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
-        if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
-            empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(batch, q_len, heads, v_dim)
-        return (out, empty.reshape(shape)) if return_weights else out
+    if kv_len == 0:
+        return _no_keys(query, key, value, sinks, shape, return_weights)
     kernel = _choose(
         implementation, return_weights, keep is not None or rng is not None, query.dtype,
         soft_cap is not None, sinks is not None, v_dim != head_dim, spec.alibi_slopes is not None,
@@ -213,6 +208,18 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
     return out
+
+
+def _no_keys(query, key, value, sinks, shape, return_weights):
+    """No key to attend to: an output of zeros (and weights ``(batch, heads, q_len, 0)``), as for a
+    fully masked row, kept in the graph (a sink's gradient 0 included)."""
+    batch, heads, q_len, _ = shape
+    kv_heads, head_dim, groups = key.shape[2], query.shape[3], heads // key.shape[2]
+    empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
+    if sinks is not None:
+        empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(batch, q_len, heads, value.shape[3])
+    return (out, empty.reshape(shape)) if return_weights else out
 
 
 def _check_head_sharding(query, heads, kv_heads):

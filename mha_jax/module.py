@@ -162,24 +162,15 @@ class MultiHeadAttention(nnx.Module):
             arguments.check_heads(1, 1, getattr(self, name), name)
         self.head_dim = arguments.check_heads(num_heads, self.num_kv_heads, self.qkv_features, "qkv_features")
         self.dropout_rate = arguments.check_dropout_rate("dropout_rate", dropout_rate)
-        self.broadcast_dropout = broadcast_dropout
-        self.deterministic = deterministic
-        self.decode = decode
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.use_bias = use_bias
-        self.normalize_qk = normalize_qk
-        self.attention_fn = attention_fn
+        self.broadcast_dropout, self.deterministic, self.decode = broadcast_dropout, deterministic, decode
+        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.use_bias, self.normalize_qk, self.attention_fn = use_bias, normalize_qk, attention_fn
         self.implementation, self.scale, self.local_window_size, self.attention_chunk_size = arguments.check_options(
             implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
-        self.logit_soft_cap = logit_soft_cap
-        self.rotary = rotary
+        self.logit_soft_cap, self.rotary = logit_soft_cap, rotary
         self.sequence_axis = _layer.check_sequence_axis(sequence_axis)
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
-        if self.latent is not None:
-            self._check_latent(qk_norm)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
@@ -191,6 +182,7 @@ class MultiHeadAttention(nnx.Module):
             )
 
         if self.latent is not None:
+            self._check_latent(qk_norm)
             mla.make_projections(self, self.latent, (in_features, self.in_kv_features), num_heads, projection,
                                     param_dtype, rngs)
             self.query_ln = self.key_ln = nnx.data(None)
@@ -272,10 +264,7 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        masking = batch_axes.call_masking(
-            self.local_window_size, self.attention_chunk_size,
-            dict(locals(), **arguments.position_masking("MultiHeadAttention.__call__", masking)),
-            _layer.slopes(self.alibi_slopes))
+        masking = _layer.call_masking(self, "MultiHeadAttention.__call__", locals(), masking)
         if self.latent is not None:
             latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode if decode is None else decode
@@ -287,12 +276,7 @@ class MultiHeadAttention(nnx.Module):
                               sequence_axis=self.sequence_axis)
         batch_shape, (inputs_q, inputs_k, inputs_v), spec = call.batch_shape, call.inputs, call.spec
         if decoding:
-            overflow = None if self.cache_overflow is None else self.cache_overflow[...]
-            # a latent cache: one key head of the latent entries, no values
-            kv_heads, head_dim = (1, self.latent.cache_dim) if self.latent else (self.num_kv_heads, self.head_dim)
-            cached_value = None if self.cached_value is None else self.cached_value[...]
-            cache = _layer.check_cache(self.cached_key[...], cached_value, self.cache_index[...], overflow,
-                                       batch_shape, inputs_q.shape[0], inputs_k.shape[1], kv_heads, head_dim)
+            cache = self._read_cache(batch_shape, inputs_q.shape[0], inputs_k.shape[1])
         else:
             dropout_rng = self._dropout_rng(rngs, deterministic, call.dropout_mask)
         if self.latent is not None:
@@ -306,14 +290,7 @@ class MultiHeadAttention(nnx.Module):
         if decoding:
             rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
             query, _, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
-            self.cached_key[...] = cache.key.reshape(self.cached_key.shape)
-            if cache.value is not None:
-                self.cached_value[...] = cache.value.reshape(self.cached_value.shape)
-            self.cache_index.set_value(cache.end.reshape(batch_shape))  # flax's scalar index becomes one per row
-            if self.cache_overflow is None:  # flax's cache has no flag: it is made here
-                self.cache_overflow = nnx.Cache(cache.overflow.reshape(batch_shape))
-            else:
-                self.cache_overflow[...] = cache.overflow.reshape(batch_shape)
+            self._write_cache(cache, batch_shape)
             dropout_rng = self._dropout_rng(rngs, deterministic)
             if self.latent is not None:
                 query, (key, value) = mla.absorb_query(self, query), mla.cached_keys(cache.key, self.latent,
@@ -336,6 +313,27 @@ class MultiHeadAttention(nnx.Module):
             out = mla.lift_output(self, out)
         out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
+
+    def _read_cache(self, batch_shape: tuple[int, ...], batch: int, n: int) -> _layer.Cache:
+        """The cache checked for a step of ``n`` new tokens, its batch axes merged into ``batch``; a
+        latent cache holds one key head of the latent entries and no values."""
+        overflow = None if self.cache_overflow is None else self.cache_overflow[...]
+        value = None if self.cached_value is None else self.cached_value[...]
+        kv_heads, head_dim = (1, self.latent.cache_dim) if self.latent else (self.num_kv_heads, self.head_dim)
+        return _layer.check_cache(self.cached_key[...], value, self.cache_index[...], overflow, batch_shape, batch, n,
+                                  kv_heads, head_dim)
+
+    def _write_cache(self, cache: _layer.Cache, batch_shape: tuple[int, ...]) -> None:
+        """Store a step's cache back with the inputs' batch axes; flax's scalar index becomes one per
+        row, and a cache flax's class made gets its overflow flag here."""
+        self.cached_key[...] = cache.key.reshape(self.cached_key.shape)
+        if cache.value is not None:
+            self.cached_value[...] = cache.value.reshape(self.cached_value.shape)
+        self.cache_index.set_value(cache.end.reshape(batch_shape))
+        if self.cache_overflow is None:
+            self.cache_overflow = nnx.Cache(cache.overflow.reshape(batch_shape))
+        else:
+            self.cache_overflow[...] = cache.overflow.reshape(batch_shape)
 
     def _dropout_rng(self, rngs, deterministic, dropout_mask=None) -> jax.Array | None:
         """The key of this call's dropout mask (the call's ``rngs``, else those kept), None without dropout."""

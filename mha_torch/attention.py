@@ -112,7 +112,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
     finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
     batch, heads, q_len, kv_len = shape = spec.shape
-    kv_heads, head_dim, v_dim = key.shape[1], query.shape[3], value.shape[3]
+    kv_heads, head_dim = key.shape[1], query.shape[3]
     scale = arguments.check_scale(scale)
     soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
     if sinks is not None:
@@ -120,13 +120,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         arguments.check_sinks_shape(sinks.shape, heads)
     keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if kv_len == 0:  # no key to attend to: zeros, as for a fully masked row (kept in the graph)
-        groups = heads // kv_heads
-        empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
-        if sinks is not None:  # in the graph too, with the gradient 0 of a sink-only row
-            empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).to(empty.dtype)
-        out = (empty @ value.unsqueeze(2)).reshape(batch, heads, q_len, v_dim)
-        return (out, empty.reshape(shape)) if need_weights else out
+    if kv_len == 0:
+        return _no_keys(query, key, value, sinks, shape, need_weights)
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
 
     dtype = query.dtype
@@ -153,6 +148,18 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     if need_weights:
         return out, weights.to(dtype)
     return out
+
+
+def _no_keys(query, key, value, sinks, shape, need_weights):
+    """No key to attend to: an output of zeros (and weights ``(batch, heads, q_len, 0)``), as for a
+    fully masked row, kept in the graph (a sink's gradient 0 included)."""
+    batch, heads, q_len, _ = shape
+    kv_heads, head_dim, groups = key.shape[1], query.shape[3], heads // key.shape[1]
+    empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
+    if sinks is not None:
+        empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).to(empty.dtype)
+    out = (empty @ value.unsqueeze(2)).reshape(batch, heads, q_len, value.shape[3])
+    return (out, empty.reshape(shape)) if need_weights else out
 
 
 def _choose(implementation, need_weights, explicit_dropout, soft_cap=False) -> str:
