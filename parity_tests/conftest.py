@@ -40,3 +40,25 @@ strategies.load_profile()
 @pytest.fixture(autouse=True, scope="session")
 def _compile_cache_of_the_run(tmp_path_factory):
     os.environ[compile_cache.ENVIRONMENT] = str(tmp_path_factory.mktemp("compile-cache"))
+
+
+# The files that take longest, longest first (TPU compiles, drawn cases, whole models, processes of
+# their own); then the others, most tests first. Under ``-n auto --dist loadfile`` a file runs on one
+# worker, so the longest start first and the last minutes are not one worker alone on one of them.
+_LONGEST_FIRST = ("test_tpu_compile.py", "test_hf_families.py", "test_differential.py", "test_properties.py",
+                  "test_verify_sources.py", "test_ports.py", "test_decode.py", "test_llama_checkpoints.py",
+                  "test_default_float32.py", "test_verify_models.py", "test_packaging.py", "test_determinism.py",
+                  "test_compare_llama.py", "test_robustness.py", "test_multiprocess.py")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", False):  # pytest-xdist's order by test count: the one below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name]))
