@@ -11,6 +11,7 @@ other naming schemes are first read into these names by ``mha_spec.layouts``. Tw
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from mha_jax import latent
 from mha_spec import layouts
@@ -146,14 +147,9 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
         state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
-    for flax_name in params:
-        if flax_name == layouts.SINKS:
-            module.sinks.set_value(jnp.asarray(params[flax_name], dtype=module.sinks.get_value().dtype))
-            continue
-        layer = getattr(module, flax_name)
-        for name, array in params[flax_name].items():
-            variable = getattr(layer, name)
-            variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
+    for path, array in traverse_util.flatten_dict(params).items():  # ("query", "kernel"), ..., ("sinks",)
+        variable = functools.reduce(getattr, path, module)
+        variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
 
 
 def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
@@ -227,10 +223,9 @@ def _read_params(path: str | os.PathLike) -> dict:
             with open(path, "rb") as f:
                 return msgpack_restore(f.read())
         if path.endswith(".safetensors"):
-            from flax.traverse_util import unflatten_dict
             from safetensors.numpy import load_file
 
-            return unflatten_dict({tuple(name.split(".")): array for name, array in load_file(path).items()})
+            return traverse_util.unflatten_dict({tuple(k.split(".")): array for k, array in load_file(path).items()})
     except OSError:  # a missing or unreadable file keeps its own, already clear, error
         raise
     except Exception as error:  # msgpack and safetensors raise their own types for bad bytes

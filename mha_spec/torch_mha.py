@@ -1,11 +1,6 @@
-"""``torch.nn.MultiheadAttention``'s masks: what they mean in ours, and their shape rules.
-
-Its boolean masks mean the opposite of ours (True = ignore): ``mask = ~attn_mask``, a 3-d
-``(batch * heads, q_len, kv_len)`` one read as ``(batch, heads, q_len, kv_len)``, and
-``mask = ~key_padding_mask[:, None, None, :]``. Its float masks are added to the logits: our
-``bias``. Our own float ``mask`` means attend where nonzero in ``mha_jax`` but is added in
-``mha_torch``, so each part keeps its kind. The table of every case is in ``docs/masks.md``.
-Both twins call the two functions below with their framework's operations.
+"""``torch.nn.MultiheadAttention``'s masks read as ours and written from ours, for both twins (which pass
+their framework's operations). Its bool masks mean the opposite of ours (True = ignore); its float masks
+are our ``bias``. The table of every case is in ``docs/masks.md``.
 """
 
 from __future__ import annotations
@@ -90,10 +85,8 @@ def _check_kind(name: str, mask, checks: ArrayChecks) -> None:
 
 
 def _combine(parts: list) -> tuple[Any, Any]:
-    """Our ``(mask, bias)`` from its masks, as arrays of one framework broadcasting to
-    ``(batch, heads, q_len, kv_len)``: the bool ones (True = ignore) negated and and-ed, the
-    float ones summed (in their promoted dtype). Each part stays in its own kind: a float 0/-inf
-    "mask" would read as nonzero = attend in ``mha_jax``."""
+    """Our ``(mask, bias)`` from its masks broadcasting to ``(batch, heads, q_len, kv_len)``: the bool ones
+    negated and and-ed, the float ones summed (a float 0/-inf "mask" would mean nonzero = attend in ``mha_jax``)."""
     bools = [str(p.dtype).removeprefix("torch.") == "bool" for p in parts]
     allowed = [~p for p, is_bool in zip(parts, bools) if is_bool]
     added = [p for p, is_bool in zip(parts, bools) if not is_bool]
