@@ -2,7 +2,7 @@
 
 Twin of ``mha_jax/convert.py``: reads any mapping of name to array-like (torch tensors, NumPy
 arrays, bfloat16 ones from ``mha_jax.to_torch`` included) or a ``.safetensors`` file, in any
-naming scheme that ``_layouts`` reads.
+naming scheme that ``mha_spec.layouts`` reads.
 """
 
 from __future__ import annotations
