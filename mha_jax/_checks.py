@@ -30,10 +30,10 @@ def concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
 
 
-_CHECKS = arguments.ArrayChecks(
+CHECKS = arguments.ArrayChecks(
     array="an array", is_array=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"), kind=dtype_kind,
     dtype=lambda x: x.dtype, values=lambda x: np.asarray(x) if concrete(x) else None, heads_first=False,
 )
-require_array, require_float, require_int = _CHECKS.require_array, _CHECKS.require_float, _CHECKS.require_int
+require_array, require_float, require_int = CHECKS.require_array, CHECKS.require_float, CHECKS.require_int
 check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
-    _CHECKS.check_attention_inputs, _CHECKS.check_sequence, _CHECKS.check_lengths, _CHECKS.check_dropout_mask)
+    CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask)

@@ -1,35 +1,25 @@
 """Weight conversion between ``mha_torch`` state dicts and Flax parameter trees.
 
-Pure reshapes and transposes, so round trips are bitwise. Reads any mapping of name to
-array-like (NumPy arrays, JAX arrays, CPU torch tensors: no torch import needed) or a
-``.safetensors`` file. Other naming schemes (``torch.nn.MultiheadAttention``, Hugging Face,
-BERT, fused QKV, any mapping) are first read into the names below by ``_layouts``. Twin of
+Pure reshapes and transposes, so round trips are bitwise; the table of names and shapes is in
+``docs/checkpoints.md``; besides it, ``q_norm``/``k_norm`` weights ``(head_dim,)`` or ``(heads *
+head_dim,)`` are the ``query_ln``/``key_ln`` scales ``(head_dim,)`` or ``(heads, head_dim)``, and
+``sinks`` ``(heads,)`` keeps its name. Reads any mapping of name to array-like
+(NumPy arrays, JAX arrays, CPU torch tensors: no torch import needed) or a ``.safetensors`` file;
+other naming schemes are first read into these names by ``mha_spec.layouts``. Twin of
 ``mha_torch/convert.py``.
-
-=================  =====================  ===========================
-torch name         torch shape            Flax name, shape
-=================  =====================  ===========================
-``q_proj.weight``  (heads*head_dim, in)   ``query.kernel`` (in, heads, head_dim)
-``q_proj.bias``    (heads*head_dim,)      ``query.bias`` (heads, head_dim)
-``k_proj``/``v_proj`` likewise with kv_heads: ``key``/``value``
-``out_proj.weight`` (out, heads*head_dim) ``out.kernel`` (heads, head_dim, out)
-``out_proj.bias``  (out,)                 ``out.bias`` (out,)
-``q_norm.weight``  (head_dim,)            ``query_ln.scale`` (head_dim,)  (``normalize_qk``)
-``k_norm.weight``  (head_dim,)            ``key_ln.scale`` (head_dim,)
-``q_norm.weight``  (heads*head_dim,)      ``query_ln.scale`` (heads, head_dim)  (whole projection)
-``sinks``          (heads,)               ``sinks`` (heads,)  (``use_sinks``)
-=================  =====================  ===========================
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from mha_jax import latent
 from mha_spec import layouts
@@ -123,23 +113,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
         raise ValueError("params is not an attention parameter tree: " + "; ".join(problems))
-    state: dict[str, np.ndarray] = {}
-    for flax_name, torch_name in _FLAX_NAMES:
-        kernel = _to_numpy(tree[flax_name]["kernel"])
-        if kernel.ndim != 3:
-            raise ValueError(
-                f"params[{flax_name!r}]['kernel'] must have rank 3, got shape {kernel.shape}"
-            )
-        if flax_name == "out":
-            weight = kernel.reshape(-1, kernel.shape[-1]).T
-        else:
-            weight = kernel.reshape(kernel.shape[0], -1).T
-        state[f"{torch_name}.weight"] = np.ascontiguousarray(weight)
-        if "bias" in tree[flax_name]:
-            state[f"{torch_name}.bias"] = _to_numpy(tree[flax_name]["bias"]).reshape(-1)
-    for flax_name, torch_name in _FLAX_NORMS:
-        if flax_name in tree:
-            state[f"{torch_name}.weight"] = _to_numpy(tree[flax_name]["scale"]).reshape(-1)
+    state = {name: np.ascontiguousarray(_to_numpy(array).reshape(shape).T) for name, array, shape in _flat(tree)}
     if layouts.SINKS in tree:
         state[layouts.SINKS] = _to_numpy(tree[layouts.SINKS])
     try:  # the projections must fit one module: heads from the query kernel, kv heads from the key's
@@ -173,32 +147,37 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
         state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
     )
-    for flax_name in params:
-        if flax_name == layouts.SINKS:
-            module.sinks.set_value(jnp.asarray(params[flax_name], dtype=module.sinks.get_value().dtype))
-            continue
-        layer = getattr(module, flax_name)
-        for name, array in params[flax_name].items():
-            variable = getattr(layer, name)
-            variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
+    for path, array in traverse_util.flatten_dict(params).items():  # ("query", "kernel"), ..., ("sinks",)
+        variable = functools.reduce(getattr, path, module)
+        variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
 
 
 def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
     """The module's parameter shapes under ``mha_torch`` names (``to_torch``'s reshapes, no copy)."""
     tree = _params_dict(module)
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes = {name: shape[::-1] for name, _, shape in _flat(tree)}
+    return shapes | ({layouts.SINKS: tuple(tree[layouts.SINKS].shape)} if tree.get(layouts.SINKS) is not None else {})
+
+
+def _flat(tree: dict) -> list[tuple[str, Any, tuple[int, ...]]]:
+    """``(mha_torch name, array, shape)`` for each projection and norm of a parameter tree: the array reshaped
+    to ``shape`` (kernels to 2-d, the rest to 1-d) and transposed is the ``mha_torch`` one."""
+    flat = []
     for flax_name, torch_name in _FLAX_NAMES:
-        kernel = tuple(tree[flax_name]["kernel"].shape)
-        shapes[f"{torch_name}.weight"] = (kernel[2], kernel[0] * kernel[1]) if flax_name == "out" else \
-            (kernel[1] * kernel[2], kernel[0])
+        shape = np.shape(tree[flax_name]["kernel"])
+        if len(shape) != 3:
+            raise ValueError(f"params[{flax_name!r}]['kernel'] must have rank 3, got shape {shape}")
+        # (in, heads, head_dim) -> (in, heads * head_dim); out's (heads, head_dim, out) -> (heads * head_dim, out)
+        rows = (shape[0] * shape[1], shape[2]) if flax_name == "out" else (shape[0], shape[1] * shape[2])
+        flat.append((f"{torch_name}.weight", tree[flax_name]["kernel"], rows))
         if "bias" in tree[flax_name]:
-            shapes[f"{torch_name}.bias"] = (int(np.prod(tree[flax_name]["bias"].shape)),)
+            bias = tree[flax_name]["bias"]
+            flat.append((f"{torch_name}.bias", bias, (math.prod(np.shape(bias)),)))
     for flax_name, torch_name in _FLAX_NORMS:
         if flax_name in tree:
-            shapes[f"{torch_name}.weight"] = (int(np.prod(tree[flax_name]["scale"].shape)),)
-    if tree.get(layouts.SINKS) is not None:
-        shapes[layouts.SINKS] = tuple(tree[layouts.SINKS].shape)
-    return shapes
+            scale = tree[flax_name]["scale"]
+            flat.append((f"{torch_name}.weight", scale, (math.prod(np.shape(scale)),)))
+    return flat
 
 
 def _params_dict(params: Any) -> dict:
@@ -244,10 +223,9 @@ def _read_params(path: str | os.PathLike) -> dict:
             with open(path, "rb") as f:
                 return msgpack_restore(f.read())
         if path.endswith(".safetensors"):
-            from flax.traverse_util import unflatten_dict
             from safetensors.numpy import load_file
 
-            return unflatten_dict({tuple(name.split(".")): array for name, array in load_file(path).items()})
+            return traverse_util.unflatten_dict({tuple(k.split(".")): array for k, array in load_file(path).items()})
     except OSError:  # a missing or unreadable file keeps its own, already clear, error
         raise
     except Exception as error:  # msgpack and safetensors raise their own types for bad bytes

@@ -1,21 +1,51 @@
-"""``torch.nn.MultiheadAttention``'s masks: what they mean in ours, and their shape rules.
-
-Its boolean masks mean the opposite of ours (True = ignore): ``mask = ~attn_mask``, a 3-d
-``(batch * heads, q_len, kv_len)`` one read as ``(batch, heads, q_len, kv_len)``, and
-``mask = ~key_padding_mask[:, None, None, :]``. Its float masks are added to the logits: our
-``bias``. Our own float ``mask`` means attend where nonzero in ``mha_jax`` but is added in
-``mha_torch``, so each part keeps its kind. The table of every case is in ``docs/masks.md``.
+"""``torch.nn.MultiheadAttention``'s masks read as ours and written from ours, for both twins (which pass
+their framework's operations). Its bool masks mean the opposite of ours (True = ignore); its float masks
+are our ``bias``. The table of every case is in ``docs/masks.md``.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mha_spec.arguments import ArrayChecks
+from mha_spec.terms import Spec
 
-def torch_mha_attn_shape(shape: Sequence[int], num_heads) -> tuple[int, ...]:
+
+def from_torch_mha(attn_mask, key_padding_mask, num_heads, checks: ArrayChecks,
+                   asarray: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``mask_from_torch_mha``: ``checks`` reads the twin's arrays, ``asarray`` makes one of its framework."""
+    parts = []
+    if attn_mask is not None:
+        _check_kind("attn_mask", attn_mask, checks)
+        parts.append(asarray(attn_mask).reshape(_attn_shape(attn_mask.shape, num_heads)))
+    if key_padding_mask is not None:
+        _check_kind("key_padding_mask", key_padding_mask, checks)
+        _check_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
+        parts.append(asarray(key_padding_mask)[:, None, None, :])
+    return _combine(parts)
+
+
+def to_torch_mha(spec: Spec, shape: Sequence[int], where: Callable, broadcast_to: Callable) -> Any:
+    """``mask_to_torch_mha`` from the parsed ``mask`` and ``bias`` of a call with ``shape`` = (batch, heads,
+    q_len, kv_len): ``(q_len, kv_len)`` if the result is the same for every batch element and head, else
+    ``(batch * heads, q_len, kv_len)``; ``where`` and ``broadcast_to`` (a copy) are the framework's."""
+    if spec.bias is not None:  # the form torch uses for a bool mask beside a float one
+        theirs = spec.bias if spec.allowed is None else where(spec.allowed, spec.bias, float("-inf"))
+    elif spec.allowed is not None:
+        theirs = ~spec.allowed
+    else:
+        return None
+    batch, heads, q_len, kv_len = shape
+    theirs = theirs.reshape((1,) * (4 - theirs.ndim) + tuple(theirs.shape))
+    if theirs.shape[0] == theirs.shape[1] == 1:  # the same for every batch element and head
+        return broadcast_to(theirs[0, 0], (q_len, kv_len))
+    return broadcast_to(theirs, tuple(shape)).reshape(batch * heads, q_len, kv_len)
+
+
+def _attn_shape(shape: Sequence[int], num_heads) -> tuple[int, ...]:
     """Its ``attn_mask`` ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)`` as ours:
     the shape to reshape it to, broadcasting to ``(batch, num_heads, q_len, kv_len)``."""
     shape = tuple(shape)
@@ -34,7 +64,7 @@ def torch_mha_attn_shape(shape: Sequence[int], num_heads) -> tuple[int, ...]:
     return shape
 
 
-def check_torch_mha_padding(attn_shape: Sequence[int] | None, padding_shape: Sequence[int]) -> None:
+def _check_padding(attn_shape: Sequence[int] | None, padding_shape: Sequence[int]) -> None:
     """Its ``key_padding_mask`` is ``(batch, kv_len)``, with ``attn_mask``'s kv_len."""
     if len(padding_shape) != 2:
         raise ValueError(f"key_padding_mask must have rank 2 (batch, kv_len), got shape {tuple(padding_shape)}")
@@ -45,26 +75,18 @@ def check_torch_mha_padding(attn_shape: Sequence[int] | None, padding_shape: Seq
         )
 
 
-def torch_mha_layout(mask_shape: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
-    """The ``attn_mask`` shape ``torch.nn.MultiheadAttention`` takes for one of ours broadcasting to
-    ``shape`` = (batch, heads, q_len, kv_len): ``(q_len, kv_len)`` when it is the same for every
-    batch element and head, else ``(batch * heads, q_len, kv_len)``."""
-    batch, heads, q_len, kv_len = shape
-    lead = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
-    return (q_len, kv_len) if lead[0] == lead[1] == 1 else (batch * heads, q_len, kv_len)
-
-
-def check_mask_kind(name: str, kind: str, dtype, shape) -> None:
+def _check_kind(name: str, mask, checks: ArrayChecks) -> None:
     """It takes bool and float masks only (it rejects integers)."""
-    if kind not in ("bool", "float"):
-        raise TypeError(f"{name} must be bool or floating, got dtype {dtype} with shape {tuple(shape)}")
+    checks.require_array(name, mask)
+    if checks.kind(mask) not in ("bool", "float"):
+        raise TypeError(
+            f"{name} must be bool or floating, got dtype {checks.dtype(mask)} with shape {tuple(mask.shape)}"
+        )
 
 
-def combine(parts: list) -> tuple[Any, Any]:
-    """Our ``(mask, bias)`` from its masks, as arrays of one framework broadcasting to
-    ``(batch, heads, q_len, kv_len)``: the bool ones (True = ignore) negated and and-ed, the
-    float ones summed (in their promoted dtype). Each part stays in its own kind: a float 0/-inf
-    "mask" would read as nonzero = attend in ``mha_jax``."""
+def _combine(parts: list) -> tuple[Any, Any]:
+    """Our ``(mask, bias)`` from its masks broadcasting to ``(batch, heads, q_len, kv_len)``: the bool ones
+    negated and and-ed, the float ones summed (a float 0/-inf "mask" would mean nonzero = attend in ``mha_jax``)."""
     bools = [str(p.dtype).removeprefix("torch.") == "bool" for p in parts]
     allowed = [~p for p, is_bool in zip(parts, bools) if is_bool]
     added = [p for p, is_bool in zip(parts, bools) if not is_bool]

@@ -29,10 +29,10 @@ def dtype_name(x) -> str:
     return str(x.dtype).removeprefix("torch.")
 
 
-_CHECKS = arguments.ArrayChecks(
+CHECKS = arguments.ArrayChecks(
     array="a torch.Tensor", is_array=lambda x: isinstance(x, torch.Tensor), kind=dtype_kind, dtype=dtype_name,
     values=lambda x: x.detach().cpu().numpy(), heads_first=True,
 )
-require_array, require_float, require_int = _CHECKS.require_array, _CHECKS.require_float, _CHECKS.require_int
+require_array, require_float, require_int = CHECKS.require_array, CHECKS.require_float, CHECKS.require_int
 check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
-    _CHECKS.check_attention_inputs, _CHECKS.check_sequence, _CHECKS.check_lengths, _CHECKS.check_dropout_mask)
+    CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask)

@@ -2,7 +2,7 @@
 
 Twin of ``mha_jax/convert.py``: reads any mapping of name to array-like (torch tensors, NumPy
 arrays, bfloat16 ones from ``mha_jax.to_torch`` included) or a ``.safetensors`` file, in any
-naming scheme that ``_layouts`` reads.
+naming scheme that ``mha_spec.layouts`` reads.
 """
 
 from __future__ import annotations
@@ -133,17 +133,13 @@ def _load_file(path: str) -> dict[str, torch.Tensor]:
 
 
 def _numeric(name: str, value: Any) -> torch.Tensor:
+    """A tensor copy of an array-like; NumPy bfloat16 (ml_dtypes) by its bit pattern."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
     try:
-        return _to_tensor(value)
+        array = np.asarray(value)
+        if array.dtype.name == "bfloat16":  # torch cannot read ml_dtypes' bfloat16; the bits agree
+            return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(np.array(array, copy=True))
     except (TypeError, ValueError) as error:
         raise ValueError(f"state_dict: {name!r} is not a numeric array: {error}") from None
-
-
-def _to_tensor(x: Any) -> torch.Tensor:
-    """A tensor copy of an array-like; NumPy bfloat16 (ml_dtypes) by its bit pattern."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    array = np.asarray(x)
-    if array.dtype.name == "bfloat16":  # torch cannot read ml_dtypes' bfloat16; the bits agree
-        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(array, copy=True))
