@@ -8,11 +8,10 @@ Never imports torch: weights from PyTorch arrive as arrays or ``.safetensors`` f
 from flax.nnx import combine_masks, make_attention_mask, make_causal_mask
 
 from mha_jax import linen
-from mha_jax._torch_mha_masks import mask_from_torch_mha, mask_to_torch_mha
 from mha_jax.attention import dot_product_attention
 from mha_jax.convert import from_torch, load_weights, to_torch
 from mha_jax.hf import from_hf
-from mha_jax.masks import causal_mask, padding_mask
+from mha_jax.masks import causal_mask, mask_from_torch_mha, mask_to_torch_mha, padding_mask
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
 from mha_spec.latent import Latent
