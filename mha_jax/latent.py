@@ -8,6 +8,7 @@ kv_lora_rank + qk_rope_head_dim)`` (one key head; its values are its first ``kv_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,13 +46,11 @@ def make_projections(module: nnx.Module, latent: Latent, features: tuple[int, in
                      linear: Callable[..., nnx.Module], param_dtype, rngs: nnx.Rngs) -> None:
     """The latent module's parameters but the output projection, transformers' names where flax's tree allows:
     ``query`` (``kernel (in, heads, qk_head_dim)``, flax's name) or ``q_a_proj`` (``kernel (in,
-    q_lora_rank)``), ``q_a_layernorm`` (``scale``), ``q_b_proj`` (``kernel (q_lora_rank, heads,
-    qk_head_dim)``); ``kv_a_proj_with_mqa`` (``kernel (in_kv, kv_lora_rank + qk_rope_head_dim)``),
-    ``kv_a_layernorm`` (``scale``), ``kv_b_proj`` (``kernel (kv_lora_rank, heads, qk_nope_head_dim +
-    v_head_dim)``). ``features``: (``in_features``, ``in_kv_features``); ``linear(in, out, use_bias=)``
-    makes a projection with the module's options, biased on ``q_a_proj``/``kv_a_proj_with_mqa`` as the
-    module's ``use_bias`` says (transformers' ``attention_bias``); ``query``, ``q_b_proj``, ``kv_b_proj``
-    have none."""
+    q_lora_rank)``), ``q_a_layernorm``, ``q_b_proj`` (``kernel (q_lora_rank, heads, qk_head_dim)``);
+    ``kv_a_proj_with_mqa`` (``kernel (in_kv, cache_dim)``), ``kv_a_layernorm``, ``kv_b_proj`` (``kernel
+    (kv_lora_rank, heads, kv_b_features)``). ``features``: (``in_features``, ``in_kv_features``);
+    ``linear(in, out, use_bias=)`` makes a projection, biased by default as the module's ``use_bias``
+    (transformers' ``attention_bias``)."""
     in_features, in_kv_features = features
     queries = (num_heads, latent.qk_head_dim)
     if latent.q_lora_rank is None:
@@ -67,11 +66,7 @@ def make_projections(module: nnx.Module, latent: Latent, features: tuple[int, in
 
 def rope_part(rotary, latent: Latent) -> RopePart | None:
     """``rotary`` on the rope part of each head (``mha_spec.latent.RopePart``), None without one."""
-    return None if rotary is None else RopePart(rotary, latent, _concat_last)
-
-
-def _concat_last(xs: list):
-    return jnp.concatenate(xs, axis=-1)
+    return None if rotary is None else RopePart(rotary, latent, functools.partial(jnp.concatenate, axis=-1))
 
 
 def project_query(module: nnx.Module, x: jax.Array) -> jax.Array:
@@ -145,7 +140,6 @@ def cached_keys(cache: jax.Array, latent: Latent, dtype) -> tuple[jax.Array, jax
 # transpose, its input axes (the output projection's two, (heads, v_head_dim); the others' one) flattened
 
 _TORCH_NAMES = {"query": "q_proj", "out": "out_proj"}  # the other projections and norms keep their names
-_INPUT_AXES = {"out": 2}
 
 
 def is_latent_tree(tree: Mapping[str, Any]) -> bool:
@@ -163,7 +157,7 @@ def to_torch_state(tree: Mapping[str, Any], to_numpy: Callable[[Any], np.ndarray
             continue
         if "kernel" in entry:
             kernel = to_numpy(entry["kernel"])
-            inputs = int(np.prod(kernel.shape[:_INPUT_AXES.get(name, 1)]))
+            inputs = int(np.prod(kernel.shape[:2 if name == "out" else 1]))
             state[f"{torch_name}.weight"] = np.ascontiguousarray(kernel.reshape(inputs, -1).T)
         if "bias" in entry:
             state[f"{torch_name}.bias"] = to_numpy(entry["bias"]).reshape(-1)
@@ -174,11 +168,8 @@ def to_torch_state(tree: Mapping[str, Any], to_numpy: Callable[[Any], np.ndarray
 
 def torch_shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """A latent module's parameter shapes under ``mha_torch`` names."""
-    return {name: array.shape for name, array in to_torch_state(tree, _shape_only).items()}
-
-
-def _shape_only(x: Any) -> np.ndarray:
-    return np.broadcast_to(np.zeros((), np.float32), tuple(x.shape))  # no copy of the values
+    zeros = functools.partial(np.broadcast_to, np.float32(0))  # arrays of the shapes, no copy of the values
+    return {name: array.shape for name, array in to_torch_state(tree, lambda x: zeros(tuple(x.shape))).items()}
 
 
 def load_state(module: nnx.Module, state: Mapping[str, Any]) -> None:

@@ -1,10 +1,5 @@
-"""Rotary position embeddings, as transformers computes them; twin of ``mha_torch/rope.py``.
-
-The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for operation in
-float32, for ``default``, ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``; how
-``dynamic`` and ``longrope`` read the sequence length (from each call's own ``positions``, with
-no state kept) is told in ``mha_spec.rotary``. Under ``jax.jit`` the length may be traced.
-"""
+"""Rotary position embeddings as transformers computes them (``mha_spec.rotary``) over JAX arrays;
+twin of ``mha_torch/rope.py``. Under ``jax.jit`` the sequence length may be traced."""
 
 from __future__ import annotations
 
@@ -15,9 +10,6 @@ from mha_jax import _checks
 from mha_spec import arguments, docstrings, rotary
 
 LAYOUT = "(*batch, len, heads, head_dim)"
-
-
-# --- the operations of the frequencies and the rotation (mha_spec.rotary), rounding as torch's
 
 
 def _div(x: jax.Array, a: float) -> jax.Array:

@@ -1,14 +1,11 @@
-"""ALiBi (attention with linear biases): each head ``h`` adds ``-slope[h] * |q_pos - k_pos|`` to
-every logit, a penalty linear in the distance between a query's and a key's positions
-(flash-attn's ``alibi_slopes`` convention).
+"""ALiBi (attention with linear biases): head ``h`` adds ``-slope[h] * |q_pos - k_pos|`` to every
+logit (flash-attn's ``alibi_slopes`` convention). The term reads positions only relative to each
+other, so a kernel may read it on positions relative to a block. Under causality it equals
+transformers' ``slope * k_pos`` (bloom, falcon) and MPT's ``slope * (k_pos - (K - 1))`` up to a
+constant per query row, which softmax ignores.
 
-The term reads positions only relative to each other (moving every position by one amount changes
-nothing), so a kernel may read it on positions relative to a block. Under causality (``k_pos <=
-q_pos``) it equals transformers' ``slope * k_pos`` (bloom, falcon) and MPT's ``slope * (k_pos -
-(K - 1))`` up to ``-slope * q_pos`` or a constant per query row, which softmax ignores.
-
-The slopes as transformers computes them, in float32, returned as Python floats: ``bloom_slopes``
-(``_get_alibi_slopes`` of bloom, also falcon's) and ``mpt_slopes`` (``build_mpt_alibi_tensor``).
+The slopes as transformers computes them, in float32, as Python floats: ``bloom_slopes`` (also
+falcon's) and ``mpt_slopes``.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ import numpy as np
 
 def bias(slopes: Any, q_position: Any, k_position: Any) -> Any:
     """``-slopes * |q_position - k_position|``, each argument laid out to broadcast (slopes over the
-    heads, positions over queries and keys). Operators alone: it runs alike on NumPy, JAX and
-    PyTorch arrays, inside a traced graph."""
+    heads, positions over queries and keys); operators alone, for NumPy, JAX and PyTorch arrays."""
     return -slopes * abs(q_position - k_position)
 
 

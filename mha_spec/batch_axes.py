@@ -42,10 +42,9 @@ def masking(arguments: Mapping[str, Any], *extra: str) -> dict:
 
 def call_masking(layer_window: Any, attention_chunk_size: int | None, arguments: Mapping[str, Any],
                  alibi_slopes: Any = None) -> dict:
-    """A module call's masking arguments and ``dropout_mask``, picked from ``arguments`` (the
-    call's ``locals()`` on entry), as ``merged_call`` takes them: the call's ``local_window_size``,
-    default the layer's ``layer_window``, and the layer's ``attention_chunk_size`` and
-    ``alibi_slopes`` (an array ``(num_heads,)`` or None)."""
+    """A module call's masking arguments and ``dropout_mask`` from ``arguments`` (its ``locals()``),
+    as ``merged_call`` takes them: ``local_window_size`` default the layer's ``layer_window``, and the
+    layer's ``attention_chunk_size`` and ``alibi_slopes`` (an array ``(num_heads,)`` or None)."""
     picked = masking(arguments, "dropout_mask")
     window = layer_window if picked["local_window_size"] is None else picked["local_window_size"]
     return dict(picked, local_window_size=window, attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes)
@@ -59,11 +58,11 @@ _TRAILING = {"mask": 3, "bias": 3, "dropout_mask": 3, "key_value_seq_lengths": 0
 def merged_call(inputs: tuple, self_attention: bool, masking: Mapping[str, Any], broadcast: Callable, parse: Callable,
                 zero_unused: Callable, num_heads: int, max_length: int | None = None) -> Call:
     """A module call of checked ``inputs`` (query, key, value ``(*batch, len, features)``) and
-    ``masking`` (its masking arguments and ``dropout_mask``, by name), with the batch axes of both
-    merged into one (``broadcast(x, shape)``: the framework's) and the masking parsed (``parse``: the
-    framework's ``masks.parse``) for ``num_heads``. In self-attention the key positions and
-    segment ids default to the query's. Not decoding, ``zero_unused(key, value, spec)`` zeroes the
-    keys no query may attend to; ``max_length``: the cache's, while decoding."""
+    ``masking`` (its masking arguments and ``dropout_mask``, by name), the batch axes of both merged
+    into one (``broadcast(x, shape)``: the framework's), the masking parsed (``parse``: its
+    ``masks.parse``) for ``num_heads``; in self-attention the key positions and segment ids default
+    to the query's. Not decoding (``max_length``: the cache's), ``zero_unused(key, value, spec)``
+    zeroes the keys no query may attend to."""
     given = [name for name in SET_BY_CACHE if masking.get(name) is not None]
     if max_length is not None and given:
         raise ValueError(

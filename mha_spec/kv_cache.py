@@ -66,19 +66,13 @@ def slot_positions(end: Any, max_length: int, slots: Any, minimum: Callable) -> 
 
 def check_step(start: Any, end: Any, max_length: int, step_terms: Any, values: Callable) -> Any:
     """bool ``(batch,)``: whether a step moving the rows' ends from ``start`` to ``end`` overwrote a
-    position its queries (``step_terms``) may still see; refused (``check_overflow``) where
-    ``values(overflow)`` gives its values (None under ``jit`` or compilation)."""
+    position its queries (``step_terms``) may still see; refused where ``values(overflow)`` gives its
+    values (None under ``jit`` or compilation, where the cache's flag records it)."""
     overflow = terms.cache_overflows(start, end, max_length, step_terms)
-    check_overflow(values(overflow), end, max_length)
-    return overflow
-
-
-def check_overflow(overflow: np.ndarray | None, end: np.ndarray, max_length: int) -> None:
-    """Refuse a step that overwrote a position its queries may still see: ``overflow`` bool ``(batch,)``
-    (None under ``jit`` or compilation, where the cache's flag records it), ``end`` the rows' new ends."""
-    if overflow is None or not overflow.any():
-        return
-    row = int(np.argmax(overflow))
+    found = values(overflow)
+    if found is None or not found.any():
+        return overflow
+    row = int(np.argmax(found))
     raise ValueError(
         f"the cache overflows: row {row} would hold positions up to {int(end[row]) - 1} in max_length "
         f"{max_length} slots, overwriting positions its queries may still see (a window of left + chunk "

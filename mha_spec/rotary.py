@@ -1,15 +1,12 @@
 """Rotary position embeddings: their parameters and checks, how a transformers ``config.json``
-names them, and the arithmetic both twins' ``RotaryEmbedding`` run over their own arrays.
+names them, and the frequencies both twins' ``RotaryEmbedding`` compute over their own arrays
+(``FrequencyOps``, rounding as torch does), operation for operation as
+``transformers.modeling_rope_utils`` (5.x) in float32.
 
-The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for operation in
-float32 (``default``, ``linear``, ``dynamic``, ``yarn``, ``longrope``, ``llama3``), over each twin's
-``FrequencyOps``, which round as torch's operations do.
-
-``dynamic`` and ``longrope`` depend on the sequence length, ``max(position_ids) + 1`` over the
-batch as in transformers' ``dynamic_rope_update``. transformers' ``dynamic`` module keeps the
-frequencies of the longest sequence seen; the twins keep nothing and read each call's own
-positions, so the two agree while the call's length is the longest so far (a whole sequence, or
-decoding steps whose positions grow).
+``dynamic`` and ``longrope`` read the sequence length, ``max(positions) + 1`` over the batch
+(transformers' ``dynamic_rope_update``). transformers' ``dynamic`` module keeps the frequencies of
+the longest sequence seen, the twins read each call's own positions: the two agree while the
+call's length is the longest so far (a whole sequence, or decoding steps whose positions grow).
 """
 
 from __future__ import annotations
@@ -81,26 +78,6 @@ def _is_real(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def check_rope(
-    head_dim: Any, rotary_dim: Any, theta: Any, interleaved: Any, scaling: Mapping | None, max_position_embeddings: Any
-) -> tuple[int, int, float, bool, Scaling | None, int | None]:
-    """A rotary embedding's arguments checked and normalised, in this order."""
-    if not _is_int(head_dim) or head_dim < 1:
-        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if not _is_int(rotary_dim) or not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be an even integer in [2, head_dim] = [2, {head_dim}], got {rotary_dim!r}")
-    if not _is_real(theta) or not math.isfinite(theta) or theta <= 0:
-        raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
-    if not isinstance(interleaved, (bool, np.bool_)):
-        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
-    if max_position_embeddings is not None and (not _is_int(max_position_embeddings) or max_position_embeddings < 1):
-        raise ValueError(f"max_position_embeddings must be a positive integer or None, got {max_position_embeddings!r}")
-    max_pos = None if max_position_embeddings is None else int(max_position_embeddings)
-    checked = _check_scaling(scaling, int(rotary_dim), max_pos)
-    return int(head_dim), int(rotary_dim), float(theta), bool(interleaved), checked, max_pos
 
 
 def _check_scaling(scaling: Mapping | None, rotary_dim: int, max_pos: int | None) -> Scaling | None:
@@ -205,31 +182,6 @@ def yarn_mscale(scale: float, mscale: float = 1) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def yarn_ramp_bounds(scaling: Scaling, rotary_dim: int, theta: float) -> tuple[float, float]:
-    """``(low, high)`` of yarn's linear ramp over the frequency index, in Python floats as
-    ``find_correction_range`` of ``_compute_yarn_parameters`` computes them; ``high`` nudged by
-    0.001 where the two meet, as its ``linear_ramp_factor`` does."""
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
-    omax = scaling["original_max_position_embeddings"]
-
-    def correction_dim(num_rotations: float) -> float:
-        return (rotary_dim * math.log(omax / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    return (low, high + 0.001) if low == high else (low, high)
-
-
-def dynamic_theta(theta: float, factor: float, seq_len: int, max_pos: int, rotary_dim: int) -> float:
-    """The base of ``_compute_dynamic_ntk_parameters`` for a Python ``seq_len`` (in doubles, as at
-    a module's construction); it grows once ``seq_len`` passes ``max_pos``."""
-    seq_len = max(seq_len, max_pos)
-    return theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
-
-
 @dataclass(frozen=True)
 class RotaryParameters:
     """A rotary position embedding's checked parameters and arithmetic, the base of each twin's
@@ -247,9 +199,23 @@ class RotaryParameters:
     array_ops: ClassVar[FrequencyOps]  # the twin's array operations, set by its RotaryEmbedding
 
     def __post_init__(self) -> None:
-        checked = check_rope(
-            self.head_dim, self.rotary_dim, self.theta, self.interleaved, self.scaling, self.max_position_embeddings
-        )
+        head_dim, theta, max_pos = self.head_dim, self.theta, self.max_position_embeddings
+        if not _is_int(head_dim) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        if not _is_int(rotary_dim) or not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim must be an even integer in [2, head_dim] = [2, {head_dim}], got {rotary_dim!r}"
+            )
+        if not _is_real(theta) or not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
+        if not isinstance(self.interleaved, (bool, np.bool_)):
+            raise TypeError(f"interleaved must be a bool, got {type(self.interleaved).__name__}")
+        if max_pos is not None and (not _is_int(max_pos) or max_pos < 1):
+            raise ValueError(f"max_position_embeddings must be a positive integer or None, got {max_pos!r}")
+        max_pos = None if max_pos is None else int(max_pos)
+        checked = (int(head_dim), int(rotary_dim), float(theta), bool(self.interleaved),
+                   _check_scaling(self.scaling, int(rotary_dim), max_pos), max_pos)
         for field, value in zip(fields(self), checked):
             object.__setattr__(self, field.name, value)
 
@@ -291,7 +257,7 @@ class RotaryParameters:
         computes them after ``dynamic_rope_update``: they differ from ``inv_freq`` only for
         ``dynamic`` and ``longrope`` past their threshold length."""
         ops = self.array_ops
-        initial = ops.constant(lambda: _initial_inv_freq(self, ops))
+        initial = ops.constant(lambda: _INIT_INV_FREQ[self.rope_type](self, ops))
         threshold = self.seq_len_threshold()
         if seq_len is None or threshold is None:
             return initial
@@ -326,7 +292,6 @@ class RotaryParameters:
         return ops.concat([ops.cast(rotated, x.dtype), x[..., dim:]])
 
 
-
 # Keys whose presence says a config.json describes rotary embeddings.
 _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base",
                      "partial_rotary_factor")
@@ -337,8 +302,7 @@ _DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
 
 def _interleaved(model_type: Any) -> bool:
     """Whether the family rotates pairs ``(2i, 2i + 1)``: its record's ``rope_interleaved`` in
-    ``mha_spec.families`` (GPT-J's and CodeGen's ``rotate_every_two``, Cohere's ``rotate_half``,
-    GLM's, Helium's and ERNIE 4.5's tables repeated in place)."""
+    ``mha_spec.families`` (GPT-J's ``rotate_every_two``, tables repeated in place)."""
     from mha_spec.families import FAMILIES  # the records; imported when a config is read, not with the array code
 
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
@@ -352,12 +316,11 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
 
     - ``scaling``: ``rope_scaling`` (older) or ``rope_parameters``, ``rope_type`` (or ``type``) standardised;
     - theta: ``rope_parameters['rope_theta']``, ``rope_theta``, ``rotary_emb_base`` (GPT-NeoX), 10000;
-    - head_dim: the argument, ``head_dim``, or ``hidden_size // num_attention_heads`` (GPT-J: ``n_embd // n_head``);
+    - head_dim: the argument, else ``_config_head_dim``;
     - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)``, the fraction from
       ``partial_rotary_factor``, ``rotary_pct`` (GPT-NeoX), the model's default or 1;
-    - max_position_embeddings (GPT-J: ``n_positions``); for llama3, yarn and longrope
-      ``original_max_position_embeddings``: a top-level one (Phi-3), the rope parameters', else that;
-    - interleaved for the families whose record says so (``_interleaved``): pairs ``(2i, 2i + 1)``."""
+    - max_position_embeddings (GPT-J: ``n_positions``), and ``_config_scaling``'s original one;
+    - interleaved for the families whose record says so (``_interleaved``)."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
     if not any(key in config for key in _ROPE_CONFIG_KEYS):
@@ -409,9 +372,9 @@ def _config_head_dim(config: Mapping[str, Any]) -> int:
 
 
 def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: int | None) -> dict[str, Any] | None:
-    """The scaling keys of a config's rope parameters, ``rope_type`` standardised."""
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
-    params.pop("type", None)
+    """The scaling keys of a config's rope parameters, ``rope_type`` standardised; for llama3, yarn and
+    longrope ``original_max_position_embeddings``: a top-level one (Phi-3), the parameters', else ``max_pos``."""
+    rope_type = params.pop("rope_type", params.pop("type", "default"))  # pops "type" either way
     params.pop("rope_theta", None)
     params.pop("partial_rotary_factor", None)
     if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names
@@ -445,13 +408,12 @@ def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_posit
 @dataclass(frozen=True)
 class FrequencyOps:
     """A twin's operations on arrays. In float32, each rounding as torch's operation that
-    transformers uses: ``rdiv(a, x)`` the number ``a`` over an array, ``div(x, a)`` an array over a
-    number, ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)`` ``arange(0, dim, 2)
-    / dim`` (on ``like``'s device, if given), ``arange(n)``, ``array(values)``, ``where``,
-    ``clip(x, lo, hi)`` and ``at_least(n, m)``, the integer ``max(n, m)`` as float32. Then
-    ``constant(f)``: ``f()`` computed as a constant (under ``jax.jit`` too), ``asarray(n)``,
-    ``on(x, like)``: ``x`` on ``like``'s device, ``cast(x, dtype)``, ``cos``, ``sin``, and
-    ``stack``/``concat`` of a list along the last axis."""
+    transformers uses: ``rdiv(a, x)`` a number over an array, ``div(x, a)`` an array over a number,
+    ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)`` ``arange(0, dim, 2) / dim``
+    (on ``like``'s device, if given), ``arange(n)``, ``array(values)``, ``where``, ``clip(x, lo, hi)``,
+    ``at_least(n, m)`` the integer ``max(n, m)`` as float32. Then ``constant(f)``: ``f()`` as a
+    constant (under ``jax.jit`` too), ``asarray``, ``on(x, like)``: ``x`` on ``like``'s device,
+    ``cast(x, dtype)``, ``cos``, ``sin``, ``stack``/``concat`` of a list along the last axis."""
 
     rdiv: Callable
     div: Callable
@@ -483,11 +445,11 @@ def _linear_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
 
 
 def _dynamic_init_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
-    """``_compute_dynamic_ntk_parameters`` at construction: the base computed in Python floats at
-    ``max_position_embeddings`` (where it barely changes)."""
-    max_pos = rope.max_position_embeddings
-    theta = dynamic_theta(rope.theta, rope.scaling["factor"], max_pos, max_pos, rope.rotary_dim)
-    return _default_inv_freq(ops, theta, rope.rotary_dim)
+    """``_compute_dynamic_ntk_parameters`` at construction: the base in Python floats at
+    ``seq_len = max_position_embeddings``."""
+    factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
+    theta = rope.theta * ((factor * max_pos / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return _default_inv_freq(ops, theta, dim)
 
 
 def _dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -> Any:
@@ -501,13 +463,24 @@ def _dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -
 
 def _yarn_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
-    extrapolated (unchanged) above it, blended linearly along it."""
-    factor = scaling_factor(rope.scaling, rope.max_position_embeddings)
-    pos_freqs = rope.theta ** ops.exponents(rope.rotary_dim, None)
+    extrapolated (unchanged) above it, blended linearly along it; the ramp's bounds in Python floats
+    as ``find_correction_range``, ``high`` nudged by 0.001 where they meet (``linear_ramp_factor``)."""
+    scaling, dim = rope.scaling, rope.rotary_dim
+    factor = scaling_factor(scaling, rope.max_position_embeddings)
+    pos_freqs = rope.theta ** ops.exponents(dim, None)
     extrapolation = ops.rdiv(1.0, pos_freqs)
     interpolation = ops.rdiv(1.0, factor * pos_freqs)
-    low, high = yarn_ramp_bounds(rope.scaling, rope.rotary_dim, rope.theta)
-    ramp = ops.clip(ops.div(ops.arange(rope.rotary_dim // 2) - low, high - low), 0, 1)
+    omax = scaling["original_max_position_embeddings"]
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(omax / (num_rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ops.clip(ops.div(ops.arange(dim // 2) - low, high - low), 0, 1)
     extrapolation_factor = 1 - ramp
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
@@ -535,6 +508,7 @@ def _llama3_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     return ops.where(is_medium_freq, smoothed, inv_freq_llama)
 
 
+# rope_type -> transformers' init function: float32 ``(rotary_dim // 2,)``, the frequencies at construction.
 _INIT_INV_FREQ = {
     "default": lambda rope, ops: _default_inv_freq(ops, rope.theta, rope.rotary_dim),
     "linear": _linear_inv_freq,
@@ -543,9 +517,3 @@ _INIT_INV_FREQ = {
     "longrope": _longrope_inv_freq,
     "llama3": _llama3_inv_freq,
 }
-
-
-def _initial_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
-    """float32 ``(rotary_dim // 2,)``: the frequencies of ``rope`` at construction, as
-    transformers' init function of its ``rope_type`` computes them."""
-    return _INIT_INV_FREQ[rope.rope_type](rope, ops)

@@ -1,10 +1,11 @@
-"""Which keys a query may see: the masking terms on positions, as objects (``Term``), combined
-with ``&`` into ``Terms``, a conjunction; and ``Spec``, one call's parsed masking."""
+"""Which keys a query may see: the masking terms as objects (``Term``), combined with ``&`` into
+``Terms``, a conjunction; and ``Spec``, one call's parsed masking."""
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -30,22 +31,19 @@ def conjoin(a, b):
 
 
 class Term:
-    """One masking term: a small frozen object that holds no array. What it reads (positions,
-    segment ids, key indices and lengths) is given to it as ``Where``, laid out by the caller to
-    broadcast. It provides:
+    """One masking term: a small frozen object that holds no array; what it reads (positions,
+    segment ids, key indices and lengths) comes as ``Where``, laid out by the caller to broadcast.
 
     - ``visible(q, k)``: bool, which keys each query may see;
-    - ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)`` from a block's ranges (the smallest and
-      the largest of each quantity over its queries and over its keys): ``live`` False when no
-      query of the block may see a key of it (the block is empty), ``whole`` True when every
-      query may see every key (no mask needed); in between the block is partial;
+    - ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)`` from the smallest and largest of what a
+      block's queries and keys read: ``live`` False when no query of the block may see a key of it,
+      ``whole`` True when every query may see every key; in between the block is partial;
     - ``reads``: the ``Where`` fields it reads (by default positions);
-    - ``shift_invariant``: whether it reads positions only relative to each other (moving every
-      position by one amount changes nothing), so that a consumer may read it on positions
-      relative to a block's first query.
+    - ``shift_invariant``: whether it reads positions only relative to each other, so that a
+      consumer may read it on positions relative to a block's first query.
 
-    Both methods use operators alone (``<=``, ``&``, ``==``, ``//``, broadcasting), so that they
-    run alike on NumPy, JAX and PyTorch arrays, inside a traced graph; None: no restriction.
+    Both methods use operators alone, so that they run alike on NumPy, JAX and PyTorch arrays,
+    traced or not; None: no restriction.
     """
 
     reads: ClassVar[frozenset[str]] = frozenset({"position"})
@@ -267,18 +265,6 @@ class Spec:
         )[:, None]
         return visible if self.allowed is None else self.allowed & visible
 
-    def ranged_excluded(self, arange, extremes) -> Any:
-        """bool ``(batch|1, kv_len)``: the keys that lengths, causality, windows or chunks exclude
-        for every query, read from the queries' extreme positions; None when no such term applies."""
-        ranged = self.terms.only({"index", "length", "position"} if self.shape[2] > 0 else {"index", "length"})
-        if not ranged:
-            return None
-        qp, kp = self.positions(arange) if "position" in ranged.reads else (None, None)
-        lo, hi = (Where(), Where()) if qp is None else (Where(x) for x in extremes(qp))
-        lengths = None if self.lengths is None else self.lengths[:, None]
-        key = Where(kp, index=arange(self.shape[3])[None], length=lengths)
-        return ~ranged.block(lo, hi, key, key)[1]
-
     def excluded_keys(self, kv_heads: int, arange, extremes, present) -> Any:
         """bool ``(batch|1, kv_heads|1, kv_len)``: the keys that no query of the heads sharing a
         key/value head may see, each term read alone; None when no term excludes a key.
@@ -287,18 +273,23 @@ class Spec:
         axis 1, kept; ``present(query_ids, key_ids)``: bool ``(batch|1, kv_len)``, whether each
         key's segment id occurs among the queries' (None: segments are not read).
         """
-        unused = None
+        excluded = []
         dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
         for ex in dense:
             if ex is not None:  # the dense mask's and the bias's exclusions, over queries: (batch?, heads?, kv?)
                 ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)
                 if ex.shape[1] != 1:  # over the query heads of each key/value head
                     ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
-                unused = ex if unused is None else unused | ex
-        keys = [self.ranged_excluded(arange, extremes)]
+                excluded.append(ex)
+        # lengths, causality, windows, chunks: the keys excluded for every query, read from the
+        # queries' extreme positions (lengths alone without queries)
+        ranged = self.terms.only({"index", "length", "position"} if self.shape[2] > 0 else {"index", "length"})
+        if ranged:
+            qp, kp = self.positions(arange) if "position" in ranged.reads else (None, None)
+            lo, hi = (Where(), Where()) if qp is None else (Where(x) for x in extremes(qp))
+            lengths = None if self.lengths is None else self.lengths[:, None]
+            key = Where(kp, index=arange(self.shape[3])[None], length=lengths)
+            excluded.append(~ranged.block(lo, hi, key, key)[1][:, None, :])
         if present is not None and self.query_segment_ids is not None and self.shape[2] > 0:
-            keys.append(~present(self.query_segment_ids, self.key_segment_ids))
-        for ex in keys:
-            if ex is not None:
-                unused = ex[:, None, :] if unused is None else unused | ex[:, None, :]
-        return unused
+            excluded.append(~present(self.query_segment_ids, self.key_segment_ids)[:, None, :])
+        return functools.reduce(operator.or_, excluded) if excluded else None

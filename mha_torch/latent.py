@@ -8,6 +8,8 @@ kv_lora_rank + qk_rope_head_dim)`` (one key head; its values are its first ``kv_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -60,11 +62,7 @@ def make_projections(module: nn.Module, latent: Latent, features: tuple[int, int
 
 def rope_part(rotary, latent: Latent) -> RopePart | None:
     """``rotary`` on the rope part of each head (``mha_spec.latent.RopePart``), None without one."""
-    return None if rotary is None else RopePart(rotary, latent, _concat_last)
-
-
-def _concat_last(xs: list):
-    return torch.cat(xs, dim=-1)
+    return None if rotary is None else RopePart(rotary, latent, functools.partial(torch.cat, dim=-1))
 
 
 def project_query(module: nn.Module, x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:

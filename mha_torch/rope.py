@@ -1,10 +1,5 @@
-"""Rotary position embeddings, as transformers computes them; twin of ``mha_jax/rope.py``.
-
-The frequencies follow ``transformers.modeling_rope_utils`` (5.x) operation for operation in
-float32, for ``default``, ``linear``, ``dynamic``, ``yarn``, ``longrope`` and ``llama3``; how
-``dynamic`` and ``longrope`` read the sequence length (from each call's own ``positions``, with
-no state kept) is told in ``mha_spec.rotary``. The length is computed on the positions' device.
-"""
+"""Rotary position embeddings as transformers computes them (``mha_spec.rotary``) over tensors;
+twin of ``mha_jax/rope.py``. The sequence length is computed on the positions' device."""
 
 from __future__ import annotations
 
@@ -14,9 +9,6 @@ from mha_spec import arguments, docstrings, rotary
 from mha_torch import _checks
 
 LAYOUT = "(*batch, heads, len, head_dim)"
-
-
-# --- the operations of the frequencies and the rotation (mha_spec.rotary), as transformers' own
 
 
 def _exponents(dim: int, like: torch.Tensor | None = None) -> torch.Tensor:
