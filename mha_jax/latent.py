@@ -30,7 +30,12 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(nnx.initializers.ones_init()(rngs.params(), (features,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.latent.rms_norm(x, self.scale[...], _mean_last, jax.lax.rsqrt, _cast)
+        return rms_norm(self.latent, x, self.scale[...])
+
+
+def rms_norm(latent: Latent, x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``latent``'s RMSNorm of ``x`` ``(..., features)`` with ``scale`` ``(features,)`` (nnx's and linen's)."""
+    return latent.rms_norm(x, scale, _mean_last, jax.lax.rsqrt, _cast)
 
 
 def _mean_last(x: jax.Array) -> jax.Array:

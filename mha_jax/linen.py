@@ -273,7 +273,7 @@ class _LinenRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones_init(), x.shape[-1:], self.param_dtype)
-        return self.latent.rms_norm(x, scale, mla._mean_last, jax.lax.rsqrt, mla._cast)
+        return mla.rms_norm(self.latent, x, scale)
 
 
 class _LatentParts:
