@@ -99,11 +99,8 @@ class MultiHeadDotProductAttention(nn.Module):
         if self.latent is not None:
             latent_spec.check_latent(self.latent, self.num_heads, self.num_kv_heads, self.qkv_features,
                                      ("num_kv_heads", "qkv_features"))
-            if arguments.check_qk_norm(self.normalize_qk) is not None:
-                raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
-            latent_spec.check_rotary(self.rotary, self.latent)
-            if self.scale is None:  # the full keys' scale, which the absorbed decoding step keeps
-                object.__setattr__(self, "scale", self.latent.qk_head_dim ** -0.5)
+            object.__setattr__(self, "scale", latent_spec.check_options(
+                self.latent, arguments.check_qk_norm(self.normalize_qk), self.rotary, self.scale))
         super().__post_init__()
 
     @nn.compact

@@ -182,7 +182,7 @@ class MultiHeadAttention(nnx.Module):
             )
 
         if self.latent is not None:
-            self._check_latent(qk_norm)
+            self.scale = latent_spec.check_options(self.latent, qk_norm, rotary, self.scale)
             mla.make_projections(self, self.latent, (in_features, self.in_kv_features), num_heads, projection,
                                     param_dtype, rngs)
             self.query_ln = self.key_ln = nnx.data(None)
@@ -203,14 +203,6 @@ class MultiHeadAttention(nnx.Module):
         )
         self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
-
-    def _check_latent(self, qk_norm) -> None:
-        """The options a ``latent`` module takes; its default scale, kept by the absorbed decoding step."""
-        if qk_norm is not None:
-            raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
-        latent_spec.check_rotary(self.rotary, self.latent)
-        if self.scale is None:
-            self.scale = self.latent.qk_head_dim ** -0.5
 
     # No cache until init_cache (or nnx.update with a cache's state, ours or flax's): as in flax's
     # class, the instance has no such attributes, so that nnx.update can add them.

@@ -113,14 +113,19 @@ def check_inputs(key: Any, value: Any, name: str) -> None:
         raise ValueError(f"with latent, keys and values both come from the key input's latent: pass no {name}")
 
 
-def check_rotary(rotary: Any, latent: Latent) -> None:
-    """A rotary embedding of a latent module acts on the rope parts: ``head_dim = qk_rope_head_dim``."""
+def check_options(latent: Latent, qk_norm: Any, rotary: Any, scale: float | None) -> float:
+    """A latent module's other options: no QK-norm, a rotary embedding acting on the rope parts
+    (``head_dim = qk_rope_head_dim``); returns the scale, default the full keys' ``1 / sqrt(qk_head_dim)``
+    (which the absorbed decoding step keeps)."""
+    if qk_norm is not None:
+        raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
     head_dim = getattr(rotary, "head_dim", None)
     if rotary is not None and head_dim is not None and head_dim != latent.qk_rope_head_dim:
         raise ValueError(
             f"with latent, rotary rotates the rope part of each head: its head_dim must be qk_rope_head_dim = "
             f"{latent.qk_rope_head_dim}, got {head_dim}"
         )
+    return latent.qk_head_dim ** -0.5 if scale is None else scale
 
 
 class RopePart:

@@ -150,11 +150,7 @@ class MultiHeadAttention(nn.Module):
 
     def _make_latent(self, qk_norm, out_bias: bool, bias: bool, device, dtype) -> None:
         """The parameters of multi-head latent attention (``mha_torch.latent.make_projections``)."""
-        if qk_norm is not None:
-            raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
-        latent_spec.check_rotary(self.rotary, self.latent)
-        if self.scale is None:  # the full keys' scale, which the absorbed decoding step keeps
-            self.scale = self.latent.qk_head_dim ** -0.5
+        self.scale = latent_spec.check_options(self.latent, qk_norm, self.rotary, self.scale)
         self.k_proj = self.v_proj = self.q_norm = self.k_norm = None
         mla.make_projections(self, self.latent, (self.embed_dim, self.kdim, self.out_dim), self.num_heads,
                                 (bias, out_bias), {"device": device, "dtype": dtype})
