@@ -121,12 +121,8 @@ def positions(spec: Spec):
 
 
 def biases(spec: Spec):
-    """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term, as
-    the dense implementations add them; None if neither is given."""
-    term = spec.alibi(_arange)
-    if term is None:
-        return spec.bias
-    return term if spec.bias is None else spec.bias + term
+    """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term, or None."""
+    return spec.biases(_arange)
 
 
 def dense(spec: Spec):

@@ -243,13 +243,15 @@ class Spec:
         kp = arange(kv_len)[None] if self.key_positions is None else self.key_positions
         return qp, kp
 
-    def alibi(self, arange) -> Any:
-        """float ``(batch|1, heads, q_len, kv_len)``: the ALiBi term ``-slope * |q_pos - k_pos|`` on
-        the call's positions (``arange`` as in ``positions``), in the slopes' dtype; None without slopes."""
+    def biases(self, arange) -> Any:
+        """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term
+        ``-slope * |q_pos - k_pos|`` on the call's positions (``arange`` as in ``positions``), as the
+        dense implementations add them; None if neither is given."""
         if self.alibi_slopes is None:
-            return None
+            return self.bias
         qp, kp = self.positions(arange)
-        return _alibi.bias(self.alibi_slopes[:, :, None, None], qp[:, None, :, None], kp[:, None, None, :])
+        term = _alibi.bias(self.alibi_slopes[:, :, None, None], qp[:, None, :, None], kp[:, None, None, :])
+        return term if self.bias is None else self.bias + term
 
     def dense(self, arange) -> Any:
         """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none

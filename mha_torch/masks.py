@@ -131,12 +131,8 @@ def positions(spec: Spec):
 
 
 def biases(spec: Spec):
-    """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term, as
-    the implementations add them; None if neither is given."""
-    term = spec.alibi(functools.partial(torch.arange, device=spec.device))
-    if term is None:
-        return spec.bias
-    return term if spec.bias is None else spec.bias + term
+    """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term, or None."""
+    return spec.biases(functools.partial(torch.arange, device=spec.device))
 
 
 def dense(spec: Spec):
