@@ -323,6 +323,12 @@ def _expected(sources: tuple[_Source, ...], proj: str, part: str, prefix: str) -
     return keys[0] if len(keys) == 1 else f"{keys[0]} (or {' or '.join(keys[1:])})"
 
 
+def renamed(key: str, renames: Mapping[str, str]) -> str:
+    """``key`` with the first start of ``renames`` it has replaced (``o_proj.`` -> ``out_proj.``)."""
+    start = next((old for old in renames if key.startswith(old)), None)
+    return key if start is None else renames[start] + key[len(start):]
+
+
 def some(state: Mapping[str, Any], n: int = 4) -> str:
     """The first ``n`` keys of ``state``, sorted, for a message."""
     keys = sorted(state)
@@ -481,11 +487,7 @@ def read_latent(state: Mapping[str, Any], *, layout: str | None = None, mapping:
     selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})")
-    out = {}
-    for key, value in selected.items():
-        if not key.startswith(tuple(ignore)):
-            old = next((old for old in _LATENT_RENAMES if key.startswith(old)), None)
-            out[key if old is None else _LATENT_RENAMES[old] + key[len(old):]] = value
+    out = {renamed(k, _LATENT_RENAMES): v for k, v in selected.items() if not k.startswith(tuple(ignore))}
     if expected is None:
         return out
     problems = [f"missing key {prefix + k!r} (shape {tuple(shape)})" for k, shape in expected.items() if k not in out]
