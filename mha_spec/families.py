@@ -269,8 +269,7 @@ _GPT_BUFFERS = ("bias", "masked_bias")
 _NEOX_FUSED = ("query_key_value", "dense")
 _PATTERN_KEYS = ("sliding_window_pattern", "_sliding_window_pattern")  # Gemma 3's and Cohere 2's period
 
-# Records several model types share: Llama's layer under other names and defaults
-_LLAMA = Family()
+# Records that several model types share (Llama's layer under other names and defaults)
 _MISTRAL = Family(layer_types=_layer_types_sliding_if_set)
 _QWEN3 = Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen)
 _GEMMA2 = Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2))
@@ -285,7 +284,7 @@ _LATENT = _latent_family(512, 1536, (64, 128, 128), "rope_interleave")  # DeepSe
 
 # model_type -> its record
 FAMILIES: dict[str, Family] = {
-    **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), _LLAMA),
+    **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), Family()),
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), _MISTRAL),
     **dict.fromkeys(("qwen3", "qwen3_moe", "dots1"), _QWEN3),
     **dict.fromkeys(("gemma2", "vaultgemma"), _GEMMA2),
@@ -461,13 +460,13 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     config = dict(config)
     if "text_config" in config and "num_attention_heads" not in config:
         config = dict(config["text_config"])
-    for name, alias in _ALIASES.items():
-        if name not in config and alias in config:
-            config[name] = config[alias]
     family = FAMILIES.get(config.get("model_type"))
-    for name, alias in (family.aliases if family else {}).items():  # a family's own names (GPT-Neo's, MPT's)
-        if name not in config and alias in config:
-            config[name] = config[alias]
+    return _aliased(_aliased(config, _ALIASES), family.aliases if family else {})  # a family's own: GPT-Neo's, MPT's
+
+
+def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
+    """``config`` with each of our names that it lacks read from its alias (our name -> the config's)."""
+    config.update({name: config[alias] for name, alias in aliases.items() if name not in config and alias in config})
     return config
 
 
@@ -481,9 +480,7 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
         )
     family = FAMILIES[model_type]
     nested = config.get(family.nested) if family.nested else None
-    config = {**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}
-    config.update({name: config[alias] for name, alias in family.aliases.items()
-                   if name not in config and alias in config})
+    config = _aliased({**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}, family.aliases)
     if family.no_rope_layers:
         config = _with_no_rope_layers(config)
     if family.standardize:
@@ -525,17 +522,15 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     scale = family.scale(config, head_dim, layer) if callable(family.scale) else family.scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     layer_type = _layer_types(config, family, layers)[layer]
-    window = None
-    if (layer_type == "sliding_attention" and config.get(family.window_key)
+    window, sliding = None, layer_type == "sliding_attention"
+    if (sliding and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config[family.window_key]) - 1, 0)
     rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
-    if family.no_rope_layers and not config["no_rope_layers"][layer]:
-        rope = None
-    if family.rope_sliding_only and config.get("sliding_window") is not None and layer_type != "sliding_attention":
-        rope = None
-    if family.rope_windowed_only and window is None:
+    if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
+            or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
+            or family.rope_windowed_only and window is None):
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
         rope = _with_theta(rope, config[family.layer_rope_theta][layer])
@@ -649,10 +644,8 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
 
 def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], read_file: Callable[[str, str], dict]
                ) -> Mapping[str, Any]:
-    """The checkpoint's keys under ``prefix``, read from as few files as hold them (all of them
-    when none is, so that the loader names the keys it found). ``read_state``: a framework's
-    reader of a whole checkpoint; ``read_file(path, prefix)``: the keys under ``prefix`` of one
-    ``.safetensors`` file."""
+    """The checkpoint's keys under ``prefix`` (all of them when none is, for the loader's errors), read
+    from the files that hold them by ``read_file(path, prefix)``, or by ``read_state`` (a whole checkpoint)."""
     if not isinstance(weights, (str, os.PathLike)):
         if not isinstance(weights, Mapping):
             return read_state(weights)  # its TypeError names what a checkpoint may be
@@ -677,11 +670,9 @@ def load_arguments(options: LayerOptions, state: Mapping[str, Any], concatenate:
 
 
 def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]) -> dict[str, Any]:
-    """The checkpoint's keys as a layout reads them: the layer's buffers (older GPT-J files)
-    left out, and a per-head QK-norm's scales (StableLM's one weight ``(head_dim,)`` per head,
-    joined by ``concatenate``, heads in order; Cohere's ``(heads, head_dim)``) as one
-    ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``. Other keys and arrays are
-    passed as they are."""
+    """The checkpoint's keys as a layout reads them: buffers (older GPT-J files) left out, renamed, and
+    a per-head QK-norm's scales (StableLM's ``(head_dim,)`` per head, joined by ``concatenate``;
+    Cohere's ``(heads, head_dim)``) as one ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``."""
     prefix = options.prefix
     family = FAMILIES[options.model_type]
     buffers = {prefix + k for k in family.buffers}
@@ -703,12 +694,9 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
-    """A fused layer's keys (under ``options.prefix``: GPT-NeoX's, GPT-2's, Falcon's) in this
-    package's names. Its fused weight's rows are split by ``_split_fused``; GPT-2's ``Conv1D``
-    weights are ``(in, out)``, the transposes of a ``Linear``'s; keys of other names are read
-    renamed (``renames``: GPT-NeoX-Japanese's ``dense_bias``). Raises one ValueError listing every
-    missing, unexpected or mis-shaped key, in the checkpoint's names.
-    """
+    """A fused layer's keys under ``options.prefix`` (GPT-NeoX's, GPT-2's, Falcon's) in this package's
+    names, the fused rows split by ``_split_fused``. Raises one ValueError listing every missing,
+    unexpected or mis-shaped key, in the checkpoint's names."""
     prefix, hidden = options.prefix, options.hidden_size
     family = FAMILIES[options.model_type]
     fused, out = family.fused
@@ -748,12 +736,10 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
 
 
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
-    """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``:
-    GPT-NeoX's and Falcon's rows are ``(kv_heads, group + 2, head_dim)``, each key head's
-    ``group`` query heads, then its key and value (GPT-NeoX, GPT-BigCode's multi-head layers and
-    Falcon's older layers: group 1; Falcon's multi-query layers: one key head); GPT-2's and
-    GPT-BigCode's multi-query ones are ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``,
-    4 blocks of heads (its ``mp_num``), each its queries, values, then keys."""
+    """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``: GPT-2's and
+    GPT-BigCode's multi-query ones ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``, 4 blocks of
+    (q, v, k); the others' (GPT-NeoX, Falcon) ``(kv_heads, group + 2, head_dim)``, each key head's
+    ``group`` query heads, then its key and value."""
     heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
     rest = tuple(fused.shape[1:])
     if options.layout == "gpt2" or (options.layout == "gpt_bigcode" and kv_heads == 1):
