@@ -1,11 +1,7 @@
 """Hugging Face model families: a layer's attention options read from a ``config.json`` dict.
 
 Plain Python, no array library and no transformers import. Each family is one ``Family`` record
-in ``FAMILIES``, read from transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x):
-where the layer's weights sit in the whole model's checkpoint and in which layout, which
-projections have biases, the scale, the window of each layer type, the rotary embedding and the
-layers without one, the QK-norm, soft-capping, sinks, and the options it sets that this
-attention does not compute (refused by name). A family like Llama is a record of defaults;
+in ``FAMILIES``, read from transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x);
 ``layer_options`` reads every record the same way.
 """
 
@@ -33,7 +29,7 @@ def _layer_types_full(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["full_attention"] * layers
 
 
-def _layer_types_sliding_if_set(config: Mapping[str, Any], layers: int) -> list[str]:
+def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
     """Mistral's rule: every layer sliding when the config sets ``sliding_window``."""
     kind = "sliding_attention" if config.get("sliding_window") is not None else "full_attention"
     return [kind] * layers
@@ -245,10 +241,8 @@ def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
 
 def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, int, int | None],
                    rope_interleave: bool | str) -> Family:
-    """A multi-head latent attention record (``mha_spec.latent``): ``layout="mla"``, transformers' names; its
-    config class's defaults ``kv_lora_rank``, ``q_lora_rank`` and ``(qk_rope_head_dim, qk_nope_head_dim,
-    v_head_dim)`` where config.json is silent; biases on ``q_a_proj``/``kv_a_proj_with_mqa`` and ``o_proj``
-    (``attention_bias``)."""
+    """A multi-head latent attention record (``mha_spec.latent``, transformers' names) with its config class's
+    defaults: ``kv_lora_rank``, ``q_lora_rank``, ``(qk_rope_head_dim, qk_nope_head_dim, v_head_dim)``."""
     defaults = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=dims[0],
                     qk_nope_head_dim=dims[1], v_head_dim=dims[2])
     return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
@@ -269,30 +263,23 @@ _GPT_BUFFERS = ("bias", "masked_bias")
 _NEOX_FUSED = ("query_key_value", "dense")
 _PATTERN_KEYS = ("sliding_window_pattern", "_sliding_window_pattern")  # Gemma 3's and Cohere 2's period
 
-# Records that several model types share (Llama's layer under other names and defaults)
-_MISTRAL = Family(layer_types=_layer_types_sliding_if_set)
-_QWEN3 = Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen)
-_GEMMA2 = Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2))
-_GRANITE = Family(scale=_scale_granite)
-_GLM = Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY)
-_ERNIE4_5 = Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias")
-_EXAONE4 = Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, rope_sliding_only=True,
-                  layer_types=_layer_types_every(4, *_PATTERN_KEYS))
-_COHERE2 = Family(rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
-                  rope_default=(("rope_theta",), "rope_theta", 10000.0))
-_LATENT = _latent_family(512, 1536, (64, 128, 128), "rope_interleave")  # DeepSeek-V3's
-
-# model_type -> its record
+# model_type -> its record (model types with the same layer share one)
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), Family()),
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), _MISTRAL),
-    **dict.fromkeys(("qwen3", "qwen3_moe", "dots1"), _QWEN3),
-    **dict.fromkeys(("gemma2", "vaultgemma"), _GEMMA2),
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), _GRANITE),
-    **dict.fromkeys(("glm", "glm4"), _GLM),
-    **dict.fromkeys(("ernie4_5", "ernie4_5_moe"), _ERNIE4_5),
-    **dict.fromkeys(("exaone4", "exaone_moe", "kolibri1"), _EXAONE4),
-    **dict.fromkeys(("cohere2", "cohere2_moe"), _COHERE2),
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), Family(layer_types=_layer_types_mistral)),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "dots1"), Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen)),
+    **dict.fromkeys(("gemma2", "vaultgemma"), Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
+                                                     layer_types=_layer_types_every(2))),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), Family(scale=_scale_granite)),
+    **dict.fromkeys(("glm", "glm4"), Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY)),
+    **dict.fromkeys(("ernie4_5", "ernie4_5_moe"),
+                    Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias")),
+    **dict.fromkeys(("exaone4", "exaone_moe", "kolibri1"), Family(
+        qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_every(4, *_PATTERN_KEYS),
+        rope_sliding_only=True)),
+    **dict.fromkeys(("cohere2", "cohere2_moe"), Family(
+        rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
+        rope_default=(("rope_theta",), "rope_theta", 10000.0))),
     **dict.fromkeys(("olmo2", "flex_olmo"), Family(qk_norm=_RMS)),
     **dict.fromkeys(("apertus", "mellum", "hy_v3"), Family(qk_norm=_RMS_PER_HEAD)),
     "solar_open": Family(out_bias=False),
@@ -305,11 +292,11 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
     "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
                           defaults=_LLAMA4, reads=("attention_chunk_size",), check=_check_llama4),
-    "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_sliding_if_set),
-    "ministral3": Family(layer_types=_layer_types_sliding_if_set,
+    "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_mistral),
+    "ministral3": Family(layer_types=_layer_types_mistral,
                          refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
     "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True,
-                         layer_types=_layer_types_sliding_if_set),
+                         layer_types=_layer_types_mistral),
     "olmo": Family(refuses=_CLIPPED),
     "olmo3": Family(qk_norm=_RMS, layer_types=_layer_types_every(4)),
     "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
@@ -402,7 +389,7 @@ FAMILIES: dict[str, Family] = {
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
                     rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj")),
     # DeepSeek-V3's attention and the classes copied from it
-    **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _LATENT),
+    **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
 }
@@ -658,11 +645,14 @@ def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], 
     return state or read_state(weights)
 
 
-def load_arguments(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]
+def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping],
+                   read_file: Callable[[str, str], dict], concatenate: Callable[[list], Any]
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(state, keywords)`` for a twin's ``load_weights`` to load the layer: GPT-NeoX's and GPT-2's
-    fusions, which no loader layout reads, split here (``layer_state``); for the others the keys
-    a layout reads (``layer_keys``) and the layout's name, prefix and ignored keys."""
+    """``(state, keywords)`` for a twin's ``load_weights`` to load the layer from ``weights`` (read by
+    ``read_layer``, its arrays by ``read_state``): fused weights, which no loader layout reads, split
+    here (``layer_state``); for the others the keys a layout reads (``layer_keys``) and the layout's
+    name, prefix and ignored keys."""
+    state = read_state(read_layer(weights, options.prefix, read_state, read_file))
     if FAMILIES[options.model_type].fused:
         return layer_state(options, state), {}
     return layer_keys(options, state, concatenate), {"layout": options.layout, "prefix": options.prefix,
