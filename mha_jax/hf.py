@@ -51,13 +51,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         rngs=nnx.Rngs(0) if rngs is None else rngs,
     )
     if weights is not None:
-        state, keywords = families.load_arguments(options, weights, read_state, _read_file, np.concatenate)
+        # "flax": bfloat16 too, which NumPy's reader refuses
+        state, keywords = families.load_arguments(options, weights, read_state, "flax", np.concatenate)
         load_weights(module, state, **keywords)
     return module
-
-
-def _read_file(path: str, prefix: str) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="flax") as f:  # "flax": bfloat16 too, which NumPy's reader refuses
-        return {k: np.array(f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)}

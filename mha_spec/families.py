@@ -629,10 +629,9 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
     return [os.path.join(os.path.dirname(path), file) for file in files]
 
 
-def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], read_file: Callable[[str, str], dict]
-               ) -> Mapping[str, Any]:
-    """The checkpoint's keys under ``prefix`` (all of them when none is, for the loader's errors), read
-    from the files that hold them by ``read_file(path, prefix)``, or by ``read_state`` (a whole checkpoint)."""
+def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], framework: str) -> Mapping[str, Any]:
+    """The checkpoint's keys under ``prefix`` (all of them when none is, for the loader's errors), read from
+    the ``.safetensors`` files that hold them as safetensors' ``framework`` reads them, or by ``read_state``."""
     if not isinstance(weights, (str, os.PathLike)):
         if not isinstance(weights, Mapping):
             return read_state(weights)  # its TypeError names what a checkpoint may be
@@ -641,18 +640,24 @@ def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], 
     for path in layer_files(weights, prefix):
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights {path!r} does not exist")
-        state.update(read_file(path, prefix))
+        state.update(_read_file(path, prefix, framework))
     return state or read_state(weights)
 
 
-def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping],
-                   read_file: Callable[[str, str], dict], concatenate: Callable[[list], Any]
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_file(path: str, prefix: str, framework: str) -> dict[str, Any]:
+    from safetensors import safe_open  # only when a file is given
+
+    with safe_open(path, framework=framework) as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping], framework: str,
+                   concatenate: Callable[[list], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(state, keywords)`` for a twin's ``load_weights`` to load the layer from ``weights`` (read by
     ``read_layer``, its arrays by ``read_state``): fused weights, which no loader layout reads, split
     here (``layer_state``); for the others the keys a layout reads (``layer_keys``) and the layout's
     name, prefix and ignored keys."""
-    state = read_state(read_layer(weights, options.prefix, read_state, read_file))
+    state = read_state(read_layer(weights, options.prefix, read_state, framework))
     if FAMILIES[options.model_type].fused:
         return layer_state(options, state), {}
     return layer_keys(options, state, concatenate), {"layout": options.layout, "prefix": options.prefix,

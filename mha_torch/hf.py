@@ -47,13 +47,6 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         alibi_slopes=options.alibi_slopes, dtype=dtype, device=device, implementation=implementation,
     )
     if weights is not None:
-        state, keywords = families.load_arguments(options, weights, read_state, _read_file, torch.cat)
+        state, keywords = families.load_arguments(options, weights, read_state, "pt", torch.cat)
         load_weights(module, state, **keywords)
     return module
-
-
-def _read_file(path: str, prefix: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
