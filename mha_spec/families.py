@@ -698,25 +698,22 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
     selected = {renamed(k[len(prefix):], family.renames): v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r}")
-    stored = {new: old for old, new in family.renames.items()}  # messages name the checkpoint's keys
     conv = options.layout == "gpt2"  # Conv1D weights: (in, out)
     rows = (options.num_heads + 2 * options.num_kv_heads) * options.head_dim
     width = options.num_heads * options.head_dim
-    shapes = {  # key -> shape as stored
-        f"{fused}.weight": (hidden, rows) if conv else (rows, hidden),
-        f"{fused}.bias": (rows,),
-        f"{out}.weight": (width, hidden) if conv else (hidden, width),
-        f"{out}.bias": (hidden,),
-    }
-    biases = {f"{fused}.bias": options.qkv_bias, f"{out}.bias": options.out_bias}
-    expected = {k: shape for k, shape in shapes.items() if biases.get(k, True)}
-    problems = [f"missing key {prefix + renamed(k, stored)!r}" for k in expected if k not in selected]
-    problems += [
-        f"{prefix + renamed(k, stored)!r} has shape {tuple(selected[k].shape)}, expected {shape}"
-        for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
-    ]
-    problems += [f"unexpected key {prefix + renamed(k, stored)!r}" for k in selected
-                 if k not in expected and k not in family.buffers]
+    expected = {f"{fused}.weight": (hidden, rows) if conv else (rows, hidden)}  # key -> shape as stored
+    expected.update({f"{fused}.bias": (rows,)} if options.qkv_bias else {})
+    expected[f"{out}.weight"] = (width, hidden) if conv else (hidden, width)
+    expected.update({f"{out}.bias": (hidden,)} if options.out_bias else {})
+    stored = {new: old for old, new in family.renames.items()}
+
+    def shown(key: str) -> str:  # as the checkpoint names it
+        return repr(prefix + renamed(key, stored))
+
+    problems = [f"missing key {shown(k)}" for k in expected if k not in selected]
+    problems += [f"{shown(k)} has shape {tuple(selected[k].shape)}, expected {shape}"
+                 for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape]
+    problems += [f"unexpected key {shown(k)}" for k in selected if k not in expected and k not in family.buffers]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
     result = {}
