@@ -116,13 +116,11 @@ def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> floa
 
 
 def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
-    """GPT-BigCode's key heads: one with ``multi_query`` (its default), else one per head."""
+    """GPT-BigCode's and Falcon's key heads: one with ``multi_query`` (the default), else one per head;
+    ``num_kv_heads`` in Falcon's newer layout (``new_decoder_architecture``)."""
+    if config.get("new_decoder_architecture"):
+        return config.get("num_kv_heads")
     return 1 if config.get("multi_query", True) else None
-
-
-def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
-    """Falcon's key heads: ``num_kv_heads`` in its newer layout, else one (``multi_query``) or one per head."""
-    return config.get("num_kv_heads") if config.get("new_decoder_architecture") else _multi_query_kv_heads(config)
 
 
 def _scale_mpt(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
@@ -346,7 +344,7 @@ FAMILIES: dict[str, Family] = {
     "biogpt": _learned_positions("biogpt.layers.{layer}.self_attn."),
     "xglm": replace(_learned_positions(_PREFIX), aliases=dict(
         hidden_size="d_model", num_attention_heads="attention_heads", num_hidden_layers="num_layers")),
-    "falcon": _mha(_FALCON_PREFIX, layout="falcon", qkv_bias="bias", out_bias="bias", kv_heads=_falcon_kv_heads,
+    "falcon": _mha(_FALCON_PREFIX, layout="falcon", qkv_bias="bias", out_bias="bias", kv_heads=_multi_query_kv_heads,
                    fused=_NEOX_FUSED, defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
     "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False, alibi=_alibi_bloom,
