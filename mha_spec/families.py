@@ -25,10 +25,6 @@ _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
 
 
-def _layer_types_full(config: Mapping[str, Any], layers: int) -> list[str]:
-    return ["full_attention"] * layers
-
-
 def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
     """Mistral's rule: every layer sliding when the config sets ``sliding_window``."""
     kind = "sliding_attention" if config.get("sliding_window") is not None else "full_attention"
@@ -193,7 +189,7 @@ class Family:
     qk_norm: QKNorm | None = None  # with its default eps
     qk_norm_flag: str | None = None  # the key that switches ``qk_norm`` on; None: always on
     qk_norm_eps: str = "rms_norm_eps"
-    layer_types: Callable[[Mapping[str, Any], int], list[str]] = _layer_types_full  # where no layer_types
+    layer_types: Callable[[Mapping[str, Any], int], list[str]] | None = None  # where no layer_types; None: all full
     window_flag: str | None = None  # a key that must be set for sliding layers to slide
     window_key: str = "sliding_window"  # the key of the sliding layers' window (keys a query sees, itself included)
     rope: bool = True
@@ -588,7 +584,7 @@ def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list
         if len(types) != layers:
             raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
         return list(types)
-    return family.layer_types(config, layers)
+    return family.layer_types(config, layers) if family.layer_types else ["full_attention"] * layers
 
 
 def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
