@@ -1,8 +1,6 @@
 """A Hugging Face model's attention layer as an ``mha_jax.MultiHeadAttention``; twin of ``mha_torch/hf.py``.
 
-A layer of a model ported to Flax, checked against its transformers original without importing
-transformers: ``mha_spec.families`` reads the ``config.json`` as transformers' classes do, and the
-weights (NumPy arrays, as flax's safetensors reader gives them) come from the whole checkpoint.
+No transformers import: ``mha_spec.families`` reads the ``config.json`` as transformers' classes do.
 """
 
 from __future__ import annotations
@@ -46,23 +44,14 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
     module = MultiHeadAttention(
         options.num_heads, options.hidden_size, options.num_heads * options.head_dim, options.hidden_size,
         options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias,
-        normalize_qk=options.qk_norm or False,
-        scale=options.scale, logit_soft_cap=options.logit_soft_cap, use_sinks=options.use_sinks,
-        rotary=None if rotary is None else RotaryEmbedding(**rotary),
-        local_window_size=options.window, param_dtype=param_dtype,
-        implementation=implementation, rngs=nnx.Rngs(0) if rngs is None else rngs,
-        attention_chunk_size=options.attention_chunk_size, latent=options.latent,
-        alibi_slopes=options.alibi_slopes,
+        normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
+        use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),
+        local_window_size=options.window, attention_chunk_size=options.attention_chunk_size, latent=options.latent,
+        alibi_slopes=options.alibi_slopes, param_dtype=param_dtype, implementation=implementation,
+        rngs=nnx.Rngs(0) if rngs is None else rngs,
     )
     if weights is not None:
-        state = families.read_layer(weights, options.prefix, read_state, _read_file)
-        state, keywords = families.load_arguments(options, read_state(state), np.concatenate)
+        # "flax": bfloat16 too, which NumPy's reader refuses
+        state, keywords = families.load_arguments(options, weights, read_state, "flax", np.concatenate)
         load_weights(module, state, **keywords)
     return module
-
-
-def _read_file(path: str, prefix: str) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="flax") as f:  # "flax": bfloat16 too, which NumPy's reader refuses
-        return {k: np.array(f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)}

@@ -1,11 +1,7 @@
 """Hugging Face model families: a layer's attention options read from a ``config.json`` dict.
 
 Plain Python, no array library and no transformers import. Each family is one ``Family`` record
-in ``FAMILIES``, read from transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x):
-where the layer's weights sit in the whole model's checkpoint and in which layout, which
-projections have biases, the scale, the window of each layer type, the rotary embedding and the
-layers without one, the QK-norm, soft-capping, sinks, and the options it sets that this
-attention does not compute (refused by name). A family like Llama is a record of defaults;
+in ``FAMILIES``, read from transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x);
 ``layer_options`` reads every record the same way.
 """
 
@@ -21,6 +17,7 @@ from typing import Any
 
 from mha_spec import alibi
 from mha_spec.latent import Latent
+from mha_spec.layouts import renamed
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import yarn_mscale
 
@@ -28,28 +25,20 @@ _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
 
 
-def _layer_types_full(config: Mapping[str, Any], layers: int) -> list[str]:
-    return ["full_attention"] * layers
-
-
-def _layer_types_sliding_if_set(config: Mapping[str, Any], layers: int) -> list[str]:
+def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
     """Mistral's rule: every layer sliding when the config sets ``sliding_window``."""
     kind = "sliding_attention" if config.get("sliding_window") is not None else "full_attention"
     return [kind] * layers
 
 
-def _layer_types_every(period: int) -> Callable[[Mapping[str, Any], int], list[str]]:
-    """Sliding layers but every ``period``-th full."""
+def _layer_types_every(period: int, *keys: str, first: bool = False
+                       ) -> Callable[[Mapping[str, Any], int], list[str]]:
+    """Sliding layers but every ``period``-th full (the first of ``keys`` the config sets, else
+    ``period``): the last of each period, or with ``first`` the first (layer 0 full)."""
     def rule(config: Mapping[str, Any], layers: int) -> list[str]:
-        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
-    return rule
-
-
-def _layer_types_pattern(default: int) -> Callable[[Mapping[str, Any], int], list[str]]:
-    """Gemma 3's and Cohere 2's rule: every ``sliding_window_pattern``-th layer full."""
-    def rule(config: Mapping[str, Any], layers: int) -> list[str]:
-        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", default))
-        return _layer_types_every(pattern)(config, layers)
+        every = next((config[key] for key in keys if key in config), period)
+        shift = 0 if first else 1
+        return ["sliding_attention" if (i + shift) % every else "full_attention" for i in range(layers)]
     return rule
 
 
@@ -80,12 +69,6 @@ def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
 
 
-def _layer_types_modernbert(config: Mapping[str, Any], layers: int) -> list[str]:
-    """ModernBertDecoderConfig's rule: every ``global_attn_every_n_layers``-th layer full, from layer 0."""
-    every = config.get("global_attn_every_n_layers", 3)
-    return ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
-
-
 def _standardize_modernbert(config: dict) -> dict:
     """What ModernBertDecoderConfig derives where a config.json leaves it out: the window
     ``local_attention // 2`` (none for 0 or None), and rope parameters per layer type, at
@@ -110,18 +93,9 @@ def _last_layer(config: Mapping[str, Any], layer: int) -> bool:
     return layer == config["num_hidden_layers"] - 1
 
 
-def _scale_none(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
-    return 1.0  # GPT-Neo: logits not scaled
-
-
 def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
     """FlintConfig's rule: full attention on layers 0 and 1, every 4th from 1 and the last; sliding elsewhere."""
     return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
-
-
-def _layer_types_granite_swa(config: Mapping[str, Any], layers: int) -> list[str]:
-    """GraniteSWAConfig's rule: every 4th layer full, from layer 0; sliding elsewhere."""
-    return ["sliding_attention" if i % 4 else "full_attention" for i in range(layers)]
 
 
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
@@ -138,12 +112,8 @@ def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> floa
 
 
 def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
-    """GPT-BigCode's key heads: one with ``multi_query`` (its default), else one per head."""
-    return 1 if config.get("multi_query", True) else None
-
-
-def _falcon_kv_heads(config: Mapping[str, Any]) -> int | None:
-    """Falcon's key heads: ``num_kv_heads`` in its newer layout, else one (``multi_query``) or one per head."""
+    """GPT-BigCode's and Falcon's key heads: one with ``multi_query`` (the default), else one per head;
+    ``num_kv_heads`` in Falcon's newer layout (``new_decoder_architecture``)."""
     if config.get("new_decoder_architecture"):
         return config.get("num_kv_heads")
     return 1 if config.get("multi_query", True) else None
@@ -161,18 +131,15 @@ def _alibi_bloom(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[
 
 def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
     """MPT's slopes (``alibi_bias_max``), added to the scaled logits; None when ``alibi`` is off."""
-    if not config.get("alibi", True):
-        return None
-    return alibi.mpt_slopes(heads, config.get("alibi_bias_max", 8))
+    return alibi.mpt_slopes(heads, config.get("alibi_bias_max", 8)) if config.get("alibi", True) else None
 
 
 def _alibi_falcon(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
     """Falcon's ALiBi (``alibi``; None without): bloom's slopes rounded to bfloat16 as its
     ``build_alibi_tensor`` rounds them, added to the logits before their scale ``1 / sqrt(head_dim)``
     (``(q.k + slope * k_pos) * inv_norm_factor``): the scaled slopes here."""
-    if not config.get("alibi"):
-        return None
-    return tuple(_bfloat16(slope) / math.sqrt(head_dim) for slope in alibi.bloom_slopes(heads))
+    slopes = alibi.bloom_slopes(heads) if config.get("alibi") else None
+    return None if slopes is None else tuple(_bfloat16(slope) / math.sqrt(head_dim) for slope in slopes)
 
 
 def _bfloat16(x: float) -> float:
@@ -214,7 +181,7 @@ class Family:
     bias_default: bool = False  # a bias key's value where the config leaves it out
     kv_heads: str | Callable[[Mapping[str, Any]], int] | None = "num_key_value_heads"  # None: as many as heads
     reads_head_dim: bool = True  # False: head_dim is hidden_size // heads whatever the config says
-    scale: Callable[[Mapping[str, Any], int, int], float] | None = None  # (config, head_dim, layer)
+    scale: float | Callable[[Mapping[str, Any], int, int], float] | None = None  # or (config, head_dim, layer) -> it
     soft_cap: str | None = None  # the key of the logits' soft-cap
     sinks: bool = False
     alibi: Callable[[Mapping[str, Any], int, int], tuple[float, ...] | None] | None = None  # (config, heads,
@@ -222,7 +189,7 @@ class Family:
     qk_norm: QKNorm | None = None  # with its default eps
     qk_norm_flag: str | None = None  # the key that switches ``qk_norm`` on; None: always on
     qk_norm_eps: str = "rms_norm_eps"
-    layer_types: Callable[[Mapping[str, Any], int], list[str]] = _layer_types_full  # where no layer_types
+    layer_types: Callable[[Mapping[str, Any], int], list[str]] | None = None  # where no layer_types; None: all full
     window_flag: str | None = None  # a key that must be set for sliding layers to slide
     window_key: str = "sliding_window"  # the key of the sliding layers' window (keys a query sees, itself included)
     rope: bool = True
@@ -250,44 +217,90 @@ class Family:
     latent_interleave: bool | str = False  # a latent layer's rotary pairs (2i, 2i + 1), or the key that says so
 
 
-_LLAMA = Family()
-_GPT_NEOX_BUFFERS = ("bias", "masked_bias", "rotary_emb.inv_freq")
+def _mha(prefix: str, **fields: Any) -> Family:
+    """An older family's record: one key head per query head, head_dim ``hidden_size // heads``."""
+    return Family(prefix=prefix, reads_head_dim=False, **{"kv_heads": None, **fields})
 
 
 def _bert_like(model: str) -> Family:
     """BERT's self-attention and output projection in a model whose base is saved as ``model``."""
-    return Family(prefix=model + ".encoder.layer.{layer}.attention.", layout="bert", qkv_bias=True, out_bias=True,
-                  kv_heads=None, reads_head_dim=False, rope=False, causal="is_decoder", check=_check_bert,
-                  ignore=("output.LayerNorm",))
+    return _mha(model + ".encoder.layer.{layer}.attention.", layout="bert", qkv_bias=True, out_bias=True, rope=False,
+                causal="is_decoder", check=_check_bert, ignore=("output.LayerNorm",))
 
 
 def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
     """BART's and OPT's self-attention: positions added before it, ``out_proj`` for the output."""
-    return Family(prefix=prefix, qkv_bias=bias, out_bias=bias, bias_default=True, kv_heads=None,
-                  reads_head_dim=False, rope=False, renames={"out_proj.": "o_proj."})
+    return _mha(prefix, qkv_bias=bias, out_bias=bias, bias_default=True, rope=False, renames={"out_proj.": "o_proj."})
+
+
+def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, int, int | None],
+                   rope_interleave: bool | str) -> Family:
+    """A multi-head latent attention record (``mha_spec.latent``, transformers' names) with its config class's
+    defaults: ``kv_lora_rank``, ``q_lora_rank``, ``(qk_rope_head_dim, qk_nope_head_dim, v_head_dim)``."""
+    defaults = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=dims[0],
+                    qk_nope_head_dim=dims[1], v_head_dim=dims[2])
+    return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
 
 
 # Llama4TextConfig's and SmolLM3Config's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 _SMOLLM3 = dict(no_rope_layer_interval=4)
-_CLIPPED = "clipped projections"  # a clamp of the projections' outputs (clip_qkv)
+_CLIPPED = (("clip_qkv", "clipped projections"),)  # a clamp of the projections' outputs
+_QK_LAYERNORM = (("qk_layernorm", "QK LayerNorm with bias"),)
 _HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
+_ROTARY_DIM = (("rotary_dim",), "rotary_dim", 64)
+_RMS_PER_HEAD = QKNorm("rms", True, 1e-6)
+_RMS = QKNorm("rms", False, 1e-6)  # over the whole projection
+_GPT2_PREFIX = "transformer.h.{layer}.attn."
+_FALCON_PREFIX = "transformer.h.{layer}.self_attention."
+_GPT_BUFFERS = ("bias", "masked_bias")
+_NEOX_FUSED = ("query_key_value", "dense")
+_PATTERN_KEYS = ("sliding_window_pattern", "_sliding_window_pattern")  # Gemma 3's and Cohere 2's period
 
-# model_type -> its record
+# model_type -> its record (model types with the same layer share one)
 FAMILIES: dict[str, Family] = {
-    "llama": _LLAMA,
-    "mistral": Family(layer_types=_layer_types_sliding_if_set),
+    **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), Family()),
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), Family(layer_types=_layer_types_mistral)),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "dots1"), Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen)),
+    **dict.fromkeys(("gemma2", "vaultgemma"), Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
+                                                     layer_types=_layer_types_every(2))),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), Family(scale=_scale_granite)),
+    **dict.fromkeys(("glm", "glm4"), Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY)),
+    **dict.fromkeys(("ernie4_5", "ernie4_5_moe"),
+                    Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias")),
+    **dict.fromkeys(("exaone4", "exaone_moe", "kolibri1"), Family(
+        qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_every(4, *_PATTERN_KEYS),
+        rope_sliding_only=True)),
+    **dict.fromkeys(("cohere2", "cohere2_moe"), Family(
+        rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
+        rope_default=(("rope_theta",), "rope_theta", 10000.0))),
+    **dict.fromkeys(("olmo2", "flex_olmo"), Family(qk_norm=_RMS)),
+    **dict.fromkeys(("apertus", "mellum", "hy_v3"), Family(qk_norm=_RMS_PER_HEAD)),
+    "solar_open": Family(out_bias=False),
+    "helium": Family(rope_interleaved=True, out_bias=False),
     "qwen2": Family(qkv_bias=True, out_bias=False, layer_types=_layer_types_qwen),
-    "qwen3": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
-    "gemma2": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
+    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen),
     "gemma3_text": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
-                          qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), layer_types=_layer_types_pattern(6)),
+                          qk_norm=QKNorm("rms", True, 1e-6, offset=1.0),
+                          layer_types=_layer_types_every(6, *_PATTERN_KEYS)),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
-    "olmo2": Family(qk_norm=QKNorm("rms", False, 1e-6)),
     "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
-                          defaults=_LLAMA4,
-                          reads=("attention_chunk_size",), check=_check_llama4),
-    "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_sliding_if_set),
+                          defaults=_LLAMA4, reads=("attention_chunk_size",), check=_check_llama4),
+    "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_mistral),
+    "ministral3": Family(layer_types=_layer_types_mistral,
+                         refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
+    "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True,
+                         layer_types=_layer_types_mistral),
+    "olmo": Family(refuses=_CLIPPED),
+    "olmo3": Family(qk_norm=_RMS, layer_types=_layer_types_every(4)),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
+    "seed_oss": Family(out_bias="attention_out_bias"),
+    "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
+                      defaults=_SMOLLM3),
+    "nemotron": Family(rope_default=_HALF_ROTARY),
+    "glm4_moe": Family(out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_flag="use_qk_norm", reads=("use_qk_norm",),
+                       rope_default=_HALF_ROTARY),
+    "minimax_m2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS),
     # its QK-norm a LayerNorm per head, each head's weight its own key (joined by ``layer_keys``)
     "stablelm": Family(qkv_bias="use_qkv_bias", out_bias=False, reads_head_dim=False,
                        qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True), qk_norm_flag="qk_layernorm",
@@ -295,170 +308,86 @@ FAMILIES: dict[str, Family] = {
                                                                    "partial_rotary_factor", 0.25),
                        per_head_norms={"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}),
     "cohere": Family(rope_interleaved=True, qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True),
-                     qk_norm_flag="use_qk_norm",
-                     qk_norm_eps="layer_norm_eps", rope_default=(("rope_theta",), "rope_theta", 500000.0),
-                     reads=("use_qk_norm",), head_norm_matrix=True),
-    "gptj": Family(prefix="transformer.h.{layer}.attn.", layout="mha_torch", qkv_bias=False, out_bias=False,
-                   rope_interleaved=True,
-                   kv_heads=None, reads_head_dim=False, rope_default=(("rotary_dim",), "rotary_dim", 64),
-                   buffers=("bias", "masked_bias")),
+                     qk_norm_flag="use_qk_norm", qk_norm_eps="layer_norm_eps",
+                     rope_default=(("rope_theta",), "rope_theta", 500000.0), reads=("use_qk_norm",),
+                     head_norm_matrix=True),
+    "phi": Family(qkv_bias=True, out_bias=True, reads_head_dim=False, renames={"dense.": "o_proj."},
+                  rope_default=_HALF_ROTARY, refuses=_QK_LAYERNORM),
+    # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
+    "flint": Family(sinks=True, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_flint, rope_windowed_only=True),
+    # sinks (as a scale of the output: sigmoid(logsumexp - sink)), Granite's scale, each layer's rotary base
+    "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_every(4, first=True),
+                          layer_rope_theta="layer_rope_theta"),
+    "gptj": _mha(_GPT2_PREFIX, layout="mha_torch", qkv_bias=False, out_bias=False, rope_interleaved=True,
+                 rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS),
     # heads interleaved in one fused weight, read by ``layer_state``; a quarter of each head rotates
-    "gpt_neox": Family(prefix="gpt_neox.layers.{layer}.attention.", layout="gpt_neox", bias_default=True,
-                       kv_heads=None, reads_head_dim=False, buffers=_GPT_NEOX_BUFFERS,
-                       fused=("query_key_value", "dense"),
-                       rope_default=(("rotary_pct", "partial_rotary_factor"), "rotary_pct", 0.25)),
+    "gpt_neox": _mha("gpt_neox.layers.{layer}.attention.", layout="gpt_neox", bias_default=True, fused=_NEOX_FUSED,
+                     buffers=(*_GPT_BUFFERS, "rotary_emb.inv_freq"),
+                     rope_default=(("rotary_pct", "partial_rotary_factor"), "rotary_pct", 0.25)),
+    "persimmon": _mha(_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True,
+                      fused=_NEOX_FUSED, defaults=dict(qk_layernorm=True), rope_default=_HALF_ROTARY,
+                      refuses=_QK_LAYERNORM),
     # transposed ``Conv1D`` weights, read by ``layer_state``; no rotary embedding
-    "gpt2": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True, kv_heads=None,
-                   reads_head_dim=False, scale=_scale_gpt2, rope=False, buffers=("bias", "masked_bias"),
-                   fused=("c_attn", "c_proj")),
+    "gpt2": _mha(_GPT2_PREFIX, layout="gpt2", qkv_bias=True, out_bias=True, scale=_scale_gpt2, rope=False,
+                 buffers=_GPT_BUFFERS, fused=("c_attn", "c_proj")),
     # an encoder: bidirectional unless the config makes it a decoder; the keys as BERT's task
     # models save them (``bert.`` before the base model's names)
-    "bert": _bert_like("bert"),
     **{name: _bert_like(model) for name, model in (
-        ("bert-generation", "bert"), ("camembert", "roberta"), ("data2vec-text", "data2vec_text"),
+        ("bert", "bert"), ("bert-generation", "bert"), ("camembert", "roberta"), ("data2vec-text", "data2vec_text"),
         ("electra", "electra"), ("ernie", "ernie"), ("rembert", "rembert"), ("roberta", "roberta"),
         ("roc_bert", "roc_bert"), ("xlm-roberta", "roberta"), ("xmod", "roberta"))},
     "opt": _learned_positions("model.decoder.layers.{layer}.self_attn.", "enable_bias"),
     "biogpt": _learned_positions("biogpt.layers.{layer}.self_attn."),
-    "xglm": replace(_learned_positions("model.layers.{layer}.self_attn."), aliases=dict(
+    "xglm": replace(_learned_positions(_PREFIX), aliases=dict(
         hidden_size="d_model", num_attention_heads="attention_heads", num_hidden_layers="num_layers")),
-    # Llama's layer under other names and defaults
-    "mixtral": Family(layer_types=_layer_types_sliding_if_set),
-    "ministral": Family(layer_types=_layer_types_sliding_if_set),
-    "ministral3": Family(layer_types=_layer_types_sliding_if_set,
-                         refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
-    "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True,
-                         layer_types=_layer_types_sliding_if_set),
-    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen),
-    "qwen3_moe": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
-    "gemma": Family(),
-    "vaultgemma": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping", layer_types=_layer_types_every(2)),
-    "olmo": Family(refuses=(("clip_qkv", _CLIPPED),)),
-    "olmo3": Family(qk_norm=QKNorm("rms", False, 1e-6), layer_types=_layer_types_every(4)),
-    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=(("clip_qkv", _CLIPPED),)),
-    "flex_olmo": Family(qk_norm=QKNorm("rms", False, 1e-6)),
-    "phimoe": Family(qkv_bias="attention_bias", out_bias="attention_bias", layer_types=_layer_types_sliding_if_set),
-    "granite": Family(scale=_scale_granite),
-    "granitemoe": Family(scale=_scale_granite),
-    "granitemoeshared": Family(scale=_scale_granite),
-    "hyperclovax": Family(scale=_scale_granite),
-    "helium": Family(rope_interleaved=True, out_bias=False),
-    "glm": Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY),
-    "glm4": Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY),
-    "seed_oss": Family(out_bias="attention_out_bias"),
-    "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
-                      defaults=_SMOLLM3),
-    "arcee": Family(),
-    "apertus": Family(qk_norm=QKNorm("rms", True, 1e-6)),
-    "ernie4_5": Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias"),
-    "exaone4": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
-                      layer_types=_layer_types_pattern(4), rope_sliding_only=True),
-    "cohere2": Family(rope_interleaved=True, layer_types=_layer_types_pattern(4), rope_sliding_only=True,
-                      rope_default=(("rope_theta",), "rope_theta", 10000.0)),
-    "ernie4_5_moe": Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias"),
-    "cohere2_moe": Family(rope_interleaved=True, layer_types=_layer_types_pattern(4), rope_sliding_only=True,
-                          rope_default=(("rope_theta",), "rope_theta", 10000.0)),
-    "internlm3": Family(),
-    "iquestcoder": Family(),
-    "jais2": Family(),
-    "nemotron": Family(rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
-    "cwm": Family(layer_types=_layer_types_sliding_if_set),
-    "phi": Family(qkv_bias=True, out_bias=True, reads_head_dim=False, renames={"dense.": "o_proj."},
-                  rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5),
-                  refuses=(("qk_layernorm", "QK LayerNorm with bias"),)),
-    "persimmon": Family(layout="gpt_neox", qkv_bias=True, out_bias=True, kv_heads=None, reads_head_dim=False,
-                        fused=("query_key_value", "dense"), defaults=dict(qk_layernorm=True),
-                        rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5),
-                        refuses=(("qk_layernorm", "QK LayerNorm with bias"),)),
-    "glm4_moe": Family(out_bias=False, qk_norm=QKNorm("rms", True, 1e-6), qk_norm_flag="use_qk_norm",
-                       reads=("use_qk_norm",), rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.5)),
-    "solar_open": Family(out_bias=False),
-    "minimax_m2": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", False, 1e-6)),
-    "dots1": Family(qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_qwen),
-    "mellum": Family(qk_norm=QKNorm("rms", True, 1e-6)),
-    "exaone_moe": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
-                         layer_types=_layer_types_pattern(4), rope_sliding_only=True),
-    "kolibri1": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6),
-                       layer_types=_layer_types_pattern(4), rope_sliding_only=True),
-    "hy_v3": Family(qk_norm=QKNorm("rms", True, 1e-6)),
-    "falcon": Family(prefix="transformer.h.{layer}.self_attention.", layout="falcon", qkv_bias="bias",
-                     out_bias="bias", kv_heads=_falcon_kv_heads, reads_head_dim=False,
-                     fused=("query_key_value", "dense"), defaults=dict(multi_query=True), alibi=_alibi_falcon),
-    # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
-    "flint": Family(sinks=True, qk_norm=QKNorm("rms", True, 1e-6), layer_types=_layer_types_flint,
-                    rope_windowed_only=True),
-    # sinks (as a scale of the output: sigmoid(logsumexp - sink)), Granite's scale, each layer's rotary base
-    "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_granite_swa,
-                          layer_rope_theta="layer_rope_theta"),
+    "falcon": _mha(_FALCON_PREFIX, layout="falcon", qkv_bias="bias", out_bias="bias", kv_heads=_multi_query_kv_heads,
+                   fused=_NEOX_FUSED, defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
-    "bloom": Family(prefix="transformer.h.{layer}.self_attention.", layout="gpt_neox", qkv_bias=True, out_bias=True,
-                    kv_heads=None, reads_head_dim=False, rope=False, alibi=_alibi_bloom,
-                    fused=("query_key_value", "dense")),
+    "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False, alibi=_alibi_bloom,
+                  fused=_NEOX_FUSED),
     # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
-    "mpt": Family(prefix="transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
-                  kv_heads=None, reads_head_dim=False, scale=_scale_mpt, rope=False, alibi=_alibi_mpt,
-                  nested="attn_config", renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
-                  refuses=(("clip_qkv", _CLIPPED), ("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
-                           ("attn_uses_sequence_id", "a mask from the content")),
-                  aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
-                               max_position_embeddings="max_seq_len")),
+    "mpt": _mha("transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
+                scale=_scale_mpt, rope=False, alibi=_alibi_mpt, nested="attn_config",
+                renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
+                refuses=(*_CLIPPED, ("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
+                         ("attn_uses_sequence_id", "a mask from the content")),
+                aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
+                             max_position_embeddings="max_seq_len")),
     # sliding layers (local_attention // 2 keys), rope parameters per layer type, the output projection Wo
-    "modernbert-decoder": Family(prefix="model.layers.{layer}.attn.", reads_head_dim=False, kv_heads=None,
-                                 layer_types=_layer_types_modernbert, standardize=_standardize_modernbert,
-                                 renames={"Wo.": "o_proj."}),
+    "modernbert-decoder": _mha("model.layers.{layer}.attn.", standardize=_standardize_modernbert,
+                               layer_types=_layer_types_every(3, "global_attn_every_n_layers", first=True),
+                               renames={"Wo.": "o_proj."}),
     # its own projection names, biases, positions added before it; causal when ``causal`` is set
-    "xlm": Family(prefix="transformer.attentions.{layer}.", qkv_bias=True, out_bias=True, kv_heads=None,
-                  reads_head_dim=False, rope=False, causal="causal",
-                  renames={"q_lin.": "q_proj.", "k_lin.": "k_proj.", "v_lin.": "v_proj.", "out_lin.": "o_proj."},
-                  aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
+    "xlm": _mha("transformer.attentions.{layer}.", qkv_bias=True, out_bias=True, rope=False, causal="causal",
+                renames={"q_lin.": "q_proj.", "k_lin.": "k_proj.", "v_lin.": "v_proj.", "out_lin.": "o_proj."},
+                aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
     # GPT-NeoX's fused layout without biases; the last layer's output bias a key of its own (dense_bias)
-    "gpt_neox_japanese": Family(prefix="gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox",
-                                qkv_bias=False, out_bias=_last_layer, kv_heads=None, reads_head_dim=False,
-                                fused=("query_key_value", "dense"), renames={"dense_bias": "dense.bias"}),
+    "gpt_neox_japanese": _mha("gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox", qkv_bias=False,
+                              out_bias=_last_layer, fused=_NEOX_FUSED, renames={"dense_bias": "dense.bias"}),
     # GPT-2's layout and scale under its own prefix
-    "openai-gpt": Family(prefix="transformer.h.{layer}.attn.", layout="gpt2", qkv_bias=True, out_bias=True,
-                         kv_heads=None, reads_head_dim=False, rope=False, buffers=("bias",),
-                         fused=("c_attn", "c_proj")),
+    "openai-gpt": _mha(_GPT2_PREFIX, layout="gpt2", qkv_bias=True, out_bias=True, rope=False, buffers=("bias",),
+                       fused=("c_attn", "c_proj")),
     # separate projections of its own names, positions added before it
-    "ctrl": Family(prefix="transformer.h.{layer}.multi_head_attention.", qkv_bias=True, out_bias=True, kv_heads=None,
-                   reads_head_dim=False, rope=False,
-                   renames={"Wq.": "q_proj.", "Wk.": "k_proj.", "Wv.": "v_proj.", "dense.": "o_proj."}),
+    "ctrl": _mha("transformer.h.{layer}.multi_head_attention.", qkv_bias=True, out_bias=True, rope=False,
+                 renames={"Wq.": "q_proj.", "Wk.": "k_proj.", "Wv.": "v_proj.", "dense.": "o_proj."}),
     # logits not scaled; its "local" layers see window_size keys, themselves included
-    "gpt_neo": Family(prefix="transformer.h.{layer}.attn.attention.", layout="mha_torch", qkv_bias=False,
-                      out_bias=True, kv_heads=None, reads_head_dim=False, scale=_scale_none, rope=False,
-                      layer_types=_layer_types_gpt_neo, window_key="window_size", buffers=("bias", "masked_bias"),
-                      aliases=dict(num_attention_heads="num_heads", num_hidden_layers="num_layers")),
+    "gpt_neo": _mha("transformer.h.{layer}.attn.attention.", layout="mha_torch", qkv_bias=False, out_bias=True,
+                    scale=1.0, rope=False, layer_types=_layer_types_gpt_neo, window_key="window_size",
+                    buffers=_GPT_BUFFERS,
+                    aliases=dict(num_attention_heads="num_heads", num_hidden_layers="num_layers")),
     # one fused c_attn (a Linear): [q; k; v] with one key head (multi_query), else each head's q, k, v together
-    "gpt_bigcode": Family(prefix="transformer.h.{layer}.attn.", layout="gpt_bigcode", qkv_bias=True, out_bias=True,
-                          kv_heads=_multi_query_kv_heads, reads_head_dim=False, scale=_scale_gpt2, rope=False,
-                          buffers=("bias", "masked_bias"), fused=("c_attn", "c_proj")),
+    "gpt_bigcode": _mha(_GPT2_PREFIX, layout="gpt_bigcode", qkv_bias=True, out_bias=True,
+                        kv_heads=_multi_query_kv_heads, scale=_scale_gpt2, rope=False, buffers=_GPT_BUFFERS,
+                        fused=("c_attn", "c_proj")),
     # GPT-J's rotary (rotary_dim, pairs) and a fused qkv_proj in 4 blocks of (q, v, k), read by ``layer_state``
-    "codegen": Family(prefix="transformer.h.{layer}.attn.", layout="codegen", qkv_bias=False, out_bias=False,
-                      kv_heads=None, reads_head_dim=False, rope_interleaved=True,
-                      rope_default=(("rotary_dim",), "rotary_dim", 64), buffers=("bias", "masked_bias"),
-                      fused=("qkv_proj", "out_proj")),
-}
-FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
-
-
-def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, int, int | None],
-                   rope_interleave: bool | str) -> Family:
-    """A multi-head latent attention record (``mha_spec.latent``): ``layout="mla"``, transformers' names; its
-    config class's defaults ``kv_lora_rank``, ``q_lora_rank`` and ``(qk_rope_head_dim, qk_nope_head_dim,
-    v_head_dim)`` where config.json is silent; biases on ``q_a_proj``/``kv_a_proj_with_mqa`` and ``o_proj``
-    (``attention_bias``)."""
-    defaults = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=dims[0],
-                    qk_nope_head_dim=dims[1], v_head_dim=dims[2])
-    return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
-
-
-FAMILIES.update({  # DeepSeek-V3's attention and the classes copied from it
-    "deepseek_v3": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
-    "youtu": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
-    "axk1": _latent_family(512, 1536, (64, 128, 128), "rope_interleave"),
+    "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
+                    rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj")),
+    # DeepSeek-V3's attention and the classes copied from it
+    **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
-})
+}
+FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
@@ -512,13 +441,13 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     config = dict(config)
     if "text_config" in config and "num_attention_heads" not in config:
         config = dict(config["text_config"])
-    for name, alias in _ALIASES.items():
-        if name not in config and alias in config:
-            config[name] = config[alias]
     family = FAMILIES.get(config.get("model_type"))
-    for name, alias in (family.aliases if family else {}).items():  # a family's own names (GPT-Neo's, MPT's)
-        if name not in config and alias in config:
-            config[name] = config[alias]
+    return _aliased(_aliased(config, _ALIASES), family.aliases if family else {})  # a family's own: GPT-Neo's, MPT's
+
+
+def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
+    """``config`` with each of our names that it lacks read from its alias (our name -> the config's)."""
+    config.update({name: config[alias] for name, alias in aliases.items() if name not in config and alias in config})
     return config
 
 
@@ -532,9 +461,7 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
         )
     family = FAMILIES[model_type]
     nested = config.get(family.nested) if family.nested else None
-    config = {**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}
-    config.update({name: config[alias] for name, alias in family.aliases.items()
-                   if name not in config and alias in config})
+    config = _aliased({**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}, family.aliases)
     if family.no_rope_layers:
         config = _with_no_rope_layers(config)
     if family.standardize:
@@ -573,19 +500,18 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     qkv_bias = _flag(config, family.qkv_bias, family.bias_default)
     out_bias = family.out_bias(config, layer) if callable(family.out_bias) else _flag(
         config, family.out_bias, family.bias_default)
-    scale = family.scale(config, head_dim, layer) if family.scale else 1.0 / math.sqrt(head_dim)
+    scale = family.scale(config, head_dim, layer) if callable(family.scale) else family.scale
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     layer_type = _layer_types(config, family, layers)[layer]
-    window = None
-    if (layer_type == "sliding_attention" and config.get(family.window_key)
+    window, sliding = None, layer_type == "sliding_attention"
+    if (sliding and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config[family.window_key]) - 1, 0)
     rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
-    if family.no_rope_layers and not config["no_rope_layers"][layer]:
-        rope = None
-    if family.rope_sliding_only and config.get("sliding_window") is not None and layer_type != "sliding_attention":
-        rope = None
-    if family.rope_windowed_only and window is None:
+    if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
+            or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
+            or family.rope_windowed_only and window is None):
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
         rope = _with_theta(rope, config[family.layer_rope_theta][layer])
@@ -658,7 +584,7 @@ def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list
         if len(types) != layers:
             raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
         return list(types)
-    return family.layer_types(config, layers)
+    return family.layer_types(config, layers) if family.layer_types else ["full_attention"] * layers
 
 
 def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
@@ -697,14 +623,9 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
     return [os.path.join(os.path.dirname(path), file) for file in files]
 
 
-
-
-def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], read_file: Callable[[str, str], dict]
-               ) -> Mapping[str, Any]:
-    """The checkpoint's keys under ``prefix``, read from as few files as hold them (all of them
-    when none is, so that the loader names the keys it found). ``read_state``: a framework's
-    reader of a whole checkpoint; ``read_file(path, prefix)``: the keys under ``prefix`` of one
-    ``.safetensors`` file."""
+def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], framework: str) -> Mapping[str, Any]:
+    """The checkpoint's keys under ``prefix`` (all of them when none is, for the loader's errors), read from
+    the ``.safetensors`` files that hold them as safetensors' ``framework`` reads them, or by ``read_state``."""
     if not isinstance(weights, (str, os.PathLike)):
         if not isinstance(weights, Mapping):
             return read_state(weights)  # its TypeError names what a checkpoint may be
@@ -713,15 +634,24 @@ def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], 
     for path in layer_files(weights, prefix):
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights {path!r} does not exist")
-        state.update(read_file(path, prefix))
+        state.update(_read_file(path, prefix, framework))
     return state or read_state(weights)
 
 
-def load_arguments(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(state, keywords)`` for a twin's ``load_weights`` to load the layer: GPT-NeoX's and GPT-2's
-    fusions, which no loader layout reads, split here (``layer_state``); for the others the keys
-    a layout reads (``layer_keys``) and the layout's name, prefix and ignored keys."""
+def _read_file(path: str, prefix: str, framework: str) -> dict[str, Any]:
+    from safetensors import safe_open  # only when a file is given
+
+    with safe_open(path, framework=framework) as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping], framework: str,
+                   concatenate: Callable[[list], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, keywords)`` for a twin's ``load_weights`` to load the layer from ``weights`` (read by
+    ``read_layer``, its arrays by ``read_state``): fused weights, which no loader layout reads, split
+    here (``layer_state``); for the others the keys a layout reads (``layer_keys``) and the layout's
+    name, prefix and ignored keys."""
+    state = read_state(read_layer(weights, options.prefix, read_state, framework))
     if FAMILIES[options.model_type].fused:
         return layer_state(options, state), {}
     return layer_keys(options, state, concatenate), {"layout": options.layout, "prefix": options.prefix,
@@ -729,11 +659,9 @@ def load_arguments(options: LayerOptions, state: Mapping[str, Any], concatenate:
 
 
 def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]) -> dict[str, Any]:
-    """The checkpoint's keys as a layout reads them: the layer's buffers (older GPT-J files)
-    left out, and a per-head QK-norm's scales (StableLM's one weight ``(head_dim,)`` per head,
-    joined by ``concatenate``, heads in order; Cohere's ``(heads, head_dim)``) as one
-    ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``. Other keys and arrays are
-    passed as they are."""
+    """The checkpoint's keys as a layout reads them: buffers (older GPT-J files) left out, renamed, and
+    a per-head QK-norm's scales (StableLM's ``(head_dim,)`` per head, joined by ``concatenate``;
+    Cohere's ``(heads, head_dim)``) as one ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``."""
     prefix = options.prefix
     family = FAMILIES[options.model_type]
     buffers = {prefix + k for k in family.buffers}
@@ -745,7 +673,7 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
         if heads and all(h.isdigit() for h in heads.values()):  # else left for the layout to name
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
-    out = {prefix + _renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
+    out = {prefix + renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
     if family.head_norm_matrix:
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
@@ -755,67 +683,49 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
-    """A fused layer's keys (under ``options.prefix``: GPT-NeoX's, GPT-2's, Falcon's) in this
-    package's names. Its fused weight's rows are split by ``_split_fused``; GPT-2's ``Conv1D``
-    weights are ``(in, out)``, the transposes of a ``Linear``'s; keys of other names are read
-    renamed (``renames``: GPT-NeoX-Japanese's ``dense_bias``). Raises one ValueError listing every
-    missing, unexpected or mis-shaped key, in the checkpoint's names.
-    """
+    """A fused layer's keys under ``options.prefix`` (GPT-NeoX's, GPT-2's, Falcon's) in this package's
+    names, the fused rows split by ``_split_fused``. Raises one ValueError listing every missing,
+    unexpected or mis-shaped key, in the checkpoint's names."""
     prefix, hidden = options.prefix, options.hidden_size
     family = FAMILIES[options.model_type]
     fused, out = family.fused
-    selected = {_renamed(k[len(prefix):], family.renames): v for k, v in state.items() if k.startswith(prefix)}
+    selected = {renamed(k[len(prefix):], family.renames): v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r}")
-    stored = {new: old for old, new in family.renames.items()}  # messages name the checkpoint's keys
-    conv = options.layout == "gpt2"
+    conv = options.layout == "gpt2"  # Conv1D weights: (in, out)
     rows = (options.num_heads + 2 * options.num_kv_heads) * options.head_dim
     width = options.num_heads * options.head_dim
-    expected = {  # key -> shape as stored
-        f"{fused}.weight": (hidden, rows) if conv else (rows, hidden),
-        f"{fused}.bias": (rows,),
-        f"{out}.weight": (width, hidden) if conv else (hidden, width),
-        f"{out}.bias": (hidden,),
-    }
-    if not options.qkv_bias:
-        expected.pop(f"{fused}.bias")
-    if not options.out_bias:
-        expected.pop(f"{out}.bias")
-    problems = [f"missing key {prefix + _renamed(k, stored)!r}" for k in expected if k not in selected]
-    problems += [
-        f"{prefix + _renamed(k, stored)!r} has shape {tuple(selected[k].shape)}, expected {shape}"
-        for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape
-    ]
-    problems += [f"unexpected key {prefix + _renamed(k, stored)!r}" for k in selected
-                 if k not in expected and k not in family.buffers]
+    expected = {f"{fused}.weight": (hidden, rows) if conv else (rows, hidden)}  # key -> shape as stored
+    expected.update({f"{fused}.bias": (rows,)} if options.qkv_bias else {})
+    expected[f"{out}.weight"] = (width, hidden) if conv else (hidden, width)
+    expected.update({f"{out}.bias": (hidden,)} if options.out_bias else {})
+    stored = {new: old for old, new in family.renames.items()}
+
+    def shown(key: str) -> str:  # as the checkpoint names it
+        return repr(prefix + renamed(key, stored))
+
+    problems = [f"missing key {shown(k)}" for k in expected if k not in selected]
+    problems += [f"{shown(k)} has shape {tuple(selected[k].shape)}, expected {shape}"
+                 for k, shape in expected.items() if k in selected and tuple(selected[k].shape) != shape]
+    problems += [f"unexpected key {shown(k)}" for k in selected if k not in expected and k not in family.buffers]
     if problems:
         raise ValueError(f"state_dict (layout {options.layout!r}): " + "; ".join(problems))
-    weight = selected[f"{fused}.weight"]
-    bias = selected.get(f"{fused}.bias")
-    parts = _split_fused(weight.T if conv else weight, options)
-    result = {f"{name}.weight": part for name, part in zip(("q_proj", "k_proj", "v_proj"), parts)}
-    if bias is not None:
-        bias_parts = _split_fused(bias, options)
-        result.update({f"{name}.bias": part for name, part in zip(("q_proj", "k_proj", "v_proj"), bias_parts)})
-    result["out_proj.weight"] = selected[f"{out}.weight"].T if conv else selected[f"{out}.weight"]
-    if f"{out}.bias" in selected:
-        result["out_proj.bias"] = selected[f"{out}.bias"]
+    result = {}
+    for key in expected:
+        name, part = key.rsplit(".", 1)
+        array = selected[key].T if conv and part == "weight" else selected[key]
+        if name == fused:  # its rows split into the query, key and value projections'
+            result.update(zip((f"q_proj.{part}", f"k_proj.{part}", f"v_proj.{part}"), _split_fused(array, options)))
+        else:
+            result[f"out_proj.{part}"] = array
     return result
 
 
-def _renamed(key: str, renames: Mapping[str, str]) -> str:
-    """``key`` with the first start of ``renames`` it has replaced (``dense_bias`` -> ``dense.bias``)."""
-    start = next((old for old in renames if key.startswith(old)), None)
-    return key if start is None else renames[start] + key[len(start):]
-
-
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
-    """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``:
-    GPT-NeoX's and Falcon's rows are ``(kv_heads, group + 2, head_dim)``, each key head's
-    ``group`` query heads, then its key and value (GPT-NeoX, GPT-BigCode's multi-head layers and
-    Falcon's older layers: group 1; Falcon's multi-query layers: one key head); GPT-2's and
-    GPT-BigCode's multi-query ones are ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``,
-    4 blocks of heads (its ``mp_num``), each its queries, values, then keys."""
+    """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``: GPT-2's and
+    GPT-BigCode's multi-query ones ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``, 4 blocks of
+    (q, v, k); the others' (GPT-NeoX, Falcon) ``(kv_heads, group + 2, head_dim)``, each key head's
+    ``group`` query heads, then its key and value."""
     heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
     rest = tuple(fused.shape[1:])
     if options.layout == "gpt2" or (options.layout == "gpt_bigcode" and kv_heads == 1):

@@ -74,10 +74,8 @@ def _shows(keys: Sequence[str], name: str) -> bool:
 
 
 def detect_layout(keys: Any, *, where: str = "the keys") -> str:
-    """The layout of a checkpoint from its key names (a mapping's keys or any iterable of str): the
-    one whose keys (``_SIGNATURES``) they show, each maybe under a prefix
-    (``encoder.layer.0.attention.self.query.weight``); ValueError naming the likely layouts when
-    none or several fit."""
+    """The layout whose keys (``_SIGNATURES``) the key names show, each maybe under a prefix; ValueError
+    naming the likely layouts when none or several fit."""
     keys = sorted(map(str, keys))
     fits = [name for name, alternatives in _SIGNATURES.items()
             if any(all(_shows(keys, k) for k in group) for group in alternatives)]
@@ -98,8 +96,7 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
 
 def _choose_layout(selected: Mapping[str, Any], layout: str | None, mapping, where: str
                    ) -> tuple[str, bool, str | None]:
-    """(layout read, whether it was detected from the keys, why none was when ``layout`` was not
-    given and the keys fit no layout or several: for the errors)."""
+    """(layout read, whether it was detected from the keys, why none was when not given: for the errors)."""
     detected = layout == AUTO and mapping is None
     undetected = None
     if layout is None:
@@ -117,9 +114,8 @@ def _choose_layout(selected: Mapping[str, Any], layout: str | None, mapping, whe
 
 def _read_sources(selected: Mapping[str, Any], sources, prefix: str, ignored: set, num_heads, num_kv_heads,
                   problems: list[str]) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str]]:
-    """(our name -> array, our name -> the key it came from, our name -> how messages name it,
-    the keys used) of the ``sources`` found in ``selected`` and not ``ignored``; fused weights
-    split by rows. Names given twice are added to ``problems``."""
+    """(our name -> array, -> the key it came from, -> how messages name it; the keys used) of the
+    ``sources`` in ``selected`` and not ``ignored``, fused weights split by rows."""
     out, given, shown, used = {}, {}, {}, set()
     for source in sources:
         if source.key not in selected or source.key in ignored:
@@ -163,19 +159,15 @@ def read_layout(
     num_kv_heads: int | None = None,
     expected: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """``mha_torch`` names -> arrays, from a checkpoint in another naming scheme.
+    """``mha_torch`` names -> arrays, from the keys under ``prefix`` of a checkpoint in another naming scheme.
 
-    ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"`` (read by ``mha_jax.to_torch``), or
-    ``"auto"``: the layout the keys under the prefix show (``detect_layout``), or None (not
-    given): that layout when exactly one fits, else ``"mha_torch"``, whose errors then also name
-    the layouts the keys fit or look like (``mapping`` given: ``"mha_torch"``). Only keys
-    starting with ``prefix`` are read; the rest of a bigger checkpoint is left alone. Every key
-    under the prefix must be used, or named (by its start, relative to the prefix) in
-    ``ignore``. Fused weights ``((heads + 2 * kv_heads) * head_dim, in)`` are split by rows into
-    views, which is why ``num_heads``/``num_kv_heads`` are needed. With them, every shape is
-    checked too; ``expected`` (``mha_torch`` name -> shape, a module's parameters) adds the keys
-    the module has and lacks. Raises one ValueError listing every missing, repeated, unsupported,
-    unexpected or mis-shaped key, each once, in the file's names.
+    ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"``; ``"auto"``: the one the keys show
+    (``detect_layout``); None: that one when exactly one fits, else ``"mha_torch"``. Every key under
+    the prefix is used or starts with an ``ignore`` entry. Fused weights ``((heads + 2 * kv_heads) *
+    head_dim, in)`` are split by rows into views with ``num_heads``/``num_kv_heads``, which also
+    check every shape; ``expected`` (name -> shape, a module's) adds the keys the module has and
+    lacks. Raises one ValueError listing every missing, repeated, unsupported, unexpected or
+    mis-shaped key, each once, in the file's names.
     """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
@@ -224,8 +216,7 @@ _OPTIONS = {"q_norm.weight": "normalize_qk", "k_norm.weight": "normalize_qk", SI
 
 def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapping[str, Sequence[int]],
                 sources: tuple[_Source, ...], prefix: str, problems: list[str]) -> list[str]:
-    """Keys the module has and the checkpoint lacks, and the reverse; names already reported
-    missing, and the biases of missing weights, are not repeated."""
+    """Keys the module has and the checkpoint lacks, and the reverse, each reported once."""
     found = []
     for name in expected:
         proj, _, part = name.partition(".")
@@ -323,6 +314,12 @@ def _expected(sources: tuple[_Source, ...], proj: str, part: str, prefix: str) -
     return keys[0] if len(keys) == 1 else f"{keys[0]} (or {' or '.join(keys[1:])})"
 
 
+def renamed(key: str, renames: Mapping[str, str]) -> str:
+    """``key`` with the first start of ``renames`` it has replaced (``o_proj.`` -> ``out_proj.``)."""
+    start = next((old for old in renames if key.startswith(old)), None)
+    return key if start is None else renames[start] + key[len(start):]
+
+
 def some(state: Mapping[str, Any], n: int = 4) -> str:
     """The first ``n`` keys of ``state``, sorted, for a message."""
     keys = sorted(state)
@@ -331,11 +328,8 @@ def some(state: Mapping[str, Any], n: int = 4) -> str:
 
 def check_state(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
                 expected: Mapping[str, Sequence[int]] | None = None) -> int:
-    """Validate the shapes of a state in ``mha_torch`` names, collecting every problem; return head_dim.
-
-    ``state`` has every weight, and the query/key/value biases all or none (the output bias on
-    its own), as ``read_layout`` returns it. ``expected``: a module's shapes, when one is known.
-    """
+    """head_dim of a state in ``mha_torch`` names (as ``read_layout`` returns it) whose shapes fit the
+    head counts and ``expected`` (a module's shapes, when known); else one ValueError naming each problem."""
     head_dim, problems = _check_shapes(state, num_heads, num_kv_heads, expected, {})
     if problems:
         raise ValueError("state_dict: " + "; ".join(problems))
@@ -349,11 +343,10 @@ _KV = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 
 def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: Mapping[str, Sequence[int]] | None,
                   names: Mapping[str, str]) -> tuple[int, list[str]]:
-    """``(head_dim, problems)``: every mis-shaped entry of ``state`` (``mha_torch`` names, any
-    absent), each once, as ``names`` shows its key. Shapes are ``module``'s where given, else they
-    follow from the head counts and the head_dim that the most entries agree on (``_head_dim``),
-    so that one wrong entry is named, not the others that disagree with it; head_dim 0 when none
-    fits. Head counts that cannot be raise first: no shape could fit them."""
+    """``(head_dim, problems)``: every mis-shaped entry of ``state`` (any absent), as ``names`` shows
+    its key. Shapes are ``module``'s where given, else they follow from the head counts and the
+    head_dim that the most entries agree on (``_head_dim``): one wrong entry is named, not the
+    others; head_dim 0 when none fits."""
     check_head_counts(heads, kv_heads)
     shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
     shown = {k: names.get(k, repr(k)) for k in _ORDER}
@@ -417,9 +410,8 @@ def _allowed(shapes: Mapping[str, tuple], heads: int, kv_heads: int, head_dim: i
 
 
 def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
-    """The head_dim under which the fewest entries are mis-shaped (key/value rows that all agree
-    on another key/value head count count once: that count is the one mistake); 0 if none fits.
-    Candidates: each query, key, value row count and output column count over its heads."""
+    """The head_dim, among each row (or output column) count over its heads, under which the fewest entries
+    are mis-shaped (key/value rows agreeing on another key/value head count: one mistake); 0 if none fits."""
     counts = [(shapes[k][0], heads) for k in ("q_proj.weight", "q_proj.bias") if k in shapes]
     counts += [(shapes[k][0], kv_heads) for k in _KV if k in shapes]
     counts += [(shapes["out_proj.weight"][1], heads)] if "out_proj.weight" in shapes else []
@@ -439,8 +431,7 @@ def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
 def read_checkpoint(state_dict_or_path: Any, load_file: Callable[[str], dict], value: Callable[[str, Any], Any]
                     ) -> dict[str, Any]:
     """Name -> array of one framework: a ``.safetensors`` path read by ``load_file(path)``, or a
-    mapping whose values ``value(name, v)`` copies (nothing the caller passed is shared or
-    modified), raising ValueError for one that is not a numeric array."""
+    mapping whose values ``value(name, v)`` copies (raising ValueError for one not numeric)."""
     if isinstance(state_dict_or_path, (str, os.PathLike)):
         path = os.fspath(state_dict_or_path)
         if not path.endswith(".safetensors"):
@@ -468,11 +459,9 @@ _LATENT_RENAMES = {"o_proj.": "out_proj."}
 def read_latent(state: Mapping[str, Any], *, layout: str | None = None, mapping: Mapping[str, str] | None = None,
                 prefix: str = "", ignore: Sequence[str] = (),
                 expected: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
-    """A latent layer's checkpoint (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
-    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` or ``out_proj``) in a latent
-    module's names (``o_proj`` as ``out_proj``): the keys under ``prefix`` but those starting with an
-    ``ignore`` entry. ``layout``: None, ``"auto"``, ``"mla"`` or ``"mha_torch"``. ``expected`` (the module's
-    names -> shapes): one ValueError lists every missing, unexpected or mis-shaped key. No ``mapping``."""
+    """A latent layer's keys under ``prefix`` (transformers' names, ``o_proj`` read as ``out_proj``) but
+    those starting with an ``ignore`` entry. ``layout``: None, ``"auto"``, ``"mla"`` or ``"mha_torch"``;
+    ``expected`` (names -> shapes): one ValueError lists every missing, unexpected or mis-shaped key."""
     if mapping is not None:
         raise ValueError("a latent module reads transformers' names: pass no mapping")
     if layout not in (None, AUTO, LATENT, "mha_torch"):
@@ -481,11 +470,7 @@ def read_latent(state: Mapping[str, Any], *, layout: str | None = None, mapping:
     selected = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})")
-    out = {}
-    for key, value in selected.items():
-        if not key.startswith(tuple(ignore)):
-            old = next((old for old in _LATENT_RENAMES if key.startswith(old)), None)
-            out[key if old is None else _LATENT_RENAMES[old] + key[len(old):]] = value
+    out = {renamed(k, _LATENT_RENAMES): v for k, v in selected.items() if not k.startswith(tuple(ignore))}
     if expected is None:
         return out
     problems = [f"missing key {prefix + k!r} (shape {tuple(shape)})" for k, shape in expected.items() if k not in out]

@@ -1,7 +1,6 @@
 """A Hugging Face model's attention layer as an ``mha_torch.MultiHeadAttention``; twin of ``mha_jax/hf.py``.
 
-The layer alone, with no transformers import: its options from ``mha_spec.families``, which reads
-the ``config.json`` as transformers' classes do; its tensors from the model's checkpoint.
+No transformers import: ``mha_spec.families`` reads the ``config.json`` as transformers' classes do.
 """
 
 from __future__ import annotations
@@ -44,21 +43,10 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
         use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),
-        local_window_size=options.window,
-        implementation=implementation, dtype=dtype, device=device, attention_chunk_size=options.attention_chunk_size,
-        latent=options.latent,
-        alibi_slopes=options.alibi_slopes,
+        local_window_size=options.window, attention_chunk_size=options.attention_chunk_size, latent=options.latent,
+        alibi_slopes=options.alibi_slopes, dtype=dtype, device=device, implementation=implementation,
     )
     if weights is not None:
-        state = families.read_layer(weights, options.prefix, read_state, _read_file)
-        state, keywords = families.load_arguments(
-            options, state, lambda arrays: torch.cat([torch.as_tensor(a) for a in arrays]))
+        state, keywords = families.load_arguments(options, weights, read_state, "pt", torch.cat)
         load_weights(module, state, **keywords)
     return module
-
-
-def _read_file(path: str, prefix: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
