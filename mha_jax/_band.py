@@ -1,16 +1,12 @@
 """Sliding-window attention over default positions as one band per query block.
 
-With default positions and a window ``(left, right)``, the keys a block of ``block`` queries from
-``i0`` may see are the ``width = block + left + right`` keys from ``i0 - left``: each query block
-takes its band with one slice and one product, and one step of ``_tiles``' online softmax. The
-window's pattern is the same in every band (relative offsets), so no positions are read.
+With a window ``(left, right)``, a block of ``block`` queries from ``i0`` may see the ``width = block +
+left + right`` keys from ``i0 - left``: one slice, one product and one step of ``_tiles``' online
+softmax per block. The window is the same in every band (relative offsets), so no positions are read.
 
-Interface as ``_blockwise``'s: query ``(batch, kv_heads, groups, q_len, head_dim)``, key/value
-``(batch, kv_heads, kv_len, head_dim)``, terms ``(qp, kp, qs, ks, lengths, slopes)`` (positions
-unread: ALiBi's slopes ``(b|1, h, g, 1, 1)`` are read on the band's relative positions).
-Inside, queries and output stay in the caller's layout ``(batch, q_len, kv_heads, groups,
-head_dim)`` (the caller's transposes cancel) and each block is transposed in the loop. The custom
-VJP recomputes each band's transposed scores from the saved row log-sum-exp.
+Interface as ``_blockwise``'s; terms ``(qp, kp, qs, ks, lengths, slopes)``, positions unread (ALiBi's
+slopes ``(b|1, h, g, 1, 1)`` are read on the band's relative positions). Queries and output stay in
+the caller's layout ``(batch, q_len, kv_heads, groups, head_dim)`` (the caller's transposes cancel).
 """
 
 from __future__ import annotations

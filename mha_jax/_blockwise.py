@@ -1,18 +1,16 @@
 """Blockwise (flash-style) attention in pure JAX: memory linear in length.
 
-Queries are processed in blocks, each with an online softmax over key blocks (``_tiles``' tile
-step), so no ``(q_len, kv_len)`` matrix is formed; a custom VJP recomputes each block's scores from
-the saved row log-sum-exp. Which blocks are visited comes from the terms' block summaries: a block
-is whole (no mask applied), partial or empty (never visited), so a sliding window costs O(length x
-window). A window over default positions with nothing else per score runs as ``_band`` instead.
+Each query block runs ``_tiles``' online softmax over the key blocks, so no ``(q_len, kv_len)``
+matrix is formed; a custom VJP recomputes each block's scores from the saved row log-sum-exp. The
+terms' block summaries class each block whole (no mask applied), partial or empty (never visited),
+so a sliding window costs O(length x window); a window over default positions alone runs as ``_band``.
 
-Interface layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key ``(batch, kv_heads,
-kv_len, head_dim)``, value ``(batch, kv_heads, kv_len, v_head_dim)``; masks keep their broadcast
-shape ``(batch|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``. Inside, batch and kv heads are the
-products' batch axes (so a sharding of either carries through) and a query block's groups and
-queries one row axis (``rows = groups * block_q``), so grouped heads share each product. Products
-take their operands as stored, as XLA:CPU's matmul does: keys are transposed once for ``Q K^T``,
-and the backward works on transposed scores ``S^T = K Q^T``. The scale is folded into the queries.
+Layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key ``(batch, kv_heads, kv_len,
+head_dim)``, value ``(batch, kv_heads, kv_len, v_head_dim)``, masks ``(batch|1, kv_heads|1, groups|1,
+q_len|1, kv_len|1)``. Inside, batch and kv heads are the products' batch axes (a sharding of either
+carries through) and a query block's groups and queries one row axis (``rows = groups * block_q``), so
+grouped heads share each product. Products take operands as stored (as XLA:CPU's matmul wants): keys
+are transposed once for ``Q K^T``, the backward works on ``S^T = K Q^T``; the scale is folded into the queries.
 """
 
 from __future__ import annotations
@@ -107,9 +105,8 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
         return _run(cfg, *args)
-    # Sharding in types: where only batch and heads are sharded (and no dropout is drawn, whose
-    # bits are drawn for the whole batch), each device runs on its own examples and heads;
-    # otherwise the axes are made automatic. The output is sharded as the query.
+    # Sharding in types: where only batch and heads are sharded and no dropout is drawn (for the whole
+    # batch), each device runs on its own examples and heads; else the axes are made automatic.
     out_spec = jax.typeof(q).sharding.spec
     batch, heads = _names(out_spec[0]), _names(out_spec[1])
     if dropout_rng is None and (batch or heads) and not any(_names(e) for e in out_spec[2:]):
@@ -124,16 +121,19 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
         specs = (*(None if x is None else place(x, True) for x in args[:7]), None,
                  (*jax.tree.map(lambda x: place(x, False), terms[:5]), None if slopes is None else place(slopes, True)))
         out = per_device(functools.partial(_run, cfg), args, specs, P(batch or None, heads or None))
-        # axes of 1 device
         return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)
     return jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=out_spec)(*args)
+
+
+def axes_of(entry) -> tuple:
+    """The mesh axis names of one entry of a PartitionSpec (None, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _names(entry) -> tuple:
     """The names of the mesh axes of more than one device in one entry of a PartitionSpec."""
     sizes = jax.sharding.get_abstract_mesh().shape
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(a for a in names if sizes[a] > 1)
+    return tuple(a for a in axes_of(entry) if sizes[a] > 1)
 
 
 def per_device(run, args: tuple, specs: tuple, out_specs, check_vma: bool = True):
@@ -159,9 +159,8 @@ def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
 
 
 def _varying(xs, others):
-    """``xs`` made varying over every manual mesh axis (inside ``jax.shard_map``) that any array of
-    ``xs`` or ``others`` varies over: the loops' carries start from them (``zeros_like``), and each
-    gradient then has its input's type."""
+    """``xs`` made varying over every manual mesh axis that an array of ``xs`` or ``others`` varies over:
+    the loops' carries start from them (``zeros_like``), and each gradient then has its input's type."""
     axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves((xs, others))))
 
     def vary(x):
@@ -188,13 +187,6 @@ def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     return _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)[0]
 
 
-def _block(x, axis, index, size):
-    """Block ``index`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast."""
-    if x is None or x.shape[axis] == 1:
-        return x
-    return lax.dynamic_slice_in_dim(x, index * size, size, axis)
-
-
 def _axes(transposed):
     """(query axis, key axis) of a 5-d block: ``(b, h, g, block_q, block_k)``, or the backward's
     transposed ``(b, h, block_k, g, block_q)``."""
@@ -202,9 +194,11 @@ def _axes(transposed):
 
 
 def _tile(cfg, x, i, j, transposed):
-    """Block (i, j) of a padded mask, bias or keep-mask (its broadcast axes left whole)."""
-    q_axis, k_axis = _axes(transposed)
-    return _block(_block(x, q_axis, i, cfg.block_q), k_axis, j, cfg.block_k)
+    """Block (i, j) of a padded mask, bias or keep-mask or None (its broadcast axes left whole)."""
+    for axis, index, size in zip(_axes(transposed), (i, j), (cfg.block_q, cfg.block_k)):
+        if x is not None and x.shape[axis] != 1:
+            x = lax.dynamic_slice_in_dim(x, index * size, size, axis)
+    return x
 
 
 def _pad_masks(cfg, arrays):
@@ -216,7 +210,7 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
     block_k)``, or ``(b, h, block_k, g, block_q)`` when ``transposed``. A partial block is masked by
     the terms, the mask and (forward only: ``_tiles.backward`` clamps) the last key block's padding;
     the ALiBi slopes (``terms``' last) apply to every block."""
-    bias = None if bias is None else _tile(cfg, bias, i, j, transposed)
+    bias = _tile(cfg, bias, i, j, transposed)
     slopes = terms[5] if terms[5] is None or not transposed else jnp.moveaxis(terms[5], 4, 2)
     if not partial and slopes is None:
         return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias)
@@ -237,11 +231,10 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
     q = Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q))
     k = Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
               None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
-    if not partial:
-        return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, q=q, k=k, alibi=slopes)
-    allowed_tile = (padding, None if allowed is None else _tile(cfg, allowed, i, j, transposed))
-    return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, terms=_conjunction(cfg, terms), q=q, k=k,
-                         masks=allowed_tile, alibi=slopes)
+    conditions = _conjunction(cfg, terms) if partial else None
+    dense = (padding, _tile(cfg, allowed, i, j, transposed)) if partial else ()
+    return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, terms=conditions, q=q, k=k, masks=dense,
+                         alibi=slopes)
 
 
 def _edge_padded(x, n, block):
@@ -368,9 +361,8 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     return out, (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
 
 
-# The backward's query blocks ``(n_q, b, h, rows, ...)`` (scaled queries, output gradients, both
-# also transposed; the rows' lse and delta), masks with their key axis before the groups ``(b|1,
-# h|1, k|1, g|1, q|1)``, padded, and terms padded to whole blocks.
+# The backward's query blocks ``(n_q, b, h, rows, ...)`` (scaled queries, output gradients, both also
+# transposed; lse, delta), padded masks ``(b|1, h|1, k|1, g|1, q|1)`` and terms padded to whole blocks.
 _Transposed = collections.namedtuple("_Transposed", "qs qst do dot lse delta allowed bias keep terms")
 
 
@@ -444,14 +436,11 @@ def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partia
 def _add_block(d_bias, ds, i, j, cfg):
     """Add a transposed block's score gradient ``(b, h, block_k, g, block_q)`` into the
     (transposed) bias gradient, summed over the bias's broadcast axes."""
-    axes = tuple(a for a in range(5) if d_bias.shape[a] == 1 and ds.shape[a] != 1)
-    ds = ds.sum(axis=axes, keepdims=True).astype(d_bias.dtype)
-    start = [jnp.int32(0)] * 5  # one index type, whatever the block indices' type
-    for axis, offset in zip(_axes(True), (i * cfg.block_q, j * cfg.block_k)):
-        if d_bias.shape[axis] != 1:
-            start[axis] = jnp.asarray(offset, jnp.int32)
-    current = lax.dynamic_slice(d_bias, start, ds.shape)
-    return lax.dynamic_update_slice(d_bias, current + ds, start)
+    q_axis, k_axis = _axes(True)
+    start, size = _tiles.bias_tile(d_bias.shape, {q_axis: (i * cfg.block_q, cfg.block_q),
+                                                  k_axis: (j * cfg.block_k, cfg.block_k)})
+    current = lax.dynamic_slice(d_bias, start, size)
+    return lax.dynamic_update_slice(d_bias, current + _tiles.bias_share(ds, d_bias.shape).astype(d_bias.dtype), start)
 
 
 _flash.defvjp(_forward, _flash_bwd)  # the forward's residuals are what the backward reads

@@ -1,15 +1,12 @@
 """A kernel lowered for its own platform only, inside a program lowered for several.
 
 ``jax.lax.platform_dependent`` lowers every branch for all the program's platforms, so a branch
-holding cuDNN's fused attention (which lowers for ``cuda`` alone) fails in a program exported for
-``("cpu", "cuda", "tpu")``. ``on(platform, fn)`` makes a kernel's forward and backward each one
-primitive whose lowering lowers it for ``platform`` alone. Derivatives go through a
-``jax.custom_vjp`` (the kernel's own residuals and pullback). ``x32`` traces with 32-bit defaults
-(the TPU kernel's index arithmetic mixes int32 with Python integers).
+holding cuDNN's fused attention (``cuda`` alone) fails in a program exported for ``("cpu", "cuda",
+"tpu")``. ``on(platform, fn)`` makes a kernel's forward and backward each one primitive lowered for
+``platform`` alone, differentiated through a ``jax.custom_vjp`` (the kernel's own residuals and pullback).
 
 The JAX internals this package uses are here alone, written for ``JAX_VERSION`` and named in
-``INTERNALS``: ``convert_constvars_jaxpr`` and cuDNN attention's version check (replaced while
-tracing on a host without CUDA); ``parity_tests/test_jax_internals.py`` fails when one moves.
+``INTERNALS``; ``parity_tests/test_jax_internals.py`` fails when one moves.
 """
 
 from __future__ import annotations
@@ -24,10 +21,15 @@ from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.interpreters import batching, mlir
 
 JAX_VERSION = "0.10.2"
-# each JAX internal module used here, and what is used of it
+_SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention."
+# each JAX internal module used, and what is used of it
 INTERNALS = {
     "jax._src.interpreters.partial_eval": ("convert_constvars_jaxpr",),
     "jax._src.cudnn.fused_attention_stablehlo": ("check_cudnn_version", "cuda_versions"),
+    # what ``_splash.kernel`` builds splash's kernel from that ``splash_attention`` does not export
+    _SPLASH + "splash_attention_kernel": ("SplashAttentionKernel", "DEFAULT_MASK_VALUE"),
+    _SPLASH + "splash_attention_mask": ("ChunkedCausalMask",),
+    _SPLASH + "splash_attention_mask_info": ("process_mask", "process_mask_dkv"),
 }
 
 
@@ -87,6 +89,7 @@ def spec_arrays(spec) -> dict:
 
 
 def _context(x32: bool):
+    """With ``x32``, 32-bit defaults while tracing (the TPU kernel's index arithmetic mixes int32 with Python ints)."""
     return jax.enable_x64(False) if x32 and jax.config.jax_enable_x64 else contextlib.nullcontext()
 
 
@@ -124,8 +127,7 @@ def on(platform: str | None, fn, *args, x32: bool = False):
             pullback_tree[:] = [structure]
             return out, leaves
 
-        out, leaves = _bind(platform, run, xs, x32)
-        return out, leaves
+        return _bind(platform, run, xs, x32)
 
     inexact = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in flat]
     shapes = [jnp.shape(x) for x in flat]
@@ -137,8 +139,7 @@ def on(platform: str | None, fn, *args, x32: bool = False):
             return [g for g, keep in zip(grads, inexact) if keep]
 
         grads = iter(_bind(platform, run, (leaves, cotangent), x32))
-        float0 = jax.dtypes.float0
-        return tuple(next(grads) if keep else np.zeros(shape, float0) for keep, shape in zip(inexact, shapes))
+        return tuple(next(grads) if keep else np.zeros(x, jax.dtypes.float0) for keep, x in zip(inexact, shapes))
 
     call.defvjp(forward, backward)
     return call(*flat)

@@ -1,19 +1,14 @@
 """Ring attention: the query/key/value length sharded over one mesh axis (``sequence_axis``).
 
 Each of the axis's ``n`` devices holds a block of queries and one of keys and values; the key/value
-blocks (with their per-key terms) go round the ring with ``ppermute`` and each device combines them
-tile by tile with ``_tiles``' online softmax. The backward is a second ring in which the blocks
-travel with their gradients, home after ``n`` steps. Nothing is gathered.
+blocks (with their per-key terms) go round the ring with ``ppermute``, combined tile by tile with
+``_tiles``' online softmax; in the backward they travel with their gradients. Nothing is gathered.
 
-Zig-zag layout: of ``2n`` chunks, device ``i`` works on chunks ``i`` and ``2n - 1 - i``, so that
-under causality every device has as many visible pairs; inputs sharded contiguously are reordered by
-two half-block ``ppermute`` on the way in and out. Dense terms (``mask``, ``bias``, a keep-mask) are
-held as the queries are (their rows, every key column) and never travel. Keys that no query of a
-tile may see are zeroed in that tile, so that whatever they hold (NaN) reaches nothing.
-
-Drawn dropout hashes each weight's bit from the key and its global index with ``threefry2x32``, as
-``jax.random.bernoulli(key, 1 - rate, (batch, heads, q_len, kv_len))`` does for a threefry key: the
-bits of ``implementation="xla"`` on one device, whatever the mesh or tiles.
+Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i``, so that under
+causality every device has as many visible pairs. Dense terms (mask, bias, a keep-mask) are held as
+the queries are (their rows, every key column) and never travel. Drawn dropout hashes each weight's
+global index with ``threefry2x32``, as ``jax.random.bernoulli`` over ``(batch, heads, q_len, kv_len)``
+does: the bits of ``implementation="xla"`` on one device, whatever the mesh or tiles.
 """
 
 from __future__ import annotations
@@ -101,8 +96,8 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
               allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
               keep_scale: float = 1.0):
     """q ``(b, q_len, kv_heads, groups, d)``, k ``(b, kv_len, kv_heads, d)``, v ``(b, kv_len, kv_heads,
-    dv)`` -> ``(b, q_len, kv_heads, groups, dv)`` in q's dtype.
-    ``sinks`` ``(kv_heads, groups)`` in float32 or wider, or None; ``allowed``, ``keep`` (bool) and
+    dv)`` -> ``(b, q_len, kv_heads, groups, dv)`` in q's dtype. ``sinks`` ``(kv_heads, groups)`` in
+    float32 or wider, or None; ``allowed``, ``keep`` (bool) and
     ``bias`` None or 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``; ``dropout_rng`` draws
     dropout at ``dropout_rate`` when ``keep`` is None."""
     batch_axes, head_axes = _explicit_axes(q, axis)
@@ -116,26 +111,18 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
                  ks=spec.key_segment_ids, lengths=spec.lengths)
     terms = {name: x for name, x in terms.items() if x is not None}
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
-    dense = dict(allowed=allowed, keep=keep, slopes=slopes, **_indices(cfg, q.shape[0], k.shape[2], drawn))
+    # each device's index along the ring and, for drawn dropout, the global indices of its examples and
+    # key/value heads: inputs, as XLA's SPMD partitioner rejects ``axis_index`` in a partly manual shard_map
+    dense = dict(allowed=allowed, keep=keep, slopes=slopes, device=jnp.arange(size, dtype=jnp.int32))
     if drawn:
-        dense["seed"] = _seed(dropout_rng)
+        dense.update(examples=jnp.arange(q.shape[0], dtype=jnp.uint32),
+                     kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32), seed=_seed(dropout_rng))
     dense = {name: x for name, x in dense.items() if x is not None}
     return _ring(cfg, q, k, v, sinks, bias, terms, dense)
 
 
-def _indices(cfg: _Config, batch: int, kv_heads: int, drawn: bool) -> dict:
-    """Each device's index along the ring (``device``, int32 ``(n,)``) and, for drawn dropout, the
-    global indices of its examples and key/value heads (uint32): inputs, as XLA's SPMD partitioner
-    rejects ``axis_index`` inside a ``shard_map`` manual over some axes only."""
-    indices = dict(device=jnp.arange(cfg.size, dtype=jnp.int32))
-    if drawn:
-        indices.update(examples=jnp.arange(batch, dtype=jnp.uint32), kv_heads=jnp.arange(kv_heads, dtype=jnp.uint32))
-    return indices
-
-
 def _seed(rng):
-    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with (a key of another
-    implementation draws it)."""
+    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with (drawn from a key of another kind)."""
     key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
     if str(jax.random.key_impl(key)) == "threefry2x32":
         return jax.random.key_data(key)
@@ -146,8 +133,7 @@ def _explicit_axes(q, axis: str):
     """The Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too,
     so that each device keeps its own examples and heads."""
     spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
-    as_tuple = lambda x: () if x is None else (x,) if isinstance(x, str) else tuple(x)  # noqa: E731
-    batch, heads = as_tuple(spec[0]), as_tuple(spec[2])
+    batch, heads = _blockwise.axes_of(spec[0]), _blockwise.axes_of(spec[2])
     if axis in batch + heads:
         raise ValueError(
             f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
@@ -220,14 +206,17 @@ def _dense_rows(local: dict, start, size: int) -> dict:
     return rows
 
 
-def _dense_tile(cfg: _Config, rows: dict, keys):
-    """(mask, bias, keep) of one tile, each None or 5-d: the columns ``keys`` (int32 ``(tile,)``,
-    consecutive global indices) of a row tile's terms; keep drawn if dropout is."""
+def _key_tile(cfg: _Config, k, v, kt: dict, rows: dict, start, size: int, dtype):
+    """The ``size`` keys from ``start``: (keys, values in ``dtype``, their terms, (mask, bias, keep) each
+    None or 5-d: those columns of the row tile's dense terms ``rows``, keep drawn if dropout is)."""
+    kj, vj = (_rows(x, start, size, 1).astype(dtype) for x in (k, v))
+    ktj = _sliced(kt, start, size)
+    keys = ktj["index"][0]  # int32 (size,), consecutive global indices
     cols = lambda x: x if x is None or x.shape[4] == 1 else _rows(x, keys[0], keys.shape[0], 4)  # noqa: E731
     mask, bias, keep = (cols(rows.get(name)) for name in DENSE)
     if "seed" in rows:
         keep = _drawn(cfg, rows["seed"], rows["hi"], rows["lo"], keys)
-    return mask, bias, keep
+    return kj, vj, ktj, (mask, bias, keep)
 
 
 def _mul64(x, c: int):
@@ -270,13 +259,12 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
     hi = hi[..., None] + (lo < keys).astype(jnp.uint32)
     b1, b2 = threefry2x32_p.bind(seed[0], seed[1], hi, lo)
     if cfg.uniform == "float64":
-        bits, mantissa, kind = (b1.astype(jnp.uint64) << np.uint64(32)) | b2.astype(jnp.uint64), 52, np.uint64
+        bits = (b1.astype(jnp.uint64) << np.uint64(32)) | b2.astype(jnp.uint64)
+        width, mantissa, kind = 64, 52, np.uint64
     else:
-        bits, mantissa, kind = b1 ^ b2, 23, np.uint32
+        bits, width, mantissa, kind = b1 ^ b2, 32, 23, np.uint32
     p = float(np.asarray(1.0 - cfg.dropout_rate, cfg.uniform))  # as bernoulli rounds it
-    # uniform = (bits >> (width - mantissa)) * 2**-mantissa exactly;
-    # uniform < p <=> that integer < ceil(p * 2**mantissa)
-    width = 64 if cfg.uniform == "float64" else 32
+    # uniform = (bits >> (width - mantissa)) * 2**-mantissa < p <=> that integer < ceil(p * 2**mantissa)
     return (bits >> kind(width - mantissa)) < kind(math.ceil(p * 2.0**mantissa))
 
 
@@ -312,19 +300,21 @@ def _sliced(terms: dict, start, size: int) -> dict:
     return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
 
 
-def _scores(cfg: _Config, q, k, qt: dict, kt: dict, lengths, mask, bias, slopes=None):
-    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None) of queries ``q``
-    ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile, kv_heads, d)``, the terms read on
-    the tile's query terms ``qt`` (``qp``, ``qs``) and key terms ``kt`` (``kp``, ``ks``, ``index``);
-    ALiBi's ``slopes`` ``(b|1, kv_heads, groups, 1, 1)`` on the same positions."""
+def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slopes):
+    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None, keys, values with the
+    unseen zeroed) of queries ``q`` ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile,
+    kv_heads, d)``, the terms read on the tile's terms ``qt`` (``qp``, ``qs``) and ``kt`` (``kp``, ``ks``,
+    ``index``); ALiBi's ``slopes`` ``(b|1, kv_heads, groups, 1, 1)`` on the same positions."""
+    k, v = _unseen_zeroed(k, v, mask, bias)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
     qw = Where(q5(qt["qp"]), q5(qt.get("qs")))
     kw = Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
                None if lengths is None else lengths[:, None, None, None, None])
-    return _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw, k=kw,
-                         masks=(mask,), alibi=slopes)
+    s, tanh = _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw,
+                            k=kw, masks=(mask,), alibi=slopes)
+    return s, tanh, k, v
 
 
 def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
@@ -357,14 +347,10 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
 
         def k_tile(j, tile_state):
-            c = j * tk
-            kj, vj = (_rows(x, c, tk, 1).astype(q.dtype) for x in (k, v))
-            ktj = _sliced(kt, c, tk)
-            mask, bias, keep = _dense_tile(cfg, rows, ktj["index"][0])
+            kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, j * tk, tk, q.dtype)
 
             def update(tile_state):
-                kz, vz = _unseen_zeroed(kj, vj, mask, bias)
-                s, _ = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias, rows.get("slopes"))
+                s, _, _, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
 
                 def mix(p):
                     return jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
@@ -380,17 +366,6 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
 
 
-def _bias_tile(d_bias, r, keys, tq: int):
-    """(start, size) of a tile in the bias gradient (its broadcast axes whole)."""
-    start = [jnp.int32(0)] * 5
-    size = list(d_bias.shape)
-    if d_bias.shape[3] > 1:
-        start[3], size[3] = jnp.asarray(r, jnp.int32), tq
-    if d_bias.shape[4] > 1:
-        start[4], size[4] = keys[0], keys.shape[0]
-    return start, size
-
-
 def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, dense: dict, grads):
     """``grads`` (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv ``(b, kv_block, kv_heads, d)``,
     the bias's or None) plus one key/value block's share, by tiles."""
@@ -404,27 +379,23 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
         def k_tile(j, grads):
             dqi, dk, dv, d_bias = grads
             c = j * tk
-            kj, vj = (_rows(x, c, tk, 1).astype(q.dtype) for x in (k, v))
-            ktj = _sliced(kt, c, tk)
-            mask, bias, keep = _dense_tile(cfg, rows, ktj["index"][0])
+            kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, c, tk, q.dtype)
 
             def update(tile_grads):
                 dqi, dkj, dvj, d_bias_t = tile_grads
-                kz, vz = _unseen_zeroed(kj, vj, mask, bias)
-                s, t = _scores(cfg, qi, kz, qti, ktj, lengths, mask, bias, rows.get("slopes"))
+                s, t, kz, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
                 dp = jnp.einsum("bhgqd,bkhd->bhgqk", douti, vz, precision=cfg.precision)
                 p_used, ds_bias, ds = _tiles.backward(s, lsei[..., None], deltai[..., None], dp, t, keep,
                                                       cfg.keep_scale, s.shape)
                 dvj = dvj + jnp.einsum("bhgqk,bhgqd->bkhd", p_used, douti, precision=cfg.precision)
                 if d_bias_t is not None:
-                    axes = tuple(a for a in range(5) if d_bias_t.shape[a] == 1 and ds_bias.shape[a] != 1)
-                    d_bias_t = d_bias_t + ds_bias.sum(axis=axes, keepdims=True)
+                    d_bias_t = d_bias_t + _tiles.bias_share(ds_bias, d_bias_t.shape)
                 ds = ds * cfg.scale
                 dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kz, precision=cfg.precision)
                 dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
                 return dqi, dkj, dvj, d_bias_t
 
-            tile = None if d_bias is None else _bias_tile(d_bias, r, ktj["index"][0], tq)
+            tile = None if d_bias is None else _tiles.bias_tile(d_bias.shape, {3: (r, tq), 4: (ktj["index"][0, 0], tk)})
             d_bias_t = None if tile is None else jax.lax.dynamic_slice(d_bias, *tile)
             tile_grads = _if_visible(cfg, qti, ktj, mask, update,
                                      (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1), d_bias_t))
@@ -444,7 +415,7 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
 def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
     """What both rings start from on one device: (ring size, the device's index, key chunk, its
     zig-zag query terms, the travelling key terms, its dense terms (``_local_dense``), lengths)."""
-    n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see _indices)
+    n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see attention)
     chunk_q = q.shape[1] // 2
     zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
     qt = dict(qp=zig.get("qp", _index(me, n, chunk_q)), qs=zig.get("qs"))
@@ -541,8 +512,7 @@ def _dense_spec(cfg: _Config, x, name: str = "bias"):
 
 def _shared(cfg: _Config, x) -> tuple:
     """The manual axes over which a dense term of this (global) shape is not split."""
-    named = {a for entry in _dense_spec(cfg, x) if entry is not None
-             for a in ((entry,) if isinstance(entry, str) else entry)}
+    named = {a for entry in _dense_spec(cfg, x) for a in _blockwise.axes_of(entry)}
     return tuple(sorted(_manual(cfg) - named))
 
 
@@ -550,13 +520,13 @@ def _manual(cfg: _Config):
     return {cfg.axis, *cfg.batch_axes, *cfg.head_axes}
 
 
-def _placed(cfg: _Config, args, specs):
-    """On an Explicit sequence axis, ``args`` resharded to ``specs`` (a length not yet split over the
-    axis is split: each device keeps its slice); on an Auto one, as they are."""
-    if not cfg.explicit:
-        return args
-    return jax.tree.map(lambda x, spec: None if x is None else jax.reshard(x, spec), args, specs,
-                        is_leaf=lambda x: x is None)
+def _mapped(cfg: _Config, body, args: tuple, in_specs: tuple, out_specs):
+    """``body(*args)`` in ``jax.shard_map`` manual over the ring's axes; on an Explicit sequence axis
+    ``args`` are first resharded to ``in_specs`` (a length not yet split over it is split)."""
+    if cfg.explicit:
+        args = jax.tree.map(lambda x, spec: None if x is None else jax.reshard(x, spec), args, in_specs,
+                            is_leaf=lambda x: x is None)
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=_manual(cfg), check_vma=True)(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -567,11 +537,8 @@ def _ring(cfg: _Config, q, k, v, sinks, bias, terms, dense):
 def _ring_fwd(cfg: _Config, q, k, v, sinks, bias, terms, dense):
     seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
     in_specs = (seq, seq, seq, heads, bias_spec, *terms_specs)
-    f = jax.shard_map(
-        functools.partial(_forward_body, cfg), in_specs=in_specs,
-        out_specs=(seq, (seq, seq, seq, per_query, per_query)), axis_names=_manual(cfg), check_vma=True,
-    )
-    out, residuals = f(*_placed(cfg, (q, k, v, sinks, bias, terms, dense), in_specs))
+    out, residuals = _mapped(cfg, functools.partial(_forward_body, cfg), (q, k, v, sinks, bias, terms, dense),
+                             in_specs, (seq, (seq, seq, seq, per_query, per_query)))
     return out, (residuals, sinks, bias, terms, dense)
 
 
@@ -579,11 +546,9 @@ def _ring_bwd(cfg: _Config, saved, dout):
     residuals, sinks, bias, terms, dense = saved
     seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
     in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, *terms_specs, seq)
-    f = jax.shard_map(
-        functools.partial(_backward_body, cfg, _shared(cfg, bias)), in_specs=in_specs,
-        out_specs=(seq, seq, seq, heads, bias_spec), axis_names=_manual(cfg), check_vma=True,
-    )
-    dq, dk, dv, dsinks, d_bias = f(*_placed(cfg, (*residuals, sinks, bias, terms, dense, dout), in_specs))
+    dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, _shared(cfg, bias)),
+                                         (*residuals, sinks, bias, terms, dense, dout), in_specs,
+                                         (seq, seq, seq, heads, bias_spec))
     return dq, dk, dv, dsinks, d_bias, None, None
 
 

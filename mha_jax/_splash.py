@@ -1,24 +1,17 @@
 """The TPU kernel: JAX's splash attention (Pallas), with our masking terms.
 
-``jax.experimental.pallas.ops.tpu.splash_attention`` computes one example's attention over heads
-``(heads, q_len, head_dim)`` against ``(kv_heads, kv_len, head_dim)``, skipping the blocks its mask
-leaves empty, with a logit soft-cap and per-head sinks. Our terms map to it so:
-
-- causality and windows over default positions are its static masks (a causal window is a window
-  that stops at the diagonal), chunks its chunked causal mask;
-- segment ids and key/value lengths are its segment ids: a key beyond its example's length, or
-  in the padding to a whole block, gets an id that no query has;
-- the scale is folded into the queries (the cap applies to the scaled logits, as ours);
-- a query that sees no key gets 0 (the kernel gives it the mean of the values it visited).
-
-What it cannot take is refused by name (``refusal``). Lengths are padded to whole blocks of the
-largest of 512, 256 and 128 that divides them. Off a TPU the kernel runs in Pallas interpret mode.
+Splash computes one example's attention ``(heads, q_len, head_dim)`` over ``(kv_heads, kv_len,
+head_dim)``, skipping the blocks its mask leaves empty, with a logit soft-cap and per-head sinks.
+Causality and windows over default positions are its static masks, chunks its chunked causal mask;
+segment ids and key lengths are its segment ids (a key beyond its example's length, or in the padding
+to a whole block, gets an id no query has). The scale is folded into the queries; a query that sees
+no key gets 0 (the kernel gives it the mean of the values it visited). What it cannot take is refused
+by name (``refusal``). Off a TPU the kernel runs in Pallas interpret mode.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -30,29 +23,14 @@ from mha_spec.terms import Where
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
 BLOCKS = (512, 256, 128)
 
-# What the kernel is built from that ``splash_attention`` does not export, as jax ``WRITTEN_FOR``
-# lays it out; ``jax_internals`` is its one use, and a test checks each name.
-WRITTEN_FOR = "0.10.2"
-INTERNALS = {
-    "splash_attention_kernel": ("SplashAttentionKernel", "DEFAULT_MASK_VALUE"),
-    "splash_attention_mask": ("ChunkedCausalMask",),
-    "splash_attention_mask_info": ("process_mask", "process_mask_dkv"),
-}
+# What the kernel is built from that ``splash_attention`` does not export, as jax ``WRITTEN_FOR`` lays it out.
+INTERNALS = {module: names for module, names in _platform.INTERNALS.items() if module.startswith(splash.__name__)}
+WRITTEN_FOR = _platform.JAX_VERSION
 
 
 def jax_internals() -> dict:
     """The names of ``INTERNALS`` from jax's splash modules; an ImportError naming what moved."""
-    found = {}
-    for module, names in INTERNALS.items():
-        try:
-            loaded = importlib.import_module(f"{splash.__name__}.{module}")
-            found.update({name: getattr(loaded, name) for name in names})
-        except (ImportError, AttributeError) as error:
-            raise ImportError(
-                f"implementation='splash' builds jax's splash kernel from {splash.__name__}.{module} as jax "
-                f"{WRITTEN_FOR} lays it out ({', '.join(names)}); jax {jax.__version__} moved it: {error}"
-            ) from error
-    return found
+    return {name: getattr(_platform.jax_internal(m), name) for m, names in INTERNALS.items() for name in names}
 
 
 def refusal(spec: masks.Spec, *, dropout: bool) -> str | None:
@@ -96,14 +74,11 @@ def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=Non
     q_ids, kv_ids = _segment_ids(spec, q_pad, kv_pad)
     sinks = None if sinks is None else sinks.astype(jnp.float32)
 
-    def one(q, k, v, q_ids, kv_ids, sinks):
+    def one(q, k, v, q_ids, kv_ids, sinks):  # one example; the ids None where not needed
         ids = None if q_ids is None else splash.SegmentIds(q_ids, kv_ids)
         return built(q, k, v, segment_ids=ids, sinks=sinks)
 
-    def batched(q, k, v, q_ids, kv_ids, sinks):
-        id_axes = None if q_ids is None else 0
-        return jax.vmap(one, in_axes=(0, 0, 0, id_axes, id_axes, None))(q, k, v, q_ids, kv_ids, sinks)
-
+    batched = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))
     out = _platform.on(None if interpret else "tpu", batched, q, k, v, q_ids, kv_ids, sinks, x32=True)
     out = out[:, :, :q_len].astype(jnp.float32).transpose(0, 2, 1, 3)
     return jnp.where(has_key(spec), out, 0.0)

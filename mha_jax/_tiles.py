@@ -1,12 +1,10 @@
 """Tiles of queries and keys: their layout, and the one step of attention over a tile.
 
-Layout (``_blockwise``, ``_band``): a query block holds ``block_q`` rows of every query head of a
-key/value head's group, so one product serves the group; the last block is zero-padded.
-
-The tile step of every kernel that walks tiles (``_blockwise``, ``_band``, the ring): ``scores``
-turns a tile's products ``Q K^T`` into scores with every term; ``init``, ``forward`` and ``finish``
-carry the online softmax over tiles; ``backward`` is the gradient through one tile. Shapes are a
-tile's scores ``(..., rows, keys)``, flat as the kernel's product gives them.
+A query block holds ``block_q`` rows of every query head of a key/value head's group, so one product
+serves the group; the last block is zero-padded. The tile step of every kernel (``_blockwise``,
+``_band``, the ring): ``scores`` turns a tile's products ``Q K^T`` into scores with every term;
+``init``, ``forward`` and ``finish`` carry the online softmax over tiles; ``backward`` is the gradient
+through one tile. Shapes are a tile's scores ``(..., rows, keys)``, flat as the kernel's product gives them.
 """
 
 from __future__ import annotations
@@ -135,6 +133,21 @@ def backward(s, lse, delta, dp, tanh=None, keep=None, keep_scale=1.0, shape=None
         p_used, dp = dropped(p, keep, keep_scale, shape), dropped(dp, keep, keep_scale, shape)
     ds = p * (dp - delta)
     return p_used, ds, ds if tanh is None else ds * (1.0 - tanh * tanh)
+
+
+def bias_tile(shape, offsets: dict):
+    """(start, size) of a tile of a bias gradient of ``shape``: ``offsets`` maps an axis to the tile's
+    (start, size) along it; an axis of 1 (broadcast) stays whole."""
+    start, size = [jnp.int32(0)] * len(shape), list(shape)
+    for axis, (offset, n) in offsets.items():
+        if shape[axis] != 1:
+            start[axis], size[axis] = jnp.asarray(offset, jnp.int32), n
+    return start, size
+
+
+def bias_share(ds, shape):
+    """A tile's score gradient ``ds`` summed over the axes on which a bias of ``shape`` broadcasts."""
+    return ds.sum(axis=tuple(a for a in range(ds.ndim) if shape[a] == 1 and ds.shape[a] != 1), keepdims=True)
 
 
 def sink_gradient(sinks, lse, delta):
