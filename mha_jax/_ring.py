@@ -549,6 +549,8 @@ def _ring_bwd(cfg: _Config, saved, dout):
     dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, _shared(cfg, bias)),
                                          (*residuals, sinks, bias, terms, dense, dout), in_specs,
                                          (seq, seq, seq, heads, bias_spec))
+    if cfg.explicit and bias is not None:  # a cotangent has its primal's type: a bias not split over the ring too
+        d_bias = jax.reshard(d_bias, jax.typeof(bias).sharding.spec)
     return dq, dk, dv, dsinks, d_bias, None, None
 
 

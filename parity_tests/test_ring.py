@@ -444,6 +444,27 @@ def test_ring_takes_masks_bias_dropout(shape, names, batch, heads, axis_type, dt
 
 
 @needs_8
+def test_explicit_ring_takes_a_bias_not_split_over_it():
+    """On an Explicit sequence axis, a bias replicated over the devices (made inside the function,
+    say): the gradients of q, k, v and the bias, each with its input's sharding, equal one device's."""
+    (q, k, v, _, cot), _ = _data("float64")
+    bias = np.asarray(_dense_data("float64")["bias"])
+
+    def loss(q, k, v, bias, axis):
+        out = dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="blockwise", sequence_axis=axis)
+        return (out * cot).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+    want = grads(q, k, v, bias, None)
+    with jax.set_mesh(jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Explicit,))):
+        got = jax.jit(grads, static_argnums=4)(q, k, v, bias, "seq")
+    assert tuple(jax.typeof(got[3]).sharding.spec) == (None,) * 4
+    for name, w, g in zip(("dq", "dk", "dv", "dbias"), want, got):
+        error = np.abs(np.asarray(g) - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+        assert error <= TOLERANCE["float64"], f"{name}: relative error {error:.2e}"
+
+
+@needs_8
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=_ids)
 def test_ring_with_mask_and_bias_communicates_their_rows_once(axis_type):
     """As ``test_ring_communicates_key_value_blocks_only``, with a mask ``(B, 1, L, L)`` and a bias
