@@ -271,14 +271,15 @@ def test_cross_lengths_one_key_value_head_nan_in_padding():
 
 @needs_8
 def test_modules_take_sequence_axis():
-    """The nnx and linen modules with ``sequence_axis``, causal, padded and packed: the same output
-    and parameter gradients as without it, inputs ``(batch, length, features)`` over data x seq =
-    2 x 4 (float64); the training step gathers nothing (the reductions are the parameters'
-    gradients over "data")."""
+    """The nnx and linen modules (and an nnx one with a ``latent``) with ``sequence_axis``, causal,
+    padded and packed: the same output and parameter gradients as without it, inputs ``(batch,
+    length, features)`` over data x seq = 2 x 4 (float64); the training step gathers nothing (the
+    reductions are the parameters' gradients over "data")."""
     from flax import nnx
 
-    from mha_jax import linen
+    from mha_jax import RotaryEmbedding, linen
     from mha_jax.module import MultiHeadAttention
+    from mha_spec.latent import Latent
 
     x = np.random.default_rng(1).standard_normal((B, L, 16))
     (_, t) = _data("float64")
@@ -307,7 +308,18 @@ def test_modules_take_sequence_axis():
 
         return jax.value_and_grad(loss, has_aux=True), params
 
-    for make in (nnx_step, linen_step):
+    def latent_step(axis):  # multi-head latent attention: keys and values lifted from the latent on each device
+        model = MultiHeadAttention(num_heads=H, in_features=16, param_dtype=jnp.float64, sequence_axis=axis,
+                                   latent=Latent(8, 4, 4, 6), rotary=RotaryEmbedding(4), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+
+        def loss(state, x, terms):
+            out = nnx.merge(graphdef, state)(x, is_causal=True, **terms)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.value_and_grad(loss, has_aux=True), state
+
+    for make in (nnx_step, linen_step, latent_step):
         step, params = make(None)
         want = jax.tree.map(np.asarray, jax.jit(step)(params, x, terms))
         with jax.set_mesh(mesh):
