@@ -110,18 +110,17 @@ def dot_product_attention(
         (``"xla"`` only: the other implementations never form them); with ``sinks`` the
         sink's share is not among them.
       precision: passed to the matrix products.
-      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over
-        blocks, memory linear in length; blocks the masking terms empty are skipped, those they
-        leave whole not masked), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
-        bfloat16/float16, neither ``logit_soft_cap``, ``sinks`` nor dropout; ``alibi_slopes`` as a
-        dense bias), ``"splash"`` (JAX's
-        Pallas TPU kernel: causality and windows at default positions, segments, lengths,
-        ``logit_soft_cap`` and ``sinks``; no ``mask``, ``bias``, ``alibi_slopes``, dropout or
-        position arrays with causality/windows; float32 at most; off a TPU, slow Pallas interpret mode), ``"flash"``
-        (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, else or where the chip's kernel cannot
-        express the call ``"blockwise"``), or None: ``"xla"`` at every size, as flax. The platform is
-        the one the program is lowered for (``jax.lax.platform_dependent``), not the host's; a kernel
-        lowered for a platform it does not run on fails then, by name. Every implementation but
+      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks,
+        memory linear in length; blocks the masking terms empty are skipped, those they leave whole not
+        masked), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``; bfloat16/float16,
+        neither ``logit_soft_cap``, ``sinks`` nor dropout; ``alibi_slopes`` as a dense bias),
+        ``"splash"`` (JAX's Pallas TPU kernel: causality and windows at default positions, segments,
+        lengths, ``logit_soft_cap`` and ``sinks``; no ``mask``, ``bias``, ``alibi_slopes``, dropout or
+        position arrays with causality/windows; float32 at most; off a TPU, slow Pallas interpret mode),
+        ``"flash"`` (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, else or where the chip's
+        kernel cannot express the call ``"blockwise"``), or None: ``"xla"`` at every size, as flax. The
+        platform is the one the program is lowered for (``jax.lax.platform_dependent``), not the host's;
+        a kernel lowered for a platform it does not run on fails then, by name. Every implementation but
         ``"xla"`` has first-order reverse-mode derivatives only (else an error naming ``"xla"``).
       sequence_axis: a mesh axis (of ``jax.set_mesh``'s mesh) over which the query and key/value
         lengths are sharded, as ``P(None, sequence_axis)`` lays them out: ring attention, key/value
@@ -199,11 +198,10 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
         key, value = jnp.where(unused, 0, key), jnp.where(unused, 0, value)
     call = dict(spec=spec, scale=scale, soft_cap=soft_cap, sinks=sinks, keep=keep, rng=rng, dropout_rate=dropout_rate,
                 keep_scale=keep_scale, precision=precision, compute=compute)
-    weights = None
     if kernel.name == "xla":
         out, weights = _run_xla(query, key, value, **call)
     else:
-        out = _per_platform(kernel, query, key, value, call)
+        out, weights = _per_platform(kernel, query, key, value, call), None
     out = out.reshape(batch, q_len, heads, v_dim).astype(dtype)
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
@@ -282,8 +280,7 @@ def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks, value_dim=False, 
 
 def _per_platform(kernel: _Kernel, query, key, value, call):
     """Output ``(batch, q_len, heads, v_head_dim)`` in the compute dtype, from the kernel of the
-    platform the program is lowered for (``jax.lax.platform_dependent``): a CPU host traces
-    every branch and lowers only the target's, so it can export or compile for GPUs and TPUs."""
+    platform the program is lowered for (a CPU host can so export or compile for GPUs and TPUs)."""
     pairs = kernel.per_platform or ((kernel.platform or "default", kernel.name),)
     if kernel.interpret_elsewhere:
         pairs += (("default", kernel.name),)
@@ -338,7 +335,6 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
     if arrays["alibi_slopes"] is not None:  # (batch|1, heads): heads too
         specs["alibi_slopes"] = P(batch if arrays["alibi_slopes"].shape[0] == b else None, heads)
     layout, sinks = P(batch, None, heads, None), call["sinks"]
-    args = (query, key, value, arrays, sinks)
 
     def local(q, k, v, arrays, sinks):
         shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
@@ -346,14 +342,13 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
         return _dispatch(kernel, names, q, k, v, here)
 
     specs = (layout, layout, layout, specs, None if sinks is None else P(heads))
-    return _blockwise.per_device(local, args, specs, layout, check_vma=False)
+    return _blockwise.per_device(local, (query, key, value, arrays, sinks), specs, layout, check_vma=False)
 
 
 def _resolve(asked: str, name: str, dtype, call, value_dim=False):
-    """What runs where ``implementation=asked`` names ``name``'s kernel: that kernel; for
-    ``"flash"``, ``"blockwise"`` where the kernel cannot express the call; asked for by name, a
-    refusal ``(exception type, message)`` raised where the program is lowered for its platform
-    (or, for splash's terms, now)."""
+    """What runs where ``implementation=asked`` names ``name``'s kernel: that kernel, ``"blockwise"``
+    for ``"flash"`` where it cannot take the call, else a refusal ``(exception type, message)``
+    raised where the program is lowered for its platform (splash's terms: now)."""
     spec = call["spec"]
     refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
                        call["soft_cap"] is not None, call["sinks"] is not None, value_dim,
@@ -375,9 +370,8 @@ def _branch(platform: str, name, call):
     """The function run on ``platform``: ``name``'s kernel, or a refusal when lowered."""
     if isinstance(name, tuple):
         return _unavailable(name[1].replace("{", "{{").replace("}", "}}"), name[0])
-    run = {"blockwise": _run_blockwise, "cudnn": _run_cudnn, "splash": _run_splash}[name]
-    if name == "splash":
-        run = functools.partial(_run_splash, interpret=platform != "tpu")
+    run = {"blockwise": _run_blockwise, "cudnn": _run_cudnn}.get(name)
+    run = run or functools.partial(_run_splash, interpret=platform != "tpu")  # Pallas interpret mode off a TPU
     return lambda q, k, v: run(q, k, v, **call).astype(call["compute"])
 
 
@@ -431,8 +425,6 @@ _unavailable_p = Primitive("mha_kernel_unavailable")
 _unavailable_p.def_abstract_eval(lambda x, **_: x)
 ad.defjvp(_unavailable_p, lambda t, x, **_: t)
 batching.primitive_batchers[_unavailable_p] = lambda args, dims, **kw: (_unavailable_p.bind(*args, **kw), dims[0])
-
-
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
 
 
@@ -441,13 +433,11 @@ def _refuse_lowering(ctx, x, *, message, error):
     raise _ERRORS[error](message.format(platform=platforms[0] if len(platforms) == 1 else platforms))
 
 
-mlir.register_lowering(_unavailable_p, _refuse_lowering)
-
-
 def _refuse_running(x, *, message, error):  # run eagerly (outside jit), on the default backend's devices
     raise _ERRORS[error](message.format(platform=jax.default_backend()))
 
 
+mlir.register_lowering(_unavailable_p, _refuse_lowering)
 _unavailable_p.def_impl(_refuse_running)
 
 
@@ -463,9 +453,8 @@ def _unavailable(message: str, error: type = ValueError):
 
 
 def _check_derivatives(implementation: str, *arrays) -> None:
-    """A custom-VJP kernel has no forward-mode derivative and no derivative of its backward
-    pass; JAX's own message would not name a way out. Seen from the traced inputs, so a
-    derivative taken of an already jitted function still meets JAX's message."""
+    """Refuse, naming ``"xla"``, forward mode or a second derivative (seen on the traced inputs) of
+    a custom-VJP kernel, which has neither."""
     for x in arrays:
         kinds = []
         while isinstance(x, jax.core.Tracer):
@@ -494,10 +483,9 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=No
     return out, weights
 
 
-# With few query rows over many keys (a decoding step), one product of every query row with every
-# head's keys (and of the weights with every head's values) reads the cache in place, where per-head
-# products make XLA:CPU copy it head-major first; each head keeps its own block (kv_heads times the
-# multiplications, cheaper while rows x kv_heads stays small; only rounding differs).
+# With few query rows over many keys (a decoding step), one product over every head's keys (and values) reads
+# the cache in place, where per-head products make XLA:CPU copy it head-major first; each head keeps its own
+# block (kv_heads times the multiplications, cheaper while rows x kv_heads stays small; only rounding differs).
 _ROWS_OVER_HEADS = 1024
 _MANY_KEYS = 128
 
@@ -561,12 +549,8 @@ def _cudnn(query, key, value, spec: masks.Spec, scale):
         mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
         is_causal=native_causal, key_value_seq_lengths=spec.lengths, implementation="cudnn",
     ).astype(jnp.float32)
-    live = jnp.ones(shape, bool)
-    dense = masks.dense(spec)
-    if dense is not None:
-        live = live & dense
-    if spec.bias is not None:
-        live = live & (spec.bias > -jnp.inf)
+    live = [x for x in (masks.dense(spec), None if spec.bias is None else spec.bias > -jnp.inf) if x is not None]
+    live = functools.reduce(jnp.logical_and, live, jnp.ones(shape, bool))
     has_key = live.any(axis=-1).transpose(0, 2, 1)[..., None]  # (b, q, heads, 1)
     return jnp.where(has_key, out, 0.0)
 
@@ -581,9 +565,8 @@ def _grouped(x, kv_heads):
     return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, x.shape[2], x.shape[3])
 
 
-def _masked_softmax(
-    logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None, sinks: jax.Array | None = None
-) -> jax.Array:
+def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """Softmax over the last axis of ``(batch, heads, q_len, kv_len)`` logits that gives 0 (not
     NaN, not uniform) on rows with no allowed key. ``sinks`` ``(heads,)`` joins each row's
     normaliser as one more logit whose weight is not returned."""

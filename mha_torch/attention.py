@@ -142,8 +142,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
             keep = torch.rand(shape, device=query.device) >= dropout_p
         out, weights = _math(q, k, v, masks.dense(spec), masks.biases(spec), keep, keep_scale, scale, soft_cap, sinks)
     else:
-        out = _sdpa(q, k, v, spec, scale, dropout_p, sinks)
-        weights = None
+        out, weights = _sdpa(q, k, v, spec, scale, dropout_p, sinks), None
     out = out.to(dtype)
     if need_weights:
         return out, weights.to(dtype)
@@ -163,11 +162,11 @@ def _no_keys(query, key, value, sinks, shape, need_weights):
 
 
 def _choose(implementation, need_weights, explicit_dropout, soft_cap=False) -> str:
-    if implementation is None:
-        takes = [n for n in _DEFAULT_ORDER if _refusal(_KERNELS[n], need_weights, explicit_dropout, soft_cap) is None]
-        return takes[0]
+    options = (need_weights, explicit_dropout, soft_cap)
+    if implementation is None:  # the first of the default order that takes the call
+        return next(n for n in _DEFAULT_ORDER if _refusal(_KERNELS[n], *options) is None)
     arguments.check_implementation(implementation, IMPLEMENTATIONS)
-    refused = _refusal(_KERNELS[implementation], need_weights, explicit_dropout, soft_cap)
+    refused = _refusal(_KERNELS[implementation], *options)
     if refused is not None:
         raise ValueError(refused)
     return implementation
@@ -249,10 +248,8 @@ def _with_sink_key(q, k, v, attn_mask, sinks):
     return q, k, v, torch.cat([attn_mask, sink], dim=-1)
 
 
-def _masked_softmax(
-    logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last axis of ``(batch, heads, q_len, kv_len)`` logits that gives 0 (not
     NaN, not uniform) on rows with no allowed key. ``sinks`` ``(heads,)`` joins each row's
     normaliser as one more logit whose weight is not returned."""
