@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -291,11 +292,8 @@ class ArrayChecks:
         if self.kind(x) != want:
             raise TypeError(f"{name} must be {_KINDS[want]}, got dtype {self.dtype(x)} with shape {tuple(x.shape)}")
 
-    def require_float(self, name: str, x) -> None:
-        self.require_kind(name, x, "float")
-
-    def require_int(self, name: str, x) -> None:
-        self.require_kind(name, x, "int")
+    require_float = functools.partialmethod(require_kind, want="float")
+    require_int = functools.partialmethod(require_kind, want="int")
 
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
         """The functional core's real floating inputs, laid out ``(batch, len, heads, head_dim)`` or,
