@@ -184,7 +184,8 @@ def default_inputs(query: Any, key: Any, value: Any, names: Sequence[str], array
     return self_attention, query, key, key if value is None else value
 
 
-def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str, layout: str) -> None:
+def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str,
+                         layout: str = "(*batch, length, features)") -> None:
     """A module's input ``(*batch, len, features)`` with the module's ``features``."""
     if len(shape) < 2:
         raise ValueError(f"{name} must have rank 2 or more {layout}, got shape {tuple(shape)}")

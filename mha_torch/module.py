@@ -28,8 +28,6 @@ from mha_torch import latent as mla
 from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, spec_attention
 
-INPUT_LAYOUT = "(*batch, length, features)"
-
 
 class MultiHeadAttention(nn.Module):
     """Multi-head (grouped-query) attention with input and output projections.
@@ -450,6 +448,6 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> No
         ("value", value, vdim, "vdim"),
     ):
         _checks.require_float(name, x)
-        arguments.check_input_features(name, x.shape, features, feat_name, INPUT_LAYOUT)
+        arguments.check_input_features(name, x.shape, features, feat_name)
     arguments.check_inputs_agree(("query", "key", "value"), (query.shape, key.shape, value.shape),
                                  (query.dtype, key.dtype, value.dtype))
