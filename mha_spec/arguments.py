@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -183,7 +184,8 @@ def default_inputs(query: Any, key: Any, value: Any, names: Sequence[str], array
     return self_attention, query, key, key if value is None else value
 
 
-def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str, layout: str) -> None:
+def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str,
+                         layout: str = "(*batch, length, features)") -> None:
     """A module's input ``(*batch, len, features)`` with the module's ``features``."""
     if len(shape) < 2:
         raise ValueError(f"{name} must have rank 2 or more {layout}, got shape {tuple(shape)}")
@@ -291,11 +293,8 @@ class ArrayChecks:
         if self.kind(x) != want:
             raise TypeError(f"{name} must be {_KINDS[want]}, got dtype {self.dtype(x)} with shape {tuple(x.shape)}")
 
-    def require_float(self, name: str, x) -> None:
-        self.require_kind(name, x, "float")
-
-    def require_int(self, name: str, x) -> None:
-        self.require_kind(name, x, "int")
+    require_float = functools.partialmethod(require_kind, want="float")
+    require_int = functools.partialmethod(require_kind, want="int")
 
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
         """The functional core's real floating inputs, laid out ``(batch, len, heads, head_dim)`` or,

@@ -28,8 +28,6 @@ from mha_torch import latent as mla
 from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, spec_attention
 
-INPUT_LAYOUT = "(*batch, length, features)"
-
 
 class MultiHeadAttention(nn.Module):
     """Multi-head (grouped-query) attention with input and output projections.
@@ -125,28 +123,29 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
+        out_bias = bias if out_bias is None else out_bias
         if self.latent is not None:
-            self._make_latent(qk_norm, bias if out_bias is None else out_bias, bias, device, dtype)
-            self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
-            return
+            self._make_latent(qk_norm, out_bias, bias, device, dtype)
+        else:
+            self._make_projections(qk_norm, out_bias, bias, device, dtype)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
 
+    def _make_projections(self, qk_norm: QKNorm | None, out_bias: bool, bias: bool, device, dtype) -> None:
+        """``q_proj``, ``k_proj``, ``v_proj``, the QK-norms (None without) and ``out_proj``."""
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, self.qkv_dim, **factory)
+        self.q_proj = nn.Linear(self.embed_dim, self.qkv_dim, **factory)
         self.k_proj = nn.Linear(self.kdim, kv_dim, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_dim, **factory)
-        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):  # flax's: torch's LayerNorm per head
             norm = {"eps": qk_norm.eps, "bias": False, "device": device, "dtype": dtype}
             self.q_norm = nn.LayerNorm(self.head_dim, **norm)
             self.k_norm = nn.LayerNorm(self.head_dim, **norm)
         elif qk_norm is not None:
-            self.q_norm = _Norm(qk_norm, num_heads, self.head_dim, device=device, dtype=dtype)
+            self.q_norm = _Norm(qk_norm, self.num_heads, self.head_dim, device=device, dtype=dtype)
             self.k_norm = _Norm(qk_norm, self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
-        else:
-            self.q_norm = self.k_norm = None
-        out_factory = dict(factory, bias=bias if out_bias is None else out_bias)
-        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **out_factory)
-        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
+        self.out_proj = nn.Linear(self.qkv_dim, self.out_dim, **dict(factory, bias=out_bias))
 
     def _make_latent(self, qk_norm, out_bias: bool, bias: bool, device, dtype) -> None:
         """The parameters of multi-head latent attention (``mha_torch.latent.make_projections``)."""
@@ -203,17 +202,28 @@ class MultiHeadAttention(nn.Module):
             latent_spec.check_inputs(key, value, "value")
         if cache is not None:
             return self._decode(query, key, value, cache, masking, need_weights)
-        heads, kv_heads = self._local_heads()
-        call = _prepare((query, key, value), masking, heads, (self.embed_dim, self.kdim, self.vdim),
-                       self.out_proj.weight.dtype)
-        query, key, value = call.inputs
-        if self.latent is not None:
-            q, entries = mla.project_query(self, query, query.shape[0], heads), mla.project_latent(self, key)
-            q, k, v = mla.attention_inputs(self, q, entries, call.spec)
+        call, (q, k, v) = self._prepare((query, key, value), masking)
+        if self.latent is not None:  # k: the latent entries
+            q, k, v = mla.attention_inputs(self, q, k, call.spec)
         else:
-            q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
             q, k = rotate_at(self.rotary, q, k, *masks.positions(call.spec))
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
+
+    def _prepare(self, inputs: tuple, masking: dict, max_length: int | None = None):
+        """The checked call, as ``batch_axes.merged_call`` (not decoding, the keys no query may attend to zeroed),
+        and its projections: queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads,
+        kv_len, head_dim)``; with a latent, the latent entries ``(batch, kv_len, cache_dim)`` and None."""
+        heads, kv_heads = self._local_heads()
+        self_attention, query, key, value = arguments.default_inputs(*inputs, ("query", "key", "value"), "tensor")
+        _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
+        _check_parameter_dtype(query, self.out_proj.weight.dtype)
+        parse = functools.partial(masks.parse, device=query.device)
+        call = batch_axes.merged_call((query, key, value), self_attention, masking, torch.broadcast_to, parse,
+                                      masks.zero_unused_inputs, heads, max_length)
+        query, key, value = call.inputs
+        if self.latent is not None:
+            return call, (mla.project_query(self, query, query.shape[0], heads), mla.project_latent(self, key), None)
+        return call, self._project(query, key, value, query.shape[0], heads, kv_heads)
 
     def _slopes(self) -> torch.Tensor | None:
         """The layer's static ALiBi slopes as a tensor ``(num_heads,)`` on the parameters' device (cast
@@ -261,16 +271,12 @@ class MultiHeadAttention(nn.Module):
             out = self._fast_step(query, cache, masking["is_causal"], need_weights)
             if out is not None:
                 return out
-        heads, kv_heads = self._local_heads()
-        call = _prepare((query, key, value), masking, heads, (self.embed_dim, self.kdim, self.vdim),
-                       self.out_proj.weight.dtype, max_length=cache.max_length)
-        query, key, value = call.inputs
-        if self.latent is not None:  # the cache holds one key head, the latent entries
-            flat = _check_cache(cache, call.batch_shape, query.shape[0], key.shape[1], 1, self.latent.cache_dim)
-            q, k, v = mla.project_query(self, query, query.shape[0], heads), mla.project_latent(self, key), None
-        else:
-            flat = _check_cache(cache, call.batch_shape, query.shape[0], key.shape[1], kv_heads, self.head_dim)
-            q, k, v = self._project(query, key, value, query.shape[0], heads, kv_heads)
+        call, (q, k, v) = self._prepare((query, key, value), masking, cache.max_length)
+        # with a latent the cache holds one key head, the latent entries
+        kv_heads, head_dim = (1, self.latent.cache_dim) if self.latent is not None else (k.shape[1], self.head_dim)
+        kv_cache.check_cache(("key", "index"), "make the KVCache with the inputs' batch axes", cache.key.shape,
+                             cache.index.shape, call.batch_shape, kv_heads, head_dim, call.inputs[1].shape[1])
+        flat = cache if len(call.batch_shape) == 1 else cache.merged(q.shape[0])  # batch axes merged as the inputs'
         rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
         q, spec = _decode_step(flat, rotary, q, k, v, call)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
@@ -379,7 +385,6 @@ class _Norm(nn.Module):
     def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, device=None, dtype=None):
         super().__init__()
         self.qk_norm = qk_norm
-        self.heads, self.head_dim = heads, head_dim
         shape = (head_dim,) if qk_norm.shared_scale else (heads * head_dim,)
         init = torch.zeros if qk_norm.offset else torch.ones
         self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
@@ -395,20 +400,10 @@ def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x.mean(dim=dims, keepdim=True)
 
 
-def _check_cache(cache: KVCache, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> KVCache:
-    """The cache checked against the step's inputs, its batch axes merged as the inputs' (a view)."""
-    kv_cache.check_cache(("key", "index"), "make the KVCache with the inputs' batch axes", cache.key.shape,
-                         cache.index.shape, batch_shape, kv_heads, head_dim, n)
-    if len(batch_shape) == 1:
-        return cache
-    return cache.merged(batch)
-
-
 def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
     """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new tokens' positions (default each row's
     index onward) and append ``k``/``v`` ``(batch, kv_heads, n, head_dim)`` to ``cache`` (``v`` None: keys alone,
-    the latent cache's entries): ``(q, spec)``, ``spec``
-    with the positions of the new queries and of the ``max_length`` slots."""
+    the latent cache's entries): ``(q, spec)``, ``spec`` with the positions of the new queries and of the slots."""
     start, max_length = cache.index.clone(), cache.max_length
     pos = _cache.positions(start, k.shape[2], call.query_positions)
     q, k = rotate_at(rotary, q, k, pos, pos)
@@ -436,18 +431,6 @@ def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
         cache.value_storage = None if cache.value_storage is None else cache.value_storage.clone()
 
 
-def _prepare(inputs: tuple, masking: dict, num_heads: int, features: tuple[int, int, int], dtype: torch.dtype, *,
-            max_length: int | None = None) -> batch_axes.Call:
-    """The checked call of the module (``features``: ``embed_dim``, ``kdim``, ``vdim``; ``dtype``: the
-    parameters'), as ``batch_axes.merged_call``; not decoding, the keys no query may attend to zeroed."""
-    self_attention, query, key, value = arguments.default_inputs(*inputs, ("query", "key", "value"), "tensor")
-    _check_inputs(query, key, value, *features)
-    _check_parameter_dtype(query, dtype)
-    parse = functools.partial(masks.parse, device=query.device)
-    return batch_axes.merged_call((query, key, value), self_attention, masking, _expand, parse,
-                                  masks.zero_unused_inputs, num_heads, max_length)
-
-
 def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
     """The inputs in the parameters' ``dtype``, as ``torch.nn.Linear`` needs them; any under autocast."""
     if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
@@ -455,10 +438,6 @@ def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
             f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {dtype}: pass "
             f"{dtype} inputs, or convert the module with .to({query.dtype})"
         )
-
-
-def _expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return x.expand(shape)
 
 
 def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> None:
@@ -469,6 +448,6 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int) -> No
         ("value", value, vdim, "vdim"),
     ):
         _checks.require_float(name, x)
-        arguments.check_input_features(name, x.shape, features, feat_name, INPUT_LAYOUT)
+        arguments.check_input_features(name, x.shape, features, feat_name)
     arguments.check_inputs_agree(("query", "key", "value"), (query.shape, key.shape, value.shape),
                                  (query.dtype, key.dtype, value.dtype))
