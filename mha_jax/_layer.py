@@ -84,7 +84,7 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
 def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
     """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default each
     row's end onward), append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` (``value`` None: a latent
-    cache) to ``cache``: ``(query, key, cache, spec)``, ``spec`` over the new queries and the cache's slots."""
+    cache) to ``cache``: ``(query, cache, spec)``, ``spec`` over the new queries and the cache's slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
@@ -96,7 +96,7 @@ def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
                                    lambda x: np.asarray(x) if _checks.concrete(x) else None)
     written = (_cache.write(cache.key, key, pos), None if value is None else _cache.write(cache.value, value, pos))
     updated = Cache(*written, end, cache.overflow | overflow)
-    return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
+    return query, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
 
 
 def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache | None):

@@ -199,7 +199,7 @@ class MultiHeadDotProductAttention(nn.Module):
         cache = _layer.check_cache(cached_key.value, None if value is None else cached_value.value, index.value,
                                    overflow.value, batch_shape, *key.shape)
         rotary = self.rotary if value is not None else mla.rope_part(self.rotary, self.latent)
-        query, key, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+        query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
         cached_key.value = cache.key.reshape(cached_key.value.shape)
         if value is not None:
             cached_value.value = cache.value.reshape(cached_value.value.shape)

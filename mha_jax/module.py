@@ -277,7 +277,7 @@ class MultiHeadAttention(nnx.Module):
             query, key = self.query_ln(query), self.key_ln(key)
         if decoding:
             rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
-            query, _, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+            query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
             self._write_cache(cache, batch_shape)
             dropout_rng = self._dropout_rng(rngs, deterministic)
         query, key, value = _layer.attention_inputs(self, query, key, value, spec, cache)
