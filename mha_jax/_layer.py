@@ -1,16 +1,12 @@
-"""The steps that the ``flax.nnx`` module (``module.py``) and the ``flax.linen`` one (``linen.py``) share.
-
-Inputs ``(*batch, len, features)`` are checked and their batch axes merged, ``(batch, len, features)``; the
-projected queries ``(batch, q_len, num_heads, head_dim)`` and keys/values ``(batch, kv_len, num_kv_heads,
-head_dim)`` are QK-normed, rotated, cached ``(batch, max_length, num_kv_heads, head_dim)`` and attended.
-"""
+"""The steps that the ``flax.nnx`` module (``module.py``) and the ``flax.linen`` one (``linen.py``) share, on
+inputs whose batch axes are merged: ``(batch, len, features)``, projected ``(batch, len, heads, head_dim)``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import jax
@@ -19,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from mha_jax import _cache, _checks, masks
+from mha_jax import latent as mla
 from mha_jax.attention import spec_attention
 from mha_spec import arguments, batch_axes, kv_cache
 from mha_spec.qk_norm import QKNorm
@@ -85,10 +82,9 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
 
 
 def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
-    """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default
-    each row's end onward) and append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` to ``cache`` (``value``
-    None: keys alone, the latent cache's entries):
-    ``(query, key, cache, spec)``, ``spec`` with the positions of the new queries and of the slots."""
+    """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default each
+    row's end onward), append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` (``value`` None: a latent
+    cache) to ``cache``: ``(query, cache, spec)``, ``spec`` over the new queries and the cache's slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
@@ -100,7 +96,20 @@ def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
                                    lambda x: np.asarray(x) if _checks.concrete(x) else None)
     written = (_cache.write(cache.key, key, pos), None if value is None else _cache.write(cache.value, value, pos))
     updated = Cache(*written, end, cache.overflow | overflow)
-    return query, key, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
+    return query, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
+
+
+def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache | None):
+    """The attended queries, keys and values of the projected ``(batch, len, heads, head_dim)`` ones: while
+    decoding, over ``cache`` (the new ones rotated and cached already; a latent's query absorbed), else rotated
+    at ``spec``'s positions (a latent's keys and values lifted to each head)."""
+    if cache is not None and module.latent is not None:
+        return mla.absorb_query(module, query), *mla.cached_keys(cache.key, module.latent, query.dtype)
+    if cache is not None:
+        return query, cache.key.astype(query.dtype), cache.value.astype(query.dtype)
+    if module.latent is not None:
+        return mla.attention_inputs(module, query, key, spec)
+    return *rotate_at(module.rotary, query, key, *masks.positions(spec)), value
 
 
 def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_rng, dropout_mask,
@@ -109,14 +118,13 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
     """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for the nnx
     and linen modules: ``(out, weights, sown)``, the weights asked for and those to sow (before dropout,
     as flax sows them), each None unless asked for. ``sinks``: the module's ``(num_heads,)`` or None."""
-    rate = module.dropout_rate
-    if module.attention_fn is None and _checks.dtype_kind(query) == "complex":
-        return _attend_complex(module, query, key, value, spec, batch_shape, dropout_rng=dropout_rng,
-                               dropout_mask=dropout_mask, sow_weights=sow_weights, return_weights=return_weights,
-                               sinks=sinks, sequence_axis=sequence_axis, attention_fn_kwargs=attention_fn_kwargs)
-    if module.attention_fn is not None and sequence_axis is not None:
-        raise ValueError("sequence_axis reaches only this package's attention: leave attention_fn None to use it")
-    if module.attention_fn is not None:
+    rate, attention_fn = module.dropout_rate, module.attention_fn
+    if attention_fn is None and _checks.dtype_kind(query) == "complex":
+        attention_fn = _complex_attention_fn(module, sinks, sequence_axis=sequence_axis, dropout_mask=dropout_mask,
+                                             return_weights=return_weights or None)
+    elif attention_fn is not None:
+        if sequence_axis is not None:
+            raise ValueError("sequence_axis reaches only this package's attention: leave attention_fn None to use it")
         if return_weights:
             raise ValueError("return_weights=True needs attention_fn=None; with an attention_fn use sow_weights=True")
         given = list(_logit_terms(module, sinks))
@@ -124,7 +132,8 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
             raise ValueError(
                 f"{', '.join(given)} reach only this package's attention: leave attention_fn None to use them"
             )
-        out = _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights,
+    if attention_fn is not None:
+        out = _call_attention_fn(module, attention_fn, query, key, value, spec, batch_shape, dropout_rng, sow_weights,
                                  attention_fn_kwargs)
         return out, None, None
     if dropout_rng is not None:
@@ -155,26 +164,20 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
     return out, weights, sown
 
 
-def _attend_complex(module, query, key, value, spec, batch_shape, *, dropout_rng, dropout_mask, sow_weights,
-                    return_weights, sinks, sequence_axis, attention_fn_kwargs):
-    """``attend`` of complex inputs, which flax's classes take: flax's own ``dot_product_attention``,
-    called as flax calls it; this package's additions need real inputs."""
+def _complex_attention_fn(module, sinks, **options) -> Callable[..., jax.Array]:
+    """flax's own ``dot_product_attention``, which attends the complex inputs flax's classes take; this
+    package's additions (the module's and ``options``, by name) need real inputs."""
     given = [name for name, value in dict(
-        **_logit_terms(module, sinks), implementation=module.implementation, sequence_axis=sequence_axis,
-        dropout_mask=dropout_mask, return_weights=return_weights or None,
-    ).items() if value is not None]
+        **_logit_terms(module, sinks), implementation=module.implementation, **options).items() if value is not None]
     if given:
         raise ValueError(
             f"complex inputs are attended by flax's dot_product_attention, which takes no {', '.join(given)}: "
             f"pass real floating-point inputs to use {'them' if len(given) > 1 else 'it'}"
         )
     if isinstance(module, nnx.Module):
-        flax_fn = nnx.dot_product_attention
-    else:
-        from flax.linen import dot_product_attention as flax_fn  # linen is imported only where a linen module needs it
-    out = _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights,
-                             attention_fn_kwargs, attention_fn=flax_fn)
-    return out, None, None
+        return nnx.dot_product_attention
+    from flax.linen import dot_product_attention  # linen is imported only where a linen module needs it
+    return dot_product_attention
 
 
 def call_masking(module, call: str, named: Mapping, masking: Mapping) -> dict:
@@ -209,11 +212,9 @@ def _mean(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return x.mean(axis=axes, keepdims=True)
 
 
-def _call_attention_fn(module, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra,
-                       attention_fn=None):
-    """A flax-style ``attention_fn`` (default ``module.attention_fn``) called with flax's arguments on
-    the inputs' batch axes; the spec beyond a native causal flag reaches it as a boolean mask."""
-    attention_fn = module.attention_fn if attention_fn is None else attention_fn
+def _call_attention_fn(module, attention_fn, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):
+    """A flax-style ``attention_fn`` called with ``module``'s flax arguments on the inputs' batch axes; the
+    spec beyond a native causal flag reaches it as a boolean mask."""
     parameters = inspect.signature(attention_fn).parameters
     # is_causal as flax passes it: always from nnx's class, never from linen's (whose function has
     # none: a linen attention_fn taking **kwargs may forward them to it), unless the function names it

@@ -1,10 +1,7 @@
 """``flax.linen`` multi-head attention, a drop-in for ``flax.linen.MultiHeadDotProductAttention``.
 
-The attributes and the call are flax's, with flax's meaning, plus this package's additions
-(``num_kv_heads``, ``implementation``, the structured masks). Its parameter tree is flax's (and so
-our nnx module's): ``query``/``key``/``value``/``out``, each ``kernel`` and ``bias``, and with
-``normalize_qk`` the scales ``query_ln``/``key_ln``; with a ``latent``, the nnx module's latent tree
-(``mha_jax.latent.make_projections``). Given the same parameters it computes exactly what
+The attributes and the call are flax's, with flax's meaning, plus this package's additions. Its parameter tree
+is flax's and the nnx module's, and given the same parameters it computes exactly what
 ``mha_jax.MultiHeadAttention`` computes.
 """
 
@@ -20,13 +17,12 @@ from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 from typing_extensions import Unpack
 
-from mha_jax import _layer, masks
+from mha_jax import _layer
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_spec import alibi, arguments, batch_axes
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
-from mha_spec.rotary import rotate_at
 
 # flax's mask helpers are exported beside the classes, as flax exports them
 __all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks",
@@ -144,14 +140,8 @@ class MultiHeadDotProductAttention(nn.Module):
         else:
             query, key, value = self._project(inputs_q, inputs_k, inputs_v)
         rate = arguments.check_dropout_rate("dropout_rate", self.dropout_rate)
-        if self.decode:
-            query, key, value, spec = self._cached(query, key, value, call, decoding)
-        if parts is not None and decoding:
-            query, (key, value) = mla.absorb_query(parts, query), mla.cached_keys(key, self.latent, query.dtype)
-        elif parts is not None:
-            query, key, value = mla.attention_inputs(parts, query, key, spec)
-        elif not decoding:
-            query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
+        query, cache, spec = self._cached(query, key, value, call, decoding) if self.decode else (query, None, spec)
+        query, key, value = _layer.attention_inputs(self if parts is None else parts, query, key, value, spec, cache)
         dropping = _layer.dropping(rate, deterministic, self.deterministic, call.dropout_mask)
         dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
         out, weights, sown = _layer.attend(
@@ -179,17 +169,9 @@ class MultiHeadDotProductAttention(nn.Module):
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
         head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
-
-        def projection(features, name):
-            return nn.DenseGeneral(
-                features, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                bias_init=self.bias_init, use_bias=self.use_bias, precision=self.precision,
-                dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls, name=name,
-            )
-
-        query = projection((self.num_heads, head_dim), "query")(inputs_q)
-        key = projection((num_kv_heads, head_dim), "key")(inputs_k)
-        value = projection((num_kv_heads, head_dim), "value")(inputs_v)
+        query = _projection(self, (self.num_heads, head_dim), "query")(inputs_q)
+        key = _projection(self, (num_kv_heads, head_dim), "key")(inputs_k)
+        value = _projection(self, (num_kv_heads, head_dim), "value")(inputs_v)
         qk_norm = arguments.check_qk_norm(self.normalize_qk)
         if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
             def layer_norm(name):
@@ -202,9 +184,9 @@ class MultiHeadDotProductAttention(nn.Module):
         return query, key, value
 
     def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
-        """flax's ``'cache'`` collection, made by the first call (which attends as without one); later
-        calls append the rotated keys and values and attend over it: ``(query, key, value, spec)``. ``value``
-        None: a latent module's, ``key`` its entries (cached alone, rotated on their rope part)."""
+        """flax's ``'cache'`` collection, made by the first call (which attends as without one, its cache None);
+        later calls append the rotated keys and values to it: ``(query, cache, spec)``. ``value`` None: a latent
+        module's, ``key`` its entries (cached alone, rotated on their rope part)."""
         batch_shape = call.batch_shape
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
@@ -213,16 +195,16 @@ class MultiHeadDotProductAttention(nn.Module):
         index = self.variable("cache", "cache_index", lambda: jnp.zeros(batch_shape, jnp.int32))
         overflow = self.variable("cache", "cache_overflow", lambda: jnp.zeros(batch_shape, bool))
         if not decoding:
-            return query, key, value, call.spec
+            return query, None, call.spec
         cache = _layer.check_cache(cached_key.value, None if value is None else cached_value.value, index.value,
                                    overflow.value, batch_shape, *key.shape)
         rotary = self.rotary if value is not None else mla.rope_part(self.rotary, self.latent)
-        query, key, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+        query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
         cached_key.value = cache.key.reshape(cached_key.value.shape)
         if value is not None:
             cached_value.value = cache.value.reshape(cached_value.value.shape)
         index.value, overflow.value = cache.end.reshape(batch_shape), cache.overflow.reshape(batch_shape)
-        return query, cache.key.astype(key.dtype), None if value is None else cache.value.astype(value.dtype), spec
+        return query, cache, spec
 
     def _einsums(self) -> dict:
         """linen's extra ``attention_fn`` arguments (quantised einsums, fp32 softmax)."""
@@ -234,6 +216,17 @@ class MultiHeadDotProductAttention(nn.Module):
                 "pass one (flax.linen.dot_product_attention, say) to use them"
             )
         return dict(einsums, force_fp32_for_softmax=self.force_fp32_for_softmax)
+
+
+def _projection(module: MultiHeadDotProductAttention, features, name: str, use_bias: bool | None = None):
+    """An input projection of ``module``'s options, ``(batch, len, in) -> (batch, len, *features)``; ``use_bias``
+    None: the module's."""
+    return nn.DenseGeneral(
+        features, axis=-1, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=module.kernel_init,
+        bias_init=module.bias_init, use_bias=module.use_bias if use_bias is None else use_bias,
+        precision=module.precision, dot_general=module.qkv_dot_general, dot_general_cls=module.qkv_dot_general_cls,
+        name=name,
+    )
 
 
 def _inputs_kv(inputs_k: jax.Array | None, inputs_v: jax.Array | None, inputs_kv: jax.Array) -> jax.Array:
@@ -281,28 +274,19 @@ class _LatentParts:
     def __init__(self, module: MultiHeadDotProductAttention):
         latent = module.latent
         self.latent, self.rotary, self.precision = latent, module.rotary, module.precision
-        self._module = module
-
-        def projection(features, name, use_bias=module.use_bias):
-            return nn.DenseGeneral(
-                features, axis=-1, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=module.kernel_init,
-                bias_init=module.bias_init, use_bias=use_bias, precision=module.precision,
-                dot_general=module.qkv_dot_general, dot_general_cls=module.qkv_dot_general_cls, name=name,
-            )
-
         queries = (module.num_heads, latent.qk_head_dim)
         if latent.q_lora_rank is None:
-            self.query = projection(queries, "query", use_bias=False)
+            self.query = _projection(module, queries, "query", use_bias=False)
         else:
-            self.q_a_proj = projection(latent.q_lora_rank, "q_a_proj")
+            self.q_a_proj = _projection(module, latent.q_lora_rank, "q_a_proj")
             self.q_a_layernorm = _LinenRMSNorm(latent, module.param_dtype, name="q_a_layernorm")
-            self.q_b_proj = projection(queries, "q_b_proj", use_bias=False)
-        self.kv_a_proj_with_mqa = projection(latent.cache_dim, "kv_a_proj_with_mqa")
+            self.q_b_proj = _projection(module, queries, "q_b_proj", use_bias=False)
+        self.kv_a_proj_with_mqa = _projection(module, latent.cache_dim, "kv_a_proj_with_mqa")
         self.kv_a_layernorm = _LinenRMSNorm(latent, module.param_dtype, name="kv_a_layernorm")
         # the decoding step reads kv_b_proj's kernel without calling it: from the parameters (None before init)
         kernel = module.variables.get("params", {}).get("kv_b_proj", {}).get("kernel")
-        self.kv_b_proj = _WithKernel(projection((module.num_heads, latent.kv_b_features), "kv_b_proj", use_bias=False),
-                                     kernel)
+        kv_b_proj = _projection(module, (module.num_heads, latent.kv_b_features), "kv_b_proj", use_bias=False)
+        self.kv_b_proj = _WithKernel(kv_b_proj, kernel)
 
 
 class _WithKernel:

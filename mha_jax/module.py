@@ -1,13 +1,10 @@
 """``flax.nnx`` multi-head attention, a drop-in for ``flax.nnx.MultiHeadAttention``.
 
-Twin of ``mha_torch/module.py``. The constructor and the call take what flax's class takes, in
-flax's order, with flax's meaning; the parameter tree is flax's: ``query``/``key``/``value`` with
-``kernel (in, heads, head_dim)`` and ``bias (heads, head_dim)``, ``out`` with
-``kernel (heads, head_dim, out)`` and ``bias (out,)``, and with ``normalize_qk`` the LayerNorm
-scales ``query_ln``/``key_ln``. Built from the same ``nnx.Rngs`` it holds flax's parameters. With a
-``latent`` (multi-head latent attention) the tree is ``query`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
-``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``out`` (``kernel (heads, v_head_dim, out)``):
-see ``mha_jax.latent.make_projections``.
+Twin of ``mha_torch/module.py``. The constructor and the call take what flax's class takes, in flax's order,
+with flax's meaning; the parameter tree is flax's (from the same ``nnx.Rngs``, flax's values): ``query``/``key``/
+``value`` with ``kernel (in, heads, head_dim)`` and ``bias (heads, head_dim)``, ``out`` with ``kernel (heads,
+head_dim, out)`` and ``bias (out,)``, with ``normalize_qk`` the scales ``query_ln``/``key_ln``; with a ``latent``,
+``mha_jax.latent.make_projections``'s tree.
 """
 
 from __future__ import annotations
@@ -22,13 +19,12 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from typing_extensions import Unpack
 
-from mha_jax import _layer, masks
+from mha_jax import _layer
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_spec import alibi, arguments, batch_axes
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
-from mha_spec.rotary import rotate_at
 
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
@@ -270,7 +266,7 @@ class MultiHeadAttention(nnx.Module):
         if decoding:
             cache = self._read_cache(batch_shape, inputs_q.shape[0], inputs_k.shape[1])
         else:
-            dropout_rng = self._dropout_rng(rngs, deterministic, call.dropout_mask)
+            cache, dropout_rng = None, self._dropout_rng(rngs, deterministic, call.dropout_mask)
         if self.latent is not None:
             query, key, value = mla.project_query(self, inputs_q), mla.project_latent(self, inputs_k), None
         else:
@@ -281,18 +277,10 @@ class MultiHeadAttention(nnx.Module):
             query, key = self.query_ln(query), self.key_ln(key)
         if decoding:
             rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
-            query, _, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+            query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
             self._write_cache(cache, batch_shape)
             dropout_rng = self._dropout_rng(rngs, deterministic)
-            if self.latent is not None:
-                query, (key, value) = mla.absorb_query(self, query), mla.cached_keys(cache.key, self.latent,
-                                                                                             query.dtype)
-            else:
-                key, value = cache.key.astype(query.dtype), cache.value.astype(query.dtype)
-        elif self.latent is not None:
-            query, key, value = mla.attention_inputs(self, query, key, spec)
-        else:
-            query, key = rotate_at(self.rotary, query, key, *masks.positions(spec))
+        query, key, value = _layer.attention_inputs(self, query, key, value, spec, cache)
         out, weights, sown = _layer.attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=call.dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, zero_unused=not decoding,
@@ -344,14 +332,11 @@ class MultiHeadAttention(nnx.Module):
         )
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> None:
-        """A key/value cache for ``decode=True``, as flax's: ``input_shape`` is
-        ``(*batch, max_length, features)``; ``cached_key``/``cached_value`` are
-        ``(*batch, max_length, num_kv_heads, head_dim)`` (key/value heads only), ``cache_index``
-        holds each row's next position ``(*batch,)`` (flax: one for all rows, ``()``), and
-        ``cache_overflow`` ``(*batch,)`` turns True when a step inside ``jit`` overwrote a position
-        a query could still see (outside ``jit`` that step raises instead). A cache flax's class
-        made, given by ``nnx.update`` (a scalar ``cache_index``, no flag), is taken as every row
-        at that position; the next step leaves one index per row and the flag."""
+        """A key/value cache for ``decode=True``, as flax's: ``input_shape`` is ``(*batch, max_length, features)``;
+        ``cached_key``/``cached_value`` ``(*batch, max_length, num_kv_heads, head_dim)``, ``cache_index`` each row's
+        next position ``(*batch,)``, ``cache_overflow`` ``(*batch,)`` True once a step inside ``jit`` overwrote a
+        position a query could still see (outside ``jit`` that step raises). A cache of flax's class (one scalar
+        ``cache_index``, no flag, given by ``nnx.update``) is every row at that position until the next step."""
         input_shape = tuple(input_shape)
         if len(input_shape) < 2 or not all(isinstance(n, int) and n >= 0 for n in input_shape) or input_shape[-2] < 1:
             raise ValueError(
@@ -386,18 +371,17 @@ def _qk_norms(qk_norm: QKNorm | None, heads: tuple[int, int], head_dim: int, dty
               metadata: tuple[Mapping[str, Any], Mapping[str, Any]], rngs: nnx.Rngs) -> tuple:
     """``(query_ln, key_ln)`` for ``heads`` (query, key/value) of ``head_dim``: flax's LayerNorm, else
     ``_Norm``, else none; the query's first, as in flax (the same Rngs give the same parameters)."""
-    if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
-        def layer_norm(scale_metadata):
-            return nnx.LayerNorm(
-                head_dim, use_bias=False, epsilon=qk_norm.eps, dtype=dtype, param_dtype=param_dtype,
-                promote_dtype=promote_dtype, rngs=rngs, scale_metadata=scale_metadata,
-            )
-        query_ln = layer_norm(metadata[0])
-        return query_ln, layer_norm(metadata[1])
-    if qk_norm is not None:
-        query_ln = _Norm(qk_norm, heads[0], head_dim, param_dtype, metadata[0], rngs)
-        return query_ln, _Norm(qk_norm, heads[1], head_dim, param_dtype, metadata[1], rngs)
-    return nnx.data(None), nnx.data(None)
+    if qk_norm is None:
+        return nnx.data(None), nnx.data(None)
+
+    def norm(n_heads: int, scale_metadata: Mapping[str, Any]) -> nnx.Module:
+        if qk_norm == QKNorm(eps=qk_norm.eps):
+            return nnx.LayerNorm(head_dim, use_bias=False, epsilon=qk_norm.eps, dtype=dtype, param_dtype=param_dtype,
+                                 promote_dtype=promote_dtype, rngs=rngs, scale_metadata=scale_metadata)
+        return _Norm(qk_norm, n_heads, head_dim, param_dtype, scale_metadata, rngs)
+
+    query_ln = norm(heads[0], metadata[0])
+    return query_ln, norm(heads[1], metadata[1])
 
 
 class _Norm(nnx.Module):
