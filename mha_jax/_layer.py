@@ -21,8 +21,6 @@ from mha_spec import arguments, batch_axes, kv_cache
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
 
-INPUT_LAYOUT = "(*batch, length, features)"
-
 
 @dataclasses.dataclass(frozen=True)
 class Cache:
@@ -50,7 +48,7 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
         _checks.require_array(name, x)
         if _checks.dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
             _checks.require_float(name, x)
-        arguments.check_input_features(name, x.shape, features, feat_name, INPUT_LAYOUT)
+        arguments.check_input_features(name, x.shape, features, feat_name)
     arguments.check_inputs_agree(("inputs_q", "inputs_k", "inputs_v"), (inputs_q.shape, inputs_k.shape, inputs_v.shape),
                                  (inputs_q.dtype, inputs_k.dtype, inputs_v.dtype))
     return self_attention, inputs_q, inputs_k, inputs_v

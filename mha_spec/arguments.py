@@ -184,11 +184,10 @@ def default_inputs(query: Any, key: Any, value: Any, names: Sequence[str], array
     return self_attention, query, key, key if value is None else value
 
 
-def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str,
-                         layout: str = "(*batch, length, features)") -> None:
+def check_input_features(name: str, shape: Sequence[int], features: int, features_name: str) -> None:
     """A module's input ``(*batch, len, features)`` with the module's ``features``."""
     if len(shape) < 2:
-        raise ValueError(f"{name} must have rank 2 or more {layout}, got shape {tuple(shape)}")
+        raise ValueError(f"{name} must have rank 2 or more (*batch, length, features), got shape {tuple(shape)}")
     if shape[-1] != features:
         raise ValueError(
             f"{name} has {shape[-1]} features (shape {tuple(shape)}), but the module's {features_name} is {features}"
