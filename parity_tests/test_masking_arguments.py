@@ -72,3 +72,26 @@ def test_masking_picks_the_named_arguments_only():
     picked = batch_axes.call_masking((2, 0), 8, dict(given, local_window_size=None))
     assert picked["local_window_size"] == (2, 0) and picked["attention_chunk_size"] == 8
     assert batch_axes.call_masking((2, 0), None, dict(given, local_window_size=3))["local_window_size"] == 3
+
+
+def test_a_module_call_passes_its_masking_keywords_on():
+    """A position keyword given to each module call reaches the attention: ``key_value_seq_lengths`` of 2
+    (and a window of (1, 0)) give what the same call gives with the equivalent boolean ``mask``."""
+    x = np.random.default_rng(0).standard_normal((1, 4, 8)).astype(np.float32)
+    pos = np.arange(4)
+    allowed = (pos[None, :] < 2) & (pos[:, None] - pos[None, :] <= 1) & (pos[:, None] >= pos[None, :])
+    masking = dict(key_value_seq_lengths=np.array([2]), local_window_size=(1, 0), is_causal=True)
+    nnx_module = mha_jax.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0))
+    torch_module = mha_torch.MultiHeadAttention(8, 2)
+    linen = mha_jax.linen.MultiHeadDotProductAttention(num_heads=2)
+    params = linen.init(jax.random.key(0), x)
+    pairs = {
+        "nnx": (nnx_module(x, **masking), nnx_module(x, mask=allowed)),
+        "linen": (linen.apply(params, x, **masking), linen.apply(params, x, mask=allowed)),
+        "torch": tuple(module_out.detach().numpy() for module_out in (
+            torch_module(torch.from_numpy(x), is_causal=True, local_window_size=(1, 0),
+                         key_value_seq_lengths=torch.tensor([2])),
+            torch_module(torch.from_numpy(x), mask=torch.from_numpy(allowed)))),
+    }
+    for name, (by_keywords, by_mask) in pairs.items():
+        assert np.abs(np.asarray(by_keywords) - np.asarray(by_mask)).max() <= 1e-6, name
