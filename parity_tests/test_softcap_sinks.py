@@ -280,3 +280,18 @@ def test_no_key_at_all_gives_zeros_and_a_zero_sink_gradient():
                                           sinks=sinks)
     out.sum().backward()
     assert out.dtype == torch.float32 and not out.any() and torch.equal(sinks.grad, torch.zeros(H))
+
+
+def test_sinks_over_no_keys_give_zeros_and_a_zero_gradient():
+    """kv_len 0 with sinks: an output of zeros in both twins, and the sinks stay in the graph: a
+    gradient of zeros (in PyTorch a tensor, not None)."""
+    q, kv = np.ones((1, 3, H, D)), np.ones((1, 0, HK, D))
+    sinks = np.linspace(-1.0, 1.0, H)
+    out, grad = jax.value_and_grad(lambda s: mha_jax.dot_product_attention(
+        jnp.asarray(q), jnp.asarray(kv), jnp.asarray(kv), sinks=s).sum())(jnp.asarray(sinks))
+    assert float(out) == 0.0 and not np.asarray(grad).any()
+    t_sinks = torch.tensor(sinks, requires_grad=True)
+    t_q, t_kv = torch.from_numpy(q).transpose(1, 2), torch.from_numpy(kv).transpose(1, 2)
+    t_out = mha_torch.dot_product_attention(t_q, t_kv, t_kv, sinks=t_sinks)
+    t_out.sum().backward()
+    assert not t_out.detach().numpy().any() and t_sinks.grad is not None and not t_sinks.grad.any()
