@@ -46,7 +46,7 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
         ("inputs_v", inputs_v, in_kv_features, "in_kv_features"),
     ):
         _checks.require_array(name, x)
-        if _checks.dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _attend_complex
+        if _checks.dtype_kind(x) != "complex":  # complex ones as flax's classes take them: see _complex_attention_fn
             _checks.require_float(name, x)
         arguments.check_input_features(name, x.shape, features, feat_name)
     arguments.check_inputs_agree(("inputs_q", "inputs_k", "inputs_v"), (inputs_q.shape, inputs_k.shape, inputs_v.shape),
