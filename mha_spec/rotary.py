@@ -1,12 +1,8 @@
-"""Rotary position embeddings: their parameters and checks, how a transformers ``config.json``
-names them, and the frequencies both twins' ``RotaryEmbedding`` compute over their own arrays
-(``FrequencyOps``, rounding as torch does), operation for operation as
-``transformers.modeling_rope_utils`` (5.x) in float32.
+"""Rotary position embeddings: parameters and checks, how a ``config.json`` names them, and the frequencies
+both twins compute (``FrequencyOps``) as ``transformers.modeling_rope_utils`` (5.x) does in float32.
 
-``dynamic`` and ``longrope`` read the sequence length, ``max(positions) + 1`` over the batch
-(transformers' ``dynamic_rope_update``). transformers' ``dynamic`` module keeps the frequencies of
-the longest sequence seen, the twins read each call's own positions: the two agree while the
-call's length is the longest so far (a whole sequence, or decoding steps whose positions grow).
+``dynamic`` and ``longrope`` read each call's length ``max(positions) + 1``; transformers' ``dynamic`` keeps the
+longest seen, so the two agree while the call's length is the longest so far.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ _NULLABLE_FACTOR = {"yarn", "longrope"}
 
 
 class Scaling(Mapping):
-    """A rope scaling as an immutable, hashable mapping: ``rope_type`` and the keys transformers
-    reads for it (lists of factors as tuples), so that a rotary embedding can be a static argument."""
+    """A rope scaling as an immutable, hashable mapping (``rope_type`` and its keys, lists as tuples)."""
 
     __slots__ = ("_items",)
 
@@ -154,15 +149,13 @@ def _check_derivable(rope_type: str, items: Mapping[str, Any], rotary_dim: int, 
 
 
 def scaling_factor(scaling: Scaling, max_pos: int | None) -> float:
-    """``factor``, or where yarn and longrope leave it out, max_position_embeddings /
-    original_max_position_embeddings (``_compute_yarn_parameters``, ``_compute_longrope_parameters``)."""
+    """``factor``, or (yarn, longrope) max_position_embeddings / original_max_position_embeddings."""
     factor = scaling.get("factor")
     return max_pos / scaling["original_max_position_embeddings"] if factor is None else factor
 
 
 def attention_factor(scaling: Scaling | None, max_pos: int | None) -> float:
-    """The factor transformers multiplies cos and sin by: 1 except for yarn and longrope, where
-    an explicit ``attention_factor`` wins over the paper's formula."""
+    """The factor cos and sin are multiplied by: 1 but for yarn and longrope (``attention_factor`` or the formula)."""
     if scaling is None or scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -184,9 +177,8 @@ def yarn_mscale(scale: float, mscale: float = 1) -> float:
 
 @dataclass(frozen=True)
 class RotaryParameters:
-    """A rotary position embedding's checked parameters and arithmetic, the base of each twin's
-    ``RotaryEmbedding`` (which sets ``array_ops``). Immutable and hashable; ``scaling`` is kept as a
-    ``Scaling``, ``rotary_dim`` None as ``head_dim``."""
+    """A rotary embedding's checked parameters and arithmetic, the base of each twin's ``RotaryEmbedding``
+    (which sets ``array_ops``); ``scaling`` kept as a ``Scaling``, ``rotary_dim`` None as ``head_dim``."""
 
     head_dim: int
     _: KW_ONLY
@@ -204,9 +196,8 @@ class RotaryParameters:
             raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
         if not _is_int(rotary_dim) or not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
-            raise ValueError(
-                f"rotary_dim must be an even integer in [2, head_dim] = [2, {head_dim}], got {rotary_dim!r}"
-            )
+            raise ValueError(f"rotary_dim must be an even integer in [2, head_dim] = [2, {head_dim}], "
+                             f"got {rotary_dim!r}")
         if not _is_real(theta) or not math.isfinite(theta) or theta <= 0:
             raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
         if not isinstance(self.interleaved, (bool, np.bool_)):
@@ -221,8 +212,7 @@ class RotaryParameters:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], head_dim: int | None = None):
-        """The rotary embedding a transformers ``config.json`` dict describes, or None if it names
-        none; ``head_dim`` overrides the config's. See ``rope_from_config`` for what is read."""
+        """The rotary embedding a ``config.json`` dict describes (``rope_from_config``), or None."""
         arguments = rope_from_config(config, head_dim)
         return None if arguments is None else cls(**arguments)
 
@@ -232,13 +222,11 @@ class RotaryParameters:
 
     @property
     def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (yarn, longrope; 1 otherwise), as transformers'
-        ``attention_scaling``; it does not depend on the sequence length."""
+        """What cos and sin are multiplied by (transformers' ``attention_scaling``)."""
         return attention_factor(self.scaling, self.max_position_embeddings)
 
     def seq_len_threshold(self) -> int | None:
-        """The sequence length past which the frequencies change (dynamic: max_position_embeddings;
-        longrope: original_max_position_embeddings); None where they never do."""
+        """The sequence length past which the frequencies change (dynamic, longrope); None where they never do."""
         if self.rope_type == "dynamic":
             return self.max_position_embeddings
         if self.rope_type == "longrope":
@@ -247,15 +235,12 @@ class RotaryParameters:
 
     @property
     def inv_freq(self) -> Any:
-        """float32 ``(rotary_dim // 2,)``: the frequencies before any sequence length is seen,
-        which a transformers rotary module holds after construction."""
+        """float32 ``(rotary_dim // 2,)``: the frequencies before any sequence length is seen."""
         return self.frequencies()
 
     def frequencies(self, seq_len: Any = None) -> Any:
-        """float32 ``(rotary_dim // 2,)``: the frequencies for sequences of length ``seq_len``
-        (an integer, or a scalar integer array, traced or not), as transformers' forward pass
-        computes them after ``dynamic_rope_update``: they differ from ``inv_freq`` only for
-        ``dynamic`` and ``longrope`` past their threshold length."""
+        """float32 ``(rotary_dim // 2,)``: the frequencies for length ``seq_len`` (an integer or 0-d integer
+        array) after ``dynamic_rope_update``; they differ from ``inv_freq`` only past the threshold."""
         ops = self.array_ops
         initial = ops.constant(lambda: _INIT_INV_FREQ[self.rope_type](self, ops))
         threshold = self.seq_len_threshold()
@@ -266,13 +251,11 @@ class RotaryParameters:
             longer = _dynamic_inv_freq(self, seq_len, ops)
         else:
             longer = ops.constant(lambda: _longrope_inv_freq(self, ops, "long_factor"))
-        # transformers: recompute once max(position_ids) + 1 passes the threshold.
         return ops.where(seq_len > threshold, ops.on(longer, seq_len), ops.on(initial, seq_len))
 
     def cos_sin(self, positions: Any, dtype: Any) -> tuple[Any, Any]:
-        """cos and sin ``(*batch, len, rotary_dim // 2)`` of integer ``positions`` ``(*batch, len)``
-        in ``dtype``, times the attention factor, as ``LlamaRotaryEmbedding.forward`` (which repeats
-        them to ``rotary_dim``)."""
+        """cos and sin ``(*batch, len, rotary_dim // 2)`` of integer ``positions`` ``(*batch, len)`` in ``dtype``,
+        times the attention factor."""
         ops = self.array_ops
         seq_len = positions.max() + 1 if self.seq_len_threshold() is not None else None
         frequencies = ops.on(self.frequencies(seq_len), positions)
@@ -280,10 +263,8 @@ class RotaryParameters:
         return ops.cos(angles) * self.attention_factor, ops.sin(angles) * self.attention_factor
 
     def rotate(self, x: Any, cos: Any, sin: Any) -> Any:
-        """``x * cos + rotate(x) * sin`` on the first ``rotary_dim`` features of ``x``, in ``cos``'s
-        dtype, the rest unchanged; ``cos``, ``sin`` broadcast to ``x[..., :rotary_dim // 2]``. The
-        pairs rotated are ``(2i, 2i + 1)`` (GPT-J's rotate_every_two) when ``interleaved``, else
-        ``(i, i + rotary_dim / 2)`` (Llama's rotate_half)."""
+        """``x * cos + rotate(x) * sin`` on the first ``rotary_dim`` features of ``x`` (in ``cos``'s dtype);
+        pairs ``(2i, 2i + 1)`` when ``interleaved``, else ``(i, i + rotary_dim / 2)``."""
         ops, dim, half = self.array_ops, self.rotary_dim, self.rotary_dim // 2
         rot = ops.cast(x[..., :dim], cos.dtype)
         x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if self.interleaved else (rot[..., :half], rot[..., half:])
@@ -296,13 +277,11 @@ class RotaryParameters:
 _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base",
                      "partial_rotary_factor")
 # Rotary fractions that models' config classes set when config.json leaves them out.
-# GPTNeoXConfig (rotary_pct), PhiConfig, StableLmConfig
 _DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
 
 
 def _interleaved(model_type: Any) -> bool:
-    """Whether the family rotates pairs ``(2i, 2i + 1)``: its record's ``rope_interleaved`` in
-    ``mha_spec.families`` (GPT-J's ``rotate_every_two``, tables repeated in place)."""
+    """Whether the family's record (``mha_spec.families``) says it rotates pairs ``(2i, 2i + 1)``."""
     from mha_spec.families import FAMILIES  # the records; imported when a config is read, not with the array code
 
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
@@ -310,48 +289,35 @@ def _interleaved(model_type: Any) -> bool:
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
-    """``RotaryEmbedding``'s arguments from a transformers ``config.json`` dict (not modified), or
-    None when it has none of ``_ROPE_CONFIG_KEYS``; read as transformers'
-    ``RotaryEmbeddingConfigMixin`` and the model config classes read them:
+    """``RotaryEmbedding``'s arguments from a ``config.json`` dict (not modified), or None when it has none of
+    ``_ROPE_CONFIG_KEYS``; read as transformers' ``RotaryEmbeddingConfigMixin`` reads them:
 
     - ``scaling``: ``rope_scaling`` (older) or ``rope_parameters``, ``rope_type`` (or ``type``) standardised;
     - theta: ``rope_parameters['rope_theta']``, ``rope_theta``, ``rotary_emb_base`` (GPT-NeoX), 10000;
     - head_dim: the argument, else ``_config_head_dim``;
-    - rotary_dim: ``rotary_dim`` (GPT-J), else ``int(head_dim * fraction)``, the fraction from
-      ``partial_rotary_factor``, ``rotary_pct`` (GPT-NeoX), the model's default or 1;
-    - max_position_embeddings (GPT-J: ``n_positions``), and ``_config_scaling``'s original one;
-    - interleaved for the families whose record says so (``_interleaved``)."""
+    - rotary_dim: ``rotary_dim``, else ``int(head_dim * fraction)`` (``partial_rotary_factor``, ``rotary_pct``,
+      the model's default or 1);
+    - max_position_embeddings (GPT-J: ``n_positions``); interleaved where the family's record says so."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
     if not any(key in config for key in _ROPE_CONFIG_KEYS):
         return None
     model_type = config.get("model_type")
-    # transformers: ``rope_scaling or rope_parameters``, the older name first.
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     nested = [k for k, v in params.items() if isinstance(v, Mapping)]
     if nested:
-        raise ValueError(
-            f"config's rope parameters are given per layer type ({', '.join(map(repr, nested))}); "
-            "build one RotaryEmbedding per type, from a config whose 'rope_parameters' is that entry"
-        )
+        raise ValueError(f"config's rope parameters are given per layer type ({', '.join(map(repr, nested))}); "
+                         "build one RotaryEmbedding per type, from a config whose 'rope_parameters' is that entry")
     theta = _first(params.get("rope_theta"), config.get("rope_theta"), config.get("rotary_emb_base"), 10000.0)
-    fraction = _first(
-        params.get("partial_rotary_factor"), config.get("partial_rotary_factor"), config.get("rotary_pct"),
-        _DEFAULT_ROTARY_FRACTION.get(model_type), 1.0,
-    )
+    fraction = _first(params.get("partial_rotary_factor"), config.get("partial_rotary_factor"),
+                      config.get("rotary_pct"), _DEFAULT_ROTARY_FRACTION.get(model_type), 1.0)
     head_dim = _config_head_dim(config) if head_dim is None else head_dim
     if not _is_int(head_dim) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     rotary_dim = config.get("rotary_dim") or int(head_dim * fraction)
     max_pos = _first(config.get("max_position_embeddings"), config.get("n_positions"))
-    return {
-        "head_dim": head_dim,
-        "rotary_dim": rotary_dim,
-        "theta": theta,
-        "interleaved": _interleaved(model_type),
-        "scaling": _config_scaling(params, config, max_pos),
-        "max_position_embeddings": max_pos,
-    }
+    return dict(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta, interleaved=_interleaved(model_type),
+                scaling=_config_scaling(params, config, max_pos), max_position_embeddings=max_pos)
 
 
 def _first(*values: Any) -> Any:
@@ -365,15 +331,13 @@ def _config_head_dim(config: Mapping[str, Any]) -> int:
     hidden = _first(config.get("hidden_size"), config.get("n_embd"))
     heads = _first(config.get("num_attention_heads"), config.get("n_head"))
     if not (_is_int(hidden) and _is_int(heads) and heads > 0):
-        raise ValueError(
-            "config names neither head_dim nor hidden_size and num_attention_heads; pass head_dim= to from_config"
-        )
+        raise ValueError("config names neither head_dim nor hidden_size and num_attention_heads; "
+                         "pass head_dim= to from_config")
     return hidden // heads
 
 
 def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: int | None) -> dict[str, Any] | None:
-    """The scaling keys of a config's rope parameters, ``rope_type`` standardised; for llama3, yarn and
-    longrope ``original_max_position_embeddings``: a top-level one (Phi-3), the parameters', else ``max_pos``."""
+    """The scaling of a config's rope parameters, ``rope_type`` and ``original_max_position_embeddings`` filled."""
     rope_type = params.pop("rope_type", params.pop("type", "default"))  # pops "type" either way
     params.pop("rope_theta", None)
     params.pop("partial_rotary_factor", None)
@@ -390,9 +354,8 @@ def _config_scaling(params: dict[str, Any], config: Mapping[str, Any], max_pos: 
 
 
 def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_positions: Any) -> tuple[Any, Any]:
-    """Queries and keys (in a twin's layout) rotated by ``rotary`` (a twin's ``RotaryEmbedding``;
-    nothing without one) at their positions ``(batch|1, len)``; one row of positions serves every
-    batch row."""
+    """Queries and keys rotated by ``rotary`` (or None) at positions ``(batch|1, len)``; one row serves every batch
+    row."""
     if rotary is None:
         return query, key
 
@@ -402,18 +365,13 @@ def rotate_at(rotary: Any, query: Any, key: Any, query_positions: Any, key_posit
     return rotary(query, rows(query_positions, query.shape[0])), rotary(key, rows(key_positions, key.shape[0]))
 
 
-# --- the frequencies, one function per rope_type, as transformers.modeling_rope_utils -------
-
-
 @dataclass(frozen=True)
 class FrequencyOps:
-    """A twin's operations on arrays. In float32, each rounding as torch's operation that
-    transformers uses: ``rdiv(a, x)`` a number over an array, ``div(x, a)`` an array over a number,
-    ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)`` ``arange(0, dim, 2) / dim``
-    (on ``like``'s device, if given), ``arange(n)``, ``array(values)``, ``where``, ``clip(x, lo, hi)``,
-    ``at_least(n, m)`` the integer ``max(n, m)`` as float32. Then ``constant(f)``: ``f()`` as a
-    constant (under ``jax.jit`` too), ``asarray``, ``on(x, like)``: ``x`` on ``like``'s device,
-    ``cast(x, dtype)``, ``cos``, ``sin``, ``stack``/``concat`` of a list along the last axis."""
+    """A twin's array operations, in float32 rounding as torch's: ``rdiv(a, x)`` a number over an array,
+    ``div(x, a)`` an array over a number, ``pow(x, p)`` a 0-d array to a float power, ``exponents(dim, like)``
+    ``arange(0, dim, 2) / dim`` (on ``like``'s device if given), ``arange(n)``, ``array(values)``, ``where``,
+    ``clip``, ``at_least(n, m)`` the integer ``max(n, m)`` as float32; ``constant(f)``: ``f()`` as a constant
+    (under ``jax.jit`` too), ``asarray``, ``on(x, like)``, ``cast``, ``cos``, ``sin``, ``stack``/``concat``."""
 
     rdiv: Callable
     div: Callable
@@ -445,16 +403,14 @@ def _linear_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
 
 
 def _dynamic_init_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
-    """``_compute_dynamic_ntk_parameters`` at construction: the base in Python floats at
-    ``seq_len = max_position_embeddings``."""
+    """``_compute_dynamic_ntk_parameters`` at construction (Python floats, ``seq_len = max_position_embeddings``)."""
     factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
     theta = rope.theta * ((factor * max_pos / max_pos) - (factor - 1)) ** (dim / (dim - 2))
     return _default_inv_freq(ops, theta, dim)
 
 
 def _dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -> Any:
-    """``_compute_dynamic_ntk_parameters`` as ``dynamic_rope_update`` calls it, with ``seq_len`` a
-    0-d integer array: the grown base in float32, the frequencies where ``seq_len`` is."""
+    """``_compute_dynamic_ntk_parameters`` for a 0-d integer ``seq_len``: the grown base in float32."""
     factor, max_pos, dim = rope.scaling["factor"], rope.max_position_embeddings, rope.rotary_dim
     seq_len = ops.at_least(seq_len, max_pos)
     theta = rope.theta * ops.pow(((factor * seq_len / max_pos) - (factor - 1)), dim / (dim - 2))
@@ -462,9 +418,7 @@ def _dynamic_inv_freq(rope: RotaryParameters, seq_len: Any, ops: FrequencyOps) -
 
 
 def _yarn_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
-    """``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ramp,
-    extrapolated (unchanged) above it, blended linearly along it; the ramp's bounds in Python floats
-    as ``find_correction_range``, ``high`` nudged by 0.001 where they meet (``linear_ramp_factor``)."""
+    """``_compute_yarn_parameters``: divided by ``factor`` below the ramp, unchanged above, blended along it."""
     scaling, dim = rope.scaling, rope.rotary_dim
     factor = scaling_factor(scaling, rope.max_position_embeddings)
     pos_freqs = rope.theta ** ops.exponents(dim, None)
@@ -486,15 +440,13 @@ def _yarn_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
 
 
 def _longrope_inv_freq(rope: RotaryParameters, ops: FrequencyOps, which: str = "short_factor") -> Any:
-    """``_compute_longrope_parameters``: each frequency divided by its own factor, ``short_factor``
-    up to ``original_max_position_embeddings``, ``long_factor`` past it."""
+    """``_compute_longrope_parameters``: each frequency divided by its own factor of ``which``."""
     ext_factors = ops.array(rope.scaling[which])
     return ops.rdiv(1.0, ext_factors * rope.theta ** ops.exponents(rope.rotary_dim, None))
 
 
 def _llama3_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
-    """``_compute_llama3_parameters``: wavelengths beyond ``omax / low_freq_factor`` divided by
-    ``factor``, below ``omax / high_freq_factor`` kept, between them smoothly blended."""
+    """``_compute_llama3_parameters``: long wavelengths divided by ``factor``, short kept, between blended."""
     scaling = rope.scaling
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     omax = scaling["original_max_position_embeddings"]
