@@ -1,5 +1,4 @@
-"""Checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check of a
-loaded state."""
+"""Checkpoint naming schemes (layouts), read into ``mha_torch``'s names, and the shape check of a loaded state."""
 
 from __future__ import annotations
 
@@ -74,17 +73,15 @@ def _shows(keys: Sequence[str], name: str) -> bool:
 
 
 def detect_layout(keys: Any, *, where: str = "the keys") -> str:
-    """The layout whose keys (``_SIGNATURES``) the key names show, each maybe under a prefix; ValueError
-    naming the likely layouts when none or several fit."""
+    """The layout whose ``_SIGNATURES`` the keys show (maybe under a prefix); ValueError when none or several fit."""
     keys = sorted(map(str, keys))
     fits = [name for name, alternatives in _SIGNATURES.items()
             if any(all(_shows(keys, k) for k in group) for group in alternatives)]
     if len(fits) == 1:
         return fits[0]
     if fits:
-        raise ValueError(
-            f"{where} fit more than one layout ({', '.join(fits)}); choose one with layout= ({some(keys)})"
-        )
+        raise ValueError(f"{where} fit more than one layout ({', '.join(fits)}); "
+                         f"choose one with layout= ({some(keys)})")
     likely = sorted((-sum(w in k for k in keys for w in words), name) for name, words in _WORDS.items())
     likely = [name for hits, name in likely if hits]
     hint = f"likely layouts: {', '.join(likely)}; " if likely else ""
@@ -96,7 +93,7 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
 
 def _choose_layout(selected: Mapping[str, Any], layout: str | None, mapping, where: str
                    ) -> tuple[str, bool, str | None]:
-    """(layout read, whether it was detected from the keys, why none was when not given: for the errors)."""
+    """(layout, whether detected from the keys, why none was detected when not given)."""
     detected = layout == AUTO and mapping is None
     undetected = None
     if layout is None:
@@ -114,8 +111,7 @@ def _choose_layout(selected: Mapping[str, Any], layout: str | None, mapping, whe
 
 def _read_sources(selected: Mapping[str, Any], sources, prefix: str, ignored: set, num_heads, num_kv_heads,
                   problems: list[str]) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str]]:
-    """(our name -> array, -> the key it came from, -> how messages name it; the keys used) of the
-    ``sources`` in ``selected`` and not ``ignored``, fused weights split by rows."""
+    """(our name -> array, -> its key, -> its name in messages; the keys used), fused weights split by rows."""
     out, given, shown, used = {}, {}, {}, set()
     for source in sources:
         if source.key not in selected or source.key in ignored:
@@ -133,8 +129,7 @@ def _read_sources(selected: Mapping[str, Any], sources, prefix: str, ignored: se
 
 
 def _missing(given: Mapping[str, str], sources, prefix: str) -> list[str]:
-    """The keys a layer needs that were not ``given``: the projections' weights, q/k/v biases all
-    or none, the output projection's bias on its own (Qwen2 has none there), both QK-norms or none."""
+    """Problems for the keys a layer needs and lacks (weights; q/k/v biases all or none; both QK-norms or none)."""
     problems = []
     has_bias = any(f"{proj}.bias" in given for proj in PROJECTIONS[:3])
     for proj in PROJECTIONS:
@@ -161,13 +156,11 @@ def read_layout(
 ) -> dict[str, Any]:
     """``mha_torch`` names -> arrays, from the keys under ``prefix`` of a checkpoint in another naming scheme.
 
-    ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"``; ``"auto"``: the one the keys show
-    (``detect_layout``); None: that one when exactly one fits, else ``"mha_torch"``. Every key under
-    the prefix is used or starts with an ``ignore`` entry. Fused weights ``((heads + 2 * kv_heads) *
-    head_dim, in)`` are split by rows into views with ``num_heads``/``num_kv_heads``, which also
-    check every shape; ``expected`` (name -> shape, a module's) adds the keys the module has and
-    lacks. Raises one ValueError listing every missing, repeated, unsupported, unexpected or
-    mis-shaped key, each once, in the file's names.
+    ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"``; ``"auto"``: the one the keys show (``detect_layout``);
+    None: that one when exactly one fits, else ``"mha_torch"``. Every key under the prefix is used or starts with
+    an ``ignore`` entry. Fused weights ``((heads + 2 * kv_heads) * head_dim, in)`` are split by rows with
+    ``num_heads``/``num_kv_heads``, which also check every shape; ``expected`` (name -> shape, a module's) adds
+    the keys the module has and lacks. Raises one ValueError listing every bad key, in the file's names.
     """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
@@ -179,14 +172,12 @@ def read_layout(
     sources = _sources(layout, mapping)
     if not selected:
         raise ValueError(f"state_dict: no key starts with prefix {prefix!r} (keys: {some(state)})")
-
     ignored = {k for k in selected if k.startswith(tuple(ignore))}
     problems = [f"ignore entry {entry!r} matches no key under prefix {prefix!r}" for entry in ignore
                 if not any(k.startswith(entry) for k in selected)]
     unsupported = _UNSUPPORTED.get(layout, {}) if mapping is None else {}
     problems += [f"key {prefix + key!r} comes from {option}, which this attention does not have"
                  for key, option in unsupported.items() if key in selected]
-
     out, given, shown, used = _read_sources(selected, sources, prefix, ignored, num_heads, num_kv_heads, problems)
     unexpected = sorted(k for k in selected if k not in used and k not in ignored and k not in unsupported)
     problems += [f"unexpected key {prefix + k!r}" for k in unexpected]
@@ -216,7 +207,7 @@ _OPTIONS = {"q_norm.weight": "normalize_qk", "k_norm.weight": "normalize_qk", SI
 
 def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapping[str, Sequence[int]],
                 sources: tuple[_Source, ...], prefix: str, problems: list[str]) -> list[str]:
-    """Keys the module has and the checkpoint lacks, and the reverse, each reported once."""
+    """Keys the module has and the checkpoint lacks, and the reverse."""
     found = []
     for name in expected:
         proj, _, part = name.partition(".")
@@ -233,7 +224,7 @@ def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapp
 
 
 def _looks_like(keys: Any, layout: str) -> list[str]:
-    """A hint when a layout's weights are missing: the layout the keys show, if another."""
+    """A hint: the layout the keys show, if another."""
     try:
         shown = detect_layout(keys)
     except ValueError:
@@ -245,10 +236,8 @@ def _sources(layout: str, mapping: Mapping[str, str] | None) -> tuple[_Source, .
     """The layout's sources, or the mapping's after checking that it names each projection once."""
     if mapping is None:
         if layout == FLAX:
-            raise ValueError(
-                "layout 'flax' is Flax parameter names (query.kernel, ...): mha_jax.to_torch reads them "
-                "(the command line: mha-parity convert)"
-            )
+            raise ValueError("layout 'flax' is Flax parameter names (query.kernel, ...): mha_jax.to_torch reads them "
+                             "(the command line: mha-parity convert)")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUT_NAMES) + [AUTO]}, got {layout!r}")
         return LAYOUTS[layout]
@@ -273,9 +262,8 @@ def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: s
         return [array]
     heads = [_positive_int(num_heads if t == "q_proj" else num_kv_heads) for t in targets]
     if not all(heads):
-        problems.append(
-            f"splitting {key!r} needs positive num_heads and num_kv_heads, got {num_heads!r}, {num_kv_heads!r}"
-        )
+        problems.append(f"splitting {key!r} needs positive num_heads and num_kv_heads, got {num_heads!r}, "
+                        f"{num_kv_heads!r}")
         return []
     rows = array.shape[0] if array.ndim in (1, 2) else 0
     if rows == 0 or rows % sum(heads):
@@ -291,7 +279,7 @@ def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: s
 
 
 def _fitting_prefixes(state: Mapping[str, Any], sources: tuple[_Source, ...], prefix: str) -> list[str]:
-    """A hint when weights are missing: the prefixes under which the layout's weights are found."""
+    """A hint: the prefixes under which the layout's weights are found."""
     starts = {key[: len(key) - len(s.key)] for key in state for s in sources
               if s.part == "weight" and key.endswith(s.key)}
     fits = {start for start in starts if start.endswith(".") or not start}  # whole dotted components only
@@ -343,10 +331,8 @@ _KV = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 
 def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: Mapping[str, Sequence[int]] | None,
                   names: Mapping[str, str]) -> tuple[int, list[str]]:
-    """``(head_dim, problems)``: every mis-shaped entry of ``state`` (any absent), as ``names`` shows
-    its key. Shapes are ``module``'s where given, else they follow from the head counts and the
-    head_dim that the most entries agree on (``_head_dim``): one wrong entry is named, not the
-    others; head_dim 0 when none fits."""
+    """``(head_dim, problems)``: every mis-shaped entry of ``state``, named by ``names``; shapes are ``module``'s,
+    else from the head counts and ``_head_dim``; head_dim 0 when none fits."""
     check_head_counts(heads, kv_heads)
     shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
     shown = {k: names.get(k, repr(k)) for k in _ORDER}
@@ -392,8 +378,7 @@ def _why(name: str, found: tuple, want: tuple, heads: int, kv_heads: int, head_d
 
 
 def _allowed(shapes: Mapping[str, tuple], heads: int, kv_heads: int, head_dim: int) -> dict[str, list[tuple]]:
-    """The shapes each entry of ``shapes`` (ranks right) may have for this head_dim; free axes
-    (input features, output features) as found."""
+    """The shapes each entry of ``shapes`` may have for this head_dim; free axes as found."""
     rows = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
     allowed: dict[str, list[tuple]] = {}
     for proj, n in rows.items():
@@ -410,8 +395,7 @@ def _allowed(shapes: Mapping[str, tuple], heads: int, kv_heads: int, head_dim: i
 
 
 def _head_dim(shapes: Mapping[str, tuple], heads: int, kv_heads: int) -> int:
-    """The head_dim, among each row (or output column) count over its heads, under which the fewest entries
-    are mis-shaped (key/value rows agreeing on another key/value head count: one mistake); 0 if none fits."""
+    """The candidate head_dim under which the fewest entries are mis-shaped; 0 if none fits."""
     counts = [(shapes[k][0], heads) for k in ("q_proj.weight", "q_proj.bias") if k in shapes]
     counts += [(shapes[k][0], kv_heads) for k in _KV if k in shapes]
     counts += [(shapes["out_proj.weight"][1], heads)] if "out_proj.weight" in shapes else []
@@ -443,10 +427,8 @@ def read_checkpoint(state_dict_or_path: Any, load_file: Callable[[str], dict], v
         except Exception as error:  # safetensors raises its own types for bad headers
             raise ValueError(f"state_dict_or_path {path!r} is not a readable safetensors file: {error}") from error
     if not isinstance(state_dict_or_path, Mapping):
-        raise TypeError(
-            "state_dict_or_path must be a mapping of name to array or a .safetensors path, "
-            f"got {type(state_dict_or_path).__name__}"
-        )
+        raise TypeError("state_dict_or_path must be a mapping of name to array or a .safetensors path, "
+                        f"got {type(state_dict_or_path).__name__}")
     return {str(k): value(str(k), v) for k, v in state_dict_or_path.items()}
 
 
@@ -459,9 +441,9 @@ _LATENT_RENAMES = {"o_proj.": "out_proj."}
 def read_latent(state: Mapping[str, Any], *, layout: str | None = None, mapping: Mapping[str, str] | None = None,
                 prefix: str = "", ignore: Sequence[str] = (),
                 expected: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
-    """A latent layer's keys under ``prefix`` (transformers' names, ``o_proj`` read as ``out_proj``) but
-    those starting with an ``ignore`` entry. ``layout``: None, ``"auto"``, ``"mla"`` or ``"mha_torch"``;
-    ``expected`` (names -> shapes): one ValueError lists every missing, unexpected or mis-shaped key."""
+    """A latent layer's keys under ``prefix`` (``o_proj`` read as ``out_proj``) but those starting with an
+    ``ignore`` entry. ``layout``: None, ``"auto"``, ``"mla"`` or ``"mha_torch"``; ``expected``: names -> shapes."""
+
     if mapping is not None:
         raise ValueError("a latent module reads transformers' names: pass no mapping")
     if layout not in (None, AUTO, LATENT, "mha_torch"):
