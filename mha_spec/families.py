@@ -1,9 +1,5 @@
-"""Hugging Face model families: a layer's attention options read from a ``config.json`` dict.
-
-Plain Python, no array library and no transformers import. Each family is one ``Family`` record
-in ``FAMILIES``, read from transformers' own ``modeling_*.py`` and ``configuration_*.py`` (5.x);
-``layer_options`` reads every record the same way.
-"""
+"""Hugging Face model families as ``Family`` records (``FAMILIES``, from transformers 5.x), and a layer's
+attention options read from a ``config.json`` dict (``layer_options``); plain Python, no transformers import."""
 
 from __future__ import annotations
 
@@ -33,8 +29,8 @@ def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
 
 def _layer_types_every(period: int, *keys: str, first: bool = False
                        ) -> Callable[[Mapping[str, Any], int], list[str]]:
-    """Sliding layers but every ``period``-th full (the first of ``keys`` the config sets, else
-    ``period``): the last of each period, or with ``first`` the first (layer 0 full)."""
+    """A rule: every ``period``-th layer full (the first of ``keys`` set, else ``period``), the last of each
+    period or with ``first`` the first; the others sliding."""
     def rule(config: Mapping[str, Any], layers: int) -> list[str]:
         every = next((config[key] for key in keys if key in config), period)
         shift = 0 if first else 1
@@ -61,8 +57,7 @@ def _layer_types_smollm3(config: Mapping[str, Any], layers: int) -> list[str]:
 
 
 def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
-    """GPTNeoConfig's ``attention_layers``, expanded from ``attention_types`` (``[[kinds, repeats], ...]``)
-    when absent: its ``"local"`` layers slide."""
+    """GPTNeoConfig's ``attention_layers`` (else expanded from ``attention_types``): ``"local"`` layers slide."""
     kinds = config.get("attention_layers") or [
         kind for pattern, repeats in config.get("attention_types", [[["global", "local"], 12]])
         for _ in range(repeats) for kind in pattern]
@@ -70,9 +65,7 @@ def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
 
 
 def _standardize_modernbert(config: dict) -> dict:
-    """What ModernBertDecoderConfig derives where a config.json leaves it out: the window
-    ``local_attention // 2`` (none for 0 or None), and rope parameters per layer type, at
-    ``global_rope_theta`` and ``local_rope_theta`` (160000, 10000), its ``rope_scaling`` in both."""
+    """ModernBertDecoderConfig's derived keys: the window ``local_attention // 2``, rope parameters per layer type."""
     if "sliding_window" not in config:
         local = config.get("local_attention", 128)
         config["sliding_window"] = local // 2 if local else None
@@ -112,8 +105,7 @@ def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> floa
 
 
 def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
-    """GPT-BigCode's and Falcon's key heads: one with ``multi_query`` (the default), else one per head;
-    ``num_kv_heads`` in Falcon's newer layout (``new_decoder_architecture``)."""
+    """GPT-BigCode's and Falcon's key heads: ``num_kv_heads`` (new_decoder_architecture), 1 (multi_query) or None."""
     if config.get("new_decoder_architecture"):
         return config.get("num_kv_heads")
     return 1 if config.get("multi_query", True) else None
@@ -135,15 +127,13 @@ def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[fl
 
 
 def _alibi_falcon(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
-    """Falcon's ALiBi (``alibi``; None without): bloom's slopes rounded to bfloat16 as its
-    ``build_alibi_tensor`` rounds them, added to the logits before their scale ``1 / sqrt(head_dim)``
-    (``(q.k + slope * k_pos) * inv_norm_factor``): the scaled slopes here."""
+    """Falcon's ALiBi slopes (None without ``alibi``): bloom's in bfloat16, over ``sqrt(head_dim)``."""
     slopes = alibi.bloom_slopes(heads) if config.get("alibi") else None
     return None if slopes is None else tuple(_bfloat16(slope) / math.sqrt(head_dim) for slope in slopes)
 
 
 def _bfloat16(x: float) -> float:
-    """``x`` rounded to bfloat16 (the nearest, ties to even), as torch's ``.bfloat16()`` rounds a float32."""
+    """``x`` rounded to bfloat16 (nearest, ties to even) as torch rounds a float32."""
     bits = int(struct.unpack("<I", struct.pack("<f", x))[0])
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return struct.unpack("<f", struct.pack("<I", bits))[0]
@@ -167,12 +157,9 @@ def _check_llama4(config: Mapping[str, Any], layer: int) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """How transformers' attention of one ``model_type`` reads its config and saves its weights.
-
-    A bias, a head count or a flag given as a string is the config key that holds it; the
-    callables compute what no key holds directly. ``refuses``: ``(config key, feature)`` pairs,
-    a key set (truthy, in the config or its rope parameters) naming a feature this attention
-    does not compute."""
+    """How transformers' attention of one ``model_type`` reads its config and saves its weights. A bias, head
+    count or flag given as a string is the config key that holds it; ``refuses``: ``(config key, feature)`` pairs,
+    a key set (in the config or its rope parameters) naming a feature this attention does not compute."""
 
     prefix: str = _PREFIX  # layer N's attention in the checkpoint, ``{layer}`` for N
     layout: str = "hf"  # the loaders' layout; "gpt_neox", "gpt2", "falcon": fused weights split here
@@ -184,8 +171,7 @@ class Family:
     scale: float | Callable[[Mapping[str, Any], int, int], float] | None = None  # or (config, head_dim, layer) -> it
     soft_cap: str | None = None  # the key of the logits' soft-cap
     sinks: bool = False
-    alibi: Callable[[Mapping[str, Any], int, int], tuple[float, ...] | None] | None = None  # (config, heads,
-    # head_dim) -> each head's ALiBi slope as ``alibi_slopes`` takes it (added to the scaled logits); None: none
+    alibi: Callable[[Mapping[str, Any], int, int], tuple[float, ...] | None] | None = None  # (config, heads, head_dim)
     qk_norm: QKNorm | None = None  # with its default eps
     qk_norm_flag: str | None = None  # the key that switches ``qk_norm`` on; None: always on
     qk_norm_eps: str = "rms_norm_eps"
@@ -235,8 +221,7 @@ def _learned_positions(prefix: str, bias: bool | str = True) -> Family:
 
 def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, int, int | None],
                    rope_interleave: bool | str) -> Family:
-    """A multi-head latent attention record (``mha_spec.latent``, transformers' names) with its config class's
-    defaults: ``kv_lora_rank``, ``q_lora_rank``, ``(qk_rope_head_dim, qk_nope_head_dim, v_head_dim)``."""
+    """A latent attention record with its config's defaults; ``dims``: rope, nope and v head dims."""
     defaults = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=dims[0],
                     qk_nope_head_dim=dims[1], v_head_dim=dims[2])
     return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
@@ -304,8 +289,8 @@ FAMILIES: dict[str, Family] = {
     # its QK-norm a LayerNorm per head, each head's weight its own key (joined by ``layer_keys``)
     "stablelm": Family(qkv_bias="use_qkv_bias", out_bias=False, reads_head_dim=False,
                        qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True), qk_norm_flag="qk_layernorm",
-                       qk_norm_eps="layer_norm_eps", rope_default=(("partial_rotary_factor", "rotary_pct"),
-                                                                   "partial_rotary_factor", 0.25),
+                       qk_norm_eps="layer_norm_eps",
+                       rope_default=(("partial_rotary_factor", "rotary_pct"), "partial_rotary_factor", 0.25),
                        per_head_norms={"q_norm": "q_layernorm.norms.", "k_norm": "k_layernorm.norms."}),
     "cohere": Family(rope_interleaved=True, qk_norm=QKNorm("layer", True, 1e-5, per_head_scale=True),
                      qk_norm_flag="use_qk_norm", qk_norm_eps="layer_norm_eps",
@@ -391,8 +376,7 @@ FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
-# Options that change the attention's function and that no family here reads: refused by name
-# (by the families that do not read them).
+# Options that change the attention's function: refused by name by the families that do not read them.
 _REFUSED = {
     "use_qk_norm": "Llama 4's QK-norm",
     "use_bidirectional_attention": "bidirectional attention",
@@ -428,8 +412,7 @@ class LayerOptions:
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
-    """A ``config.json`` as a dict (a path is read); a multimodal config's ``text_config``; the
-    sizes under our names where the config names them its own way (``_ALIASES``, a family's ``aliases``)."""
+    """A ``config.json`` (or its path) as a dict: a multimodal config's ``text_config``, sizes under our names."""
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if not os.path.exists(path):
@@ -452,13 +435,12 @@ def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
 
 
 def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
-    """``(model_type, its record, the config with the record's defaults)``; raises, naming the
-    option, on a family not in ``FAMILIES`` or an option the family sets that is not computed."""
+    """``(model_type, its record, the config with the record's defaults)``; raises on an unknown family or a
+    refused option."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(
-            f"config's model_type {model_type!r} is not a supported family; supported: {', '.join(sorted(FAMILIES))}"
-        )
+        raise ValueError(f"config's model_type {model_type!r} is not a supported family; "
+                         f"supported: {', '.join(sorted(FAMILIES))}")
     family = FAMILIES[model_type]
     nested = config.get(family.nested) if family.nested else None
     config = _aliased({**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}, family.aliases)
@@ -475,8 +457,7 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
 
 
 def _with_no_rope_layers(config: dict) -> dict:
-    """``no_rope_layers`` (1: the layer rotates) as the config classes fill it in when absent:
-    a layer without rotary every ``no_rope_layer_interval``-th, the interval's last."""
+    """``no_rope_layers`` (1: rotates) filled in when absent: every ``no_rope_layer_interval``-th layer does not."""
     layers = config.get("num_hidden_layers")
     if not config.get("no_rope_layers") and isinstance(layers, int):
         interval = config["no_rope_layer_interval"]
@@ -530,9 +511,7 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
 
 
 def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Family) -> LayerOptions:
-    """A latent layer's options (DeepSeek-V3's attention and the classes copied from it): its ``Latent``, one
-    key/value head per query head of ``qk_nope_head_dim + qk_rope_head_dim``, rotary on the rope part, the scale
-    ``yarn_apply_mscale`` makes (any rope_type but default: times ``mscale(factor, mscale_all_dim)**2``)."""
+    """A latent layer's options (DeepSeek-V3's): its ``Latent``, head dims and the ``yarn_apply_mscale`` scale."""
     model_type = options.model_type
     dims = [_required(config, key, model_type) for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")]
     v_head_dim = config.get("v_head_dim") or options.hidden_size // options.num_heads  # MiniCPM3Config's default
@@ -548,7 +527,7 @@ def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Famil
 
 
 def _with_theta(rope: dict, theta: float) -> dict | None:
-    """The layer's rotary config at its own base ``theta`` (Granite SWA's ``layer_rope_theta``); None for 0."""
+    """The layer's rotary config at its own base ``theta``; None for 0."""
     if not theta:
         return None
     parameters = rope.get("rope_parameters")
@@ -577,8 +556,7 @@ def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
 
 
 def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
-    """Each layer's ``"sliding_attention"``/``"full_attention"``/``"chunked_attention"``: the
-    config's ``layer_types``, else the rule its transformers configuration class applies."""
+    """Each layer's type: the config's ``layer_types``, else the family's rule."""
     types = config.get("layer_types")
     if types:
         if len(types) != layers:
@@ -588,8 +566,7 @@ def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list
 
 
 def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
-    """The config the layer's ``RotaryEmbedding.from_config`` reads: the model's, with rope
-    parameters of the layer's type where the model keeps one set per type (Gemma 3, OLMo 3)."""
+    """The config the layer's ``RotaryEmbedding.from_config`` reads, rope parameters of the layer's type."""
     rope = dict(config, head_dim=head_dim)
     if family.rope_default:
         keys, key, default = family.rope_default
@@ -606,8 +583,7 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
 
 
 def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
-    """The ``.safetensors`` files holding the keys under ``prefix``: the file itself, or from a
-    sharded checkpoint's ``model.safetensors.index.json``, the shards its ``weight_map`` names."""
+    """The ``.safetensors`` files holding the keys under ``prefix``: the file, or the shards an index names."""
     path = os.fspath(weights)
     if not path.endswith(".json"):
         return [path]
@@ -624,8 +600,7 @@ def layer_files(weights: str | os.PathLike, prefix: str) -> list[str]:
 
 
 def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], framework: str) -> Mapping[str, Any]:
-    """The checkpoint's keys under ``prefix`` (all of them when none is, for the loader's errors), read from
-    the ``.safetensors`` files that hold them as safetensors' ``framework`` reads them, or by ``read_state``."""
+    """The checkpoint's keys under ``prefix`` (all of them when none is), from its files or by ``read_state``."""
     if not isinstance(weights, (str, os.PathLike)):
         if not isinstance(weights, Mapping):
             return read_state(weights)  # its TypeError names what a checkpoint may be
@@ -647,10 +622,8 @@ def _read_file(path: str, prefix: str, framework: str) -> dict[str, Any]:
 
 def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping], framework: str,
                    concatenate: Callable[[list], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(state, keywords)`` for a twin's ``load_weights`` to load the layer from ``weights`` (read by
-    ``read_layer``, its arrays by ``read_state``): fused weights, which no loader layout reads, split
-    here (``layer_state``); for the others the keys a layout reads (``layer_keys``) and the layout's
-    name, prefix and ignored keys."""
+    """``(state, keywords)`` for a twin's ``load_weights``: fused weights split here (``layer_state``), else the
+    keys a layout reads (``layer_keys``) with its layout, prefix and ignored keys."""
     state = read_state(read_layer(weights, options.prefix, read_state, framework))
     if FAMILIES[options.model_type].fused:
         return layer_state(options, state), {}
@@ -659,9 +632,8 @@ def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[An
 
 
 def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]) -> dict[str, Any]:
-    """The checkpoint's keys as a layout reads them: buffers (older GPT-J files) left out, renamed, and
-    a per-head QK-norm's scales (StableLM's ``(head_dim,)`` per head, joined by ``concatenate``;
-    Cohere's ``(heads, head_dim)``) as one ``q_norm.weight``/``k_norm.weight`` ``(heads * head_dim,)``."""
+    """The checkpoint's keys as a layout reads them: buffers left out, renamed, per-head QK-norm scales joined
+    into one ``(heads * head_dim,)``."""
     prefix = options.prefix
     family = FAMILIES[options.model_type]
     buffers = {prefix + k for k in family.buffers}
@@ -683,9 +655,8 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:
-    """A fused layer's keys under ``options.prefix`` (GPT-NeoX's, GPT-2's, Falcon's) in this package's
-    names, the fused rows split by ``_split_fused``. Raises one ValueError listing every missing,
-    unexpected or mis-shaped key, in the checkpoint's names."""
+    """A fused layer's keys under ``options.prefix`` in this package's names, rows split by ``_split_fused``;
+    one ValueError lists every bad key."""
     prefix, hidden = options.prefix, options.hidden_size
     family = FAMILIES[options.model_type]
     fused, out = family.fused
@@ -722,10 +693,9 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
 
 
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
-    """The query, key and value rows of a fused weight ``(rows, in)`` or bias ``(rows,)``: GPT-2's and
-    GPT-BigCode's multi-query ones ``[q; k; v]``; CodeGen's ``(4, 3, heads / 4, head_dim)``, 4 blocks of
-    (q, v, k); the others' (GPT-NeoX, Falcon) ``(kv_heads, group + 2, head_dim)``, each key head's
-    ``group`` query heads, then its key and value."""
+    """The q, k, v rows of a fused weight ``(rows, in)`` or bias ``(rows,)``: ``[q; k; v]`` (GPT-2), 4 blocks of
+    (q, v, k) (CodeGen), else ``(kv_heads, group + 2, head_dim)`` (GPT-NeoX, Falcon)."""
+
     heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
     rest = tuple(fused.shape[1:])
     if options.layout == "gpt2" or (options.layout == "gpt_bigcode" and kv_heads == 1):
