@@ -81,11 +81,6 @@ def _standardize_modernbert(config: dict) -> dict:
     return config
 
 
-def _last_layer(config: Mapping[str, Any], layer: int) -> bool:
-    """GPT-NeoX-Japanese's output bias: its last layer's attention alone has one (``dense_bias``)."""
-    return layer == config["num_hidden_layers"] - 1
-
-
 def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
     """FlintConfig's rule: full attention on layers 0 and 1, every 4th from 1 and the last; sliding elsewhere."""
     return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
@@ -114,11 +109,6 @@ def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
 def _scale_mpt(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     scale = config.get("softmax_scale")  # MptAttention: attn_config's softmax_scale, else 1 / sqrt(head_dim)
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
-
-def _alibi_bloom(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...]:
-    """Bloom's slopes: its logits ``q.k / sqrt(head_dim) + slope * k_pos``."""
-    return alibi.bloom_slopes(heads)
 
 
 def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
@@ -227,9 +217,8 @@ def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, 
     return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
 
 
-# Llama4TextConfig's and SmolLM3Config's defaults, where a config leaves them out
+# Llama4TextConfig's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
-_SMOLLM3 = dict(no_rope_layer_interval=4)
 _CLIPPED = (("clip_qkv", "clipped projections"),)  # a clamp of the projections' outputs
 _QK_LAYERNORM = (("qk_layernorm", "QK LayerNorm with bias"),)
 _HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
@@ -281,7 +270,7 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
     "seed_oss": Family(out_bias="attention_out_bias"),
     "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
-                      defaults=_SMOLLM3),
+                      defaults=dict(no_rope_layer_interval=4)),
     "nemotron": Family(rope_default=_HALF_ROTARY),
     "glm4_moe": Family(out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_flag="use_qk_norm", reads=("use_qk_norm",),
                        rope_default=_HALF_ROTARY),
@@ -328,7 +317,8 @@ FAMILIES: dict[str, Family] = {
     "falcon": _mha(_FALCON_PREFIX, layout="falcon", qkv_bias="bias", out_bias="bias", kv_heads=_multi_query_kv_heads,
                    fused=_NEOX_FUSED, defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
-    "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False, alibi=_alibi_bloom,
+    "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False,
+                  alibi=lambda config, heads, head_dim: alibi.bloom_slopes(heads),
                   fused=_NEOX_FUSED),
     # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
     "mpt": _mha("transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
@@ -348,7 +338,8 @@ FAMILIES: dict[str, Family] = {
                 aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
     # GPT-NeoX's fused layout without biases; the last layer's output bias a key of its own (dense_bias)
     "gpt_neox_japanese": _mha("gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox", qkv_bias=False,
-                              out_bias=_last_layer, fused=_NEOX_FUSED, renames={"dense_bias": "dense.bias"}),
+                              out_bias=lambda config, layer: layer == config["num_hidden_layers"] - 1,
+                              fused=_NEOX_FUSED, renames={"dense_bias": "dense.bias"}),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": _mha(_GPT2_PREFIX, layout="gpt2", qkv_bias=True, out_bias=True, rope=False, buffers=("bias",),
                        fused=("c_attn", "c_proj")),
@@ -444,8 +435,11 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
     family = FAMILIES[model_type]
     nested = config.get(family.nested) if family.nested else None
     config = _aliased({**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}, family.aliases)
-    if family.no_rope_layers:
-        config = _with_no_rope_layers(config)
+    layers = config.get("num_hidden_layers")
+    if family.no_rope_layers and not config.get("no_rope_layers") and isinstance(layers, int):
+        # 1: the layer rotates; the config classes leave every no_rope_layer_interval-th layer without
+        interval = config["no_rope_layer_interval"]
+        config["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(layers)]
     if family.standardize:
         config = family.standardize(config)
     refused = [f"{key} ({what})" for key, what in _REFUSED.items() if config.get(key) and key not in family.reads]
@@ -454,15 +448,6 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
     if refused:
         raise ValueError(f"config ({model_type}) sets {', '.join(refused)}, which this attention does not compute")
     return model_type, family, config
-
-
-def _with_no_rope_layers(config: dict) -> dict:
-    """``no_rope_layers`` (1: rotates) filled in when absent: every ``no_rope_layer_interval``-th layer does not."""
-    layers = config.get("num_hidden_layers")
-    if not config.get("no_rope_layers") and isinstance(layers, int):
-        interval = config["no_rope_layer_interval"]
-        config["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(layers)]
-    return config
 
 
 def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
@@ -609,15 +594,11 @@ def read_layer(weights: Any, prefix: str, read_state: Callable[[Any], Mapping], 
     for path in layer_files(weights, prefix):
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights {path!r} does not exist")
-        state.update(_read_file(path, prefix, framework))
+        from safetensors import safe_open  # only when a file is given
+
+        with safe_open(path, framework=framework) as f:
+            state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
     return state or read_state(weights)
-
-
-def _read_file(path: str, prefix: str, framework: str) -> dict[str, Any]:
-    from safetensors import safe_open  # only when a file is given
-
-    with safe_open(path, framework=framework) as f:
-        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
 
 
 def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping], framework: str,
