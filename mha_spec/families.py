@@ -263,8 +263,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_mistral),
     "ministral3": Family(layer_types=_layer_types_mistral,
                          refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
-    "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True,
-                         layer_types=_layer_types_mistral),
+    "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True, layer_types=_layer_types_mistral),
+
     "olmo": Family(refuses=_CLIPPED),
     "olmo3": Family(qk_norm=_RMS, layer_types=_layer_types_every(4)),
     "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
@@ -318,8 +318,7 @@ FAMILIES: dict[str, Family] = {
                    fused=_NEOX_FUSED, defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
     "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False,
-                  alibi=lambda config, heads, head_dim: alibi.bloom_slopes(heads),
-                  fused=_NEOX_FUSED),
+                  alibi=lambda config, heads, head_dim: alibi.bloom_slopes(heads), fused=_NEOX_FUSED),
     # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
     "mpt": _mha("transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
                 scale=_scale_mpt, rope=False, alibi=_alibi_mpt, nested="attn_config",
@@ -369,8 +368,7 @@ _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidde
             "max_position_embeddings": "n_positions"}
 # Options that change the attention's function: refused by name by the families that do not read them.
 _REFUSED = {
-    "use_qk_norm": "Llama 4's QK-norm",
-    "use_bidirectional_attention": "bidirectional attention",
+    "use_qk_norm": "Llama 4's QK-norm", "use_bidirectional_attention": "bidirectional attention",
     "attention_chunk_size": "chunked attention (Llama 4)",
 }
 
@@ -490,8 +488,7 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
         config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
-        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
-    )
+        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes)
     return _with_latent(options, config, family) if family.latent else options
 
 

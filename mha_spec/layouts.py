@@ -55,12 +55,9 @@ LAYOUT_NAMES = (*LAYOUTS, FLAX)
 # The keys that show a layout (a key shows ``name`` when it is ``name`` or ends with ``.name``),
 # and, for a file that shows none, the words that make a layout likely.
 _SIGNATURES = {
-    "mha_torch": (("q_proj.weight", "out_proj.weight"),),
-    "torch_mha": (("in_proj_weight",), ("q_proj_weight",)),
-    "hf": (("q_proj.weight", "o_proj.weight"),),
-    "bert": (("self.query.weight",),),
-    "fused_qkv": (("qkv_proj.weight",),),
-    FLAX: (("query.kernel",), ("out.kernel",)),
+    "mha_torch": (("q_proj.weight", "out_proj.weight"),), "torch_mha": (("in_proj_weight",), ("q_proj_weight",)),
+    "hf": (("q_proj.weight", "o_proj.weight"),), "bert": (("self.query.weight",),),
+    "fused_qkv": (("qkv_proj.weight",),), FLAX: (("query.kernel",), ("out.kernel",)),
 }
 _WORDS = {
     "mha_torch": ("q_proj", "out_proj"), "torch_mha": ("in_proj", "out_proj"), "hf": ("q_proj", "o_proj"),
@@ -85,10 +82,8 @@ def detect_layout(keys: Any, *, where: str = "the keys") -> str:
     likely = sorted((-sum(w in k for k in keys for w in words), name) for name, words in _WORDS.items())
     likely = [name for hits, name in likely if hits]
     hint = f"likely layouts: {', '.join(likely)}; " if likely else ""
-    raise ValueError(
-        f"{where} show no layout ({some(keys)}): {hint}give layout= (one of {', '.join(LAYOUT_NAMES)}) "
-        "or mapping= for another naming scheme"
-    )
+    raise ValueError(f"{where} show no layout ({some(keys)}): {hint}give layout= (one of {', '.join(LAYOUT_NAMES)}) "
+                     "or mapping= for another naming scheme")
 
 
 def _choose_layout(selected: Mapping[str, Any], layout: str | None, mapping, where: str
@@ -143,17 +138,9 @@ def _missing(given: Mapping[str, str], sources, prefix: str) -> list[str]:
     return problems
 
 
-def read_layout(
-    state: Mapping[str, Any],
-    *,
-    layout: str | None = None,
-    mapping: Mapping[str, str] | None = None,
-    prefix: str = "",
-    ignore: Sequence[str] = (),
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    expected: Mapping[str, Sequence[int]] | None = None,
-) -> dict[str, Any]:
+def read_layout(state: Mapping[str, Any], *, layout: str | None = None, mapping: Mapping[str, str] | None = None,
+                prefix: str = "", ignore: Sequence[str] = (), num_heads: int | None = None,
+                num_kv_heads: int | None = None, expected: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """``mha_torch`` names -> arrays, from the keys under ``prefix`` of a checkpoint in another naming scheme.
 
     ``layout``: one of ``LAYOUT_NAMES`` but ``"flax"``; ``"auto"``: the one the keys show (``detect_layout``);
@@ -224,6 +211,7 @@ def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapp
 
 
 def _looks_like(keys: Any, layout: str) -> list[str]:
+
     """A hint: the layout the keys show, if another."""
     try:
         shown = detect_layout(keys)
@@ -267,11 +255,9 @@ def _split(array: Any, targets: tuple[str, ...], num_heads, num_kv_heads, key: s
         return []
     rows = array.shape[0] if array.ndim in (1, 2) else 0
     if rows == 0 or rows % sum(heads):
-        problems.append(
-            f"{key!r} has shape {tuple(array.shape)}, but a fused {'/'.join(targets)} needs rank 1 or 2 "
-            f"and {' + '.join(map(str, heads))} = {sum(heads)} x head_dim rows "
-            f"(num_heads={num_heads}, num_kv_heads={num_kv_heads})"
-        )
+        problems.append(f"{key!r} has shape {tuple(array.shape)}, but a fused {'/'.join(targets)} needs rank 1 or 2 "
+                        f"and {' + '.join(map(str, heads))} = {sum(heads)} x head_dim rows "
+                        f"(num_heads={num_heads}, num_kv_heads={num_kv_heads})")
         return []
     head_dim = rows // sum(heads)
     starts = [sum(heads[:i]) * head_dim for i in range(len(heads) + 1)]

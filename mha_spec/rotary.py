@@ -18,13 +18,9 @@ import numpy as np
 # rope_type -> (keys transformers' init function requires, keys it reads when present), as
 # ``transformers.modeling_rope_utils`` (5.x) reads ``rope_parameters``.
 ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "default": ((), ()),
-    "linear": (("factor",), ()),
-    "dynamic": (("factor",), ()),
-    "yarn": (
-        ("factor", "original_max_position_embeddings"),
-        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
-    ),
+    "default": ((), ()), "linear": (("factor",), ()), "dynamic": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
 }
@@ -87,16 +83,13 @@ def _check_scaling(scaling: Mapping | None, rotary_dim: int, max_pos: int | None
     required, optional = ROPE_TYPES[rope_type]
     missing = [k for k in required if k not in scaling]
     if missing:
-        raise ValueError(
-            f"scaling for rope_type {rope_type!r} is missing required key(s) {', '.join(map(repr, missing))}"
-        )
+        raise ValueError(f"scaling for rope_type {rope_type!r} is missing required key(s) "
+                         f"{', '.join(map(repr, missing))}")
     unknown = [k for k in scaling if k != "rope_type" and k not in required + optional]
     if unknown:
         reads = ", ".join(map(repr, required + optional)) or "no other key"
-        raise ValueError(
-            f"scaling for rope_type {rope_type!r} has key(s) {', '.join(map(repr, unknown))}, which transformers "
-            f"does not read for it (it reads {reads})"
-        )
+        raise ValueError(f"scaling for rope_type {rope_type!r} has key(s) {', '.join(map(repr, unknown))}, which "
+                         f"transformers does not read for it (it reads {reads})")
     items = {"rope_type": rope_type}
     for key in required + optional:
         if key in scaling:
@@ -140,10 +133,8 @@ def _check_derivable(rope_type: str, items: Mapping[str, Any], rotary_dim: int, 
     if rope_type == "dynamic" and rotary_dim == 2:
         raise ValueError("rope_type 'dynamic' needs rotary_dim > 2 (its base grows with exponent dim / (dim - 2))")
     if rope_type in _NULLABLE_FACTOR and items.get("factor") is None and max_pos is None:
-        raise ValueError(
-            f"rope_type {rope_type!r} without scaling['factor'] needs max_position_embeddings "
-            "(the factor is then max_position_embeddings / original_max_position_embeddings)"
-        )
+        raise ValueError(f"rope_type {rope_type!r} without scaling['factor'] needs max_position_embeddings "
+                         "(the factor is then max_position_embeddings / original_max_position_embeddings)")
     if rope_type == "llama3" and items["high_freq_factor"] == items["low_freq_factor"]:
         raise ValueError("scaling['high_freq_factor'] must differ from scaling['low_freq_factor'] (rope_type 'llama3')")
 
@@ -462,10 +453,8 @@ def _llama3_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
 
 # rope_type -> transformers' init function: float32 ``(rotary_dim // 2,)``, the frequencies at construction.
 _INIT_INV_FREQ = {
-    "default": lambda rope, ops: _default_inv_freq(ops, rope.theta, rope.rotary_dim),
-    "linear": _linear_inv_freq,
-    "dynamic": _dynamic_init_inv_freq,
-    "yarn": _yarn_inv_freq,
-    "longrope": _longrope_inv_freq,
+    "default": lambda rope, ops: _default_inv_freq(ops, rope.theta, rope.rotary_dim), "linear": _linear_inv_freq,
+    "dynamic": _dynamic_init_inv_freq, "yarn": _yarn_inv_freq, "longrope": _longrope_inv_freq,
     "llama3": _llama3_inv_freq,
+
 }
