@@ -96,7 +96,15 @@ def _check_scaling(scaling: Mapping | None, rotary_dim: int, max_pos: int | None
             items[key] = _scaling_value(rope_type, key, scaling[key], rotary_dim)
     if rope_type == "default":
         return None
-    _check_derivable(rope_type, items, rotary_dim, max_pos)
+    if rope_type == "dynamic" and max_pos is None:
+        raise ValueError("rope_type 'dynamic' needs max_position_embeddings (the length it scales beyond)")
+    if rope_type == "dynamic" and rotary_dim == 2:
+        raise ValueError("rope_type 'dynamic' needs rotary_dim > 2 (its base grows with exponent dim / (dim - 2))")
+    if rope_type in _NULLABLE_FACTOR and items.get("factor") is None and max_pos is None:
+        raise ValueError(f"rope_type {rope_type!r} without scaling['factor'] needs max_position_embeddings "
+                         "(the factor is then max_position_embeddings / original_max_position_embeddings)")
+    if rope_type == "llama3" and items["high_freq_factor"] == items["low_freq_factor"]:
+        raise ValueError("scaling['high_freq_factor'] must differ from scaling['low_freq_factor'] (rope_type 'llama3')")
     return Scaling(items)
 
 
@@ -124,19 +132,6 @@ def _scaling_value(rope_type: str, key: str, value: Any, rotary_dim: int) -> Any
     if key == "factor" and value <= 0:
         raise ValueError(f"{where} must be > 0, got {value!r}")
     return int(value) if _is_int(value) else float(value)
-
-
-def _check_derivable(rope_type: str, items: Mapping[str, Any], rotary_dim: int, max_pos: int | None) -> None:
-    """The values transformers derives from ``max_position_embeddings`` need it."""
-    if rope_type == "dynamic" and max_pos is None:
-        raise ValueError("rope_type 'dynamic' needs max_position_embeddings (the length it scales beyond)")
-    if rope_type == "dynamic" and rotary_dim == 2:
-        raise ValueError("rope_type 'dynamic' needs rotary_dim > 2 (its base grows with exponent dim / (dim - 2))")
-    if rope_type in _NULLABLE_FACTOR and items.get("factor") is None and max_pos is None:
-        raise ValueError(f"rope_type {rope_type!r} without scaling['factor'] needs max_position_embeddings "
-                         "(the factor is then max_position_embeddings / original_max_position_embeddings)")
-    if rope_type == "llama3" and items["high_freq_factor"] == items["low_freq_factor"]:
-        raise ValueError("scaling['high_freq_factor'] must differ from scaling['low_freq_factor'] (rope_type 'llama3')")
 
 
 def scaling_factor(scaling: Scaling, max_pos: int | None) -> float:
