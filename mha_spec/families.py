@@ -264,7 +264,6 @@ FAMILIES: dict[str, Family] = {
     "ministral3": Family(layer_types=_layer_types_mistral,
                          refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
     "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True, layer_types=_layer_types_mistral),
-
     "olmo": Family(refuses=_CLIPPED),
     "olmo3": Family(qk_norm=_RMS, layer_types=_layer_types_every(4)),
     "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
@@ -673,7 +672,6 @@ def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, An
 def _split_fused(fused: Any, options: LayerOptions) -> list[Any]:
     """The q, k, v rows of a fused weight ``(rows, in)`` or bias ``(rows,)``: ``[q; k; v]`` (GPT-2), 4 blocks of
     (q, v, k) (CodeGen), else ``(kv_heads, group + 2, head_dim)`` (GPT-NeoX, Falcon)."""
-
     heads, kv_heads, head_dim = options.num_heads, options.num_kv_heads, options.head_dim
     rest = tuple(fused.shape[1:])
     if options.layout == "gpt2" or (options.layout == "gpt_bigcode" and kv_heads == 1):

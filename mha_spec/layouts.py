@@ -178,8 +178,11 @@ def read_layout(state: Mapping[str, Any], *, layout: str | None = None, mapping:
         problems += _check_shapes(present, num_heads, num_kv_heads, expected, shown)[1]
     if any(p.startswith("missing key") for p in problems):
         problems += _fitting_prefixes(state, sources, prefix)
-        if not detected and mapping is None:
-            problems += _looks_like(selected, layout)
+        try:
+            shown_layout = detect_layout(selected) if not detected and mapping is None else layout
+        except ValueError:
+            shown_layout = layout
+        problems += [f"the keys look like layout {shown_layout!r}"] if shown_layout != layout else []
     if problems:
         problems += [undetected] if undetected else []
         named = repr(layout) if mapping is None else f"mapping {dict(mapping)!r}"
@@ -208,16 +211,6 @@ def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapp
             option = f" ({_OPTIONS[name]}=False)" if name in _OPTIONS else ""
             found.append(f"unexpected key {given[name]!r}: the module has no {name}{option}")
     return found
-
-
-def _looks_like(keys: Any, layout: str) -> list[str]:
-
-    """A hint: the layout the keys show, if another."""
-    try:
-        shown = detect_layout(keys)
-    except ValueError:
-        return []
-    return [f"the keys look like layout {shown!r}"] if shown != layout else []
 
 
 def _sources(layout: str, mapping: Mapping[str, str] | None) -> tuple[_Source, ...]:
@@ -429,7 +422,6 @@ def read_latent(state: Mapping[str, Any], *, layout: str | None = None, mapping:
                 expected: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """A latent layer's keys under ``prefix`` (``o_proj`` read as ``out_proj``) but those starting with an
     ``ignore`` entry. ``layout``: None, ``"auto"``, ``"mla"`` or ``"mha_torch"``; ``expected``: names -> shapes."""
-
     if mapping is not None:
         raise ValueError("a latent module reads transformers' names: pass no mapping")
     if layout not in (None, AUTO, LATENT, "mha_torch"):

@@ -451,5 +451,4 @@ _INIT_INV_FREQ = {
     "default": lambda rope, ops: _default_inv_freq(ops, rope.theta, rope.rotary_dim), "linear": _linear_inv_freq,
     "dynamic": _dynamic_init_inv_freq, "yarn": _yarn_inv_freq, "longrope": _longrope_inv_freq,
     "llama3": _llama3_inv_freq,
-
 }
