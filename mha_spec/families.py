@@ -27,8 +27,7 @@ def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
     return [kind] * layers
 
 
-def _layer_types_every(period: int, *keys: str, first: bool = False
-                       ) -> Callable[[Mapping[str, Any], int], list[str]]:
+def _layer_types_every(period: int, *keys: str, first: bool = False) -> Callable[[Mapping[str, Any], int], list[str]]:
     """A rule: every ``period``-th layer full (the first of ``keys`` set, else ``period``), the last of each
     period or with ``first`` the first; the others sliding."""
     def rule(config: Mapping[str, Any], layers: int) -> list[str]:
@@ -139,10 +138,8 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
 def _check_llama4(config: Mapping[str, Any], layer: int) -> None:
     """A NoPE layer of Llama 4 scales its queries by position (``attn_temperature_tuning``)."""
     if config["no_rope_layers"][layer] == 0 and config["attn_temperature_tuning"]:
-        raise ValueError(
-            f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE layer {layer} by "
-            "position: this attention does not compute it"
-        )
+        raise ValueError(f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE "
+                         f"layer {layer} by position: this attention does not compute it")
 
 
 @dataclass(frozen=True)
