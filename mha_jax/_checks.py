@@ -1,9 +1,4 @@
-"""Argument checks shared by the functional core and the modules.
-
-``mha_spec.arguments.ArrayChecks`` over JAX (and NumPy) arrays: the checks and messages of
-``mha_torch/_checks.py``, so that a bad argument fails alike in both frameworks. Every message
-names the argument and the shapes.
-"""
+"""Argument checks of the functional core and the modules: ``mha_spec.arguments.ArrayChecks`` over JAX arrays."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ def dtype_kind(x) -> str:
 
 
 def concrete(x) -> bool:
-    """Whether ``x``'s values are known here: not a tracer inside ``jit`` or ``grad``, nor a global
-    array of which other processes hold shards (``jax.distributed``; reading it would fail)."""
+    """Whether ``x``'s values can be read here: not a tracer, nor a global array with other processes' shards."""
     return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
 
 

@@ -1,12 +1,6 @@
-"""A kernel lowered for its own platform only, inside a program lowered for several.
+"""A kernel lowered for its own platform only (``on``), inside a program lowered for several.
 
-``jax.lax.platform_dependent`` lowers every branch for all the program's platforms, so a branch
-holding cuDNN's fused attention (``cuda`` alone) fails in a program exported for ``("cpu", "cuda",
-"tpu")``. ``on(platform, fn)`` makes a kernel's forward and backward each one primitive lowered for
-``platform`` alone, differentiated through a ``jax.custom_vjp`` (the kernel's own residuals and pullback).
-
-The JAX internals this package uses are here alone, written for ``JAX_VERSION`` and named in
-``INTERNALS``; ``parity_tests/test_jax_internals.py`` fails when one moves.
+The JAX internals this package uses are here alone, named in ``INTERNALS`` for ``JAX_VERSION``.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ INTERNALS = {
 
 
 def jax_internal(module: str):
-    """JAX's internal ``module``, holding what ``INTERNALS`` uses of it; else an ImportError
-    naming what moved, the JAX version this was written for and the one installed."""
+    """JAX's internal ``module``; an ImportError naming what moved if it lacks what ``INTERNALS`` lists."""
     try:
         found = importlib.import_module(module)
     except ImportError:
@@ -54,7 +47,6 @@ convert_constvars_jaxpr = jax_internal("jax._src.interpreters.partial_eval").con
 _lowered_p = Primitive("mha_lowered_for")
 _lowered_p.multiple_results = True
 _lowered_p.def_abstract_eval(lambda *args, jaxpr, platform: [v.aval for v in jaxpr.jaxpr.outvars])
-
 _lowered_p.def_impl(lambda *args, jaxpr, platform: jax.jit(jaxpr_as_fun(jaxpr))(*args))
 
 
@@ -89,7 +81,7 @@ def spec_arrays(spec) -> dict:
 
 
 def _context(x32: bool):
-    """With ``x32``, 32-bit defaults while tracing (the TPU kernel's index arithmetic mixes int32 with Python ints)."""
+    """With ``x32``, 32-bit defaults while tracing (the TPU kernel mixes int32 with Python ints)."""
     return jax.enable_x64(False) if x32 and jax.config.jax_enable_x64 else contextlib.nullcontext()
 
 
@@ -98,21 +90,18 @@ def _bind(platform: str, fn, args, x32: bool):
     flat, tree = jax.tree.flatten(args)
     with _context(x32):
         closed, shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
-    # its constants (arrays it closes over, traced ones included) become leading arguments
     jaxpr = ClosedJaxpr(convert_constvars_jaxpr(closed.jaxpr), ())
     outs = _lowered_p.bind(*closed.consts, *flat, jaxpr=jaxpr, platform=platform)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def on(platform: str | None, fn, *args, x32: bool = False):
-    """``fn(*args)`` (a pytree of arrays in, one array or a tuple of arrays out) with its forward
-    and backward programs lowered for ``platform`` only (None: for the program's platforms).
-    Differentiable in ``args``: pass every array ``fn`` depends on (masks, positions) as one."""
+    """``fn(*args)`` with its forward and backward lowered for ``platform`` only (None: the program's platforms).
+    Differentiable in ``args``: pass every array ``fn`` depends on."""
     flat, tree = jax.tree.flatten(args)
 
     def converted(*xs):
         return fn(*jax.tree.unflatten(tree, xs))
-
     pullback_tree = []
 
     @jax.custom_vjp
@@ -128,7 +117,6 @@ def on(platform: str | None, fn, *args, x32: bool = False):
             return out, leaves
 
         return _bind(platform, run, xs, x32)
-
     inexact = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in flat]
     shapes = [jnp.shape(x) for x in flat]
 
@@ -140,16 +128,13 @@ def on(platform: str | None, fn, *args, x32: bool = False):
 
         grads = iter(_bind(platform, run, (leaves, cotangent), x32))
         return tuple(next(grads) if keep else np.zeros(x, jax.dtypes.float0) for keep, x in zip(inexact, shapes))
-
     call.defvjp(forward, backward)
     return call(*flat)
 
 
 @contextlib.contextmanager
 def cudnn_traced_anywhere():
-    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without CUDA
-    (to export for a GPU). Its wrapper asks the local cuDNN for its version, which only gates checks
-    for GPUs newer than this package's; the GPU that compiles the program checks what it supports."""
+    """Let ``jax.nn.dot_product_attention(implementation="cudnn")`` be traced on a host without CUDA."""
     fused = jax_internal("jax._src.cudnn.fused_attention_stablehlo")
     if fused.cuda_versions is not None:
         yield

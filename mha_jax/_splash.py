@@ -1,12 +1,7 @@
 """The TPU kernel: JAX's splash attention (Pallas), with our masking terms.
 
-Splash computes one example's attention ``(heads, q_len, head_dim)`` over ``(kv_heads, kv_len,
-head_dim)``, skipping the blocks its mask leaves empty, with a logit soft-cap and per-head sinks.
-Causality and windows over default positions are its static masks, chunks its chunked causal mask;
-segment ids and key lengths are its segment ids (a key beyond its example's length, or in the padding
-to a whole block, gets an id no query has). The scale is folded into the queries; a query that sees
-no key gets 0 (the kernel gives it the mean of the values it visited). What it cannot take is refused
-by name (``refusal``). Off a TPU the kernel runs in Pallas interpret mode.
+Causality, windows and chunks are its static masks; segment ids, key lengths and block padding its segment ids.
+Off a TPU it runs in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -23,9 +18,7 @@ from mha_spec.terms import Where
 _LANES = 128  # the kernel's blocks are whole multiples of the TPU's 128 lanes
 BLOCKS = (512, 256, 128)
 
-# What the kernel is built from that ``splash_attention`` does not export, as jax ``WRITTEN_FOR`` lays it out.
 INTERNALS = {module: names for module, names in _platform.INTERNALS.items() if module.startswith(splash.__name__)}
-WRITTEN_FOR = _platform.JAX_VERSION
 
 
 def jax_internals() -> dict:
@@ -60,10 +53,7 @@ def padded(length: int) -> int:
 
 
 def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=None, sinks=None, interpret=False):
-    """Output ``(batch, q_len, heads, v_head_dim)`` in float32 of query ``(batch, q_len, heads,
-    head_dim)`` over key ``(batch, kv_len, kv_heads, head_dim)`` and value ``(batch, kv_len, kv_heads,
-    v_head_dim)`` (the kernel takes a value head dim of its own); ``sinks`` ``(heads,)`` or None.
-    Lowered for the TPU alone, or in interpret mode; on a mesh, called per device."""
+    """float32 ``(batch, q_len, heads, v_head_dim)`` of query, key, value in the public layout; sinks ``(heads,)``."""
     batch, heads, q_len, kv_len = spec.shape
     if jnp.dtype(query.dtype).itemsize > 4:  # the kernel computes in float32 at most
         query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
@@ -77,7 +67,6 @@ def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=Non
     def one(q, k, v, q_ids, kv_ids, sinks):  # one example; the ids None where not needed
         ids = None if q_ids is None else splash.SegmentIds(q_ids, kv_ids)
         return built(q, k, v, segment_ids=ids, sinks=sinks)
-
     batched = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None))
     out = _platform.on(None if interpret else "tpu", batched, q, k, v, q_ids, kv_ids, sinks, x32=True)
     out = out[:, :, :q_len].astype(jnp.float32).transpose(0, 2, 1, 3)
@@ -86,7 +75,7 @@ def attention(query, key, value, spec: masks.Spec, *, scale: float, soft_cap=Non
 
 @functools.lru_cache(maxsize=64)
 def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
-    """The kernel for one mask structure and padded size (built once: its block tables are NumPy work)."""
+    """The kernel for one mask structure and padded size (cached: its block tables are NumPy work)."""
     internal = jax_internals()
     if chunk is not None:  # causal within each chunk of positions (Llama 4's)
         one = internal["ChunkedCausalMask"]((q_len, kv_len), chunk_size=chunk)
@@ -100,8 +89,7 @@ def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
     bq, bk = block_size(q_len), block_size(kv_len)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                               block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    # ``make_splash_mha`` less its ``jnp.array`` of the block tables: NumPy constants, so that the
-    # kernel can be built inside a trace and for devices only described (a topology)
+    # ``make_splash_mha`` with NumPy block tables, so that it can be built inside a trace
     mask = splash.MultiHeadMask([one] * heads)
     shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
     fwd, function = internal["process_mask"](mask, (bq, bk), **shards)
@@ -114,8 +102,7 @@ def kernel(heads, q_len, kv_len, causal, window, chunk, soft_cap, interpret):
 
 
 def _segment_ids(spec: masks.Spec, q_pad: int, kv_pad: int):
-    """int32 ``(batch, q_pad)``, ``(batch, kv_pad)`` segment ids carrying segments, key lengths
-    and the padding keys (an id no query has), or (None, None) where nothing needs them."""
+    """int32 ``(batch, q_pad)``, ``(batch, kv_pad)`` segment ids (lengths, padding: an id no query has), or Nones."""
     batch, _, q_len, kv_len = spec.shape
     padding = kv_pad != kv_len
     if spec.query_segment_ids is None and spec.lengths is None and not padding:
@@ -136,10 +123,8 @@ def _segment_ids(spec: masks.Spec, q_pad: int, kv_pad: int):
 
 
 def has_key(spec: masks.Spec):
-    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key. The keys the
-    positional terms and lengths leave a query are one range ``[lo, hi]``, each end found by
-    bisection on the terms' ``block``; with segments, a key of the query's segment must lie in it
-    (binary search over the keys sorted by segment). No ``(q_len, kv_len)`` array is formed."""
+    """bool ``(batch, q_len, 1, 1)``: whether each query may attend to some key, found by bisection on the
+    range ``[lo, hi]`` its positional terms leave it (and its segment's keys in it), without ``(q_len, kv_len)``."""
     batch, _, q_len, kv_len = spec.shape
     ranged = spec.terms.only({"position", "index", "length"})
     query = Where(jnp.arange(q_len, dtype=jnp.int32)[None])
@@ -149,7 +134,6 @@ def has_key(spec: masks.Spec):
     def live(first, final):  # keys first..final, at positions equal to their indices
         keys = (Where(x, index=x, length=lengths) for x in (first, final))
         return ranged.block(query, query, *keys)[1]
-
     lo, hi = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), last, jnp.int32)
     if ranged:
         first, end = jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), kv_len, jnp.int32)
@@ -164,8 +148,7 @@ def has_key(spec: masks.Spec):
 
 
 def _least(holds, first, end, n: int):
-    """The least ``k`` in ``[first, end)`` (int32 arrays, a range of at most ``n``) for which
-    ``holds(k)`` (bool, false then true along ``k``), or ``end`` where none does: a bisection."""
+    """By bisection, the least ``k`` in ``[first, end)`` (at most ``n`` long) where ``holds(k)``, else ``end``."""
     for _ in range(max(n, 1).bit_length()):
         mid = (first + end) // 2
         yes, active = holds(mid), first < end
@@ -174,8 +157,7 @@ def _least(holds, first, end, n: int):
 
 
 def _segment_in_range(qs, ks, lo, hi):
-    """bool ``(q_len,)``: whether a key of each query's segment ``qs`` has its index in
-    ``[lo, hi]``, for one example's key segment ids ``ks``."""
+    """bool ``(q_len,)``: whether a key of each query's segment ``qs`` has its index in ``[lo, hi]``."""
     order = jnp.argsort(ks, stable=True).astype(jnp.int32)  # by segment, indices ascending within each
     ids, last = ks[order], ks.shape[0] - 1
     start, end = jnp.searchsorted(ids, qs, side="left"), jnp.searchsorted(ids, qs, side="right")

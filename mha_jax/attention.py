@@ -52,7 +52,6 @@ _KERNELS = {k.name: k for k in (
 )}
 IMPLEMENTATIONS = tuple(_KERNELS)
 _PLATFORM_NAMES = {"cuda": "an NVIDIA GPU", "tpu": "a TPU"}
-# AD tracers: a blockwise call under forward mode or under two of them is refused by name.
 _AD_TRACERS = ("JVPTracer", "LinearizeTracer")
 
 
@@ -110,26 +109,17 @@ def dot_product_attention(
         (``"xla"`` only: the other implementations never form them); with ``sinks`` the
         sink's share is not among them.
       precision: passed to the matrix products.
-      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks,
-        memory linear in length; blocks the masking terms empty are skipped, those they leave whole not
-        masked), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``; bfloat16/float16,
-        neither ``logit_soft_cap``, ``sinks`` nor dropout; ``alibi_slopes`` as a dense bias),
-        ``"splash"`` (JAX's Pallas TPU kernel: causality and windows at default positions, segments,
-        lengths, ``logit_soft_cap`` and ``sinks``; no ``mask``, ``bias``, ``alibi_slopes``, dropout or
-        position arrays with causality/windows; float32 at most; off a TPU, slow Pallas interpret mode),
-        ``"flash"`` (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU, else or where the chip's
-        kernel cannot express the call ``"blockwise"``), or None: ``"xla"`` at every size, as flax. The
-        platform is the one the program is lowered for (``jax.lax.platform_dependent``), not the host's;
-        a kernel lowered for a platform it does not run on fails then, by name. Every implementation but
-        ``"xla"`` has first-order reverse-mode derivatives only (else an error naming ``"xla"``).
-      sequence_axis: a mesh axis (of ``jax.set_mesh``'s mesh) over which the query and key/value
-        lengths are sharded, as ``P(None, sequence_axis)`` lays them out: ring attention, key/value
-        blocks passed round (``jax.lax.ppermute``), never gathered, in a zig-zag order that balances
-        causal work. Both lengths must be multiples of twice the axis's size. It takes every masking
-        term (dense ones held by query rows), ``scale``, ``logit_soft_cap``, ``sinks`` and dropout
-        (the bits ``"xla"`` draws on one device from a threefry key), no ``return_weights``;
-        first-order reverse-mode derivatives only.
-
+      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks, memory
+        linear in length, empty blocks skipped), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
+        bfloat16/float16; no ``logit_soft_cap``, ``sinks`` or dropout), ``"splash"`` (JAX's Pallas TPU kernel; no
+        ``mask``, ``bias``, ``alibi_slopes``, dropout or position arrays with causality/windows; float32 at most;
+        off a TPU, slow Pallas interpret mode), ``"flash"`` (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU,
+        else or where that kernel cannot express the call ``"blockwise"``), or None: ``"xla"``. The platform is
+        the one the program is lowered for, not the host's. Every implementation but ``"xla"`` has first-order
+        reverse-mode derivatives only.
+      sequence_axis: a mesh axis (of ``jax.set_mesh``'s mesh) sharding the query and key/value lengths as
+        ``P(None, sequence_axis)``: ring attention (key/value blocks passed round in a zig-zag order). Both lengths
+        must be multiples of twice the axis's size. No ``return_weights``; first-order reverse-mode derivatives only.
     Returns:
       ``(batch, q_len, heads, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
@@ -138,10 +128,9 @@ def dot_product_attention(
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks.parse((batch, heads, q_len, kv_len), **batch_axes.masking(locals()))
     return spec_attention(
-        query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_mask=dropout_mask,
-        return_weights=return_weights, precision=precision, implementation=implementation,
-        sequence_axis=sequence_axis,
+        query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, dropout_mask=dropout_mask, return_weights=return_weights, precision=precision,
+        implementation=implementation, sequence_axis=sequence_axis,
     )
 
 
@@ -149,8 +138,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
                    dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
                    implementation=None, zero_unused=True, sequence_axis=None):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
-    ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
-    finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
+    ``zero_unused=False`` skips zeroing the keys no query sees (a decoding cache's slots are finite)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim, v_dim = key.shape[2], query.shape[3], value.shape[3]
     scale = arguments.check_scale(scale)
@@ -177,7 +165,6 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
             "'blockwise' (the ring computes each step itself)"
         )
     _check_head_sharding(query, heads, kv_heads)
-
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
@@ -209,8 +196,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
 
 
 def _no_keys(query, key, value, sinks, shape, return_weights):
-    """No key to attend to: an output of zeros (and weights ``(batch, heads, q_len, 0)``), as for a
-    fully masked row, kept in the graph (a sink's gradient 0 included)."""
+    """Zeros ``(batch, q_len, heads, v_head_dim)`` (and weights ``(batch, heads, q_len, 0)``), kept in the graph."""
     batch, heads, q_len, _ = shape
     kv_heads, head_dim, groups = key.shape[2], query.shape[3], heads // key.shape[2]
     empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
@@ -221,11 +207,9 @@ def _no_keys(query, key, value, sinks, shape, return_weights):
 
 
 def _check_head_sharding(query, heads, kv_heads):
-    """On a mesh with Explicit axes, query heads sharded over axes whose size does not divide
-    ``kv_heads`` would split a group of query heads from its key/value head; say so by name."""
+    """Refuse query heads sharded over Explicit axes whose size does not divide ``kv_heads``."""
     sharding = getattr(jax.typeof(query), "sharding", None)
-    spec = getattr(sharding, "spec", ())
-    axes = spec[2] if len(spec) > 2 else None
+    axes = (tuple(getattr(sharding, "spec", ())) + (None,) * 3)[2]
     if axes is None:
         return
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -253,34 +237,30 @@ def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sink
         dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
     refused = _refusal(kernel, dropout, dtype, soft_cap, sinks, value_dim, alibi)
     if refused is not None:
-        error, message = refused
-        raise error(message)
+        raise refused[0](refused[1])
     return kernel
 
 
 def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks, value_dim=False, alibi=False) -> tuple[type, str] | None:
-    """(exception type, message) when ``kernel`` cannot take a call of these options, else None;
-    ``value_dim``: the value's head dim differs from the key's."""
+    """(exception type, message) when ``kernel`` cannot take a call of these options, else None."""
     name = kernel.name
     if value_dim and not kernel.value_head_dim:
         return ValueError, (f"implementation={name!r} does not take a value head dim apart from the key's "
                             "(value's last axis must be key's); use 'xla' or 'blockwise'")
-    missing = [n for n, given, takes in (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks),
-                                         ("alibi_slopes", alibi, kernel.alibi))
-               if given and not takes]
+    asked = (("logit_soft_cap", soft_cap, kernel.soft_cap), ("sinks", sinks, kernel.sinks),
+             ("alibi_slopes", alibi, kernel.alibi))
+    missing = [n for n, given, takes in asked if given and not takes]
     if missing:
         return ValueError, f"implementation={name!r} does not take {' and '.join(missing)}; use 'xla' or 'blockwise'"
     if dropout and not kernel.dropout:
         return ValueError, f"implementation={name!r} does not take dropout here; use 'blockwise' or 'xla'"
     if kernel.dtypes and dtype is not None and jnp.dtype(dtype).name not in kernel.dtypes:
-        wanted = " or ".join(kernel.dtypes)
-        return TypeError, f"implementation={name!r} needs {wanted} query/key/value, got {dtype}"
+        return TypeError, f"implementation={name!r} needs {' or '.join(kernel.dtypes)} query/key/value, got {dtype}"
     return None
 
 
 def _per_platform(kernel: _Kernel, query, key, value, call):
-    """Output ``(batch, q_len, heads, v_head_dim)`` in the compute dtype, from the kernel of the
-    platform the program is lowered for (a CPU host can so export or compile for GPUs and TPUs)."""
+    """Output ``(batch, q_len, heads, v_head_dim)`` in the compute dtype, from the lowering platform's kernel."""
     pairs = kernel.per_platform or ((kernel.platform or "default", kernel.name),)
     if kernel.interpret_elsewhere:
         pairs += (("default", kernel.name),)
@@ -306,8 +286,7 @@ def _dispatch(kernel: _Kernel, names: dict, query, key, value, call):
 
 
 def _sharded_axes(query, key):
-    """(batch axes, heads axes) where a mesh's Explicit axes shard the query's batch or heads,
-    else None; the lengths must not be sharded then (``sequence_axis`` is the way)."""
+    """(batch axes, heads axes) where Explicit mesh axes shard the query's batch or heads, else None."""
     if not tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ())):
         return None
     q_spec, k_spec = (tuple(jax.typeof(x).sharding.spec) + (None,) * 4 for x in (query, key))
@@ -322,8 +301,7 @@ def _sharded_axes(query, key):
 
 
 def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
-    """``_dispatch`` inside ``jax.shard_map`` over the mesh's Explicit axes: each device runs the
-    kernel on its own examples and heads (with the masking terms of its examples)."""
+    """``_dispatch`` inside ``jax.shard_map`` over the mesh's Explicit axes (per device: its examples and heads)."""
     spec, b = call["spec"], call["spec"].shape[0]
     arrays = _platform.spec_arrays(spec)
     specs = {n: None if x is None else P(batch if x.shape[0] == b else None, *(None,) * (x.ndim - 1))
@@ -340,15 +318,12 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
         shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         here = dict(call, spec=dataclasses.replace(spec, shape=shape, **arrays), sinks=sinks)
         return _dispatch(kernel, names, q, k, v, here)
-
     specs = (layout, layout, layout, specs, None if sinks is None else P(heads))
     return _blockwise.per_device(local, (query, key, value, arrays, sinks), specs, layout, check_vma=False)
 
 
 def _resolve(asked: str, name: str, dtype, call, value_dim=False):
-    """What runs where ``implementation=asked`` names ``name``'s kernel: that kernel, ``"blockwise"``
-    for ``"flash"`` where it cannot take the call, else a refusal ``(exception type, message)``
-    raised where the program is lowered for its platform (splash's terms: now)."""
+    """The kernel name to run for ``asked`` on ``name``'s platform, or a refusal ``(exception type, message)``."""
     spec = call["spec"]
     refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
                        call["soft_cap"] is not None, call["sinks"] is not None, value_dim,
@@ -396,9 +371,8 @@ def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng
     block_q, block_k = _blockwise.block_sizes(q_len, kv_len, batch * kv_heads, groups, causal)
     out = _blockwise.attention(
         q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
-        allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
-        keep=_grouped(keep, kv_heads), dropout_rng=rng, scale=scale,
-        dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
+        allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads), keep=_grouped(keep, kv_heads),
+        dropout_rng=rng, scale=scale, dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
         block_q=block_q, block_k=block_k, soft_cap=soft_cap,
         sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups),
     )
@@ -409,8 +383,6 @@ def _run_cudnn(query, key, value, *, spec, scale, **_):
     def kernel(q, k, v, arrays):
         with _platform.cudnn_traced_anywhere():
             return _cudnn(q, k, v, dataclasses.replace(spec, **arrays), scale)
-
-    # the kernel's program, lowered for cuda alone in a multi-platform one
     return _platform.on("cuda", kernel, query, key, value, _platform.spec_arrays(spec))
 
 
@@ -418,9 +390,7 @@ def _run_splash(query, key, value, *, spec, scale, soft_cap, sinks, interpret, *
     return _splash.attention(query, key, value, spec, scale=scale, soft_cap=soft_cap, sinks=sinks, interpret=interpret)
 
 
-# A primitive that stands for a kernel where its platform is not the target: it traces as the
-# identity and fails, with its message, only when lowered (so a CPU host can trace and export
-# the GPU/TPU branches, and running such a program on the wrong platform says why).
+# Stands for a kernel off its platform: traces as the identity, fails with its message only when lowered.
 _unavailable_p = Primitive("mha_kernel_unavailable")
 _unavailable_p.def_abstract_eval(lambda x, **_: x)
 ad.defjvp(_unavailable_p, lambda t, x, **_: t)
@@ -448,13 +418,11 @@ def _unavailable(message: str, error: type = ValueError):
         # stands for the output (batch, q_len, heads, v_head_dim), as the kernel's branch gives it
         out = jnp.broadcast_to(query[..., :1], query.shape[:3] + value.shape[3:]).astype(compute)
         return _unavailable_p.bind(out, message=message, error=error.__name__)
-
     return branch
 
 
 def _check_derivatives(implementation: str, *arrays) -> None:
-    """Refuse, naming ``"xla"``, forward mode or a second derivative (seen on the traced inputs) of
-    a custom-VJP kernel, which has neither."""
+    """Refuse forward mode or a second derivative of a custom-VJP kernel (seen on the traced inputs)."""
     for x in arrays:
         kinds = []
         while isinstance(x, jax.core.Tracer):
@@ -469,8 +437,7 @@ def _check_derivatives(implementation: str, *arrays) -> None:
 
 
 def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=None, sinks=None):
-    """The plain formulation: q ``(b, q, kv_heads, groups, d)``, k ``(b, k, kv_heads, d)``, v ``(b, k,
-    kv_heads, dv)``, ``sinks`` ``(heads,)`` or None."""
+    """(out, weights) of q ``(b, q, kv_heads, groups, d)``, k ``(b, k, kv_heads, d)``, v ``(b, k, kv_heads, dv)``."""
     batch, q_len, kv_heads, groups, _ = q.shape
     shape = (batch, kv_heads * groups, q_len, k.shape[1])
     logits = _scores(q, k, precision).reshape(shape) * scale
@@ -483,9 +450,7 @@ def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=No
     return out, weights
 
 
-# With few query rows over many keys (a decoding step), one product over every head's keys (and values) reads
-# the cache in place, where per-head products make XLA:CPU copy it head-major first; each head keeps its own
-# block (kv_heads times the multiplications, cheaper while rows x kv_heads stays small; only rounding differs).
+# Few query rows over many keys: one product over every head's keys reads the cache in place (no head-major copy).
 _ROWS_OVER_HEADS = 1024
 _MANY_KEYS = 128
 
@@ -505,8 +470,7 @@ def own_blocks(x, axis1: int, axis2: int):
 
 
 def _scores(q, k, precision):
-    """Logits ``(b, kv_heads, groups, q, k)`` of q ``(b, q, kv_heads, groups, d)`` against k
-    ``(b, k, kv_heads, d)``."""
+    """Logits ``(b, kv_heads, groups, q, k)`` of q ``(b, q, kv_heads, groups, d)`` against k ``(b, k, kv_heads, d)``."""
     batch, q_len, kv_heads, groups, head_dim = q.shape
     kv_len = k.shape[1]
     rows = q.transpose(0, 2, 3, 1, 4)  # each key/value head's queries as rows
@@ -520,8 +484,7 @@ def _scores(q, k, precision):
 
 
 def _mix(weights, v, precision):
-    """Outputs ``(b, q, kv_heads, groups, dv)`` of weights ``(b, kv_heads, groups, q, k)`` over v
-    ``(b, k, kv_heads, dv)``."""
+    """Outputs ``(b, q, kv_heads, groups, dv)`` of weights ``(b, kv_heads, groups, q, k)`` over v ``(b, k, h, dv)``."""
     batch, kv_heads, groups, q_len, kv_len = weights.shape
     if not _over_all_heads(v, q_len, kv_len, groups, kv_heads):
         out = jnp.einsum("bhmk,bhkd->bhmd", weights.reshape(batch, kv_heads, groups * q_len, kv_len),
@@ -535,10 +498,8 @@ def _mix(weights, v, precision):
 
 
 def _cudnn(query, key, value, spec: masks.Spec, scale):
-    """``jax.nn.dot_product_attention(implementation="cudnn")`` with our semantics, on bfloat16/float16
-    inputs in the public layout; output in float32. Causality at default positions (top-left, as
-    cuDNN's) and lengths go to cuDNN as such, other terms into its mask (its window is ignored
-    without one, jax #32357); the fully masked rows it gives the mean of V are set to 0."""
+    """cuDNN's attention with our semantics: float32 ``(batch, q_len, heads, v_head_dim)``, fully masked rows 0.
+    Other terms than default-position causality and lengths go into its mask (jax #32357)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     native_causal = spec.is_causal and spec.default_positions
     allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
@@ -565,11 +526,8 @@ def _grouped(x, kv_heads):
     return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, x.shape[2], x.shape[3])
 
 
-def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None,
-                    sinks: jax.Array | None = None) -> jax.Array:
-    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)`` logits that gives 0 (not
-    NaN, not uniform) on rows with no allowed key. ``sinks`` ``(heads,)`` joins each row's
-    normaliser as one more logit whose weight is not returned."""
+def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None, sinks=None) -> jax.Array:
+    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``."""
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
     if allowed is not None:
@@ -578,7 +536,6 @@ def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Arra
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1)
         row_max = jnp.maximum(row_max, sink)
-    # The row maximum only shifts the exponent; softmax does not depend on it, so no gradient.
     row_max = jax.lax.stop_gradient(row_max)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     exp = jnp.exp(logits - row_max)

@@ -1,5 +1,4 @@
-"""Argument checks of the functional core and the module: ``mha_spec.arguments.ArrayChecks`` over
-tensors, so that a bad argument fails alike in both twins (tensors are concrete: ranges always checked)."""
+"""Argument checks of the functional core and the module: ``mha_spec.arguments.ArrayChecks`` over tensors."""
 
 from __future__ import annotations
 

@@ -84,13 +84,9 @@ def dot_product_attention(
         ``(batch, heads, q_len, kv_len)`` (``"math"`` only).
       need_weights: also return the attention weights actually applied to ``value``
         (``"math"`` only); with ``sinks`` the sink's share is not among them.
-      implementation: ``"math"`` (the explicit formulation), ``"sdpa"``
-        (``F.scaled_dot_product_attention``; causality alone at default positions goes to it
-        as ``is_causal``, any other term as one materialised ``attn_mask``; ``sinks`` as one
-        more key and value of zeros whose ``attn_mask`` column is the sink), or None:
-        ``"sdpa"`` unless weights, an explicit dropout mask or ``logit_soft_cap`` are asked
-        for, then ``"math"`` (whatever the sizes).
-
+      implementation: ``"math"`` (the explicit formulation), ``"sdpa"`` (``F.scaled_dot_product_attention``;
+        any term but causality at default positions as one materialised ``attn_mask``), or None: ``"sdpa"``
+        unless weights, an explicit dropout mask or ``logit_soft_cap`` are asked for, then ``"math"``.
     Returns:
       ``(batch, heads, q_len, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
@@ -100,17 +96,15 @@ def dot_product_attention(
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks.parse((batch, heads, q_len, kv_len), device=query.device, **batch_axes.masking(locals()))
     return spec_attention(
-        query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-        dropout_p=dropout_p, dropout_mask=dropout_mask, need_weights=need_weights,
-        implementation=implementation,
+        query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, dropout_p=dropout_p,
+        dropout_mask=dropout_mask, need_weights=need_weights, implementation=implementation,
     )
 
 
 def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
                    dropout_p=0.0, dropout_mask=None, need_weights=False, implementation=None, zero_unused=True):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the module's entry).
-    ``zero_unused=False`` skips zeroing the keys no query sees: a decoding cache's slots hold
-    finite values (zeros or earlier tokens), and zeroing would copy the whole cache every step."""
+    ``zero_unused=False`` skips zeroing the keys no query sees (a decoding cache's slots are finite)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
     scale = arguments.check_scale(scale)
@@ -123,10 +117,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     if kv_len == 0:
         return _no_keys(query, key, value, sinks, shape, need_weights)
     implementation = _choose(implementation, need_weights, keep is not None, soft_cap is not None)
-
     dtype = query.dtype
-    # On a GPU, SDPA's fused kernels take half-precision inputs and accumulate in float32 themselves;
-    # cast to float32 first, they would fall back to the math kernel, which forms every score.
+    # SDPA's fused GPU kernels take half precision as it is (in float32 they would fall back to math)
     fused = implementation == "sdpa" and query.is_cuda and dtype in (torch.bfloat16, torch.float16)
     compute = dtype if fused else torch.promote_types(dtype, torch.float32)
     unused = masks.unused_keys(spec, kv_heads) if zero_unused else None
@@ -150,8 +142,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
 
 
 def _no_keys(query, key, value, sinks, shape, need_weights):
-    """No key to attend to: an output of zeros (and weights ``(batch, heads, q_len, 0)``), as for a
-    fully masked row, kept in the graph (a sink's gradient 0 included)."""
+    """Zeros ``(batch, heads, q_len, v_head_dim)`` (and weights ``(batch, heads, q_len, 0)``), kept in the graph."""
     batch, heads, q_len, _ = shape
     kv_heads, head_dim, groups = key.shape[1], query.shape[3], heads // key.shape[1]
     empty = query.reshape(batch, kv_heads, groups, q_len, head_dim) @ key.unsqueeze(2).transpose(-1, -2)
@@ -183,8 +174,7 @@ def _refusal(kernel: _Kernel, need_weights, explicit_dropout, soft_cap) -> str |
 
 
 def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=None):
-    """The explicit formulation: q ``(b, heads, q, d)``, k ``(b, kv_heads, k, d)``, v ``(b, kv_heads, k,
-    dv)``, ``sinks`` ``(heads,)`` or None."""
+    """(out, weights) of q ``(b, heads, q, d)``, k ``(b, kv_heads, k, d)``, v ``(b, kv_heads, k, dv)``."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -200,10 +190,8 @@ def _math(q, k, v, allowed, bias, keep, keep_scale, scale, soft_cap=None, sinks=
 
 
 def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
-    """``F.scaled_dot_product_attention`` with our semantics: causality alone at default positions as
-    its ``is_causal`` (top-left, as ours there), anything else as one ``attn_mask`` (bool, or float
-    with ``-inf`` where not allowed beside a bias). Like ours, SDPA gives a row with no allowed key
-    0 and gradients 0 (torch 2.13). ``sinks`` ``(heads,)``: see ``_with_sink_key``."""
+    """``F.scaled_dot_product_attention`` with our semantics: default-position causality alone as its
+    ``is_causal``, anything else as one ``attn_mask``; ``sinks`` ``(heads,)`` as ``_with_sink_key``."""
     native_causal = (
         spec.terms.members == (terms.Causal(),) and spec.default_positions
         and spec.allowed is None and spec.bias is None and spec.alibi_slopes is None and sinks is None
@@ -220,8 +208,7 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
     batch, heads, q_len, head_dim = q.shape
     groups = heads // k.shape[1]
     if groups > 1 and attn_mask is None and not native_causal and dropout_p == 0:
-        # Each key/value head's group of query heads as rows of one head: SDPA's enable_gqa reads a
-        # key/value head once per query head, this once. No term depends on the query head or row here.
+        # a group's query heads as rows of one head: each key/value head read once (enable_gqa: once per query head)
         out = F.scaled_dot_product_attention(q.reshape(batch, k.shape[1], groups * q_len, head_dim), k, v, scale=scale)
         return out.view(batch, heads, q_len, v.shape[3])
     return F.scaled_dot_product_attention(
@@ -231,9 +218,8 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
 
 
 def _with_sink_key(q, k, v, attn_mask, sinks):
-    """(q, k, v, attn_mask) with one more key and value of zeros, and a float mask ``(batch|1, heads,
-    q_len, kv_len + 1)`` whose last column is ``sinks``: that key's score ``q . 0 + sink`` is the sink
-    logit exactly, its value adds nothing, and the sink's gradient comes back through the mask."""
+    """(q, k, v, attn_mask) with one more key and value of zeros and a float mask ``(batch|1, heads, q_len,
+    kv_len + 1)`` whose last column is ``sinks``: that key's score is the sink logit exactly."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len, head_dim = k.shape[1], k.shape[2], k.shape[3]
     k = torch.cat([k, k.new_zeros(batch, kv_heads, 1, head_dim)], dim=2)
@@ -249,10 +235,8 @@ def _with_sink_key(q, k, v, attn_mask, sinks):
 
 
 def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)`` logits that gives 0 (not
-    NaN, not uniform) on rows with no allowed key. ``sinks`` ``(heads,)`` joins each row's
-    normaliser as one more logit whose weight is not returned."""
+                    sinks=None) -> torch.Tensor:
+    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
     if allowed is not None:
@@ -261,7 +245,6 @@ def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: to
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1)
         row_max = torch.maximum(row_max, sink)
-    # The row maximum only shifts the exponent; softmax does not depend on it, so no gradient.
     row_max = row_max.detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     exp = torch.exp(logits - row_max)
