@@ -247,11 +247,9 @@ _KINDS = {"float": "a real floating-point array", "int": "an integer array"}
 @dataclass(frozen=True)
 class ArrayChecks:
     """The checks of array arguments, given how one framework reads an array (each twin's ``_checks`` makes one).
-
     ``array``: what messages call an array; ``kind(x)``: ``'float'``, ``'complex'``, ``'int'``, ``'bool'`` or
     ``'other'``; ``dtype(x)`` as NumPy prints it; ``values(x)``: NumPy values, or None under ``jit``;
-    ``heads_first``: the core's layout is ``(batch, heads, len, head_dim)``.
-    """
+    ``heads_first``: the core's layout is ``(batch, heads, len, head_dim)``."""
 
     array: str
     is_array: Callable[[Any], bool]

@@ -33,8 +33,7 @@ class Term:
     ``visible(q, k)``: bool, which keys each query may see. ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)``
     from a block's extremes: ``live`` False when no query may see a key, ``whole`` True when every query sees
     every key. ``reads``: the ``Where`` fields read; ``shift_invariant``: reads positions only relative to each
-    other. Both methods use operators alone (NumPy, JAX, PyTorch, traced or not); None: no restriction.
-    """
+    other. Both methods use operators alone (NumPy, JAX, PyTorch, traced or not); None: no restriction."""
 
     reads: ClassVar[frozenset[str]] = frozenset({"position"})
     shift_invariant: ClassVar[bool] = True
@@ -188,8 +187,7 @@ class Spec:
     """One call's masking, checked. ``allowed`` (bool) and ``bias`` (float) broadcast to ``shape`` = ``(batch,
     heads, q_len, kv_len)``; positions and segment ids integer ``(batch|1, len)``; ``lengths`` ``(batch,)``;
     ``window`` ``(left, right)``; ``alibi_slopes`` float ``(batch|1, heads)``, a constant. None: absent (positions:
-    ``arange``). ``device``: PyTorch's device; None in JAX.
-    """
+    ``arange``). ``device``: PyTorch's device; None in JAX."""
 
     shape: tuple[int, int, int, int]
     allowed: Any = None
@@ -246,8 +244,7 @@ class Spec:
     def excluded_keys(self, kv_heads: int, arange, extremes, present) -> Any:
         """bool ``(batch|1, kv_heads|1, kv_len)``: keys no query of a key/value head's group may see, each term read
         alone; None if none. ``extremes(positions)``: min and max along axis 1, kept; ``present(query_ids,
-        key_ids)``: bool ``(batch|1, kv_len)``, whether each key's segment id occurs among the queries' (or None).
-        """
+        key_ids)``: bool ``(batch|1, kv_len)``, whether each key's segment id occurs among the queries' (or None)."""
         excluded = []
         dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
         for ex in dense:
