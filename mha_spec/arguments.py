@@ -1,5 +1,4 @@
-"""Argument checks, each written once for both twins: those that read no array library, and
-``ArrayChecks``, those of array arguments. Every message names the argument and the shapes."""
+"""Argument checks written once for both twins; ``ArrayChecks`` checks array arguments."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ A = TypeVar("A")
 
 
 class PositionMasking(TypedDict, Generic[A], total=False):
-    """The masking keywords a module's call takes beside flax's (``**masking``), each as the
-    functional core reads it, with the inputs' batch axes; ``A``: the framework's array type."""
+    """The masking keywords a module's call takes beside flax's (``**masking``), with the inputs' batch axes."""
 
     query_positions: A
     key_positions: A
@@ -57,8 +55,7 @@ class PositionMasking(TypedDict, Generic[A], total=False):
 
 
 def position_masking(call: str, masking: Mapping[str, Any]) -> dict[str, Any]:
-    """A module call's ``**masking``: each name of ``PositionMasking``, None where not given;
-    TypeError naming any other keyword, as Python names an unexpected one."""
+    """Each name of ``PositionMasking`` in ``masking``, None where not given; TypeError for any other."""
     names = PositionMasking.__annotations__
     for name in masking:
         if name not in names:
@@ -102,10 +99,8 @@ def resolve_deterministic(call: bool | None, default: bool | None) -> bool:
     for value in (call, default):
         if value is not None:
             return bool(value)
-    raise ValueError(
-        "dropout_rate > 0 needs deterministic=True or False, in the constructor or the call "
-        "(nnx: module.eval() / module.train())"
-    )
+    raise ValueError("dropout_rate > 0 needs deterministic=True or False, in the constructor or the call "
+                     "(nnx: module.eval() / module.train())")
 
 
 def check_scale(scale) -> float | None:
@@ -158,27 +153,22 @@ def check_segments_given(query_given: bool, key_given: bool) -> None:
     """Segment ids come in pairs: the queries' and the keys'."""
     if query_given != key_given:
         given, missing = ("query_segment_ids", "key_segment_ids")[:: 1 if query_given else -1]
-        raise ValueError(
-            f"{given} needs {missing} too (in self-attention through a module, it defaults to the query's)"
-        )
+        raise ValueError(f"{given} needs {missing} too (in self-attention through a module, it defaults to the "
+                         "query's)")
 
 
 def check_options(implementation, known: tuple[str, ...], scale, local_window_size, attention_chunk_size
                   ) -> tuple[str | None, float | None, tuple[int, int] | None, int | None]:
-    """A module's attention options, checked as the functional cores check them:
-    ``(implementation, scale, (left, right) window, chunk size)``."""
+    """``(implementation, scale, (left, right) window, chunk size)``, checked as the functional cores do."""
     return (check_implementation(implementation, known), check_scale(scale), check_window(local_window_size),
             check_chunk_size(attention_chunk_size))
 
 
 def default_inputs(query: Any, key: Any, value: Any, names: Sequence[str], array: str) -> tuple[bool, Any, Any, Any]:
-    """flax's defaults for a module's absent key and value inputs (the key is the query, the value
-    the key): ``(self_attention, query, key, value)``, True when the keys are the queries."""
+    """``(self_attention, query, key, value)`` with flax's defaults for absent key (the query) and value (the key)."""
     if key is None and value is not None:
-        raise ValueError(
-            f"`{names[1]}` cannot be None if `{names[2]}` is not None. To use one {array} for both, pass it "
-            f"as {names[1]} and leave {names[2]} as None"
-        )
+        raise ValueError(f"`{names[1]}` cannot be None if `{names[2]}` is not None. To use one {array} for both, "
+                         f"pass it as {names[1]} and leave {names[2]} as None")
     self_attention = key is None or key is query
     key = query if key is None else key
     return self_attention, query, key, key if value is None else value
@@ -189,22 +179,19 @@ def check_input_features(name: str, shape: Sequence[int], features: int, feature
     if len(shape) < 2:
         raise ValueError(f"{name} must have rank 2 or more (*batch, length, features), got shape {tuple(shape)}")
     if shape[-1] != features:
-        raise ValueError(
-            f"{name} has {shape[-1]} features (shape {tuple(shape)}), but the module's {features_name} is {features}"
-        )
+        raise ValueError(f"{name} has {shape[-1]} features (shape {tuple(shape)}), "
+                         f"but the module's {features_name} is {features}")
 
 
 def check_inputs_agree(names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]) -> None:
-    """A module's query, key and value inputs share one dtype and the batch axes; key and value
-    share the length."""
+    """Query, key and value inputs share one dtype and the batch axes; key and value share the length."""
     q, k, v = names
     if not dtypes[0] == dtypes[1] == dtypes[2]:
         raise TypeError(f"{q}, {k} and {v} must share one dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
     shapes = [tuple(s) for s in shapes]
     if not shapes[0][:-2] == shapes[1][:-2] == shapes[2][:-2]:
-        raise ValueError(
-            f"{q}, {k} and {v} must share the batch axes, got shapes {shapes[0]}, {shapes[1]}, {shapes[2]}"
-        )
+        raise ValueError(f"{q}, {k} and {v} must share the batch axes, got shapes {shapes[0]}, {shapes[1]}, "
+                         f"{shapes[2]}")
     if shapes[1][-2] != shapes[2][-2]:
         raise ValueError(f"{k} and {v} must share kv_len, got shapes {shapes[1]} and {shapes[2]}")
 
@@ -236,8 +223,7 @@ def check_window(window) -> tuple[int, int] | None:
 
 
 def check_qk_norm(normalize_qk) -> QKNorm | None:
-    """``normalize_qk`` as a ``QKNorm``: False/None -> None, True -> flax's (LayerNorm per head,
-    eps 1e-6), a ``QKNorm`` as it is."""
+    """``normalize_qk`` as a ``QKNorm``: False/None -> None, True -> flax's (LayerNorm per head, eps 1e-6)."""
     if normalize_qk is None or normalize_qk is False:
         return None
     if normalize_qk is True:
@@ -248,31 +234,22 @@ def check_qk_norm(normalize_qk) -> QKNorm | None:
 
 
 def check_positions_shape(shape: Sequence[int], batch_shape: Sequence[int], length: int) -> None:
-    """ValueError unless ``shape`` is ``(len,)`` or ``(*batch, len)`` with batch axes broadcasting
-    to the input's."""
+    """ValueError unless ``shape`` is ``(len,)`` or ``(*batch, len)`` broadcasting to the input's batch axes."""
     shape, batch_shape = tuple(shape), tuple(batch_shape)
     if not (len(shape) >= 1 and shape[-1] == length and _broadcasts(shape[:-1], batch_shape)):
-        raise ValueError(
-            f"positions must have shape (len,) = ({length},) or (*batch, len) with batch axes broadcasting "
-            f"to {batch_shape}, got {shape}"
-        )
+        raise ValueError(f"positions must have shape (len,) = ({length},) or (*batch, len) with batch axes "
+                         f"broadcasting to {batch_shape}, got {shape}")
 
-
-# --- the functional cores' inputs ------------------------------------------------------------
 
 _KINDS = {"float": "a real floating-point array", "int": "an integer array"}
 
 
 @dataclass(frozen=True)
 class ArrayChecks:
-    """The checks of array arguments, given how one framework reads an array: each twin's
-    ``_checks`` makes one and exports its methods, so that both check alike.
-
-    ``array``: what the messages call an array; ``is_array(x)``; ``kind(x)``: ``'float'``,
-    ``'complex'``, ``'int'``, ``'bool'`` or ``'other'``; ``dtype(x)``: its dtype as NumPy prints
-    it; ``values(x)``: a NumPy copy of ``x``'s values, or None where they are not known here (a
-    tracer under ``jit``); ``heads_first``: the core's layout, ``(batch, heads, len, head_dim)``.
-    """
+    """The checks of array arguments, given how one framework reads an array (each twin's ``_checks`` makes one).
+    ``array``: what messages call an array; ``kind(x)``: ``'float'``, ``'complex'``, ``'int'``, ``'bool'`` or
+    ``'other'``; ``dtype(x)`` as NumPy prints it; ``values(x)``: NumPy values, or None under ``jit``;
+    ``heads_first``: the core's layout is ``(batch, heads, len, head_dim)``."""
 
     array: str
     is_array: Callable[[Any], bool]
@@ -296,9 +273,8 @@ class ArrayChecks:
     require_int = functools.partialmethod(require_kind, want="int")
 
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
-        """The functional core's real floating inputs, laid out ``(batch, len, heads, head_dim)`` or,
-        with ``heads_first``, ``(batch, heads, len, head_dim)``; the value's last axis, its head dim, may
-        differ from the query's and key's. Returns (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
+        """Real floating ``(batch, len, heads, head_dim)`` inputs (``heads_first``: heads before len), the value's
+        head dim free. Returns (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
         order = (0, 2, 1, 3) if self.heads_first else (0, 1, 2, 3)  # to (batch, len, heads, head_dim)
         layout = "(batch, {}, {}, {})" if self.heads_first else "(batch, {1}, {0}, {2})"
         q_layout, kv_layout = (layout.format(h, n, "head_dim") for h, n in (("heads", "q_len"), ("kv_heads", "kv_len")))
@@ -314,10 +290,8 @@ class ArrayChecks:
         query, key, value = tuple(query.shape), tuple(key.shape), tuple(value.shape)
         batch, q_len, heads, head_dim = (query[i] for i in order)
         if key[:3] != value[:3]:
-            raise ValueError(
-                f"key and value must have the same shape but for the last axis: batch, kv_len and kv_heads must agree "
-                f"(only the head dim may differ), got key {key} and value {value}"
-            )
+            raise ValueError(f"key and value must have the same shape but for the last axis: batch, kv_len and "
+                             f"kv_heads must agree (only the head dim may differ), got key {key} and value {value}")
         k_batch, kv_len, kv_heads, k_dim = (key[i] for i in order)
         if k_batch != batch or k_dim != head_dim:
             raise ValueError(f"key {key} and value {value} must match query {query} in batch, and key in head_dim")
@@ -326,9 +300,8 @@ class ArrayChecks:
         if value[3] == 0:
             raise ValueError(f"value needs a head dim >= 1 (its last axis), got value {value}")
         if kv_heads == 0 or heads % kv_heads:
-            raise ValueError(
-                f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, key {key}"
-            )
+            raise ValueError(f"key/value heads ({kv_heads}) must divide query heads ({heads}); query {query}, "
+                             f"key {key}")
         return batch, q_len, heads, head_dim, kv_len, kv_heads
 
     def check_sequence(self, name: str, x, batch: int, length: int, length_name: str) -> None:
@@ -336,14 +309,11 @@ class ArrayChecks:
         self.require_int(name, x)
         shape = tuple(x.shape)
         if not (shape == (length,) or (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)):
-            raise ValueError(
-                f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
-                f"({batch}, {length}), got {shape}"
-            )
+            raise ValueError(f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
+                             f"({batch}, {length}), got {shape}")
 
     def check_lengths(self, name: str, lengths, batch: int, kv_len: int) -> None:
-        """An integer ``(batch,)`` (or scalar) array of lengths in ``[0, kv_len]``; the range is
-        checked where the values are known."""
+        """An integer ``(batch,)`` (or scalar) array of lengths in ``[0, kv_len]`` (where the values are known)."""
         self.require_int(name, lengths)
         if tuple(lengths.shape) not in ((), (1,), (batch,)):
             raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
@@ -356,7 +326,5 @@ class ArrayChecks:
         self.require_array("dropout_mask", x)
         check_broadcast("dropout_mask", x.shape, shape, layout)
         if self.kind(x) not in ("bool", "int"):
-            raise TypeError(
-                f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype {self.dtype(x)} with shape "
-                f"{tuple(x.shape)}"
-            )
+            raise TypeError(f"dropout_mask must be bool (True = keep) or 0/1 integer, got dtype {self.dtype(x)} "
+                            f"with shape {tuple(x.shape)}")

@@ -1,5 +1,4 @@
-"""Which keys a query may see: the masking terms as objects (``Term``), combined with ``&`` into
-``Terms``, a conjunction; and ``Spec``, one call's parsed masking."""
+"""Which keys a query may see: masking terms (``Term``), their conjunction (``Terms``), a call's masking (``Spec``)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ from mha_spec import alibi as _alibi
 
 
 class Where(NamedTuple):
-    """What the terms read of queries or keys, each laid out to broadcast (None: not given).
-    ``index`` and ``length`` are the keys' (their index along the keys, each example's count of
-    real keys)."""
+    """What the terms read of queries or keys, laid out to broadcast (None: not given); ``index``, ``length``: keys'."""
 
     position: Any = None
     segment: Any = None
@@ -31,20 +28,12 @@ def conjoin(a, b):
 
 
 class Term:
-    """One masking term: a small frozen object that holds no array; what it reads (positions,
-    segment ids, key indices and lengths) comes as ``Where``, laid out by the caller to broadcast.
+    """One masking term, holding no array; what it reads comes as ``Where``.
 
-    - ``visible(q, k)``: bool, which keys each query may see;
-    - ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)`` from the smallest and largest of what a
-      block's queries and keys read: ``live`` False when no query of the block may see a key of it,
-      ``whole`` True when every query may see every key; in between the block is partial;
-    - ``reads``: the ``Where`` fields it reads (by default positions);
-    - ``shift_invariant``: whether it reads positions only relative to each other, so that a
-      consumer may read it on positions relative to a block's first query.
-
-    Both methods use operators alone, so that they run alike on NumPy, JAX and PyTorch arrays,
-    traced or not; None: no restriction.
-    """
+    ``visible(q, k)``: bool, which keys each query may see. ``block(q_lo, q_hi, k_lo, k_hi)``: ``(whole, live)``
+    from a block's extremes: ``live`` False when no query may see a key, ``whole`` True when every query sees
+    every key. ``reads``: the ``Where`` fields read; ``shift_invariant``: reads positions only relative to each
+    other. Both methods use operators alone (NumPy, JAX, PyTorch, traced or not); None: no restriction."""
 
     reads: ClassVar[frozenset[str]] = frozenset({"position"})
     shift_invariant: ClassVar[bool] = True
@@ -117,8 +106,7 @@ class Lengths(Term):
 
 @dataclass(frozen=True)
 class Chunked(Term):
-    """A query sees the keys of its own chunk of ``size`` positions (``attention_chunk_size``, Llama 4's
-    chunked attention): ``q_pos // size == k_pos // size``."""
+    """A query sees the keys of its own chunk of ``size`` positions (``attention_chunk_size``, Llama 4's)."""
 
     size: int
     shift_invariant: ClassVar[bool] = False
@@ -163,10 +151,8 @@ class Terms(Term):
         return functools.reduce(conjoin, wholes, None), functools.reduce(conjoin, lives, None)
 
 
-def of(is_causal: bool, window: tuple[int, int] | None, chunk_size: int | None, segments: bool,
-       lengths: bool) -> Terms:
-    """The conjunction of a call's checked terms, in one order (causality, window, chunks,
-    segments, lengths)."""
+def of(is_causal: bool, window: tuple[int, int] | None, chunk_size: int | None, segments: bool, lengths: bool) -> Terms:
+    """The conjunction of a call's checked terms: causality, window, chunks, segments, lengths."""
     members = (Causal(),) if is_causal else ()
     members += () if window is None else (Window(*window),)
     members += () if chunk_size is None else (Chunked(chunk_size),)
@@ -186,14 +172,11 @@ def check_chunk_size(size) -> int | None:
 
 
 def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
-    """bool ``(batch,)``: the step overwrote a position some new query may still see. Past
-    ``max_length`` positions the oldest are overwritten, up to ``end - max_length - 1``; the
-    queries at ``start .. end - 1`` may still see it unless a term of ``terms`` says none can: a
-    chunk, or a window that looks back only (or ahead too, under causality)."""
+    """bool ``(batch,)``: the step overwrote position ``end - max_length - 1`` (or older), which a query at
+    ``start .. end - 1`` may still see unless a chunk or a backward window (any window, if causal) rules it out."""
     wrapped = end > max_length
     causal = any(isinstance(t, Causal) for t in terms)
-    bounds = Terms(tuple(t for t in terms.only({"position"})
-                         if not isinstance(t, Window) or causal or t.right == 0))
+    bounds = Terms(tuple(t for t in terms.only({"position"}) if not isinstance(t, Window) or causal or t.right == 0))
     newest = Where(position=end - max_length - 1)
     live = bounds.block(Where(position=start), Where(position=end - 1), newest, newest)[1]
     return wrapped if live is None else wrapped & live
@@ -201,15 +184,10 @@ def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
 
 @dataclass(frozen=True)
 class Spec:
-    """One call's masking, checked: the dense terms as given, the structured ones as positions.
-
-    ``allowed`` (bool) and ``bias`` (float) broadcast to ``shape`` = ``(batch, heads, q_len,
-    kv_len)``; positions and segment ids are integer ``(batch|1, len)``, ``lengths`` integer
-    ``(batch,)`` (int32 in JAX, int64 in PyTorch); ``window`` is ``(left, right)``; ``chunk_size``
-    an int; ``alibi_slopes`` float ``(batch|1, heads)``, the ALiBi term's (``mha_spec.alibi``),
-    a constant (no gradient). None means absent (default positions: ``arange``). ``device``: where
-    PyTorch's tensors are (and its default positions are made); None in JAX.
-    """
+    """One call's masking, checked. ``allowed`` (bool) and ``bias`` (float) broadcast to ``shape`` = ``(batch,
+    heads, q_len, kv_len)``; positions and segment ids integer ``(batch|1, len)``; ``lengths`` ``(batch,)``;
+    ``window`` ``(left, right)``; ``alibi_slopes`` float ``(batch|1, heads)``, a constant. None: absent (positions:
+    ``arange``). ``device``: PyTorch's device; None in JAX."""
 
     shape: tuple[int, int, int, int]
     allowed: Any = None
@@ -232,21 +210,18 @@ class Spec:
     @property
     def terms(self) -> Terms:
         """The structured terms' conjunction."""
-        return of(self.is_causal, self.window, self.chunk_size, self.query_segment_ids is not None,
-                  self.lengths is not None)
+        segments, lengths = self.query_segment_ids is not None, self.lengths is not None
+        return of(self.is_causal, self.window, self.chunk_size, segments, lengths)
 
     def positions(self, arange) -> tuple[Any, Any]:
-        """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), with
-        ``arange(n)`` (the framework's, integer ``(n,)``) by default."""
+        """(query ``(batch|1, q_len)``, key ``(batch|1, kv_len)``) positions, ``arange(n)`` by default."""
         _, _, q_len, kv_len = self.shape
         qp = arange(q_len)[None] if self.query_positions is None else self.query_positions
         kp = arange(kv_len)[None] if self.key_positions is None else self.key_positions
         return qp, kp
 
     def biases(self, arange) -> Any:
-        """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term
-        ``-slope * |q_pos - k_pos|`` on the call's positions (``arange`` as in ``positions``), as the
-        dense implementations add them; None if neither is given."""
+        """float broadcasting to ``(batch, heads, q_len, kv_len)``: the bias plus the ALiBi term; None if neither."""
         if self.alibi_slopes is None:
             return self.bias
         qp, kp = self.positions(arange)
@@ -254,8 +229,7 @@ class Spec:
         return term if self.bias is None else self.bias + term
 
     def dense(self, arange) -> Any:
-        """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none
-        restricts (``arange`` as in ``positions``)."""
+        """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
         if not self.terms:
             return self.allowed  # positions alone restrict nothing
         qp, kp = self.positions(arange)
@@ -268,13 +242,9 @@ class Spec:
         return visible if self.allowed is None else self.allowed & visible
 
     def excluded_keys(self, kv_heads: int, arange, extremes, present) -> Any:
-        """bool ``(batch|1, kv_heads|1, kv_len)``: the keys that no query of the heads sharing a
-        key/value head may see, each term read alone; None when no term excludes a key.
-
-        ``arange`` as in ``positions``; ``extremes(positions)``: their smallest and largest along
-        axis 1, kept; ``present(query_ids, key_ids)``: bool ``(batch|1, kv_len)``, whether each
-        key's segment id occurs among the queries' (None: segments are not read).
-        """
+        """bool ``(batch|1, kv_heads|1, kv_len)``: keys no query of a key/value head's group may see, each term read
+        alone; None if none. ``extremes(positions)``: min and max along axis 1, kept; ``present(query_ids,
+        key_ids)``: bool ``(batch|1, kv_len)``, whether each key's segment id occurs among the queries' (or None)."""
         excluded = []
         dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
         for ex in dense:
@@ -283,8 +253,7 @@ class Spec:
                 if ex.shape[1] != 1:  # over the query heads of each key/value head
                     ex = ex.reshape(ex.shape[0], kv_heads, ex.shape[1] // kv_heads, ex.shape[2]).all(axis=2)
                 excluded.append(ex)
-        # lengths, causality, windows, chunks: the keys excluded for every query, read from the
-        # queries' extreme positions (lengths alone without queries)
+        # lengths, causality, windows, chunks: read from the queries' extreme positions (lengths alone without queries)
         ranged = self.terms.only({"index", "length", "position"} if self.shape[2] > 0 else {"index", "length"})
         if ranged:
             qp, kp = self.positions(arange) if "position" in ranged.reads else (None, None)
