@@ -25,22 +25,18 @@ def from_torch(state_dict_or_path: Mapping[str, Any] | str | os.PathLike, *, num
                prefix: str = "", ignore: Sequence[str] = ()) -> dict[str, dict[str, np.ndarray]]:
     """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
-    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (with
-    ``q_norm``/``k_norm`` weights also ``query_ln``/``key_ln`` scales; with ``sinks``, ``"sinks"``)
-    of NumPy arrays in the source dtype, usable as ``linen`` params or through ``load_weights``.
+    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (with ``q_norm``/``k_norm``
+    weights also ``query_ln``/``key_ln`` scales; with ``sinks``, ``"sinks"``) of NumPy arrays in the source dtype,
+    usable as ``linen`` params or through ``load_weights``.
 
     ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
-    (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"``
-    (``qkv_proj/o_proj``), or ``"auto"``: the one the keys show (an error naming the likely
-    layouts when they show none or several). Not given: the one the keys show when exactly one
-    fits, else ``"mha_torch"`` (whose errors then name the likely layouts too). ``mapping``
-    instead gives any other scheme: projection (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
-    or the fused ``qkv_proj``/``kv_proj``) -> name, read as ``name.weight``/``name.bias``. Names
-    are relative to ``prefix``; keys outside it are not read, and keys under it must be used or
-    named (by their start) in ``ignore``.
-    Raises one ValueError listing every missing, unexpected or mis-shaped key, each with the
-    shape found and the shape expected.
+    (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"`` (``qkv_proj/o_proj``), or
+    ``"auto"``: the one the keys show (an error naming the likely layouts when they show none or several). Not
+    given: the one the keys show when exactly one fits, else ``"mha_torch"``. ``mapping`` instead gives any other
+    scheme: projection (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``qkv_proj``, ``kv_proj``) -> name, read
+    as ``name.weight``/``name.bias``. Names are relative to ``prefix``; keys under it must be used or named (by
+    their start) in ``ignore``. Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
     return _from_torch(state_dict_or_path, num_heads, num_kv_heads, layout=layout, mapping=mapping, prefix=prefix,
                        ignore=ignore)
@@ -84,7 +80,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     if isinstance(params, (str, os.PathLike)):
         params = _read_params(params)
     tree = _params_dict(params)
-    if latent.is_latent_tree(tree):  # multi-head latent attention's tree
+    if "kv_b_proj" in tree:  # multi-head latent attention's tree
         return latent.to_torch_state(tree, _to_numpy)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
     known = dict(_FLAX_NAMES + _FLAX_NORMS)

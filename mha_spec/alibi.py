@@ -27,10 +27,8 @@ def _powers(base: float, exponents: Sequence[int]) -> list[float]:
 
 
 def bloom_slopes(num_heads: int) -> tuple[float, ...]:
-    """Bloom's slopes (transformers' ``_get_alibi_slopes``, float32): for the largest power of two
-    ``n <= num_heads``, ``b ** 1 .. b ** n`` with ``b = 2 ** (-8 / n)``; the remaining heads take
-    the odd powers ``c ** 1, c ** 3, ...`` of ``c = 2 ** (-4 / n)`` (the slopes of ``2n`` heads that
-    fall between those of ``n``)."""
+    """Bloom's slopes (transformers' ``_get_alibi_slopes``, float32): for the largest power of two ``n <= num_heads``,
+    ``b ** 1 .. b ** n`` with ``b = 2 ** (-8 / n)``; the remaining heads the odd powers of ``c = 2 ** (-4 / n)``."""
     num_heads = _check_heads(num_heads)
     n = 2 ** math.floor(math.log2(num_heads))
     slopes = _powers(2 ** (-(2 ** -(math.log2(n) - 3))), range(1, n + 1))
@@ -41,9 +39,8 @@ def bloom_slopes(num_heads: int) -> tuple[float, ...]:
 
 
 def mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> tuple[float, ...]:
-    """MPT's slopes (transformers' ``build_mpt_alibi_tensor``, float32): for the smallest power of two
-    ``n >= num_heads``, ``2 ** -(k * alibi_bias_max / n)`` for ``k = 1 .. n``; with fewer heads the
-    odd-indexed ones (``k`` = 2, 4, ...) first, then the even-indexed, cut to ``num_heads``."""
+    """MPT's slopes (transformers' ``build_mpt_alibi_tensor``, float32): ``2 ** -(k * alibi_bias_max / n)`` for
+    ``k = 1 .. n``, ``n`` the smallest power of two ``>= num_heads``; with fewer heads, odd ``k`` after even."""
     num_heads = _check_heads(num_heads)
     n = 2 ** math.ceil(math.log2(num_heads))
     step = _f32(alibi_bias_max / n)

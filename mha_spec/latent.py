@@ -26,12 +26,11 @@ def _check_positive(name: str, value: Any) -> None:
 class Latent:
     """The dimensions of multi-head latent attention.
 
-    ``kv_lora_rank``: the latent's size; ``qk_rope_head_dim``: the rotated part of each query and key
-    head (and of the shared rope key); ``qk_nope_head_dim``: the part without rotary; ``v_head_dim``:
-    each value head; ``q_lora_rank``: the query's low rank (``q_a_proj``, ``q_a_layernorm``,
-    ``q_b_proj``), None for one ``q_proj``; ``eps``: the two RMSNorms' epsilon (transformers' default
-    1e-6). ``rotary`` of a module with a ``Latent`` has ``head_dim = qk_rope_head_dim``; its default
-    scale is ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
+    ``kv_lora_rank``: the latent's size; ``qk_rope_head_dim``: the rotated part of each query and key head;
+    ``qk_nope_head_dim``: the part without rotary; ``v_head_dim``: each value head; ``q_lora_rank``: the query's
+    low rank (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), None for one ``q_proj``; ``eps``: the RMSNorms'
+    epsilon. A module's ``rotary`` has ``head_dim = qk_rope_head_dim``; its default scale is
+    ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
     """
 
     kv_lora_rank: int

@@ -14,14 +14,11 @@ import numpy as np
 class QKNorm:
     """Normalisation of queries and keys before the logits (QK-norm).
 
-    ``kind``: ``"layer"`` (mean and variance, no bias: flax's ``normalize_qk``, StableLM) or
-    ``"rms"`` (root mean square: Qwen3, Gemma 3, OLMo 2). ``per_head``: over each head's
-    ``head_dim`` features (scale ``(head_dim,)``), else over the whole projection, every head
-    together (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance.
-    ``offset``: the features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``, its
-    scale initialised to 0). ``per_head_scale``: with ``per_head``, each head its own scale
-    (``(heads, head_dim)``: StableLM's LayerNorm per head, Cohere's) instead of one shared.
-    Computed in float32 at least, cast back to the input dtype.
+    ``kind``: ``"layer"`` (mean and variance, no bias: flax's ``normalize_qk``, StableLM) or ``"rms"`` (Qwen3,
+    Gemma 3, OLMo 2). ``per_head``: over each head's ``head_dim`` features (scale ``(head_dim,)``), else over the
+    whole projection (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance. ``offset``: the
+    features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``). ``per_head_scale``: with ``per_head``,
+    each head its own scale ``(heads, head_dim)`` (StableLM, Cohere). Computed in float32 at least.
     """
 
     kind: str = "layer"

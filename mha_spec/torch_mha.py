@@ -21,9 +21,19 @@ def from_torch_mha(attn_mask, key_padding_mask, num_heads, checks: ArrayChecks,
         parts.append(asarray(attn_mask).reshape(_attn_shape(attn_mask.shape, num_heads)))
     if key_padding_mask is not None:
         _check_kind("key_padding_mask", key_padding_mask, checks)
-        _check_padding(None if attn_mask is None else attn_mask.shape, key_padding_mask.shape)
+        padding_shape = tuple(key_padding_mask.shape)
+        if len(padding_shape) != 2:
+            raise ValueError(f"key_padding_mask must have rank 2 (batch, kv_len), got shape {padding_shape}")
+        if attn_mask is not None and attn_mask.shape[-1] != padding_shape[-1]:
+            raise ValueError(f"attn_mask and key_padding_mask disagree on kv_len: shapes {tuple(attn_mask.shape)} "
+                             f"and {padding_shape}")
         parts.append(asarray(key_padding_mask)[:, None, None, :])
-    return _combine(parts)
+    # its bool masks negated and and-ed, its float ones summed
+    bools = [str(p.dtype).removeprefix("torch.") == "bool" for p in parts]
+    allowed = [~p for p, is_bool in zip(parts, bools) if is_bool]
+    added = [p for p, is_bool in zip(parts, bools) if not is_bool]
+    return (functools.reduce(operator.and_, allowed) if allowed else None,
+            functools.reduce(operator.add, added) if added else None)
 
 
 def to_torch_mha(spec: Spec, shape: Sequence[int], where: Callable, broadcast_to: Callable) -> Any:
@@ -56,27 +66,9 @@ def _attn_shape(shape: Sequence[int], num_heads) -> tuple[int, ...]:
     return shape
 
 
-def _check_padding(attn_shape: Sequence[int] | None, padding_shape: Sequence[int]) -> None:
-    """Its ``key_padding_mask`` is ``(batch, kv_len)``, with ``attn_mask``'s kv_len."""
-    if len(padding_shape) != 2:
-        raise ValueError(f"key_padding_mask must have rank 2 (batch, kv_len), got shape {tuple(padding_shape)}")
-    if attn_shape is not None and attn_shape[-1] != padding_shape[-1]:
-        raise ValueError(f"attn_mask and key_padding_mask disagree on kv_len: shapes {tuple(attn_shape)} "
-                         f"and {tuple(padding_shape)}")
-
-
 def _check_kind(name: str, mask, checks: ArrayChecks) -> None:
     """It takes bool and float masks only (it rejects integers)."""
     checks.require_array(name, mask)
     if checks.kind(mask) not in ("bool", "float"):
         raise TypeError(f"{name} must be bool or floating, got dtype {checks.dtype(mask)} with shape "
                         f"{tuple(mask.shape)}")
-
-
-def _combine(parts: list) -> tuple[Any, Any]:
-    """Our ``(mask, bias)`` of its masks: the bool ones negated and and-ed, the float ones summed."""
-    bools = [str(p.dtype).removeprefix("torch.") == "bool" for p in parts]
-    allowed = [~p for p, is_bool in zip(parts, bools) if is_bool]
-    added = [p for p, is_bool in zip(parts, bools) if not is_bool]
-    return (functools.reduce(operator.and_, allowed) if allowed else None,
-            functools.reduce(operator.add, added) if added else None)

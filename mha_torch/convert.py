@@ -19,10 +19,8 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
                  ignore: Sequence[str] = ()) -> None:
     """Copy weights into ``module`` in place (cast to its parameter dtypes).
 
-    ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in
-    ``mha_jax.from_torch`` (``"auto"`` included; fused projections are split with the module's
-    ``num_heads`` and ``num_kv_heads``). Raises one ValueError listing every missing, unexpected
-    or mis-shaped key, each with the shape found and the module's, as ``mha_jax.load_weights`` does.
+    ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in ``mha_jax.from_torch``.
+    Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} "
@@ -45,11 +43,9 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
 def from_torch_mha(module: torch.nn.MultiheadAttention) -> MultiHeadAttention:
     """An ``mha_torch.MultiHeadAttention`` computing what ``module`` computes, with its weights.
 
-    Takes ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``, ``bias``, ``dropout``, dtype,
-    device and training mode. The result is batch-first whatever ``module.batch_first`` says
-    (the weights do not depend on it): give it ``(batch, length, features)`` inputs, and masks
-    translated by ``mask_from_torch_mha``. ``add_bias_kv`` and ``add_zero_attn`` have no
-    counterpart here: a ValueError.
+    Takes ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``, ``bias``, ``dropout``, dtype, device and training mode.
+    The result is batch-first whatever ``module.batch_first`` says; give it masks translated by
+    ``mask_from_torch_mha``. ``add_bias_kv`` and ``add_zero_attn`` have no counterpart here: a ValueError.
     """
     if not isinstance(module, torch.nn.MultiheadAttention):
         raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
@@ -68,8 +64,7 @@ def from_torch_mha(module: torch.nn.MultiheadAttention) -> MultiHeadAttention:
 def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
     """A ``torch.nn.MultiheadAttention(batch_first=True)`` with ``module``'s weights.
 
-    Possible when ``num_kv_heads == num_heads`` and ``qkv_dim == out_dim == embed_dim`` (the
-    only shapes the built-in class has); otherwise a ValueError naming what differs. Give it
+    Possible when ``num_kv_heads == num_heads`` and ``qkv_dim == out_dim == embed_dim``, else a ValueError. Give it
     masks translated by ``mask_to_torch_mha``; its fully masked rows are NaN, where ours are 0.
     """
     if not isinstance(module, MultiHeadAttention):
