@@ -1,10 +1,6 @@
-"""Multi-head attention for JAX and Flax, the twin of ``mha_torch``.
+"""Multi-head attention for JAX and Flax, the twin of ``mha_torch``; never imports torch."""
 
-Never imports torch: weights from PyTorch arrive as arrays or ``.safetensors`` files.
-"""
-
-# flax's mask helpers, exported beside the module as flax exports them: their masks mean here what
-# they mean in flax, so code importing them with the module changes one import only.
+# flax's mask helpers, re-exported: their masks mean here what they mean in flax
 from flax.nnx import combine_masks, make_attention_mask, make_causal_mask
 
 from mha_jax import linen
@@ -18,21 +14,7 @@ from mha_spec.latent import Latent
 from mha_spec.qk_norm import QKNorm
 
 __all__ = [
-    "Latent",
-    "MultiHeadAttention",
-    "QKNorm",
-    "RotaryEmbedding",
-    "causal_mask",
-    "combine_masks",
-    "dot_product_attention",
-    "from_hf",
-    "from_torch",
-    "linen",
-    "load_weights",
-    "make_attention_mask",
-    "make_causal_mask",
-    "mask_from_torch_mha",
-    "mask_to_torch_mha",
-    "padding_mask",
-    "to_torch",
+    "Latent", "MultiHeadAttention", "QKNorm", "RotaryEmbedding", "causal_mask", "combine_masks",
+    "dot_product_attention", "from_hf", "from_torch", "linen", "load_weights", "make_attention_mask",
+    "make_causal_mask", "mask_from_torch_mha", "mask_to_torch_mha", "padding_mask", "to_torch",
 ]

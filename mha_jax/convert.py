@@ -1,13 +1,5 @@
-"""Weight conversion between ``mha_torch`` state dicts and Flax parameter trees.
-
-Pure reshapes and transposes, so round trips are bitwise; the table of names and shapes is in
-``docs/checkpoints.md``; besides it, ``q_norm``/``k_norm`` weights ``(head_dim,)`` or ``(heads *
-head_dim,)`` are the ``query_ln``/``key_ln`` scales ``(head_dim,)`` or ``(heads, head_dim)``, and
-``sinks`` ``(heads,)`` keeps its name. Reads any mapping of name to array-like
-(NumPy arrays, JAX arrays, CPU torch tensors: no torch import needed) or a ``.safetensors`` file;
-other naming schemes are first read into these names by ``mha_spec.layouts``. Twin of
-``mha_torch/convert.py``.
-"""
+"""Weight conversion between ``mha_torch`` state dicts and Flax parameter trees: pure reshapes and transposes,
+so round trips are bitwise (names and shapes in ``docs/checkpoints.md``). Twin of ``mha_torch/convert.py``."""
 
 from __future__ import annotations
 
@@ -28,48 +20,34 @@ _FLAX_NAMES = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("ou
 _FLAX_NORMS = (("query_ln", "q_norm"), ("key_ln", "k_norm"))  # flax's normalize_qk LayerNorm scales
 
 
-def from_torch(
-    state_dict_or_path: Mapping[str, Any] | str | os.PathLike,
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    layout: str | None = None,
-    mapping: Mapping[str, str] | None = None,
-    prefix: str = "",
-    ignore: Sequence[str] = (),
-) -> dict[str, dict[str, np.ndarray]]:
+def from_torch(state_dict_or_path: Mapping[str, Any] | str | os.PathLike, *, num_heads: int,
+               num_kv_heads: int | None = None, layout: str | None = None, mapping: Mapping[str, str] | None = None,
+               prefix: str = "", ignore: Sequence[str] = ()) -> dict[str, dict[str, np.ndarray]]:
     """Flax parameters from a PyTorch state dict or a ``.safetensors`` file.
 
-    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (with
-    ``q_norm``/``k_norm`` weights also ``query_ln``/``key_ln`` scales; with ``sinks``, ``"sinks"``)
-    of NumPy arrays in the source dtype, usable as ``linen`` params or through ``load_weights``.
+    Returns ``{"query": {"kernel", "bias"}, "key": ..., "value": ..., "out": ...}`` (with ``q_norm``/``k_norm``
+    weights also ``query_ln``/``key_ln`` scales; with ``sinks``, ``"sinks"``) of NumPy arrays in the source dtype,
+    usable as ``linen`` params or through ``load_weights``.
 
     ``layout`` names the checkpoint's naming scheme: ``"mha_torch"`` (ours), ``"torch_mha"``
     (``torch.nn.MultiheadAttention``), ``"hf"`` (``q_proj/k_proj/v_proj/o_proj``), ``"bert"``
-    (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"``
-    (``qkv_proj/o_proj``), or ``"auto"``: the one the keys show (an error naming the likely
-    layouts when they show none or several). Not given: the one the keys show when exactly one
-    fits, else ``"mha_torch"`` (whose errors then name the likely layouts too). ``mapping``
-    instead gives any other scheme: projection (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
-    or the fused ``qkv_proj``/``kv_proj``) -> name, read as ``name.weight``/``name.bias``. Names
-    are relative to ``prefix``; keys outside it are not read, and keys under it must be used or
-    named (by their start) in ``ignore``.
-    Raises one ValueError listing every missing, unexpected or mis-shaped key, each with the
-    shape found and the shape expected.
+    (``self.query/self.key/self.value`` and ``output.dense``) or ``"fused_qkv"`` (``qkv_proj/o_proj``), or
+    ``"auto"``: the one the keys show (an error naming the likely layouts when they show none or several). Not
+    given: the one the keys show when exactly one fits, else ``"mha_torch"``. ``mapping`` instead gives any other
+    scheme: projection (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``qkv_proj``, ``kv_proj``) -> name, read
+    as ``name.weight``/``name.bias``. Names are relative to ``prefix``; keys under it must be used or named (by
+    their start) in ``ignore``. Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
     return _from_torch(state_dict_or_path, num_heads, num_kv_heads, layout=layout, mapping=mapping, prefix=prefix,
                        ignore=ignore)
 
 
-def _from_torch(
-    state_dict_or_path: Mapping[str, Any] | str | os.PathLike, num_heads: int, num_kv_heads: int | None,
-    expected: Mapping[str, tuple[int, ...]] | None = None, **naming: Any,
-) -> dict[str, dict[str, np.ndarray]]:
+def _from_torch(state_dict_or_path: Any, num_heads: int, num_kv_heads: int | None,
+                expected: Mapping[str, tuple] | None = None, **naming: Any) -> dict[str, dict[str, np.ndarray]]:
     """``from_torch``; ``expected``: a module's shapes in ``mha_torch`` names."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    state = layouts.read_layout(
-        read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads, expected=expected, **naming,
-    )
+    state = layouts.read_layout(read_state(state_dict_or_path), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                expected=expected, **naming)
     _check_dtypes(state)
     head_dim = layouts.check_state(state, num_heads, num_kv_heads, expected)
     params: dict[str, dict[str, np.ndarray]] = {}
@@ -95,16 +73,14 @@ def _from_torch(
 def to_torch(params: Any) -> dict[str, np.ndarray]:
     """``mha_torch`` state dict (NumPy arrays) from Flax parameters.
 
-    ``params``: the nested dict ``from_torch`` returns, linen variables (``{"params": ...}``),
-    an ``nnx.State``, an nnx module (``mha_jax.MultiHeadAttention`` or
-    ``flax.nnx.MultiHeadAttention``: the same tree), or a file of such parameters: flax msgpack
-    (``.msgpack``, ``flax.serialization.msgpack_serialize``) or ``.safetensors`` with
-    dot-joined names (``query.kernel``).
+    ``params``: the nested dict ``from_torch`` returns, linen variables (``{"params": ...}``), an ``nnx.State``,
+    an nnx module (``mha_jax.MultiHeadAttention`` or ``flax.nnx.MultiHeadAttention``), or a flax ``.msgpack``
+    or dot-named ``.safetensors`` file of them.
     """
     if isinstance(params, (str, os.PathLike)):
         params = _read_params(params)
     tree = _params_dict(params)
-    if latent.is_latent_tree(tree):  # multi-head latent attention's tree
+    if "kv_b_proj" in tree:  # multi-head latent attention's tree
         return latent.to_torch_state(tree, _to_numpy)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
     known = dict(_FLAX_NAMES + _FLAX_NORMS)
@@ -128,25 +104,20 @@ def load_weights(module: Any, state_dict_or_path: Mapping[str, Any] | str | os.P
                  ignore: Sequence[str] = ()) -> None:
     """Update an ``mha_jax.MultiHeadAttention`` in place from a PyTorch state dict or file.
 
-    ``layout``, ``mapping``, ``prefix``, ``ignore``: as ``from_torch``. Values are cast to the
-    module's parameter dtypes (as ``torch.nn.Module.load_state_dict`` does); shapes must match
-    the module's: one ValueError lists every key the module lacks or has, and every shape that
-    differs from the module's, in the words of ``mha_torch.load_weights``.
+    ``layout``, ``mapping``, ``prefix``, ``ignore``: as ``from_torch``. Values are cast to the module's
+    parameter dtypes; one ValueError lists every missing, unexpected or mis-shaped key.
     """
     if not isinstance(module, nnx.Module) or not hasattr(module, "num_kv_heads"):
-        raise TypeError(
-            f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from {type(module).__module__}"
-        )
+        raise TypeError(f"module must be an mha_jax.MultiHeadAttention, got {type(module).__name__} from "
+                        f"{type(module).__module__}")
     if getattr(module, "latent", None) is not None:  # transformers' names (layout "mla")
         state = layouts.read_latent(read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
                                     ignore=ignore, expected=latent.torch_shapes(_params_dict(module)))
         _check_dtypes(state)
         latent.load_state(module, state)
         return
-    params = _from_torch(
-        state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
-        layout=layout, mapping=mapping, prefix=prefix, ignore=ignore,
-    )
+    params = _from_torch(state_dict_or_path, module.num_heads, module.num_kv_heads, _torch_shapes(module),
+                         layout=layout, mapping=mapping, prefix=prefix, ignore=ignore)
     for path, array in traverse_util.flatten_dict(params).items():  # ("query", "kernel"), ..., ("sinks",)
         variable = functools.reduce(getattr, path, module)
         variable.set_value(jnp.asarray(array, dtype=variable.get_value().dtype))
@@ -160,14 +131,12 @@ def _torch_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
 
 
 def _flat(tree: dict) -> list[tuple[str, Any, tuple[int, ...]]]:
-    """``(mha_torch name, array, shape)`` for each projection and norm of a parameter tree: the array reshaped
-    to ``shape`` (kernels to 2-d, the rest to 1-d) and transposed is the ``mha_torch`` one."""
+    """``(mha_torch name, array, shape)`` per projection and norm: the array reshaped to ``shape``, transposed."""
     flat = []
     for flax_name, torch_name in _FLAX_NAMES:
         shape = np.shape(tree[flax_name]["kernel"])
         if len(shape) != 3:
             raise ValueError(f"params[{flax_name!r}]['kernel'] must have rank 3, got shape {shape}")
-        # (in, heads, head_dim) -> (in, heads * head_dim); out's (heads, head_dim, out) -> (heads * head_dim, out)
         rows = (shape[0] * shape[1], shape[2]) if flax_name == "out" else (shape[0], shape[1] * shape[2])
         flat.append((f"{torch_name}.weight", tree[flax_name]["kernel"], rows))
         if "bias" in tree[flax_name]:
@@ -198,8 +167,7 @@ def read_state(state_dict_or_path: Any) -> dict[str, np.ndarray]:
 
 
 def _load_file(path: str) -> dict[str, np.ndarray]:
-    from safetensors.flax import load_file  # only when a file is given; bfloat16 too, unlike NumPy's reader
-
+    from safetensors.flax import load_file  # bfloat16 too, unlike NumPy's reader
     return {k: np.array(v) for k, v in load_file(path).items()}
 
 
@@ -219,12 +187,10 @@ def _read_params(path: str | os.PathLike) -> dict:
     try:
         if path.endswith(".msgpack"):
             from flax.serialization import msgpack_restore
-
             with open(path, "rb") as f:
                 return msgpack_restore(f.read())
         if path.endswith(".safetensors"):
             from safetensors.numpy import load_file
-
             return traverse_util.unflatten_dict({tuple(k.split(".")): array for k, array in load_file(path).items()})
     except OSError:  # a missing or unreadable file keeps its own, already clear, error
         raise

@@ -1,7 +1,4 @@
-"""A Hugging Face model's attention layer as an ``mha_jax.MultiHeadAttention``; twin of ``mha_torch/hf.py``.
-
-No transformers import: ``mha_spec.families`` reads the ``config.json`` as transformers' classes do.
-"""
+"""A Hugging Face model's attention layer as an ``mha_jax.MultiHeadAttention``; twin of ``mha_torch/hf.py``."""
 
 from __future__ import annotations
 

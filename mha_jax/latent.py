@@ -1,10 +1,5 @@
-"""Multi-head latent attention (``mha_spec.latent``) of ``mha_jax.MultiHeadAttention``; twin of
-``mha_torch/latent.py``.
-
-Layout: length first, queries ``(batch, q_len, heads, qk_head_dim)``, keys ``(batch, kv_len, heads,
-qk_head_dim)``, values ``(batch, kv_len, heads, v_head_dim)``; the latent cache ``(batch, max_length, 1,
-kv_lora_rank + qk_rope_head_dim)`` (one key head; its values are its first ``kv_lora_rank`` features).
-"""
+"""Multi-head latent attention (``mha_spec.latent``) of ``mha_jax.MultiHeadAttention``, length first; twin of
+``mha_torch/latent.py``."""
 
 from __future__ import annotations
 
@@ -49,13 +44,9 @@ def _cast(x: jax.Array, like: jax.Array | None) -> jax.Array:
 
 def make_projections(module: nnx.Module, latent: Latent, features: tuple[int, int], num_heads: int,
                      linear: Callable[..., nnx.Module], param_dtype, rngs: nnx.Rngs) -> None:
-    """The latent module's parameters but the output projection, transformers' names where flax's tree allows:
-    ``query`` (``kernel (in, heads, qk_head_dim)``, flax's name) or ``q_a_proj`` (``kernel (in,
-    q_lora_rank)``), ``q_a_layernorm``, ``q_b_proj`` (``kernel (q_lora_rank, heads, qk_head_dim)``);
-    ``kv_a_proj_with_mqa`` (``kernel (in_kv, cache_dim)``), ``kv_a_layernorm``, ``kv_b_proj`` (``kernel
-    (kv_lora_rank, heads, kv_b_features)``). ``features``: (``in_features``, ``in_kv_features``);
-    ``linear(in, out, use_bias=)`` makes a projection, biased by default as the module's ``use_bias``
-    (transformers' ``attention_bias``)."""
+    """The latent module's parameters but the output projection: ``query`` or ``q_a_proj``/``q_a_layernorm``/
+    ``q_b_proj``; ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``. ``features``: (``in_features``,
+    ``in_kv_features``); ``linear(in, out, use_bias=)`` makes a projection."""
     in_features, in_kv_features = features
     queries = (num_heads, latent.qk_head_dim)
     if latent.q_lora_rank is None:
@@ -75,16 +66,14 @@ def rope_part(rotary, latent: Latent) -> RopePart | None:
 
 
 def project_query(module: nnx.Module, x: jax.Array) -> jax.Array:
-    """Queries ``(batch, q_len, heads, qk_head_dim)`` (no-rope features first) of ``x`` ``(batch, q_len,
-    in_features)``."""
+    """Queries ``(batch, q_len, heads, qk_head_dim)`` of ``x`` ``(batch, q_len, in_features)``."""
     if module.latent.q_lora_rank is None:
         return module.query(x)
     return module.q_b_proj(module.q_a_layernorm(module.q_a_proj(x)))
 
 
 def project_latent(module: nnx.Module, x: jax.Array) -> jax.Array:
-    """The cache's entries ``(batch, kv_len, 1, kv_lora_rank + qk_rope_head_dim)`` of ``x`` ``(batch, kv_len,
-    in_kv_features)``: the RMS-normed latent, then the shared rope key (not yet rotated)."""
+    """Cache entries ``(batch, kv_len, 1, cache_dim)`` of ``x``: the normed latent, then the unrotated rope key."""
     rank = module.latent.kv_lora_rank
     compressed = module.kv_a_proj_with_mqa(x)
     entries = jnp.concatenate([module.kv_a_layernorm(compressed[..., :rank]), compressed[..., rank:]], axis=-1)
@@ -93,8 +82,7 @@ def project_latent(module: nnx.Module, x: jax.Array) -> jax.Array:
 
 def expand(module: nnx.Module, entries: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
     """Keys ``(batch, kv_len, heads, qk_head_dim)`` and values ``(batch, kv_len, heads, v_head_dim)`` of the
-    (rotated) entries ``(batch, kv_len, 1, kv_lora_rank + qk_rope_head_dim)``: ``kv_b_proj`` of the latent,
-    split per head into the no-rope key and the value, the shared rope key beside every head's."""
+    rotated entries ``(batch, kv_len, 1, cache_dim)``."""
     latent = module.latent
     batch, kv_len, _, _ = entries.shape
     lifted = module.kv_b_proj(entries[:, :, 0, :latent.kv_lora_rank])
@@ -104,23 +92,20 @@ def expand(module: nnx.Module, entries: jax.Array, heads: int) -> tuple[jax.Arra
 
 
 def attention_inputs(module: nnx.Module, query: jax.Array, entries: jax.Array, spec: masks.Spec):
-    """The full computation's queries, keys and values (see ``expand``) of the projected queries and
-    entries, their rope parts rotated at ``spec``'s positions."""
+    """Queries, keys and values (``expand``) with their rope parts rotated at ``spec``'s positions."""
     query, entries = rotate_at(rope_part(module.rotary, module.latent), query, entries, *masks.positions(spec))
     return (query, *expand(module, entries, query.shape[2]))
 
 
 def _kv_b_heads(module: nnx.Module) -> tuple[jax.Array, jax.Array]:
-    """``kv_b_proj``'s kernel per head: the key half ``(kv_lora_rank, heads, qk_nope_head_dim)``, the value
-    half ``(kv_lora_rank, heads, v_head_dim)``."""
+    """``kv_b_proj``'s key half ``(kv_lora_rank, heads, qk_nope_head_dim)`` and value half ``(..., v_head_dim)``."""
     kernel = module.kv_b_proj.kernel[...]
     nope = module.latent.qk_nope_head_dim
     return kernel[..., :nope], kernel[..., nope:]
 
 
 def absorb_query(module: nnx.Module, query: jax.Array) -> jax.Array:
-    """Rotated queries ``(batch, n, heads, qk_head_dim)`` as the absorbed step's ``(batch, n, heads,
-    kv_lora_rank + qk_rope_head_dim)``: each head's no-rope part through its key half of ``kv_b_proj``."""
+    """Rotated queries ``(batch, n, heads, qk_head_dim)`` as the absorbed step's ``(batch, n, heads, cache_dim)``."""
     w_key = _kv_b_heads(module)[0].astype(query.dtype)
     nope = module.latent.qk_nope_head_dim
     absorbed = jnp.einsum("bnhd,rhd->bnhr", query[..., :nope], w_key, precision=module.precision)
@@ -128,28 +113,20 @@ def absorb_query(module: nnx.Module, query: jax.Array) -> jax.Array:
 
 
 def lift_output(module: nnx.Module, out: jax.Array) -> jax.Array:
-    """The absorbed step's outputs ``(batch, n, heads, kv_lora_rank)`` as each head's values would give
-    them, ``(batch, n, heads, v_head_dim)``: through the value half of ``kv_b_proj``."""
+    """The absorbed step's outputs ``(batch, n, heads, kv_lora_rank)`` as ``(batch, n, heads, v_head_dim)``."""
     w_value = _kv_b_heads(module)[1].astype(out.dtype)
     return jnp.einsum("bnhr,rhv->bnhv", out, w_value, precision=module.precision)
 
 
 def cached_keys(cache: jax.Array, latent: Latent, dtype) -> tuple[jax.Array, jax.Array]:
-    """The absorbed step's keys ``(batch, max_length, 1, kv_lora_rank + qk_rope_head_dim)`` and values, the
-    latent part of the same entries ``(batch, max_length, 1, kv_lora_rank)``."""
+    """The absorbed step's keys ``(batch, max_length, 1, cache_dim)`` and values (their first ``kv_lora_rank``)."""
     keys = cache.astype(dtype)
     return keys, keys[..., :latent.kv_lora_rank]
 
 
-# --- the parameter tree in mha_torch's names (mha_jax.convert): a torch weight (out, in) is the kernel's
-# transpose, its input axes (the output projection's two, (heads, v_head_dim); the others' one) flattened
+# --- the parameter tree in mha_torch's names: a weight (out, in) is the kernel's transpose, input axes flattened
 
 _TORCH_NAMES = {"query": "q_proj", "out": "out_proj"}  # the other projections and norms keep their names
-
-
-def is_latent_tree(tree: Mapping[str, Any]) -> bool:
-    """Whether a parameter tree (``mha_jax.convert._params_dict``'s) is a latent module's."""
-    return "kv_b_proj" in tree
 
 
 def to_torch_state(tree: Mapping[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
@@ -178,8 +155,7 @@ def torch_shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def load_state(module: nnx.Module, state: Mapping[str, Any]) -> None:
-    """Set a latent module's parameters from ``state`` (``mha_torch`` names -> arrays, checked against the
-    module's shapes), cast to their dtypes."""
+    """Set a latent module's parameters from ``state`` (``mha_torch`` names -> arrays), cast to their dtypes."""
     names = {torch: flax for flax, torch in _TORCH_NAMES.items()}
     for key, array in state.items():
         torch_name, _, part = key.rpartition(".")

@@ -1,9 +1,5 @@
-"""What each query may see: masks, biases and positions, parsed once into ``mha_spec.terms.Spec``.
-
-``mask`` broadcasts to ``(batch, heads, q_len, kv_len)``, in flax's convention: any dtype, nonzero =
-attend (flax's float32 0/1 masks work as they are); additive terms go in ``bias``. Twin of
-``mha_torch/masks.py``.
-"""
+"""Masks, biases and positions parsed into ``mha_spec.terms.Spec``; ``mask`` in flax's convention (any dtype,
+nonzero = attend). Twin of ``mha_torch/masks.py``."""
 
 from __future__ import annotations
 
@@ -20,21 +16,14 @@ MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
 
 def padding_mask(valid) -> jnp.ndarray:
-    """Boolean mask ``(batch, 1, 1, kv_len)`` from a ``(batch, kv_len)`` validity array.
-
-    ``valid`` is bool or 0/1 integer; True/nonzero marks a real (not padded) key.
-    """
+    """Boolean mask ``(batch, 1, 1, kv_len)`` from ``valid`` ``(batch, kv_len)``: bool or 0/1, True = a real key."""
     _checks.require_array("valid", valid)
     arguments.check_padding_valid(valid.shape, _checks.dtype_kind(valid), valid.dtype)
     return (jnp.asarray(valid) != 0)[:, None, None, :]
 
 
 def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
-    """Boolean mask ``(1, 1, q_len, kv_len)``: query i attends to keys 0..i.
-
-    Aligned top-left, as ``is_causal`` with default positions: with ``q_len > kv_len`` the
-    last rows see every key.
-    """
+    """Boolean mask ``(1, 1, q_len, kv_len)``: query i attends to keys 0..i (aligned top-left, as ``is_causal``)."""
     kv_len = arguments.check_mask_sizes(q_len, kv_len)
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None, None]
 
@@ -49,10 +38,8 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         _checks.require_array("mask", mask)
         arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         if _checks.dtype_kind(mask) not in ("bool", "int", "float"):
-            raise TypeError(
-                f"mask must be bool, integer or real floating (nonzero = attend), got dtype "
-                f"{mask.dtype} with shape {tuple(mask.shape)}"
-            )
+            raise TypeError(f"mask must be bool, integer or real floating (nonzero = attend), got dtype "
+                            f"{mask.dtype} with shape {tuple(mask.shape)}")
         allowed = jnp.asarray(mask) if mask.dtype == jnp.bool_ else jnp.asarray(mask) != 0
     if bias is not None:
         _checks.require_float("bias", bias)
@@ -70,8 +57,8 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
-    """``spec`` (over a decoding cache's slots) with the step's positions as ``parse`` keeps them: the
-    new tokens' ``(batch, n)``, the slots' ``(batch, max_length)``, the count of written slots ``(batch,)``."""
+    """``spec`` over a decoding cache's slots, with the step's positions ``(batch, n)``, the slots' positions
+    ``(batch, max_length)`` and the written slots' count ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
     queries = _sequence("query_positions", query_positions, batch, q_len, "q_len")
     keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len")
@@ -136,8 +123,7 @@ def unused_keys(spec: Spec, kv_heads: int = 1, segments: bool = True):
 
     {unused_keys}
 
-    ``segments=False`` leaves the segments' term out (it sorts the query ids along the length,
-    which a length sharded over a mesh axis cannot be).
+    ``segments=False`` leaves the segments' term out (for a length sharded over a mesh axis).
     """
     unused = spec.excluded_keys(kv_heads, _arange, _extremes, _present if segments else None)
     return None if unused is None else jnp.broadcast_to(unused, (spec.shape[0], kv_heads, spec.shape[3]))
@@ -159,8 +145,7 @@ def _present(query_ids, key_ids):
 
 
 def zero_unused_inputs(inputs_k, inputs_v, spec: Spec, segments: bool = True):
-    """The modules' ``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` zeroed at the keys no query
-    of any head may attend to, before they are projected (``segments`` as in ``unused_keys``)."""
+    """``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` zeroed at the keys no query may attend to."""
     unused = unused_keys(spec, segments=segments)
     if unused is None:
         return inputs_k, inputs_v
@@ -174,8 +159,7 @@ def zero_unused_inputs(inputs_k, inputs_v, spec: Spec, segments: bool = True):
 @docstrings.fill
 def mask_from_torch_mha(attn_mask: jax.Array | None = None, key_padding_mask: jax.Array | None = None, *,
                         num_heads: int | None = None) -> tuple[jax.Array | None, jax.Array | None]:
-    """Our ``(mask, bias)`` from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``
-    (JAX arrays, from NumPy ones too).
+    """Our ``(mask, bias)`` from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``.
 
     Args:
       {torch_mha_masks}

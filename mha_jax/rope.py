@@ -1,5 +1,4 @@
-"""Rotary position embeddings as transformers computes them (``mha_spec.rotary``) over JAX arrays;
-twin of ``mha_torch/rope.py``. Under ``jax.jit`` the sequence length may be traced."""
+"""Rotary position embeddings as transformers computes them (``mha_spec.rotary``); twin of ``mha_torch/rope.py``."""
 
 from __future__ import annotations
 
@@ -13,27 +12,24 @@ LAYOUT = "(*batch, len, heads, head_dim)"
 
 
 def _div(x: jax.Array, a: float) -> jax.Array:
-    """``x / a`` correctly rounded, as torch divides a tensor by a number: XLA would multiply by
-    ``1 / a`` where ``a`` is one number broadcast."""
+    """``x / a`` correctly rounded, as torch divides (XLA would multiply by ``1 / a``)."""
     return x / jnp.full_like(x, a)
 
 
 def _pow(x: jax.Array, p: float) -> jax.Array:
-    """``x ** p`` for a float32 scalar ``x``, as torch computes it: in float64, rounded to float32
-    (without x64, in float32: up to about 10 ulp from torch's)."""
+    """``x ** p`` of a float32 scalar as torch computes it: in float64 (where enabled), rounded to float32."""
     return (x.astype(jax.dtypes.canonicalize_dtype(jnp.float64)) ** p).astype(jnp.float32)
-
-
-def _exponents(dim: int, like=None) -> jax.Array:
-    """``arange(0, dim, 2) / dim`` in float32."""
-    with jax.ensure_compile_time_eval():
-        return _div(jnp.arange(0, dim, 2, dtype=jnp.float32), dim)
 
 
 def _constant(f):
     """``f()`` as a constant even under jit, so that jitted and eager calls use the same frequencies."""
     with jax.ensure_compile_time_eval():
         return f()
+
+
+def _exponents(dim: int, like=None) -> jax.Array:
+    """``arange(0, dim, 2) / dim`` in float32."""
+    return _constant(lambda: _div(jnp.arange(0, dim, 2, dtype=jnp.float32), dim))
 
 
 _OPS = rotary.FrequencyOps(
@@ -57,8 +53,8 @@ class RotaryEmbedding(rotary.RotaryParameters):
     array_ops = _OPS
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """``x`` ``(*batch, len, heads, head_dim)`` rotated; ``positions`` integer ``(len,)`` or
-        ``(*batch, len)`` (default ``arange(len)``). Returns ``x``'s shape and dtype."""
+        """``x`` ``(*batch, len, heads, head_dim)`` rotated at integer ``positions`` ``(len,)`` or ``(*batch, len)``
+        (default ``arange(len)``); ``x``'s shape and dtype."""
         _checks.require_float("x", x)
         x = jnp.asarray(x)
         if x.ndim < 4 or x.shape[-1] != self.head_dim:
@@ -70,5 +66,4 @@ class RotaryEmbedding(rotary.RotaryParameters):
         arguments.check_positions_shape(positions.shape, x.shape[:-3], length)
         dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
         cos, sin = self.cos_sin(jnp.asarray(positions), dtype)
-        # (*batch, len, half) -> (*batch, len, 1, half): the same angle for every head.
         return self.rotate(x, cos[..., None, :], sin[..., None, :])

@@ -1,12 +1,6 @@
-"""ALiBi (attention with linear biases): head ``h`` adds ``-slope[h] * |q_pos - k_pos|`` to every
-logit (flash-attn's ``alibi_slopes`` convention). The term reads positions only relative to each
-other, so a kernel may read it on positions relative to a block. Under causality it equals
-transformers' ``slope * k_pos`` (bloom, falcon) and MPT's ``slope * (k_pos - (K - 1))`` up to a
-constant per query row, which softmax ignores.
-
-The slopes as transformers computes them, in float32, as Python floats: ``bloom_slopes`` (also
-falcon's) and ``mpt_slopes``.
-"""
+"""ALiBi: head ``h`` adds ``-slope[h] * |q_pos - k_pos|`` to every logit (flash-attn's convention; under
+causality transformers' bloom/falcon/MPT terms up to a constant per row), and the slopes as transformers
+computes them (float32, as Python floats)."""
 
 from __future__ import annotations
 
@@ -18,8 +12,7 @@ import numpy as np
 
 
 def bias(slopes: Any, q_position: Any, k_position: Any) -> Any:
-    """``-slopes * |q_position - k_position|``, each argument laid out to broadcast (slopes over the
-    heads, positions over queries and keys); operators alone, for NumPy, JAX and PyTorch arrays."""
+    """``-slopes * |q_position - k_position|`` of broadcasting NumPy, JAX or PyTorch arrays."""
     return -slopes * abs(q_position - k_position)
 
 
@@ -28,17 +21,14 @@ def _f32(x: float) -> float:
 
 
 def _powers(base: float, exponents: Sequence[int]) -> list[float]:
-    """``base ** e`` as float32 ``pow`` of a float32 base gives it (the exact power of the rounded
-    base, rounded once)."""
+    """``base ** e`` as float32 ``pow`` of a float32 base gives it."""
     base = _f32(base)
     return [_f32(base ** e) for e in exponents]
 
 
 def bloom_slopes(num_heads: int) -> tuple[float, ...]:
-    """Bloom's slopes (transformers' ``_get_alibi_slopes``, float32): for the largest power of two
-    ``n <= num_heads``, ``b ** 1 .. b ** n`` with ``b = 2 ** (-8 / n)``; the remaining heads take
-    the odd powers ``c ** 1, c ** 3, ...`` of ``c = 2 ** (-4 / n)`` (the slopes of ``2n`` heads that
-    fall between those of ``n``)."""
+    """Bloom's slopes (transformers' ``_get_alibi_slopes``, float32): for the largest power of two ``n <= num_heads``,
+    ``b ** 1 .. b ** n`` with ``b = 2 ** (-8 / n)``; the remaining heads the odd powers of ``c = 2 ** (-4 / n)``."""
     num_heads = _check_heads(num_heads)
     n = 2 ** math.floor(math.log2(num_heads))
     slopes = _powers(2 ** (-(2 ** -(math.log2(n) - 3))), range(1, n + 1))
@@ -49,9 +39,8 @@ def bloom_slopes(num_heads: int) -> tuple[float, ...]:
 
 
 def mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> tuple[float, ...]:
-    """MPT's slopes (transformers' ``build_mpt_alibi_tensor``, float32): for the smallest power of two
-    ``n >= num_heads``, ``2 ** -(k * alibi_bias_max / n)`` for ``k = 1 .. n``; with fewer heads the
-    odd-indexed ones (``k`` = 2, 4, ...) first, then the even-indexed, cut to ``num_heads``."""
+    """MPT's slopes (transformers' ``build_mpt_alibi_tensor``, float32): ``2 ** -(k * alibi_bias_max / n)`` for
+    ``k = 1 .. n``, ``n`` the smallest power of two ``>= num_heads``; with fewer heads, odd ``k`` after even."""
     num_heads = _check_heads(num_heads)
     n = 2 ** math.ceil(math.log2(num_heads))
     step = _f32(alibi_bias_max / n)
@@ -68,13 +57,10 @@ def _check_heads(num_heads) -> int:
 
 
 def check_slopes_shape(shape: Sequence[int], batch: int, heads: int) -> None:
-    """ValueError unless ``shape`` is ``(heads,)`` or ``(batch, heads)``: one slope per query head
-    (per example)."""
+    """ValueError unless ``shape`` is ``(heads,)`` or ``(batch, heads)``."""
     if tuple(shape) not in ((heads,), (batch, heads)):
-        raise ValueError(
-            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = ({batch}, {heads}), one slope "
-            f"per query head, got {tuple(shape)}"
-        )
+        raise ValueError(f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = ({batch}, {heads}), "
+                         f"one slope per query head, got {tuple(shape)}")
 
 
 def check_module_slopes(slopes: Sequence[float] | None, num_heads: int) -> tuple[float, ...] | None:

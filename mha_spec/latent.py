@@ -1,19 +1,8 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3): the one description both twins read.
 
-The keys and values of every head come from one low-rank latent per token: the input is projected
-(``kv_a_proj_with_mqa``) to ``kv_lora_rank + qk_rope_head_dim`` features, the first ``kv_lora_rank``
-RMS-normed (``kv_a_layernorm``) into the latent ``c``, the rest the one rotary key ``k_rope`` all heads
-share. ``kv_b_proj`` lifts ``c`` to each head's ``qk_nope_head_dim`` key features (``k_nope``) and
-``v_head_dim`` value features. A head's key is ``[k_nope, k_rope]`` and its query ``[q_nope, q_rope]``
-(``q_proj``, or ``q_a_proj -> q_a_layernorm -> q_b_proj`` with ``q_lora_rank``); rotary acts on the rope
-parts only; the output projection reads ``heads * v_head_dim`` features.
-
-Decoding caches ``[c, rotated k_rope]`` per token, ``kv_lora_rank + qk_rope_head_dim`` numbers, and
-absorbs ``kv_b_proj`` (which has no bias) into the query and the output: with ``W_k[h]``
-``(qk_nope_head_dim, kv_lora_rank)`` and ``W_v[h]`` ``(v_head_dim, kv_lora_rank)`` head ``h``'s rows of
-its weight, ``q_nope . (W_k c) = (q_nope W_k) . c``, so the step attends with queries
-``[q_nope W_k, q_rope]`` over one key head ``[c, k_rope]`` with values ``c``, and each head's output
-``o`` becomes ``W_v o``: the same logits and outputs, the scale unchanged.
+Every head's key ``[k_nope, k_rope]`` and value come from one RMS-normed latent ``c`` per token plus one
+shared rotary key ``k_rope``. Decoding caches ``[c, rotated k_rope]`` and absorbs ``kv_b_proj`` into the
+query and the output (``q_nope . (W_k c) = (q_nope W_k) . c``): the same logits and outputs.
 """
 
 from __future__ import annotations
@@ -37,12 +26,11 @@ def _check_positive(name: str, value: Any) -> None:
 class Latent:
     """The dimensions of multi-head latent attention.
 
-    ``kv_lora_rank``: the latent's size; ``qk_rope_head_dim``: the rotated part of each query and key
-    head (and of the shared rope key); ``qk_nope_head_dim``: the part without rotary; ``v_head_dim``:
-    each value head; ``q_lora_rank``: the query's low rank (``q_a_proj``, ``q_a_layernorm``,
-    ``q_b_proj``), None for one ``q_proj``; ``eps``: the two RMSNorms' epsilon (transformers' default
-    1e-6). ``rotary`` of a module with a ``Latent`` has ``head_dim = qk_rope_head_dim``; its default
-    scale is ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
+    ``kv_lora_rank``: the latent's size; ``qk_rope_head_dim``: the rotated part of each query and key head;
+    ``qk_nope_head_dim``: the part without rotary; ``v_head_dim``: each value head; ``q_lora_rank``: the query's
+    low rank (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), None for one ``q_proj``; ``eps``: the RMSNorms'
+    epsilon. A module's ``rotary`` has ``head_dim = qk_rope_head_dim``; its default scale is
+    ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
     """
 
     kv_lora_rank: int
@@ -78,9 +66,8 @@ class Latent:
         return self.qk_nope_head_dim + self.v_head_dim
 
     def rms_norm(self, x: Any, weight: Any, mean: Callable[[Any], Any], rsqrt: Callable, cast: Callable) -> Any:
-        """transformers' ``DeepseekV3RMSNorm`` of ``x`` ``(..., features)``: normalised over the last axis in
-        float32 or wider (``cast(x, None)`` widens, ``cast(y, x)`` casts back to ``x``'s dtype), then times
-        ``weight`` ``(features,)`` in ``x``'s dtype; ``mean`` averages the last axis keeping it."""
+        """transformers' ``DeepseekV3RMSNorm`` of ``x`` ``(..., features)`` in float32 or wider (``cast(x, None)``
+        widens, ``cast(y, x)`` casts back), times ``weight`` ``(features,)``; ``mean`` keeps the last axis."""
         y = cast(x, None)
         y = y * rsqrt(mean(y * y) + self.eps)
         return cast(weight, x) * cast(y, x)
@@ -88,43 +75,32 @@ class Latent:
 
 def check_latent(latent: Any, num_heads: int, num_kv_heads: int | None, qkv_features: int | None,
                  names: tuple[str, str]) -> Latent:
-    """A module's ``latent``, with its other options: every head has its own key and value head (no
-    ``num_kv_heads`` below ``num_heads``), and ``qkv_features`` (``names``: the twin's names of the
-    key/value heads and the query features) is None or ``num_heads * qk_head_dim``."""
+    """``latent`` checked against the module's heads and ``qkv_features`` (``names``: the twin's names of them)."""
     if not isinstance(latent, Latent):
         raise TypeError(f"latent must be an mha_spec Latent or None, got {type(latent).__name__}")
     if num_kv_heads is not None and num_kv_heads != num_heads:
-        raise ValueError(
-            f"latent attention lifts the latent to every head: {names[0]} must be None or num_heads = {num_heads}, "
-            f"got {num_kv_heads}"
-        )
+        raise ValueError(f"latent attention lifts the latent to every head: {names[0]} must be None or num_heads = "
+                         f"{num_heads}, got {num_kv_heads}")
     if qkv_features is not None and qkv_features != num_heads * latent.qk_head_dim:
-        raise ValueError(
-            f"with latent, {names[1]} must be None or num_heads * (qk_nope_head_dim + qk_rope_head_dim) = "
-            f"{num_heads * latent.qk_head_dim}, got {qkv_features}"
-        )
+        raise ValueError(f"with latent, {names[1]} must be None or num_heads * (qk_nope_head_dim + qk_rope_head_dim) = "
+                         f"{num_heads * latent.qk_head_dim}, got {qkv_features}")
     return latent
 
 
 def check_inputs(key: Any, value: Any, name: str) -> None:
-    """A latent module's keys and values come from one input: ``value`` (the twin's ``name`` of it) None or
-    ``key`` itself."""
+    """``value`` (the twin's ``name`` of it) must be None or ``key`` itself."""
     if value is not None and value is not key:
         raise ValueError(f"with latent, keys and values both come from the key input's latent: pass no {name}")
 
 
 def check_options(latent: Latent, qk_norm: Any, rotary: Any, scale: float | None) -> float:
-    """A latent module's other options: no QK-norm, a rotary embedding acting on the rope parts
-    (``head_dim = qk_rope_head_dim``); returns the scale, default the full keys' ``1 / sqrt(qk_head_dim)``
-    (which the absorbed decoding step keeps)."""
+    """The scale (default ``1 / sqrt(qk_head_dim)``), after checking no QK-norm and a rope-part ``rotary``."""
     if qk_norm is not None:
         raise ValueError("normalize_qk does not apply with latent: its keys come from the RMS-normed latent")
     head_dim = getattr(rotary, "head_dim", None)
     if rotary is not None and head_dim is not None and head_dim != latent.qk_rope_head_dim:
-        raise ValueError(
-            f"with latent, rotary rotates the rope part of each head: its head_dim must be qk_rope_head_dim = "
-            f"{latent.qk_rope_head_dim}, got {head_dim}"
-        )
+        raise ValueError(f"with latent, rotary rotates the rope part of each head: its head_dim must be "
+                         f"qk_rope_head_dim = {latent.qk_rope_head_dim}, got {head_dim}")
     return latent.qk_head_dim ** -0.5 if scale is None else scale
 
 
@@ -141,11 +117,8 @@ class RopePart:
 
 
 def layer_rotary(options: Any) -> dict[str, Any] | None:
-    """A layer's ``RotaryEmbedding`` arguments from its ``families.LayerOptions``, None without rotary: the
-    config's settings (``rope_from_config``); a latent layer's over its ``qk_rope_head_dim`` features, the
-    pairs interleaved as the layer says (DeepSeek-V3's ``rope_interleave``) whatever the model_type: the
-    logits depend on the pairs alone, not on where a rotated pair is placed, which transformers' rotation
-    changes."""
+    """A layer's ``RotaryEmbedding`` arguments from its ``families.LayerOptions``, None without rotary; a latent
+    layer's over its ``qk_rope_head_dim`` features, interleaved as its ``rope_interleave`` says."""
     if options.rope is None:
         return None
     if options.latent is None:

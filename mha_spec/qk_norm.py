@@ -14,14 +14,11 @@ import numpy as np
 class QKNorm:
     """Normalisation of queries and keys before the logits (QK-norm).
 
-    ``kind``: ``"layer"`` (mean and variance, no bias: flax's ``normalize_qk``, StableLM) or
-    ``"rms"`` (root mean square: Qwen3, Gemma 3, OLMo 2). ``per_head``: over each head's
-    ``head_dim`` features (scale ``(head_dim,)``), else over the whole projection, every head
-    together (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance.
-    ``offset``: the features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``, its
-    scale initialised to 0). ``per_head_scale``: with ``per_head``, each head its own scale
-    (``(heads, head_dim)``: StableLM's LayerNorm per head, Cohere's) instead of one shared.
-    Computed in float32 at least, cast back to the input dtype.
+    ``kind``: ``"layer"`` (mean and variance, no bias: flax's ``normalize_qk``, StableLM) or ``"rms"`` (Qwen3,
+    Gemma 3, OLMo 2). ``per_head``: over each head's ``head_dim`` features (scale ``(head_dim,)``), else over the
+    whole projection (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance. ``offset``: the
+    features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``). ``per_head_scale``: with ``per_head``,
+    each head its own scale ``(heads, head_dim)`` (StableLM, Cohere). Computed in float32 at least.
     """
 
     kind: str = "layer"
@@ -31,9 +28,8 @@ class QKNorm:
     per_head_scale: bool = False
 
     def normalize(self, y: Any, scale: Any, mean: Callable[[Any, tuple[int, ...]], Any], rsqrt: Callable) -> Any:
-        """``y`` ``(..., heads, head_dim)`` (float32 or wider) normalised over its last axis (per
-        head) or its last two, times ``offset + scale`` (in ``y``'s dtype, broadcasting to it);
-        ``mean(y, axes)`` is the framework's mean keeping the axes, ``rsqrt`` its ``1 / sqrt``."""
+        """``y`` ``(..., heads, head_dim)`` (float32 or wider) normalised per head or over the last two axes, times
+        ``offset + scale``; ``mean(y, axes)`` keeps the axes, ``rsqrt`` is ``1 / sqrt``."""
         axes = (-1,) if self.per_head else (-2, -1)
         if self.kind == "layer":
             y = y - mean(y, axes)
@@ -52,10 +48,8 @@ class QKNorm:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QKNorm {name} must be a bool, got {getattr(self, name)!r}")
         if self.per_head_scale and not self.per_head:
-            raise ValueError(
-                "QKNorm per_head_scale=True needs per_head=True (a norm over the whole projection has a scale per "
-                "head already)"
-            )
+            raise ValueError("QKNorm per_head_scale=True needs per_head=True (a norm over the whole projection has a "
+                             "scale per head already)")
         for name in ("eps", "offset"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):

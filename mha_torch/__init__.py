@@ -1,7 +1,4 @@
-"""Multi-head attention for PyTorch, the twin of ``mha_jax``.
-
-Never imports jax or flax.
-"""
+"""Multi-head attention for PyTorch, the twin of ``mha_jax``; never imports jax or flax."""
 
 from mha_spec.latent import Latent
 from mha_spec.qk_norm import QKNorm
@@ -15,19 +12,7 @@ from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
 
 __all__ = [
-    "KVCache",
-    "Latent",
-    "LatentCache",
-    "MultiHeadAttention",
-    "QKNorm",
-    "RotaryEmbedding",
-    "causal_mask",
-    "dot_product_attention",
-    "from_hf",
-    "from_torch_mha",
-    "load_weights",
-    "mask_from_torch_mha",
-    "mask_to_torch_mha",
-    "padding_mask",
-    "to_torch_mha",
+    "KVCache", "Latent", "LatentCache", "MultiHeadAttention", "QKNorm", "RotaryEmbedding", "causal_mask",
+    "dot_product_attention", "from_hf", "from_torch_mha", "load_weights", "mask_from_torch_mha", "mask_to_torch_mha",
+    "padding_mask", "to_torch_mha",
 ]

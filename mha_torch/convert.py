@@ -1,9 +1,5 @@
 """Loading weights into ``mha_torch.MultiHeadAttention``, and ``torch.nn.MultiheadAttention`` both ways.
-
-Twin of ``mha_jax/convert.py``: reads any mapping of name to array-like (torch tensors, NumPy
-arrays, bfloat16 ones from ``mha_jax.to_torch`` included) or a ``.safetensors`` file, in any
-naming scheme that ``mha_spec.layouts`` reads.
-"""
+Twin of ``mha_jax/convert.py``."""
 
 from __future__ import annotations
 
@@ -23,27 +19,21 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
                  ignore: Sequence[str] = ()) -> None:
     """Copy weights into ``module`` in place (cast to its parameter dtypes).
 
-    ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in
-    ``mha_jax.from_torch`` (``"auto"`` included; fused projections are split with the module's
-    ``num_heads`` and ``num_kv_heads``). Raises one ValueError listing every missing, unexpected
-    or mis-shaped key, each with the shape found and the module's, as ``mha_jax.load_weights`` does.
+    ``layout``, ``mapping``, ``prefix``, ``ignore``: the checkpoint's naming scheme, as in ``mha_jax.from_torch``.
+    Raises one ValueError listing every missing, unexpected or mis-shaped key.
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(
-            f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} "
-            f"from {type(module).__module__}"
-        )
+        raise TypeError(f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__} "
+                        f"from {type(module).__module__}")
     current = module.state_dict()
     expected = {k: tuple(v.shape) for k, v in current.items()}
     if getattr(module, "latent", None) is not None:  # transformers' names (layout "mla")
         state = layouts.read_latent(read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
                                     ignore=ignore, expected=expected)
     else:
-        state = layouts.read_layout(
-            read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
-            ignore=ignore, num_heads=getattr(module, "num_heads", None),
-            num_kv_heads=getattr(module, "num_kv_heads", None), expected=expected,
-        )
+        state = layouts.read_layout(read_state(state_dict_or_path), layout=layout, mapping=mapping, prefix=prefix,
+                                    ignore=ignore, num_heads=getattr(module, "num_heads", None),
+                                    num_kv_heads=getattr(module, "num_kv_heads", None), expected=expected)
     _check_dtypes(state)
     with torch.no_grad():
         for name, tensor in state.items():
@@ -53,26 +43,20 @@ def load_weights(module: torch.nn.Module, state_dict_or_path: Mapping[str, Any] 
 def from_torch_mha(module: torch.nn.MultiheadAttention) -> MultiHeadAttention:
     """An ``mha_torch.MultiHeadAttention`` computing what ``module`` computes, with its weights.
 
-    Takes ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``, ``bias``, ``dropout``, dtype,
-    device and training mode. The result is batch-first whatever ``module.batch_first`` says
-    (the weights do not depend on it): give it ``(batch, length, features)`` inputs, and masks
-    translated by ``mask_from_torch_mha``. ``add_bias_kv`` and ``add_zero_attn`` have no
-    counterpart here: a ValueError.
+    Takes ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``, ``bias``, ``dropout``, dtype, device and training mode.
+    The result is batch-first whatever ``module.batch_first`` says; give it masks translated by
+    ``mask_from_torch_mha``. ``add_bias_kv`` and ``add_zero_attn`` have no counterpart here: a ValueError.
     """
     if not isinstance(module, torch.nn.MultiheadAttention):
         raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
-    unsupported = [
-        name for name, on in (("add_bias_kv=True", module.bias_k is not None),
-                              ("add_zero_attn=True", module.add_zero_attn)) if on
-    ]
+    unsupported = [name for name, on in (("add_bias_kv=True", module.bias_k is not None),
+                                         ("add_zero_attn=True", module.add_zero_attn)) if on]
     if unsupported:
         raise ValueError(f"module has {' and '.join(unsupported)}, which mha_torch.MultiHeadAttention does not have")
     weight = module.out_proj.weight
-    ours = MultiHeadAttention(
-        module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
-        bias=module.in_proj_bias is not None, dropout=module.dropout,
-        device=weight.device, dtype=weight.dtype,
-    )
+    ours = MultiHeadAttention(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
+                              bias=module.in_proj_bias is not None, dropout=module.dropout, device=weight.device,
+                              dtype=weight.dtype)
     load_weights(ours, module.state_dict(), layout="torch_mha")
     return ours.train(module.training)
 
@@ -80,27 +64,22 @@ def from_torch_mha(module: torch.nn.MultiheadAttention) -> MultiHeadAttention:
 def to_torch_mha(module: MultiHeadAttention) -> torch.nn.MultiheadAttention:
     """A ``torch.nn.MultiheadAttention(batch_first=True)`` with ``module``'s weights.
 
-    Possible when ``num_kv_heads == num_heads`` and ``qkv_dim == out_dim == embed_dim`` (the
-    only shapes the built-in class has); otherwise a ValueError naming what differs. Give it
+    Possible when ``num_kv_heads == num_heads`` and ``qkv_dim == out_dim == embed_dim``, else a ValueError. Give it
     masks translated by ``mask_to_torch_mha``; its fully masked rows are NaN, where ours are 0.
     """
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"module must be an mha_torch.MultiHeadAttention, got {type(module).__name__}")
-    problems = [
-        f"{name}={getattr(module, name)} differs from {other}={getattr(module, other)}"
-        for name, other in (("num_kv_heads", "num_heads"), ("qkv_dim", "embed_dim"), ("out_dim", "embed_dim"))
-        if getattr(module, name) != getattr(module, other)
-    ]
+    problems = [f"{name}={getattr(module, name)} differs from {other}={getattr(module, other)}"
+                for name, other in (("num_kv_heads", "num_heads"), ("qkv_dim", "embed_dim"), ("out_dim", "embed_dim"))
+                if getattr(module, name) != getattr(module, other)]
     if module.alibi_slopes is not None:
         problems.append("alibi_slopes is set (it has no ALiBi)")
     if problems:
         raise ValueError("torch.nn.MultiheadAttention cannot hold this module: " + "; ".join(problems))
     weight = module.q_proj.weight
-    theirs = torch.nn.MultiheadAttention(
-        module.embed_dim, module.num_heads, dropout=module.dropout,
-        bias=module.q_proj.bias is not None, kdim=module.kdim, vdim=module.vdim,
-        batch_first=True, device=weight.device, dtype=weight.dtype,
-    )
+    theirs = torch.nn.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
+                                         bias=module.q_proj.bias is not None, kdim=module.kdim, vdim=module.vdim,
+                                         batch_first=True, device=weight.device, dtype=weight.dtype)
     ours = module.state_dict()
     state = {"out_proj.weight": ours["out_proj.weight"]}
     if theirs._qkv_same_embed_dim:  # it fuses the three input weights exactly when their shapes agree
@@ -127,8 +106,7 @@ def read_state(state_dict_or_path: Any) -> dict[str, torch.Tensor]:
 
 
 def _load_file(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file  # a light import, only when a file is given
-
+    from safetensors.torch import load_file
     return dict(load_file(path))
 
 

@@ -1,10 +1,5 @@
-"""Multi-head latent attention (``mha_spec.latent``) of ``mha_torch.MultiHeadAttention``; twin of
-``mha_jax/latent.py``.
-
-Layout: heads first, queries ``(batch, heads, q_len, qk_head_dim)``, keys ``(batch, heads, kv_len,
-qk_head_dim)``, values ``(batch, heads, kv_len, v_head_dim)``; the latent cache ``(batch, 1, max_length,
-kv_lora_rank + qk_rope_head_dim)`` (one key head; its values are its first ``kv_lora_rank`` features).
-"""
+"""Multi-head latent attention (``mha_spec.latent``) of ``mha_torch.MultiHeadAttention``, heads first; twin of
+``mha_jax/latent.py``."""
 
 from __future__ import annotations
 
@@ -42,10 +37,8 @@ def _cast(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 
 def make_projections(module: nn.Module, latent: Latent, features: tuple[int, int, int], num_heads: int,
                      biases: tuple[bool, bool], factory: dict) -> None:
-    """The latent module's parameters, transformers' names: ``q_proj`` or ``q_a_proj``/``q_a_layernorm``/
-    ``q_b_proj``; ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``; ``out_proj``. ``features``:
-    (``embed_dim``, ``kdim``, ``out_dim``); ``biases``: (on ``q_a_proj`` and ``kv_a_proj_with_mqa``, as
-    transformers' ``attention_bias``; on ``out_proj``); ``q_proj``, ``q_b_proj`` and ``kv_b_proj`` have none."""
+    """The latent module's parameters, transformers' names. ``features``: (``embed_dim``, ``kdim``, ``out_dim``);
+    ``biases``: (on ``q_a_proj`` and ``kv_a_proj_with_mqa``; on ``out_proj``)."""
     embed_dim, kdim, out_dim = features
     queries = num_heads * latent.qk_head_dim
     if latent.q_lora_rank is None:
@@ -66,8 +59,7 @@ def rope_part(rotary, latent: Latent) -> RopePart | None:
 
 
 def project_query(module: nn.Module, x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """Queries ``(batch, heads, q_len, qk_head_dim)`` (no-rope features first) of ``x`` ``(batch, q_len,
-    embed_dim)``."""
+    """Queries ``(batch, heads, q_len, qk_head_dim)`` of ``x`` ``(batch, q_len, embed_dim)``."""
     if module.latent.q_lora_rank is None:
         q = module.q_proj(x)
     else:
@@ -76,8 +68,7 @@ def project_query(module: nn.Module, x: torch.Tensor, batch: int, heads: int) ->
 
 
 def project_latent(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The cache's entries ``(batch, 1, kv_len, kv_lora_rank + qk_rope_head_dim)`` of ``x`` ``(batch, kv_len,
-    kdim)``: the RMS-normed latent, then the shared rope key (not yet rotated)."""
+    """Cache entries ``(batch, 1, kv_len, cache_dim)`` of ``x``: the normed latent, then the unrotated rope key."""
     rank = module.latent.kv_lora_rank
     compressed = module.kv_a_proj_with_mqa(x)
     entries = torch.cat([module.kv_a_layernorm(compressed[..., :rank]), compressed[..., rank:]], dim=-1)
@@ -86,8 +77,7 @@ def project_latent(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def expand(module: nn.Module, entries: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``(batch, heads, kv_len, qk_head_dim)`` and values ``(batch, heads, kv_len, v_head_dim)`` of the
-    (rotated) entries ``(batch, 1, kv_len, kv_lora_rank + qk_rope_head_dim)``: ``kv_b_proj`` of the latent,
-    split per head into the no-rope key and the value, the shared rope key beside every head's."""
+    rotated entries ``(batch, 1, kv_len, cache_dim)``."""
     latent = module.latent
     batch, _, kv_len, _ = entries.shape
     lifted = module.kv_b_proj(entries[:, 0, :, :latent.kv_lora_rank])
@@ -98,49 +88,43 @@ def expand(module: nn.Module, entries: torch.Tensor, heads: int) -> tuple[torch.
 
 
 def attention_inputs(module: nn.Module, q: torch.Tensor, entries: torch.Tensor, spec: masks.Spec):
-    """The full computation's queries, keys and values (see ``expand``) of the projected queries and
-    entries, their rope parts rotated at ``spec``'s positions."""
+    """Queries, keys and values (``expand``) with their rope parts rotated at ``spec``'s positions."""
     q, entries = rotate_at(rope_part(module.rotary, module.latent), q, entries, *masks.positions(spec))
     return (q, *expand(module, entries, q.shape[1]))
 
 
 def _kv_b_heads(module: nn.Module, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj``'s weight per head: the key half ``(heads, qk_nope_head_dim, kv_lora_rank)``, the value
-    half ``(heads, v_head_dim, kv_lora_rank)``."""
+    """``kv_b_proj``'s key half ``(heads, qk_nope_head_dim, kv_lora_rank)`` and value half
+    ``(heads, v_head_dim, kv_lora_rank)``."""
     latent = module.latent
     weight = module.kv_b_proj.weight.view(heads, latent.kv_b_features, latent.kv_lora_rank)
     return weight.split([latent.qk_nope_head_dim, latent.v_head_dim], dim=1)
 
 
 def absorb_query(module: nn.Module, q: torch.Tensor) -> torch.Tensor:
-    """Rotated queries ``(batch, heads, n, qk_head_dim)`` as the absorbed step's ``(batch, heads, n,
-    kv_lora_rank + qk_rope_head_dim)``: each head's no-rope part through its key half of ``kv_b_proj``."""
+    """Rotated queries ``(batch, heads, n, qk_head_dim)`` as the absorbed step's ``(batch, heads, n, cache_dim)``."""
     w_key = _kv_b_heads(module, q.shape[1])[0].to(q.dtype)
     nope = module.latent.qk_nope_head_dim
     return torch.cat([torch.einsum("bhnd,hdr->bhnr", q[..., :nope], w_key), q[..., nope:]], dim=-1)
 
 
 def lift_output(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """The absorbed step's outputs ``(batch, heads, n, kv_lora_rank)`` as each head's values would give
-    them, ``(batch, heads, n, v_head_dim)``: through the value half of ``kv_b_proj``."""
+    """The absorbed step's outputs ``(batch, heads, n, kv_lora_rank)`` as ``(batch, heads, n, v_head_dim)``."""
     w_value = _kv_b_heads(module, out.shape[1])[1].to(out.dtype)
     return torch.einsum("bhnr,hvr->bhnv", out, w_value)
 
 
 def cached_keys(cache: KVCache, latent: Latent, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The absorbed step's keys ``(batch, 1, max_length, kv_lora_rank + qk_rope_head_dim)`` and values, the
-    latent part of the same entries ``(batch, 1, max_length, kv_lora_rank)``."""
+    """The absorbed step's keys ``(batch, 1, max_length, cache_dim)`` and values (their first ``kv_lora_rank``)."""
     keys = cache.key_storage.to(dtype)
     return keys, keys[..., :latent.kv_lora_rank]
 
 
 class LatentCache(KVCache):
-    """The decoding cache of a module with a ``Latent``: per token ``kv_lora_rank + qk_rope_head_dim``
-    numbers, the normed latent and the rotated shared rope key, nothing else.
+    """The decoding cache of a module with a ``Latent``: per token the normed latent and the rotated rope key.
 
-    Attributes: ``key`` ``(*batch, max_length, 1, kv_lora_rank + qk_rope_head_dim)``, a view of
-    ``key_storage`` ``(*batch, 1, max_length, kv_lora_rank + qk_rope_head_dim)``; ``value`` and
-    ``value_storage`` None; ``index``, ``overflow`` as ``KVCache``'s.
+    Attributes: ``key`` ``(*batch, max_length, 1, cache_dim)``, a view of ``key_storage`` ``(*batch, 1,
+    max_length, cache_dim)``; ``value`` and ``value_storage`` None; ``index``, ``overflow`` as ``KVCache``'s.
 
     Args:
       batch: the batch size, or the batch axes ``(*batch,)``.

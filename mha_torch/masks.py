@@ -1,11 +1,5 @@
-"""What each query may see: masks, biases and positions, parsed once into ``mha_spec.terms.Spec``.
-
-``mask`` broadcasts to ``(batch, heads, q_len, kv_len)``, in the convention of
-``F.scaled_dot_product_attention``: bool True = attend, integer nonzero = attend, floating added to
-the logits (as ``bias``). The one deliberate difference from ``mha_jax``, whose float mask is a 0/1
-keep-mask as flax's; ``torch.nn.MultiheadAttention``'s bool masks mean the opposite (True = ignore).
-Twin of ``mha_jax/masks.py``.
-"""
+"""Masks, biases and positions parsed into ``mha_spec.terms.Spec``; ``mask`` in SDPA's convention (bool/integer
+nonzero = attend, floating added to the logits, unlike ``mha_jax``'s). Twin of ``mha_jax/masks.py``."""
 
 from __future__ import annotations
 
@@ -22,21 +16,14 @@ MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
 
 
 def padding_mask(valid: torch.Tensor) -> torch.Tensor:
-    """Boolean mask ``(batch, 1, 1, kv_len)`` from a ``(batch, kv_len)`` validity tensor.
-
-    ``valid`` is bool or 0/1 integer; True/nonzero marks a real (not padded) key.
-    """
+    """Boolean mask ``(batch, 1, 1, kv_len)`` from ``valid`` ``(batch, kv_len)``: bool or 0/1, True = a real key."""
     _checks.require_array("valid", valid)
     arguments.check_padding_valid(valid.shape, _checks.dtype_kind(valid), _checks.dtype_name(valid))
     return (valid != 0)[:, None, None, :]
 
 
 def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.Tensor:
-    """Boolean mask ``(1, 1, q_len, kv_len)``: query i attends to keys 0..i.
-
-    Aligned top-left, as ``is_causal`` with default positions: with ``q_len > kv_len`` the
-    last rows see every key.
-    """
+    """Boolean mask ``(1, 1, q_len, kv_len)``: query i attends to keys 0..i (aligned top-left, as ``is_causal``)."""
     kv_len = arguments.check_mask_sizes(q_len, kv_len)
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()[None, None]
 
@@ -53,11 +40,9 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
         kind = _checks.dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
-            raise TypeError(
-                f"mask must be bool, integer or real floating (bool/integer: nonzero = attend; "
-                f"floating: added to the logits), got dtype {_checks.dtype_name(mask)} with shape "
-                f"{tuple(mask.shape)}"
-            )
+            raise TypeError(f"mask must be bool, integer or real floating (bool/integer: nonzero = attend; "
+                            f"floating: added to the logits), got dtype {_checks.dtype_name(mask)} with shape "
+                            f"{tuple(mask.shape)}")
         mask = mask.to(device)
         if kind == "float":  # SDPA's convention: an additive term, like bias
             additive = mask
@@ -84,8 +69,8 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
-    """``spec`` (over a decoding cache's slots) with the step's positions as ``parse`` keeps them: the
-    new tokens' ``(batch, n)``, the slots' ``(batch, max_length)``, the count of written slots ``(batch,)``."""
+    """``spec`` over a decoding cache's slots, with the step's positions ``(batch, n)``, the slots' positions
+    ``(batch, max_length)`` and the written slots' count ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
     queries = _sequence("query_positions", query_positions, batch, q_len, "q_len", spec.device)
     keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len", spec.device)
@@ -166,8 +151,7 @@ def _present(query_ids, key_ids):
 
 
 def zero_unused_inputs(inputs_k, inputs_v, spec: Spec):
-    """The module's ``key``/``value`` inputs ``(batch, kv_len, features)`` zeroed at the keys no query
-    of any head may attend to, before they are projected."""
+    """``inputs_k``/``inputs_v`` ``(batch, kv_len, features)`` zeroed at the keys no query may attend to."""
     unused = unused_keys(spec)
     if unused is None:
         return inputs_k, inputs_v

@@ -1,5 +1,4 @@
-"""Rotary position embeddings as transformers computes them (``mha_spec.rotary``) over tensors;
-twin of ``mha_jax/rope.py``. The sequence length is computed on the positions' device."""
+"""Rotary position embeddings as transformers computes them (``mha_spec.rotary``); twin of ``mha_jax/rope.py``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ def _exponents(dim: int, like: torch.Tensor | None = None) -> torch.Tensor:
     return exponents if like is None else exponents.to(like.device)
 
 
-# torch's own operations: ``a / x`` of a number over a tensor is ``reciprocal(x) * a``, and the power
-# of a 0-d float32 tensor is computed in float64 and rounded
 _OPS = rotary.FrequencyOps(
     rdiv=lambda a, x: torch.reciprocal(x) * a, div=lambda x, a: x / a, pow=lambda x, p: x**p, exponents=_exponents,
     arange=lambda n: torch.arange(n, dtype=torch.float32), array=lambda v: torch.tensor(v, dtype=torch.float32),
@@ -39,8 +36,8 @@ class RotaryEmbedding(rotary.RotaryParameters):
     array_ops = _OPS
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``(*batch, heads, len, head_dim)`` rotated; ``positions`` integer ``(len,)`` or
-        ``(*batch, len)`` (default ``arange(len)``). Returns ``x``'s shape and dtype."""
+        """``x`` ``(*batch, heads, len, head_dim)`` rotated at integer ``positions`` ``(len,)`` or ``(*batch, len)``
+        (default ``arange(len)``); ``x``'s shape and dtype."""
         _checks.require_float("x", x)
         if x.ndim < 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have shape {LAYOUT} with head_dim = {self.head_dim}, got {tuple(x.shape)}")
@@ -51,5 +48,4 @@ class RotaryEmbedding(rotary.RotaryParameters):
         arguments.check_positions_shape(positions.shape, x.shape[:-3], length)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(positions.to(x.device), dtype)
-        # (*batch, len, half) -> (*batch, 1, len, half): the same angle for every head.
         return self.rotate(x, cos.unsqueeze(-3), sin.unsqueeze(-3))
