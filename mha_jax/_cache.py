@@ -1,7 +1,4 @@
-"""Key/value cache arithmetic for decoding (``mha_spec.kv_cache``) over JAX arrays.
-
-Twin of ``mha_torch/_cache.py``.
-"""
+"""Key/value cache arithmetic for decoding (``mha_spec.kv_cache``) over JAX arrays; twin of ``mha_torch/_cache.py``."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from mha_spec import kv_cache
 
 
 def positions(end: jax.Array, n: int, query_positions) -> jax.Array:
-    """int32 ``(batch, n)``: the new tokens' positions; default ``end + arange(n)``, else the
-    given ones (``-1`` marks a padding token, which is not written)."""
+    """int32 ``(batch, n)``: the new tokens' positions, default ``end + arange(n)`` (``-1``: padding)."""
     if query_positions is None:
         return end[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     _checks.require_array("query_positions", query_positions)
@@ -24,15 +20,13 @@ def positions(end: jax.Array, n: int, query_positions) -> jax.Array:
 
 
 def write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
-    """``cache`` ``(batch, max_length, kv_heads, head_dim)`` with ``new`` ``(batch, n, kv_heads,
-    head_dim)`` at slots ``pos % max_length``; padding tokens (``pos < 0``) are dropped."""
+    """``cache`` ``(batch, max_length, ...)`` with ``new`` ``(batch, n, ...)`` at ``pos % max_length``, ``pos >= 0``."""
     batch, max_length, kv_heads, head_dim = cache.shape
     slots = jnp.where(pos >= 0, pos % max_length, max_length)  # out of range: dropped
-    # One more slot, always dropped: XLA:CPU turns a one-slot scatter (one batch row, one token)
-    # into a dynamic-update-slice, which it fuses apart for each reader, copying the cache each time.
+    # one more slot, always dropped: XLA:CPU would turn a one-slot scatter into a copying dynamic-update-slice
     slots = jnp.pad(slots, ((0, 0), (0, 1)), constant_values=max_length)
     new = jnp.pad(new.astype(cache.dtype), ((0, 0), (0, 1), (0, 0), (0, 0)))
-    # the cache's own sharding, which an Explicit mesh (jax.make_mesh's) cannot infer for a scatter
+    # an Explicit mesh cannot infer a scatter's sharding
     return cache.at[jnp.arange(batch)[:, None], slots].set(new, mode="drop", out_sharding=jax.typeof(cache).sharding)
 
 
@@ -42,5 +36,5 @@ def advance(end: jax.Array, pos: jax.Array) -> jax.Array:
 
 
 def slot_positions(end: jax.Array, max_length: int) -> tuple[jax.Array, jax.Array]:
-    """(positions each slot holds, count of written slots): ``mha_spec.kv_cache.slot_positions``."""
+    """``mha_spec.kv_cache.slot_positions``."""
     return kv_cache.slot_positions(end, max_length, jnp.arange(max_length, dtype=jnp.int32)[None], jnp.minimum)

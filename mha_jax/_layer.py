@@ -1,5 +1,4 @@
-"""The steps that the ``flax.nnx`` module (``module.py``) and the ``flax.linen`` one (``linen.py``) share, on
-inputs whose batch axes are merged: ``(batch, len, features)``, projected ``(batch, len, heads, head_dim)``."""
+"""Steps the nnx (``module.py``) and linen (``linen.py``) modules share, on inputs with merged batch axes."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from mha_spec.rotary import rotate_at
 
 @dataclasses.dataclass(frozen=True)
 class Cache:
-    """A cache with one batch axis: ``key``/``value`` ``(batch, max_length, kv_heads, head_dim)`` (``value``
-    None: a latent cache, keys alone), ``end`` int32 ``(batch,)`` (next position), ``overflow`` bool ``(batch,)``."""
+    """``key``/``value`` ``(batch, max_length, kv_heads, head_dim)`` (``value`` None: latent), ``end``, ``overflow``."""
 
     key: jax.Array
     value: jax.Array | None
@@ -34,8 +32,7 @@ class Cache:
 
 
 def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_features: int | None):
-    """flax's defaults for absent key and value inputs, then the inputs ``(*batch, len, features)``
-    checked (feature sizes None: read from them, linen): ``(self_attention, inputs_q, inputs_k, inputs_v)``."""
+    """``(self_attention, inputs_q, inputs_k, inputs_v)``, defaulted as flax's and checked."""
     self_attention, inputs_q, inputs_k, inputs_v = arguments.default_inputs(
         inputs_q, inputs_k, inputs_v, ("inputs_q", "inputs_k", "inputs_v"), "array")
     if in_features is None:
@@ -56,19 +53,17 @@ def _check_inputs(inputs_q, inputs_k, inputs_v, in_features: int | None, in_kv_f
 
 def prepare(inputs: tuple, masking: Mapping, num_heads: int, features: tuple[int | None, int | None], *,
             max_length: int | None = None, sequence_axis: str | None = None) -> batch_axes.Call:
-    """The checked call of a Flax module (``features``: the inputs' feature sizes, None read from
-    the inputs: linen), as ``batch_axes.merged_call``; not decoding, the keys no query may attend to zeroed."""
+    """The checked call (``batch_axes.merged_call``); ``features`` None: read from the inputs (linen)."""
     self_attention, *inputs = _check_inputs(*inputs, *features)
-    # a length sharded for the ring: segments absent from the queries are not looked for
+    # a ring's sharded length: segments absent from the queries are not looked for
     zero_unused = functools.partial(masks.zero_unused_inputs, segments=sequence_axis is None)
     return batch_axes.merged_call(tuple(inputs), self_attention, masking, jnp.broadcast_to, masks.parse, zero_unused,
                                   num_heads, max_length)
 
 
 def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv_heads: int, head_dim: int) -> Cache:
-    """A module's cache, checked against the step's inputs, with its batch axes merged as theirs:
-    ``key``/``value`` ``(*batch, max_length, kv_heads, head_dim)``, ``index`` ``(*batch,)`` or, as flax's
-    class makes it, a scalar (every row there), ``overflow`` ``(*batch,)`` or, as flax's, None."""
+    """A module's cache checked against the step, batch axes merged; ``index`` may be a scalar and ``overflow`` None
+    (flax's cache)."""
     index = jnp.asarray(index)
     index = jnp.broadcast_to(index, batch_shape) if index.ndim == 0 else index
     overflow = jnp.zeros(index.shape, bool) if overflow is None else overflow
@@ -80,9 +75,8 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
 
 
 def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
-    """Rotate ``query`` ``(batch, n, heads, head_dim)`` and ``key`` at the new tokens' positions (default each
-    row's end onward), append ``key``/``value`` ``(batch, n, kv_heads, head_dim)`` (``value`` None: a latent
-    cache) to ``cache``: ``(query, cache, spec)``, ``spec`` over the new queries and the cache's slots."""
+    """Rotate ``query`` and ``key`` ``(batch, n, heads, head_dim)`` at the new positions, append ``key``/``value``:
+    ``(query, cache, spec)``, ``spec`` over the new queries and the cache's slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
@@ -98,9 +92,7 @@ def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
 
 
 def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache | None):
-    """The attended queries, keys and values of the projected ``(batch, len, heads, head_dim)`` ones: while
-    decoding, over ``cache`` (the new ones rotated and cached already; a latent's query absorbed), else rotated
-    at ``spec``'s positions (a latent's keys and values lifted to each head)."""
+    """The attended queries, keys and values: over ``cache`` while decoding, else rotated at ``spec``'s positions."""
     if cache is not None and module.latent is not None:
         return mla.absorb_query(module, query), *mla.cached_keys(cache.key, module.latent, query.dtype)
     if cache is not None:
@@ -113,9 +105,8 @@ def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache |
 def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_rng, dropout_mask,
             sow_weights: bool, return_weights: bool, attention_fn_kwargs: Mapping = MappingProxyType({}),
             zero_unused: bool = True, sinks: jax.Array | None = None, sequence_axis: str | None = None):
-    """Attention of projected ``(batch, len, heads, head_dim)`` inputs with flax's dropout, for the nnx
-    and linen modules: ``(out, weights, sown)``, the weights asked for and those to sow (before dropout,
-    as flax sows them), each None unless asked for. ``sinks``: the module's ``(num_heads,)`` or None."""
+    """Attention of ``(batch, len, heads, head_dim)`` inputs with flax's dropout: ``(out, weights, sown)``, each of
+    the weights None unless asked for."""
     rate, attention_fn = module.dropout_rate, module.attention_fn
     if attention_fn is None and _checks.dtype_kind(query) == "complex":
         attention_fn = _complex_attention_fn(module, sinks, sequence_axis=sequence_axis, dropout_mask=dropout_mask,
@@ -138,8 +129,7 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
         shape = (1, 1) + spec.shape[2:] if module.broadcast_dropout else spec.shape
         dropout_mask = jax.random.bernoulli(dropout_rng, 1.0 - rate, shape)
     dropped = dropout_mask is not None
-    # weights come from "xla", the implementation that forms them; sown ones are formed on the side
-    # when another implementation computes the output or dropout changes the applied weights
+    # weights come from "xla"; sown ones are formed on the side when another implementation or dropout is used
     want = return_weights or sow_weights and not dropped and module.implementation in (None, "xla")
     logits = _logit_terms(module, sinks)
     result = spec_attention(
@@ -150,7 +140,7 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
     )
     out, weights = result if want else (result, None)
     sown = None
-    # linen's force_fp32_for_softmax: flax sows a narrower dtype's weights as the float32 softmax gave them
+    # force_fp32_for_softmax: flax sows a narrower dtype's weights from the float32 softmax
     wide = attention_fn_kwargs.get("force_fp32_for_softmax") and jnp.finfo(query.dtype).bits < 32
     if sow_weights:  # flax sows the weights before dropout
         sown = weights if weights is not None and not dropped and not wide else spec_attention(
@@ -163,8 +153,7 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
 
 
 def _complex_attention_fn(module, sinks, **options) -> Callable[..., jax.Array]:
-    """flax's own ``dot_product_attention``, which attends the complex inputs flax's classes take; this
-    package's additions (the module's and ``options``, by name) need real inputs."""
+    """flax's ``dot_product_attention`` for complex inputs; refuses this package's additions."""
     given = [name for name, value in dict(
         **_logit_terms(module, sinks), implementation=module.implementation, **options).items() if value is not None]
     if given:
@@ -179,9 +168,7 @@ def _complex_attention_fn(module, sinks, **options) -> Callable[..., jax.Array]:
 
 
 def call_masking(module, call: str, named: Mapping, masking: Mapping) -> dict:
-    """A Flax module call's masking arguments, as ``batch_axes.call_masking`` gives them: those it
-    names (its ``locals()``), its ``**masking`` (``call`` names it in a TypeError on an unknown
-    keyword), the layer's window and chunks, and its static ALiBi slopes as an array ``(num_heads,)``."""
+    """A call's masking arguments (``batch_axes.call_masking``) from its ``locals()`` and ``**masking``."""
     slopes = None if module.alibi_slopes is None else jnp.asarray(module.alibi_slopes)
     return batch_axes.call_masking(module.local_window_size, module.attention_chunk_size,
                                    dict(named, **arguments.position_masking(call, masking)), slopes)
@@ -194,7 +181,7 @@ def check_sequence_axis(sequence_axis):
 
 
 def _logit_terms(module, sinks) -> dict:
-    """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` (``(num_heads,)`` or None) the module has, by name."""
+    """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` that are set, by name."""
     terms = dict(scale=module.scale, logit_soft_cap=module.logit_soft_cap, sinks=sinks)
     return {name: value for name, value in terms.items() if value is not None}
 
@@ -211,11 +198,9 @@ def _mean(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 
 def _call_attention_fn(module, attention_fn, query, key, value, spec, batch_shape, dropout_rng, sow_weights, extra):
-    """A flax-style ``attention_fn`` called with ``module``'s flax arguments on the inputs' batch axes; the
-    spec beyond a native causal flag reaches it as a boolean mask."""
+    """A flax-style ``attention_fn`` called as flax calls it; the spec reaches it as a boolean mask."""
     parameters = inspect.signature(attention_fn).parameters
-    # is_causal as flax passes it: always from nnx's class, never from linen's (whose function has
-    # none: a linen attention_fn taking **kwargs may forward them to it), unless the function names it
+    # flax passes is_causal from nnx's class, never from linen's, unless the function names it
     passes_causal = isinstance(module, nnx.Module) or "is_causal" in parameters
     native_causal = spec.is_causal and spec.default_positions and passes_causal
     allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal))

@@ -1,12 +1,9 @@
-"""``flax.linen`` multi-head attention, a drop-in for ``flax.linen.MultiHeadDotProductAttention``.
-
-The attributes and the call are flax's, with flax's meaning, plus this package's additions. Its parameter tree
-is flax's and the nnx module's, and given the same parameters it computes exactly what
-``mha_jax.MultiHeadAttention`` computes.
-"""
+"""``flax.linen`` multi-head attention, a drop-in for ``flax.linen.MultiHeadDotProductAttention``; its parameter
+tree is flax's, and it computes what ``mha_jax.MultiHeadAttention`` computes."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,18 +29,14 @@ __all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention"
 class MultiHeadDotProductAttention(nn.Module):
     """Multi-head (grouped-query) attention; the input feature sizes are inferred.
 
-    Attributes: flax's (``num_heads``, ``dtype``, ``param_dtype``, ``qkv_features``,
-    ``out_features``, ``broadcast_dropout``, ``dropout_rate``, ``deterministic``, ``precision``,
-    ``kernel_init``, ``out_kernel_init``, ``bias_init``, ``out_bias_init``, ``use_bias``,
-    ``attention_fn``, ``decode``, ``normalize_qk``, ``force_fp32_for_softmax``, the
-    ``*_dot_general`` and einsum factories), meaning what they mean in
-    ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention
-    (which always takes the softmax in float32 or wider); plus ``num_kv_heads``,
-    ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``, ``logit_soft_cap``,
-    ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias``,
-    ``sequence_axis`` (ring attention over that mesh axis), ``alibi_slopes`` (ALiBi: a tuple of
-    ``num_heads`` static slopes) and ``latent`` (multi-head latent attention, its cache the latent
-    entries) as in ``mha_jax.MultiHeadAttention``.
+    Attributes: flax's (``num_heads``, ``dtype``, ``param_dtype``, ``qkv_features``, ``out_features``,
+    ``broadcast_dropout``, ``dropout_rate``, ``deterministic``, ``precision``, ``kernel_init``, ``out_kernel_init``,
+    ``bias_init``, ``out_bias_init``, ``use_bias``, ``attention_fn``, ``decode``, ``normalize_qk``,
+    ``force_fp32_for_softmax``, the ``*_dot_general`` and einsum factories), as in
+    ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention (softmax in
+    float32 or wider); plus ``num_kv_heads``, ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``,
+    ``logit_soft_cap``, ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias``,
+    ``sequence_axis``, ``alibi_slopes`` (a tuple) and ``latent`` as in ``mha_jax.MultiHeadAttention``.
     Randomness: linen's ``'params'`` and ``'dropout'`` RNG collections.
     """
 
@@ -86,7 +79,6 @@ class MultiHeadDotProductAttention(nn.Module):
     latent: latent_spec.Latent | None = None
 
     def __post_init__(self):
-        # The other attributes wait for the inputs (feature sizes); these need none.
         arguments.check_options(self.implementation, IMPLEMENTATIONS, self.scale, self.local_window_size,
                                 self.attention_chunk_size)
         arguments.check_qk_norm(self.normalize_qk)
@@ -117,12 +109,10 @@ class MultiHeadDotProductAttention(nn.Module):
         return_weights: bool = False,
         **masking: Unpack[arguments.PositionMasking[jax.Array]],
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """Shapes and arguments as ``mha_jax.MultiHeadAttention.__call__``; ``inputs_kv`` (flax's
-        deprecated key-and-value input) and ``dropout_rng`` (default
-        ``self.make_rng('dropout')``) as in flax; ``sow_weights`` sows ``attention_weights`` into
-        the ``'intermediates'`` collection. With ``decode=True`` the first call (``init`` on
-        ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection, and later
-        calls append to it as ``mha_jax.MultiHeadAttention``'s decoding does."""
+        """Shapes and arguments as ``mha_jax.MultiHeadAttention.__call__``; ``inputs_kv`` (deprecated) and
+        ``dropout_rng`` (default ``self.make_rng('dropout')``) as in flax; ``sow_weights`` sows
+        ``attention_weights`` into ``'intermediates'``. With ``decode=True`` the first call (``init`` on
+        ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection; later calls decode."""
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         if self.latent is not None:
@@ -164,8 +154,7 @@ class MultiHeadDotProductAttention(nn.Module):
         return (out, weights) if return_weights else out
 
     def _project(self, inputs_q: jax.Array, inputs_k: jax.Array, inputs_v: jax.Array):
-        """The projections ``(batch, len, heads, head_dim)`` of the inputs ``(batch, len, features)``,
-        QK-normed, made in flax's order (the same RNG gives flax's parameters)."""
+        """QK-normed projections ``(batch, len, heads, head_dim)``, made in flax's order."""
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
         head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
@@ -174,19 +163,17 @@ class MultiHeadDotProductAttention(nn.Module):
         value = _projection(self, (num_kv_heads, head_dim), "value")(inputs_v)
         qk_norm = arguments.check_qk_norm(self.normalize_qk)
         if qk_norm is not None and qk_norm == QKNorm(eps=qk_norm.eps):
-            def layer_norm(name):
-                return nn.LayerNorm(name=name, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype,
-                                    param_dtype=self.param_dtype)
-            query, key = layer_norm("query_ln")(query), layer_norm("key_ln")(key)
+            norm = functools.partial(nn.LayerNorm, use_bias=False, epsilon=qk_norm.eps, dtype=self.dtype,
+                                     param_dtype=self.param_dtype)
+            query, key = norm(name="query_ln")(query), norm(name="key_ln")(key)
         elif qk_norm is not None:
             query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
             key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
         return query, key, value
 
     def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
-        """flax's ``'cache'`` collection, made by the first call (which attends as without one, its cache None);
-        later calls append the rotated keys and values to it: ``(query, cache, spec)``. ``value`` None: a latent
-        module's, ``key`` its entries (cached alone, rotated on their rope part)."""
+        """flax's ``'cache'`` collection, made by the first call (cache None); later calls append to it:
+        ``(query, cache, spec)``; ``value`` None: a latent cache."""
         batch_shape = call.batch_shape
         kv_shape = (*batch_shape, *key.shape[1:])
         cached_key = self.variable("cache", "cached_key", jnp.zeros, kv_shape, key.dtype)
@@ -211,16 +198,13 @@ class MultiHeadDotProductAttention(nn.Module):
         qk, wv = self.qk_attn_weights_einsum_cls, self.attn_weights_value_einsum_cls
         einsums = dict(qk_attn_weights_einsum=qk() if qk else None, attn_weights_value_einsum=wv() if wv else None)
         if self.attention_fn is None and any(v is not None for v in einsums.values()):
-            raise ValueError(
-                "qk_attn_weights_einsum_cls and attn_weights_value_einsum_cls reach only an attention_fn; "
-                "pass one (flax.linen.dot_product_attention, say) to use them"
-            )
+            raise ValueError("qk_attn_weights_einsum_cls and attn_weights_value_einsum_cls reach only an attention_fn; "
+                             "pass one (flax.linen.dot_product_attention, say) to use them")
         return dict(einsums, force_fp32_for_softmax=self.force_fp32_for_softmax)
 
 
 def _projection(module: MultiHeadDotProductAttention, features, name: str, use_bias: bool | None = None):
-    """An input projection of ``module``'s options, ``(batch, len, in) -> (batch, len, *features)``; ``use_bias``
-    None: the module's."""
+    """An input projection ``(batch, len, in) -> (batch, len, *features)`` of ``module``'s options."""
     return nn.DenseGeneral(
         features, axis=-1, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=module.kernel_init,
         bias_init=module.bias_init, use_bias=module.use_bias if use_bias is None else use_bias,
@@ -230,12 +214,10 @@ def _projection(module: MultiHeadDotProductAttention, features, name: str, use_b
 
 
 def _inputs_kv(inputs_k: jax.Array | None, inputs_v: jax.Array | None, inputs_kv: jax.Array) -> jax.Array:
-    """flax's deprecated ``inputs_kv``, refused beside ``inputs_k``/``inputs_v``, with flax's texts."""
+    """flax's deprecated ``inputs_kv``, with flax's texts."""
     if inputs_k is not None or inputs_v is not None:
-        raise ValueError(
-            "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k and "
-            "inputs_v (inputs_kv is deprecated in flax)"
-        )
+        raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None. Pass inputs_k "
+                         "and inputs_v (inputs_kv is deprecated in flax)")
     warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
                   DeprecationWarning, stacklevel=3)
     return inputs_kv
@@ -255,7 +237,7 @@ class _LinenNorm(nn.Module):
 
 
 class _LinenRMSNorm(nn.Module):
-    """The latent's RMSNorm (``mha_jax.latent.RMSNorm``): ``scale`` ``(features,)``, ones at first."""
+    """The latent's RMSNorm (``mha_jax.latent.RMSNorm``)."""
 
     latent: latent_spec.Latent
     param_dtype: jnp.dtype = jnp.float32
@@ -267,9 +249,7 @@ class _LinenRMSNorm(nn.Module):
 
 
 class _LatentParts:
-    """A linen module's latent projections under the nnx module's attribute names, for ``mha_jax.latent``'s
-    functions: ``query`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``,
-    ``kv_a_layernorm``, ``kv_b_proj`` (its ``kernel`` read from the module's parameters)."""
+    """A linen module's latent projections under the nnx module's names, for ``mha_jax.latent``'s functions."""
 
     def __init__(self, module: MultiHeadDotProductAttention):
         latent = module.latent
@@ -283,7 +263,7 @@ class _LatentParts:
             self.q_b_proj = _projection(module, queries, "q_b_proj", use_bias=False)
         self.kv_a_proj_with_mqa = _projection(module, latent.cache_dim, "kv_a_proj_with_mqa")
         self.kv_a_layernorm = _LinenRMSNorm(latent, module.param_dtype, name="kv_a_layernorm")
-        # the decoding step reads kv_b_proj's kernel without calling it: from the parameters (None before init)
+        # the decoding step reads kv_b_proj's kernel without calling it (None before init)
         kernel = module.variables.get("params", {}).get("kv_b_proj", {}).get("kernel")
         kv_b_proj = _projection(module, (module.num_heads, latent.kv_b_features), "kv_b_proj", use_bias=False)
         self.kv_b_proj = _WithKernel(kv_b_proj, kernel)
@@ -304,8 +284,7 @@ class MultiHeadAttention(MultiHeadDotProductAttention):
 
 
 class SelfAttention(MultiHeadDotProductAttention):
-    """Self-attention, as flax's deprecated ``SelfAttention``: the call takes ``inputs_q`` and
-    ``mask`` positionally and the rest by keyword."""
+    """Self-attention, as flax's deprecated ``SelfAttention``: ``inputs_q`` and ``mask`` positional."""
 
     @nn.compact
     def __call__(self, inputs_q: jax.Array, mask: jax.Array | None = None, deterministic: bool | None = None,

@@ -1,11 +1,5 @@
-"""``flax.nnx`` multi-head attention, a drop-in for ``flax.nnx.MultiHeadAttention``.
-
-Twin of ``mha_torch/module.py``. The constructor and the call take what flax's class takes, in flax's order,
-with flax's meaning; the parameter tree is flax's (from the same ``nnx.Rngs``, flax's values): ``query``/``key``/
-``value`` with ``kernel (in, heads, head_dim)`` and ``bias (heads, head_dim)``, ``out`` with ``kernel (heads,
-head_dim, out)`` and ``bias (out,)``, with ``normalize_qk`` the scales ``query_ln``/``key_ln``; with a ``latent``,
-``mha_jax.latent.make_projections``'s tree.
-"""
+"""``flax.nnx`` multi-head attention, a drop-in for ``flax.nnx.MultiHeadAttention`` (its arguments and parameter
+tree, the same values from the same ``nnx.Rngs``); twin of ``mha_torch/module.py``."""
 
 from __future__ import annotations
 
@@ -22,13 +16,14 @@ from typing_extensions import Unpack
 from mha_jax import _layer
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import alibi, arguments, batch_axes
+from mha_spec import alibi, arguments, batch_axes, docstrings
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
 
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
 
+@docstrings.fill
 class MultiHeadAttention(nnx.Module):
     """Multi-head (grouped-query) attention with input and output projections.
 
@@ -41,21 +36,19 @@ class MultiHeadAttention(nnx.Module):
       in_kv_features: feature size of ``inputs_k`` and ``inputs_v``; default ``in_features``.
       dtype: computation dtype; default: promoted from inputs and parameters.
       param_dtype: parameter dtype.
-      broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads (flax's
-        default) instead of one per batch row and head.
+      broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads (flax's default).
       dropout_rate: dropout on the attention weights.
       deterministic: default for the call's ``deterministic`` (``.eval()``/``nnx.view`` set it).
       precision: precision of every matrix product.
       kernel_init, bias_init: initialisers of the projections.
       out_kernel_init, out_bias_init: of the output projection; default ``kernel_init``/``bias_init``.
       use_bias: biases on the four projections.
-      attention_fn: None (this package's attention, every mask form and implementation) or a
-        function with the signature of ``flax.nnx.dot_product_attention``, called as flax calls it;
-        positions, windows, segments and lengths then reach it as a boolean ``mask``.
+      attention_fn: None (this package's attention) or a function with the signature of
+        ``flax.nnx.dot_product_attention``, called as flax calls it (positions, windows, segments and lengths
+        reach it as a boolean ``mask``).
       decode: autoregressive decoding with the key/value cache of ``init_cache`` (default False).
-      normalize_qk: True: flax's LayerNorm (no bias) on each head's queries and keys
-        (``query_ln``/``key_ln``, each ``scale``); a ``QKNorm`` for another norm (RMS, over the
-        whole projection, ``1 + scale``, its epsilon).
+      normalize_qk: True: flax's LayerNorm (no bias) on each head's queries and keys (``query_ln``/``key_ln``,
+        each ``scale``); a ``QKNorm`` for another norm (RMS, over the whole projection, ``1 + scale``, its epsilon).
       qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: dtype promotion of the query/key/value
         projections, the output projection and the LayerNorms, as in flax.
       qkv_dot_general, out_dot_general, qkv_dot_general_cls, out_dot_general_cls: the projections'
@@ -65,32 +58,17 @@ class MultiHeadAttention(nnx.Module):
       kernel_metadata, out_kernel_metadata, bias_metadata, out_bias_metadata,
         query_ln_scale_metadata, key_ln_scale_metadata: parameter metadata (sharding), as in flax.
       implementation: attention implementation, see ``mha_jax.dot_product_attention``.
-      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
-      logit_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking (Gemma 2).
-      use_sinks: a learned logit per query head, ``sinks`` ``(num_heads,)``, joins each row's
-        softmax normaliser without a value (gpt-oss); initialised by ``sinks_init``.
-      rotary: a ``RotaryEmbedding`` applied to queries and keys (after ``normalize_qk``) at their
-        positions (``query_positions``/``key_positions``, default ``arange``; while decoding, the
-        cache's positions).
-      local_window_size: the call's default window (a sliding-window layer), see the call.
-      attention_chunk_size: the layer's chunks of positions (Llama 4's chunked attention), see
-        ``mha_jax.dot_product_attention``; also while decoding.
-      use_out_bias: a bias on the output projection; default ``use_bias`` (Qwen2: biases on the
-        query/key/value projections only).
+      use_sinks: a learned logit per query head, ``sinks`` ``(num_heads,)``, joins each row's softmax normaliser
+        without a value (gpt-oss); initialised by ``sinks_init``.
+      {module_terms}
+      use_out_bias: a bias on the output projection; default ``use_bias`` (Qwen2: ``False``).
       sequence_axis: a mesh axis over which the length is sharded: ring attention, see
-        ``mha_jax.dot_product_attention`` (not while decoding, whose steps attend over the cache
-        as without it).
-      alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``,
-        ``mpt_slopes``): each head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions
-        rotary reads (while decoding, the cache's); None: none.
-      latent: an ``mha_spec.latent.Latent``: multi-head latent attention (DeepSeek-V2/V3): keys and
-        values of every head lifted from one low-rank latent per token, ``rotary`` on the rope part of
-        each head (its ``head_dim`` is ``qk_rope_head_dim``), ``use_bias`` on the low-rank input
-        projections only; ``num_kv_heads`` and ``qkv_features`` None (or what the latent makes them),
-        no ``normalize_qk``, ``inputs_v`` the keys' input; default scale ``1 / sqrt(qk_head_dim)``. The
-        decoding cache holds the latent entries, ``cached_key`` ``(*batch, max_length, 1, kv_lora_rank
-        + qk_rope_head_dim)``, and no ``cached_value``; a step absorbs ``kv_b_proj`` into the query and
-        the output.
+        ``mha_jax.dot_product_attention`` (not while decoding).
+      latent: an ``mha_spec.latent.Latent``: multi-head latent attention (DeepSeek-V2/V3): keys and values of
+        every head lifted from one low-rank latent per token, ``rotary`` on the rope part of each head,
+        ``use_bias`` on the low-rank input projections only; ``num_kv_heads`` and ``qkv_features`` None, no
+        ``normalize_qk``, ``inputs_v`` the keys' input; default scale ``1 / sqrt(qk_head_dim)``. The cache holds
+        the latent entries, ``cached_key`` ``(*batch, max_length, 1, kv_lora_rank + qk_rope_head_dim)``.
     """
 
     def __init__(
@@ -169,7 +147,6 @@ class MultiHeadAttention(nnx.Module):
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-
         def projection(in_features, out_features, **options):
             return nnx.LinearGeneral(
                 in_features, out_features, kernel_init=kernel_init, bias_init=bias_init,
@@ -179,8 +156,8 @@ class MultiHeadAttention(nnx.Module):
 
         if self.latent is not None:
             self.scale = latent_spec.check_options(self.latent, qk_norm, rotary, self.scale)
-            mla.make_projections(self, self.latent, (in_features, self.in_kv_features), num_heads, projection,
-                                    param_dtype, rngs)
+            features = (in_features, self.in_kv_features)
+            mla.make_projections(self, self.latent, features, num_heads, projection, param_dtype, rngs)
             self.query_ln = self.key_ln = nnx.data(None)
         else:  # flax's order of construction, so that the same Rngs give the same parameters
             self.query = projection(in_features, (num_heads, self.head_dim))
@@ -200,8 +177,7 @@ class MultiHeadAttention(nnx.Module):
         self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
 
-    # No cache until init_cache (or nnx.update with a cache's state, ours or flax's): as in flax's
-    # class, the instance has no such attributes, so that nnx.update can add them.
+    # no cache until init_cache or nnx.update: as in flax's class, the instance has none, so that nnx.update adds it
     cached_key = cached_value = cache_index = cache_overflow = None
 
     def __call__(
@@ -232,17 +208,17 @@ class MultiHeadAttention(nnx.Module):
           mask: broadcasts to ``(*batch, num_heads, q_len, kv_len)``; any dtype, nonzero = attend.
           deterministic: no dropout when True; overrides the constructor's.
           rngs: dropout randomness; overrides the stream kept at construction.
-          sow_weights: store the attention weights ``(*batch, num_heads, q_len, kv_len)``, before
-            dropout, as ``nnx.Intermediate`` ``attention_weights`` (flax's name); any implementation.
-          decode: append the inputs' keys and values to the cache and attend over everything
-            cached (``init_cache`` first): any number of new tokens, at ``query_positions``
-            ``(batch, n)`` (default: each row's ``cache_index + arange(n)``; ``-1`` marks padding,
-            not cached). Masks and biases then span the cache: ``(*batch, heads, n, max_length)``.
+          sow_weights: store the attention weights ``(*batch, num_heads, q_len, kv_len)``, before dropout, as
+            ``nnx.Intermediate`` ``attention_weights`` (flax's name); any implementation.
+          decode: append the inputs' keys and values to the cache and attend over everything cached
+            (``init_cache`` first): any number of new tokens, at ``query_positions`` ``(batch, n)`` (default: each
+            row's ``cache_index + arange(n)``; ``-1`` marks padding, not cached). Masks and biases then span the
+            cache: ``(*batch, heads, n, max_length)``.
           is_causal: key position <= query position.
           out_sharding, qkv_sharding: output sharding of the output and the q/k/v projections.
           bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
-          dropout_mask: explicit keep-mask broadcasting to ``(*batch, num_heads, q_len, kv_len)``;
-            always applied, kept weights scaled by ``1 / (1 - dropout_rate)``.
+          dropout_mask: explicit keep-mask broadcasting to ``(*batch, num_heads, q_len, kv_len)``; always applied,
+            kept weights scaled by ``1 / (1 - dropout_rate)``.
           return_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
           **masking: ``query_positions``, ``key_positions``, ``local_window_size``, ``query_segment_ids``,
             ``key_segment_ids`` and ``key_value_seq_lengths``, by name: as in ``mha_jax.dot_product_attention``,
@@ -295,8 +271,7 @@ class MultiHeadAttention(nnx.Module):
         return (out, weights) if return_weights else out
 
     def _read_cache(self, batch_shape: tuple[int, ...], batch: int, n: int) -> _layer.Cache:
-        """The cache checked for a step of ``n`` new tokens, its batch axes merged into ``batch``; a
-        latent cache holds one key head of the latent entries and no values."""
+        """The cache checked for a step of ``n`` new tokens, its batch axes merged into ``batch``."""
         overflow = None if self.cache_overflow is None else self.cache_overflow[...]
         value = None if self.cached_value is None else self.cached_value[...]
         kv_heads, head_dim = (1, self.latent.cache_dim) if self.latent else (self.num_kv_heads, self.head_dim)
@@ -304,8 +279,7 @@ class MultiHeadAttention(nnx.Module):
                                   kv_heads, head_dim)
 
     def _write_cache(self, cache: _layer.Cache, batch_shape: tuple[int, ...]) -> None:
-        """Store a step's cache back with the inputs' batch axes; flax's scalar index becomes one per
-        row, and a cache flax's class made gets its overflow flag here."""
+        """Store a step's cache back with the inputs' batch axes (an index per row, and an overflow flag)."""
         self.cached_key[...] = cache.key.reshape(self.cached_key.shape)
         if cache.value is not None:
             self.cached_value[...] = cache.value.reshape(self.cached_value.shape)
@@ -316,7 +290,7 @@ class MultiHeadAttention(nnx.Module):
             self.cache_overflow[...] = cache.overflow.reshape(batch_shape)
 
     def _dropout_rng(self, rngs, deterministic, dropout_mask=None) -> jax.Array | None:
-        """The key of this call's dropout mask (the call's ``rngs``, else those kept), None without dropout."""
+        """The dropout key (the call's ``rngs``, else those kept), None without dropout."""
         if not _layer.dropping(self.dropout_rate, deterministic, self.deterministic, dropout_mask):
             return None
         rngs = rngs if rngs is not None else self.rngs
@@ -326,24 +300,21 @@ class MultiHeadAttention(nnx.Module):
             return rngs()
         if isinstance(rngs, jax.Array):
             return rngs
-        raise ValueError(
-            "dropout is active (dropout_rate > 0, not deterministic) but no rngs were given: "
-            f"pass rngs to the constructor (keep_rngs=True) or the call, got {type(rngs).__name__}"
-        )
+        raise ValueError("dropout is active (dropout_rate > 0, not deterministic) but no rngs were given: "
+                         f"pass rngs to the constructor (keep_rngs=True) or the call, got {type(rngs).__name__}")
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> None:
         """A key/value cache for ``decode=True``, as flax's: ``input_shape`` is ``(*batch, max_length, features)``;
         ``cached_key``/``cached_value`` ``(*batch, max_length, num_kv_heads, head_dim)``, ``cache_index`` each row's
         next position ``(*batch,)``, ``cache_overflow`` ``(*batch,)`` True once a step inside ``jit`` overwrote a
-        position a query could still see (outside ``jit`` that step raises). A cache of flax's class (one scalar
-        ``cache_index``, no flag, given by ``nnx.update``) is every row at that position until the next step."""
+        position a query could still see (outside ``jit`` that step raises). Flax's cache (a scalar ``cache_index``)
+        is also read."""
         input_shape = tuple(input_shape)
         if len(input_shape) < 2 or not all(isinstance(n, int) and n >= 0 for n in input_shape) or input_shape[-2] < 1:
             raise ValueError(
-                f"input_shape must be (*batch, max_length, features) with max_length >= 1, got {input_shape}"
-            )
+                f"input_shape must be (*batch, max_length, features) with max_length >= 1, got {input_shape}")
         batch_shape, max_length = input_shape[:-2], input_shape[-2]
-        if self.latent is not None:  # the latent entries, one key head; their first kv_lora_rank features the values
+        if self.latent is not None:  # the latent entries, one key head
             self.cached_key = nnx.Cache(jnp.zeros((*batch_shape, max_length, 1, self.latent.cache_dim), dtype))
         else:
             shape = (*batch_shape, max_length, self.num_kv_heads, self.head_dim)
@@ -354,8 +325,8 @@ class MultiHeadAttention(nnx.Module):
 
     def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
                  batch_size: int | tuple[int, ...] | None = None, max_length: int | None = None):
-        """``nnx.view``'s hook: the modes flax's class answers (``deterministic``, ``decode``, and
-        ``batch_size``/``max_length`` of a cache made when ``decode`` is set and none exists)."""
+        """``nnx.view``'s hook, as flax's: ``batch_size``/``max_length`` make a cache when ``decode`` is set and none
+        exists."""
         if deterministic is not None:
             self.deterministic = deterministic
         if decode is not None:
@@ -369,24 +340,20 @@ class MultiHeadAttention(nnx.Module):
 
 def _qk_norms(qk_norm: QKNorm | None, heads: tuple[int, int], head_dim: int, dtype, param_dtype, promote_dtype,
               metadata: tuple[Mapping[str, Any], Mapping[str, Any]], rngs: nnx.Rngs) -> tuple:
-    """``(query_ln, key_ln)`` for ``heads`` (query, key/value) of ``head_dim``: flax's LayerNorm, else
-    ``_Norm``, else none; the query's first, as in flax (the same Rngs give the same parameters)."""
+    """``(query_ln, key_ln)`` for ``heads`` (query, key/value): flax's LayerNorm, else ``_Norm``, else None."""
     if qk_norm is None:
         return nnx.data(None), nnx.data(None)
-
     def norm(n_heads: int, scale_metadata: Mapping[str, Any]) -> nnx.Module:
         if qk_norm == QKNorm(eps=qk_norm.eps):
             return nnx.LayerNorm(head_dim, use_bias=False, epsilon=qk_norm.eps, dtype=dtype, param_dtype=param_dtype,
                                  promote_dtype=promote_dtype, rngs=rngs, scale_metadata=scale_metadata)
         return _Norm(qk_norm, n_heads, head_dim, param_dtype, scale_metadata, rngs)
-
-    query_ln = norm(heads[0], metadata[0])
+    query_ln = norm(heads[0], metadata[0])  # the query's first, as in flax
     return query_ln, norm(heads[1], metadata[1])
 
 
 class _Norm(nnx.Module):
-    """A QK-norm other than flax's LayerNorm: ``scale`` ``(head_dim,)`` shared by the heads,
-    else ``(heads, head_dim)`` (each head's own, or the whole projection's, in the kernel's layout)."""
+    """A QK-norm other than flax's LayerNorm: ``scale`` ``(head_dim,)`` (shared) or ``(heads, head_dim)``."""
 
     def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, param_dtype, metadata, rngs: nnx.Rngs):
         self.qk_norm = qk_norm

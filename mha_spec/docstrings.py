@@ -1,11 +1,5 @@
-"""What the twins' docstrings say alike, written once.
-
-A docstring of either twin names a section on a line of its own, ``{name}``; ``fill`` puts the
-section's text there when the module is imported (``help()`` and the API reference show it whole),
-each line indented as the placeholder is. Only what reads the same in both frameworks is here:
-arrays are called arrays, and a framework's own words (its dtype rules, its implementations) stay in
-its own docstring.
-"""
+"""Docstring sections both twins share: ``fill`` replaces a line ``{name}`` with ``SECTIONS[name]``,
+indented as the placeholder (what ``help()`` and the API reference show)."""
 
 from __future__ import annotations
 
@@ -15,7 +9,6 @@ from typing import TypeVar
 _T = TypeVar("_T")
 
 SECTIONS = {
-    # the masking terms on positions, as the functional cores document them
     "masking_terms": """\
 is_causal: a query sees the keys at positions ``<=`` its own.
 query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
@@ -31,7 +24,6 @@ attention_chunk_size: ``size``: a query sees only the keys of its own chunk of p
 alibi_slopes: real floating ``(heads,)`` or ``(batch, heads)``: ALiBi, each head adds
   ``-slope * |q_pos - k_pos|`` to the logits, on the positions above (flash-attn's
   convention; ``mha_spec.alibi`` computes bloom's and MPT's slopes). A constant: no gradient.""",
-    # the logit terms after the masks
     "logit_terms": """\
 scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
 logit_soft_cap: a positive finite ``cap``: the scaled logits become
@@ -39,7 +31,15 @@ logit_soft_cap: a positive finite ``cap``: the scaled logits become
 sinks: real floating ``(heads,)``, one learned logit per query head that joins each
   query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
   less than 1, and a query that may attend to no key still gets 0. Differentiable.""",
-    # RotaryEmbedding in both twins
+    "module_terms": """\
+scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+logit_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking (Gemma 2).
+rotary: a ``RotaryEmbedding`` applied to queries and keys (after ``normalize_qk``) at their positions
+  (``query_positions``/``key_positions``, default ``arange``; while decoding, the cache's).
+local_window_size: the call's default window (a sliding-window layer).
+attention_chunk_size: the layer's chunks of positions (Llama 4's chunked attention); also while decoding.
+alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``, ``mpt_slopes``): each
+  head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions rotary reads; None: none.""",
     "rotary_embedding": """\
 ``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
 scaling=None, max_position_embeddings=None)``, or ``RotaryEmbedding.from_config(config)``
@@ -66,7 +66,6 @@ included, where transformers rotates in the input's dtype) before casting back t
 
 Immutable and hashable. Besides the call: ``inv_freq``, ``frequencies(seq_len)``,
 ``attention_factor``, ``rope_type`` and ``seq_len_threshold()``.""",
-    # from_hf in both twins
     "from_hf_config": """\
 config: the model's ``config.json`` (dict or path); families: ``families.FAMILIES``
   (Llama, Llama 4 text, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM,
@@ -82,7 +81,6 @@ layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
 It takes ``(*batch, length, hidden_size)``: call it with ``is_causal=True`` (a decoder's mask;
 BERT's encoder takes none) and ``query_positions`` for the rotary embedding (default
 ``arange``); the layer's window is its default ``local_window_size``.""",
-    # masks.unused_keys in both twins
     "unused_keys": """\
 bool ``(batch, kv_heads, kv_len)``: True where no query of the heads sharing a key/value
 head (with ``kv_heads=1``, of any head) may attend to the key; None when none is found.
@@ -93,7 +91,6 @@ lengths, causality, windows and chunks from the extreme query positions, and seg
 from the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
 outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
 projection's weight gradient.""",
-    # torch.nn.MultiheadAttention's masks, read by mask_from_torch_mha in both twins
     "torch_mha_masks": """\
 attn_mask: ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)``; bool (True =
   ignore) or float (added to the logits).
@@ -117,12 +114,11 @@ def expand(text: str) -> str:
         if name not in SECTIONS:
             raise KeyError(f"no docstring section {name!r}; the sections are {sorted(SECTIONS)}")
         return "\n".join(indent + line if line else line for line in SECTIONS[name].splitlines())
-
     return _PLACEHOLDER.sub(section, text)
 
 
 def fill(obj: _T) -> _T:
-    """Decorator: ``obj``'s docstring with its sections put in (``expand``)."""
+    """Decorator: ``obj``'s docstring expanded."""
     if obj.__doc__:
         obj.__doc__ = expand(obj.__doc__)
     return obj

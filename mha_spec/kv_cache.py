@@ -17,8 +17,7 @@ from mha_spec import terms
 
 
 def check_step_positions(shape: Sequence[int], kind: str, dtype: Any, batch: int, n: int) -> None:
-    """A decoding step's ``query_positions`` (``kind`` and ``dtype`` as the framework names
-    them): integer ``(batch, n)`` or ``(n,)``."""
+    """A decoding step's ``query_positions``: integer ``(batch, n)`` or ``(n,)``."""
     if kind != "int":
         raise TypeError(f"query_positions must be integer, got dtype {dtype}")
     if tuple(shape) not in ((n,), (batch, n)):
@@ -30,9 +29,7 @@ def check_step_positions(shape: Sequence[int], kind: str, dtype: Any, batch: int
 
 def check_cache(names: tuple[str, str], remedy: str, key_shape: Sequence[int], index_shape: Sequence[int],
                 batch_shape: Sequence[int], kv_heads: int, head_dim: int, n: int) -> None:
-    """A cache against a step of ``n`` tokens with inputs of ``batch_shape``: its keys ``(*batch,
-    max_length, kv_heads, head_dim)`` and index ``(*batch,)`` (``names``: as the twin calls them;
-    ``remedy``: how to make a fitting one)."""
+    """Keys ``(*batch, max_length, kv_heads, head_dim)`` and index ``(*batch,)`` fit a step of ``n`` tokens."""
     max_length, batch_shape = key_shape[-3], tuple(batch_shape)
     expected = (*batch_shape, max_length, kv_heads, head_dim)
     if tuple(key_shape) != expected or tuple(index_shape) != batch_shape:
@@ -51,23 +48,20 @@ def check_dtype(cached: str, dtype: str, name: str, remedy: str) -> None:
 
 
 def advance(end: Any, last: Any, maximum: Callable) -> Any:
-    """Each row's new end ``(batch,)``: one past the last position written (``last``, each row's
-    largest new position), never before the old ``end``."""
+    """Each row's new end ``(batch,)``: ``max(end, last + 1)``."""
     return maximum(end, last + 1)
 
 
 def slot_positions(end: Any, max_length: int, slots: Any, minimum: Callable) -> tuple[Any, Any]:
-    """(int32 ``(batch, max_length)`` positions each slot holds, int32 ``(batch,)`` count of
-    written slots) of rows ending at ``end`` int32 ``(batch,)``; ``slots``: int32
-    ``arange(max_length)[None]``. The key positions and lengths the attention reads."""
+    """(int32 ``(batch, max_length)`` position each slot holds, int32 ``(batch,)`` written slots);
+    ``slots``: int32 ``arange(max_length)[None]``."""
     held = slots + max_length * ((end[:, None] - 1 - slots) // max_length)
     return held, minimum(end, max_length)
 
 
 def check_step(start: Any, end: Any, max_length: int, step_terms: Any, values: Callable) -> Any:
-    """bool ``(batch,)``: whether a step moving the rows' ends from ``start`` to ``end`` overwrote a
-    position its queries (``step_terms``) may still see; refused where ``values(overflow)`` gives its
-    values (None under ``jit`` or compilation, where the cache's flag records it)."""
+    """bool ``(batch,)``: the step overwrote a position its queries may still see; raises where
+    ``values(overflow)`` is not None (outside ``jit``/compilation)."""
     overflow = terms.cache_overflows(start, end, max_length, step_terms)
     found = values(overflow)
     if found is None or not found.any():

@@ -1,5 +1,4 @@
-"""Key/value cache for decoding: the cache object passed to the call, and ``mha_spec.kv_cache``
-over tensors. Twin of ``mha_jax/_cache.py``, whose cache lives in the module's variables."""
+"""The ``KVCache`` of the call and ``mha_spec.kv_cache`` over tensors; twin of ``mha_jax/_cache.py``."""
 
 from __future__ import annotations
 
@@ -43,7 +42,6 @@ class KVCache:
             raise ValueError(f"batch must be a non-negative integer or a tuple of them, got {batch!r}")
         shape = (*batch_shape, num_kv_heads, max_length, head_dim)
         self.key_storage = torch.zeros(shape, dtype=dtype, device=device)
-        # no values: a latent cache (mha_torch.latent.LatentCache), whose values are part of its keys
         self.value_storage = torch.zeros(shape, dtype=dtype, device=device) if values else None
         self.index = torch.zeros(batch_shape, dtype=torch.int32, device=device)
         self.overflow = torch.zeros(batch_shape, dtype=torch.bool, device=device)
@@ -61,7 +59,7 @@ class KVCache:
         return self.key_storage.shape[-2]
 
     def merged(self, batch: int) -> KVCache:
-        """This cache with its batch axes merged into one of ``batch`` rows, as views of it."""
+        """Views of this cache with its batch axes merged into ``batch`` rows."""
         flat = KVCache.__new__(type(self))
         axes = self.index.dim()
         flat.key_storage, flat.value_storage = (None if x is None else x.view((batch,) + tuple(x.shape[axes:]))
@@ -74,8 +72,7 @@ class KVCache:
 
 
 def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
-    """int32 ``(batch, n)``: the new tokens' positions; default ``end + arange(n)``, else the
-    given ones (``-1`` marks a padding token, which is not written)."""
+    """int32 ``(batch, n)``: the new tokens' positions, default ``end + arange(n)`` (``-1``: padding)."""
     if query_positions is None:
         return end[:, None] + torch.arange(n, dtype=torch.int32, device=end.device)[None]
     _checks.require_array("query_positions", query_positions)
@@ -85,9 +82,8 @@ def positions(end: torch.Tensor, n: int, query_positions) -> torch.Tensor:
 
 
 def write(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, padded: bool) -> None:
-    """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` in place at slots
-    ``pos % max_length``. A padding token (``pos < 0``, where ``padded``) rewrites the slot of the row's
-    last position (``start - 1``) with what it holds: fixed-shape indices for ``torch.compile``."""
+    """Write ``new`` ``(batch, n, ...)`` into ``cache`` ``(batch, max_length, ...)`` at slots ``pos % max_length``; a
+    padding token (``pos < 0``) rewrites slot ``start - 1`` with what it holds (fixed shapes for ``torch.compile``)."""
     max_length = cache.shape[1]
     rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
     if not padded:
@@ -106,6 +102,6 @@ def advance(end: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def slot_positions(end: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions each slot holds, count of written slots): ``mha_spec.kv_cache.slot_positions``."""
+    """``mha_spec.kv_cache.slot_positions``."""
     slots = torch.arange(max_length, dtype=torch.int32, device=end.device)[None]
     return kv_cache.slot_positions(end, max_length, slots, lambda x, m: torch.clamp(x, max=m))

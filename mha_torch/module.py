@@ -1,11 +1,6 @@
-"""PyTorch multi-head attention, batch-first.
-
-Twin of ``mha_jax/module.py``. State dict: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
-each ``.weight (out, in)`` and ``.bias``; with ``normalize_qk`` also ``q_norm.weight`` and
-``k_norm.weight`` ``(head_dim,)`` (over the whole projection: ``(heads * head_dim,)``); with
-``use_sinks``, ``sinks`` ``(num_heads,)``. With a ``latent`` (multi-head latent attention), transformers'
-names: ``q_proj`` or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; ``kv_a_proj_with_mqa``,
-``kv_a_layernorm``, ``kv_b_proj``; ``out_proj`` (see ``mha_torch.latent.make_projections``).
+"""PyTorch multi-head attention, batch-first; twin of ``mha_jax/module.py``. State dict: ``q_proj``, ``k_proj``,
+``v_proj``, ``out_proj`` (``.weight (out, in)``, ``.bias``), ``q_norm``/``k_norm`` with ``normalize_qk``, ``sinks``
+with ``use_sinks``; with a ``latent``, transformers' names (``mha_torch.latent.make_projections``).
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import Unpack
 
-from mha_spec import alibi, arguments, batch_axes, kv_cache
+from mha_spec import alibi, arguments, batch_axes, docstrings, kv_cache
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.rotary import rotate_at
@@ -29,6 +24,7 @@ from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, spec_attention
 
 
+@docstrings.fill
 class MultiHeadAttention(nn.Module):
     """Multi-head (grouped-query) attention with input and output projections.
 
@@ -41,35 +37,23 @@ class MultiHeadAttention(nn.Module):
       out_dim: output feature size; default ``embed_dim``.
       bias: biases on the four projections.
       dropout: dropout on the attention weights, active in training mode.
-      broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads
-        (flax's default) instead of one per element (torch's, the default here).
-      normalize_qk: True: LayerNorm (no bias, epsilon 1e-6) on each head's queries and keys, as
-        flax's ``normalize_qk``: ``q_norm``, ``k_norm``; a ``QKNorm`` for another norm (RMS, over
-        the whole projection, ``1 + weight``, its epsilon).
-      implementation: attention implementation, see ``mha_torch.dot_product_attention``
-        (default: ``F.scaled_dot_product_attention`` unless weights are requested).
-      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
-      logit_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking (Gemma 2).
-      use_sinks: a learned logit per query head, ``sinks`` ``(num_heads,)`` (zeros at first),
-        joins each row's softmax normaliser without a value (gpt-oss).
-      rotary: a ``RotaryEmbedding`` applied to queries and keys (after ``normalize_qk``) at their
-        positions (``query_positions``/``key_positions``, default ``arange``; while decoding,
-        the cache's positions).
-      local_window_size: the call's default window (a sliding-window layer), see ``forward``.
-      attention_chunk_size: the layer's chunks of positions (Llama 4's chunked attention), see
-        ``mha_torch.dot_product_attention``; also while decoding.
-      out_bias: a bias on the output projection; default ``bias`` (Qwen2: biases on the
-        query/key/value projections only).
+      broadcast_dropout: one dropout mask ``(q_len, kv_len)`` shared by the batch and heads (flax's default)
+        instead of one per element (torch's, the default here).
+      normalize_qk: True: LayerNorm (no bias, epsilon 1e-6) on each head's queries and keys, as flax's
+        ``normalize_qk``: ``q_norm``, ``k_norm``; a ``QKNorm`` for another norm (RMS, over the whole
+        projection, ``1 + weight``, its epsilon).
+      implementation: attention implementation, see ``mha_torch.dot_product_attention`` (default:
+        ``F.scaled_dot_product_attention`` unless weights are requested).
+      use_sinks: a learned logit per query head, ``sinks`` ``(num_heads,)`` (zeros at first), joins each row's
+        softmax normaliser without a value (gpt-oss).
+      {module_terms}
+      out_bias: a bias on the output projection; default ``bias`` (Qwen2: ``False``).
       device, dtype: of the parameters.
-      alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``,
-        ``mpt_slopes``): each head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions
-        rotary reads (while decoding, the cache's); None: none.
-      latent: an ``mha_spec.latent.Latent``: multi-head latent attention (DeepSeek-V2/V3): keys and
-        values of every head lifted from one low-rank latent per token, ``rotary`` on the rope part
-        of each head (its ``head_dim`` is ``qk_rope_head_dim``), ``bias`` on the low-rank input
-        projections only; ``num_kv_heads`` and ``qkv_dim`` None (or what the latent makes them), no
-        ``normalize_qk``, the value input the key input; default scale ``1 / sqrt(qk_head_dim)``.
-        Decoding takes an ``mha_torch.latent.LatentCache``.
+      latent: an ``mha_spec.latent.Latent``: multi-head latent attention (DeepSeek-V2/V3): keys and values of
+        every head lifted from one low-rank latent per token, ``rotary`` on the rope part of each head, ``bias``
+        on the low-rank input projections only; ``num_kv_heads`` and ``qkv_dim`` None, no ``normalize_qk``, the
+        value input the key input; default scale ``1 / sqrt(qk_head_dim)``. Decoding takes an
+        ``mha_torch.latent.LatentCache``.
     """
 
     def __init__(
@@ -102,8 +86,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.latent = None if latent is None else latent_spec.check_latent(
             latent, num_heads, num_kv_heads, qkv_dim, ("num_kv_heads", "qkv_dim"))
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
+        self.embed_dim, self.num_heads = embed_dim, num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
@@ -115,12 +98,10 @@ class MultiHeadAttention(nn.Module):
             arguments.check_heads(1, 1, getattr(self, name), name)
         self.head_dim = arguments.check_heads(num_heads, self.num_kv_heads, self.qkv_dim, "qkv_dim")
         self.dropout = arguments.check_dropout_rate("dropout", dropout)
-        self.broadcast_dropout = broadcast_dropout
-        self.normalize_qk = normalize_qk
+        self.broadcast_dropout, self.normalize_qk = broadcast_dropout, normalize_qk
         self.implementation, self.scale, self.local_window_size, self.attention_chunk_size = arguments.check_options(
             implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
-        self.logit_soft_cap = logit_soft_cap
-        self.rotary = rotary
+        self.logit_soft_cap, self.rotary = logit_soft_cap, rotary
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
         qk_norm = arguments.check_qk_norm(normalize_qk)
         out_bias = bias if out_bias is None else out_bias
@@ -131,7 +112,6 @@ class MultiHeadAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
 
     def _make_projections(self, qk_norm: QKNorm | None, out_bias: bool, bias: bool, device, dtype) -> None:
-        """``q_proj``, ``k_proj``, ``v_proj``, the QK-norms (None without) and ``out_proj``."""
         kv_dim = self.num_kv_heads * self.head_dim
         factory = {"bias": bias, "device": device, "dtype": dtype}
         self.q_proj = nn.Linear(self.embed_dim, self.qkv_dim, **factory)
@@ -174,23 +154,21 @@ class MultiHeadAttention(nn.Module):
           query: ``(*batch, q_len, embed_dim)``; any number of batch axes, none included.
           key: ``(*batch, kv_len, kdim)``; default ``query`` (self-attention).
           value: ``(*batch, kv_len, vdim)``; default ``key``.
-          mask: broadcasts to ``(*batch, num_heads, q_len, kv_len)``; bool/integer nonzero =
-            attend, floating = added to the logits (see ``dot_product_attention``).
+          mask: broadcasts to ``(*batch, num_heads, q_len, kv_len)``; bool/integer nonzero = attend, floating =
+            added to the logits (see ``dot_product_attention``).
           bias: added to the logits, broadcasting to ``(*batch, num_heads, q_len, kv_len)``.
           is_causal: as in ``mha_torch.dot_product_attention``.
           need_weights: also return the weights ``(*batch, num_heads, q_len, kv_len)``.
-          dropout_mask: explicit keep-mask ``(*batch, num_heads, q_len, kv_len)``; always
-            applied, kept weights scaled by ``1 / (1 - dropout)``.
-          cache: a ``KVCache``: append the inputs' keys and values to it (in place) and attend
-            over everything cached: any number of new tokens, at ``query_positions``
-            ``(batch, n)`` (default: each row's ``cache.index + arange(n)``; ``-1`` marks
-            padding, not cached). Masks and biases then span the cache:
+          dropout_mask: explicit keep-mask ``(*batch, num_heads, q_len, kv_len)``; always applied, kept weights
+            scaled by ``1 / (1 - dropout)``.
+          cache: a ``KVCache``: append the inputs' keys and values to it (in place) and attend over everything
+            cached: any number of new tokens, at ``query_positions`` ``(batch, n)`` (default: each row's
+            ``cache.index + arange(n)``; ``-1`` marks padding, not cached). Masks and biases then span the cache:
             ``(*batch, heads, n, max_length)``.
-          **masking: ``query_positions``, ``key_positions``, ``local_window_size``,
-            ``query_segment_ids``, ``key_segment_ids`` and ``key_value_seq_lengths``, by name: as in
-            ``mha_torch.dot_product_attention``, with the batch axes of the inputs; in self-attention
-            (``key`` not given, or ``query`` itself) the key positions and segment ids default to
-            the query's.
+          **masking: ``query_positions``, ``key_positions``, ``local_window_size``, ``query_segment_ids``,
+            ``key_segment_ids`` and ``key_value_seq_lengths``, by name: as in ``mha_torch.dot_product_attention``,
+            with the inputs' batch axes; in self-attention (``key`` not given, or ``query`` itself) the key
+            positions and segment ids default to the query's.
 
         Returns:
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
@@ -210,9 +188,8 @@ class MultiHeadAttention(nn.Module):
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
 
     def _prepare(self, inputs: tuple, masking: dict, max_length: int | None = None):
-        """The checked call, as ``batch_axes.merged_call`` (not decoding, the keys no query may attend to zeroed),
-        and its projections: queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads,
-        kv_len, head_dim)``; with a latent, the latent entries ``(batch, kv_len, cache_dim)`` and None."""
+        """``(call, (q, k, v))``: the checked call (``batch_axes.merged_call``) and its projections (``_project``;
+        with a latent, the latent entries ``(batch, kv_len, cache_dim)`` and None)."""
         heads, kv_heads = self._local_heads()
         self_attention, query, key, value = arguments.default_inputs(*inputs, ("query", "key", "value"), "tensor")
         _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim)
@@ -226,8 +203,7 @@ class MultiHeadAttention(nn.Module):
         return call, self._project(query, key, value, query.shape[0], heads, kv_heads)
 
     def _slopes(self) -> torch.Tensor | None:
-        """The layer's static ALiBi slopes as a tensor ``(num_heads,)`` on the parameters' device (cast
-        to the compute dtype by the attention), or None."""
+        """The static ALiBi slopes, float64 ``(num_heads,)`` on the parameters' device, or None."""
         if self.alibi_slopes is None:
             return None
         if self._local_heads()[0] != self.num_heads:
@@ -236,13 +212,11 @@ class MultiHeadAttention(nn.Module):
         return torch.tensor(self.alibi_slopes, dtype=torch.float64, device=self.out_proj.weight.device)
 
     def _logit_terms(self) -> dict:
-        """Those of ``scale``, ``logit_soft_cap`` and ``sinks`` the module has, by name."""
         terms = dict(scale=self.scale, logit_soft_cap=self.logit_soft_cap, sinks=self.sinks)
         return {name: value for name, value in terms.items() if value is not None}
 
     def _local_heads(self) -> tuple[int, int]:
-        """(query heads, key/value heads) this process computes: all, or under tensor parallelism
-        (``ColwiseParallel`` projections) those of its shard of the projection weights; with a latent, all."""
+        """(query heads, key/value heads) this process computes: all, or those of its shard of the projections."""
         if self.latent is not None:
             return self.num_heads, self.num_heads
         def rows(weight):
@@ -262,8 +236,8 @@ class MultiHeadAttention(nn.Module):
         return heads, kv_heads
 
     def _decode(self, query, key, value, cache: KVCache, masking: dict, need_weights: bool):
-        """One decoding step: ``_fast_step`` when it takes the call, else the cache written at the tokens' positions
-        and attended over every slot (fixed shapes for torch.compile)."""
+        """One decoding step: ``_fast_step`` when it takes the call, else the cache written and attended over every
+        slot (fixed shapes for torch.compile)."""
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an mha_torch.KVCache, got {type(cache).__name__}")
         if (key is None or key is query) and value is None and self.latent is None \
@@ -290,10 +264,8 @@ class MultiHeadAttention(nn.Module):
         return self._attend(q, keys, values, spec, call.batch_shape, need_weights, absorbed=self.latent is not None)
 
     def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
-        """Self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or not causal) over ``cache`` when
-        every row is at one position with room for ``n`` tokens, outside torch.compile, nothing else restricting the
-        keys (the caller checks): the keys written by slicing, the queries over the filled slots unmasked. None for
-        any other call, which the general path takes (with the same result, or the errors it names)."""
+        """Self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or not causal) over ``cache`` when every
+        row is at one position with room, outside torch.compile: written by slicing, attended unmasked. Else None."""
         keys, weight = cache.key_storage, self.q_proj.weight
         if not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() or query.ndim < 2 \
                 or query.shape[-1] != self.embed_dim or query.dtype != weight.dtype:
@@ -336,8 +308,7 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.reshape(*batch_shape, n, heads * head_dim))
 
     def _project(self, query, key, value, batch: int, heads: int, kv_heads: int):
-        """QK-normed queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads, kv_len,
-        head_dim)`` of the inputs ``(*batch, q_len|kv_len, features)``."""
+        """QK-normed queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads, kv_len, dim)``."""
         q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], self.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if self.q_norm is not None:
@@ -348,10 +319,8 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, keys, values, spec: masks.Spec, batch_shape, need_weights: bool, dropout_mask=None,
                 zero_unused: bool = False, absorbed: bool = False):
-        """Queries ``(batch, heads, q_len, head_dim)`` over ``keys`` ``(batch, kv_heads, kv_len, head_dim)`` and
-        ``values`` ``(batch, kv_heads, kv_len, v_head_dim)`` with the module's dropout and logit terms, projected
-        out: ``(*batch, q_len, out_dim)``, or ``(output, weights)``; ``absorbed``: the latent decoding step's
-        outputs, lifted to the value heads first."""
+        """Attention of ``(batch, heads, len, head_dim)`` inputs, projected out: ``(*batch, q_len, out_dim)``, or
+        ``(output, weights)``; ``absorbed``: a latent decoding step's, lifted to the value heads first."""
         batch, heads, n = spec.shape[:3]
         dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
@@ -371,16 +340,15 @@ class MultiHeadAttention(nn.Module):
 
 
 def _split_heads(x: torch.Tensor, batch: int, length: int, heads: int, head_dim: int) -> torch.Tensor:
-    """``x`` ``(*batch, length, heads * head_dim)`` or ``(batch, length, heads, head_dim)``, contiguous, as
-    ``(batch, heads, length, head_dim)``; for one token a view without a transpose."""
+    """``x`` ``(*batch, length, heads * head_dim)`` or ``(batch, length, heads, head_dim)`` as ``(batch, heads, length,
+    head_dim)``."""
     if length == 1:
         return x.view(batch, heads, 1, head_dim)
     return x.view(batch, length, heads, head_dim).transpose(1, 2)
 
 
 class _Norm(nn.Module):
-    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` shared by the heads,
-    else ``(heads * head_dim,)`` (each head's own, or the whole projection's, as a checkpoint stores it)."""
+    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` (shared) or ``(heads * head_dim,)``."""
 
     def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, device=None, dtype=None):
         super().__init__()
@@ -390,7 +358,6 @@ class _Norm(nn.Module):
         self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(..., heads, head_dim)`` as ``qk_norm`` normalises it, in float32 or wider; in ``x``'s dtype."""
         compute = torch.promote_types(x.dtype, torch.float32)
         weight = self.weight.to(compute).view(x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:])
         return self.qk_norm.normalize(x.to(compute), weight, _mean, torch.rsqrt).to(x.dtype)
@@ -401,9 +368,8 @@ def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
-    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new tokens' positions (default each row's
-    index onward) and append ``k``/``v`` ``(batch, kv_heads, n, head_dim)`` to ``cache`` (``v`` None: keys alone,
-    the latent cache's entries): ``(q, spec)``, ``spec`` with the positions of the new queries and of the slots."""
+    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new positions, append ``k``/``v`` (None: a latent
+    cache) to ``cache``: ``(q, spec)``, ``spec`` over the new queries and the cache's slots."""
     start, max_length = cache.index.clone(), cache.max_length
     pos = _cache.positions(start, k.shape[2], call.query_positions)
     q, k = rotate_at(rotary, q, k, pos, pos)
@@ -423,8 +389,7 @@ def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
 
 
 def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Under autograd the cache takes copies to write ``key``/``value`` into, the old ones left to the graph
-    (gradients flow through the cache from step to step, as in JAX's functional cache); else it is written in place."""
+    """Under autograd the cache takes copies to write into, the old ones left to the graph."""
     tensors = (key, value, cache.key_storage, cache.value_storage)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         cache.key_storage = cache.key_storage.clone()
@@ -432,7 +397,7 @@ def _writable(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _check_parameter_dtype(query: torch.Tensor, dtype: torch.dtype) -> None:
-    """The inputs in the parameters' ``dtype``, as ``torch.nn.Linear`` needs them; any under autocast."""
+    """The inputs in the parameters' ``dtype`` (any under autocast)."""
     if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
         raise TypeError(
             f"query (shape {tuple(query.shape)}) has dtype {query.dtype} but the module's parameters are {dtype}: pass "
