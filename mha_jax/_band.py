@@ -1,12 +1,6 @@
-"""Sliding-window attention over default positions as one band per query block.
+"""Sliding-window attention over default positions: one band of ``block + left + right`` keys per query block.
 
-With a window ``(left, right)``, a block of ``block`` queries from ``i0`` may see the ``width = block +
-left + right`` keys from ``i0 - left``: one slice, one product and one step of ``_tiles``' online
-softmax per block. The window is the same in every band (relative offsets), so no positions are read.
-
-Interface as ``_blockwise``'s; terms ``(qp, kp, qs, ks, lengths, slopes)``, positions unread (ALiBi's
-slopes ``(b|1, h, g, 1, 1)`` are read on the band's relative positions). Queries and output stay in
-the caller's layout ``(batch, q_len, kv_heads, groups, head_dim)`` (the caller's transposes cancel).
+Interface as ``_blockwise``'s; positions are relative to each band, so none are read.
 """
 
 from __future__ import annotations
@@ -48,9 +42,8 @@ class _Band:
 
 
 def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -> tuple[int, int, int] | None:
-    """(block, left, right) when ``terms`` hold a window (and only terms that read positions
-    relative to each other) whose band's scores fit in ``_BAND_SCORES``, else None. Causality
-    makes ``right`` 0; a side wider than the keys is cut to them."""
+    """(block, left, right) for a window among shift-invariant ``terms`` whose band fits ``_BAND_SCORES``, else
+    None; causality makes ``right`` 0, a side wider than the keys is cut to them."""
     window = [t for t in terms if isinstance(t, Window)]
     if not window or not all(t.shift_invariant for t in terms) or q_len == 0 or kv_len == 0:
         return None
@@ -63,15 +56,13 @@ def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -
 
 
 def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
-    """Attention output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``: ``terms`` (qp,
-    kp, qs, ks, lengths) read by ``conditions``, whose window is ``(left, right)`` (causality in ``right``)."""
+    """Output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``; ``conditions`` read ``terms``."""
     cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
     return _band(cfg, q, k, v, terms[2:])
 
 
 def _padded_keys(cfg, x, axis):
-    """Keys laid so that band ``i`` is ``[i * block, i * block + width)`` along ``axis``: ``left``
-    zeros before key 0, and zeros (or a cut) after, to ``n * block + left + right``."""
+    """Keys padded (``left`` zeros before) or cut so that band ``i`` is ``[i * block, i * block + width)``."""
     size = cfg.n_q * cfg.block_q + cfg.left + cfg.right
     x = lax.slice_in_dim(x, 0, min(x.shape[axis], size - cfg.left), axis=axis)
     widths = [(0, 0)] * x.ndim
@@ -80,14 +71,12 @@ def _padded_keys(cfg, x, axis):
 
 
 def _relative(cfg):
-    """(query, key) positions relative to a band's first query, laid as its scores ``(1, 1, 1, block,
-    width)`` (NumPy: the window is a constant)."""
+    """(query, key) positions relative to a band's first query, NumPy ``(1, 1, 1, block, width)``."""
     return np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1), np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
 
 
 def _visible(cfg, i, terms):
-    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the terms, and keys that
-    exist. Positions are relative to the band's first query."""
+    """bool broadcasting to band ``i``'s scores ``(b, h, g, block, width)``: the terms, and keys that exist."""
     rows, cols = _relative(cfg)
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
     qs, ks, lengths = terms[:3]
@@ -114,9 +103,8 @@ def _band(cfg, q, k, v, terms):
 
 
 def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
-    """One band's scores ``(b, h, g * block, width)``, -inf where not visible; with ``transposed``
-    ``(b, h, width, g * block)``, which the backward's products take as stored. ALiBi's slopes
-    (``terms``' last) are read on positions relative to the band's first query."""
+    """Band ``i``'s scores ``(b, h, g * block, width)``, -inf where not visible; ``transposed``: ``(b, h, width, g *
+    block)``."""
     b, h = q_i.shape[:2]
     visible = _visible(cfg, i, terms)  # (b|1, 1, 1|g, block, width)
     scale = jnp.asarray(cfg.scale, q_i.dtype)
@@ -134,8 +122,7 @@ def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
 
 
 def _queries(cfg, x):
-    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``: the caller's layout (its transpose
-    and this one cancel), zero-padded to whole blocks."""
+    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``, zero-padded to whole blocks."""
     return _tiles.pad(jnp.moveaxis(x, 3, 1), 1, cfg.n_q * cfg.block_q)
 
 
@@ -170,10 +157,8 @@ def _forward(cfg, q, k, v, terms):
         q_i = _block_rows(cfg, qs, i)
         s = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms)
         v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
-
         def mix(p):
             return jnp.einsum("bhmk,bhkd->bhmd", p, v_band, precision=cfg.precision)
-
         acc = _tiles.accumulator(q_i, v.shape[-1])
         out, lse = _tiles.finish(_tiles.forward(_tiles.init(acc), s, mix))  # one tile: the band
         return _in_caller_layout(cfg, out), lse
@@ -187,11 +172,9 @@ def _backward(cfg, residuals, d_out):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
     g = q.shape[2]
     delta = _tiles.query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
-    qs = _queries(cfg, q)
-    dos = _queries(cfg, d_out)
+    qs, dos = _queries(cfg, q), _queries(cfg, d_out)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
     kt = jnp.swapaxes(kp, 2, 3)  # (b, h, d, padded): dQ^T = K^T dS^T as stored
-
     # On transposed scores S^T, as ``_blockwise``'s backward: every product takes its operands as stored.
     def block(carry, args):
         dk, dv = carry
@@ -210,14 +193,11 @@ def _backward(cfg, residuals, d_out):
         dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start, cfg.width, 2) + dk_band, start, 2)
         dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, start, cfg.width, 2) + dv_band, start, 2)
         return (dk, dv), _in_caller_layout(cfg, jnp.swapaxes(dqt_i, 2, 3))
-
     (dk, dv), dq = lax.scan(block, (jnp.zeros_like(kp), jnp.zeros_like(vp)), (jnp.arange(cfg.n_q), lse, delta))
     dq = _unblocked(cfg, dq)
-
     def keys(x):  # the padded keys' gradient -> the keys'
         x = lax.slice_in_dim(x, cfg.left, min(x.shape[2], cfg.left + cfg.kv_len), axis=2)
         return jnp.pad(x, ((0, 0), (0, 0), (0, cfg.kv_len - x.shape[2]), (0, 0)))
-
     return dq, keys(dk), keys(dv), None
 
 
