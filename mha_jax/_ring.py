@@ -56,10 +56,8 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
     manual or of size 1, lengths not in ``2n`` chunks, a ``dropout_rng`` not one key) or take."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
-
     def refused(why: str, error=ValueError):
         return error(f"sequence_axis={sequence_axis!r} {why}")
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise refused(f"needs a mesh: call under jax.set_mesh(mesh), with a mesh that has an axis {sequence_axis!r}")
@@ -341,28 +339,20 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
     """``state`` (running max, sum ``(b, kv_heads, groups, q_block)``, weighted values ``(..., d)``)
     of the queries ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block, by tiles."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
-
     def q_tile(i, state):
         r = i * tq
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
-
         def k_tile(j, tile_state):
             kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, j * tk, tk, q.dtype)
-
             def update(tile_state):
                 s, _, _, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
-
                 def mix(p):
                     return jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
-
                 return _tiles.forward(tile_state, s, mix, keep, cfg.keep_scale, s.shape)
-
             return _if_visible(cfg, qti, ktj, mask, update, tile_state)
-
         tile_state = tuple(_rows(x, r, tq, 3) for x in state)
         tile_state = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, tile_state)
         return tuple(_put(x, t, r, 3) for x, t in zip(state, tile_state))
-
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
 
 
@@ -370,17 +360,14 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
     """``grads`` (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv ``(b, kv_block, kv_heads, d)``,
     the bias's or None) plus one key/value block's share, by tiles."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
-
     def q_tile(i, grads):
         r = i * tq
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
         douti, lsei, deltai = _rows(dout, r, tq, 3), _rows(lse, r, tq, 3), _rows(delta, r, tq, 3)
-
         def k_tile(j, grads):
             dqi, dk, dv, d_bias = grads
             c = j * tk
             kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, c, tk, q.dtype)
-
             def update(tile_grads):
                 dqi, dkj, dvj, d_bias_t = tile_grads
                 s, t, kz, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
@@ -394,7 +381,6 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
                 dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kz, precision=cfg.precision)
                 dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
                 return dqi, dkj, dvj, d_bias_t
-
             tile = None if d_bias is None else _tiles.bias_tile(d_bias.shape, {3: (r, tq), 4: (ktj["index"][0, 0], tk)})
             d_bias_t = None if tile is None else jax.lax.dynamic_slice(d_bias, *tile)
             tile_grads = _if_visible(cfg, qti, ktj, mask, update,
@@ -402,11 +388,9 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
             if tile is not None:
                 d_bias = jax.lax.dynamic_update_slice(d_bias, tile_grads[3], tile[0])
             return tile_grads[0], _put(dk, tile_grads[1], c, 1), _put(dv, tile_grads[2], c, 1), d_bias
-
         dq, dk, dv, d_bias = grads
         dqi, dk, dv, d_bias = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, (_rows(dq, r, tq, 3), dk, dv, d_bias))
         return _put(dq, dqi, r, 3), dk, dv, d_bias
-
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
@@ -427,13 +411,11 @@ def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
 def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
     """``carry`` after ``step(s, carry, *blocks)`` for ``s`` in ``0..n-1``, the travelling ``blocks``
     sent to the next device while each step uses them; ``moved(carry)`` between steps."""
-
     def ring_step(s, loop):
         carry, blocks = loop
         sent = _next(blocks, cfg)
         carry = step(s, carry, *blocks)
         return (carry if moved is None else moved(carry)), sent
-
     carry, last = jax.lax.fori_loop(0, cfg.size - 1, ring_step, (carry, blocks))
     return step(cfg.size - 1, carry, *last)
 
@@ -448,10 +430,8 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
     qc = q.astype(jnp.promote_types(q.dtype, jnp.float32))
     acc = _tiles.accumulator(qc.transpose(0, 2, 3, 1, 4), v.shape[-1])  # (b, kv_heads, groups, q_block, dv)
-
     def step(s, state, k, v, kt):
         return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
-
     state = _tiles.init(acc, None if sinks is None else sinks[None, :, :, None])
     out, lse = _tiles.finish(_around(cfg, step, state, (k, v, kt)))
     result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
@@ -467,14 +447,11 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
     d_bias = None
     if bias is not None:  # varying over every manual axis, as what the loops add to it is
         d_bias = _blockwise.to_varying(jnp.zeros(local["bias"].shape, out.dtype), tuple(sorted(_manual(cfg))))
-
     def step(s, grads, k, v, kt):
         kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
         return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, local, grads)
-
     def moved(grads):  # a block's key and value gradients travel with it
         return grads[0], *_next(grads[1:3], cfg), grads[3]
-
     zeros = (jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4)), *(jnp.zeros_like(x, dtype=out.dtype) for x in (k, v)))
     dq, dk, dv, d_bias = _around(cfg, step, (*zeros, d_bias), (k, v, kt), moved)
     dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
