@@ -1,14 +1,8 @@
-"""Ring attention: the query/key/value length sharded over one mesh axis (``sequence_axis``).
+"""Ring attention: the length sharded over one mesh axis; key/value blocks go round with ``ppermute``.
 
-Each of the axis's ``n`` devices holds a block of queries and one of keys and values; the key/value
-blocks (with their per-key terms) go round the ring with ``ppermute``, combined tile by tile with
-``_tiles``' online softmax; in the backward they travel with their gradients. Nothing is gathered.
-
-Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i``, so that under
-causality every device has as many visible pairs. Dense terms (mask, bias, a keep-mask) are held as
-the queries are (their rows, every key column) and never travel. Drawn dropout hashes each weight's
-global index with ``threefry2x32``, as ``jax.random.bernoulli`` over ``(batch, heads, q_len, kv_len)``
-does: the bits of ``implementation="xla"`` on one device, whatever the mesh or tiles.
+Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i`` (balanced under causality).
+Dense terms stay with the queries' rows. Drawn dropout hashes each weight's global index with ``threefry2x32``,
+the bits ``jax.random.bernoulli`` draws over ``(batch, heads, q_len, kv_len)`` on one device.
 """
 
 from __future__ import annotations
@@ -52,8 +46,7 @@ class _Config:
 
 
 def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation) -> int:
-    """The axis's size, after refusing by name what a ring cannot run on (no such mesh axis, one
-    manual or of size 1, lengths not in ``2n`` chunks, a ``dropout_rng`` not one key) or take."""
+    """The axis's size, after refusing by name what a ring cannot run on or take."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
     def refused(why: str, error=ValueError):
@@ -91,13 +84,9 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
 
 
 def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
-              allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
-              keep_scale: float = 1.0):
-    """q ``(b, q_len, kv_heads, groups, d)``, k ``(b, kv_len, kv_heads, d)``, v ``(b, kv_len, kv_heads,
-    dv)`` -> ``(b, q_len, kv_heads, groups, dv)`` in q's dtype. ``sinks`` ``(kv_heads, groups)`` in
-    float32 or wider, or None; ``allowed``, ``keep`` (bool) and
-    ``bias`` None or 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``; ``dropout_rng`` draws
-    dropout at ``dropout_rate`` when ``keep`` is None."""
+              allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0, keep_scale: float = 1.0):
+    """q ``(b, q_len, kv_heads, groups, d)``, k, v ``(b, kv_len, kv_heads, d|dv)`` -> ``(b, q_len, kv_heads, groups,
+    dv)``; ``sinks`` ``(kv_heads, groups)`` or None; ``allowed``, ``keep``, ``bias`` None or 5-d."""
     batch_axes, head_axes = _explicit_axes(q, axis)
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
@@ -109,8 +98,7 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
                  ks=spec.key_segment_ids, lengths=spec.lengths)
     terms = {name: x for name, x in terms.items() if x is not None}
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
-    # each device's index along the ring and, for drawn dropout, the global indices of its examples and
-    # key/value heads: inputs, as XLA's SPMD partitioner rejects ``axis_index`` in a partly manual shard_map
+    # device, example and head indices are inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual
     dense = dict(allowed=allowed, keep=keep, slopes=slopes, device=jnp.arange(size, dtype=jnp.int32))
     if drawn:
         dense.update(examples=jnp.arange(q.shape[0], dtype=jnp.uint32),
@@ -128,19 +116,14 @@ def _seed(rng):
 
 
 def _explicit_axes(q, axis: str):
-    """The Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too,
-    so that each device keeps its own examples and heads."""
+    """The Explicit mesh axes sharding q's batch and heads (manual in the ring's ``shard_map`` too)."""
     spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
     batch, heads = _blockwise.axes_of(spec[0]), _blockwise.axes_of(spec[2])
     if axis in batch + heads:
-        raise ValueError(
-            f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
-            "shard the length over it, and the batch and heads over other axes"
-        )
+        raise ValueError(f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
+                         "shard the length over it, and the batch and heads over other axes")
     return batch, heads
 
-
-# --- the zig-zag layout ---------------------------------------------------------------------------
 
 def _to_zigzag(x, cfg: _Config, me, dim: int = 1):
     """Contiguous chunks ``2i, 2i + 1`` on device ``i`` (``me``) -> chunks ``i, 2n - 1 - i``."""
@@ -176,14 +159,11 @@ def _next(x, cfg: _Config):
     return jax.lax.ppermute(x, cfg.axis, [(i, (i + 1) % cfg.size) for i in range(cfg.size)])
 
 
-# --- dense terms: rows of the device's queries, the visiting block's columns ---------------------
-
 DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1), their rows in zig-zag order
 
 
 def _local_dense(cfg: _Config, dense: dict, bias, me, q_index, groups: int) -> dict:
-    """On one device: the dense terms with their rows in zig-zag order, and for drawn dropout the
-    seed and the 64-bit counters (``hi``, ``lo`` uint32 ``(b, kv_heads, groups, q_block)``) of its rows."""
+    """The device's dense terms, rows in zig-zag order; for drawn dropout the seed and its rows' counters."""
     local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
     if bias is not None:
         local["bias"] = bias
@@ -205,8 +185,7 @@ def _dense_rows(local: dict, start, size: int) -> dict:
 
 
 def _key_tile(cfg: _Config, k, v, kt: dict, rows: dict, start, size: int, dtype):
-    """The ``size`` keys from ``start``: (keys, values in ``dtype``, their terms, (mask, bias, keep) each
-    None or 5-d: those columns of the row tile's dense terms ``rows``, keep drawn if dropout is)."""
+    """(keys, values in ``dtype``, their terms, (mask, bias, keep)) of the ``size`` keys from ``start``."""
     kj, vj = (_rows(x, start, size, 1).astype(dtype) for x in (k, v))
     ktj = _sliced(kt, start, size)
     keys = ktj["index"][0]  # int32 (size,), consecutive global indices
@@ -236,8 +215,7 @@ def _add64(a, b):
 
 
 def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
-    """(hi, lo) uint32 ``(b, kv_heads, groups, q_block)``: the flat index in ``cfg.shape`` of each
-    of the device's rows at key 0, from the global indices of its examples, heads and queries."""
+    """(hi, lo) uint32 ``(b, kv_heads, groups, q_block)``: each row's flat index in ``cfg.shape`` at key 0."""
     _, heads, q_len, kv_len = cfg.shape
     u32 = jnp.uint32
     head = (kv_heads[:, None] * u32(groups) + jnp.arange(groups, dtype=u32))[None, :, :, None]
@@ -250,8 +228,7 @@ def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
 
 def _drawn(cfg: _Config, seed, hi, lo, keys):
     """bool ``(b, kv_heads, groups, q_tile, k_tile)``: a tile's keep bits, as
-    ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` draws them (threefry2x32 of the 64-bit
-    index, a uniform in ``cfg.uniform`` from its top mantissa bits, kept below ``1 - rate``)."""
+    ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` draws them."""
     keys = keys.astype(jnp.uint32)
     lo = lo[..., None] + keys
     hi = hi[..., None] + (lo < keys).astype(jnp.uint32)
@@ -267,16 +244,13 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
 
 
 def _unseen_zeroed(kj, vj, mask, bias):
-    """The tile's keys and values with zeros at the keys that no query of the tile may see by the
-    dense mask or a ``-inf`` bias (per key/value head)."""
+    """The tile's keys and values, zeroed where the mask or a ``-inf`` bias hides them from every query."""
     seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
     if seen is None:
         return kj, vj
     seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as kj
     return jnp.where(seen, kj, 0), jnp.where(seen, vj, 0)
 
-
-# --- one step: a query block against a key/value block, tile by tile ---------------------------
 
 TILE = 512  # the largest tile of queries (and of keys) a step scores at once
 
@@ -299,10 +273,8 @@ def _sliced(terms: dict, start, size: int) -> dict:
 
 
 def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slopes):
-    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None, keys, values with the
-    unseen zeroed) of queries ``q`` ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile,
-    kv_heads, d)``, the terms read on the tile's terms ``qt`` (``qp``, ``qs``) and ``kt`` (``kp``, ``ks``,
-    ``index``); ALiBi's ``slopes`` ``(b|1, kv_heads, groups, 1, 1)`` on the same positions."""
+    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh or None, keys, values with the unseen zeroed) of
+    ``q`` ``(b, q_tile, kv_heads, groups, d)`` and ``k`` ``(b, k_tile, kv_heads, d)``."""
     k, v = _unseen_zeroed(k, v, mask, bias)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
@@ -316,9 +288,7 @@ def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slop
 
 
 def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
-    """``update(state)``, skipped where the positional terms (read from the tile's extreme positions,
-    shared by the batch) or the dense mask (where this device sees all of it that matters) leave
-    the tile empty."""
+    """``update(state)``, skipped where the positional terms or the (wholly seen) dense mask leave the tile empty."""
     may, qp, kp = None, qt["qp"], kt["kp"]
     positional = cfg.terms.only({"position"})
     if positional and qp.shape[0] == 1 and kp.shape[0] == 1:
@@ -336,8 +306,7 @@ def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
 
 
 def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dict, state):
-    """``state`` (running max, sum ``(b, kv_heads, groups, q_block)``, weighted values ``(..., d)``)
-    of the queries ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block, by tiles."""
+    """The online softmax ``state`` of ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
     def q_tile(i, state):
         r = i * tq
@@ -357,8 +326,7 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
 
 
 def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, dense: dict, grads):
-    """``grads`` (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv ``(b, kv_block, kv_heads, d)``,
-    the bias's or None) plus one key/value block's share, by tiles."""
+    """``grads`` (dq, dk, dv, d_bias or None) plus one key/value block's share, by tiles."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
     def q_tile(i, grads):
         r = i * tq
@@ -394,11 +362,8 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
-# --- forward and backward rings ------------------------------------------------------------------
-
 def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
-    """What both rings start from on one device: (ring size, the device's index, key chunk, its
-    zig-zag query terms, the travelling key terms, its dense terms (``_local_dense``), lengths)."""
+    """(ring size, device index, key chunk, query terms, travelling key terms, dense terms, lengths)."""
     n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see attention)
     chunk_q = q.shape[1] // 2
     zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
@@ -409,8 +374,7 @@ def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
 
 
 def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
-    """``carry`` after ``step(s, carry, *blocks)`` for ``s`` in ``0..n-1``, the travelling ``blocks``
-    sent to the next device while each step uses them; ``moved(carry)`` between steps."""
+    """``carry`` after ``step(s, carry, *blocks)`` for each ring step, ``blocks`` sent on meanwhile, then ``moved``."""
     def ring_step(s, loop):
         carry, blocks = loop
         sent = _next(blocks, cfg)
@@ -421,8 +385,7 @@ def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
 
 
 def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
-    """On one device: its blocks (contiguous), in the inputs' dtype; the keys and values travel
-    in it, each tile is computed in float32 or wider."""
+    """One device's forward: blocks travel in the inputs' dtype, tiles are computed in float32 or wider."""
     n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, terms, dense)
     q, k, v = (_to_zigzag(x, cfg, me) for x in (q, k, v))
     if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
@@ -467,8 +430,7 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
 
 
 def _in_specs(cfg: _Config, bias, terms: dict, dense: dict):
-    """The rings' specs: (blocks of the length, per-query rows, heads, the bias's, (the terms', the
-    dense terms')); terms are ``(b|1, len)`` arrays and ``lengths`` ``(b,)``."""
+    """The rings' specs: (length blocks, per-query rows, heads, the bias's, (the terms', the dense terms'))."""
     terms_specs = {name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
                    for name, x in terms.items()}
     dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
@@ -477,8 +439,7 @@ def _in_specs(cfg: _Config, bias, terms: dict, dense: dict):
 
 
 def _dense_spec(cfg: _Config, x, name: str = "bias"):
-    """A dense term's spec: rows over the sequence axis, examples and heads as the query's, an axis
-    of 1 and the keys whole; the indices over their axes; the seed replicated."""
+    """A dense term's spec: rows over the sequence axis, examples and heads as the query's; the seed replicated."""
     if name in ("device", "examples", "kv_heads"):
         return cfg.spec(dict(device="s", examples="b", kv_heads="h")[name])
     if x is None or name == "seed":
@@ -498,8 +459,7 @@ def _manual(cfg: _Config):
 
 
 def _mapped(cfg: _Config, body, args: tuple, in_specs: tuple, out_specs):
-    """``body(*args)`` in ``jax.shard_map`` manual over the ring's axes; on an Explicit sequence axis
-    ``args`` are first resharded to ``in_specs`` (a length not yet split over it is split)."""
+    """``body(*args)`` in ``jax.shard_map`` over the ring's axes (on an Explicit axis, resharded to ``in_specs``)."""
     if cfg.explicit:
         args = jax.tree.map(lambda x, spec: None if x is None else jax.reshard(x, spec), args, in_specs,
                             is_leaf=lambda x: x is None)
