@@ -75,19 +75,6 @@ def _relative(cfg):
     return np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1), np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
 
 
-def _visible(cfg, i, terms):
-    """bool broadcasting to band ``i``'s scores ``(b, h, g, block, width)``: the terms, and keys that exist."""
-    rows, cols = _relative(cfg)
-    key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
-    qs, ks, lengths = terms[:3]
-    q_ids = None if qs is None else \
-        lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
-    k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
-    visible = cfg.terms.visible(Where(rows, q_ids),
-                                Where(cols, k_ids, key, None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)))
-    return visible & (key >= 0) & (key < cfg.kv_len)
-
-
 def _segments(cfg, terms):
     """(query segment ids padded to whole blocks, key segment ids laid as the keys, lengths)."""
     qs, ks = terms[:2]
@@ -106,10 +93,16 @@ def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
     """Band ``i``'s scores ``(b, h, g * block, width)``, -inf where not visible; ``transposed``: ``(b, h, width, g *
     block)``."""
     b, h = q_i.shape[:2]
-    visible = _visible(cfg, i, terms)  # (b|1, 1, 1|g, block, width)
-    scale = jnp.asarray(cfg.scale, q_i.dtype)
     rows, cols = _relative(cfg)
-    slopes = terms[3]
+    key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
+    qs, ks, lengths, slopes = terms
+    q_ids = None if qs is None else \
+        lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
+    k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
+    visible = cfg.terms.visible(Where(rows, q_ids),
+                                Where(cols, k_ids, key, None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)))
+    visible = visible & (key >= 0) & (key < cfg.kv_len)  # (b|1, 1, 1|g, block, width)
+    scale = jnp.asarray(cfg.scale, q_i.dtype)
     if transposed:
         s = jnp.einsum("bhkd,bhmd->bhkm", k_band, q_i, precision=cfg.precision)
         shape, visible = (b, h, cfg.width, g, cfg.block_q), jnp.moveaxis(visible, 4, 2)

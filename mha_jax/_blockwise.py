@@ -375,18 +375,14 @@ def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partia
     pt_used, ds_bias, dst = _tiles.backward(st, blocks.lse[i][:, :, None, :], blocks.delta[i][:, :, None, :], dpt,
                                             tanh_t, block_keep, cfg.keep_scale, block5_t)
     dv_j = dv_j + jnp.einsum("bhkm,bhmd->bhkd", pt_used, blocks.do[i], precision=cfg.precision)
-    if d_bias is not None:
-        d_bias = _add_block(d_bias, ds_bias.reshape(block5_t), i, j, cfg)
+    if d_bias is not None:  # the transposed bias's: queries on axis 4, keys on 2
+        tile = {4: (i * cfg.block_q, cfg.block_q), 2: (j * cfg.block_k, cfg.block_k)}
+        start, size = _tiles.bias_tile(d_bias.shape, tile)
+        share = _tiles.bias_share(ds_bias.reshape(block5_t), d_bias.shape).astype(d_bias.dtype)
+        d_bias = lax.dynamic_update_slice(d_bias, lax.dynamic_slice(d_bias, start, size) + share, start)
     dk_j = dk_j + jnp.einsum("bhkm,bhmd->bhkd", dst, blocks.qs[i], precision=cfg.precision)
     dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_j, dst, precision=cfg.precision)
     return lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0), dk_j, dv_j, d_bias
-
-
-def _add_block(d_bias, ds, i, j, cfg):
-    """The transposed bias gradient (queries on axis 4, keys on 2) plus block (i, j)'s ``ds``, summed to its shape."""
-    start, size = _tiles.bias_tile(d_bias.shape, {4: (i * cfg.block_q, cfg.block_q), 2: (j * cfg.block_k, cfg.block_k)})
-    current = lax.dynamic_slice(d_bias, start, size)
-    return lax.dynamic_update_slice(d_bias, current + _tiles.bias_share(ds, d_bias.shape).astype(d_bias.dtype), start)
 
 
 _flash.defvjp(_forward, _flash_bwd)  # the forward's residuals are what the backward reads

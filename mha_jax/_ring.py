@@ -243,15 +243,6 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
     return (bits >> kind(width - mantissa)) < kind(math.ceil(p * 2.0**mantissa))
 
 
-def _unseen_zeroed(kj, vj, mask, bias):
-    """The tile's keys and values, zeroed where the mask or a ``-inf`` bias hides them from every query."""
-    seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
-    if seen is None:
-        return kj, vj
-    seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as kj
-    return jnp.where(seen, kj, 0), jnp.where(seen, vj, 0)
-
-
 TILE = 512  # the largest tile of queries (and of keys) a step scores at once
 
 
@@ -275,7 +266,10 @@ def _sliced(terms: dict, start, size: int) -> dict:
 def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slopes):
     """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh or None, keys, values with the unseen zeroed) of
     ``q`` ``(b, q_tile, kv_heads, groups, d)`` and ``k`` ``(b, k_tile, kv_heads, d)``."""
-    k, v = _unseen_zeroed(k, v, mask, bias)
+    seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
+    if seen is not None:  # keys that the mask or a -inf bias hides from every query of the tile: zeros
+        seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as k
+        k, v = jnp.where(seen, k, 0), jnp.where(seen, v, 0)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
@@ -448,12 +442,6 @@ def _dense_spec(cfg: _Config, x, name: str = "bias"):
     return cfg.spec("b" if b > 1 else None, "h" if h > 1 else None, None, "s" if rows > 1 else None, None)
 
 
-def _shared(cfg: _Config, x) -> tuple:
-    """The manual axes over which a dense term of this (global) shape is not split."""
-    named = {a for entry in _dense_spec(cfg, x) for a in _blockwise.axes_of(entry)}
-    return tuple(sorted(_manual(cfg) - named))
-
-
 def _manual(cfg: _Config):
     return {cfg.axis, *cfg.batch_axes, *cfg.head_axes}
 
@@ -483,7 +471,8 @@ def _ring_bwd(cfg: _Config, saved, dout):
     residuals, sinks, bias, terms, dense = saved
     seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
     in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, *terms_specs, seq)
-    dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, _shared(cfg, bias)),
+    shared = tuple(sorted(_manual(cfg) - {a for entry in bias_spec for a in _blockwise.axes_of(entry)}))
+    dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, shared),
                                          (*residuals, sinks, bias, terms, dense, dout), in_specs,
                                          (seq, seq, seq, heads, bias_spec))
     if cfg.explicit and bias is not None:  # a cotangent has its primal's type: a bias not split over the ring too
