@@ -251,12 +251,8 @@ def _tile(chunk: int) -> int:
     return max(t for t in range(1, min(chunk, TILE) + 1) if chunk % t == 0)
 
 
-def _rows(x, start, size: int, axis: int):
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-def _put(x, update, start, axis: int):
-    return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
+_rows = jax.lax.dynamic_slice_in_dim  # (x, start, size, axis)
+_put = jax.lax.dynamic_update_slice_in_dim  # (x, update, start, axis)
 
 
 def _sliced(terms: dict, start, size: int) -> dict:
