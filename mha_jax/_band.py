@@ -1,7 +1,4 @@
-"""Sliding-window attention over default positions: one band of ``block + left + right`` keys per query block.
-
-Interface as ``_blockwise``'s; positions are relative to each band, so none are read.
-"""
+"""Sliding-window attention over default positions: one band of ``block + left + right`` keys per query block."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ from jax import lax
 from mha_jax import _tiles
 from mha_spec.terms import Causal, Terms, Where, Window
 
-# The most scores of one band, over batch x heads x rows x keys: as ``_blockwise``'s blocks.
-_BAND_SCORES = 1 << 22
+_BAND_SCORES = 1 << 22  # the most scores of one band (batch x heads x rows x keys), as ``_blockwise``'s
 _BLOCK = 128  # queries per band (docs/performance.md: how it was chosen)
 
 
@@ -73,15 +69,6 @@ def _padded_keys(cfg, x, axis):
 def _relative(cfg):
     """(query, key) positions relative to a band's first query, NumPy ``(1, 1, 1, block, width)``."""
     return np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1), np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
-
-
-def _segments(cfg, terms):
-    """(query segment ids padded to whole blocks, key segment ids laid as the keys, lengths)."""
-    qs, ks = terms[:2]
-    if qs is None:
-        return terms
-    qs = jnp.pad(qs, ((0, 0), (0, cfg.n_q * cfg.block_q - qs.shape[1])), constant_values=-1)
-    return (qs, _padded_keys(cfg, ks, 1), *terms[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -141,10 +128,12 @@ def _unblocked(cfg, x):
 
 def _forward(cfg, q, k, v, terms):
     g = q.shape[2]
-    terms = _segments(cfg, terms)
+    q_ids, k_ids = terms[:2]
+    if q_ids is not None:  # query ids padded to whole blocks, key ids laid as the keys
+        q_ids = jnp.pad(q_ids, ((0, 0), (0, cfg.n_q * cfg.block_q - q_ids.shape[1])), constant_values=-1)
+        terms = (q_ids, _padded_keys(cfg, k_ids, 1), *terms[2:])
     qs = _queries(cfg, q)  # (b, padded, h, g, d)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
-
     def block(i):
         start = i * cfg.block_q
         q_i = _block_rows(cfg, qs, i)
@@ -155,7 +144,6 @@ def _forward(cfg, q, k, v, terms):
         acc = _tiles.accumulator(q_i, v.shape[-1])
         out, lse = _tiles.finish(_tiles.forward(_tiles.init(acc), s, mix))  # one tile: the band
         return _in_caller_layout(cfg, out), lse
-
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
     out = _unblocked(cfg, out)
     return out, (q, k, v, terms, out, lse)

@@ -1,8 +1,6 @@
 """Blockwise (flash-style) attention in pure JAX: online softmax over key blocks, custom VJP from the saved lse.
 
-Blocks are classed whole (unmasked), partial or empty (skipped); a window over default positions runs as ``_band``.
-Layout: q ``(b, kv_heads, groups, q_len, d)``, k/v ``(b, kv_heads, kv_len, d)``, masks 5-d (axes of 1 broadcast).
-Products take operands as stored; the backward works on ``S^T = K Q^T``; the scale is folded into the queries.
+Blocks are classed whole (unmasked), partial or empty (skipped). The backward works on ``S^T = K Q^T``.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from mha_jax import _band, _tiles, masks
 from mha_spec import terms as _terms
 from mha_spec.terms import Terms, Where
 
-# The most scores of one block, over batch x heads x rows x keys (16 MiB of float32); see docs/performance.md.
-_BLOCK_SCORES = 1 << 22
+_BLOCK_SCORES = 1 << 22  # the most scores of one block (batch x heads x rows x keys): 16 MiB of float32
 
 
 @dataclass(frozen=True)
@@ -130,21 +127,18 @@ def per_device(run, args: tuple, specs: tuple, out_specs, check_vma: bool = True
 
 
 def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
-    q, k, v, bias, sinks = _varying((q, k, v, bias, sinks), (allowed, keep, rng, terms))
+    # varying over every manual axis any input varies over: the loops' carries start from them, and each
+    # gradient then has its input's type
+    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(((q, k, v, bias, sinks), (allowed, keep, rng, terms)))))
+    def vary(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return to_varying(x, missing) if missing else x
+    q, k, v, bias, sinks = (None if x is None else vary(x) for x in (q, k, v, bias, sinks))
     if cfg.band is not None:
         block, left, right = cfg.band
         return _band.attention(q, k, v, terms, _conjunction(cfg, terms), block=block, left=left, right=right,
                                scale=cfg.scale, precision=cfg.precision)
     return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
-
-
-def _varying(xs, others):
-    """``xs`` made varying over every manual axis any of ``xs`` or ``others`` varies over (for the loops' carries)."""
-    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves((xs, others))))
-    def vary(x):
-        missing = tuple(sorted(axes - _vma(x)))
-        return to_varying(x, missing) if missing else x
-    return tuple(None if x is None else vary(x) for x in xs)
 
 
 def to_varying(x, axes: tuple[str, ...]):

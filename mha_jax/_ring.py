@@ -1,8 +1,6 @@
 """Ring attention: the length sharded over one mesh axis; key/value blocks go round with ``ppermute``.
 
 Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i`` (balanced under causality).
-Dense terms stay with the queries' rows. Drawn dropout hashes each weight's global index with ``threefry2x32``,
-the bits ``jax.random.bernoulli`` draws over ``(batch, heads, q_len, kv_len)`` on one device.
 """
 
 from __future__ import annotations
@@ -87,11 +85,16 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
               allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0, keep_scale: float = 1.0):
     """q ``(b, q_len, kv_heads, groups, d)``, k, v ``(b, kv_len, kv_heads, d|dv)`` -> ``(b, q_len, kv_heads, groups,
     dv)``; ``sinks`` ``(kv_heads, groups)`` or None; ``allowed``, ``keep``, ``bias`` None or 5-d."""
-    batch_axes, head_axes = _explicit_axes(q, axis)
+    # the Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too
+    q_spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
+    batch, heads = _blockwise.axes_of(q_spec[0]), _blockwise.axes_of(q_spec[2])
+    if axis in batch + heads:
+        raise ValueError(f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
+                         "shard the length over it, and the batch and heads over other axes")
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
     drawn = keep is None and dropout_rng is not None
-    cfg = _Config(axis, size, float(scale), soft_cap, spec.terms, precision, batch_axes, head_axes,
+    cfg = _Config(axis, size, float(scale), soft_cap, spec.terms, precision, batch, heads,
                   explicit, bool(mesh.auto_axes), tuple(spec.shape), float(dropout_rate) if drawn else 0.0,
                   float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))))
     terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
@@ -100,29 +103,15 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
     # device, example and head indices are inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual
     dense = dict(allowed=allowed, keep=keep, slopes=slopes, device=jnp.arange(size, dtype=jnp.int32))
-    if drawn:
+    if drawn:  # the seed: the threefry key the bits are hashed with (drawn from a key of another kind)
+        key = dropout_rng
+        key = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+        threefry = str(jax.random.key_impl(key)) == "threefry2x32"
         dense.update(examples=jnp.arange(q.shape[0], dtype=jnp.uint32),
-                     kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32), seed=_seed(dropout_rng))
+                     kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32),
+                     seed=jax.random.key_data(key) if threefry else jax.random.bits(key, (2,), jnp.uint32))
     dense = {name: x for name, x in dense.items() if x is not None}
     return _ring(cfg, q, k, v, sinks, bias, terms, dense)
-
-
-def _seed(rng):
-    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with (drawn from a key of another kind)."""
-    key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
-    if str(jax.random.key_impl(key)) == "threefry2x32":
-        return jax.random.key_data(key)
-    return jax.random.bits(key, (2,), jnp.uint32)
-
-
-def _explicit_axes(q, axis: str):
-    """The Explicit mesh axes sharding q's batch and heads (manual in the ring's ``shard_map`` too)."""
-    spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
-    batch, heads = _blockwise.axes_of(spec[0]), _blockwise.axes_of(spec[2])
-    if axis in batch + heads:
-        raise ValueError(f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
-                         "shard the length over it, and the batch and heads over other axes")
-    return batch, heads
 
 
 def _to_zigzag(x, cfg: _Config, me, dim: int = 1):

@@ -1,7 +1,4 @@
-"""Query/key tile layout and the tile step (scores, online softmax, gradient) shared by every JAX kernel.
-
-A query block holds ``block_q`` rows of every query head of a group (zero-padded); scores are ``(..., rows, keys)``.
-"""
+"""Query/key tile layout and the tile step (scores, online softmax, gradient) shared by every JAX kernel."""
 
 from __future__ import annotations
 
