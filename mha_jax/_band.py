@@ -66,11 +66,6 @@ def _padded_keys(cfg, x, axis):
     return jnp.pad(x, widths)
 
 
-def _relative(cfg):
-    """(query, key) positions relative to a band's first query, NumPy ``(1, 1, 1, block, width)``."""
-    return np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1), np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _band(cfg, q, k, v, terms):
     return _forward(cfg, q, k, v, terms)[0]
@@ -80,7 +75,8 @@ def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
     """Band ``i``'s scores ``(b, h, g * block, width)``, -inf where not visible; ``transposed``: ``(b, h, width, g *
     block)``."""
     b, h = q_i.shape[:2]
-    rows, cols = _relative(cfg)
+    rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)  # positions relative to the band's first query
+    cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
     qs, ks, lengths, slopes = terms
     q_ids = None if qs is None else \

@@ -151,19 +151,6 @@ def _next(x, cfg: _Config):
 DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1), their rows in zig-zag order
 
 
-def _local_dense(cfg: _Config, dense: dict, bias, me, q_index, groups: int) -> dict:
-    """The device's dense terms, rows in zig-zag order; for drawn dropout the seed and its rows' counters."""
-    local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
-    if bias is not None:
-        local["bias"] = bias
-    for name in DENSE:
-        if name in local and local[name].shape[3] > 1:
-            local[name] = _to_zigzag(local[name], cfg, me, dim=3)
-    if "seed" in local:
-        local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], groups, q_index)
-    return local
-
-
 def _dense_rows(local: dict, start, size: int) -> dict:
     """The terms of ``size`` rows from ``start`` (a broadcast query axis as it is)."""
     rows = dict(local)
@@ -348,7 +335,16 @@ def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
     zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
     qt = dict(qp=zig.get("qp", _index(me, n, chunk_q)), qs=zig.get("qs"))
     kt = {name: zig[name] for name in ("kp", "ks") if name in zig}
-    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
+    # the dense terms, rows in zig-zag order; for drawn dropout the seed and its rows' counters
+    local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
+    if bias is not None:
+        local["bias"] = bias
+    for name in DENSE:
+        if name in local and local[name].shape[3] > 1:
+            local[name] = _to_zigzag(local[name], cfg, me, dim=3)
+    if "seed" in local:
+        q_index = _index(me, n, chunk_q)[0]
+        local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], q.shape[3], q_index)
     return n, me, k.shape[1] // 2, qt, kt, local, terms.get("lengths")
 
 
