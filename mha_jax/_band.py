@@ -1,13 +1,4 @@
-"""Sliding-window attention over default positions as one band per query block.
-
-With a window ``(left, right)``, a block of ``block`` queries from ``i0`` may see the ``width = block +
-left + right`` keys from ``i0 - left``: one slice, one product and one step of ``_tiles``' online
-softmax per block. The window is the same in every band (relative offsets), so no positions are read.
-
-Interface as ``_blockwise``'s; terms ``(qp, kp, qs, ks, lengths, slopes)``, positions unread (ALiBi's
-slopes ``(b|1, h, g, 1, 1)`` are read on the band's relative positions). Queries and output stay in
-the caller's layout ``(batch, q_len, kv_heads, groups, head_dim)`` (the caller's transposes cancel).
-"""
+"""Sliding-window attention over default positions: one band of ``block + left + right`` keys per query block."""
 
 from __future__ import annotations
 
@@ -22,8 +13,7 @@ from jax import lax
 from mha_jax import _tiles
 from mha_spec.terms import Causal, Terms, Where, Window
 
-# The most scores of one band, over batch x heads x rows x keys: as ``_blockwise``'s blocks.
-_BAND_SCORES = 1 << 22
+_BAND_SCORES = 1 << 22  # the most scores of one band (batch x heads x rows x keys), as ``_blockwise``'s
 _BLOCK = 128  # queries per band (docs/performance.md: how it was chosen)
 
 
@@ -48,9 +38,8 @@ class _Band:
 
 
 def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -> tuple[int, int, int] | None:
-    """(block, left, right) when ``terms`` hold a window (and only terms that read positions
-    relative to each other) whose band's scores fit in ``_BAND_SCORES``, else None. Causality
-    makes ``right`` 0; a side wider than the keys is cut to them."""
+    """(block, left, right) for a window among shift-invariant ``terms`` whose band fits ``_BAND_SCORES``, else
+    None; causality makes ``right`` 0, a side wider than the keys is cut to them."""
     window = [t for t in terms if isinstance(t, Window)]
     if not window or not all(t.shift_invariant for t in terms) or q_len == 0 or kv_len == 0:
         return None
@@ -63,49 +52,18 @@ def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -
 
 
 def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
-    """Attention output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``: ``terms`` (qp,
-    kp, qs, ks, lengths) read by ``conditions``, whose window is ``(left, right)`` (causality in ``right``)."""
+    """Output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``; ``conditions`` read ``terms``."""
     cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
     return _band(cfg, q, k, v, terms[2:])
 
 
 def _padded_keys(cfg, x, axis):
-    """Keys laid so that band ``i`` is ``[i * block, i * block + width)`` along ``axis``: ``left``
-    zeros before key 0, and zeros (or a cut) after, to ``n * block + left + right``."""
+    """Keys padded (``left`` zeros before) or cut so that band ``i`` is ``[i * block, i * block + width)``."""
     size = cfg.n_q * cfg.block_q + cfg.left + cfg.right
     x = lax.slice_in_dim(x, 0, min(x.shape[axis], size - cfg.left), axis=axis)
     widths = [(0, 0)] * x.ndim
     widths[axis] = (cfg.left, size - cfg.left - x.shape[axis])
     return jnp.pad(x, widths)
-
-
-def _relative(cfg):
-    """(query, key) positions relative to a band's first query, laid as its scores ``(1, 1, 1, block,
-    width)`` (NumPy: the window is a constant)."""
-    return np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1), np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
-
-
-def _visible(cfg, i, terms):
-    """bool, broadcasting to a band's scores ``(b, h, g, block, width)``: the terms, and keys that
-    exist. Positions are relative to the band's first query."""
-    rows, cols = _relative(cfg)
-    key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
-    qs, ks, lengths = terms[:3]
-    q_ids = None if qs is None else \
-        lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
-    k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
-    visible = cfg.terms.visible(Where(rows, q_ids),
-                                Where(cols, k_ids, key, None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)))
-    return visible & (key >= 0) & (key < cfg.kv_len)
-
-
-def _segments(cfg, terms):
-    """(query segment ids padded to whole blocks, key segment ids laid as the keys, lengths)."""
-    qs, ks = terms[:2]
-    if qs is None:
-        return terms
-    qs = jnp.pad(qs, ((0, 0), (0, cfg.n_q * cfg.block_q - qs.shape[1])), constant_values=-1)
-    return (qs, _padded_keys(cfg, ks, 1), *terms[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -114,14 +72,20 @@ def _band(cfg, q, k, v, terms):
 
 
 def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
-    """One band's scores ``(b, h, g * block, width)``, -inf where not visible; with ``transposed``
-    ``(b, h, width, g * block)``, which the backward's products take as stored. ALiBi's slopes
-    (``terms``' last) are read on positions relative to the band's first query."""
+    """Band ``i``'s scores ``(b, h, g * block, width)``, -inf where not visible; ``transposed``: ``(b, h, width, g *
+    block)``."""
     b, h = q_i.shape[:2]
-    visible = _visible(cfg, i, terms)  # (b|1, 1, 1|g, block, width)
+    rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)  # positions relative to the band's first query
+    cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
+    key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
+    qs, ks, lengths, slopes = terms
+    q_ids = None if qs is None else \
+        lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
+    k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
+    visible = cfg.terms.visible(Where(rows, q_ids),
+                                Where(cols, k_ids, key, None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1)))
+    visible = visible & (key >= 0) & (key < cfg.kv_len)  # (b|1, 1, 1|g, block, width)
     scale = jnp.asarray(cfg.scale, q_i.dtype)
-    rows, cols = _relative(cfg)
-    slopes = terms[3]
     if transposed:
         s = jnp.einsum("bhkd,bhmd->bhkm", k_band, q_i, precision=cfg.precision)
         shape, visible = (b, h, cfg.width, g, cfg.block_q), jnp.moveaxis(visible, 4, 2)
@@ -134,8 +98,7 @@ def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
 
 
 def _queries(cfg, x):
-    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``: the caller's layout (its transpose
-    and this one cancel), zero-padded to whole blocks."""
+    """``(b, h, g, q_len, ...)`` -> ``(b, n * block, h, g, ...)``, zero-padded to whole blocks."""
     return _tiles.pad(jnp.moveaxis(x, 3, 1), 1, cfg.n_q * cfg.block_q)
 
 
@@ -161,23 +124,22 @@ def _unblocked(cfg, x):
 
 def _forward(cfg, q, k, v, terms):
     g = q.shape[2]
-    terms = _segments(cfg, terms)
+    q_ids, k_ids = terms[:2]
+    if q_ids is not None:  # query ids padded to whole blocks, key ids laid as the keys
+        q_ids = jnp.pad(q_ids, ((0, 0), (0, cfg.n_q * cfg.block_q - q_ids.shape[1])), constant_values=-1)
+        terms = (q_ids, _padded_keys(cfg, k_ids, 1), *terms[2:])
     qs = _queries(cfg, q)  # (b, padded, h, g, d)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
-
     def block(i):
         start = i * cfg.block_q
         q_i = _block_rows(cfg, qs, i)
         s = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms)
         v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
-
         def mix(p):
             return jnp.einsum("bhmk,bhkd->bhmd", p, v_band, precision=cfg.precision)
-
         acc = _tiles.accumulator(q_i, v.shape[-1])
         out, lse = _tiles.finish(_tiles.forward(_tiles.init(acc), s, mix))  # one tile: the band
         return _in_caller_layout(cfg, out), lse
-
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
     out = _unblocked(cfg, out)
     return out, (q, k, v, terms, out, lse)
@@ -187,11 +149,9 @@ def _backward(cfg, residuals, d_out):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
     g = q.shape[2]
     delta = _tiles.query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
-    qs = _queries(cfg, q)
-    dos = _queries(cfg, d_out)
+    qs, dos = _queries(cfg, q), _queries(cfg, d_out)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
     kt = jnp.swapaxes(kp, 2, 3)  # (b, h, d, padded): dQ^T = K^T dS^T as stored
-
     # On transposed scores S^T, as ``_blockwise``'s backward: every product takes its operands as stored.
     def block(carry, args):
         dk, dv = carry
@@ -210,14 +170,11 @@ def _backward(cfg, residuals, d_out):
         dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start, cfg.width, 2) + dk_band, start, 2)
         dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, start, cfg.width, 2) + dv_band, start, 2)
         return (dk, dv), _in_caller_layout(cfg, jnp.swapaxes(dqt_i, 2, 3))
-
     (dk, dv), dq = lax.scan(block, (jnp.zeros_like(kp), jnp.zeros_like(vp)), (jnp.arange(cfg.n_q), lse, delta))
     dq = _unblocked(cfg, dq)
-
     def keys(x):  # the padded keys' gradient -> the keys'
         x = lax.slice_in_dim(x, cfg.left, min(x.shape[2], cfg.left + cfg.kv_len), axis=2)
         return jnp.pad(x, ((0, 0), (0, 0), (0, cfg.kv_len - x.shape[2]), (0, 0)))
-
     return dq, keys(dk), keys(dv), None
 
 

@@ -1,16 +1,6 @@
-"""Blockwise (flash-style) attention in pure JAX: memory linear in length.
+"""Blockwise (flash-style) attention in pure JAX: online softmax over key blocks, custom VJP from the saved lse.
 
-Each query block runs ``_tiles``' online softmax over the key blocks, so no ``(q_len, kv_len)``
-matrix is formed; a custom VJP recomputes each block's scores from the saved row log-sum-exp. The
-terms' block summaries class each block whole (no mask applied), partial or empty (never visited),
-so a sliding window costs O(length x window); a window over default positions alone runs as ``_band``.
-
-Layout: query ``(batch, kv_heads, groups, q_len, head_dim)``, key ``(batch, kv_heads, kv_len,
-head_dim)``, value ``(batch, kv_heads, kv_len, v_head_dim)``, masks ``(batch|1, kv_heads|1, groups|1,
-q_len|1, kv_len|1)``. Inside, batch and kv heads are the products' batch axes (a sharding of either
-carries through) and a query block's groups and queries one row axis (``rows = groups * block_q``), so
-grouped heads share each product. Products take operands as stored (as XLA:CPU's matmul wants): keys
-are transposed once for ``Q K^T``, the backward works on ``S^T = K Q^T``; the scale is folded into the queries.
+Blocks are classed whole (unmasked), partial or empty (skipped). The backward works on ``S^T = K Q^T``.
 """
 
 from __future__ import annotations
@@ -29,9 +19,7 @@ from mha_jax import _band, _tiles, masks
 from mha_spec import terms as _terms
 from mha_spec.terms import Terms, Where
 
-# The most scores of one block, over batch x heads x rows x keys (16 MiB of float32): blocks are
-# halved until they fit (docs/performance.md: why this size).
-_BLOCK_SCORES = 1 << 22
+_BLOCK_SCORES = 1 << 22  # the most scores of one block (batch x heads x rows x keys): 16 MiB of float32
 
 
 @dataclass(frozen=True)
@@ -59,16 +47,14 @@ class Config:
         return -(-self.kv_len // self.block_k)
 
 
-# The blocks' caps (query rows over all groups, keys) by (backward, causal): finer causal blocks
-# waste less on the diagonal (docs/performance.md: how they were chosen).
+# The blocks' caps (query rows over all groups, keys) by (backward, causal): causal blocks waste less when finer.
 _CAPS = {(False, False): (1024, 512), (False, True): (512, 256), (True, False): (512, 1024), (True, True): (512, 512)}
 
 
 def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, causal: bool = False,
                 backward: bool = False) -> tuple[int, int]:
-    """(query, key) blocks: powers of two up to ``_CAPS``, halved (larger first, down to 64) until
-    one block's scores fit in ``_BLOCK_SCORES``. A symbolic size counts as a long length, or as 8
-    batch x heads. The backward's serve where no drawn dropout mask ties them to the forward's."""
+    """(query, key) blocks: powers of two up to ``_CAPS``, halved (down to 64) until they fit ``_BLOCK_SCORES``;
+    a symbolic size counts as a long length, or as 8 batch x heads."""
     cap_q, cap_k = _CAPS[backward, causal]
     cap_q = max(cap_q // groups, 8)
     q_len, kv_len = (n if isinstance(n, int) else cap for n, cap in ((q_len, cap_q), (kv_len, cap_k)))
@@ -87,10 +73,8 @@ backward_block_sizes = functools.partial(block_sizes, backward=True)
 
 def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
               keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None):
-    """Attention output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``. ``spec`` gives
-    the structured terms; ``allowed``, ``keep`` (bool) and ``bias`` are None or 5-d in the interface
-    layout; ``dropout_rng`` draws a keep-mask per block (a stream of its own); ``soft_cap`` a float or
-    None; ``sinks`` ``(1, kv_heads, groups)`` in ``q.dtype`` or None."""
+    """Output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``; ``allowed``, ``keep``, ``bias``: None
+    or 5-d; ``dropout_rng`` draws a keep-mask per block; ``sinks``: ``(1, kv_heads, groups)`` or None."""
     if q.shape[3] == 0:  # no query: nothing to visit (and no block to slice one from)
         return _tiles.accumulator(q, v.shape[-1])
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
@@ -105,19 +89,16 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
         return _run(cfg, *args)
-    # Sharding in types: where only batch and heads are sharded and no dropout is drawn (for the whole
-    # batch), each device runs on its own examples and heads; else the axes are made automatic.
+    # Only batch and heads sharded, no drawn dropout: each device runs its own share; else the axes go automatic.
     out_spec = jax.typeof(q).sharding.spec
     batch, heads = _names(out_spec[0]), _names(out_spec[1])
     if dropout_rng is None and (batch or heads) and not any(_names(e) for e in out_spec[2:]):
         n, kv_heads = q.shape[:2]
-
         def place(x, has_heads):  # the batch (where not broadcast) and the key/value heads split
             entries = [batch if x.shape[0] == n else None] + [None] * (x.ndim - 1)
             if has_heads and x.shape[1] == kv_heads:
                 entries[1] = heads
             return P(*(e or None for e in entries))
-
         specs = (*(None if x is None else place(x, True) for x in args[:7]), None,
                  (*jax.tree.map(lambda x: place(x, False), terms[:5]), None if slopes is None else place(slopes, True)))
         out = per_device(functools.partial(_run, cfg), args, specs, P(batch or None, heads or None))
@@ -137,37 +118,27 @@ def _names(entry) -> tuple:
 
 
 def per_device(run, args: tuple, specs: tuple, out_specs, check_vma: bool = True):
-    """``run(*args)`` inside ``jax.shard_map`` over the mesh's Explicit axes, each array of ``args``
-    resharded to its PartitionSpec in ``specs`` (``args``' tree). The gradient of an input shared
-    over an axis is summed over it by JAX's differentiation of ``shard_map``."""
-
+    """``run(*args)`` in ``jax.shard_map`` over the mesh's Explicit axes, ``args`` resharded to ``specs``."""
     def placed(x, spec):
         return x if jax.typeof(x).sharding.spec == spec else jax.sharding.reshard(x, spec)
-
     args = jax.tree.map(placed, args, specs)
     explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
     return jax.shard_map(run, in_specs=specs, out_specs=out_specs, axis_names=explicit, check_vma=check_vma)(*args)
 
 
 def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
-    q, k, v, bias, sinks = _varying((q, k, v, bias, sinks), (allowed, keep, rng, terms))
+    # varying over every manual axis any input varies over: the loops' carries start from them, and each
+    # gradient then has its input's type
+    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(((q, k, v, bias, sinks), (allowed, keep, rng, terms)))))
+    def vary(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return to_varying(x, missing) if missing else x
+    q, k, v, bias, sinks = (None if x is None else vary(x) for x in (q, k, v, bias, sinks))
     if cfg.band is not None:
         block, left, right = cfg.band
         return _band.attention(q, k, v, terms, _conjunction(cfg, terms), block=block, left=left, right=right,
                                scale=cfg.scale, precision=cfg.precision)
     return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
-
-
-def _varying(xs, others):
-    """``xs`` made varying over every manual mesh axis that an array of ``xs`` or ``others`` varies over:
-    the loops' carries start from them (``zeros_like``), and each gradient then has its input's type."""
-    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves((xs, others))))
-
-    def vary(x):
-        missing = tuple(sorted(axes - _vma(x)))
-        return to_varying(x, missing) if missing else x
-
-    return tuple(None if x is None else vary(x) for x in xs)
 
 
 def to_varying(x, axes: tuple[str, ...]):
@@ -188,8 +159,7 @@ def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
 
 
 def _axes(transposed):
-    """(query axis, key axis) of a 5-d block: ``(b, h, g, block_q, block_k)``, or the backward's
-    transposed ``(b, h, block_k, g, block_q)``."""
+    """(query axis, key axis) of ``(b, h, g, block_q, block_k)``, or transposed ``(b, h, block_k, g, block_q)``."""
     return (4, 2) if transposed else (3, 4)
 
 
@@ -206,10 +176,8 @@ def _pad_masks(cfg, arrays):
 
 
 def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
-    """Block (i, j)'s scores and the tanh of its cap from its products ``s`` ``(b, h, g, block_q,
-    block_k)``, or ``(b, h, block_k, g, block_q)`` when ``transposed``. A partial block is masked by
-    the terms, the mask and (forward only: ``_tiles.backward`` clamps) the last key block's padding;
-    the ALiBi slopes (``terms``' last) apply to every block."""
+    """(scores, tanh of the cap) of block (i, j) from products ``s`` (``_axes`` layout); a partial block is masked
+    by the terms, the mask and (forward only: ``_tiles.backward`` clamps) the key padding."""
     bias = _tile(cfg, bias, i, j, transposed)
     slopes = terms[5] if terms[5] is None or not transposed else jnp.moveaxis(terms[5], 4, 2)
     if not partial and slopes is None:
@@ -219,14 +187,12 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
     shape[q_axis], shape[k_axis] = cfg.block_q, cfg.block_k
     cols = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
     padding = cols < cfg.kv_len if cfg.kv_len % cfg.block_k and not transposed else None
-
     def along(x, axis, index, size):  # block ``index`` of a padded (b|1, len) term, laid along ``axis``
         if x is None:
             return None
         layout = [x.shape[0], 1, 1, 1, 1]
         layout[axis] = size
         return lax.dynamic_slice_in_dim(x, index * size, size, 1).reshape(layout)
-
     qp, kp, qs, ks, lengths = terms[:5]
     q = Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q))
     k = Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
@@ -263,18 +229,15 @@ def _conjunction(cfg, terms) -> Terms:
 
 
 def classes(cfg, allowed, terms, padding):
-    """(whole, live): bool ``(n_q, n_k)``: live where some score may be attended to in some batch
-    element (as the terms' block summaries tell), whole where every score may be in every one (no
-    mask needed). With ``padding`` the last key block's padding counts as masked."""
+    """(whole, live) bool ``(n_q, n_k)``: live where some score may be visible, whole where all are (no mask
+    needed); with ``padding`` the last key block's padding counts as masked."""
     qp, kp, qs, ks, lengths = terms[:5]
     q_pos, k_pos = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)  # (lo, hi) (b|1, n)
     q_ids, k_ids = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
     start = jnp.arange(cfg.n_k)[None, None, :] * cfg.block_k  # each key block's first index
     length = None if lengths is None else lengths[:, None, None]
-
     def at(ranges, end, axis):  # the blocks' lows (end 0) or highs (1), laid as (b|1, n_q, n_k)
         return None if ranges is None else jnp.expand_dims(ranges[end], axis)
-
     queries = (Where(at(q_pos, e, 2), at(q_ids, e, 2)) for e in (0, 1))
     keys = (Where(at(k_pos, e, 1), at(k_ids, e, 1), start + e * (cfg.block_k - 1), length) for e in (0, 1))
     block = _conjunction(cfg, terms).block(*queries, *keys)
@@ -293,7 +256,6 @@ def classes(cfg, allowed, terms, padding):
 def _mask_blocks(cfg, allowed):
     """(any, all) of a boolean 5-d mask over each block and every batch element and head."""
     some, every = allowed.any(axis=(0, 1, 2)), allowed.all(axis=(0, 1, 2))
-
     def blocks(x, fill, reduce):
         if x.shape[0] != 1:
             x = jnp.pad(x, ((0, cfg.n_q * cfg.block_q - x.shape[0]), (0, 0)), constant_values=fill)
@@ -302,21 +264,18 @@ def _mask_blocks(cfg, allowed):
             x = jnp.pad(x, ((0, 0), (0, cfg.n_k * cfg.block_k - x.shape[1])), constant_values=fill)
             x = reduce(x.reshape(x.shape[0], cfg.n_k, cfg.block_k), axis=2)
         return x
-
     return blocks(some, False, jnp.any), blocks(every, True, jnp.all)
 
 
 def schedule(whole, live):
-    """Per row of the class tables: (block order: whole, partial, then empty blocks; the number of
-    whole blocks; of live blocks)."""
+    """Per row: (block order whole, partial, empty; number of whole blocks; of live blocks)."""
     rank = jnp.where(whole, 0, jnp.where(live, 1, 2))
     order = jnp.argsort(rank, axis=1, stable=True).astype(jnp.int32)
     return order, whole.sum(axis=1, dtype=jnp.int32), live.sum(axis=1, dtype=jnp.int32)
 
 
 def _keep(cfg, keep, rng, i, j, b, h, g, transposed):
-    """Block (i, j)'s dropout keep-mask, or None: a tile of the explicit ``keep``, or drawn
-    from ``rng`` in the forward's layout, so that both passes see the same bits."""
+    """Block (i, j)'s keep-mask or None: a tile of ``keep``, or drawn from ``rng`` in the forward's layout."""
     if keep is not None:
         return _tile(cfg, keep, i, j, transposed)
     if rng is None:
@@ -337,32 +296,25 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
     block5 = (b, h, g, cfg.block_q, cfg.block_k)
     # (1, h, g * block_q): each query head's sink along the rows of a query block
     sink_rows = None if sinks is None else jnp.repeat(sinks, cfg.block_q, axis=2)
-
     def query_block(args):
         i, q_i, order_i, whole_i, live_i = args
-
         def key_step(t, state, partial):
             j = order_i[t]
             s = jnp.einsum("bhmd,bhdk->bhmk", q_i, kt_blocks[j], precision=cfg.precision)
             s = _scores(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)[0]
-
             def mix(p):
                 return jnp.einsum("bhmk,bhkd->bhmd", p, v_blocks[j], precision=cfg.precision)
-
             block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
             return _tiles.forward(state, s, mix, block_keep, cfg.keep_scale, block5)
-
         state = lax.fori_loop(0, whole_i, functools.partial(key_step, partial=False),
                               _tiles.init(_tiles.accumulator(q_i, v.shape[-1]), sink_rows))
         return _tiles.finish(lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), state))
-
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
     out, lse = _tiles.from_query_rows(cfg, out, b, h, g), _tiles.from_query_rows(cfg, lse, b, h, g)
     return out, (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
 
 
-# The backward's query blocks ``(n_q, b, h, rows, ...)`` (scaled queries, output gradients, both also
-# transposed; lse, delta), padded masks ``(b|1, h|1, k|1, g|1, q|1)`` and terms padded to whole blocks.
+# The backward's query blocks ``(n_q, b, h, rows, ...)``, padded transposed masks and padded terms.
 _Transposed = collections.namedtuple("_Transposed", "qs qst do dot lse delta allowed bias keep terms")
 
 
@@ -380,29 +332,21 @@ def _flash_bwd(cfg, residuals, d_out):
     k_blocks, v_blocks = _tiles.key_rows(cfg, k), _tiles.key_rows(cfg, v)  # (n_k, b, h, block_k, d)
     whole, live = classes(cfg, allowed, terms, padding=False)
     order, n_whole, n_live = schedule(whole.T, live.T)  # per key block, over query blocks
-
     def key_block(carry, args):
         dqt, d_bias = carry
         j, k_j, v_j, kt_j, order_j, whole_j, live_j = args
-
         def query_step(t, grads, partial):
             return _backward_tile(cfg, blocks, rng, order_j[t], j, (k_j, v_j, kt_j), grads, partial)
-
         grads = (dqt, jnp.zeros_like(k_j), jnp.zeros_like(v_j), d_bias)
         grads = lax.fori_loop(0, whole_j, functools.partial(query_step, partial=False), grads)
         dqt, dk_j, dv_j, d_bias = lax.fori_loop(whole_j, live_j, functools.partial(query_step, partial=True), grads)
         return (dqt, d_bias), (dk_j, dv_j)
-
     d_bias0 = None if bias is None else jnp.zeros_like(blocks.bias, q.dtype)
-    (dqt, d_bias), (dk, dv) = lax.scan(
-        key_block, (jnp.zeros_like(blocks.qst), d_bias0),
-        (jnp.arange(cfg.n_k), k_blocks, v_blocks, jnp.swapaxes(k_blocks, 3, 4), order, n_whole, n_live),
-    )
+    xs = (jnp.arange(cfg.n_k), k_blocks, v_blocks, jnp.swapaxes(k_blocks, 3, 4), order, n_whole, n_live)
+    (dqt, d_bias), (dk, dv) = lax.scan(key_block, (jnp.zeros_like(blocks.qst), d_bias0), xs)
     dq = _tiles.from_query_rows(cfg, jnp.swapaxes(dqt, 3, 4) * jnp.asarray(cfg.scale, q.dtype), b, h, g)
-
     def keys(x):  # (n_k, b, h, block_k, d) -> (b, h, kv_len, d), d the key's or the value's
         return jnp.moveaxis(x, 0, 2).reshape(b, h, cfg.n_k * cfg.block_k, x.shape[-1])[:, :, : cfg.kv_len]
-
     if d_bias is not None:
         d_bias = jnp.moveaxis(d_bias, 2, 4)[..., : bias.shape[3], : bias.shape[4]].astype(bias.dtype)
     d_sinks = None
@@ -412,8 +356,7 @@ def _flash_bwd(cfg, residuals, d_out):
 
 
 def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partial):
-    """``grads`` (dQ^T blocks, dK and dV of key block ``j``, the transposed bias's or None) plus block
-    (i, j)'s share, on its transposed scores ``S^T = K Q^T``; ``key_block``: K, V, K^T of block ``j``."""
+    """``grads`` (dQ^T, dK_j, dV_j, transposed d_bias or None) plus block (i, j)'s share; ``key_block``: K, V, K^T."""
     dqt, dk_j, dv_j, d_bias = grads
     k_j, v_j, kt_j = key_block
     b, h, block_k = k_j.shape[:3]
@@ -426,21 +369,14 @@ def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partia
     pt_used, ds_bias, dst = _tiles.backward(st, blocks.lse[i][:, :, None, :], blocks.delta[i][:, :, None, :], dpt,
                                             tanh_t, block_keep, cfg.keep_scale, block5_t)
     dv_j = dv_j + jnp.einsum("bhkm,bhmd->bhkd", pt_used, blocks.do[i], precision=cfg.precision)
-    if d_bias is not None:
-        d_bias = _add_block(d_bias, ds_bias.reshape(block5_t), i, j, cfg)
+    if d_bias is not None:  # the transposed bias's: queries on axis 4, keys on 2
+        tile = {4: (i * cfg.block_q, cfg.block_q), 2: (j * cfg.block_k, cfg.block_k)}
+        start, size = _tiles.bias_tile(d_bias.shape, tile)
+        share = _tiles.bias_share(ds_bias.reshape(block5_t), d_bias.shape).astype(d_bias.dtype)
+        d_bias = lax.dynamic_update_slice(d_bias, lax.dynamic_slice(d_bias, start, size) + share, start)
     dk_j = dk_j + jnp.einsum("bhkm,bhmd->bhkd", dst, blocks.qs[i], precision=cfg.precision)
     dqt_i = jnp.einsum("bhdk,bhkm->bhdm", kt_j, dst, precision=cfg.precision)
     return lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0), dk_j, dv_j, d_bias
-
-
-def _add_block(d_bias, ds, i, j, cfg):
-    """Add a transposed block's score gradient ``(b, h, block_k, g, block_q)`` into the
-    (transposed) bias gradient, summed over the bias's broadcast axes."""
-    q_axis, k_axis = _axes(True)
-    start, size = _tiles.bias_tile(d_bias.shape, {q_axis: (i * cfg.block_q, cfg.block_q),
-                                                  k_axis: (j * cfg.block_k, cfg.block_k)})
-    current = lax.dynamic_slice(d_bias, start, size)
-    return lax.dynamic_update_slice(d_bias, current + _tiles.bias_share(ds, d_bias.shape).astype(d_bias.dtype), start)
 
 
 _flash.defvjp(_forward, _flash_bwd)  # the forward's residuals are what the backward reads

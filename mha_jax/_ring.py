@@ -1,14 +1,6 @@
-"""Ring attention: the query/key/value length sharded over one mesh axis (``sequence_axis``).
+"""Ring attention: the length sharded over one mesh axis; key/value blocks go round with ``ppermute``.
 
-Each of the axis's ``n`` devices holds a block of queries and one of keys and values; the key/value
-blocks (with their per-key terms) go round the ring with ``ppermute``, combined tile by tile with
-``_tiles``' online softmax; in the backward they travel with their gradients. Nothing is gathered.
-
-Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i``, so that under
-causality every device has as many visible pairs. Dense terms (mask, bias, a keep-mask) are held as
-the queries are (their rows, every key column) and never travel. Drawn dropout hashes each weight's
-global index with ``threefry2x32``, as ``jax.random.bernoulli`` over ``(batch, heads, q_len, kv_len)``
-does: the bits of ``implementation="xla"`` on one device, whatever the mesh or tiles.
+Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i`` (balanced under causality).
 """
 
 from __future__ import annotations
@@ -52,14 +44,11 @@ class _Config:
 
 
 def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation) -> int:
-    """The axis's size, after refusing by name what a ring cannot run on (no such mesh axis, one
-    manual or of size 1, lengths not in ``2n`` chunks, a ``dropout_rng`` not one key) or take."""
+    """The axis's size, after refusing by name what a ring cannot run on or take."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
-
     def refused(why: str, error=ValueError):
         return error(f"sequence_axis={sequence_axis!r} {why}")
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise refused(f"needs a mesh: call under jax.set_mesh(mesh), with a mesh that has an axis {sequence_axis!r}")
@@ -93,56 +82,37 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
 
 
 def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
-              allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0,
-              keep_scale: float = 1.0):
-    """q ``(b, q_len, kv_heads, groups, d)``, k ``(b, kv_len, kv_heads, d)``, v ``(b, kv_len, kv_heads,
-    dv)`` -> ``(b, q_len, kv_heads, groups, dv)`` in q's dtype. ``sinks`` ``(kv_heads, groups)`` in
-    float32 or wider, or None; ``allowed``, ``keep`` (bool) and
-    ``bias`` None or 5-d ``(b|1, kv_heads|1, groups|1, q_len|1, kv_len|1)``; ``dropout_rng`` draws
-    dropout at ``dropout_rate`` when ``keep`` is None."""
-    batch_axes, head_axes = _explicit_axes(q, axis)
+              allowed=None, bias=None, keep=None, dropout_rng=None, dropout_rate: float = 0.0, keep_scale: float = 1.0):
+    """q ``(b, q_len, kv_heads, groups, d)``, k, v ``(b, kv_len, kv_heads, d|dv)`` -> ``(b, q_len, kv_heads, groups,
+    dv)``; ``sinks`` ``(kv_heads, groups)`` or None; ``allowed``, ``keep``, ``bias`` None or 5-d."""
+    # the Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too
+    q_spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
+    batch, heads = _blockwise.axes_of(q_spec[0]), _blockwise.axes_of(q_spec[2])
+    if axis in batch + heads:
+        raise ValueError(f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
+                         "shard the length over it, and the batch and heads over other axes")
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Explicit
     drawn = keep is None and dropout_rng is not None
-    cfg = _Config(axis, size, float(scale), soft_cap, spec.terms, precision, batch_axes, head_axes,
+    cfg = _Config(axis, size, float(scale), soft_cap, spec.terms, precision, batch, heads,
                   explicit, bool(mesh.auto_axes), tuple(spec.shape), float(dropout_rate) if drawn else 0.0,
                   float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))))
     terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
                  ks=spec.key_segment_ids, lengths=spec.lengths)
     terms = {name: x for name, x in terms.items() if x is not None}
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
-    # each device's index along the ring and, for drawn dropout, the global indices of its examples and
-    # key/value heads: inputs, as XLA's SPMD partitioner rejects ``axis_index`` in a partly manual shard_map
+    # device, example and head indices are inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual
     dense = dict(allowed=allowed, keep=keep, slopes=slopes, device=jnp.arange(size, dtype=jnp.int32))
-    if drawn:
+    if drawn:  # the seed: the threefry key the bits are hashed with (drawn from a key of another kind)
+        key = dropout_rng
+        key = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+        threefry = str(jax.random.key_impl(key)) == "threefry2x32"
         dense.update(examples=jnp.arange(q.shape[0], dtype=jnp.uint32),
-                     kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32), seed=_seed(dropout_rng))
+                     kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32),
+                     seed=jax.random.key_data(key) if threefry else jax.random.bits(key, (2,), jnp.uint32))
     dense = {name: x for name, x in dense.items() if x is not None}
     return _ring(cfg, q, k, v, sinks, bias, terms, dense)
 
-
-def _seed(rng):
-    """uint32 ``(2,)``: the threefry key the dropout bits are hashed with (drawn from a key of another kind)."""
-    key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
-    if str(jax.random.key_impl(key)) == "threefry2x32":
-        return jax.random.key_data(key)
-    return jax.random.bits(key, (2,), jnp.uint32)
-
-
-def _explicit_axes(q, axis: str):
-    """The Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too,
-    so that each device keeps its own examples and heads."""
-    spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
-    batch, heads = _blockwise.axes_of(spec[0]), _blockwise.axes_of(spec[2])
-    if axis in batch + heads:
-        raise ValueError(
-            f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
-            "shard the length over it, and the batch and heads over other axes"
-        )
-    return batch, heads
-
-
-# --- the zig-zag layout ---------------------------------------------------------------------------
 
 def _to_zigzag(x, cfg: _Config, me, dim: int = 1):
     """Contiguous chunks ``2i, 2i + 1`` on device ``i`` (``me``) -> chunks ``i, 2n - 1 - i``."""
@@ -178,23 +148,7 @@ def _next(x, cfg: _Config):
     return jax.lax.ppermute(x, cfg.axis, [(i, (i + 1) % cfg.size) for i in range(cfg.size)])
 
 
-# --- dense terms: rows of the device's queries, the visiting block's columns ---------------------
-
 DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1), their rows in zig-zag order
-
-
-def _local_dense(cfg: _Config, dense: dict, bias, me, q_index, groups: int) -> dict:
-    """On one device: the dense terms with their rows in zig-zag order, and for drawn dropout the
-    seed and the 64-bit counters (``hi``, ``lo`` uint32 ``(b, kv_heads, groups, q_block)``) of its rows."""
-    local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
-    if bias is not None:
-        local["bias"] = bias
-    for name in DENSE:
-        if name in local and local[name].shape[3] > 1:
-            local[name] = _to_zigzag(local[name], cfg, me, dim=3)
-    if "seed" in local:
-        local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], groups, q_index)
-    return local
 
 
 def _dense_rows(local: dict, start, size: int) -> dict:
@@ -207,8 +161,7 @@ def _dense_rows(local: dict, start, size: int) -> dict:
 
 
 def _key_tile(cfg: _Config, k, v, kt: dict, rows: dict, start, size: int, dtype):
-    """The ``size`` keys from ``start``: (keys, values in ``dtype``, their terms, (mask, bias, keep) each
-    None or 5-d: those columns of the row tile's dense terms ``rows``, keep drawn if dropout is)."""
+    """(keys, values in ``dtype``, their terms, (mask, bias, keep)) of the ``size`` keys from ``start``."""
     kj, vj = (_rows(x, start, size, 1).astype(dtype) for x in (k, v))
     ktj = _sliced(kt, start, size)
     keys = ktj["index"][0]  # int32 (size,), consecutive global indices
@@ -238,8 +191,7 @@ def _add64(a, b):
 
 
 def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
-    """(hi, lo) uint32 ``(b, kv_heads, groups, q_block)``: the flat index in ``cfg.shape`` of each
-    of the device's rows at key 0, from the global indices of its examples, heads and queries."""
+    """(hi, lo) uint32 ``(b, kv_heads, groups, q_block)``: each row's flat index in ``cfg.shape`` at key 0."""
     _, heads, q_len, kv_len = cfg.shape
     u32 = jnp.uint32
     head = (kv_heads[:, None] * u32(groups) + jnp.arange(groups, dtype=u32))[None, :, :, None]
@@ -252,8 +204,7 @@ def _counters(cfg: _Config, examples, kv_heads, groups: int, q_index):
 
 def _drawn(cfg: _Config, seed, hi, lo, keys):
     """bool ``(b, kv_heads, groups, q_tile, k_tile)``: a tile's keep bits, as
-    ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` draws them (threefry2x32 of the 64-bit
-    index, a uniform in ``cfg.uniform`` from its top mantissa bits, kept below ``1 - rate``)."""
+    ``jax.random.bernoulli(key, 1 - rate, cfg.shape)`` draws them."""
     keys = keys.astype(jnp.uint32)
     lo = lo[..., None] + keys
     hi = hi[..., None] + (lo < keys).astype(jnp.uint32)
@@ -268,18 +219,6 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
     return (bits >> kind(width - mantissa)) < kind(math.ceil(p * 2.0**mantissa))
 
 
-def _unseen_zeroed(kj, vj, mask, bias):
-    """The tile's keys and values with zeros at the keys that no query of the tile may see by the
-    dense mask or a ``-inf`` bias (per key/value head)."""
-    seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
-    if seen is None:
-        return kj, vj
-    seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as kj
-    return jnp.where(seen, kj, 0), jnp.where(seen, vj, 0)
-
-
-# --- one step: a query block against a key/value block, tile by tile ---------------------------
-
 TILE = 512  # the largest tile of queries (and of keys) a step scores at once
 
 
@@ -288,12 +227,8 @@ def _tile(chunk: int) -> int:
     return max(t for t in range(1, min(chunk, TILE) + 1) if chunk % t == 0)
 
 
-def _rows(x, start, size: int, axis: int):
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-def _put(x, update, start, axis: int):
-    return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis)
+_rows = jax.lax.dynamic_slice_in_dim  # (x, start, size, axis)
+_put = jax.lax.dynamic_update_slice_in_dim  # (x, update, start, axis)
 
 
 def _sliced(terms: dict, start, size: int) -> dict:
@@ -301,11 +236,12 @@ def _sliced(terms: dict, start, size: int) -> dict:
 
 
 def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slopes):
-    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh of the cap or None, keys, values with the
-    unseen zeroed) of queries ``q`` ``(b, q_tile, kv_heads, groups, d)`` and keys ``k`` ``(b, k_tile,
-    kv_heads, d)``, the terms read on the tile's terms ``qt`` (``qp``, ``qs``) and ``kt`` (``kp``, ``ks``,
-    ``index``); ALiBi's ``slopes`` ``(b|1, kv_heads, groups, 1, 1)`` on the same positions."""
-    k, v = _unseen_zeroed(k, v, mask, bias)
+    """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh or None, keys, values with the unseen zeroed) of
+    ``q`` ``(b, q_tile, kv_heads, groups, d)`` and ``k`` ``(b, k_tile, kv_heads, d)``."""
+    seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
+    if seen is not None:  # keys that the mask or a -inf bias hides from every query of the tile: zeros
+        seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as k
+        k, v = jnp.where(seen, k, 0), jnp.where(seen, v, 0)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
     k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
@@ -318,9 +254,7 @@ def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slop
 
 
 def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
-    """``update(state)``, skipped where the positional terms (read from the tile's extreme positions,
-    shared by the batch) or the dense mask (where this device sees all of it that matters) leave
-    the tile empty."""
+    """``update(state)``, skipped where the positional terms or the (wholly seen) dense mask leave the tile empty."""
     may, qp, kp = None, qt["qp"], kt["kp"]
     positional = cfg.terms.only({"position"})
     if positional and qp.shape[0] == 1 and kp.shape[0] == 1:
@@ -338,49 +272,36 @@ def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
 
 
 def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dict, state):
-    """``state`` (running max, sum ``(b, kv_heads, groups, q_block)``, weighted values ``(..., d)``)
-    of the queries ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block, by tiles."""
+    """The online softmax ``state`` of ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
-
     def q_tile(i, state):
         r = i * tq
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
-
         def k_tile(j, tile_state):
             kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, j * tk, tk, q.dtype)
-
             def update(tile_state):
                 s, _, _, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
-
                 def mix(p):
                     return jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
-
                 return _tiles.forward(tile_state, s, mix, keep, cfg.keep_scale, s.shape)
-
             return _if_visible(cfg, qti, ktj, mask, update, tile_state)
-
         tile_state = tuple(_rows(x, r, tq, 3) for x in state)
         tile_state = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, tile_state)
         return tuple(_put(x, t, r, 3) for x, t in zip(state, tile_state))
-
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
 
 
 def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, dense: dict, grads):
-    """``grads`` (dq ``(b, kv_heads, groups, q_block, d)``, dk, dv ``(b, kv_block, kv_heads, d)``,
-    the bias's or None) plus one key/value block's share, by tiles."""
+    """``grads`` (dq, dk, dv, d_bias or None) plus one key/value block's share, by tiles."""
     tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
-
     def q_tile(i, grads):
         r = i * tq
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
         douti, lsei, deltai = _rows(dout, r, tq, 3), _rows(lse, r, tq, 3), _rows(delta, r, tq, 3)
-
         def k_tile(j, grads):
             dqi, dk, dv, d_bias = grads
             c = j * tk
             kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, c, tk, q.dtype)
-
             def update(tile_grads):
                 dqi, dkj, dvj, d_bias_t = tile_grads
                 s, t, kz, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
@@ -394,7 +315,6 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
                 dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kz, precision=cfg.precision)
                 dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
                 return dqi, dkj, dvj, d_bias_t
-
             tile = None if d_bias is None else _tiles.bias_tile(d_bias.shape, {3: (r, tq), 4: (ktj["index"][0, 0], tk)})
             d_bias_t = None if tile is None else jax.lax.dynamic_slice(d_bias, *tile)
             tile_grads = _if_visible(cfg, qti, ktj, mask, update,
@@ -402,45 +322,45 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
             if tile is not None:
                 d_bias = jax.lax.dynamic_update_slice(d_bias, tile_grads[3], tile[0])
             return tile_grads[0], _put(dk, tile_grads[1], c, 1), _put(dv, tile_grads[2], c, 1), d_bias
-
         dq, dk, dv, d_bias = grads
         dqi, dk, dv, d_bias = jax.lax.fori_loop(0, k.shape[1] // tk, k_tile, (_rows(dq, r, tq, 3), dk, dv, d_bias))
         return _put(dq, dqi, r, 3), dk, dv, d_bias
-
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
-# --- forward and backward rings ------------------------------------------------------------------
-
 def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
-    """What both rings start from on one device: (ring size, the device's index, key chunk, its
-    zig-zag query terms, the travelling key terms, its dense terms (``_local_dense``), lengths)."""
+    """(ring size, device index, key chunk, query terms, travelling key terms, dense terms, lengths)."""
     n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see attention)
     chunk_q = q.shape[1] // 2
     zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
     qt = dict(qp=zig.get("qp", _index(me, n, chunk_q)), qs=zig.get("qs"))
     kt = {name: zig[name] for name in ("kp", "ks") if name in zig}
-    local = _local_dense(cfg, dense, bias, me, _index(me, n, chunk_q)[0], q.shape[3])
+    # the dense terms, rows in zig-zag order; for drawn dropout the seed and its rows' counters
+    local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
+    if bias is not None:
+        local["bias"] = bias
+    for name in DENSE:
+        if name in local and local[name].shape[3] > 1:
+            local[name] = _to_zigzag(local[name], cfg, me, dim=3)
+    if "seed" in local:
+        q_index = _index(me, n, chunk_q)[0]
+        local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], q.shape[3], q_index)
     return n, me, k.shape[1] // 2, qt, kt, local, terms.get("lengths")
 
 
 def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
-    """``carry`` after ``step(s, carry, *blocks)`` for ``s`` in ``0..n-1``, the travelling ``blocks``
-    sent to the next device while each step uses them; ``moved(carry)`` between steps."""
-
+    """``carry`` after ``step(s, carry, *blocks)`` for each ring step, ``blocks`` sent on meanwhile, then ``moved``."""
     def ring_step(s, loop):
         carry, blocks = loop
         sent = _next(blocks, cfg)
         carry = step(s, carry, *blocks)
         return (carry if moved is None else moved(carry)), sent
-
     carry, last = jax.lax.fori_loop(0, cfg.size - 1, ring_step, (carry, blocks))
     return step(cfg.size - 1, carry, *last)
 
 
 def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
-    """On one device: its blocks (contiguous), in the inputs' dtype; the keys and values travel
-    in it, each tile is computed in float32 or wider."""
+    """One device's forward: blocks travel in the inputs' dtype, tiles are computed in float32 or wider."""
     n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, terms, dense)
     q, k, v = (_to_zigzag(x, cfg, me) for x in (q, k, v))
     if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
@@ -448,10 +368,8 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
     qc = q.astype(jnp.promote_types(q.dtype, jnp.float32))
     acc = _tiles.accumulator(qc.transpose(0, 2, 3, 1, 4), v.shape[-1])  # (b, kv_heads, groups, q_block, dv)
-
     def step(s, state, k, v, kt):
         return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
-
     state = _tiles.init(acc, None if sinks is None else sinks[None, :, :, None])
     out, lse = _tiles.finish(_around(cfg, step, state, (k, v, kt)))
     result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
@@ -467,14 +385,11 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
     d_bias = None
     if bias is not None:  # varying over every manual axis, as what the loops add to it is
         d_bias = _blockwise.to_varying(jnp.zeros(local["bias"].shape, out.dtype), tuple(sorted(_manual(cfg))))
-
     def step(s, grads, k, v, kt):
         kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
         return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, local, grads)
-
     def moved(grads):  # a block's key and value gradients travel with it
         return grads[0], *_next(grads[1:3], cfg), grads[3]
-
     zeros = (jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4)), *(jnp.zeros_like(x, dtype=out.dtype) for x in (k, v)))
     dq, dk, dv, d_bias = _around(cfg, step, (*zeros, d_bias), (k, v, kt), moved)
     dk, dv = _next((dk, dv), cfg)  # home: block i's gradients on device i
@@ -490,8 +405,7 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
 
 
 def _in_specs(cfg: _Config, bias, terms: dict, dense: dict):
-    """The rings' specs: (blocks of the length, per-query rows, heads, the bias's, (the terms', the
-    dense terms')); terms are ``(b|1, len)`` arrays and ``lengths`` ``(b,)``."""
+    """The rings' specs: (length blocks, per-query rows, heads, the bias's, (the terms', the dense terms'))."""
     terms_specs = {name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
                    for name, x in terms.items()}
     dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
@@ -500,8 +414,7 @@ def _in_specs(cfg: _Config, bias, terms: dict, dense: dict):
 
 
 def _dense_spec(cfg: _Config, x, name: str = "bias"):
-    """A dense term's spec: rows over the sequence axis, examples and heads as the query's, an axis
-    of 1 and the keys whole; the indices over their axes; the seed replicated."""
+    """A dense term's spec: rows over the sequence axis, examples and heads as the query's; the seed replicated."""
     if name in ("device", "examples", "kv_heads"):
         return cfg.spec(dict(device="s", examples="b", kv_heads="h")[name])
     if x is None or name == "seed":
@@ -510,19 +423,12 @@ def _dense_spec(cfg: _Config, x, name: str = "bias"):
     return cfg.spec("b" if b > 1 else None, "h" if h > 1 else None, None, "s" if rows > 1 else None, None)
 
 
-def _shared(cfg: _Config, x) -> tuple:
-    """The manual axes over which a dense term of this (global) shape is not split."""
-    named = {a for entry in _dense_spec(cfg, x) for a in _blockwise.axes_of(entry)}
-    return tuple(sorted(_manual(cfg) - named))
-
-
 def _manual(cfg: _Config):
     return {cfg.axis, *cfg.batch_axes, *cfg.head_axes}
 
 
 def _mapped(cfg: _Config, body, args: tuple, in_specs: tuple, out_specs):
-    """``body(*args)`` in ``jax.shard_map`` manual over the ring's axes; on an Explicit sequence axis
-    ``args`` are first resharded to ``in_specs`` (a length not yet split over it is split)."""
+    """``body(*args)`` in ``jax.shard_map`` over the ring's axes (on an Explicit axis, resharded to ``in_specs``)."""
     if cfg.explicit:
         args = jax.tree.map(lambda x, spec: None if x is None else jax.reshard(x, spec), args, in_specs,
                             is_leaf=lambda x: x is None)
@@ -546,7 +452,8 @@ def _ring_bwd(cfg: _Config, saved, dout):
     residuals, sinks, bias, terms, dense = saved
     seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
     in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, *terms_specs, seq)
-    dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, _shared(cfg, bias)),
+    shared = tuple(sorted(_manual(cfg) - {a for entry in bias_spec for a in _blockwise.axes_of(entry)}))
+    dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, shared),
                                          (*residuals, sinks, bias, terms, dense, dout), in_specs,
                                          (seq, seq, seq, heads, bias_spec))
     if cfg.explicit and bias is not None:  # a cotangent has its primal's type: a bias not split over the ring too

@@ -1,11 +1,4 @@
-"""Tiles of queries and keys: their layout, and the one step of attention over a tile.
-
-A query block holds ``block_q`` rows of every query head of a key/value head's group, so one product
-serves the group; the last block is zero-padded. The tile step of every kernel (``_blockwise``,
-``_band``, the ring): ``scores`` turns a tile's products ``Q K^T`` into scores with every term;
-``init``, ``forward`` and ``finish`` carry the online softmax over tiles; ``backward`` is the gradient
-through one tile. Shapes are a tile's scores ``(..., rows, keys)``, flat as the kernel's product gives them.
-"""
+"""Query/key tile layout and the tile step (scores, online softmax, gradient) shared by every JAX kernel."""
 
 from __future__ import annotations
 
@@ -46,16 +39,10 @@ def key_rows(cfg, x):
     return jnp.moveaxis(x, 2, 0)
 
 
-# --- the tile step ------------------------------------------------------------------------------
-
 def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | None = None, q: Where | None = None,
            k: Where | None = None, masks=(), alibi=None):
-    """(scores, tanh of the cap or None) of one tile from its products ``s``: times ``scale`` (None:
-    folded into the queries), capped as ``cap * tanh(s / cap)``, plus ``bias`` and the ALiBi term of
-    the slopes ``alibi`` on the positions of ``q`` and ``k`` (``mha_spec.alibi.bias``: it reads them
-    relative to each other, so a tile's positions may be relative to a block), and -inf where the
-    ``terms`` (read on the tile's queries ``q`` and keys ``k``) or a bool of ``masks`` exclude.
-    ``bias``, the slopes and the masks broadcast to ``shape``, the scores as the kernel lays them out."""
+    """(scores, tanh of the cap or None) of a tile's products ``s``: scaled, capped, plus ``bias`` and ALiBi, -inf
+    where ``terms`` (on ``q``, ``k``) or ``masks`` exclude; bias, slopes and masks broadcast to ``shape``."""
     if scale is not None:
         s = s * scale
     t = None
@@ -84,9 +71,7 @@ def dropped(x, keep, keep_scale, shape):
 
 
 def init(acc, sinks=None):
-    """The online softmax's state before any tile: (running maximum, sum, weighted values ``acc``,
-    zeros ``(..., rows, d)``). A sink (broadcasting to the rows, or None) starts a row at maximum =
-    sink, sum = 1."""
+    """(running max, sum, ``acc``) before any tile; a sink starts a row at max = sink, sum = 1."""
     zeros = jnp.zeros_like(acc[..., 0])
     if sinks is None:
         return jnp.full_like(zeros, -jnp.inf), zeros, acc
@@ -94,14 +79,12 @@ def init(acc, sinks=None):
 
 
 def accumulator(rows, dim: int):
-    """Zeros ``(..., rows, dim)`` of ``rows``' dtype (and, inside ``jax.shard_map``, the manual axes it
-    varies over), from query rows ``(..., rows, d)``: the weighted values' sum, in the value's head dim."""
+    """Zeros ``(..., rows, dim)`` with the dtype (and varying manual axes) of query rows ``(..., rows, d)``."""
     return jnp.broadcast_to(jnp.zeros_like(rows[..., :1]), rows.shape[:-1] + (dim,))
 
 
 def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
-    """The state after one tile of scores ``s``: ``mix(p)`` is the weights ``p`` times the tile's
-    values ``(..., rows, d)``; ``keep`` drops weights after the sum (``dropped``)."""
+    """The state after tile scores ``s``; ``mix(p)`` is ``p V``; ``keep`` drops weights after the sum."""
     m, norm, acc = state
     m_new = jnp.maximum(m, s.max(axis=-1))
     shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -114,8 +97,7 @@ def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
 
 
 def finish(state):
-    """(output ``(..., rows, d)``, row log-sum-exp ``(..., rows)``); a row with no allowed key gets
-    output 0 and log-sum-exp +inf, so that its weights recomputed in the backward are 0."""
+    """(output ``(..., rows, d)``, lse ``(..., rows)``); an empty row gets 0 and lse +inf (zero weights later)."""
     m, norm, acc = state
     out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
     log_norm = jnp.log(jnp.where(norm > 0.0, norm, 1.0))
@@ -123,10 +105,8 @@ def finish(state):
 
 
 def backward(s, lse, delta, dp, tanh=None, keep=None, keep_scale=1.0, shape=None):
-    """(weights used ``P`` (dropout applied), gradient of the capped and biased scores (the bias's),
-    gradient of the scores before the cap) of one tile, from its scores ``s``, the rows' ``lse``
-    and ``delta = rowsum(dO * O)`` broadcasting against ``s``, and ``dp = dO V^T``. The clamp
-    bounds scores the kernel left unmasked (zero-padded keys), whose weights count for nothing."""
+    """(weights used, bias gradient, gradient before the cap) of a tile from ``s``, ``lse``, ``delta`` and ``dp = dO
+    V^T``. The clamp bounds scores left unmasked (zero-padded keys), whose weights count for nothing."""
     p = jnp.exp(jnp.minimum(s - lse, 0.0))
     p_used = p
     if keep is not None:
@@ -136,8 +116,7 @@ def backward(s, lse, delta, dp, tanh=None, keep=None, keep_scale=1.0, shape=None
 
 
 def bias_tile(shape, offsets: dict):
-    """(start, size) of a tile of a bias gradient of ``shape``: ``offsets`` maps an axis to the tile's
-    (start, size) along it; an axis of 1 (broadcast) stays whole."""
+    """(start, size) of a bias-gradient tile: ``offsets`` maps axis -> (start, size); an axis of 1 stays whole."""
     start, size = [jnp.int32(0)] * len(shape), list(shape)
     for axis, (offset, n) in offsets.items():
         if shape[axis] != 1:
@@ -151,6 +130,5 @@ def bias_share(ds, shape):
 
 
 def sink_gradient(sinks, lse, delta):
-    """``(heads, groups)``: each sink's gradient, its weight ``exp(sink - lse)`` times its score
-    gradient ``-delta``, summed over the batch and rows of ``lse`` and ``delta`` ``(b, h, g, rows)``."""
+    """``(heads, groups)``: the sinks' gradient, summed over batch and rows of ``lse``, ``delta``."""
     return -jnp.sum(jnp.exp(sinks - lse) * delta, axis=(0, 3))
