@@ -369,8 +369,9 @@ def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partia
     pt_used, ds_bias, dst = _tiles.backward(st, blocks.lse[i][:, :, None, :], blocks.delta[i][:, :, None, :], dpt,
                                             tanh_t, block_keep, cfg.keep_scale, block5_t)
     dv_j = dv_j + jnp.einsum("bhkm,bhmd->bhkd", pt_used, blocks.do[i], precision=cfg.precision)
-    if d_bias is not None:  # the transposed bias's: queries on axis 4, keys on 2
-        tile = {4: (i * cfg.block_q, cfg.block_q), 2: (j * cfg.block_k, cfg.block_k)}
+    if d_bias is not None:  # the transposed bias's
+        q_axis, k_axis = _axes(True)
+        tile = {q_axis: (i * cfg.block_q, cfg.block_q), k_axis: (j * cfg.block_k, cfg.block_k)}
         start, size = _tiles.bias_tile(d_bias.shape, tile)
         share = _tiles.bias_share(ds_bias.reshape(block5_t), d_bias.shape).astype(d_bias.dtype)
         d_bias = lax.dynamic_update_slice(d_bias, lax.dynamic_slice(d_bias, start, size) + share, start)
