@@ -237,7 +237,8 @@ def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sink
         dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
     refused = _refusal(kernel, dropout, dtype, soft_cap, sinks, value_dim, alibi)
     if refused is not None:
-        raise refused[0](refused[1])
+        error, message = refused
+        raise error(message)
     return kernel
 
 
