@@ -80,7 +80,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
     if isinstance(params, (str, os.PathLike)):
         params = _read_params(params)
     tree = _params_dict(params)
-    if "kv_b_proj" in tree:  # multi-head latent attention's tree
+    if latent.is_latent_tree(tree):
         return latent.to_torch_state(tree, _to_numpy)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
     known = dict(_FLAX_NAMES + _FLAX_NORMS)

@@ -129,6 +129,11 @@ def cached_keys(cache: jax.Array, latent: Latent, dtype) -> tuple[jax.Array, jax
 _TORCH_NAMES = {"query": "q_proj", "out": "out_proj"}  # the other projections and norms keep their names
 
 
+def is_latent_tree(tree: Mapping[str, Any]) -> bool:
+    """Whether a parameter tree (``mha_jax.convert``'s) is a latent module's."""
+    return "kv_b_proj" in tree
+
+
 def to_torch_state(tree: Mapping[str, Any], to_numpy: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
     """A latent module's parameter tree as ``mha_torch`` names -> NumPy arrays (``to_numpy`` copies)."""
     state = {}
