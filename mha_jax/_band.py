@@ -52,7 +52,8 @@ def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -
 
 
 def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
-    """Output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``; ``conditions`` read ``terms``."""
+    """(output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``, its lse ``(batch, kv_heads, groups,
+    q_len)``, without gradient); ``conditions`` read ``terms``."""
     cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
     return _band(cfg, q, k, v, terms[2:])
 
@@ -72,7 +73,7 @@ def _band(cfg, q, k, v, terms):
 
 
 def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
-    """Band ``i``'s scores ``(b, h, g * block, width)``, -inf where not visible; ``transposed``: ``(b, h, width, g *
+    """Band ``i``'s scores ``(b, h, g * block, width)``, masked where not visible; ``transposed``: ``(b, h, width, g *
     block)``."""
     b, h = q_i.shape[:2]
     rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)  # positions relative to the band's first query
@@ -142,11 +143,12 @@ def _forward(cfg, q, k, v, terms):
         return _in_caller_layout(cfg, out), lse
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
     out = _unblocked(cfg, out)
-    return out, (q, k, v, terms, out, lse)
+    return (out, _tiles.from_query_rows(cfg, lse, *q.shape[:3])), (q, k, v, terms, out, lse)
 
 
-def _backward(cfg, residuals, d_out):
+def _backward(cfg, residuals, cotangents):
     q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
+    d_out = cotangents[0]  # the lse's is not read: it has no gradient
     g = q.shape[2]
     delta = _tiles.query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
     qs, dos = _queries(cfg, q), _queries(cfg, d_out)

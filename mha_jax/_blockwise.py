@@ -72,11 +72,13 @@ backward_block_sizes = functools.partial(block_sizes, backward=True)
 
 
 def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
-              keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None):
-    """Output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``; ``allowed``, ``keep``, ``bias``: None
-    or 5-d; ``dropout_rng`` draws a keep-mask per block; ``sinks``: ``(1, kv_heads, groups)`` or None."""
+              keep_scale, precision, block_q, block_k, soft_cap=None, sinks=None, residual=False):
+    """Output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype`` (``residual``: and its lse ``(batch,
+    kv_heads, groups, q_len)``, ``_tiles.finish``'s); ``allowed``, ``keep``, ``bias``: None or 5-d; ``dropout_rng``
+    draws a keep-mask per block; ``sinks``: ``(1, kv_heads, groups)`` or None."""
     if q.shape[3] == 0:  # no query: nothing to visit (and no block to slice one from)
-        return _tiles.accumulator(q, v.shape[-1])
+        out = _tiles.accumulator(q, v.shape[-1])
+        return (out, out[..., 0]) if residual else out
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
@@ -88,7 +90,8 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
-        return _run(cfg, *args)
+        out, lse = _run(cfg, *args)
+        return (out, lse) if residual else out
     # Only batch and heads sharded, no drawn dropout: each device runs its own share; else the axes go automatic.
     out_spec = jax.typeof(q).sharding.spec
     batch, heads = _names(out_spec[0]), _names(out_spec[1])
@@ -101,9 +104,14 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
             return P(*(e or None for e in entries))
         specs = (*(None if x is None else place(x, True) for x in args[:7]), None,
                  (*jax.tree.map(lambda x: place(x, False), terms[:5]), None if slopes is None else place(slopes, True)))
-        out = per_device(functools.partial(_run, cfg), args, specs, P(batch or None, heads or None))
-        return out if jax.typeof(out).sharding.spec == out_spec else jax.sharding.reshard(out, out_spec)
-    return jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit, out_sharding=out_spec)(*args)
+        placed = P(batch or None, heads or None)
+        out, lse = per_device(functools.partial(_run, cfg), args, specs, (placed, placed))
+        out, lse = ((x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want))
+                    for x, want in ((out, out_spec), (lse, P(*out_spec[:4]))))
+        return (out, lse) if residual else out
+    out, lse = jax.sharding.auto_axes(functools.partial(_run, cfg), axes=explicit,
+                                      out_sharding=(out_spec, P(*out_spec[:4])))(*args)
+    return (out, lse) if residual else out
 
 
 def axes_of(entry) -> tuple:
@@ -155,6 +163,7 @@ def _vma(x) -> frozenset:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
+    """(output, lse); the lse has no gradient (its cotangent is not read)."""
     return _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)[0]
 
 
@@ -311,15 +320,16 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
         return _tiles.finish(lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), state))
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
     out, lse = _tiles.from_query_rows(cfg, out, b, h, g), _tiles.from_query_rows(cfg, lse, b, h, g)
-    return out, (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
+    return (out, lse), (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
 
 
 # The backward's query blocks ``(n_q, b, h, rows, ...)``, padded transposed masks and padded terms.
 _Transposed = collections.namedtuple("_Transposed", "qs qst do dot lse delta allowed bias keep terms")
 
 
-def _flash_bwd(cfg, residuals, d_out):
+def _flash_bwd(cfg, residuals, cotangents):
     q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse = residuals
+    d_out = cotangents[0]  # the lse's is not read: it has no gradient
     b, h, g, _, d = q.shape
     if rng is None:  # a drawn dropout mask is tied to the forward's blocks; otherwise re-block
         sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal or cfg.window is not None)

@@ -31,3 +31,4 @@ CHECKS = arguments.ArrayChecks(
 require_array, require_float, require_int = CHECKS.require_array, CHECKS.require_float, CHECKS.require_int
 check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
     CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask)
+check_unbatched = CHECKS.check_unbatched

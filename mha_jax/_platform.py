@@ -72,7 +72,7 @@ batching.primitive_batchers[_lowered_p] = _batched
 
 
 _SPEC_ARRAYS = ("allowed", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
-                "lengths", "alibi_slopes")
+                "lengths", "alibi_slopes", "query_lengths")
 
 
 def spec_arrays(spec) -> dict:

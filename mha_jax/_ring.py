@@ -43,7 +43,8 @@ class _Config:
         return P(*(None if d is None else axes[d] for d in dims))
 
 
-def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation) -> int:
+def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation,
+          return_residual: bool = False) -> int:
     """The axis's size, after refusing by name what a ring cannot run on or take."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
@@ -75,6 +76,8 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
                           ValueError if typed or dtype == jnp.uint32 else TypeError)  # a key of another shape, or none
     if return_weights:
         raise refused("does not take return_weights=True (the ring never forms them)")
+    if return_residual:
+        raise refused("does not take return_residual=True; use sequence_axis=None")
     if implementation == "cudnn":
         raise refused("does not take implementation='cudnn'; use None, 'xla' or 'blockwise' (the ring computes each "
                       "step itself)")
@@ -238,7 +241,7 @@ def _sliced(terms: dict, start, size: int) -> dict:
 def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slopes):
     """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh or None, keys, values with the unseen zeroed) of
     ``q`` ``(b, q_tile, kv_heads, groups, d)`` and ``k`` ``(b, k_tile, kv_heads, d)``."""
-    seen = conjoin(mask, None if bias is None else bias > -jnp.inf)
+    seen = conjoin(mask, None if bias is None else ~_tiles.below_all(bias))
     if seen is not None:  # keys that the mask or a -inf bias hides from every query of the tile: zeros
         seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as k
         k, v = jnp.where(seen, k, 0), jnp.where(seen, v, 0)

@@ -3,9 +3,49 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from mha_spec import alibi as _alibi
 from mha_spec.terms import Terms, Where, conjoin
+
+# No inf in any path (jax.debug_infs): finite stand-ins, in fractions of the compute dtype's largest finite value.
+# A masked score is MASKED (jax.nn's -0.7 x max); a row's running max at or below NO_KEY means no key seen yet;
+# a bias is floored at FLOOR (so that real scores stay above NO_KEY) unless -inf; an empty row's lse is EMPTY.
+_MASKED, _NO_KEY, _FLOOR, _EMPTY = -0.7, -0.35, -0.1, 0.25
+
+
+def _of_max(dtype, fraction: float):
+    """``fraction`` x the largest finite value of ``dtype``, a NumPy scalar of it."""
+    return np.asarray(fraction * float(jnp.finfo(dtype).max), jnp.dtype(dtype))[()]
+
+
+def masked(dtype):
+    """The score a masked entry gets (finite: no inf in any path)."""
+    return _of_max(dtype, _MASKED)
+
+
+def has_key(row_max):
+    """Whether a row whose running max is ``row_max`` has met a key (a score above every masked one)."""
+    return row_max > _of_max(row_max.dtype, _NO_KEY)
+
+
+def empty_lse(dtype):
+    """The lse an empty row keeps: finite, and so large that every weight recomputed from it is 0."""
+    return _of_max(dtype, _EMPTY)
+
+
+def below_all(x):
+    """bool: where ``x`` is ``-inf`` (read without an inf constant, which ``jax.debug_infs`` would catch)."""
+    return ~jnp.isfinite(x) & (x < 0)
+
+
+def floored_bias(bias, compute):
+    """``bias`` (its dtype kept) with finite values below ``FLOOR`` x max of ``compute`` raised to it, ``-inf`` kept:
+    every score a finite bias leaves stays above the masked ones' (a key excluded only by a mask or ``-inf``)."""
+    if bias is None or float(jnp.finfo(bias.dtype).min) >= _FLOOR * float(jnp.finfo(compute).max):
+        return bias
+    floor = np.asarray(_FLOOR * float(jnp.finfo(compute).max), bias.dtype)
+    return jnp.where(below_all(bias), bias, jnp.maximum(bias, floor))
 
 
 def pad(x, axis, size, broadcast=False):
@@ -41,8 +81,8 @@ def key_rows(cfg, x):
 
 def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | None = None, q: Where | None = None,
            k: Where | None = None, masks=(), alibi=None):
-    """(scores, tanh of the cap or None) of a tile's products ``s``: scaled, capped, plus ``bias`` and ALiBi, -inf
-    where ``terms`` (on ``q``, ``k``) or ``masks`` exclude; bias, slopes and masks broadcast to ``shape``."""
+    """(scores, tanh of the cap or None) of a tile's products ``s``: scaled, capped, plus ``bias`` and ALiBi,
+    ``masked`` where ``terms`` (on ``q``, ``k``) or ``masks`` exclude; bias, slopes and masks broadcast to ``shape``."""
     if scale is not None:
         s = s * scale
     t = None
@@ -61,7 +101,7 @@ def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | Non
     if alibi is not None:
         s = s + _alibi.bias(alibi, q.position, k.position).astype(s.dtype)
     if ok is not None:
-        s = jnp.where(ok, s, -jnp.inf)
+        s = jnp.where(ok, s, masked(s.dtype))
     return s.reshape(flat), t
 
 
@@ -71,11 +111,11 @@ def dropped(x, keep, keep_scale, shape):
 
 
 def init(acc, sinks=None):
-    """(running max, sum, ``acc``) before any tile; a sink starts a row at max = sink, sum = 1."""
+    """(running max, sum, ``acc``) before any tile (max ``masked``); a sink starts a row at max = sink, sum = 1."""
     zeros = jnp.zeros_like(acc[..., 0])
     if sinks is None:
-        return jnp.full_like(zeros, -jnp.inf), zeros, acc
-    return zeros + sinks, zeros + (sinks > -jnp.inf).astype(zeros.dtype), acc
+        return jnp.full_like(zeros, masked(zeros.dtype)), zeros, acc
+    return jnp.maximum(zeros + sinks, masked(zeros.dtype)), zeros + (~below_all(sinks)).astype(zeros.dtype), acc
 
 
 def accumulator(rows, dim: int):
@@ -87,7 +127,7 @@ def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
     """The state after tile scores ``s``; ``mix(p)`` is ``p V``; ``keep`` drops weights after the sum."""
     m, norm, acc = state
     m_new = jnp.maximum(m, s.max(axis=-1))
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    shift = jnp.where(has_key(m_new), m_new, 0.0)  # no key yet: exp(masked) is 0
     p = jnp.exp(s - shift[..., None])
     alpha = jnp.exp(m - shift)
     norm = alpha * norm + p.sum(axis=-1)
@@ -97,11 +137,17 @@ def forward(state, s, mix, keep=None, keep_scale=1.0, shape=None):
 
 
 def finish(state):
-    """(output ``(..., rows, d)``, lse ``(..., rows)``); an empty row gets 0 and lse +inf (zero weights later)."""
+    """(output ``(..., rows, d)``, lse ``(..., rows)``); an empty row gets 0 and lse ``empty_lse`` (zero weights
+    later)."""
     m, norm, acc = state
     out = acc / jnp.where(norm == 0.0, 1.0, norm)[..., None]
     log_norm = jnp.log(jnp.where(norm > 0.0, norm, 1.0))
-    return out, jnp.where(norm > 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + log_norm, jnp.inf)
+    return out, jnp.where(norm > 0.0, m + log_norm, empty_lse(m.dtype))
+
+
+def residual(lse, no_key):
+    """An lse of ``finish`` as ``return_residual`` gives it: an empty row's ``no_key``."""
+    return jnp.where(lse == empty_lse(lse.dtype), no_key, lse)
 
 
 def backward(s, lse, delta, dp, tanh=None, keep=None, keep_scale=1.0, shape=None):

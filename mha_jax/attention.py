@@ -12,11 +12,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _blockwise, _checks, _platform, _ring, _splash, masks
+from mha_jax import _blockwise, _checks, _platform, _ring, _splash, _tiles, masks
 from mha_jax.masks import MASK_LAYOUT
 from mha_spec import arguments, batch_axes, docstrings
 
@@ -37,6 +38,7 @@ class _Kernel:
     interpret_elsewhere: bool = False  # on other platforms: Pallas interpret mode (else: an error when lowered)
     ring: bool = False  # runs under ``sequence_axis`` (the ring computes each step itself)
     value_head_dim: bool = True  # a value whose head dim differs from the query's and key's
+    residual: bool = True  # return_residual (the logsumexp)
     # per platform where the program is lowered, the kernel it runs (``"flash"``); "default": elsewhere
     per_platform: tuple[tuple[str, str], ...] = ()
 
@@ -47,7 +49,8 @@ _KERNELS = {k.name: k for k in (
     # jax.nn.dot_product_attention requires the value's shape to be the key's
     _Kernel("cudnn", dropout=False, soft_cap=False, sinks=False, dtypes=("bfloat16", "float16"), platform="cuda",
             value_head_dim=False),
-    _Kernel("splash", dropout=False, alibi=False, platform="tpu", interpret_elsewhere=True),  # its kernel has no bias
+    _Kernel("splash", dropout=False, alibi=False, platform="tpu", interpret_elsewhere=True,  # its kernel has no bias
+            residual=False),
     _Kernel("flash", per_platform=(("cuda", "cudnn"), ("tpu", "splash"), ("default", "blockwise"))),
 )}
 IMPLEMENTATIONS = tuple(_KERNELS)
@@ -60,19 +63,22 @@ def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    *,
-    mask: jax.Array | None = None,
     bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
     is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
     query_positions: jax.Array | None = None,
     key_positions: jax.Array | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
     query_segment_ids: jax.Array | None = None,
     key_segment_ids: jax.Array | None = None,
-    key_value_seq_lengths: jax.Array | None = None,
     attention_chunk_size: int | None = None,
     alibi_slopes: jax.Array | None = None,
-    scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
     dropout_rate: float = 0.0,
@@ -80,25 +86,61 @@ def dot_product_attention(
     dropout_mask: jax.Array | None = None,
     return_weights: bool = False,
     precision: jax.lax.PrecisionLike = None,
-    implementation: str | None = None,
     sequence_axis: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Multi-head scaled dot-product attention.
+    """Multi-head scaled dot-product attention, a drop-in for ``jax.nn.dot_product_attention``.
 
-    Every masking term below combines with the others (logical and; the bias is added).
+    Its arguments in its order, with its meaning (``docs/drop-in.md`` lists the differences), then this
+    package's terms. Every masking term combines with the others (logical and; the bias is added).
 
     Args:
-      query: ``(batch, q_len, heads, head_dim)``.
+      query: ``(batch, q_len, heads, head_dim)``, or ``(q_len, heads, head_dim)``: one example (key, value,
+        output and residual then without the batch axis too; masks and biases broadcast to
+        ``(1, heads, q_len, kv_len)``, lengths have shape ``(1,)`` or ``()``).
       key: ``(batch, kv_len, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``, and query head
         ``h`` reads key/value head ``h // (heads // kv_heads)``.
       value: ``(batch, kv_len, kv_heads, v_head_dim)``, ``v_head_dim`` may differ from ``head_dim``
         (as in multi-head latent attention); the output has it.
-      mask: broadcasts to ``(batch, heads, q_len, kv_len)``; any dtype, nonzero = attend (as in
-        flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks work as they are).
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
-        scaled logits (``-inf`` excludes a key).
-      {masking_terms}
-      {logit_terms}
+        scaled logits (``-inf`` excludes a key; a finite value below ``-0.1 x`` the compute dtype's largest
+        counts as that value, so that only a mask or ``-inf`` excludes).
+      mask: broadcasts to ``(batch, heads, q_len, kv_len)``; bool (as jax.nn's), or any dtype with
+        nonzero = attend (as in flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks
+        work as they are).
+      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
+      is_causal: a query sees the keys at positions ``<=`` its own.
+      query_seq_lengths: integer ``(batch,)``: queries at index ``>=`` the length are padding: their
+        output (and weights) 0, their residual that of a row with no key, no gradient through them.
+      key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
+      local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
+        positions ``p - left .. p + right``.
+      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks, memory
+        linear in length, empty blocks skipped), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
+        bfloat16/float16; no ``logit_soft_cap``, ``sinks`` or dropout), ``"splash"`` (JAX's Pallas TPU kernel; no
+        ``mask``, ``bias``, ``alibi_slopes``, dropout, ``return_residual`` or position arrays with causality/windows;
+        float32 at most; off a TPU, slow Pallas interpret mode), ``"flash"`` (``"cudnn"`` on an NVIDIA GPU,
+        ``"splash"`` on a TPU, else or where that kernel cannot express the call ``"blockwise"``), or None:
+        ``"xla"``. The platform is the one the program is lowered for, not the host's. Every implementation but
+        ``"xla"`` has first-order reverse-mode derivatives only.
+      return_residual: also return the logsumexp of each query's scores (natural log; the scaled, capped,
+        biased logits, with the sink's): ``(batch, q_len, heads)`` in the input dtype, without gradient,
+        as ``jax.nn``'s; a query with no key gets ``-0.7 x`` float32's largest value (jax.nn's; float16: its
+        lowest finite). Not with ``return_weights``, ``"splash"`` or ``sequence_axis``.
+      query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
+        default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
+        ``0..t+n-1``, ``is_causal`` is what decoding needs.
+      query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
+        one row for every batch element), given together: a query sees keys of its own segment.
+      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
+        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
+      alibi_slopes: real floating ``(heads,)`` or ``(batch, heads)``: ALiBi, each head adds
+        ``-slope * |q_pos - k_pos|`` to the logits, on the positions above (flash-attn's
+        convention; ``mha_spec.alibi`` computes bloom's and MPT's slopes). A constant: no gradient.
+      logit_soft_cap: a positive finite ``cap``: the scaled logits become
+        ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
+      sinks: real floating ``(heads,)``, one learned logit per query head that joins each
+        query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
+        less than 1, and a query that may attend to no key still gets 0. Differentiable.
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
       dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (each implementation
@@ -109,34 +151,34 @@ def dot_product_attention(
         (``"xla"`` only: the other implementations never form them); with ``sinks`` the
         sink's share is not among them.
       precision: passed to the matrix products.
-      implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks, memory
-        linear in length, empty blocks skipped), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
-        bfloat16/float16; no ``logit_soft_cap``, ``sinks`` or dropout), ``"splash"`` (JAX's Pallas TPU kernel; no
-        ``mask``, ``bias``, ``alibi_slopes``, dropout or position arrays with causality/windows; float32 at most;
-        off a TPU, slow Pallas interpret mode), ``"flash"`` (``"cudnn"`` on an NVIDIA GPU, ``"splash"`` on a TPU,
-        else or where that kernel cannot express the call ``"blockwise"``), or None: ``"xla"``. The platform is
-        the one the program is lowered for, not the host's. Every implementation but ``"xla"`` has first-order
-        reverse-mode derivatives only.
       sequence_axis: a mesh axis (of ``jax.set_mesh``'s mesh) sharding the query and key/value lengths as
         ``P(None, sequence_axis)``: ring attention (key/value blocks passed round in a zig-zag order). Both lengths
         must be multiples of twice the axis's size. No ``return_weights``; first-order reverse-mode derivatives only.
     Returns:
-      ``(batch, q_len, heads, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
-      weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
-      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32.
+      ``(batch, q_len, heads, v_head_dim)`` in the input dtype; with ``return_weights``, ``(output, weights)``,
+      weights ``(batch, heads, q_len, kv_len)``; with ``return_residual``, ``(output, residual)``. A query that
+      may attend to no key gets an output row of 0 and weights 0 (jax.nn: the mean of the values). No inf or NaN
+      is formed inside (``jax.debug_infs``, ``jax.debug_nans``) but from a user's ``-inf``. bfloat16/float16 inputs
+      are computed in float32, float64 in float64 (jax.nn: its softmax in float32).
     """
+    unbatched = _checks.check_unbatched(query, key, value)
+    if unbatched:  # one example: a batch axis of 1, dropped again from the results
+        query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
     batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
     spec = masks.parse((batch, heads, q_len, kv_len), **batch_axes.masking(locals()))
-    return spec_attention(
+    result = spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, dropout_mask=dropout_mask, return_weights=return_weights, precision=precision,
-        implementation=implementation, sequence_axis=sequence_axis,
+        implementation=implementation, sequence_axis=sequence_axis, return_residual=return_residual,
     )
+    if unbatched:
+        return tuple(x[0] for x in result) if isinstance(result, tuple) else result[0]
+    return result
 
 
 def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
                    dropout_rate=0.0, dropout_rng=None, dropout_mask=None, return_weights=False, precision=None,
-                   implementation=None, zero_unused=True, sequence_axis=None):
+                   implementation=None, zero_unused=True, sequence_axis=None, return_residual=False):
     """``dot_product_attention`` on checked inputs and a parsed ``spec`` (the modules' entry).
     ``zero_unused=False`` skips zeroing the keys no query sees (a decoding cache's slots are finite)."""
     batch, heads, q_len, kv_len = shape = spec.shape
@@ -146,16 +188,25 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     if sinks is not None:
         _checks.require_float("sinks", sinks)
         arguments.check_sinks_shape(sinks.shape, heads)
+    if return_residual and return_weights:
+        raise ValueError("return_weights=True and return_residual=True cannot both be given; ask for one")
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     ring = None if sequence_axis is None else _ring.check(
         sequence_axis, q_len, kv_len, dropout_rng=rng, return_weights=return_weights, implementation=implementation,
+        return_residual=return_residual,
     )
+    dtype = query.dtype
+    compute = jnp.promote_types(dtype, jnp.float32)
+    rows = masks.query_rows(spec)  # (batch, 1, q_len, 1) or None
+    rows = None if rows is None else rows[:, 0, :, :, None]  # (batch, q_len, 1, 1): as the query
+    if rows is not None:  # padding queries hold zeros: whatever they held (NaN) reaches nothing
+        query = jnp.where(rows, query, 0)
     if kv_len == 0:
-        return _no_keys(query, key, value, sinks, shape, return_weights)
+        return _no_keys(query, key, value, sinks, shape, return_weights, return_residual)
     kernel = _choose(
         implementation, return_weights, keep is not None or rng is not None, query.dtype,
-        soft_cap is not None, sinks is not None, v_dim != head_dim, spec.alibi_slopes is not None,
+        soft_cap is not None, sinks is not None, v_dim != head_dim, spec.alibi_slopes is not None, return_residual,
     )
     if not kernel.forward_mode:
         _check_derivatives(kernel.name, query, key, value, spec.bias, sinks)
@@ -165,11 +216,11 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
             "'blockwise' (the ring computes each step itself)"
         )
     _check_head_sharding(query, heads, kv_heads)
-    dtype = query.dtype
-    compute = jnp.promote_types(dtype, jnp.float32)
     groups = heads // kv_heads
     if spec.alibi_slopes is not None:  # the ALiBi term in the compute dtype, on every path
         spec = dataclasses.replace(spec, alibi_slopes=spec.alibi_slopes.astype(compute))
+    if spec.bias is not None:  # its finite values above every masked score (no inf: see _tiles)
+        spec = dataclasses.replace(spec, bias=_tiles.floored_bias(spec.bias, compute))
     if ring is not None:  # zeroes its own padding (and masked) keys, block by block
         out = _ring.attention(
             query.reshape(batch, q_len, kv_heads, groups, head_dim), key, value, spec,
@@ -178,7 +229,7 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
             allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads),
             keep=_grouped(keep, kv_heads), dropout_rng=rng, dropout_rate=dropout_rate, keep_scale=keep_scale,
         )
-        return out.reshape(batch, q_len, heads, v_dim).astype(dtype)
+        return _query_rows(out.reshape(batch, q_len, heads, v_dim).astype(dtype), rows)
     unused = masks.unused_keys(spec, kv_heads) if zero_unused else None
     if unused is not None:  # per key/value head, in the key layout (batch, kv_len, kv_heads, 1)
         unused = unused.transpose(0, 2, 1)[..., None]
@@ -186,23 +237,44 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     call = dict(spec=spec, scale=scale, soft_cap=soft_cap, sinks=sinks, keep=keep, rng=rng, dropout_rate=dropout_rate,
                 keep_scale=keep_scale, precision=precision, compute=compute)
     if kernel.name == "xla":
-        out, weights = _run_xla(query, key, value, **call)
+        out, weights, lse = _run_xla(query, key, value, **call)
     else:
-        out, weights = _per_platform(kernel, query, key, value, call), None
-    out = out.reshape(batch, q_len, heads, v_dim).astype(dtype)
+        out, weights = _per_platform(kernel, query, key, value, dict(call, residual=return_residual)), None
+        out, lse = out if return_residual else (out, None)
+    out = _query_rows(out.reshape(batch, q_len, heads, v_dim).astype(dtype), rows)
     if return_weights:
         return out, weights.reshape(shape).astype(dtype)
+    if return_residual:
+        lse = jax.lax.stop_gradient(lse.reshape(batch, q_len, heads))
+        no_key = _no_key_residual(dtype)
+        lse = lse if rows is None else jnp.where(rows[..., 0], lse, no_key)
+        return out, jnp.maximum(lse, no_key).astype(dtype)
     return out
 
 
-def _no_keys(query, key, value, sinks, shape, return_weights):
-    """Zeros ``(batch, q_len, heads, v_head_dim)`` (and weights ``(batch, heads, q_len, 0)``), kept in the graph."""
+def _query_rows(out, rows):
+    """``out`` ``(batch, q_len, heads, d)`` with the padding queries' rows 0 (``rows`` None: every row kept)."""
+    return out if rows is None else jnp.where(rows, out, 0)
+
+
+def _no_key_residual(dtype):
+    """The residual of a query with no key: jax.nn's (``-0.7 x`` float32's largest, as float32 rounds it), or
+    ``dtype``'s lowest finite value where that is higher (float16: jax.nn's overflows to -inf)."""
+    value = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))
+    return np.asarray(max(value, float(jnp.finfo(dtype).min)), jnp.promote_types(dtype, jnp.float32))[()]
+
+
+def _no_keys(query, key, value, sinks, shape, return_weights, return_residual=False):
+    """Zeros ``(batch, q_len, heads, v_head_dim)`` (and weights ``(batch, heads, q_len, 0)``, or the residual of
+    queries with no key), kept in the graph."""
     batch, heads, q_len, _ = shape
     kv_heads, head_dim, groups = key.shape[2], query.shape[3], heads // key.shape[2]
     empty = jnp.einsum("bqhgd,bkhd->bhgqk", query.reshape(batch, q_len, kv_heads, groups, head_dim), key)
     if sinks is not None:
         empty = empty + sinks.reshape(1, kv_heads, groups, 1, 1).astype(empty.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", empty, value).reshape(batch, q_len, heads, value.shape[3])
+    if return_residual:
+        return out, jnp.full(out.shape[:3], _no_key_residual(out.dtype), out.dtype)
     return (out, empty.reshape(shape)) if return_weights else out
 
 
@@ -223,7 +295,7 @@ def _check_head_sharding(query, heads, kv_heads):
 
 
 def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sinks=False, value_dim=False,
-            alibi=False) -> _Kernel:
+            alibi=False, residual=False) -> _Kernel:
     """The record of the implementation asked for, after the checks that hold on every platform."""
     if implementation is None:
         return _KERNELS["xla"]
@@ -235,16 +307,19 @@ def _choose(implementation, return_weights, dropout, dtype, soft_cap=False, sink
         return kernel
     if kernel.platform is not None and not kernel.interpret_elsewhere:
         dropout = dtype = None  # refused on its platform, after the platform itself (see ``_branch``)
-    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks, value_dim, alibi)
+    refused = _refusal(kernel, dropout, dtype, soft_cap, sinks, value_dim, alibi, residual)
     if refused is not None:
         error, message = refused
         raise error(message)
     return kernel
 
 
-def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks, value_dim=False, alibi=False) -> tuple[type, str] | None:
+def _refusal(kernel: _Kernel, dropout, dtype, soft_cap, sinks, value_dim=False, alibi=False,
+             residual=False) -> tuple[type, str] | None:
     """(exception type, message) when ``kernel`` cannot take a call of these options, else None."""
     name = kernel.name
+    if residual and not kernel.residual:
+        return ValueError, f"implementation={name!r} does not take return_residual=True; use 'xla' or 'blockwise'"
     if value_dim and not kernel.value_head_dim:
         return ValueError, (f"implementation={name!r} does not take a value head dim apart from the key's "
                             "(value's last axis must be key's); use 'xla' or 'blockwise'")
@@ -280,7 +355,7 @@ def _dispatch(kernel: _Kernel, names: dict, query, key, value, call):
     if "default" not in branches:  # elsewhere, a clear error when (and only when) lowered
         branches["default"] = _unavailable(
             f"implementation={kernel.name!r} needs {_PLATFORM_NAMES[kernel.platform]}; the program is being "
-            "lowered for {platform!r}"
+            "lowered for {platform!r}", residual=call["residual"],
         )
     default = branches.pop("default")
     return jax.lax.platform_dependent(query, key, value, default=default, **branches)
@@ -314,13 +389,14 @@ def _per_device(kernel: _Kernel, names, query, key, value, call, batch, heads):
     if arrays["alibi_slopes"] is not None:  # (batch|1, heads): heads too
         specs["alibi_slopes"] = P(batch if arrays["alibi_slopes"].shape[0] == b else None, heads)
     layout, sinks = P(batch, None, heads, None), call["sinks"]
+    out_specs = (layout, P(batch, None, heads)) if call["residual"] else layout
 
     def local(q, k, v, arrays, sinks):
         shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         here = dict(call, spec=dataclasses.replace(spec, shape=shape, **arrays), sinks=sinks)
         return _dispatch(kernel, names, q, k, v, here)
     specs = (layout, layout, layout, specs, None if sinks is None else P(heads))
-    return _blockwise.per_device(local, (query, key, value, arrays, sinks), specs, layout, check_vma=False)
+    return _blockwise.per_device(local, (query, key, value, arrays, sinks), specs, out_specs, check_vma=False)
 
 
 def _resolve(asked: str, name: str, dtype, call, value_dim=False):
@@ -328,7 +404,7 @@ def _resolve(asked: str, name: str, dtype, call, value_dim=False):
     spec = call["spec"]
     refused = _refusal(_KERNELS[name], call["rng"] is not None or call["keep"] is not None, dtype,
                        call["soft_cap"] is not None, call["sinks"] is not None, value_dim,
-                       spec.alibi_slopes is not None)
+                       spec.alibi_slopes is not None, call["residual"])
     if asked != name:  # "flash": the platform's kernel where it takes the call
         if refused is not None or (name == "splash" and _splash.refusal(spec, dropout=False) is not None):
             return "blockwise"
@@ -345,24 +421,25 @@ def _resolve(asked: str, name: str, dtype, call, value_dim=False):
 def _branch(platform: str, name, call):
     """The function run on ``platform``: ``name``'s kernel, or a refusal when lowered."""
     if isinstance(name, tuple):
-        return _unavailable(name[1].replace("{", "{{").replace("}", "}}"), name[0])
+        return _unavailable(name[1].replace("{", "{{").replace("}", "}}"), name[0], call["residual"])
     run = {"blockwise": _run_blockwise, "cudnn": _run_cudnn}.get(name)
     run = run or functools.partial(_run_splash, interpret=platform != "tpu")  # Pallas interpret mode off a TPU
-    return lambda q, k, v: run(q, k, v, **call).astype(call["compute"])
+    return lambda q, k, v: jax.tree.map(lambda x: x.astype(call["compute"]), run(q, k, v, **call))
 
 
 def _run_xla(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
-             compute):
+             compute, residual=False):
     batch, heads, q_len, _ = spec.shape
     q = query.astype(compute).reshape(batch, q_len, key.shape[2], heads // key.shape[2], query.shape[3])
     if rng is not None:
         keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, spec.shape)
-    return _xla(q, key.astype(compute), value.astype(compute), masks.dense(spec), masks.biases(spec), keep, keep_scale,
-                scale, precision, soft_cap, None if sinks is None else sinks.astype(compute))
+    out, weights, lse = _xla(q, key.astype(compute), value.astype(compute), masks.dense(spec), masks.biases(spec), keep,
+                             keep_scale, scale, precision, soft_cap, None if sinks is None else sinks.astype(compute))
+    return out, weights, lse.transpose(0, 2, 1)  # (batch, q_len, heads)
 
 
 def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
-                   compute):
+                   compute, residual=False):
     batch, heads, q_len, kv_len = spec.shape
     kv_heads, head_dim = key.shape[2], query.shape[3]
     groups = heads // kv_heads
@@ -375,15 +452,19 @@ def _run_blockwise(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng
         allowed=_grouped(spec.allowed, kv_heads), bias=_grouped(spec.bias, kv_heads), keep=_grouped(keep, kv_heads),
         dropout_rng=rng, scale=scale, dropout_rate=dropout_rate, keep_scale=keep_scale, precision=precision,
         block_q=block_q, block_k=block_k, soft_cap=soft_cap,
-        sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups),
+        sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups), residual=residual,
     )
-    return out.transpose(0, 3, 1, 2, 4).reshape(query.shape[:3] + value.shape[3:])
+    if residual:  # (batch, kv_heads, groups, q_len) -> (batch, q_len, heads)
+        out, lse = out
+        lse = _tiles.residual(lse, _no_key_residual(lse.dtype)).transpose(0, 3, 1, 2).reshape(query.shape[:3])
+    out = out.transpose(0, 3, 1, 2, 4).reshape(query.shape[:3] + value.shape[3:])
+    return (out, lse) if residual else out
 
 
-def _run_cudnn(query, key, value, *, spec, scale, **_):
+def _run_cudnn(query, key, value, *, spec, scale, residual=False, **_):
     def kernel(q, k, v, arrays):
         with _platform.cudnn_traced_anywhere():
-            return _cudnn(q, k, v, dataclasses.replace(spec, **arrays), scale)
+            return _cudnn(q, k, v, dataclasses.replace(spec, **arrays), scale, residual)
     return _platform.on("cuda", kernel, query, key, value, _platform.spec_arrays(spec))
 
 
@@ -412,13 +493,14 @@ mlir.register_lowering(_unavailable_p, _refuse_lowering)
 _unavailable_p.def_impl(_refuse_running)
 
 
-def _unavailable(message: str, error: type = ValueError):
+def _unavailable(message: str, error: type = ValueError, residual: bool = False):
     """A branch that fails with ``message`` (``{platform}`` filled in) where it is lowered."""
     def branch(query, key, value):
         compute = jnp.promote_types(query.dtype, jnp.float32)
         # stands for the output (batch, q_len, heads, v_head_dim), as the kernel's branch gives it
         out = jnp.broadcast_to(query[..., :1], query.shape[:3] + value.shape[3:]).astype(compute)
-        return _unavailable_p.bind(out, message=message, error=error.__name__)
+        out = _unavailable_p.bind(out, message=message, error=error.__name__)
+        return (out, out[..., 0]) if residual else out
     return branch
 
 
@@ -438,17 +520,18 @@ def _check_derivatives(implementation: str, *arrays) -> None:
 
 
 def _xla(q, k, v, allowed, bias, keep, keep_scale, scale, precision, soft_cap=None, sinks=None):
-    """(out, weights) of q ``(b, q, kv_heads, groups, d)``, k ``(b, k, kv_heads, d)``, v ``(b, k, kv_heads, dv)``."""
+    """(out, weights, lse ``(b, heads, q)``) of q ``(b, q, kv_heads, groups, d)``, k ``(b, k, kv_heads, d)``,
+    v ``(b, k, kv_heads, dv)``."""
     batch, q_len, kv_heads, groups, _ = q.shape
     shape = (batch, kv_heads * groups, q_len, k.shape[1])
     logits = _scores(q, k, precision).reshape(shape) * scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    weights = _masked_softmax(logits, allowed, bias, sinks)
+    weights, lse = _masked_softmax(logits, allowed, bias, sinks)
     if keep is not None:
         weights = jnp.where(keep, weights * keep_scale, 0.0)
     out = _mix(weights.reshape(batch, kv_heads, groups, q_len, k.shape[1]), v, precision)
-    return out, weights
+    return out, weights, lse
 
 
 # Few query rows over many keys: one product over every head's keys reads the cache in place (no head-major copy).
@@ -498,23 +581,31 @@ def _mix(weights, v, precision):
     return out.transpose(0, 3, 1, 2, 4)
 
 
-def _cudnn(query, key, value, spec: masks.Spec, scale):
-    """cuDNN's attention with our semantics: float32 ``(batch, q_len, heads, v_head_dim)``, fully masked rows 0.
-    Other terms than default-position causality and lengths go into its mask (jax #32357)."""
+def _cudnn(query, key, value, spec: masks.Spec, scale, residual=False):
+    """cuDNN's attention with our semantics: float32 ``(batch, q_len, heads, v_head_dim)``, fully masked rows 0
+    (``residual``: and the lse ``(batch, q_len, heads)``). Other terms than default-position causality and
+    lengths go into its mask (jax #32357)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     native_causal = spec.is_causal and spec.default_positions
-    allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None))
+    allowed = masks.dense(dataclasses.replace(spec, is_causal=spec.is_causal and not native_causal, lengths=None,
+                                              query_lengths=None))
     bias = masks.biases(spec)  # with the ALiBi term, a dense bias
     out = jax.nn.dot_product_attention(
         query, key, value,
         bias=None if bias is None else jnp.broadcast_to(bias, shape).astype(query.dtype),
         mask=None if allowed is None else jnp.broadcast_to(allowed, shape), scale=scale,
-        is_causal=native_causal, key_value_seq_lengths=spec.lengths, implementation="cudnn",
-    ).astype(jnp.float32)
-    live = [x for x in (masks.dense(spec), None if spec.bias is None else spec.bias > -jnp.inf) if x is not None]
+        is_causal=native_causal, key_value_seq_lengths=spec.lengths, query_seq_lengths=spec.query_lengths,
+        implementation="cudnn", return_residual=residual,
+    )
+    out, lse = out if residual else (out, None)
+    live = [x for x in (masks.dense(spec), None if spec.bias is None else ~_tiles.below_all(spec.bias))
+            if x is not None]
     live = functools.reduce(jnp.logical_and, live, jnp.ones(shape, bool))
     has_key = live.any(axis=-1).transpose(0, 2, 1)[..., None]  # (b, q, heads, 1)
-    return jnp.where(has_key, out, 0.0)
+    out = jnp.where(has_key, out.astype(jnp.float32), 0.0)
+    if residual:
+        return out, jnp.where(has_key[..., 0], lse.astype(jnp.float32), _no_key_residual(jnp.float32))
+    return out
 
 
 def _grouped(x, kv_heads):
@@ -527,23 +618,27 @@ def _grouped(x, kv_heads):
     return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, x.shape[2], x.shape[3])
 
 
-def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None, sinks=None) -> jax.Array:
-    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``."""
+def _masked_softmax(logits: jax.Array, allowed: jax.Array | None, bias: jax.Array | None,
+                    sinks=None) -> tuple[jax.Array, jax.Array]:
+    """(softmax over the last axis of ``(batch, heads, q_len, kv_len)``, 0 on rows with no key; its lse ``(batch,
+    heads, q_len)``, ``_no_key_residual`` on those rows); sinks ``(heads,)``. Masked scores are finite
+    (``_tiles.masked``): no inf is formed, whatever is masked."""
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
     if allowed is not None:
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        logits = jnp.where(allowed, logits, _tiles.masked(logits.dtype))
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1)
         row_max = jnp.maximum(row_max, sink)
     row_max = jax.lax.stop_gradient(row_max)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    row_max = jnp.where(_tiles.has_key(row_max), row_max, 0.0)  # no key: exp(masked) is 0
     exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
     if sinks is not None:
         total = total + jnp.exp(sink - row_max)
-    return exp / jnp.where(total == 0.0, 1.0, total)
+    lse = jnp.where(total > 0.0, row_max + jnp.log(jnp.where(total > 0.0, total, 1.0)), _no_key_residual(total.dtype))
+    return exp / jnp.where(total == 0.0, 1.0, total), lse[..., 0]
 
 
 def _dropout_keep(rate, rng, dropout_mask, shape):

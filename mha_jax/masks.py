@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mha_jax import _checks
+from mha_jax import _checks, _tiles
 from mha_spec import alibi, arguments, docstrings, terms, torch_mha
 from mha_spec.terms import Spec
 
@@ -30,7 +30,7 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
 
 def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
           key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None) -> Spec:
+          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, query_seq_lengths=None) -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
     batch, heads, q_len, kv_len = shape
     allowed = None
@@ -53,6 +53,7 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
         _lengths(key_value_seq_lengths, batch, kv_len), terms.check_chunk_size(attention_chunk_size),
         alibi_slopes=_slopes(alibi_slopes, batch, heads),
+        query_lengths=_lengths(query_seq_lengths, batch, q_len, "query_seq_lengths", "q_len"),
     )
 
 
@@ -91,10 +92,10 @@ def _slopes(slopes, batch: int, heads: int):
     return slopes[None] if slopes.ndim == 1 else slopes
 
 
-def _lengths(lengths, batch: int, kv_len: int):
+def _lengths(lengths, batch: int, length: int, name: str = "key_value_seq_lengths", length_name: str = "kv_len"):
     if lengths is None:
         return None
-    _checks.check_lengths("key_value_seq_lengths", lengths, batch, kv_len)
+    _checks.check_lengths(name, lengths, batch, length, length_name)
     return jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (batch,))
 
 
@@ -105,6 +106,11 @@ def _arange(n: int) -> jax.Array:
 def positions(spec: Spec):
     """(query positions ``(batch|1, q_len)``, key positions ``(batch|1, kv_len)``), arange by default."""
     return spec.positions(_arange)
+
+
+def query_rows(spec: Spec):
+    """bool ``(batch, 1, q_len, 1)``: the queries within ``query_lengths``, or None (every query)."""
+    return spec.query_rows(_arange)
 
 
 def biases(spec: Spec):
@@ -125,7 +131,7 @@ def unused_keys(spec: Spec, kv_heads: int = 1, segments: bool = True):
 
     ``segments=False`` leaves the segments' term out (for a length sharded over a mesh axis).
     """
-    unused = spec.excluded_keys(kv_heads, _arange, _extremes, _present if segments else None)
+    unused = spec.excluded_keys(kv_heads, _arange, _extremes, _present if segments else None, _tiles.below_all)
     return None if unused is None else jnp.broadcast_to(unused, (spec.shape[0], kv_heads, spec.shape[3]))
 
 

@@ -79,6 +79,14 @@ def check_heads(num_heads: int, num_kv_heads: int, features: int, features_name:
     return features // num_heads
 
 
+def check_rank(name: str, shape: Sequence[int], layout: str) -> bool:
+    """ValueError unless ``shape`` has rank 4 (``layout``) or 3 (one example, the batch axis left out);
+    whether it has rank 3."""
+    if len(shape) not in (3, 4):
+        raise ValueError(f"{name} must have rank 3 (one example) or 4 {layout}, got shape {tuple(shape)}")
+    return len(shape) == 3
+
+
 def check_broadcast(name: str, shape: Sequence[int], target: Sequence[int], target_names: str) -> None:
     """ValueError unless ``shape`` broadcasts to ``target`` (right-aligned, numpy rules)."""
     shape, target = tuple(shape), tuple(target)
@@ -272,14 +280,30 @@ class ArrayChecks:
     require_float = functools.partialmethod(require_kind, want="float")
     require_int = functools.partialmethod(require_kind, want="int")
 
+    def _inputs(self, query, key, value) -> tuple[tuple[str, Any, str], ...]:
+        """``(name, array, layout)`` of the query, key and value."""
+        layout = "(batch, {}, {}, {})" if self.heads_first else "(batch, {1}, {0}, {2})"
+        q_layout, kv_layout = (layout.format(h, n, "head_dim") for h, n in (("heads", "q_len"), ("kv_heads", "kv_len")))
+        v_layout = layout.format("kv_heads", "kv_len", "v_head_dim")
+        return ("query", query, q_layout), ("key", key, kv_layout), ("value", value, v_layout)
+
+    def check_unbatched(self, query, key, value) -> bool:
+        """Real floating inputs, all of rank 4 or all of rank 3 (one example: the batch axis left out, as
+        ``jax.nn.dot_product_attention`` and ``scaled_dot_product_attention`` take it); whether of rank 3."""
+        inputs = self._inputs(query, key, value)
+        for name, x, _ in inputs:
+            self.require_float(name, x)
+        ranks = {check_rank(name, x.shape, layout) for name, x, layout in inputs}
+        if len(ranks) > 1:
+            raise ValueError(f"query, key and value must all have rank 4 or all rank 3 (one example), got shapes "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        return ranks.pop()
+
     def check_attention_inputs(self, query, key, value) -> tuple[int, int, int, int, int, int]:
         """Real floating ``(batch, len, heads, head_dim)`` inputs (``heads_first``: heads before len), the value's
         head dim free. Returns (batch, q_len, heads, head_dim, kv_len, kv_heads)."""
         order = (0, 2, 1, 3) if self.heads_first else (0, 1, 2, 3)  # to (batch, len, heads, head_dim)
-        layout = "(batch, {}, {}, {})" if self.heads_first else "(batch, {1}, {0}, {2})"
-        q_layout, kv_layout = (layout.format(h, n, "head_dim") for h, n in (("heads", "q_len"), ("kv_heads", "kv_len")))
-        v_layout = layout.format("kv_heads", "kv_len", "v_head_dim")
-        inputs = (("query", query, q_layout), ("key", key, kv_layout), ("value", value, v_layout))
+        inputs = self._inputs(query, key, value)
         for name, x, _ in inputs:
             self.require_float(name, x)
         for name, x, axes in inputs:
@@ -312,14 +336,14 @@ class ArrayChecks:
             raise ValueError(f"{name} must have shape ({length_name},) = ({length},) or (batch, {length_name}) = "
                              f"({batch}, {length}), got {shape}")
 
-    def check_lengths(self, name: str, lengths, batch: int, kv_len: int) -> None:
-        """An integer ``(batch,)`` (or scalar) array of lengths in ``[0, kv_len]`` (where the values are known)."""
+    def check_lengths(self, name: str, lengths, batch: int, length: int, length_name: str = "kv_len") -> None:
+        """An integer ``(batch,)`` (or scalar) array of lengths in ``[0, length]`` (where the values are known)."""
         self.require_int(name, lengths)
         if tuple(lengths.shape) not in ((), (1,), (batch,)):
             raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
         values = self.values(lengths)
-        if values is not None and values.size and (values.min() < 0 or values.max() > kv_len):
-            raise ValueError(f"{name} must lie in [0, kv_len] = [0, {kv_len}], got {values.tolist()}")
+        if values is not None and values.size and (values.min() < 0 or values.max() > length):
+            raise ValueError(f"{name} must lie in [0, {length_name}] = [0, {length}], got {values.tolist()}")
 
     def check_dropout_mask(self, x, shape: tuple[int, ...], layout: str) -> None:
         """A bool (True = keep) or 0/1 integer keep-mask broadcasting to ``shape``."""

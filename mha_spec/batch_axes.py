@@ -9,7 +9,7 @@ from typing import Any
 
 # The masking arguments of the public calls, in their signatures' order; ``masking`` picks them from ``locals()``.
 MASKING = ("mask", "bias", "is_causal", "query_positions", "key_positions", "local_window_size", "query_segment_ids",
-           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size", "alibi_slopes")
+           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size", "alibi_slopes", "query_seq_lengths")
 # A module call's arguments that carry batch axes, in the order they are merged (and checked).
 BATCHED = ("dropout_mask", "mask", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
            "key_value_seq_lengths")

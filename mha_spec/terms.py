@@ -186,8 +186,9 @@ def cache_overflows(start: Any, end: Any, max_length: int, terms: Terms) -> Any:
 class Spec:
     """One call's masking, checked. ``allowed`` (bool) and ``bias`` (float) broadcast to ``shape`` = ``(batch,
     heads, q_len, kv_len)``; positions and segment ids integer ``(batch|1, len)``; ``lengths`` ``(batch,)``;
-    ``window`` ``(left, right)``; ``alibi_slopes`` float ``(batch|1, heads)``, a constant. None: absent (positions:
-    ``arange``). ``device``: PyTorch's device; None in JAX."""
+    ``window`` ``(left, right)``; ``alibi_slopes`` float ``(batch|1, heads)``, a constant; ``query_lengths``
+    ``(batch,)``: queries at index ``>=`` the length are padding, seeing no key (their output 0). None: absent
+    (positions: ``arange``). ``device``: PyTorch's device; None in JAX."""
 
     shape: tuple[int, int, int, int]
     allowed: Any = None
@@ -202,6 +203,7 @@ class Spec:
     chunk_size: int | None = None
     device: Any = field(default=None, compare=False)
     alibi_slopes: Any = None
+    query_lengths: Any = None
 
     @property
     def default_positions(self) -> bool:
@@ -230,23 +232,31 @@ class Spec:
 
     def dense(self, arange) -> Any:
         """bool ``(batch|1, heads|1, q_len, kv_len)``: every term but the bias, or None if none restricts."""
-        if not self.terms:
-            return self.allowed  # positions alone restrict nothing
-        qp, kp = self.positions(arange)
-        qs, ks, lengths = self.query_segment_ids, self.key_segment_ids, self.lengths
-        visible = self.terms.visible(
-            Where(qp[:, :, None], None if qs is None else qs[:, :, None]),
-            Where(kp[:, None, :], None if ks is None else ks[:, None, :], arange(self.shape[3])[None, None, :],
-                  None if lengths is None else lengths[:, None, None]),
-        )[:, None]
-        return visible if self.allowed is None else self.allowed & visible
+        visible = None  # positions alone restrict nothing
+        if self.terms:
+            qp, kp = self.positions(arange)
+            qs, ks, lengths = self.query_segment_ids, self.key_segment_ids, self.lengths
+            visible = self.terms.visible(
+                Where(qp[:, :, None], None if qs is None else qs[:, :, None]),
+                Where(kp[:, None, :], None if ks is None else ks[:, None, :], arange(self.shape[3])[None, None, :],
+                      None if lengths is None else lengths[:, None, None]),
+            )[:, None]
+        return conjoin(conjoin(self.allowed, visible), self.query_rows(arange))
 
-    def excluded_keys(self, kv_heads: int, arange, extremes, present) -> Any:
+    def query_rows(self, arange) -> Any:
+        """bool ``(batch, 1, q_len, 1)``: the queries within ``query_lengths`` (None: every query)."""
+        if self.query_lengths is None:
+            return None
+        return (arange(self.shape[2])[None, :] < self.query_lengths[:, None])[:, None, :, None]
+
+    def excluded_keys(self, kv_heads: int, arange, extremes, present, below_all=None) -> Any:
         """bool ``(batch|1, kv_heads|1, kv_len)``: keys no query of a key/value head's group may see, each term read
         alone; None if none. ``extremes(positions)``: min and max along axis 1, kept; ``present(query_ids,
-        key_ids)``: bool ``(batch|1, kv_len)``, whether each key's segment id occurs among the queries' (or None)."""
+        key_ids)``: bool ``(batch|1, kv_len)``, whether each key's segment id occurs among the queries' (or None);
+        ``below_all(x)``: bool, where ``x`` is ``-inf`` (default ``x == -inf``)."""
+        below_all = below_all or (lambda x: x == -math.inf)
         excluded = []
-        dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else self.bias == -math.inf)
+        dense = (None if self.allowed is None else ~self.allowed, None if self.bias is None else below_all(self.bias))
         for ex in dense:
             if ex is not None:  # the dense mask's and the bias's exclusions, over queries: (batch?, heads?, kv?)
                 ex = ex.reshape((1,) * (4 - ex.ndim) + tuple(ex.shape)).all(axis=2)
