@@ -24,7 +24,7 @@ _MODULE_CALL = {"deterministic", "rngs", "sow_weights", "decode", "out_sharding"
 CALLS = {
     mha_jax.dot_product_attention: {"query", "key", "value", "scale", "logit_soft_cap", "sinks", "dropout_rate",
                                     "dropout_rng", "dropout_mask", "return_weights", "precision", "implementation",
-                                    "sequence_axis"},
+                                    "sequence_axis", "return_residual"},
     mha_torch.dot_product_attention: {"query", "key", "value", "scale", "logit_soft_cap", "sinks", "dropout_p",
                                       "dropout_mask", "need_weights", "implementation"},
     mha_jax.MultiHeadAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v"} | _MODULE_CALL,
