@@ -55,9 +55,11 @@ def _core(layout_jax: bool, q=(B, Q, H, D), k=(B, K, H, D), v=None, dtype="float
 
 # name: (arguments of _core, exception, message shared by both frameworks, or (JAX's, PyTorch's))
 CORE_CASES = {
-    "query rank 3": (dict(q=(B, Q, H * D)), ValueError, "query must have rank 4"),
-    "key rank 5": (dict(k=(B, K, H, D, 1)), ValueError, "key must have rank 4"),
-    "value rank 3": (dict(v=(B, K, H * D)), ValueError, "value must have rank 4"),
+    "query rank 2": (dict(q=(Q, H * D)), ValueError, "query must have rank 3 (one example) or 4"),
+    "key rank 5": (dict(k=(B, K, H, D, 1)), ValueError, "key must have rank 3 (one example) or 4"),
+    "value rank 2": (dict(v=(K, H * D)), ValueError, "value must have rank 3 (one example) or 4"),
+    "query rank 3 beside rank 4": (dict(q=(B, Q, H * D)), ValueError,
+                                   "query, key and value must all have rank 4 or all rank 3 (one example)"),
     "value shape differs from key": (dict(v=(B, K + 1, H, D)), ValueError, "key and value must have the same shape"),
     "batch mismatch": (dict(k=(B + 1, K, H, D)), ValueError, "must match query"),
     "head_dim mismatch": (dict(k=(B, K, H, D + 1)), ValueError, "must match query"),
@@ -168,6 +170,19 @@ def test_core_rejects_alike(name):
         with pytest.raises(error) as info:
             _core(layout_jax, **dict(kwargs))
         assert _message(message, layout_jax) in str(info.value), (layout_jax, str(info.value))
+
+
+def test_core_takes_one_example_of_rank_3():
+    """Both twins take one example without its batch axis, in their layouts (jax.nn's ``(len, heads, head_dim)``,
+    SDPA's ``(heads, len, head_dim)``): the batched call's first example."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, n, H, D)).astype(np.float32) for n in (Q, K, K))
+    for layout_jax in (True, False):
+        core = mha_jax.dot_product_attention if layout_jax else mha_torch.dot_product_attention
+        convert = jnp.asarray if layout_jax else (lambda x: torch.from_numpy(np.ascontiguousarray(x.swapaxes(1, 2))))
+        batched = np.asarray(core(*map(convert, (q, k, v)), is_causal=True))
+        one = np.asarray(core(*(convert(x)[0] for x in (q, k, v)), is_causal=True))
+        np.testing.assert_allclose(one, batched[0], rtol=1e-6, atol=1e-6)
 
 
 def test_jax_dropout_without_rng_is_named():

@@ -1,6 +1,6 @@
 """Each kernel record against its kernel: what ``mha_jax.dot_product_attention`` says an
-implementation takes (dropout, a logit soft-cap, sinks, ALiBi slopes, the weights, forward-mode derivatives,
-dtypes, the platform it is compiled for, the kernel each platform runs, the ring) is exactly what
+implementation takes (dropout, a logit soft-cap, sinks, ALiBi slopes, the weights, the residual, forward-mode
+derivatives, dtypes, the platform it is compiled for, the kernel each platform runs, the ring) is exactly what
 that kernel receives and honours. A claim is checked by running the kernel on this CPU where it
 runs here (the TPU kernel in Pallas interpret mode) against the float64 oracle, or by lowering its
 program for its platform and reading the kernel call in it; a refusal must be raised, by name, where
@@ -28,7 +28,7 @@ from parity_tests.tool import harness, oracle
 
 B, Q, K, H, HK, D = 2, 12, 8, 4, 2, 8
 CLAIMS = {"name", "weights", "dropout", "soft_cap", "sinks", "alibi", "forward_mode", "dtypes", "platform",
-          "interpret_elsewhere", "ring", "per_platform", "value_head_dim"}
+          "interpret_elsewhere", "ring", "per_platform", "value_head_dim", "residual"}
 # The custom call that shows each platform kernel in a program (the others are computed by XLA's
 # own operations).
 KERNEL_CALLS = {"cudnn": "__cudnn$fmha", "splash": "tpu_custom_call"}
@@ -168,6 +168,25 @@ def test_weights_are_returned_where_claimed_and_refused_elsewhere(name):
     want, want_weights = _oracle(*args)
     _close(out, want, _dtype(record))
     _close(weights, want_weights, _dtype(record))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_residual_is_returned_where_claimed_and_refused_elsewhere(name):
+    record, args = RECORDS[name], _inputs(_dtype(RECORDS[name]))
+    fn = _attention(name, return_residual=True)
+    if not record.residual:
+        with pytest.raises(ValueError, match=re.escape(f"implementation={name!r} does not take return_residual")):
+            _lowered(name, fn, args)
+        return
+    if not _runs_here(record):
+        assert _kernels_in(_lowered(name, fn, args)) == {name}
+        return
+    out, lse = jax.jit(fn)(*args)
+    q, k = (np.asarray(x, np.float64) for x in args[:2])
+    logits = np.einsum("bqhd,bkhd->bqhk", q, np.repeat(k, H // HK, axis=2)) / np.sqrt(D)
+    top = logits.max(axis=-1)
+    _close(out, _oracle(*args)[0], _dtype(record))
+    _close(lse, top + np.log(np.exp(logits - top[..., None]).sum(axis=-1)), _dtype(record))
 
 
 @pytest.mark.skipif(not X64, reason="the finite differences are taken in float64")
