@@ -434,6 +434,19 @@ def test_the_check_catches_an_inf():
         _checked(functools.partial(jax.nn.dot_product_attention, is_causal=True), q, k, v)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_finite_bias_excludes_no_key(implementation):
+    """A row whose bias is float32's lowest finite everywhere (an additive mask, as transformers makes them)
+    still attends: the mean of the values, as in jax.nn; only a mask or ``-inf`` excludes a key."""
+    q, k, v = (x.astype(np.float32) for x in _inputs())
+    bias = np.zeros((T, S), np.float32)
+    bias[5] = np.finfo(np.float32).min
+    got = dot_product_attention(q, k, v, bias=jnp.asarray(bias), implementation=implementation)
+    want = jax.nn.dot_product_attention(q, k, v, bias=jnp.asarray(bias))
+    assert _error(got, want) < 1e-5
+    assert _error(np.asarray(got)[:, 5], np.repeat(np.asarray(v).mean(axis=1), N // K, axis=1)) < 1e-5
+
+
 def test_user_inf_bias_trips_as_in_jax_nn():
     """A user's ``-inf`` in a bias is theirs: it excludes the key, and ``jax.debug_infs`` trips on it (jax.nn's
     too: the array holding it is checked when it reaches JAX)."""
