@@ -107,13 +107,12 @@ def dot_product_attention(
       mask: broadcasts to ``(batch, heads, q_len, kv_len)``; bool (as jax.nn's), or any dtype with
         nonzero = attend (as in flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks
         work as they are).
-      scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
-      is_causal: a query sees the keys at positions ``<=`` its own.
+      {scale}
+      {is_causal}
       query_seq_lengths: integer ``(batch,)``: queries at index ``>=`` the length are padding: their
         output (and weights) 0, their residual that of a row with no key, no gradient through them.
-      key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
-      local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
-        positions ``p - left .. p + right``.
+      {lengths}
+      {window}
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks, memory
         linear in length, empty blocks skipped), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
         bfloat16/float16; no ``logit_soft_cap``, ``sinks`` or dropout), ``"splash"`` (JAX's Pallas TPU kernel; no
@@ -126,21 +125,7 @@ def dot_product_attention(
         biased logits, with the sink's): ``(batch, q_len, heads)`` in the input dtype, without gradient,
         as ``jax.nn``'s; a query with no key gets ``-0.7 x`` float32's largest value (jax.nn's; float16: its
         lowest finite). Not with ``return_weights``, ``"splash"`` or ``sequence_axis``.
-      query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
-        default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
-        ``0..t+n-1``, ``is_causal`` is what decoding needs.
-      query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
-        one row for every batch element), given together: a query sees keys of its own segment.
-      attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
-        ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
-      alibi_slopes: real floating ``(heads,)`` or ``(batch, heads)``: ALiBi, each head adds
-        ``-slope * |q_pos - k_pos|`` to the logits, on the positions above (flash-attn's
-        convention; ``mha_spec.alibi`` computes bloom's and MPT's slopes). A constant: no gradient.
-      logit_soft_cap: a positive finite ``cap``: the scaled logits become
-        ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
-      sinks: real floating ``(heads,)``, one learned logit per query head that joins each
-        query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
-        less than 1, and a query that may attend to no key still gets 0. Differentiable.
+      {our_masking_terms}
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
       dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (each implementation
