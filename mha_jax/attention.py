@@ -90,8 +90,8 @@ def dot_product_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head scaled dot-product attention, a drop-in for ``jax.nn.dot_product_attention``.
 
-    Its arguments in its order, with its meaning (``docs/drop-in.md`` lists the differences), then this
-    package's terms. Every masking term combines with the others (logical and; the bias is added).
+    Its arguments in its order and with its meaning (``docs/drop-in.md`` lists the differences), then this
+    package's terms, keywords only. Every masking term combines with the others (logical and; the bias is added).
 
     Args:
       query: ``(batch, q_len, heads, head_dim)``, or ``(q_len, heads, head_dim)``: one example (key, value,
@@ -107,12 +107,10 @@ def dot_product_attention(
       mask: broadcasts to ``(batch, heads, q_len, kv_len)``; bool (as jax.nn's), or any dtype with
         nonzero = attend (as in flax: its ``make_attention_mask``/``make_causal_mask`` float32 0/1 masks
         work as they are).
-      {scale}
-      {is_causal}
+      {masking_terms}
       query_seq_lengths: integer ``(batch,)``: queries at index ``>=`` the length are padding: their
         output (and weights) 0, their residual that of a row with no key, no gradient through them.
-      {lengths}
-      {window}
+      {logit_terms}
       implementation: ``"xla"`` (the plain formulation), ``"blockwise"`` (online softmax over blocks, memory
         linear in length, empty blocks skipped), ``"cudnn"`` (NVIDIA GPUs, through ``jax.nn.dot_product_attention``;
         bfloat16/float16; no ``logit_soft_cap``, ``sinks`` or dropout), ``"splash"`` (JAX's Pallas TPU kernel; no
@@ -125,7 +123,6 @@ def dot_product_attention(
         biased logits, with the sink's): ``(batch, q_len, heads)`` in the input dtype, without gradient,
         as ``jax.nn``'s; a query with no key gets ``-0.7 x`` float32's largest value (jax.nn's; float16: its
         lowest finite). Not with ``return_weights``, ``"splash"`` or ``sequence_axis``.
-      {our_masking_terms}
       dropout_rate: probability of dropping an attention weight; kept weights are scaled by
         ``1 / (1 - dropout_rate)``.
       dropout_rng: PRNG key drawing the dropout mask when ``dropout_rate > 0`` (each implementation
@@ -413,7 +410,8 @@ def _branch(platform: str, name, call):
 
 
 def _run_xla(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision,
-             compute, residual=False):
+             compute):
+    """(output, weights, lse ``(batch, q_len, heads)``): the weights' softmax read once for all three."""
     batch, heads, q_len, _ = spec.shape
     q = query.astype(compute).reshape(batch, q_len, key.shape[2], heads // key.shape[2], query.shape[3])
     if rng is not None:

@@ -8,53 +8,29 @@ from typing import TypeVar
 
 _T = TypeVar("_T")
 
-# Pieces of the sections below (one text each, composed in each signature's order)
-_PIECES = {
-    "is_causal": """\
-is_causal: a query sees the keys at positions ``<=`` its own.""",
-    "positions": """\
+SECTIONS = {
+    "masking_terms": """\
+is_causal: a query sees the keys at positions ``<=`` its own.
 query_positions, key_positions: integer ``(q_len,)``/``(kv_len,)`` or ``(batch, len)``;
   default ``arange``. With a chunk of queries at positions ``t..t+n-1`` over keys
-  ``0..t+n-1``, ``is_causal`` is what decoding needs.""",
-    "window": """\
+  ``0..t+n-1``, ``is_causal`` is what decoding needs.
 local_window_size: ``w`` or ``(left, right)``: a query at position ``p`` sees keys at
-  positions ``p - left .. p + right``.""",
-    "segments": """\
+  positions ``p - left .. p + right``.
 query_segment_ids, key_segment_ids: integer ``(batch, q_len)``/``(batch, kv_len)`` (or
-  one row for every batch element), given together: a query sees keys of its own segment.""",
-    "lengths": """\
-key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.""",
-    "chunks": """\
+  one row for every batch element), given together: a query sees keys of its own segment.
+key_value_seq_lengths: integer ``(batch,)``: keys at index ``>=`` the length are padding.
 attention_chunk_size: ``size``: a query sees only the keys of its own chunk of positions,
-  ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).""",
-    "alibi": """\
+  ``q_pos // size == k_pos // size`` (Llama 4's chunked attention, with ``is_causal``).
 alibi_slopes: real floating ``(heads,)`` or ``(batch, heads)``: ALiBi, each head adds
   ``-slope * |q_pos - k_pos|`` to the logits, on the positions above (flash-attn's
   convention; ``mha_spec.alibi`` computes bloom's and MPT's slopes). A constant: no gradient.""",
-    "scale": """\
-scale: multiplies the logits; default ``1 / sqrt(head_dim)``.""",
-    "soft_cap_sinks": """\
+    "logit_terms": """\
+scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
 logit_soft_cap: a positive finite ``cap``: the scaled logits become
   ``cap * tanh(logits / cap)`` before the bias and masks apply (as Gemma 2); None: no cap.
 sinks: real floating ``(heads,)``, one learned logit per query head that joins each
   query's softmax normaliser without a value (as gpt-oss): the weights on the keys sum to
   less than 1, and a query that may attend to no key still gets 0. Differentiable.""",
-}
-
-
-def _joined(*names: str) -> str:
-    return "\n".join(_PIECES[name] for name in names)
-
-
-SECTIONS = {
-    "masking_terms": _joined("is_causal", "positions", "window", "segments", "lengths", "chunks", "alibi"),
-    "logit_terms": _joined("scale", "soft_cap_sinks"),
-    # jax.nn.dot_product_attention's terms in its order, then this package's
-    "is_causal": _PIECES["is_causal"],
-    "window": _PIECES["window"],
-    "lengths": _PIECES["lengths"],
-    "scale": _PIECES["scale"],
-    "our_masking_terms": _joined("positions", "segments", "chunks", "alibi", "soft_cap_sinks"),
     "module_terms": """\
 scale: multiplies the logits; default ``1 / sqrt(head_dim)``.
 logit_soft_cap: logits become ``cap * tanh(logits / cap)`` before masking (Gemma 2).
