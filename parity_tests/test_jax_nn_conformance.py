@@ -175,7 +175,13 @@ def test_return_residual_is_jax_nn_logsumexp(implementation):
 
 def test_jax_nn_docstring_calls_run_unchanged():
     """Calls written as jax.nn's docstring describes them (``BTNH|TNH``, GQA, ``return_residual``,
-    ``query_seq_lengths``), made per example under ``jax.vmap`` too, in float64: equal to jax.nn's."""
+    ``query_seq_lengths``), made per example under ``jax.vmap`` too, in float64: equal to jax.nn's; both with
+    ``jax.debug_infs`` and ``jax.debug_nans`` on."""
+    with jax.debug_infs(True), jax.debug_nans(True):
+        _docstring_calls()
+
+
+def _docstring_calls():
     q, k, v = _inputs()
     for attention in (jax.nn.dot_product_attention, mha_jax.dot_product_attention):
         assert attention(q, k, v).shape == (B, T, N, H)
