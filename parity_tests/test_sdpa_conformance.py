@@ -324,3 +324,66 @@ def test_compiled_sdpa_call_gives_sdpa_results():
     torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
     for m, t in zip(_grads(mine, leaves), _grads(theirs, leaves)):
         torch.testing.assert_close(m, t, rtol=1e-12, atol=1e-12)
+
+
+# --- every masking term of ours: detect_anomaly quiet, forward and backward, in both implementations ---
+
+
+def _no_row(shape):
+    """A bool mask that excludes every key of query 2 (and some others)."""
+    return _keys_kept(shape).index_fill(-2, torch.tensor(2), False)
+
+
+# name: () -> keyword arguments of ours (the inputs: query (B, H, L, E), key and value (B, KV_H, S, ...))
+MASK_FORMS = {
+    "mask, a row with no key": lambda: dict(mask=_no_row((B, 1, L, S))),
+    "float mask, a row at -inf": lambda: dict(mask=torch.where(_no_row((L, S)), _randn(L, S), -torch.inf)),
+    "bias, a row at -inf": lambda: dict(bias=torch.where(_no_row((B, H, L, S)), _randn(B, H, L, S), -torch.inf)),
+    "mask and bias": lambda: dict(mask=_no_row((B, 1, L, S)), bias=_randn(H, L, S)),
+    "is_causal": lambda: dict(is_causal=True),
+    "is_causal at positions, no key for the first queries": lambda: dict(
+        is_causal=True, query_positions=torch.arange(L) - 2, key_positions=torch.arange(S)),
+    "local window": lambda: dict(local_window_size=(1, 0), query_positions=torch.arange(L) + 2),
+    "segments, a query of a segment with no key": lambda: dict(
+        query_segment_ids=torch.tensor([[0, 0, 1, 1, 3], [0, 1, 1, 2, 2]]),
+        key_segment_ids=torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 2, 2, 2]])),
+    "lengths, one of 0": lambda: dict(key_value_seq_lengths=torch.tensor([4, 0])),
+    "chunks, causal": lambda: dict(attention_chunk_size=2, is_causal=True),
+    "sinks, a row with no key": lambda: dict(sinks=_randn(H), mask=_no_row((L, S))),
+    "soft-cap, a row with no key": lambda: dict(logit_soft_cap=2.0, mask=_no_row((L, S))),
+    "ALiBi, causal": lambda: dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=F64), is_causal=True),
+    "every term": lambda: dict(
+        mask=_no_row((B, 1, L, S)), bias=_randn(H, L, S), is_causal=True, query_positions=torch.arange(L) + 2,
+        local_window_size=(3, 0), key_value_seq_lengths=torch.tensor([6, 3]), attention_chunk_size=4,
+        sinks=_randn(H), alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=F64)),
+}
+
+
+def _anomaly_free(implementation, q, k, v, terms):
+    """(output, gradients of q, k, v and a floating mask or bias) of ours under detect_anomaly: a NaN
+    formed by a backward step raises there."""
+    args, kwargs, leaves = _differentiable((q, k, v), terms)
+    with torch.autograd.detect_anomaly(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # detect_anomaly announces itself
+        out = ours(*args, **kwargs, implementation=implementation)
+        grads = _grads(out, leaves)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    return out, grads
+
+
+@pytest.mark.parametrize("name", list(MASK_FORMS))
+def test_every_mask_form_is_anomaly_free_and_alike_in_both_implementations(name):
+    torch.manual_seed(0)
+    q, k, v = _qkv(k=(B, KV_H, S, E))
+    terms = MASK_FORMS[name]()
+    out, grads = _anomaly_free("math", q, k, v, terms)
+    _, weights = ours(q, k, v, **terms, implementation="math", need_weights=True)
+    no_key = weights.sum(-1) == 0  # (B, H, L): rows with no key (with sinks, the sink's share is not there)
+    if "no key" in name or "a row" in name or "of 0" in name:
+        assert no_key.any() and (out[no_key] == 0).all() and (grads[0][no_key] == 0).all()
+    if "logit_soft_cap" in terms:  # SDPA cannot apply tanh to the logits
+        return
+    out_sdpa, grads_sdpa = _anomaly_free("sdpa", q, k, v, terms)
+    torch.testing.assert_close(out_sdpa, out, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads_sdpa, grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
