@@ -70,7 +70,9 @@ def dot_product_attention(
     Takes ``F.scaled_dot_product_attention``'s call as it is (``query, key, value, attn_mask,
     dropout_p, is_causal`` by position, ``scale`` and ``enable_gqa`` by name); the other
     arguments are keywords. Every masking term below combines with the others (logical and;
-    the bias is added).
+    the bias is added), ``attn_mask`` with ``is_causal`` too. At the default positions
+    ``is_causal`` aligns query ``i`` with key ``i`` (top-left, as SDPA's); queries that end at
+    the last key take ``query_positions``.
 
     Args:
       query: ``(batch, heads, q_len, head_dim)``, or ``(heads, q_len, head_dim)``: one example
@@ -85,9 +87,9 @@ def dot_product_attention(
       enable_gqa: None or True: ``kv_heads`` may be fewer than ``heads``; False: they must be
         equal, as ``F.scaled_dot_product_attention`` asks by default.
       mask: broadcasts to ``(batch, heads, q_len, kv_len)`` (one example: ``(heads, q_len,
-        kv_len)``); as in ``F.scaled_dot_product_attention``: bool True = attend, integer
-        nonzero = attend, floating = added to the logits (with ``bias``). ``mha_jax``'s mask
-        differs here: any dtype, nonzero = attend.
+        kv_len)``); as in ``F.scaled_dot_product_attention``: bool True = attend, floating =
+        added to the logits (with ``bias``); integer nonzero = attend (SDPA refuses integers).
+        ``mha_jax``'s mask differs here: any dtype, nonzero = attend.
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
         scaled logits (``-inf`` excludes a key).
       {masking_terms}
