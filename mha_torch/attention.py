@@ -264,17 +264,19 @@ def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: to
     """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
-    if allowed is not None:  # a finite stand-in (as jax.nn's), no -inf: its keys get weight 0 below
-        logits = logits.masked_fill(~allowed, _mask_value(logits.dtype))
+    lowest = -math.inf
+    if allowed is not None:  # a finite stand-in (as jax.nn's), no -inf: exp takes it to 0
+        lowest = _mask_value(logits.dtype)
+        logits = logits.masked_fill(~allowed, lowest)
     row_max = logits.amax(dim=-1, keepdim=True)
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1)
         row_max = torch.maximum(row_max, sink)
     row_max = row_max.detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # a bias of -inf on every key
+    # a row with no key has the stand-in (or -inf, a bias of -inf on every key) as its maximum: 0 instead
+    # takes its exps to 0, not 1
+    row_max = torch.where(row_max > lowest, row_max, 0.0)
     exp = torch.exp(logits - row_max)
-    if allowed is not None:  # a row with no allowed key has the stand-in as its maximum: its exps are 1
-        exp = exp.masked_fill(~allowed, 0.0)
     total = exp.sum(dim=-1, keepdim=True)
     if sinks is not None:
         total = total + torch.exp(sink - row_max)
