@@ -85,10 +85,6 @@ SAME = {
 }
 
 
-def _call(fn, args, kwargs, **extra):
-    return fn(*args, **kwargs, **extra)
-
-
 def _grads(out, inputs):
     """The gradients of a fixed projection of ``out`` with respect to ``inputs`` (zeros where none flows)."""
     weight = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).reshape(out.shape)
@@ -114,7 +110,7 @@ def test_sdpa_calls_give_sdpa_results(name, implementation):
     theirs = F.scaled_dot_product_attention(*args, **kwargs)
     with torch.autograd.detect_anomaly(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # detect_anomaly announces itself
-        mine = _call(ours, args, kwargs, implementation=implementation)
+        mine = ours(*args, **kwargs, implementation=implementation)
         my_grads = _grads(mine, leaves)
     assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
     torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
@@ -160,6 +156,9 @@ REFUSED = {
     "integer inputs": (lambda: (tuple(x.long() for x in _qkv()), {}), TypeError,
                        "query must be a real floating-point array, got dtype int64"),
     "is_causal an integer": (lambda: (_qkv(), dict(is_causal=1)), TypeError, "is_causal must be a bool, got int"),
+    "enable_gqa an integer": (lambda: (_qkv(), dict(enable_gqa=1)), TypeError,
+                              "enable_gqa must be a bool or None, got int"),
+    "dropout_p a string": (lambda: (_qkv(), dict(dropout_p="a")), TypeError, "dropout_p must be a number in [0, 1)"),
     "rank 3 inputs, a batched attn_mask": (
         lambda: ((*_qkv(q=(H, L, E), k=(H, S, E)), torch.ones(1, H, L, S, dtype=torch.bool)), {}), ValueError,
         "attn_mask of shape (1, 4, 5, 7) does not broadcast to (heads, q_len, kv_len) = (4, 5, 7)"),
