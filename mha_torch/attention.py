@@ -104,8 +104,11 @@ def dot_product_attention(
     Returns:
       ``(batch, heads, q_len, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
-      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32 (on a CUDA
-      device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
+      output row of 0 and weights 0. ``"math"`` stands ``-0.7 * finfo(dtype).max`` for an
+      excluded key's logit (finite, as ``jax.nn``): a row whose every allowed key has a logit
+      plus bias at or below it counts as having no key there (``"sdpa"``: SDPA's softmax over
+      them). bfloat16/float16 inputs are computed in float32 (on a CUDA device, ``"sdpa"``
+      gives them to the fused kernels as they are, which accumulate in float32).
     """
     one_example = _checks.check_rank(query, key, value)
     mask_name, mask = _checks.either_mask(attn_mask, mask)

@@ -386,3 +386,20 @@ def test_every_mask_form_is_anomaly_free_and_alike_in_both_implementations(name)
     torch.testing.assert_close(out_sdpa, out, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads_sdpa, grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_row_whose_allowed_keys_sit_below_the_stand_in_counts_as_having_none_in_math():
+    """``"math"`` stands ``-0.7 * finfo.max`` for an excluded key: a row whose every allowed key has a bias
+    below it (transformers' float masks use ``finfo.min``) has the stand-in as its maximum, and gets 0, as a
+    row with no key; SDPA (and ours through it) gives the softmax over those keys. Other rows agree."""
+    q, k, v = _qkv()
+    allowed = _keys_kept((L, S))
+    bias = torch.zeros(L, S, dtype=F64).index_fill(0, torch.tensor(2), torch.finfo(F64).min)
+    theirs = F.scaled_dot_product_attention(q, k, v, bias.masked_fill(~allowed, -torch.inf))
+    assert theirs[:, :, 2].abs().sum() > 0
+    torch.testing.assert_close(ours(q, k, v, allowed, bias=bias, implementation="sdpa"), theirs,
+                               rtol=1e-12, atol=1e-12)
+    mine = ours(q, k, v, allowed, bias=bias, implementation="math")
+    assert (mine[:, :, 2] == 0).all()
+    rows = torch.arange(L) != 2
+    torch.testing.assert_close(mine[:, :, rows], theirs[:, :, rows], rtol=1e-12, atol=1e-12)
