@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mha_spec import arguments
@@ -35,3 +36,45 @@ CHECKS = arguments.ArrayChecks(
 require_array, require_float, require_int = CHECKS.require_array, CHECKS.require_float, CHECKS.require_int
 check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
     CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask)
+
+
+def check_rank(query, key, value) -> bool:
+    """Real floating query, key and value all of rank 4 ``(batch, heads, len, head_dim)``, or all of rank 3
+    ``(heads, len, head_dim)``: one example. Returns whether they are one example."""
+    inputs = (("query", query), ("key", key), ("value", value))
+    for name, x in inputs:
+        require_float(name, x)
+    for name, x in inputs:
+        if x.ndim not in (3, 4):
+            raise ValueError(f"{name} must have rank 3 (one example) or 4, got shape {tuple(x.shape)}")
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(f"query, key and value must share one rank, 3 (one example) or 4, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
+    return query.ndim == 3
+
+
+def check_one_example(shape: tuple[int, int, int], **arrays) -> None:
+    """Each tensor of ``arrays`` broadcasts to ``shape`` = ``(heads, q_len, kv_len)``: no batch axis to add."""
+    for name, x in arrays.items():
+        if isinstance(x, torch.Tensor):
+            arguments.check_broadcast(name, x.shape, shape, "(heads, q_len, kv_len)")
+
+
+def either_mask(attn_mask, mask) -> tuple[str, torch.Tensor | None]:
+    """(the name given, the mask): ``attn_mask`` is ``F.scaled_dot_product_attention``'s name for ``mask``."""
+    if attn_mask is not None and mask is not None:
+        raise TypeError("attn_mask and mask are one argument (F.scaled_dot_product_attention's name and ours): "
+                        "pass one of them, got both")
+    return ("mask", mask) if attn_mask is None else ("attn_mask", attn_mask)
+
+
+def check_enable_gqa(enable_gqa, heads: int, kv_heads: int) -> None:
+    """None or True: key/value heads may be grouped; False: as many as the query heads (as SDPA's default)."""
+    if enable_gqa is None:
+        return
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool or None, got {type(enable_gqa).__name__}")
+    if not enable_gqa and kv_heads != heads:
+        raise ValueError(f"enable_gqa=False needs as many key/value heads as query heads (as "
+                         f"F.scaled_dot_product_attention), got {kv_heads} key/value heads for {heads} query heads; "
+                         f"enable_gqa=True or None shares each key/value head among a group of query heads")

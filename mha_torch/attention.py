@@ -33,6 +33,9 @@ _KERNELS = {k.name: k for k in (
 )}
 IMPLEMENTATIONS = tuple(_KERNELS)
 _DEFAULT_ORDER = ("sdpa", "math")  # the default: the first that takes the call
+# PyTorch's own, held from import: a program that puts ``dot_product_attention`` in its place as
+# ``F.scaled_dot_product_attention`` still reaches PyTorch's here, not itself again.
+_torch_sdpa = F.scaled_dot_product_attention
 
 
 @docstrings.fill
@@ -40,10 +43,14 @@ def dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
     *,
+    scale: float | None = None,
+    enable_gqa: bool | None = None,
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    is_causal: bool = False,
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     local_window_size: int | tuple[int, int] | None = None,
@@ -52,34 +59,41 @@ def dot_product_attention(
     key_value_seq_lengths: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
-    scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
     need_weights: bool = False,
     implementation: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head scaled dot-product attention.
 
-    Every masking term below combines with the others (logical and; the bias is added).
+    Takes ``F.scaled_dot_product_attention``'s call as it is (``query, key, value, attn_mask,
+    dropout_p, is_causal`` by position, ``scale`` and ``enable_gqa`` by name); the other
+    arguments are keywords. Every masking term below combines with the others (logical and;
+    the bias is added), ``attn_mask`` with ``is_causal`` too. At the default positions
+    ``is_causal`` aligns query ``i`` with key ``i`` (top-left, as SDPA's); queries that end at
+    the last key take ``query_positions``.
 
     Args:
-      query: ``(batch, heads, q_len, head_dim)``.
+      query: ``(batch, heads, q_len, head_dim)``, or ``(heads, q_len, head_dim)``: one example
+        (key and value then lack the batch axis too, and so do the output and the weights).
       key: ``(batch, kv_heads, kv_len, head_dim)``; ``kv_heads`` divides ``heads``, and query head
         ``h`` reads key/value head ``h // (heads // kv_heads)``.
       value: ``(batch, kv_heads, kv_len, v_head_dim)``, ``v_head_dim`` may differ from ``head_dim``
         (as in multi-head latent attention); the output has it.
-      mask: broadcasts to ``(batch, heads, q_len, kv_len)``; as in
-        ``F.scaled_dot_product_attention``: bool True = attend, integer nonzero = attend,
-        floating = added to the logits (with ``bias``). ``mha_jax``'s mask differs here: any
-        dtype, nonzero = attend.
+      attn_mask: ``F.scaled_dot_product_attention``'s name for ``mask``; pass one of the two.
+      dropout_p: probability of dropping an attention weight; kept weights are scaled by
+        ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
+      enable_gqa: None or True: ``kv_heads`` may be fewer than ``heads``; False: they must be
+        equal, as ``F.scaled_dot_product_attention`` asks by default.
+      mask: broadcasts to ``(batch, heads, q_len, kv_len)`` (one example: ``(heads, q_len,
+        kv_len)``); as in ``F.scaled_dot_product_attention``: bool True = attend, floating =
+        added to the logits (with ``bias``); integer nonzero = attend (SDPA refuses integers).
+        ``mha_jax``'s mask differs here: any dtype, nonzero = attend.
       bias: real floating, broadcasting to ``(batch, heads, q_len, kv_len)``; added to the
         scaled logits (``-inf`` excludes a key).
       {masking_terms}
       {logit_terms}
-      dropout_p: probability of dropping an attention weight; kept weights are scaled by
-        ``1 / (1 - dropout_p)``. Without ``dropout_mask`` the mask is drawn from torch's RNG.
       dropout_mask: explicit keep-mask (True = keep) broadcasting to
         ``(batch, heads, q_len, kv_len)`` (``"math"`` only).
       need_weights: also return the attention weights actually applied to ``value``
@@ -90,15 +104,29 @@ def dot_product_attention(
     Returns:
       ``(batch, heads, q_len, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
-      output row of 0 and weights 0. bfloat16/float16 inputs are computed in float32 (on a CUDA
-      device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
+      output row of 0 and weights 0. ``"math"`` stands ``-0.7 * finfo(dtype).max`` for an
+      excluded key's logit (finite, as ``jax.nn``): a row whose every allowed key has a logit
+      plus bias at or below it counts as having no key there (``"sdpa"``: SDPA's softmax over
+      them). bfloat16/float16 inputs are computed in float32 (on a CUDA device, ``"sdpa"``
+      gives them to the fused kernels as they are, which accumulate in float32).
     """
-    batch, q_len, heads, _, kv_len, _ = _checks.check_attention_inputs(query, key, value)
-    spec = masks.parse((batch, heads, q_len, kv_len), device=query.device, **batch_axes.masking(locals()))
-    return spec_attention(
+    one_example = _checks.check_rank(query, key, value)
+    mask_name, mask = _checks.either_mask(attn_mask, mask)
+    if one_example:  # as a batch of one
+        _checks.check_one_example((query.shape[0], query.shape[1], key.shape[1]),
+                                  **{mask_name: mask, "bias": bias, "dropout_mask": dropout_mask})
+        query, key, value = query[None], key[None], value[None]
+    batch, q_len, heads, _, kv_len, kv_heads = _checks.check_attention_inputs(query, key, value)
+    _checks.check_enable_gqa(enable_gqa, heads, kv_heads)
+    spec = masks.parse((batch, heads, q_len, kv_len), device=query.device, mask_name=mask_name,
+                       **batch_axes.masking(locals()))
+    result = spec_attention(
         query, key, value, spec, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, dropout_p=dropout_p,
         dropout_mask=dropout_mask, need_weights=need_weights, implementation=implementation,
     )
+    if not one_example:
+        return result
+    return (result[0][0], result[1][0]) if need_weights else result[0]
 
 
 def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_soft_cap=None, sinks=None,
@@ -209,9 +237,9 @@ def _sdpa(q, k, v, spec: masks.Spec, scale, dropout_p, sinks=None):
     groups = heads // k.shape[1]
     if groups > 1 and attn_mask is None and not native_causal and dropout_p == 0:
         # a group's query heads as rows of one head: each key/value head read once (enable_gqa: once per query head)
-        out = F.scaled_dot_product_attention(q.reshape(batch, k.shape[1], groups * q_len, head_dim), k, v, scale=scale)
+        out = _torch_sdpa(q.reshape(batch, k.shape[1], groups * q_len, head_dim), k, v, scale=scale)
         return out.view(batch, heads, q_len, v.shape[3])
-    return F.scaled_dot_product_attention(
+    return _torch_sdpa(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
@@ -239,19 +267,29 @@ def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: to
     """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, -math.inf)
+    lowest = -math.inf
+    if allowed is not None:  # a finite stand-in (as jax.nn's), no -inf: exp takes it to 0
+        lowest = _mask_value(logits.dtype)
+        logits = logits.masked_fill(~allowed, lowest)
     row_max = logits.amax(dim=-1, keepdim=True)
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1)
         row_max = torch.maximum(row_max, sink)
     row_max = row_max.detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    # a row with no key has the stand-in (or -inf, a bias of -inf on every key) as its maximum: 0 instead
+    # takes its exps to 0, not 1
+    row_max = torch.where(row_max > lowest, row_max, 0.0)
     exp = torch.exp(logits - row_max)
     total = exp.sum(dim=-1, keepdim=True)
     if sinks is not None:
         total = total + torch.exp(sink - row_max)
     return exp / torch.where(total == 0.0, 1.0, total)
+
+
+def _mask_value(dtype: torch.dtype) -> float:
+    """The logit that stands for an excluded key: finite and far below any real logit, with room to subtract
+    a row's maximum without overflow (jax.nn's ``-0.7 * finfo.max``)."""
+    return -0.7 * torch.finfo(dtype).max
 
 
 def _dropout_keep(rate, dropout_mask, shape):

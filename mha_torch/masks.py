@@ -30,17 +30,18 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.
 
 def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
           key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, device=None) -> Spec:
+          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, device=None,
+          mask_name="mask") -> Spec:
     """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len);
-    the tensors kept are moved to ``device`` (the query's)."""
+    the tensors kept are moved to ``device`` (the query's). ``mask_name``: what messages call ``mask``."""
     batch, heads, q_len, kv_len = shape
     allowed = additive = None
     if mask is not None:
-        _checks.require_array("mask", mask)
-        arguments.check_broadcast("mask", mask.shape, shape, MASK_LAYOUT)
+        _checks.require_array(mask_name, mask)
+        arguments.check_broadcast(mask_name, mask.shape, shape, MASK_LAYOUT)
         kind = _checks.dtype_kind(mask)
         if kind not in ("bool", "int", "float"):
-            raise TypeError(f"mask must be bool, integer or real floating (bool/integer: nonzero = attend; "
+            raise TypeError(f"{mask_name} must be bool, integer or real floating (bool/integer: nonzero = attend; "
                             f"floating: added to the logits), got dtype {_checks.dtype_name(mask)} with shape "
                             f"{tuple(mask.shape)}")
         mask = mask.to(device)
