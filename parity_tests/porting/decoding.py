@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, settings, verdict
+from parity_tests.porting import jax_side, settings, verdict
+from parity_tests.tool import arrays
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from parity_tests.porting.arrays import max_abs_error, relative_error
-from parity_tests.tool.arrays import to_float64
+from parity_tests.tool import axis_layouts
+from parity_tests.tool.arrays import max_abs_error, relative_error, to_float64
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def metrics(jax_logits, torch_logits, *, k: int = 5, valid: np.ndarray | None = None) -> LogitMetrics:
     """Logits ``(*tokens, vocab)`` of both sides compared; ``valid`` bool ``tokens``-shaped: only those tokens."""
-    a, b = to_float64(jax_logits), to_float64(torch_logits)
-    a = a.reshape(b.shape)
+    b = to_float64(torch_logits)
+    a = to_float64(axis_layouts.fit(to_float64(jax_logits), b.shape))
     if b.ndim < 2:
         raise ValueError(f"logits must be (*tokens, vocab), got shape {b.shape}")
     la, lb = _log_softmax(a), _log_softmax(b)

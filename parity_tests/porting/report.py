@@ -20,7 +20,8 @@ class ModuleResult:
     inputs) and ``reference_inherited`` (PyTorch's output against the whole model run in float64),
     ``note`` (why a value is missing), ``sources`` (the PyTorch modules whose outputs its inputs
     are: ``name#occurrence``, ``input.N`` for the model's inputs; ``jax_sources`` the same on the
-    JAX side, in JAX's names), ``by_flow`` (failed by inherited error: see ``outcome``)."""
+    JAX side, in JAX's names), ``by_flow`` (failed by inherited error: see ``outcome``), ``layout``
+    (how the JAX output was read in PyTorch's layout: ``"as is"``, or the axes it was brought in by)."""
 
     name: str
     jax_name: str
@@ -37,6 +38,7 @@ class ModuleResult:
     sources: list[str] = field(default_factory=list)
     by_flow: bool = False
     jax_sources: list[str] = field(default_factory=list)
+    layout: str = "as is"
 
     @property
     def bound(self) -> float:
@@ -79,7 +81,7 @@ class ModuleResult:
                 "attention": self.attention, "dtype": self.dtype, "tolerance": self.tolerance, "added": self.added,
                 "inherited": self.inherited, "reference": self.reference,
                 "reference_inherited": self.reference_inherited, "bound": self.bound,
-                "inherited_bound": self.inherited_bound, "sources": self.sources, "jax_sources": self.jax_sources,
+                "inherited_bound": self.inherited_bound, "layout": self.layout, "sources": self.sources, "jax_sources": self.jax_sources,
                 "outcome": self.outcome,
                 "found_by_inherited_error": self.by_flow, "passed": self.passed, "note": self.note}
 
@@ -167,7 +169,8 @@ class Report:
             if m.outcome == verdict.NOT_COMPARED and m.note:
                 mark = f"{mark} ({m.note})"
             allowed = f"{m.bound:.1e}" + (" (attention)" if m.attention else "")
-            out.append([m.label, m.jax_name, _e(m.added), _e(m.reference), allowed, _e(m.inherited), mark])
+            jax = m.jax_name if m.layout == "as is" else f"{m.jax_name} [{m.layout}]"
+            out.append([m.label, jax, _e(m.added), _e(m.reference), allowed, _e(m.inherited), mark])
         return out
 
     def summary(self) -> list[str]:

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, settings, torch_side
+from parity_tests.porting import jax_side, settings, torch_side
+from parity_tests.tool import arrays
 from parity_tests.porting.training import as_torch_layout, pair_parameters
 
 FLOAT64_TOLERANCE = 1e-8

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, names, settings, verdict
+from parity_tests.porting import jax_side, names, settings, verdict
+from parity_tests.tool import arrays
 
 WEIGHT_NAMES = ("kernel", "scale", "embedding", "weight")
 
