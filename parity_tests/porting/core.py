@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from parity_tests.porting import jax_side, logits, names, settings
+from parity_tests.porting import jax_side, logits, names, settings, verdict
 from parity_tests.tool import arrays
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.report import ModuleResult, OutputResult, Report
@@ -176,7 +176,8 @@ def judge_by_flow(modules: list[ModuleResult]) -> None:
         if not known:
             m.note = m.note or "the errors of its inputs are not known"
             continue
-        m.by_flow = all(error <= limit for error, limit in known) and m.inherited > m.inherited_bound
+        m.by_flow = all(verdict.within(e, limit) for e, limit in known) and not verdict.within(m.inherited,
+                                                                                               m.inherited_bound)
 
 
 def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:

@@ -35,14 +35,14 @@ class DecodeResult:
 
     @property
     def passed(self) -> bool:
-        return self.tokens == self.expected and self.logits_error <= self.tolerance
+        return self.tokens == self.expected and verdict.within(self.logits_error, verdict.bound(self.tolerance))
 
     @property
     def first_step(self) -> int | None:
         """The first step whose token differs or whose logits are beyond the tolerance (None: none)."""
         for step, (mine, theirs) in enumerate(zip(self.tokens, self.expected)):
             error = self.step_errors[step] if step < len(self.step_errors) else 0.0
-            if mine != theirs or not error <= self.tolerance:
+            if mine != theirs or not verdict.within(error, verdict.bound(self.tolerance)):
                 return step
         return None if self.passed else len(self.expected)
 

@@ -42,15 +42,16 @@ class ModuleResult:
 
     @property
     def bound(self) -> float:
-        """What ``added`` may be: ``ROUNDING_FACTOR`` times PyTorch's own rounding (at least a few
-        units of the dtype's rounding), or the tolerance without it."""
-        return verdict.bound(self.tolerance, self.reference, self.dtype)
+        """What ``added`` may be (``verdict.bound``): a multiple of PyTorch's own rounding (at least a
+        few units of the dtype's rounding), or the tolerance without it."""
+        return verdict.bound(self.tolerance, self.reference, verdict.module_floor(self.tolerance, self.dtype))
 
     @property
     def inherited_bound(self) -> float:
-        """What ``inherited`` may be: the tolerance, or ``ROUNDING_FACTOR`` times PyTorch's own
+        """What ``inherited`` may be (``verdict.bound``): the tolerance, or a multiple of PyTorch's own
         error against the whole model in float64 at this module."""
-        return verdict.bound(self.tolerance, self.reference_inherited, self.dtype)
+        return verdict.bound(self.tolerance, self.reference_inherited,
+                             verdict.module_floor(self.tolerance, self.dtype))
 
     @property
     def outcome(self) -> str:

@@ -12,9 +12,9 @@ with equal set-ups stays far below over hundreds of steps). In lower precisions 
 with the steps (Adam moves an entry whose gradient is rounding-sized by the full learning rate, in
 either direction), so a third run measures it: a float64 copy of the PyTorch model trained with the
 same set-up. The PyTorch run's own distance from it, per parameter and step (its running maximum
-over the steps so far), times ``ROUNDING_FACTOR``, is the allowance, and never less than
-``FLOORS[dtype]``: a port may make as much rounding error as the reference makes, several times
-over, but a set-up difference moves a parameter by a share of the learning rate at once.
+over the steps so far) gives the allowance by ``verdict.bound``, never less than ``FLOORS[dtype]``:
+a port may make as much rounding error as the reference makes, several times over, but a set-up
+difference moves a parameter by a share of the learning rate at once.
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import jax_side, parameter_pairs, settings, torch_side
+from parity_tests.porting import jax_side, parameter_pairs, settings, torch_side, verdict
 from parity_tests.tool import arrays
 
 FLOAT64_TOLERANCE = 1e-8
 # the least allowance by dtype: a few roundings of a parameter of that precision
 FLOORS = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
-# how many times the reference's own rounding error a port may make
-ROUNDING_FACTOR = 10.0
 
 
 @dataclass
@@ -85,10 +83,10 @@ class TrainingReport:
         """The first step, and in it the loss (computed before the update) or else the first
         parameter in PyTorch's order, that left its allowance; None when none did."""
         for step in range(1, self.steps + 1):
-            if not self.loss_error(step) <= self.loss_allowance[step - 1]:
+            if not verdict.within(self.loss_error(step), self.loss_allowance[step - 1]):
                 return Divergence(step, "loss", self.loss_error(step), self.loss_allowance[step - 1])
             for name, error, allowed in zip(self.names, self.drift[step - 1], self.allowance[step - 1]):
-                if not error <= allowed:
+                if not verdict.within(error, allowed):
                     return Divergence(step, name, error, allowed)
         return None
 
@@ -102,19 +100,25 @@ class TrainingReport:
         step, p = np.unravel_index(int(np.argmax(ratios)), ratios.shape)
         return int(step) + 1, self.names[p], float(self.drift[step][p])
 
+    def failures(self) -> list[str]:
+        """What failed, in words: no parameter paired, those without a pair, the first divergence
+        (its step and parameter)."""
+        reasons = []
+        if not self.names:
+            reasons.append("no parameter paired")
+        if self.unpaired_torch:
+            reasons.append(f"{len(self.unpaired_torch)} PyTorch parameters without a JAX pair "
+                           f"({', '.join(self.unpaired_torch[:4])}{' ...' if len(self.unpaired_torch) > 4 else ''})")
+        if self.first_divergence is not None:
+            reasons.append(f"training: first divergence at {self.first_divergence}")
+        return reasons
+
     def verdict(self) -> str:
         what = f"training, {self.steps} steps, {len(self.names)} parameters ({self.settings.get('dtype')})"
         if self.passed:
             step, name, drift = self.worst()
             return f"{what}: passed; largest drift {drift:.2e} ({name}, step {step}) within its allowance"
-        reasons = []
-        if not self.names:
-            reasons.append("no parameter paired")
-        if self.unpaired_torch:
-            reasons.append(f"{len(self.unpaired_torch)} PyTorch parameters without a JAX pair")
-        if self.first_divergence is not None:
-            reasons.append(f"first divergence at {self.first_divergence}")
-        return f"{what}: FAILED: " + "; ".join(reasons)
+        return f"{what}: " + verdict.line(False, self.failures())
 
     def table(self, rows: int = 12) -> str:
         """The verdict, then about ``rows`` steps (the first three, the first divergence, the last):
@@ -128,7 +132,8 @@ class TrainingReport:
         for step in sorted(s for s in shown if 1 <= s <= self.steps):
             ratios = np.asarray(self.drift[step - 1]) / np.asarray(self.allowance[step - 1])
             p = int(np.argmax(ratios))
-            ok = "ok" if ratios[p] <= 1 and self.loss_error(step) <= self.loss_allowance[step - 1] else "FAILED"
+            ok = "ok" if verdict.within(self.drift[step - 1][p], self.allowance[step - 1][p]) and verdict.within(
+                self.loss_error(step), self.loss_allowance[step - 1]) else "FAILED"
             lines.append(f"  {step:>5}  {self.torch_loss[step - 1]:>13.6g}  {self.jax_loss[step - 1]:>13.6g}  "
                          f"{self.drift[step - 1][p]:>9.2e}  {self.allowance[step - 1][p]:>9.2e}  {self.names[p]}  {ok}")
         if self.unpaired_torch:
@@ -141,7 +146,7 @@ class TrainingReport:
     def as_json(self) -> dict:
         divergence = self.first_divergence
         out = asdict(self)
-        out.update(passed=self.passed, verdict=self.verdict(),
+        out.update(passed=self.passed, verdict=self.verdict(), failures=self.failures(),
                    first_divergence=None if divergence is None else asdict(divergence))
         return json.loads(json.dumps(out, default=float))
 
@@ -330,14 +335,14 @@ def _drift(torch_params: dict, jax_params: dict, pairs: list[parameter_pairs.Pai
 
 
 def _allowance(dtype: str, seen: np.ndarray | None, error) -> np.ndarray:
-    """``FLOAT64_TOLERANCE`` in float64; else ``ROUNDING_FACTOR`` times the reference run's largest
-    error so far (``seen``, updated with this step's ``error``), at least ``FLOORS[dtype]``."""
+    """``FLOAT64_TOLERANCE`` in float64; else ``verdict.bound`` of the reference run's largest error
+    so far (``seen``, updated with this step's ``error``), at least ``FLOORS[dtype]``."""
     error = np.asarray(error, np.float64)
     error = np.where(np.isfinite(error), error, 0.0)  # a reference run that overflowed measures nothing
     if dtype == "float64":
-        return np.full(error.shape, FLOAT64_TOLERANCE)
+        return np.full(error.shape, verdict.bound(FLOAT64_TOLERANCE))
     seen[...] = np.maximum(seen, error)
-    return np.maximum(FLOORS.get(dtype, FLOORS["float32"]), ROUNDING_FACTOR * seen)
+    return np.array([verdict.bound(FLOORS.get(dtype, FLOORS["float32"]), float(e)) for e in seen])
 
 
 def _setups(torch_optimizer, optax_optimizer, learning_rate: float = 1e-3, weight_decay: float = 1e-2):

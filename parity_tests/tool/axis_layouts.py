@@ -37,26 +37,31 @@ class Layout:
     split: tuple[int, int] | None = None
     axes: tuple[int, ...] = ()
     merge: bool = False
+    squeezed: bool = False  # axes of size 1 left out first, and put in where the target has them
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
         if tuple(x.shape) != self.source:
             raise LayoutError(f"the layout {self} takes an array of {self.source}, got {tuple(x.shape)}")
+        if self.squeezed:
+            x = x.reshape(_squeeze(self.source))  # an axis of size 1 orders nothing: reading order kept
         if self.split is not None:
             x = x.reshape(x.shape[:-1] + self.split)
         x = np.transpose(x, self.axes) if self.axes else x
         if self.merge:
             x = x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
-        return x
+        return x.reshape(self.target) if self.squeezed else x
 
     @property
     def identity(self) -> bool:
-        return self.split is None and not self.merge and self.axes == tuple(range(len(self.source)))
+        return (self.split is None and not self.merge and not self.squeezed
+                and self.axes == tuple(range(len(self.source))))
 
     def __str__(self) -> str:
         if self.identity:
             return "as is"
-        steps = [f"last axis split into {self.split}"] if self.split else []
+        steps = ["axes of size 1 taken out or put in"] if self.squeezed else []
+        steps += [f"last axis split into {self.split}"] if self.split else []
         if self.axes != tuple(range(len(self.axes))):
             steps.append(f"axes {self.axes}")
         if self.merge:
@@ -71,10 +76,23 @@ def _orders(ndim: int) -> list[tuple[int, ...]]:
     return [(0, *rest) for rest in itertools.permutations(range(1, ndim))]
 
 
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
 def candidates(source: Sequence[int], target: Sequence[int]) -> list[Layout]:
     """Every layout from ``source`` to ``target`` (equal shapes: only as they are), one per order in
-    which it reads the elements, the simplest first."""
+    which it reads the elements, the simplest first; where none fits, those of the shapes without
+    their axes of size 1 (``(length, hidden)`` against ``(1, length, hidden)``)."""
     source, target = tuple(int(n) for n in source), tuple(int(n) for n in target)
+    found = _candidates(source, target)
+    inner = _squeeze(source), _squeeze(target)
+    if found or inner == (source, target):
+        return found
+    return [Layout(source, target, c.split, c.axes, c.merge, True) for c in _candidates(*inner)]
+
+
+def _candidates(source: tuple[int, ...], target: tuple[int, ...]) -> list[Layout]:
     if source == target:
         return [Layout(source, target, None, tuple(range(len(source))))]
     if int(np.prod(source)) != int(np.prod(target)):
