@@ -20,8 +20,7 @@ import optax
 import pytest
 import torch
 
-from parity_tests.porting import training
-from parity_tests.porting import compare_training
+from parity_tests.porting import compare_training, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

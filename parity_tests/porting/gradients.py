@@ -19,6 +19,7 @@ import numpy as np
 from parity_tests.porting import jax_side, names, parameter_pairs, settings, verdict
 from parity_tests.tool import arrays
 
+
 @dataclass
 class ParameterResult(verdict.Measured):
     """One parameter: ``name`` (PyTorch's), ``jax_name``, the relative ``error`` and its ``tolerance``."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity_tests.porting import names
-from parity_tests.tool import arrays, axis_layouts
 from parity_tests.porting.recording import Call, Flow
+from parity_tests.tool import arrays, axis_layouts
 
 # an input adapter: PyTorch's recorded call (argument name -> NumPy array) -> the JAX call's (args, kwargs)
 Adapter = Callable[[dict], tuple]

@@ -82,7 +82,8 @@ class ModuleResult:
                 "attention": self.attention, "dtype": self.dtype, "tolerance": self.tolerance, "added": self.added,
                 "inherited": self.inherited, "reference": self.reference,
                 "reference_inherited": self.reference_inherited, "bound": self.bound,
-                "inherited_bound": self.inherited_bound, "layout": self.layout, "sources": self.sources, "jax_sources": self.jax_sources,
+                "inherited_bound": self.inherited_bound, "layout": self.layout, "sources": self.sources,
+                "jax_sources": self.jax_sources,
                 "outcome": self.outcome,
                 "found_by_inherited_error": self.by_flow, "passed": self.passed, "note": self.note}
 

@@ -13,7 +13,6 @@ from collections import Counter
 
 import numpy as np
 
-
 from parity_tests.porting.recording import Call, Flow, Recording
 from parity_tests.tool import arrays
 

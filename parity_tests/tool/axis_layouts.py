@@ -8,10 +8,11 @@ never reshaped across shapes: equal shapes are taken as they are; otherwise ever
 searched that makes the shapes equal: the axes permuted (the first, the batch, kept first for
 arrays of three axes or more); or the last axis split in two (``(..., H*D) -> (..., H, D)``) and
 the axes permuted; or the axes permuted and the last two merged (``(..., H, D) -> (..., H*D)``),
-the last axis (head_dim) kept last wherever heads are split or merged. Layouts that read the elements in the same order are
-one. Exactly one fits: it is used (and named). Several fit (heads == length, say): the caller
-declares one, or nothing is compared. None fits: nothing is compared. Either way a ``LayoutError``
-says why, naming both shapes and the candidates.
+the last axis (head_dim) kept last wherever heads are split or merged; where none fits, the same
+without the axes of size 1. Layouts that read the elements in the same order are one. Exactly one
+fits: it is used (and named). Several fit (heads == length, say): the caller declares one, or
+nothing is compared. None fits: nothing is compared. Either way a ``LayoutError`` says why, naming
+both shapes and the candidates.
 """
 
 from __future__ import annotations
