@@ -114,14 +114,23 @@ def is_float(x) -> bool:
 
 def _pair(a, b, valid, layout) -> tuple[np.ndarray, np.ndarray]:
     """``a`` in ``b``'s layout (``axis_layouts.fit``; a ``LayoutError`` when it has none, or several),
-    both float64, at the ``valid`` positions of an array whose shape starts with ``valid``'s."""
+    both float64, at the ``valid`` positions: of ``b`` where its shape starts with ``valid``'s, else
+    of ``a`` where its shape does, carried to ``b``'s layout with it (``(batch, heads, length, ...)``
+    against ``(batch, length, heads, ...)``)."""
     from parity_tests.tool import axis_layouts
 
-    b = to_float64(b)
-    a = to_float64(axis_layouts.fit(to_numpy(a), b.shape, layout))
-    if valid is not None and b.shape[: valid.ndim] == valid.shape:
-        a, b = a[valid], b[valid]
-    return a, b
+    a, b = to_numpy(a), to_float64(b)
+    aligned = to_float64(axis_layouts.fit(a, b.shape, layout))
+    if valid is None:
+        return aligned, b
+    if b.shape[: valid.ndim] == valid.shape:
+        keep = np.broadcast_to(valid.reshape(valid.shape + (1,) * (b.ndim - valid.ndim)), b.shape)
+    elif a.shape[: valid.ndim] == valid.shape:
+        keep = axis_layouts.fit(np.broadcast_to(valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a.shape),
+                                b.shape, layout)
+    else:
+        return aligned, b
+    return aligned[keep], b[keep]
 
 
 def relative_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:

@@ -1,0 +1,78 @@
+"""``compare`` on ports written in shapes ours are not: ``parity_tests/foreign_apertus.py`` keeps
+``(batch, length, heads, head_dim)`` through its per-head norms where transformers' Apertus keeps
+``(batch, heads, length, head_dim)``. Every row of the correct port passes or says why it is not
+compared (the norms read in their layout, which the row names); a norm over the wrong axis is named
+at that norm; ``suggest_mapping`` pairs the norms across the layouts; training agrees."""
+
+import numpy as np
+import pytest
+import torch
+
+from parity_tests import foreign_apertus as fa
+from parity_tests.porting import compare, compare_training, record, suggest_mapping, verdict
+
+NORMS = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
+
+
+@pytest.fixture(scope="module")
+def torch_model():
+    return fa.transformers_model()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return fa.inputs()
+
+
+@pytest.fixture(scope="module")
+def reference(torch_model, batch):
+    return record(torch_model, *batch)
+
+
+def test_the_port_gives_transformers_logits_and_each_defect_changes_them(torch_model, batch):
+    ids, mask = batch
+    valid = mask.astype(bool)
+    with torch.no_grad():
+        theirs = torch_model(torch.from_numpy(ids), torch.from_numpy(mask)).logits.numpy()[valid]
+    error = lambda port: np.abs(np.asarray(port(ids, mask))[valid] - theirs).max() / np.abs(theirs).max()  # noqa: E731
+    assert error(fa.build(torch_model)) < 1e-5
+    for defect in fa.DEFECTS:
+        assert error(fa.build(torch_model, defect)) > 1e-3, defect
+
+
+def test_every_row_of_the_correct_port_passes_or_says_why_not(torch_model, reference, batch):
+    report = compare(reference, fa.build(torch_model), mapping=fa.MAPPING, valid=batch[1].astype(bool))
+    assert report.passed, report.table()
+    for m in report.modules:
+        assert m.passed or (m.outcome == verdict.NOT_COMPARED and m.note), report.table()
+    for name in NORMS:  # transformers' (2, heads, 12, 8) against the port's (2, 12, heads, 8)
+        row = report.module(name)
+        assert row.passed and row.layout == "axes (0, 2, 1, 3)" and row.inherited < 1e-6, report.table()
+        assert "[axes (0, 2, 1, 3)]" in report.table()
+    attention = report.module("model.layers.1.self_attn")
+    assert attention.passed and attention.added < 1e-6, report.table()
+
+
+@pytest.mark.parametrize("defect", fa.DEFECTS)
+def test_a_planted_defect_is_named_at_its_module(torch_model, reference, batch, defect):
+    report = compare(reference, fa.build(torch_model, defect), mapping=fa.MAPPING, valid=batch[1].astype(bool))
+    assert report.first_divergence == fa.WHERE[defect], report.table()
+    assert f"first divergence at {fa.WHERE[defect]}" in report.table()
+
+
+def test_the_suggestion_pairs_the_norms_across_their_layouts(torch_model, reference):
+    suggestion = suggest_mapping(reference, fa.build(torch_model))
+    for name in NORMS:
+        assert suggestion.pairs.get(name) == name.replace("self_attn", "attn"), suggestion.pairs
+
+
+def test_training_agrees_and_a_defect_diverges_at_the_first_step(torch_model, batch):
+    # no padding: the "lm" loss counts every position, and a padded one is computed differently by each side
+    batches = [(ids, np.ones_like(ids)) for ids, _ in (fa.inputs(seed=s) for s in (0, 1))]
+    report = compare_training(torch_model, fa.build(torch_model), batches, steps=10, mapping=fa.MAPPING)
+    assert report.passed and not report.unpaired_torch and not report.unpaired_jax, report.table()
+    assert len(report.names) == 3 + 10 * 2  # embedding, final norm, lm_head; per layer 4 projections, 2 norms, 2 per-head norms, 2 MLP
+    wrong = compare_training(torch_model, fa.build(torch_model, "q-norm over the heads axis"), batches, steps=2,
+                             mapping=fa.MAPPING)
+    assert wrong.first_divergence is not None and wrong.first_divergence.step == 1, wrong.table()
+    assert any("step 1" in f for f in wrong.failures()), wrong.failures()
