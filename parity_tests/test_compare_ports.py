@@ -71,7 +71,7 @@ def test_training_agrees_and_a_defect_diverges_at_the_first_step(torch_model, ba
     batches = [(ids, np.ones_like(ids)) for ids, _ in (fa.inputs(seed=s) for s in (0, 1))]
     report = compare_training(torch_model, fa.build(torch_model), batches, steps=10, mapping=fa.MAPPING)
     assert report.passed and not report.unpaired_torch and not report.unpaired_jax, report.table()
-    assert len(report.names) == 3 + 10 * 2  # embedding, final norm, lm_head; per layer 4 projections, 2 norms, 2 per-head norms, 2 MLP
+    assert len(report.names) == 3 + 10 * 2  # per layer: 4 projections, 4 norms, 2 MLP
     wrong = compare_training(torch_model, fa.build(torch_model, "q-norm over the heads axis"), batches, steps=2,
                              mapping=fa.MAPPING)
     assert wrong.first_divergence is not None and wrong.first_divergence.step == 1, wrong.table()

@@ -136,9 +136,24 @@ def _pair(a, b, valid, layout) -> tuple[np.ndarray, np.ndarray]:
 def relative_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:
     """``max(||a - b|| / ||b||, max|a - b| / max|b|)`` in float64, ``a`` in ``b``'s layout (see
     ``axis_layouts.fit``: ``layout`` a declared one; a ``LayoutError`` naming both shapes when none
-    fits, or several do). ``valid`` (bool ``(batch, length)``): only those positions of arrays
-    whose shape starts with it."""
-    a, b = _pair(a, b, valid, layout)
+    fits, or several do). Equal shapes are compared as they are, unless another layout of that shape
+    (axes of one size exchanged: heads == length) reads ``a`` nearer ``b``: then nothing is
+    (a ``LayoutError`` naming both errors), for the port may keep either. ``valid`` (bool
+    ``(batch, length)``): only those positions of arrays whose shape starts with it."""
+    error = _relative(*_pair(a, b, valid, layout))
+    if layout is None and tuple(np.shape(a)) == tuple(np.shape(b)) and error > 0:
+        from parity_tests.tool import axis_layouts
+
+        for other in axis_layouts.alternatives(np.shape(b)):
+            nearer = _relative(*_pair(other.apply(to_numpy(a)), b, valid, None))
+            if nearer < error:
+                raise axis_layouts.LayoutError(
+                    f"the JAX array {tuple(np.shape(a))} reads as PyTorch's in more than one layout, and {other} "
+                    f"({nearer:.2e}) nearer than as is ({error:.2e}): declare one in the mapping")
+    return error
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
     if b.size == 0:
         return 0.0
     diff = np.abs(a - b)

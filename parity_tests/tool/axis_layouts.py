@@ -12,7 +12,8 @@ the last axis (head_dim) kept last wherever heads are split or merged; where non
 without the axes of size 1. Layouts that read the elements in the same order are one. Exactly one
 fits: it is used (and named). Several fit (heads == length, say): the caller declares one, or
 nothing is compared. None fits: nothing is compared. Either way a ``LayoutError`` says why, naming
-both shapes and the candidates.
+both shapes and the candidates. Equal shapes whose axes of one size could be exchanged (heads ==
+length) are compared as they are, and not compared where an exchange reads nearer (``alternatives``).
 """
 
 from __future__ import annotations
@@ -90,11 +91,20 @@ def candidates(source: Sequence[int], target: Sequence[int]) -> list[Layout]:
     inner = _squeeze(source), _squeeze(target)
     if found or inner == (source, target):
         return found
-    return [Layout(source, target, c.split, c.axes, c.merge, True) for c in _candidates(*inner)]
+    # without the axes of size 1 the shapes may be equal: its axes of one size exchanged fit too
+    return [Layout(source, target, c.split, c.axes, c.merge, True) for c in _candidates(*inner, searched=True)]
 
 
-def _candidates(source: tuple[int, ...], target: tuple[int, ...]) -> list[Layout]:
-    if source == target:
+def alternatives(shape: Sequence[int]) -> list[Layout]:
+    """The layouts other than as is that take an array of ``shape`` to ``shape`` (axes of one size
+    exchanged: heads == length, say): equal shapes are compared as they are, unless one of these
+    reads the port nearer PyTorch (``arrays.relative_error``)."""
+    shape = tuple(int(n) for n in shape)
+    return [c for c in _candidates(shape, shape, searched=True) if not c.identity]
+
+
+def _candidates(source: tuple[int, ...], target: tuple[int, ...], searched: bool = False) -> list[Layout]:
+    if source == target and not searched:
         return [Layout(source, target, None, tuple(range(len(source))))]
     if int(np.prod(source)) != int(np.prod(target)):
         return []

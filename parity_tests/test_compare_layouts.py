@@ -1,0 +1,120 @@
+"""The comparison reads an array in the other side's layout and never across it: properties over
+random shapes and layouts (hypothesis), against NumPy's own transposes and reshapes, and the
+parameters' orientations (a ``Linear``'s ``(out, in)``, a ``Conv1D``'s ``(in, out)``)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity_tests.porting import parameter_pairs, verdict
+from parity_tests.tool import arrays, axis_layouts
+
+TOLERANCE = 1e-5
+SIZES = st.integers(1, 5)
+
+
+def _judged(jax_array, torch_array) -> str:
+    """The row's outcome as ``compare`` would judge it: a layout error is not compared."""
+    try:
+        error = arrays.relative_error(jax_array, torch_array)
+    except axis_layouts.LayoutError:
+        return verdict.NOT_COMPARED
+    return verdict.outcome(error, TOLERANCE)
+
+
+@st.composite
+def attention_arrays(draw):
+    """PyTorch's ``(batch, heads, length, head_dim)`` and the same numbers in a port's layout:
+    ``(batch, length, heads, head_dim)``, heads merged ``(batch, length, heads * head_dim)``, or as is."""
+    b, h, n, d = (draw(SIZES) for _ in range(4))
+    torch_array = np.random.default_rng(draw(st.integers(0, 2**16))).normal(size=(b, h, n, d)) + 0.5
+    kind = draw(st.sampled_from(["as is", "BLHD", "BL(HD)", "BH(LD)"]))
+    port = {"as is": torch_array, "BLHD": torch_array.transpose(0, 2, 1, 3),
+            "BL(HD)": torch_array.transpose(0, 2, 1, 3).reshape(b, n, h * d),
+            "BH(LD)": torch_array.reshape(b, h, n * d)}[kind]
+    return torch_array, np.ascontiguousarray(port), kind
+
+
+@settings(max_examples=200, deadline=None)
+@given(attention_arrays())
+def test_a_correct_array_in_any_layout_is_never_an_error(case):
+    torch_array, port, _ = case
+    assert _judged(port, torch_array) in (verdict.PASSED, verdict.NOT_COMPARED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(attention_arrays(), st.integers(0, 2**16))
+def test_a_wrong_array_is_never_a_pass(case, seed):
+    torch_array, port, _ = case
+    wrong = port.copy()
+    flat = wrong.reshape(-1)
+    flat[np.random.default_rng(seed).integers(flat.size)] += 1e-2 * np.abs(torch_array).max()
+    assert _judged(wrong, torch_array) in (verdict.FAILED, verdict.NOT_COMPARED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(attention_arrays())
+def test_heads_reshaped_instead_of_transposed_is_never_a_pass(case):
+    """The classic port defect: ``(batch, heads, length, head_dim)`` reshaped, not transposed, to
+    ``(batch, length, heads, head_dim)``: the right shape, the elements in the wrong places."""
+    torch_array, _, _ = case
+    b, h, n, d = torch_array.shape
+    misread = torch_array.reshape(b, n, h, d)
+    if np.array_equal(misread, torch_array.transpose(0, 2, 1, 3)) or h == n:
+        return  # heads or length 1: nothing is misread; heads == length: the array is PyTorch's own, bit for bit
+    assert _judged(misread, torch_array) in (verdict.FAILED, verdict.NOT_COMPARED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(attention_arrays())
+def test_a_layout_that_fits_alone_is_compared(case):
+    torch_array, port, kind = case
+    b, h, n, d = torch_array.shape
+    if len({b, h, n, d}) == 4 and min(b, h, n, d) > 1 and kind != "BH(LD)":
+        assert _judged(port, torch_array) == verdict.PASSED, axis_layouts.candidates(port.shape, torch_array.shape)
+
+
+def test_the_layout_is_found_named_or_refused_with_both_shapes():
+    x = np.arange(2 * 12 * 4 * 8, dtype=float).reshape(2, 12, 4, 8)
+    assert axis_layouts.describe(x.shape, (2, 4, 12, 8)) == "axes (0, 2, 1, 3)"
+    assert axis_layouts.describe((2, 4, 12, 8), (2, 12, 32)) == "axes (0, 2, 1, 3), last two axes merged"
+    assert axis_layouts.describe((2, 12, 32), (2, 4, 12, 8)) == "last axis split into (4, 8), axes (0, 2, 1, 3)"
+    assert axis_layouts.describe((12, 32), (1, 12, 32)) == "axes of size 1 taken out or put in"
+    with pytest.raises(axis_layouts.LayoutError, match=r"\(2, 4, 32\) gives PyTorch's \(2, 4, 4, 8\) in 2 layouts"):
+        axis_layouts.fit(np.zeros((2, 4, 32)), (2, 4, 4, 8))
+    # a declared axis order chooses among them
+    y = np.random.default_rng(0).normal(size=(2, 4, 4, 8))
+    assert arrays.relative_error(y.transpose(0, 2, 1, 3).reshape(2, 4, 32), y, layout=(0, 2, 1, 3)) == 0.0
+    with pytest.raises(axis_layouts.LayoutError, match=r"no layout of the JAX array \(2, 5\) gives PyTorch's \(3, 4\)"):
+        arrays.relative_error(np.zeros((2, 5)), np.zeros((3, 4)))
+    with pytest.raises(axis_layouts.LayoutError, match="no layout"):
+        arrays.relative_error(np.zeros((10,)), np.zeros((3,)))
+
+
+def test_valid_positions_follow_the_layout():
+    """``valid`` ``(batch, length)`` selects the same tokens of PyTorch's ``(batch, heads, length, d)``
+    as of the port's ``(batch, length, heads, d)``: padding left out on both."""
+    rng = np.random.default_rng(1)
+    torch_array = rng.normal(size=(2, 4, 12, 8))
+    port = torch_array.transpose(0, 2, 1, 3).copy()
+    port[1, :3] += 5.0  # the padded positions differ
+    valid = np.ones((2, 12), bool)
+    valid[1, :3] = False
+    assert arrays.relative_error(port, torch_array, valid) == 0.0
+    assert arrays.relative_error(port, torch_array) > 0.1
+
+
+@pytest.mark.parametrize("kind, stored", [("linear", "out_in"), ("conv1d", "in_out")])
+@pytest.mark.parametrize("shape", [(6, 10), (8, 8), (32, (4, 8))])
+def test_a_kernel_is_read_in_its_module_orientation(kind, stored, shape):
+    """A kernel ``(in, out)`` (or ``(in, heads, head_dim)``) against PyTorch's weight: ``(out, in)``
+    for a Linear, ``(in, out)`` for a Conv1D; a square one by its kind."""
+    n_in, n_out = shape[0], int(np.prod(shape[1])) if isinstance(shape[1], tuple) else shape[1]
+    kernel_shape = (n_in, *shape[1]) if isinstance(shape[1], tuple) else (n_in, n_out)
+    kernel = np.random.default_rng(2).normal(size=kernel_shape)
+    weight = kernel.reshape(n_in, n_out).T if stored == "out_in" else kernel.reshape(n_in, n_out)
+    assert np.array_equal(parameter_pairs.kernel(kernel, weight.shape, kind), weight)
+    if n_in == n_out:  # square: the other kind reads it the other way, and the comparison fails
+        other = "conv1d" if kind == "linear" else "linear"
+        assert not np.array_equal(parameter_pairs.kernel(kernel, weight.shape, other), weight)
