@@ -357,8 +357,8 @@ def test_the_bound_follows_pytorchs_own_rounding():
     dense = report.module("blocks.0.proj")
     assert dense.reference is not None and 0 < dense.reference < 1e-6, report.table()
     floor = min(dense.tolerance, 16 * 2.0**-23)
-    assert dense.bound == max(floor, 10 * dense.reference)
-    assert verdict.bound(1e-6, 4e-7) == 4e-6 and verdict.bound(1e-6, None) == 1e-6
+    assert dense.bound == max(floor, 16 * dense.reference)
+    assert verdict.bound(1e-6, 4e-7) == 6.4e-6 and verdict.bound(1e-6, None) == 1e-6
     assert verdict.bound(1e-6, float("nan")) == 1e-6 and verdict.bound(1e-6, 1e-8) == 1e-6
     # a module that rounds well is held below the fixed tolerance, to a few units of float32's rounding
     assert verdict.bound(1e-5, 1e-9, verdict.module_floor(1e-5, "float32")) == 16 * 2.0**-23 < 1e-5

@@ -238,7 +238,7 @@ def test_large_logits_pass_within_pytorchs_own_rounding_and_a_planted_epsilon_is
     report = compare(reference, port, mapping=llama.MAPPING, valid=valid)
     attention = [m for m in report.modules if m.attention]
     assert report.passed and max(m.added for m in attention) > 1e-6, report.table()  # beyond the fixed tolerance
-    assert all(m.reference > 1e-6 and m.added <= m.bound == 10 * m.reference for m in attention), report.table()
+    assert all(m.reference > 1e-6 and m.added <= m.bound == 16 * m.reference for m in attention), report.table()
     monkeypatch.setattr(port.model.layers[1].post_attention_layernorm, "epsilon", 2e-5)
     report = compare(reference, port, mapping=llama.MAPPING, valid=valid)
     assert report.first_divergence == "model.layers.1.post_attention_layernorm", report.table()

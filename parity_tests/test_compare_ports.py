@@ -1,14 +1,17 @@
-"""``compare`` on ports written in shapes ours are not: ``parity_tests/foreign_apertus.py`` keeps
+"""``compare`` on ports written in shapes ours are not. ``parity_tests/foreign_apertus.py`` keeps
 ``(batch, length, heads, head_dim)`` through its per-head norms where transformers' Apertus keeps
 ``(batch, heads, length, head_dim)``. Every row of the correct port passes or says why it is not
 compared (the norms read in their layout, which the row names); a norm over the wrong axis is named
-at that norm; ``suggest_mapping`` pairs the norms across the layouts; training agrees."""
+at that norm; ``suggest_mapping`` pairs the norms across the layouts; training agrees.
+``parity_tests/foreign_gpt2.py`` keeps GPT-2's fused projection and writes its cache on every call:
+every row passes, each defect is named at its module, training agrees."""
 
 import numpy as np
 import pytest
 import torch
 
 from parity_tests import foreign_apertus as fa
+from parity_tests import foreign_gpt2 as fg
 from parity_tests.porting import compare, compare_training, record, suggest_mapping, verdict
 
 NORMS = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
@@ -76,3 +79,30 @@ def test_training_agrees_and_a_defect_diverges_at_the_first_step(torch_model, ba
                              mapping=fa.MAPPING)
     assert wrong.first_divergence is not None and wrong.first_divergence.step == 1, wrong.table()
     assert any("step 1" in f for f in wrong.failures()), wrong.failures()
+
+
+# a GPT-2 port with its own fused projection, keeping (batch, length, heads, head_dim) and writing its cache
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return fg.transformers_model()
+
+
+def test_the_fused_port_passes_every_row_and_names_each_defect(gpt2):
+    ids = fg.inputs()
+    report = compare(gpt2, fg.build(gpt2), ids, mapping=fg.MAPPING)
+    assert report.passed, report.table()
+    assert all(m.passed for m in report.modules) and len(report.modules) == 21, report.table()
+    for defect in fg.DEFECTS:
+        wrong = compare(gpt2, fg.build(gpt2, defect), ids, mapping=fg.MAPPING)
+        assert wrong.first_divergence == fg.WHERE[defect], (defect, wrong.table())
+
+
+def test_the_fused_port_trains_as_transformers_and_a_defect_is_named_at_step_one(gpt2):
+    batches = [(fg.inputs(seed=s),) for s in (0, 1)]
+    report = compare_training(gpt2, fg.build(gpt2), batches, steps=10, mapping=fg.MAPPING)
+    assert report.passed and not report.unpaired_torch and not report.unpaired_jax, report.table()
+    assert len(report.names) == 28  # c_attn's weight and bias against qkv's kernel and bias, as they are
+    wrong = compare_training(gpt2, fg.build(gpt2, "q and k swapped in the split"), batches, steps=2,
+                             mapping=fg.MAPPING)
+    assert wrong.first_divergence.step == 1, wrong.table()

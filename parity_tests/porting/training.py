@@ -248,7 +248,7 @@ class _NnxCall:
     def __call__(self, params, rest, xs):
         from flax import nnx
 
-        return nnx.merge(self.graphdef, params, rest)(*xs)
+        return nnx.merge(self.graphdef, params, rest, copy=True)(*xs)  # fresh Variables: a port may write its state
 
     def __eq__(self, other):
         return isinstance(other, _NnxCall) and self.graphdef == other.graphdef
