@@ -6,7 +6,9 @@ Its names are its own (``wte``, ``blocks.N.norm1``, ``blocks.N.attn.qkv``, ``blo
 as GPT-2's ``Conv1D`` keeps ``(in, out)``), splits it into queries, keys and values ``(batch,
 length, heads, head_dim)`` (transformers: ``(batch, heads, length, head_dim)``) and writes its
 keys and values to its cache (an ``nnx.Variable`` of the attention) on every call, attending over
-what the cache holds; the model empties every cache at the start of each call. The logits are the
+what the cache holds; the model empties every cache at the start of each call but a decoding one
+(``init_cache``, then ``decode=True``: one row at a time, as ``compare_decoding(..., paddings=())``
+decodes it). The logits are the
 hidden states against ``wte`` (tied). ``build(torch_model, defect)`` loads it from a ``state_dict``
 and plants one of ``DEFECTS`` where ``WHERE`` says.
 """
@@ -111,12 +113,23 @@ class GPT2(nnx.Module):
         self.blocks = nnx.List([Block(n, CONFIG["n_head"], rngs) for _ in range(CONFIG["n_layer"])])
         self.norm = nnx.LayerNorm(n, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[1]))[None]
+    def __call__(self, ids: jax.Array, position_ids: jax.Array | None = None, *, decode: bool = False) -> jax.Array:
+        """A forward pass (every cache emptied first); ``decode=True``: ``ids`` appended to the
+        caches ``init_cache`` made, at ``position_ids`` (one row, no padding)."""
+        positions = jnp.arange(ids.shape[1])[None] if position_ids is None else position_ids
+        x = self.wte(ids) + self.wpe(positions)
         for block in self.blocks:
-            block.attn.cache.set_value(block.attn.empty(ids.shape[0]))
+            if not decode:
+                block.attn.cache.set_value(block.attn.empty(ids.shape[0]))
             x = block(x)
         return self.wte.attend(self.norm(x))
+
+    def init_cache(self, batch: int, max_length: int) -> None:
+        """Empty caches for ``batch`` rows (``compare_decoding``'s protocol; at most ``SLOTS`` tokens)."""
+        if max_length > SLOTS:
+            raise ValueError(f"max_length {max_length} is more than the cache's {SLOTS} slots")
+        for block in self.blocks:
+            block.attn.cache.set_value(block.attn.empty(batch))
 
 
 def build(torch_model, defect: str | None = None) -> GPT2:

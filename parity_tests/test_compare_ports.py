@@ -12,7 +12,7 @@ import torch
 
 from parity_tests import foreign_apertus as fa
 from parity_tests import foreign_gpt2 as fg
-from parity_tests.porting import compare, compare_training, record, suggest_mapping, verdict
+from parity_tests.porting import compare, compare_decoding, compare_training, record, suggest_mapping, verdict
 
 NORMS = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
 
@@ -106,3 +106,19 @@ def test_the_fused_port_trains_as_transformers_and_a_defect_is_named_at_step_one
     wrong = compare_training(gpt2, fg.build(gpt2, "q and k swapped in the split"), batches, steps=2,
                              mapping=fg.MAPPING)
     assert wrong.first_divergence.step == 1, wrong.table()
+
+
+def test_the_fused_port_decodes_as_generate_free_and_teacher_forced_and_each_defect_is_named(gpt2):
+    """Its cache written on every call, one row at a time (``paddings=()``); a tolerance of 1e-6 on
+    the logits (the correct port's are within 2.3e-7; an exact GELU moves them 1.6e-6, under the
+    default 1e-4)."""
+    prompt = np.random.default_rng(1).integers(1, fg.CONFIG["vocab_size"], 5)
+    run = lambda port: compare_decoding(gpt2, port, [prompt], steps=8, paddings=(), tolerance=1e-6,  # noqa: E731
+                                        mapping=fg.MAPPING)
+    report = run(fg.build(gpt2))
+    assert report.passed and len(report.forced) == 1 and max(report.forced[0].kl) < 1e-12, report.table()
+    for defect in fg.DEFECTS:
+        report = run(fg.build(gpt2, defect))
+        (alone, _), (forced,) = report.results, report.forced
+        assert alone.first_step == 0 and alone.module == fg.WHERE[defect], report.table()
+        assert forced.first_step == 0 and forced.module == fg.WHERE[defect], report.table()
