@@ -351,7 +351,7 @@ def test_a_defect_between_the_projections_is_named_at_the_attention(adapter):
 
 
 def test_the_bound_follows_pytorchs_own_rounding():
-    from parity_tests.porting import verdict
+    from parity_tests.tool import verdict
 
     report = compare(torch_tiny(), nnx_tiny(), *tiny_inputs(), mapping=MAPPING)
     dense = report.module("blocks.0.proj")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from parity_tests import gpt2_port
-from parity_tests.porting import command, compare, compare_gradients, compare_training, verdict
+from parity_tests.porting import command, compare, compare_gradients, compare_training
+from parity_tests.tool import verdict
 
 PARAMETERS = 4 + 12 * gpt2_port.CONFIG["n_layer"]  # wte, wpe, ln_f's two; per layer 2 norms of 2, 4 projections of 2
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity_tests.porting import parameter_pairs, verdict
-from parity_tests.tool import arrays, axis_layouts
+from parity_tests.porting import parameter_pairs
+from parity_tests.tool import arrays, axis_layouts, verdict
 
 TOLERANCE = 1e-5
 SIZES = st.integers(1, 5)

@@ -12,7 +12,8 @@ import torch
 
 from parity_tests import foreign_apertus as fa
 from parity_tests import foreign_gpt2 as fg
-from parity_tests.porting import compare, compare_decoding, compare_training, record, suggest_mapping, verdict
+from parity_tests.porting import compare, compare_decoding, compare_training, record, suggest_mapping
+from parity_tests.tool import verdict
 
 NORMS = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
 

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from parity_tests.porting import jax_side, logits, names, settings, verdict
+from parity_tests.porting import jax_side, logits, names, settings
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.report import ModuleResult, OutputResult, Report
-from parity_tests.tool import arrays
+from parity_tests.tool import arrays, verdict
 
 
 def _is_ours(cls: str) -> bool:

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import jax_side, settings, verdict
+from parity_tests.porting import jax_side, settings
 from parity_tests.porting import logits as logit_metrics
-from parity_tests.tool import arrays
+from parity_tests.tool import arrays, verdict
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import jax_side, names, parameter_pairs, settings, verdict
-from parity_tests.tool import arrays
+from parity_tests.porting import jax_side, names, parameter_pairs, settings
+from parity_tests.tool import arrays, verdict
 
 
 @dataclass

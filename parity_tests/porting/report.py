@@ -7,8 +7,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from parity_tests.porting import verdict
 from parity_tests.porting.logits import LogitMetrics
+from parity_tests.tool import verdict
 
 
 @dataclass

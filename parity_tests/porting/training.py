@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import jax_side, parameter_pairs, settings, torch_side, verdict
-from parity_tests.tool import arrays
+from parity_tests.porting import jax_side, parameter_pairs, settings, torch_side
+from parity_tests.tool import arrays, verdict
 
 FLOAT64_TOLERANCE = 1e-8
 # the least allowance by dtype: a few roundings of a parameter of that precision

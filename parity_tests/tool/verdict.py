@@ -1,6 +1,7 @@
 """The pieces every comparison's verdict is made of: three outcomes per row, the one bound that
 knows rounding, and the verdict line a report ends with. ``mha-parity compare`` judges modules,
-logits, gradients, optimizer steps, decoding and training by ``bound`` and ``outcome``.
+logits, gradients, optimizer steps, decoding and training by ``bound`` and ``outcome``, and
+``mha-parity verify`` its cases (against a float64 oracle: the fixed tolerance).
 
 A row is ``PASSED``, ``FAILED`` or ``NOT_COMPARED`` (its error could not be computed; the row
 says why). A not-compared row is never counted as passed, and never as failed.
