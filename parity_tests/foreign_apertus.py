@@ -77,25 +77,35 @@ class Decoder(nnx.Module):
         self.embed = nnx.Embed(c["vocab_size"], c["hidden_size"], rngs=rngs)
         self.layers = nnx.List([Block(c, rngs) for _ in range(c["num_hidden_layers"])])
         self.final_norm = fp.RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.caches = nnx.List([])  # decoding's caches (``Apertus.init_cache``); a forward pass makes its own
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array, decode: bool = False) -> jax.Array:
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, fp.new_cache(tokens.shape[0], x.dtype, PORT_CONFIG), segment_ids)
+        for i, layer in enumerate(self.layers):
+            cache = self.caches[i] if decode else fp.new_cache(tokens.shape[0], x.dtype, PORT_CONFIG)
+            x = layer(x, cache, segment_ids)
         return self.final_norm(x)
 
 
 class Apertus(nnx.Module):
-    """``tokens`` ``(batch, length)`` and ``segment_ids`` (default all 1) -> logits ``(batch, length, vocab)``."""
+    """``tokens`` ``(batch, length)`` and ``segment_ids`` (default all 1) -> logits ``(batch, length, vocab)``;
+    ``decode=True``: appended to the caches ``init_cache`` made (each token's position is what its
+    row's cache holds: ``position_ids`` are not read; one row at a time, no padding)."""
 
     def __init__(self, c: Mapping = PORT_CONFIG):
         rngs = nnx.Rngs(0)
         self.model = Decoder(c, rngs)
         self.lm_head = nnx.Linear(c["hidden_size"], c["vocab_size"], use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, position_ids=None, *,
+                 decode: bool = False) -> jax.Array:
         segment_ids = jnp.ones(tokens.shape, jnp.int32) if segment_ids is None else segment_ids
-        return self.lm_head(self.model(tokens, segment_ids))
+        return self.lm_head(self.model(tokens, segment_ids, decode))
+
+    def init_cache(self, batch: int, max_length: int) -> None:
+        """Empty caches for ``batch`` rows of up to ``max_length`` tokens (``compare_decoding``'s protocol)."""
+        self.model.caches = nnx.List([fp.new_cache(batch, jnp.float32, PORT_CONFIG, max_length)
+                                      for _ in self.model.layers])
 
 
 def _names(c: Mapping) -> dict[str, tuple[str, bool]]:

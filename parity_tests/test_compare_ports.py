@@ -123,3 +123,32 @@ def test_the_fused_port_decodes_as_generate_free_and_teacher_forced_and_each_def
         (alone, _), (forced,) = report.results, report.forced
         assert alone.first_step == 0 and alone.module == fg.WHERE[defect], report.table()
         assert forced.first_step == 0 and forced.module == fg.WHERE[defect], report.table()
+
+
+def test_the_apertus_port_decodes_and_a_defect_of_its_cached_steps_is_named_at_its_norm(torch_model, monkeypatch):
+    """Decoded one row at a time, free-running and teacher-forced: each planted defect is named at
+    step 0 at its module; a q-norm over the heads axis only in cached steps (one token a call) is
+    named at step 1 at that norm, whose PyTorch output ``(1, heads, length, head_dim)`` is cut to its
+    last position along the length axis."""
+    prompt = np.random.default_rng(1).integers(3, fa.CONFIG["vocab_size"], 5)
+    run = lambda port: compare_decoding(torch_model, port, [prompt], steps=6, paddings=(),  # noqa: E731
+                                        mapping=fa.MAPPING)
+    assert run(fa.build(torch_model)).passed
+    for defect in fa.DEFECTS:
+        report = run(fa.build(torch_model, defect))
+        (alone, _), (forced,) = report.results, report.forced
+        assert (alone.first_step, alone.module, forced.first_step, forced.module) == (0, fa.WHERE[defect], 0,
+                                                                                      fa.WHERE[defect]), report.table()
+    port = fa.build(torch_model)
+    norm = port.model.layers[1].attn.q_norm
+
+    class CachedStepsOnly(type(norm)):
+        def __call__(self, x):
+            self.axis = -2 if x.shape[1] == 1 else -1
+            return super().__call__(x)
+
+    monkeypatch.setattr(norm, "__class__", CachedStepsOnly)
+    report = run(port)
+    (alone, _), (forced,) = report.results, report.forced
+    where = "model.layers.1.self_attn.q_norm"
+    assert (alone.first_step, alone.module, forced.first_step, forced.module) == (1, where, 1, where), report.table()

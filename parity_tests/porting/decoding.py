@@ -303,10 +303,14 @@ def _locate_failures(results: list[DecodeResult], torch_model, flax, prompts, al
 
 
 def _last_position(x: np.ndarray | None, length: int) -> np.ndarray | None:
-    """``x[:, -1:]`` for an array of ``(1, length, ...)``: the last token's part of a whole-sequence run."""
-    if x is None or x.ndim < 2 or x.shape[:2] != (1, length):
+    """The last token's part of a whole-sequence run's array of one row: ``x[:, -1:]`` for
+    ``(1, length, ...)``, or along the one other axis of ``length`` (``(1, heads, length, head_dim)``)."""
+    if x is None or x.ndim < 2 or x.shape[0] != 1:
         return x
-    return np.ascontiguousarray(x[:, -1:])
+    axes = [1] if x.shape[1] == length else [a for a in range(2, x.ndim) if x.shape[a] == length]
+    if len(axes) != 1:
+        return x
+    return np.ascontiguousarray(np.take(x, [length - 1], axis=axes[0]))
 
 
 def locate_step(torch_model, flax, prompt: np.ndarray, expected: np.ndarray, step: int, max_length: int,
