@@ -118,3 +118,41 @@ def test_a_kernel_is_read_in_its_module_orientation(kind, stored, shape):
     if n_in == n_out:  # square: the other kind reads it the other way, and the comparison fails
         other = "conv1d" if kind == "linear" else "linear"
         assert not np.array_equal(parameter_pairs.kernel(kernel, weight.shape, other), weight)
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_a_fused_query_key_value_is_split_as_from_hf_splits_it(family):
+    """BLOOM's and Falcon's (grouped: 2 key heads of 4) ``query_key_value`` against ``from_hf``'s
+    ``query``, ``key`` and ``value``: one row each, no error; the port's query and key exchanged: an error."""
+    import torch
+    import transformers
+    from flax import nnx
+
+    import mha_jax
+    from mha_spec import families
+
+    config = (transformers.BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=64) if family == "bloom" else
+              transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=64,
+                                        new_decoder_architecture=True, num_kv_heads=2))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    ours = {}
+    for layer in range(2):
+        prefix = families.layer_options(families.read_config(model.config.to_dict()), layer).prefix
+        attention = mha_jax.from_hf(model.config.to_dict(), state, layer=layer)
+        ours.update({prefix + ".".join(map(str, path)): np.asarray(v[...])
+                     for path, v in nnx.to_flat_state(nnx.state(attention, nnx.Param))})
+    names = [n for n in state if ".self_attention." in n]
+    pairs, unpaired = parameter_pairs.pair(model, names, list(ours), None)
+    assert not unpaired and {p.name for p in pairs} == set(names)
+    fused = [p for p in pairs if "query_key_value.weight" in p.name]
+    assert len(fused) == 2 and fused[0].jax_name.endswith("query.kernel, transformer.h.0.self_attention.key.kernel, "
+                                                          "transformer.h.0.self_attention.value.kernel"), fused[0]
+    assert all(p.error(state, ours) == 0.0 for p in pairs)
+    q, k = "transformer.h.0.self_attention.query.kernel", "transformer.h.0.self_attention.key.kernel"
+    if ours[q].shape == ours[k].shape:
+        swapped = {**ours, q: ours[k], k: ours[q]}
+        assert fused[0].error(state, swapped) > 0.1
+    else:  # grouped: fewer key heads; a query scaled by 2 instead
+        assert fused[0].error(state, {**ours, q: 2 * ours[q]}) > 0.1
