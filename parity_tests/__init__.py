@@ -10,7 +10,7 @@
   as a dict to paste): a name mapping for ``compare`` where the port names its modules otherwise
   (``parity_tests.porting``);
 - ``compare_training(torch_model, flax_model, batches)``: both models trained from the same
-  weights, step by step (``parity_tests.porting.runs``).
+  weights, step by step (``parity_tests.porting.training``).
 
 ``dir(parity_tests)`` lists them; each is imported when first used.
 """

@@ -69,10 +69,11 @@ class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float):
         self.weight = nnx.Param(jnp.ones((size,), jnp.float32))
         self.eps = eps
+        self.axis = -1  # the axis whose root mean square it divides by (a planted defect moves it)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x`` ``(..., size)`` over its root mean square, times the weight."""
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.weight[...]
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=self.axis, keepdims=True) + self.eps) * self.weight[...]
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -270,10 +271,10 @@ def inputs(rows: int = 2, length: int = 12, seed: int = 0) -> tuple[np.ndarray, 
     return ids, mask
 
 
-def adapter(call: Mapping[str, np.ndarray]) -> tuple[tuple, dict]:
+def adapter(call: Mapping[str, np.ndarray], c: Mapping = CONFIG) -> tuple[tuple, dict]:
     """transformers' recorded attention (or decoder layer) call -> the port's ``(x, cache, segment_ids)``:
-    ``hidden_states``, an empty cache, and each key's segment (1 where any query may attend to it)
-    read from the 4-d ``attention_mask`` (bool, or additive with 0 where attended; absent: all 1)."""
+    ``hidden_states``, an empty cache (of config ``c``), and each key's segment (1 where any query may
+    attend to it) read from the 4-d ``attention_mask`` (bool, or additive with 0 where attended; absent: all 1)."""
     x = call["hidden_states"]
     mask = call.get("attention_mask")
     if mask is None:
@@ -281,7 +282,7 @@ def adapter(call: Mapping[str, np.ndarray]) -> tuple[tuple, dict]:
     else:
         attended = mask if mask.dtype == bool else mask == 0
         segments = np.broadcast_to(attended, (x.shape[0], *attended.shape[1:]))[:, 0].any(axis=1).astype(np.int32)
-    return (jnp.asarray(x), new_cache(x.shape[0], jnp.asarray(x).dtype), jnp.asarray(segments)), {}
+    return (jnp.asarray(x), new_cache(x.shape[0], jnp.asarray(x).dtype, c), jnp.asarray(segments)), {}
 
 
 ADAPTED = {

@@ -13,8 +13,9 @@ import torch
 
 from parity_tests import compare
 from parity_tests import foreign_port as fp
-from parity_tests.porting import names, record, settings, verdict
+from parity_tests.porting import names, record, settings
 from parity_tests.porting.suggest import Suggestion, format_suggestion, kind, print_suggestion, suggest_mapping
+from parity_tests.tool import verdict
 
 ATTENTIONS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 

@@ -20,8 +20,7 @@ import optax
 import pytest
 import torch
 
-from parity_tests.porting import runs
-from parity_tests.porting.runs import compare_training
+from parity_tests.porting import compare_training, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -114,7 +113,7 @@ def test_a_correct_float32_port_passes_30_steps_at_a_learning_rate_of_1e_2(llama
     assert report.passed, report.table()
     assert _unchanged(torch_model, port, before)
     # rounding grows with the steps: the allowance measured on the float64 run grows past its floor
-    assert np.max(report.allowance[-1]) > 100 * runs.FLOORS["float32"] and len(report.reference_loss) == 30
+    assert np.max(report.allowance[-1]) > 100 * training.FLOORS["float32"] and len(report.reference_loss) == 30
     assert report.torch_loss[-1] < 0.5 * report.torch_loss[0]
     written = report.plot(tmp_path / "curves.png")
     assert written is None or os.path.getsize(written) > 0
@@ -159,7 +158,7 @@ FIRST = {"weight decay on different parameters": "model.layers.0.input_layernorm
 def test_a_setup_difference_in_float64_is_named_at_its_first_step_and_parameter(llama64, difference):
     torch_model, port = llama64
     report = compare_training(torch_model, port, BATCHES, steps=2, mapping=llama.MAPPING,
-                              **_setup(difference, 1e-3, runs._default_optax(1e-3, 1e-2)))
+                              **_setup(difference, 1e-3, training._default_optax(1e-3, 1e-2)))
     divergence = report.first_divergence
     assert not report.passed and divergence is not None, report.table()
     assert (divergence.step, divergence.name) == (1, FIRST.get(difference, "model.embed_tokens.weight")), report.table()
@@ -215,14 +214,16 @@ def test_the_bert_port_trains_as_transformers_does_with_its_own_loss():
 
 def test_a_port_that_unties_transformers_tied_decoder_is_named_at_the_embedding():
     """transformers' BERT ties its decoder to the word embeddings (one parameter, two gradients);
-    the port holds two, and trains them apart from the first step."""
+    the port holds two, both compared with that one parameter, and trains them apart from the first step."""
     torch_model, port = _bert(tie=True)
     batches = [bert_mlm.inputs(BERT["vocab_size"], seed=0)]
     # tied, the decoder's bias is cls.predictions.bias too: it pairs with the port's decoder bias
     mapping = {**bert_mlm.MAPPING, r"cls\.predictions": "cls.predictions.decoder"}
     report = compare_training(torch_model, port, batches, steps=2, loss=(_torch_token_loss, _jax_token_loss),
                               mapping=mapping)
-    assert report.unpaired_jax == ["cls.predictions.decoder.kernel"], report.unpaired_jax
+    assert report.unpaired_jax == [], report.unpaired_jax
+    tied = report.jax_names[report.names.index("bert.embeddings.word_embeddings.weight")]
+    assert tied == "bert.embeddings.word_embeddings.embedding, cls.predictions.decoder.kernel", tied
     divergence = report.first_divergence
     assert (divergence.step, divergence.name) == (1, "bert.embeddings.word_embeddings.weight"), report.table()
 

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, logits, names, settings
+from parity_tests.porting import jax_side, logits, names, settings
 from parity_tests.porting.recording import Recording
 from parity_tests.porting.report import ModuleResult, OutputResult, Report
-from parity_tests.tool.arrays import to_float64
+from parity_tests.tool import arrays, verdict
 
 
 def _is_ours(cls: str) -> bool:
@@ -111,14 +111,16 @@ def compare(
         if jax_dtype != ref.dtype:
             raise ValueError(f"the JAX side holds {jax_dtype} parameters and the PyTorch side {ref.dtype}: "
                              "compare them in one dtype")
-        pairs, adapters = {}, {}
+        pairs, adapters, layouts = {}, {}, {}
         for call in ref.calls:
             target = names.jax_name(call.name, compiled)
             if target is not None:
                 pairs[(target, call.occurrence)] = call
                 if names.adapter(call.name, compiled) is not None:
                     adapters[call.key] = names.adapter(call.name, compiled)
-        output, jax_calls = jax_side.run(flax, inputs, pairs, valid, adapters)
+                if names.layout(call.name, compiled) is not None:
+                    layouts[call.key] = names.layout(call.name, compiled)
+        output, jax_calls = jax_side.run(flax, inputs, pairs, valid, adapters, layouts)
     torch_settings = {k: v for k, v in ref.settings.items() if k.startswith("torch")}
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
@@ -138,9 +140,9 @@ def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
 def _optional_error(a, b, valid) -> float | None:
     """``a`` against ``b`` where ``b`` is finite (transformers' float64 masks make a left-padded row
     NaN); None without ``b`` or without a finite entry, so that the fixed tolerance alone judges."""
-    if a is None or b is None or a.size != b.size:
+    if a is None or b is None or a.shape != b.shape:
         return None
-    a, b = to_float64(a).reshape(b.shape), to_float64(b)
+    a, b = arrays.to_float64(a), arrays.to_float64(b)
     finite = np.isfinite(b)
     if not finite.any():
         return None
@@ -156,7 +158,7 @@ def _row(call, mine, ref: Recording, valid) -> ModuleResult:
     return ModuleResult(call.name, mine.name, call.occurrence, call.cls, attention, dtype, tolerance, mine.added,
                         mine.inherited, mine.note, _optional_error(call.output, call.output64, valid),
                         _optional_error(call.output, call.inherited64, valid), sources,
-                        jax_sources=[s for s in mine.sources if s is not None])
+                        jax_sources=[s for s in mine.sources if s is not None], layout=mine.layout)
 
 
 def judge_by_flow(modules: list[ModuleResult]) -> None:
@@ -173,7 +175,8 @@ def judge_by_flow(modules: list[ModuleResult]) -> None:
         if not known:
             m.note = m.note or "the errors of its inputs are not known"
             continue
-        m.by_flow = all(error <= limit for error, limit in known) and m.inherited > m.inherited_bound
+        m.by_flow = all(verdict.within(e, limit) for e, limit in known) and not verdict.within(m.inherited,
+                                                                                               m.inherited_bound)
 
 
 def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
@@ -195,7 +198,7 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
             continue
         try:
             errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
-        except ValueError:  # an output of another size cannot hold: it fails, its error infinite
+        except ValueError:  # an output of no (or no one) layout of PyTorch's cannot hold: it fails, its error infinite
             errors = float("inf"), float("inf")
         outputs.append(OutputResult(name, *errors, tolerance))
         if name == "logits" and np.isfinite(errors[0]):

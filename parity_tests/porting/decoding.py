@@ -1,6 +1,10 @@
 """Greedy decoding on both sides, each with its own cache: the prompt in one call (prefill), then
 one token a step; the same tokens, the logits of every step within tolerance, and each row's
-tokens the same alone as in a left- or right-padded batch.
+tokens the same alone as in a left- or right-padded batch. Beside it, teacher-forced decoding:
+both sides fed PyTorch's tokens (the port's cache prefilled with the prompt, then given PyTorch's
+token of each step, whatever it would have chosen), per step the KL divergence, top-1 and top-k
+agreement and the logits' error; the first step out of bounds is located at its module, so that
+a port that diverges late is found at its step even after its own tokens went another way.
 
 The PyTorch side is a transformers causal language model, decoding with ``generate`` (greedy, its
 own cache). The JAX side keeps its cache in the model: ``init_cache(batch, max_length)`` makes an
@@ -16,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, settings, verdict
+from parity_tests.porting import jax_side, settings
+from parity_tests.porting import logits as logit_metrics
+from parity_tests.tool import arrays, verdict
 
 
 @dataclass
@@ -34,14 +40,14 @@ class DecodeResult:
 
     @property
     def passed(self) -> bool:
-        return self.tokens == self.expected and self.logits_error <= self.tolerance
+        return self.tokens == self.expected and verdict.within(self.logits_error, verdict.bound(self.tolerance))
 
     @property
     def first_step(self) -> int | None:
         """The first step whose token differs or whose logits are beyond the tolerance (None: none)."""
         for step, (mine, theirs) in enumerate(zip(self.tokens, self.expected)):
             error = self.step_errors[step] if step < len(self.step_errors) else 0.0
-            if mine != theirs or not error <= self.tolerance:
+            if mine != theirs or not verdict.within(error, verdict.bound(self.tolerance)):
                 return step
         return None if self.passed else len(self.expected)
 
@@ -60,17 +66,55 @@ class DecodeResult:
 
 
 @dataclass
+class ForcedResult:
+    """One row decoded teacher-forced: per step (0: the prompt's last token) the relative ``errors``
+    of the port's logits against PyTorch's, ``kl`` (``KL(PyTorch || port)``), ``top1`` (the argmaxes
+    agree) and ``topk`` (overlap of the ``k`` most likely); ``module``: the first module differing in
+    the first step out of bounds."""
+
+    row: int
+    errors: list[float]
+    kl: list[float]
+    top1: list[bool]
+    topk: list[float]
+    tolerance: float
+    k: int = 5
+    module: str | None = None
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step whose logits are beyond the bound or whose argmax differs (None: none)."""
+        return next((s for s, (e, agree) in enumerate(zip(self.errors, self.top1))
+                     if not agree or not verdict.within(e, verdict.bound(self.tolerance))), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_step is None
+
+    def failure(self) -> str:
+        step = self.first_step
+        where = f"; first module differing in that step: {self.module}" if self.module else ""
+        return (f"teacher-forced row {self.row}: out of bounds from step {step} (logits {self.errors[step]:.2e} "
+                f"> {self.tolerance:.0e}, KL {self.kl[step]:.2e}, top-1 {'agrees' if self.top1[step] else 'differs'})"
+                + where)
+
+    def as_json(self) -> dict:
+        return dict(asdict(self), passed=self.passed, first_step=self.first_step)
+
+
+@dataclass
 class DecodeReport:
     results: list[DecodeResult]
     steps: int
     settings: dict = field(default_factory=dict)
+    forced: list[ForcedResult] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results)
+        return all(r.passed for r in self.results) and all(f.passed for f in self.forced)
 
     def failures(self) -> list[str]:
-        return [r.failure() for r in self.results if not r.passed]
+        return [r.failure() for r in self.results if not r.passed] + [f.failure() for f in self.forced if not f.passed]
 
     def table(self) -> str:
         lines = [f"greedy decoding, {self.steps} tokens a row, against transformers' generate for the row alone:"]
@@ -80,12 +124,18 @@ class DecodeReport:
             lines.append(f"  {r.what:<28} row {r.row}: tokens {'equal' if r.tokens == r.expected else 'DIFFER'}, "
                          f"logits {r.logits_error:.2e} (tolerance {r.tolerance:.0e}) {'ok' if r.passed else 'FAILED'}"
                          + step)
+        for f in self.forced:
+            step = "" if f.passed else f", first out of bounds at step {f.first_step}" + (
+                f" (first module differing: {f.module})" if f.module else "")
+            lines.append(f"  {'teacher-forced':<28} row {f.row}: KL max {max(f.kl):.2e}, top-1 {np.mean(f.top1):.3f}, "
+                         f"top-{f.k} {np.mean(f.topk):.3f}, logits {max(f.errors):.2e} (tolerance {f.tolerance:.0e}) "
+                         f"{'ok' if f.passed else 'FAILED'}" + step)
         lines.append(verdict.line(self.passed, self.failures(), "decoding: verdict"))
         return "\n".join(lines)
 
     def as_json(self) -> dict:
         return {"passed": self.passed, "failures": self.failures(), "steps": self.steps, "settings": self.settings,
-                "results": [r.as_json() for r in self.results]}
+                "results": [r.as_json() for r in self.results], "teacher_forced": [f.as_json() for f in self.forced]}
 
 
 def padded(prompts: list[np.ndarray], left: bool, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -133,6 +183,32 @@ def greedy_jax(model, tokens: np.ndarray, positions: np.ndarray, steps: int,
     return np.stack(chosen, axis=1), np.stack(every, axis=1)
 
 
+def forced_jax(model, prompt: np.ndarray, tokens: np.ndarray, max_length: int) -> np.ndarray:
+    """The port's logits ``(len(tokens), vocab)`` fed ``tokens`` whatever it would choose: the prompt
+    (1-D) prefilled, then ``tokens[s]`` at step ``s + 1``; step 0's logits are the prompt's last token's."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.clone(model)
+    model.init_cache(1, max_length)
+    call = _decode_call()
+    length = len(prompt)
+    logits = call(model, jnp.asarray(prompt[None]), jnp.asarray(np.arange(length)[None]))[:, -1]
+    every = [arrays.numpy(logits)[0]]
+    for step in range(len(tokens) - 1):
+        logits = call(model, jnp.asarray(tokens[None, step:step + 1]), jnp.asarray([[length + step]]))[:, -1]
+        every.append(arrays.numpy(logits)[0])
+    return np.stack(every)
+
+
+def teacher_forced(row: int, mine: np.ndarray, theirs: np.ndarray, tolerance: float, k: int = 5) -> ForcedResult:
+    """Per step, the port's logits ``mine`` against PyTorch's ``theirs`` (each ``(steps, vocab)``)."""
+    a, b = arrays.to_float64(mine), arrays.to_float64(theirs)
+    kl, top1, topk = logit_metrics.per_token(a, b, k)
+    return ForcedResult(row, [arrays.relative_error(a[s], b[s]) for s in range(len(b))], kl.tolist(),
+                        top1.tolist(), topk.tolist(), tolerance, min(k, b.shape[-1]))
+
+
 def greedy_torch(model, tokens: np.ndarray, positions: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """transformers' ``generate``, greedy, its own cache, on left-padded ``tokens``: exactly ``steps`` tokens."""
     import torch
@@ -159,7 +235,10 @@ def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16, toler
     alone and the rows in a batch padded on each side of ``paddings`` (``"left"``, ``"right"``:
     a port that pads on one side only is checked on that side), and PyTorch the left-padded batch.
     A failing result names its first differing step and, where the row fails decoded alone, the
-    first module whose output differs in that step (``mapping`` pairs the modules, as ``compare``'s)."""
+    first module whose output differs in that step (``mapping`` pairs the modules, as ``compare``'s).
+    Each prompt is also decoded teacher-forced (``ForcedResult``, in ``forced``): the port fed
+    PyTorch's tokens, per step KL, top-1 and top-k agreement against PyTorch's logits, the first
+    step out of bounds located at its module."""
     paddings = tuple(paddings)
     if not set(paddings) <= {"left", "right"}:
         raise ValueError(f"paddings must name 'left' and/or 'right', got {paddings!r}")
@@ -196,7 +275,14 @@ def compare_decoding(torch_model, flax_model, prompts, *, steps: int = 16, toler
             check(f"JAX, {side}-padded batch", *decoded, rows)
         check("PyTorch, left-padded batch", *greedy_torch(torch_model, *padded(prompts, left=True), steps), rows)
         _locate_failures(results, torch_model, flax, prompts, alone, longest, mapping)
-    return DecodeReport(results, steps, {**numerics, "dtype": dtype})
+        # teacher-forced: PyTorch's greedy logits are its logits fed its own tokens; the port is fed them too
+        forced = [teacher_forced(i, forced_jax(flax.module, p, alone[i][0][0], longest), alone[i][1][0], tolerance)
+                  for i, p in enumerate(prompts)]
+        for f in forced:
+            if not f.passed:
+                f.module = locate_step(torch_model, flax, prompts[f.row], alone[f.row][0][0], f.first_step, longest,
+                                       mapping)
+    return DecodeReport(results, steps, {**numerics, "dtype": dtype}, forced)
 
 
 def _locate_failures(results: list[DecodeResult], torch_model, flax, prompts, alone, longest: int, mapping) -> None:
@@ -217,10 +303,14 @@ def _locate_failures(results: list[DecodeResult], torch_model, flax, prompts, al
 
 
 def _last_position(x: np.ndarray | None, length: int) -> np.ndarray | None:
-    """``x[:, -1:]`` for an array of ``(1, length, ...)``: the last token's part of a whole-sequence run."""
-    if x is None or x.ndim < 2 or x.shape[:2] != (1, length):
+    """The last token's part of a whole-sequence run's array of one row: ``x[:, -1:]`` for
+    ``(1, length, ...)``, or along the one other axis of ``length`` (``(1, heads, length, head_dim)``)."""
+    if x is None or x.ndim < 2 or x.shape[0] != 1:
         return x
-    return np.ascontiguousarray(x[:, -1:])
+    axes = [1] if x.shape[1] == length else [a for a in range(2, x.ndim) if x.shape[a] == length]
+    if len(axes) != 1:
+        return x
+    return np.ascontiguousarray(np.take(x, [length - 1], axis=axes[0]))
 
 
 def locate_step(torch_model, flax, prompt: np.ndarray, expected: np.ndarray, step: int, max_length: int,

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import arrays, names
+from parity_tests.porting import names
 from parity_tests.porting.recording import Call, Flow
+from parity_tests.tool import arrays, axis_layouts
 
 # an input adapter: PyTorch's recorded call (argument name -> NumPy array) -> the JAX call's (args, kwargs)
 Adapter = Callable[[dict], tuple]
@@ -80,6 +81,7 @@ class JaxCall:
     added: float | None = None
     note: str = ""
     sources: list[str | None] = field(default_factory=list)
+    layout: str = "as is"  # how its output was read in PyTorch's layout (``axis_layouts``)
 
 
 def _kind(dtype) -> str:
@@ -105,8 +107,9 @@ def _fit(i: int, value, name: str | None, recorded: list[tuple[str, np.ndarray]]
 
 def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]]) -> tuple:
     """The call's positional arrays (not nnx Variables: those are the port's state) replaced by the
-    PyTorch call's (see ``_fit``), reshaped to the JAX argument's shape, in its dtype. A ValueError
-    when one has no match: the row is then not compared, never filled by a guess."""
+    PyTorch call's (see ``_fit``), in the JAX argument's layout (``axis_layouts.fit``: never
+    reshaped across shapes), in its dtype. A ValueError when one has no match, or its layout is
+    not one: the row is then not compared, never filled by a guess."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -120,7 +123,9 @@ def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[s
         value = args[i]
         j = _fit(i, value, params[i].name if i < len(params) else None, recorded, used, only)
         used.add(j)
-        out[i] = jnp.asarray(recorded[j][1].reshape(value.shape)).astype(value.dtype)
+        given = axis_layouts.fit(recorded[j][1], value.shape, sides=(f"PyTorch's input {recorded[j][0]}",
+                                                                     f"the JAX argument {i}"))
+        out[i] = jnp.asarray(given).astype(value.dtype)
     return tuple(out)
 
 
@@ -189,6 +194,7 @@ class Interceptor:
     pairs: dict[tuple[str, int], Call]
     valid: np.ndarray | None = None
     adapters: dict[tuple[str, int], Adapter] = field(default_factory=dict)
+    layouts: dict[tuple[str, int], axis_layouts.Declared] = field(default_factory=dict)
     calls: list[JaxCall] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     replaying: bool = False
@@ -212,8 +218,10 @@ class Interceptor:
         self.flow.mark(out, f"{name}#{occurrence}")
         if reference is not None and out is not None and reference.output is not None:
             notes = []
+            declared = self.layouts.get(reference.key)
             try:
-                call.inherited = arrays.relative_error(out, reference.output, self.valid)
+                call.layout = axis_layouts.describe(out.shape, reference.output.shape, declared)
+                call.inherited = arrays.relative_error(out, reference.output, self.valid, declared)
             except ValueError as error:
                 notes.append(str(error))
             try:
@@ -244,7 +252,7 @@ class Interceptor:
                 state.put(after)
         if output is None:
             raise ValueError("the re-run returned no array")
-        return arrays.relative_error(output, reference.output, self.valid)
+        return arrays.relative_error(output, reference.output, self.valid, self.layouts.get(reference.key))
 
 
 def _class_name(obj) -> str:
@@ -316,9 +324,11 @@ def to_jax(x):
 
 
 def run(model: Flax, inputs, pairs: dict[tuple[str, int], Call], valid=None,
-        adapters: dict[tuple[str, int], Adapter] | None = None, **kwargs) -> tuple[object, list[JaxCall]]:
-    """``model(*inputs, **kwargs)`` with every submodule call intercepted; returns its output and the calls."""
-    interceptor = Interceptor(pairs, valid, adapters or {})
+        adapters: dict[tuple[str, int], Adapter] | None = None, layouts: dict | None = None,
+        **kwargs) -> tuple[object, list[JaxCall]]:
+    """``model(*inputs, **kwargs)`` with every submodule call intercepted; returns its output and the
+    calls. ``adapters`` and ``layouts`` (declared output layouts) by the PyTorch call's key."""
+    interceptor = Interceptor(pairs, valid, adapters or {}, layouts or {})
     context = _nnx_intercepted(model.module, interceptor) if model.kind == "nnx" else _linen_intercepted(interceptor)
     given = [to_jax(x) for x in inputs]
     for i, x in enumerate(given):

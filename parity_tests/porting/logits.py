@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from parity_tests.porting.arrays import max_abs_error, relative_error
-from parity_tests.tool.arrays import to_float64
+from parity_tests.tool import axis_layouts
+from parity_tests.tool.arrays import max_abs_error, relative_error, to_float64
 
 
 @dataclass(frozen=True)
@@ -37,21 +37,29 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def metrics(jax_logits, torch_logits, *, k: int = 5, valid: np.ndarray | None = None) -> LogitMetrics:
     """Logits ``(*tokens, vocab)`` of both sides compared; ``valid`` bool ``tokens``-shaped: only those tokens."""
-    a, b = to_float64(jax_logits), to_float64(torch_logits)
-    a = a.reshape(b.shape)
+    b = to_float64(torch_logits)
+    a = to_float64(axis_layouts.fit(to_float64(jax_logits), b.shape))
     if b.ndim < 2:
         raise ValueError(f"logits must be (*tokens, vocab), got shape {b.shape}")
-    la, lb = _log_softmax(a), _log_softmax(b)
-    kl = np.sum(np.exp(lb) * (lb - la), axis=-1)
+    kl, top1, overlap = per_token(a, b, k)
     keep = np.ones(kl.shape, bool) if valid is None or valid.shape != kl.shape else valid
     kl_valid = np.where(keep, kl, -np.inf)
     worst = np.unravel_index(int(np.argmax(kl_valid)), kl.shape)
+    return LogitMetrics(
+        max_abs=max_abs_error(a, b, valid), relative=relative_error(a, b, valid),
+        kl_mean=float(kl[keep].mean()), kl_max=float(kl[worst]), kl_max_token=tuple(int(i) for i in worst),
+        top1=float(top1[keep].mean()), topk=float(overlap[keep].mean()), k=min(k, b.shape[-1]),
+    )
+
+
+def per_token(a: np.ndarray, b: np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token of logits ``a`` (JAX) and ``b`` (PyTorch's, the reference), both ``(*tokens, vocab)``
+    float64: ``KL(softmax(b) || softmax(a))``, whether the argmaxes agree, and the overlap of the
+    ``k`` most likely tokens (1: the same sets)."""
+    la, lb = _log_softmax(a), _log_softmax(b)
+    kl = np.sum(np.exp(lb) * (lb - la), axis=-1)
     k = min(k, b.shape[-1])
     top_a = np.argsort(-a, axis=-1, kind="stable")[..., :k]
     top_b = np.argsort(-b, axis=-1, kind="stable")[..., :k]
     overlap = (top_a[..., :, None] == top_b[..., None, :]).any(-1).sum(-1) / k
-    return LogitMetrics(
-        max_abs=max_abs_error(a, b, valid), relative=relative_error(a, b, valid),
-        kl_mean=float(kl[keep].mean()), kl_max=float(kl[worst]), kl_max_token=tuple(int(i) for i in worst),
-        top1=float((top_a[..., 0] == top_b[..., 0])[keep].mean()), topk=float(overlap[keep].mean()), k=k,
-    )
+    return kl, top_a[..., 0] == top_b[..., 0], overlap

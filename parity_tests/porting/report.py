@@ -7,8 +7,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from parity_tests.porting import verdict
 from parity_tests.porting.logits import LogitMetrics
+from parity_tests.tool import verdict
 
 
 @dataclass
@@ -20,7 +20,8 @@ class ModuleResult:
     inputs) and ``reference_inherited`` (PyTorch's output against the whole model run in float64),
     ``note`` (why a value is missing), ``sources`` (the PyTorch modules whose outputs its inputs
     are: ``name#occurrence``, ``input.N`` for the model's inputs; ``jax_sources`` the same on the
-    JAX side, in JAX's names), ``by_flow`` (failed by inherited error: see ``outcome``)."""
+    JAX side, in JAX's names), ``by_flow`` (failed by inherited error: see ``outcome``), ``layout``
+    (how the JAX output was read in PyTorch's layout: ``"as is"``, or the axes it was brought in by)."""
 
     name: str
     jax_name: str
@@ -37,18 +38,20 @@ class ModuleResult:
     sources: list[str] = field(default_factory=list)
     by_flow: bool = False
     jax_sources: list[str] = field(default_factory=list)
+    layout: str = "as is"
 
     @property
     def bound(self) -> float:
-        """What ``added`` may be: ``ROUNDING_FACTOR`` times PyTorch's own rounding (at least a few
-        units of the dtype's rounding), or the tolerance without it."""
-        return verdict.bound(self.tolerance, self.reference, self.dtype)
+        """What ``added`` may be (``verdict.bound``): a multiple of PyTorch's own rounding (at least a
+        few units of the dtype's rounding), or the tolerance without it."""
+        return verdict.bound(self.tolerance, self.reference, verdict.module_floor(self.tolerance, self.dtype))
 
     @property
     def inherited_bound(self) -> float:
-        """What ``inherited`` may be: the tolerance, or ``ROUNDING_FACTOR`` times PyTorch's own
+        """What ``inherited`` may be (``verdict.bound``): the tolerance, or a multiple of PyTorch's own
         error against the whole model in float64 at this module."""
-        return verdict.bound(self.tolerance, self.reference_inherited, self.dtype)
+        return verdict.bound(self.tolerance, self.reference_inherited,
+                             verdict.module_floor(self.tolerance, self.dtype))
 
     @property
     def outcome(self) -> str:
@@ -79,7 +82,8 @@ class ModuleResult:
                 "attention": self.attention, "dtype": self.dtype, "tolerance": self.tolerance, "added": self.added,
                 "inherited": self.inherited, "reference": self.reference,
                 "reference_inherited": self.reference_inherited, "bound": self.bound,
-                "inherited_bound": self.inherited_bound, "sources": self.sources, "jax_sources": self.jax_sources,
+                "inherited_bound": self.inherited_bound, "layout": self.layout, "sources": self.sources,
+                "jax_sources": self.jax_sources,
                 "outcome": self.outcome,
                 "found_by_inherited_error": self.by_flow, "passed": self.passed, "note": self.note}
 
@@ -167,7 +171,8 @@ class Report:
             if m.outcome == verdict.NOT_COMPARED and m.note:
                 mark = f"{mark} ({m.note})"
             allowed = f"{m.bound:.1e}" + (" (attention)" if m.attention else "")
-            out.append([m.label, m.jax_name, _e(m.added), _e(m.reference), allowed, _e(m.inherited), mark])
+            jax = m.jax_name if m.layout == "as is" else f"{m.jax_name} [{m.layout}]"
+            out.append([m.label, jax, _e(m.added), _e(m.reference), allowed, _e(m.inherited), mark])
         return out
 
     def summary(self) -> list[str]:

@@ -5,8 +5,10 @@ records it, the JAX side through ``compare``'s interception). Modules are paired
 the children of a pair (the calls whose nearest recorded ancestor it is) with the other side's
 children, by name after the parent (``self_attn.q_proj`` under ``self_attn`` is ``q_proj``), kind
 (linear, embedding, norm, attention, MLP, ...), output shape and call order; what is left over is
-then paired across the whole model by kind and shape. Only modules whose first outputs hold the
-same number of elements are paired (``compare`` can compare nothing else). A pair's names become a
+then paired across the whole model by kind and shape. Only modules whose first outputs have a
+layout in common are paired (the same shape, or one ``axis_layouts`` brings to the other: a port
+keeping ``(batch, length, heads, head_dim)`` where PyTorch keeps ``(batch, heads, length,
+head_dim)`` pairs; ``compare`` can compare nothing else). A pair's names become a
 regular expression with the layer indices both names share as groups
 (``model\\.layers\\.(\\d+)\\.self_attn`` -> ``model.layers.\\1.attn``) when every layer pairs alike.
 """
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity_tests.porting import arrays, jax_side, settings
+from parity_tests.porting import jax_side, settings
+from parity_tests.tool import arrays, axis_layouts
 
 # kind of a module from its class name, else its own name's last part: the first that matches
 _KINDS = (("rotary", r"rotary|rope"), ("embedding", r"embed|wte|wpe"), ("norm", r"norm|(^|_)ln(_|\d|$)"),
@@ -42,6 +45,11 @@ class Module:
     def size(self) -> int | None:
         return None if self.shape is None else int(np.prod(self.shape))
 
+    def fits(self, other: Module) -> bool:
+        """Whether ``other``'s output (JAX's) reads in this one's layout (PyTorch's), in one layout or more."""
+        return self.shape is not None and other.shape is not None and bool(
+            axis_layouts.candidates(other.shape, self.shape))
+
     @property
     def kind(self) -> str:
         return kind(self.cls, self.name)
@@ -62,7 +70,7 @@ class Suggestion(dict):
     out, whose same-named JAX module is not its pair), with ``pairs`` (every paired PyTorch module ->
     its JAX module, same names included), ``unpaired`` (PyTorch modules with no JAX module that
     fits) and ``unpaired_jax``; ``mismatched``: ``(PyTorch name, JAX name, PyTorch shape, JAX shape)``
-    of modules that bear the same name but whose outputs hold different numbers of elements."""
+    of modules that bear the same name but whose outputs have no layout in common."""
 
     def __init__(self, mapping: dict, pairs: dict, unpaired: list, unpaired_jax: list, mismatched: list):
         super().__init__(mapping)
@@ -116,9 +124,9 @@ def _relative(module: Module, parent: str | None) -> str:
 
 
 def _score(t: Module, j: Module, t_name: str, j_name: str, t_rank: float, j_rank: float) -> float | None:
-    """How well PyTorch's ``t`` fits JAX's ``j`` (None: not at all): their outputs must hold as many
-    elements and their kinds must not be two different known kinds."""
-    if t.size is None or t.size != j.size:
+    """How well PyTorch's ``t`` fits JAX's ``j`` (None: not at all): their outputs must have a layout
+    in common and their kinds must not be two different known kinds."""
+    if not t.fits(j):
         return None
     if t.kind != j.kind and "other" not in (t.kind, j.kind):
         return None
@@ -205,7 +213,7 @@ def suggest_mapping(torch_model, flax_model, *inputs) -> Suggestion:
     module calls on ``inputs`` (NumPy arrays; none for a saved reference, which has its own).
 
     Modules are paired by their names (relative to their paired parents), kind, output shape and
-    call order; a pair whose outputs hold different numbers of elements is never made. Returns a
+    call order; a pair whose outputs have no layout in common is never made. Returns a
     ``Suggestion``: the mapping (a dict, in PyTorch's call order), with ``pairs``, ``unpaired``,
     ``unpaired_jax`` and ``mismatched`` (see ``Suggestion``). ``print_suggestion`` prints it to paste.
     """
@@ -219,7 +227,7 @@ def suggest_mapping(torch_model, flax_model, *inputs) -> Suggestion:
         same = jax_by_name.get(m.name)
         if m.name not in pairs and same is not None:
             mapping[re.escape(m.name)] = None
-            if same.size != m.size:
+            if not m.fits(same):
                 mismatched.append((m.name, same.name, m.shape, same.shape))
     first = {p: min((i for i, m in enumerate(torch_modules) if re.fullmatch(p, m.name)), default=len(torch_modules))
              for p in mapping}

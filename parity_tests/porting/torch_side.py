@@ -13,8 +13,8 @@ from collections import Counter
 
 import numpy as np
 
-from parity_tests.porting import arrays
 from parity_tests.porting.recording import Call, Flow, Recording
+from parity_tests.tool import arrays
 
 
 def parameter_dtypes(model) -> set[str]:

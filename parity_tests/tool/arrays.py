@@ -1,9 +1,16 @@
-"""Moving numbers between NumPy, JAX and PyTorch without changing them, and comparing bits.
+"""Moving numbers between NumPy, JAX and PyTorch without changing them, comparing bits, and the
+errors between two arrays, for ``mha-parity verify`` and ``mha-parity compare`` alike.
 
 Every side of a comparison starts from the same float64 NumPy arrays, rounded once to the
 case's dtype (``rounded``), handed to a framework in that dtype (``cast``), and read back as
 float64 (``to_float64``). ``same_bits`` is the one bitwise equality of the package: shapes,
 dtypes and every bit (``-0.0``, NaN payloads and bfloat16 included).
+
+A model's output may be an array, a tuple or list, a dict, or a transformers ``ModelOutput``;
+``fields`` reads it as an ordered list of ``(field, array)`` (``None`` fields left out; tuple
+elements are ``0``, ``1``..., a bare array is ``output``). Errors are relative:
+``max(||a - b|| / ||b||, max|a - b| / max|b|)``, ``b`` the reference (PyTorch) side, in float64,
+``a`` brought to ``b``'s layout by ``axis_layouts.fit`` (never reshaped across shapes).
 """
 
 from __future__ import annotations
@@ -61,3 +68,104 @@ def same_bits(a, b) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return a.tobytes() == b.tobytes()
+
+
+def is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def fields(output, prefix: str = "") -> list[tuple[str, object]]:
+    """``(name, array)`` of every array in ``output``, in order (nested names joined by ``.``)."""
+    if output is None:
+        return []
+    if is_array(output):
+        return [(prefix or "output", output)]
+    if hasattr(output, "keys") and hasattr(output, "__getitem__"):  # dict, ModelOutput
+        items = [(str(k), output[k]) for k in output.keys()]
+    elif isinstance(output, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(output)]
+    else:
+        return []
+    found = []
+    for key, value in items:
+        found += fields(value, f"{prefix}.{key}" if prefix else key)
+    return found
+
+
+def primary(output):
+    """The first array of ``output`` (a module's result: its hidden states before anything
+    else it returns), or None."""
+    found = fields(output)
+    return found[0][1] if found else None
+
+
+def numpy(x) -> np.ndarray:
+    """A copy as NumPy in its own dtype (torch bfloat16 as ml_dtypes' bfloat16)."""
+    return np.array(to_numpy(x), copy=True)
+
+
+def dtype_name(x) -> str:
+    return str(to_numpy(x).dtype) if not hasattr(x, "detach") else str(x.dtype).replace("torch.", "")
+
+
+def is_float(x) -> bool:
+    return is_floating(to_numpy(x))
+
+
+def _pair(a, b, valid, layout) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` in ``b``'s layout (``axis_layouts.fit``; a ``LayoutError`` when it has none, or several),
+    both float64, at the ``valid`` positions: of ``b`` where its shape starts with ``valid``'s, else
+    of ``a`` where its shape does, carried to ``b``'s layout with it (``(batch, heads, length, ...)``
+    against ``(batch, length, heads, ...)``)."""
+    from parity_tests.tool import axis_layouts
+
+    a, b = to_numpy(a), to_float64(b)
+    aligned = to_float64(axis_layouts.fit(a, b.shape, layout))
+    if valid is None:
+        return aligned, b
+    if b.shape[: valid.ndim] == valid.shape:
+        keep = np.broadcast_to(valid.reshape(valid.shape + (1,) * (b.ndim - valid.ndim)), b.shape)
+    elif a.shape[: valid.ndim] == valid.shape:
+        keep = axis_layouts.fit(np.broadcast_to(valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a.shape),
+                                b.shape, layout)
+    else:
+        return aligned, b
+    return aligned[keep], b[keep]
+
+
+def relative_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:
+    """``max(||a - b|| / ||b||, max|a - b| / max|b|)`` in float64, ``a`` in ``b``'s layout (see
+    ``axis_layouts.fit``: ``layout`` a declared one; a ``LayoutError`` naming both shapes when none
+    fits, or several do). Equal shapes are compared as they are, unless another layout of that shape
+    (axes of one size exchanged: heads == length) reads ``a`` nearer ``b``: then nothing is
+    (a ``LayoutError`` naming both errors), for the port may keep either. ``valid`` (bool
+    ``(batch, length)``): only those positions of arrays whose shape starts with it."""
+    error = _relative(*_pair(a, b, valid, layout))
+    if layout is None and tuple(np.shape(a)) == tuple(np.shape(b)) and error > 0:
+        from parity_tests.tool import axis_layouts
+
+        for other in axis_layouts.alternatives(np.shape(b)):
+            nearer = _relative(*_pair(other.apply(to_numpy(a)), b, valid, None))
+            if nearer < error:
+                raise axis_layouts.LayoutError(
+                    f"the JAX array {tuple(np.shape(a))} reads as PyTorch's in more than one layout, and {other} "
+                    f"({nearer:.2e}) nearer than as is ({error:.2e}): declare one in the mapping")
+    return error
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    if b.size == 0:
+        return 0.0
+    diff = np.abs(a - b)
+    if not np.all(np.isfinite(diff)):
+        return float("inf")
+    norm, peak = np.linalg.norm(b), np.max(np.abs(b))
+    rel = np.linalg.norm(diff) / norm if norm else (0.0 if not diff.any() else float("inf"))
+    peak_rel = diff.max() / peak if peak else (0.0 if not diff.any() else float("inf"))
+    return float(max(rel, peak_rel))
+
+
+def max_abs_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:
+    """``max|a - b|``, ``a`` in ``b``'s layout as ``relative_error`` brings it."""
+    a, b = _pair(a, b, valid, layout)
+    return float(np.max(np.abs(a - b))) if b.size else 0.0

@@ -583,9 +583,11 @@ class Result:
 
     @property
     def passed(self) -> bool:
+        from parity_tests.tool import verdict  # the one rule of every comparison; against the oracle, the tolerance
+
         tol, grad_tol = TOLERANCES[self.case.dtype]
         forward = self._worst(lambda n: not n.startswith("grad:"))[0]
-        return forward <= tol and self.grad <= grad_tol
+        return verdict.within(forward, verdict.bound(tol)) and verdict.within(self.grad, verdict.bound(grad_tol))
 
     def as_json(self) -> dict:
         return {
