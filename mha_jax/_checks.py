@@ -29,6 +29,6 @@ CHECKS = arguments.ArrayChecks(
     dtype=lambda x: x.dtype, values=lambda x: np.asarray(x) if concrete(x) else None, heads_first=False,
 )
 require_array, require_float, require_int = CHECKS.require_array, CHECKS.require_float, CHECKS.require_int
-check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
-    CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask)
-check_unbatched = CHECKS.check_unbatched
+check_attention_inputs, check_sequence, check_lengths, check_dropout_mask, check_unbatched = (
+    CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask,
+    CHECKS.check_unbatched)

@@ -6,12 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mha_spec import alibi as _alibi
-from mha_spec.terms import Terms, Where, conjoin
-
-# No inf in any path (jax.debug_infs): finite stand-ins, in fractions of the compute dtype's largest finite value.
-# A masked score is MASKED (jax.nn's -0.7 x max); a row's running max at or below NO_KEY means no key seen yet;
-# a bias is floored at FLOOR (so that real scores stay above NO_KEY) unless -inf; an empty row's lse is EMPTY.
-_MASKED, _NO_KEY, _FLOOR, _EMPTY = -0.7, -0.35, -0.1, 0.25
+from mha_spec.terms import BIAS_FLOOR, EMPTY_LSE, MASKED, NO_KEY, Terms, Where, conjoin
 
 
 def _of_max(dtype, fraction: float):
@@ -21,17 +16,17 @@ def _of_max(dtype, fraction: float):
 
 def masked(dtype):
     """The score a masked entry gets (finite: no inf in any path)."""
-    return _of_max(dtype, _MASKED)
+    return _of_max(dtype, MASKED)
 
 
 def has_key(row_max):
     """Whether a row whose running max is ``row_max`` has met a key (a score above every masked one)."""
-    return row_max > _of_max(row_max.dtype, _NO_KEY)
+    return row_max > _of_max(row_max.dtype, NO_KEY)
 
 
 def empty_lse(dtype):
     """The lse an empty row keeps: finite, and so large that every weight recomputed from it is 0."""
-    return _of_max(dtype, _EMPTY)
+    return _of_max(dtype, EMPTY_LSE)
 
 
 def below_all(x):
@@ -42,9 +37,9 @@ def below_all(x):
 def floored_bias(bias, compute):
     """``bias`` (its dtype kept) with finite values below ``FLOOR`` x max of ``compute`` raised to it, ``-inf`` kept:
     every score a finite bias leaves stays above the masked ones' (a key excluded only by a mask or ``-inf``)."""
-    if bias is None or float(jnp.finfo(bias.dtype).min) >= _FLOOR * float(jnp.finfo(compute).max):
+    if bias is None or float(jnp.finfo(bias.dtype).min) >= BIAS_FLOOR * float(jnp.finfo(compute).max):
         return bias
-    floor = np.asarray(_FLOOR * float(jnp.finfo(compute).max), bias.dtype)
+    floor = np.asarray(BIAS_FLOOR * float(jnp.finfo(compute).max), bias.dtype)
     return jnp.where(below_all(bias), bias, jnp.maximum(bias, floor))
 
 

@@ -22,6 +22,13 @@ class Where(NamedTuple):
     length: Any = None
 
 
+# No inf inside any path (jax.debug_infs, torch's anomaly mode): finite stand-ins, as fractions of the compute
+# dtype's largest finite value. A masked score (jax.nn's -0.7); the running max at or below which a row has met no
+# key; the floor of a finite bias (real scores stay above that line); an empty row's logsumexp (every weight
+# recomputed from it is 0).
+MASKED, NO_KEY, BIAS_FLOOR, EMPTY_LSE = -0.7, -0.35, -0.1, 0.25
+
+
 def conjoin(a, b):
     """``a & b``, either of which may be None (nothing excluded)."""
     return b if a is None else a if b is None else a & b

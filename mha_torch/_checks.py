@@ -34,23 +34,9 @@ CHECKS = arguments.ArrayChecks(
     values=lambda x: x.detach().cpu().numpy(), heads_first=True,
 )
 require_array, require_float, require_int = CHECKS.require_array, CHECKS.require_float, CHECKS.require_int
-check_attention_inputs, check_sequence, check_lengths, check_dropout_mask = (
-    CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask)
-
-
-def check_rank(query, key, value) -> bool:
-    """Real floating query, key and value all of rank 4 ``(batch, heads, len, head_dim)``, or all of rank 3
-    ``(heads, len, head_dim)``: one example. Returns whether they are one example."""
-    inputs = (("query", query), ("key", key), ("value", value))
-    for name, x in inputs:
-        require_float(name, x)
-    for name, x in inputs:
-        if x.ndim not in (3, 4):
-            raise ValueError(f"{name} must have rank 3 (one example) or 4, got shape {tuple(x.shape)}")
-    if not query.ndim == key.ndim == value.ndim:
-        raise ValueError(f"query, key and value must share one rank, 3 (one example) or 4, got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
-    return query.ndim == 3
+check_attention_inputs, check_sequence, check_lengths, check_dropout_mask, check_unbatched = (
+    CHECKS.check_attention_inputs, CHECKS.check_sequence, CHECKS.check_lengths, CHECKS.check_dropout_mask,
+    CHECKS.check_unbatched)
 
 
 def check_one_example(shape: tuple[int, int, int], **arrays) -> None:

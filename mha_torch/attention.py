@@ -104,13 +104,12 @@ def dot_product_attention(
     Returns:
       ``(batch, heads, q_len, v_head_dim)`` in the input dtype, or ``(output, weights)`` with
       weights ``(batch, heads, q_len, kv_len)``. A query that may attend to no key gets an
-      output row of 0 and weights 0. ``"math"`` stands ``-0.7 * finfo(dtype).max`` for an
-      excluded key's logit (finite, as ``jax.nn``): a row whose every allowed key has a logit
-      plus bias at or below it counts as having no key there (``"sdpa"``: SDPA's softmax over
-      them). bfloat16/float16 inputs are computed in float32 (on a CUDA device, ``"sdpa"``
-      gives them to the fused kernels as they are, which accumulate in float32).
+      output row of 0 and weights 0. ``"math"`` forms no inf or NaN inside (``torch.autograd.detect_anomaly``)
+      but from a user's ``-inf``: an excluded key's logit is finite, and a finite bias below ``-0.1 *
+      finfo(dtype).max`` counts as that value. bfloat16/float16 inputs are computed in float32 (on a CUDA
+      device, ``"sdpa"`` gives them to the fused kernels as they are, which accumulate in float32).
     """
-    one_example = _checks.check_rank(query, key, value)
+    one_example = _checks.check_unbatched(query, key, value)
     mask_name, mask = _checks.either_mask(attn_mask, mask)
     if one_example:  # as a batch of one
         _checks.check_one_example((query.shape[0], query.shape[1], key.shape[1]),
@@ -157,6 +156,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     sinks = None if sinks is None else sinks.to(compute)
     if spec.alibi_slopes is not None:  # the ALiBi term in the compute dtype
         spec = dataclasses.replace(spec, alibi_slopes=spec.alibi_slopes.to(compute))
+    if spec.bias is not None:  # its finite values above every masked score (no inf: see _masked_softmax)
+        spec = dataclasses.replace(spec, bias=_floored_bias(spec.bias, compute))
     if implementation == "math":
         if keep is None and dropout_p > 0:
             keep = torch.rand(shape, device=query.device) >= dropout_p
@@ -264,21 +265,18 @@ def _with_sink_key(q, k, v, attn_mask, sinks):
 
 def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None,
                     sinks=None) -> torch.Tensor:
-    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``."""
+    """Softmax over the last axis of ``(batch, heads, q_len, kv_len)``; 0 on rows with no key; sinks ``(heads,)``.
+    Masked scores are finite (``terms.MASKED``): no inf is formed, whatever is masked."""
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
-    lowest = -math.inf
-    if allowed is not None:  # a finite stand-in (as jax.nn's), no -inf: exp takes it to 0
-        lowest = _mask_value(logits.dtype)
-        logits = logits.masked_fill(~allowed, lowest)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, _of_max(logits.dtype, terms.MASKED))
     row_max = logits.amax(dim=-1, keepdim=True)
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1)
         row_max = torch.maximum(row_max, sink)
     row_max = row_max.detach()
-    # a row with no key has the stand-in (or -inf, a bias of -inf on every key) as its maximum: 0 instead
-    # takes its exps to 0, not 1
-    row_max = torch.where(row_max > lowest, row_max, 0.0)
+    row_max = torch.where(row_max > _of_max(logits.dtype, terms.NO_KEY), row_max, 0.0)  # no key: exp(masked) is 0
     exp = torch.exp(logits - row_max)
     total = exp.sum(dim=-1, keepdim=True)
     if sinks is not None:
@@ -286,10 +284,18 @@ def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, bias: to
     return exp / torch.where(total == 0.0, 1.0, total)
 
 
-def _mask_value(dtype: torch.dtype) -> float:
-    """The logit that stands for an excluded key: finite and far below any real logit, with room to subtract
-    a row's maximum without overflow (jax.nn's ``-0.7 * finfo.max``)."""
-    return -0.7 * torch.finfo(dtype).max
+def _of_max(dtype: torch.dtype, fraction: float) -> float:
+    """``fraction`` x the largest finite value of ``dtype``."""
+    return fraction * torch.finfo(dtype).max
+
+
+def _floored_bias(bias: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """``bias`` with finite values below ``terms.BIAS_FLOOR`` x max of ``compute`` raised to it, ``-inf`` kept: every
+    score a finite bias leaves stays above the masked ones' (a key excluded only by a mask or ``-inf``)."""
+    floor = _of_max(compute, terms.BIAS_FLOOR)
+    if torch.finfo(bias.dtype).min >= floor:
+        return bias
+    return torch.where(torch.isneginf(bias), bias, bias.clamp_min(floor))
 
 
 def _dropout_keep(rate, dropout_mask, shape):

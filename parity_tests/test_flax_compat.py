@@ -671,12 +671,12 @@ def test_linen_scan_over_layers_and_remat_with_a_policy():
 
 
 def test_flax_function_is_not_our_core_and_says_so():
-    """A documented difference: ``mha_jax.dot_product_attention`` is our core (keywords only, in
-    ``jax.nn``'s terms), not flax's function; flax's own arguments are refused by name, not
-    taken with another meaning. Given to our class as ``attention_fn``, flax's function is called
-    as flax calls it (above)."""
+    """A documented difference: ``mha_jax.dot_product_attention`` is our core (``jax.nn``'s
+    signature: ``bias, mask`` by position, the rest by keyword), not flax's function; flax's own
+    arguments are refused by name, not taken with another meaning. Given to our class as
+    ``attention_fn``, flax's function is called as flax calls it (above)."""
     q = jnp.ones((2, 3, 4, 8), jnp.float32)
     with pytest.raises(TypeError, match="positional"):
-        mha_jax.dot_product_attention(q, q, q, None, None)
+        mha_jax.dot_product_attention(q, q, q, None, None, True)
     with pytest.raises(TypeError, match="deterministic"):
         mha_jax.dot_product_attention(q, q, q, deterministic=True)

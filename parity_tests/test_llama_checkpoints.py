@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from parity_tests import compare
-from parity_tests.porting import record
-from parity_tests.porting.runs import compare_training
+from parity_tests.porting import compare_training, record
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import llama  # noqa: E402

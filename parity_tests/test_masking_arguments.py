@@ -26,7 +26,7 @@ CALLS = {
                                     "dropout_rng", "dropout_mask", "return_weights", "precision", "implementation",
                                     "sequence_axis", "return_residual"},
     mha_torch.dot_product_attention: {"query", "key", "value", "scale", "logit_soft_cap", "sinks", "dropout_p",
-                                      "dropout_mask", "need_weights", "implementation"},
+                                      "dropout_mask", "need_weights", "implementation", "attn_mask", "enable_gqa"},
     mha_jax.MultiHeadAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v"} | _MODULE_CALL,
     mha_jax.linen.MultiHeadDotProductAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v", "inputs_kv",
                                                           "deterministic", "dropout_rng", "sow_weights",
