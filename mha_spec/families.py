@@ -38,9 +38,31 @@ def _layer_types_every(period: int, *keys: str, first: bool = False) -> Callable
 
 
 def _layer_types_qwen(config: Mapping[str, Any], layers: int) -> list[str]:
-    """Qwen2's rule: with ``use_sliding_window``, the layers from ``max_window_layers`` on slide."""
+    """Qwen2's and Qwen3's rule: with ``use_sliding_window``, the layers from ``max_window_layers`` on slide."""
     sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
-    first = config.get("max_window_layers", layers)
+    first = config.get("max_window_layers", _QWEN_WINDOW["max_window_layers"])
+    return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+
+
+def _layer_types_qwen2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen2MoeConfig's rule: with ``use_sliding_window``, the even layers below ``max_window_layers`` slide."""
+    sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+    last = config.get("max_window_layers", _QWEN_WINDOW["max_window_layers"])
+    return ["sliding_attention" if sliding and i % 2 == 0 and i < last else "full_attention" for i in range(layers)]
+
+
+def _layer_types_qwen3_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen3MoeConfig's rule (no ``layer_types``, no ``max_window_layers``): with ``use_sliding_window``, every
+    layer slides (its model reads ``sliding_window`` on each layer)."""
+    sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+    return ["sliding_attention" if sliding else "full_attention"] * layers
+
+
+def _layer_types_dots1(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Dots1Config's rule (no ``use_sliding_window``): with a ``sliding_window``, the layers from
+    ``max_window_layers`` on slide."""
+    first = config.get("max_window_layers")
+    sliding = config.get("sliding_window") is not None and first is not None
     return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
 
 
@@ -214,6 +236,8 @@ def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, 
     return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
 
 
+# Qwen2Config's (and Qwen3's, Qwen2-MoE's, Qwen3-MoE's) window defaults, where a config leaves them out
+_QWEN_WINDOW = dict(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
 # Llama4TextConfig's defaults, where a config leaves them out
 _LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
 _CLIPPED = (("clip_qkv", "clipped projections"),)  # a clamp of the projections' outputs
@@ -232,7 +256,10 @@ _PATTERN_KEYS = ("sliding_window_pattern", "_sliding_window_pattern")  # Gemma 3
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), Family()),
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), Family(layer_types=_layer_types_mistral)),
-    **dict.fromkeys(("qwen3", "qwen3_moe", "dots1"), Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen)),
+    "qwen3": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen, defaults=_QWEN_WINDOW),
+    "qwen3_moe": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen3_moe, defaults=_QWEN_WINDOW),
+    "dots1": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_dots1,
+                    defaults=dict(sliding_window=4096, max_window_layers=62)),
     **dict.fromkeys(("gemma2", "vaultgemma"), Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
                                                      layer_types=_layer_types_every(2))),
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), Family(scale=_scale_granite)),
@@ -249,9 +276,11 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("apertus", "mellum", "hy_v3"), Family(qk_norm=_RMS_PER_HEAD)),
     "solar_open": Family(out_bias=False),
     "helium": Family(rope_interleaved=True, out_bias=False),
-    "qwen2": Family(qkv_bias=True, out_bias=False, layer_types=_layer_types_qwen),
-    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen),
-    "gemma3_text": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
+    "qwen2": Family(qkv_bias=True, out_bias=False, layer_types=_layer_types_qwen, defaults=_QWEN_WINDOW),
+    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen2_moe,
+                        defaults=_QWEN_WINDOW),
+    # attn_logit_softcapping: Gemma3TextConfig keeps it, Gemma3Attention (transformers 5.x) never applies it
+    "gemma3_text": Family(scale=_scale_gemma,
                           qk_norm=QKNorm("rms", True, 1e-6, offset=1.0),
                           layer_types=_layer_types_every(6, *_PATTERN_KEYS)),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
