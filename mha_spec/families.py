@@ -15,6 +15,7 @@ from mha_spec import alibi
 from mha_spec.latent import Latent
 from mha_spec.layouts import renamed
 from mha_spec.qk_norm import QKNorm
+from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import yarn_mscale
 
 _PREFIX = "model.layers.{layer}.self_attn."
@@ -157,11 +158,21 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
-def _check_llama4(config: Mapping[str, Any], layer: int) -> None:
-    """A NoPE layer of Llama 4 scales its queries by position (``attn_temperature_tuning``)."""
-    if config["no_rope_layers"][layer] == 0 and config["attn_temperature_tuning"]:
-        raise ValueError(f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE "
-                         f"layer {layer} by position: this attention does not compute it")
+def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | None:
+    """Llama 4's temperature tuning: its NoPE layers' queries scaled by ``attn_scale``, ``floor_scale``."""
+    if config["no_rope_layers"][layer] or not config.get("attn_temperature_tuning"):
+        return None
+    return QueryScale(float(config["attn_scale"]), float(config["floor_scale"]), 1.0)
+
+
+def _query_scale_ministral3(config: Mapping[str, Any], layer: int) -> QueryScale | None:
+    """Ministral 3's queries scaled by the rope parameters' ``llama_4_scaling_beta`` over their
+    ``original_max_position_embeddings``."""
+    parameters = config.get("rope_parameters") or {}
+    beta = parameters.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    return QueryScale(float(beta), float(parameters["original_max_position_embeddings"]), 0.0)
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,10 @@ class Family:
     standardize: Callable[[dict], dict] | None = None  # fills in keys its config class derives (a copy)
     latent: bool = False  # multi-head latent attention (DeepSeek-V3's), read by _with_latent
     latent_interleave: bool | str = False  # a latent layer's rotary pairs (2i, 2i + 1), or the key that says so
+    clip_qkv: str | None = None  # the key of the projections' clamp (its value falsy: none)
+    query_scale: Callable[[Mapping[str, Any], int], QueryScale | None] | None = None  # (config, layer) -> it
+    qk_norm_rope_only: bool = False  # the QK-norm only on the layers that rotate
+    rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -239,8 +254,11 @@ def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, 
 # Qwen2Config's (and Qwen3's, Qwen2-MoE's, Qwen3-MoE's) window defaults, where a config leaves them out
 _QWEN_WINDOW = dict(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
 # Llama4TextConfig's defaults, where a config leaves them out
-_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
-_CLIPPED = (("clip_qkv", "clipped projections"),)  # a clamp of the projections' outputs
+_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True,
+               attn_scale=0.1, floor_scale=8192)
+# Ministral3Config's rope parameters, where a config leaves them out
+_MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=16384,
+                        beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)
 _QK_LAYERNORM = (("qk_layernorm", "QK LayerNorm with bias"),)
 _HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
 _ROTARY_DIM = (("rotary_dim",), "rotary_dim", 64)
@@ -285,14 +303,20 @@ FAMILIES: dict[str, Family] = {
                           layer_types=_layer_types_every(6, *_PATTERN_KEYS)),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
     "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
-                          defaults=_LLAMA4, reads=("attention_chunk_size",), check=_check_llama4),
+                          defaults=_LLAMA4, reads=("attention_chunk_size", "use_qk_norm"),
+                          query_scale=_query_scale_llama4,
+                          # Llama4TextL2Norm on the rotary layers, after the rotation: weightless, per head, it
+                          # commutes with the rotation and is computed before it here
+                          qk_norm=QKNorm("rms", True, 1e-5, weight=False), qk_norm_flag="use_qk_norm",
+                          qk_norm_rope_only=True),
     "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_mistral),
-    "ministral3": Family(layer_types=_layer_types_mistral,
-                         refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
+    "ministral3": Family(layer_types=_layer_types_mistral, query_scale=_query_scale_ministral3,
+                         rope_ignore=("llama_4_scaling_beta", "max_position_embeddings"),
+                         defaults=dict(rope_parameters=_MINISTRAL3_ROPE)),
     "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True, layer_types=_layer_types_mistral),
-    "olmo": Family(refuses=_CLIPPED),
+    "olmo": Family(clip_qkv="clip_qkv"),
     "olmo3": Family(qk_norm=_RMS, layer_types=_layer_types_every(4)),
-    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), clip_qkv="clip_qkv"),
     "seed_oss": Family(out_bias="attention_out_bias"),
     "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
                       defaults=dict(no_rope_layer_interval=4)),
@@ -348,7 +372,7 @@ FAMILIES: dict[str, Family] = {
     "mpt": _mha("transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
                 scale=_scale_mpt, rope=False, alibi=_alibi_mpt, nested="attn_config",
                 renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
-                refuses=(*_CLIPPED, ("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
+                clip_qkv="clip_qkv", refuses=(("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
                          ("attn_uses_sequence_id", "a mask from the content")),
                 aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
                              max_position_embeddings="max_seq_len")),
@@ -423,6 +447,8 @@ class LayerOptions:
     alibi_slopes: tuple[float, ...] | None = None  # ALiBi, one slope per head (``mha_spec.alibi``)
     latent: Latent | None = None  # multi-head latent attention; ``rope`` then rotates qk_rope_head_dim features
     rope_interleaved: bool = False  # with ``latent``: the rotary pairs are (2i, 2i + 1), whatever the model_type
+    clip_qkv: float | None = None  # the projections' outputs clamped to [-clip_qkv, clip_qkv]
+    query_scale: QueryScale | None = None  # each query scaled by its position
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -509,11 +535,14 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope = None
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
+    qk_norm = None if family.qk_norm_rope_only and rope is None else _qk_norm(config, family)
     options = LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
-        config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
+        config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, qk_norm,
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
-        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes)
+        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
+        clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
+        query_scale=family.query_scale(config, layer) if family.query_scale else None)
     return _with_latent(options, config, family) if family.latent else options
 
 
@@ -551,8 +580,7 @@ def _qk_norm(config: Mapping[str, Any], family: Family) -> QKNorm | None:
     """The family's QK-norm with the config's eps, None without one."""
     if family.qk_norm is None or (family.qk_norm_flag and not config.get(family.qk_norm_flag, False)):
         return None
-    norm = family.qk_norm
-    return QKNorm(norm.kind, norm.per_head, config.get(family.qk_norm_eps, norm.eps), norm.offset, norm.per_head_scale)
+    return replace(family.qk_norm, eps=config.get(family.qk_norm_eps, family.qk_norm.eps))
 
 
 def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
@@ -580,6 +608,8 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
         if not any(k in config or k in (config.get("rope_parameters") or {}) for k in keys):
             rope[key] = default
     parameters = config.get("rope_parameters")
+    if family.rope_ignore and isinstance(parameters, Mapping):
+        parameters = rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
     if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
         rope["rope_parameters"] = dict(parameters[layer_type])
     elif config.get("model_type") == "gemma3_text" and layer_type == "sliding_attention" and \

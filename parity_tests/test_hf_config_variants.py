@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from parity_tests import test_hf_families
 from parity_tests.test_hf_families import WINDOW, Supported, check_family
 
 
@@ -21,9 +22,15 @@ class ConfigRegression:
     why: str  # the key, its value, and what went wrong before
     model_type: str
     record: Supported
+    dtype: str = "float64"  # float32 where transformers' own arithmetic is float32 whatever the input (Llama 4's
+    # rotation: complex64 tables and products)
+    from_zero: bool = False  # every row's positions from 0 (Llama 4's temperature tuning reads the index)
 
 
 _EXPERTS = dict(num_experts=2, num_experts_per_tok=1)
+# a small Llama 4 text model: chunks of 16 (past the length), every 2nd layer without rotary
+_LLAMA4 = dict(attn_temperature_tuning=False, attention_chunk_size=16, no_rope_layer_interval=2, use_qk_norm=False,
+               num_local_experts=2, num_experts_per_tok=1)
 CONFIG_REGRESSIONS = [
     ConfigRegression(
         "qwen3_moe-use_sliding_window", "qwen3_moe use_sliding_window=True (its config class has no layer_types "
@@ -52,16 +59,40 @@ CONFIG_REGRESSIONS = [
         Supported("", dict(rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=8.0,
                                                 low_freq_factor=2.0, high_freq_factor=2.0,
                                                 original_max_position_embeddings=8)))),
+    ConfigRegression(
+        "llama4_text-use_qk_norm", "llama4_text use_qk_norm=True (a weightless RMS norm of each head's queries and "
+        "keys after the rotation, on its rotary layers): refused (\"Llama 4's QK-norm\")", "llama4_text",
+        Supported("", dict(_LLAMA4, use_qk_norm=True, rms_norm_eps=1e-2), layers=2), "float32"),
+    ConfigRegression(
+        "llama4_text-attn_temperature_tuning", "llama4_text attn_temperature_tuning=True (floor_scale=2, "
+        "attn_scale=0.5: its NoPE layers' queries scaled by position): refused", "llama4_text",
+        Supported("", dict(_LLAMA4, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5), layers=2),
+        "float32", from_zero=True),
+    ConfigRegression(
+        "ministral3-llama_4_scaling_beta", "ministral3 rope_parameters llama_4_scaling_beta=0.5 over "
+        "original_max_position_embeddings=2 (queries scaled by position): refused", "ministral3",
+        Supported("", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0,
+                                                original_max_position_embeddings=2, llama_4_scaling_beta=0.5,
+                                                max_position_embeddings=16)))),
+    *(ConfigRegression(
+        f"{name}-clip_qkv", f"{name} clip_qkv=0.5 (the projections' outputs clamped): refused", name,
+        Supported("", extra)) for name, extra in (
+            ("olmo", dict(clip_qkv=0.5)), ("olmoe", dict(clip_qkv=0.5, num_experts=2, num_experts_per_tok=1)),
+            ("mpt", dict(num_key_value_heads=None, head_dim=None, attn_config=dict(clip_qkv=0.5))))),
 ]
 
 
 @pytest.mark.parametrize("case", CONFIG_REGRESSIONS, ids=[c.id for c in CONFIG_REGRESSIONS])
 @pytest.mark.parametrize("bare", [False, True], ids=["saved", "bare"])
 def test_config_regressions_equal_transformers(case, bare, monkeypatch):
-    """Every layer (where the model has more than one kind, the first of each kind and the last),
-    float64 to 1e-12."""
+    """The first two and the last two layers (every kind each config here has): float64 to 1e-12, float32
+    outputs to 1e-6 and gradients to 1e-5."""
     layers = sorted({0, 1, case.record.layers - 2, case.record.layers - 1})
-    worst = check_family(case.model_type, case.record, ("float64",), monkeypatch, layers=layers, bare=bare)
-    assert max(worst["float64"]) < 1e-12, (case.id, worst)
+    with pytest.MonkeyPatch.context() as offsets:  # apart: check_family undoes ``monkeypatch`` after each layer
+        if case.from_zero:
+            offsets.setattr(test_hf_families, "OFFSETS", (0, 0))
+        worst = check_family(case.model_type, case.record, (case.dtype,), monkeypatch, layers=layers, bare=bare)
+    tolerance = (1e-12, 1e-12) if case.dtype == "float64" else (1e-6, 1e-5)
+    assert all(e < t for e, t in zip(worst[case.dtype], tolerance)), (case.id, worst)
 
 

@@ -268,7 +268,9 @@ RECORDS: dict[str, Supported | Refused] = {
     # families proven in test_hf_models.py on their own (their record there names what each proves)
     **{name: Supported(_TESTED) for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
                                              "olmo2", "phi3", "gpt_neox", "gpt2", "gptj", "stablelm", "cohere")},
-    "llama4_text": Supported("proven in test_chunked.py: chunked layers, NoPE layers (attn_temperature_tuning refused)",
+    "llama4_text": Supported("proven in test_chunked.py: chunked layers, NoPE layers; use_qk_norm (a weightless RMS "
+                             "norm per head) and attn_temperature_tuning (NoPE layers' queries scaled by position) in "
+                             "test_hf_config_variants.py",
                              dict(attn_temperature_tuning=False, attention_chunk_size=16, no_rope_layer_interval=2,
                                   use_qk_norm=False, **_MOE)),
     "bert": Supported("a decoder (is_decoder): causal, biases, no rotary; its block's LayerNorm left unread",
@@ -282,17 +284,21 @@ RECORDS: dict[str, Supported | Refused] = {
                        dict(num_key_value_heads=None, head_dim=None)) for name in ("opt", "biogpt", "xglm")},
     "mixtral": Supported("Mistral's layer: sliding window", dict(sliding_window=WINDOW, **_MOE)),
     "ministral": Supported("sliding layers from layer_types", dict(sliding_window=WINDOW)),
-    "ministral3": Refused("per-position query scaling", "rope parameters' llama_4_scaling_beta"),
+    "ministral3": Supported("queries scaled by position (rope parameters' llama_4_scaling_beta), yarn rope",
+                            dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0,
+                                                      original_max_position_embeddings=2, llama_4_scaling_beta=0.5,
+                                                      max_position_embeddings=16))),
     "starcoder2": Supported("biases on all four projections (use_bias), sliding window", dict(sliding_window=WINDOW)),
     "qwen2_moe": Supported("q/k/v biases (qkv_bias)", dict(num_experts=2, num_experts_per_tok=1)),
     "qwen3_moe": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
     "gemma": Supported("Llama's layer"),
     "vaultgemma": Supported("soft-cap, query_pre_attn_scalar, alternating sliding layers",
                             dict(sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=12)),
-    "olmo": Supported("Llama's layer (clip_qkv refused)"),
+    "olmo": Supported("the projections clamped (clip_qkv)", dict(clip_qkv=0.5)),
     "olmo3": Supported("RMS QK-norm over the projection, rope parameters per layer type, sliding layers",
                        dict(sliding_window=WINDOW), layers=5),
-    "olmoe": Supported("RMS QK-norm over the projection", dict(num_experts=2, num_experts_per_tok=1)),
+    "olmoe": Supported("RMS QK-norm over the projection, the projections clamped after it (clip_qkv)",
+                       dict(clip_qkv=0.5, num_experts=2, num_experts_per_tok=1)),
     "flex_olmo": Supported("RMS QK-norm over the projection", dict(num_experts=2, num_experts_per_tok=1)),
     "phimoe": Supported("biases (attention_bias), sliding window", dict(sliding_window=WINDOW, **_MOE)),
     "granite": Supported("the scale from attention_multiplier", dict(attention_multiplier=0.2)),
@@ -349,8 +355,9 @@ RECORDS: dict[str, Supported | Refused] = {
                                   layer_rope_theta=[10000.0, 10000.0, 0.0]), layers=3),
     "bloom": Supported("ALiBi (bloom's slopes), each head's q, k, v rows together in query_key_value, biases",
                        _PLAIN),
-    "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv, softmax_scale from attn_config "
-                     "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
+    "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv clamped (clip_qkv), softmax_scale "
+                     "from attn_config (qk_ln, prefix_lm refused)",
+                     dict(_PLAIN, attn_config=dict(softmax_scale=0.3, clip_qkv=0.5))),
     "modernbert-decoder": Supported("sliding layers (local_attention // 2 keys), rope parameters per layer type, "
                                     "the output projection Wo", dict(_PLAIN, local_attention=2 * WINDOW), layers=3),
     "gpt_neox_japanese": Supported("GPT-NeoX's fused query_key_value without biases, the last layer's output bias "
@@ -425,11 +432,9 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
-    "mpt": (dict(attn_config=dict(clip_qkv=8.0)), "clipped projections"),
-    "ministral3": (dict(), "per-position query scaling"),
+    "mpt": (dict(attn_config=dict(qk_ln=True)), "QK LayerNorm"),
     "phi": (dict(qk_layernorm=True), "QK LayerNorm with bias"),
     "persimmon": (dict(head_dim=None), "QK LayerNorm with bias"),
-    "olmo": (dict(clip_qkv=8.0), "clipped projections"),
 }
 
 
