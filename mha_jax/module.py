@@ -70,10 +70,10 @@ class MultiHeadAttention(nnx.Module):
         ``use_bias`` on the low-rank input projections only; ``num_kv_heads`` and ``qkv_features`` None, no
         ``normalize_qk``, ``inputs_v`` the keys' input; default scale ``1 / sqrt(qk_head_dim)``. The cache holds
         the latent entries, ``cached_key`` ``(*batch, max_length, 1, kv_lora_rank + qk_rope_head_dim)``.
-      clip_qkv: the query, key and value projections' outputs clamped to ``[-clip_qkv, clip_qkv]``, after the
-        QK-norm (OLMo, OLMoE; MPT's and DBRX's fused projection); None: not clamped.
-      query_scale: an ``mha_spec.query_terms.QueryScale``: each query scaled by its position after the rotary
-        embedding (Llama 4's temperature tuning, Ministral 3's ``llama_4_scaling_beta``); None: not scaled.
+      clip_qkv: a bound: ``query``, ``key`` and ``value`` (the projections, after ``query_ln``/``key_ln``)
+        clamped to ``[-clip_qkv, clip_qkv]``, as OLMo, OLMoE, MPT and DBRX do; None: no clamp.
+      query_scale: an ``mha_spec.query_terms.QueryScale``: the queries, once rotated, scaled by their
+        positions (Llama 4's temperature tuning, Ministral 3's ``llama_4_scaling_beta``); None: no scale.
     """
 
     def __init__(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mha_spec import alibi
+from mha_spec.config_defaults import CLASS_DEFAULTS
 from mha_spec.latent import Latent
 from mha_spec.layouts import renamed
 from mha_spec.qk_norm import QKNorm
@@ -22,6 +23,15 @@ _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
 
 
+def _reading(*keys: str) -> Callable[[Callable], Callable]:
+    """Marks a record's function with the config keys it reads (``config_keys.keys_read``)."""
+    def mark(function: Callable) -> Callable:
+        function.keys = keys
+        return function
+    return mark
+
+
+@_reading("sliding_window")
 def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
     """Mistral's rule: every layer sliding when the config sets ``sliding_window``."""
     kind = "sliding_attention" if config.get("sliding_window") is not None else "full_attention"
@@ -35,9 +45,11 @@ def _layer_types_every(period: int, *keys: str, first: bool = False) -> Callable
         every = next((config[key] for key in keys if key in config), period)
         shift = 0 if first else 1
         return ["sliding_attention" if (i + shift) % every else "full_attention" for i in range(layers)]
+    rule.keys = keys
     return rule
 
 
+@_reading("use_sliding_window", "sliding_window", "max_window_layers")
 def _layer_types_qwen(config: Mapping[str, Any], layers: int) -> list[str]:
     """Qwen2's and Qwen3's rule: with ``use_sliding_window``, the layers from ``max_window_layers`` on slide."""
     sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
@@ -45,6 +57,7 @@ def _layer_types_qwen(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
 
 
+@_reading("use_sliding_window", "sliding_window", "max_window_layers")
 def _layer_types_qwen2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
     """Qwen2MoeConfig's rule: with ``use_sliding_window``, the even layers below ``max_window_layers`` slide."""
     sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
@@ -52,6 +65,7 @@ def _layer_types_qwen2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if sliding and i % 2 == 0 and i < last else "full_attention" for i in range(layers)]
 
 
+@_reading("use_sliding_window", "sliding_window")
 def _layer_types_qwen3_moe(config: Mapping[str, Any], layers: int) -> list[str]:
     """Qwen3MoeConfig's rule (no ``layer_types``, no ``max_window_layers``): with ``use_sliding_window``, every
     layer slides (its model reads ``sliding_window`` on each layer)."""
@@ -59,6 +73,7 @@ def _layer_types_qwen3_moe(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if sliding else "full_attention"] * layers
 
 
+@_reading("sliding_window", "max_window_layers")
 def _layer_types_dots1(config: Mapping[str, Any], layers: int) -> list[str]:
     """Dots1Config's rule (no ``use_sliding_window``): with a ``sliding_window``, the layers from
     ``max_window_layers`` on slide."""
@@ -67,17 +82,47 @@ def _layer_types_dots1(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
 
 
+def _dense_prefix(config: Mapping[str, Any]) -> int:
+    """Cohere2MoeConfig's dense first layers: ``first_k_dense_replace`` (a config.json's), else the leading "dense"
+    entries of ``mlp_layer_types`` (which its config class saves)."""
+    if "first_k_dense_replace" in config:
+        return int(config["first_k_dense_replace"] or 0)
+    kinds = config.get("mlp_layer_types") or []
+    return next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+
+
+@_reading("first_k_dense_replace", "mlp_layer_types", "prefix_dense_sliding_window_pattern", "sliding_window_pattern")
+def _layer_types_cohere2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Cohere2MoeConfig's rule: the dense first layers every ``prefix_dense_sliding_window_pattern``-th full, the
+    others every ``sliding_window_pattern``-th, counted from their first; the rest sliding."""
+    prefix = _dense_prefix(config)
+    periods = config["prefix_dense_sliding_window_pattern"], config["sliding_window_pattern"]
+    return ["sliding_attention" if (j + 1) % period else "full_attention"
+            for period, count in zip(periods, (prefix, layers - prefix)) for j in range(count)]
+
+
+@_reading("first_k_dense_replace", "mlp_layer_types", "prefix_dense_sliding_window_pattern")
+def _rope_forced_cohere2_moe(config: Mapping[str, Any], layer: int) -> bool:
+    """Cohere2MoeAttention's ``force_rope``: a dense layer rotates, window or not, with a prefix pattern of 1."""
+    kinds = config.get("mlp_layer_types")
+    dense = kinds[layer] == "dense" if kinds else layer < _dense_prefix(config)
+    return dense and config["prefix_dense_sliding_window_pattern"] == 1
+
+
+@_reading("no_rope_layers")
 def _layer_types_chunked(config: Mapping[str, Any], layers: int) -> list[str]:
     """Llama4TextConfig's rule: the layers that rotate are chunked."""
     return ["chunked_attention" if rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
+@_reading("use_sliding_window", "sliding_window", "no_rope_layers")
 def _layer_types_smollm3(config: Mapping[str, Any], layers: int) -> list[str]:
     """SmolLM3Config's rule: with ``use_sliding_window``, the layers without rotary slide."""
     sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
     return ["sliding_attention" if sliding and not rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
+@_reading("attention_layers", "attention_types")
 def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
     """GPTNeoConfig's ``attention_layers`` (else expanded from ``attention_types``): ``"local"`` layers slide."""
     kinds = config.get("attention_layers") or [
@@ -86,6 +131,8 @@ def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
 
 
+@_reading("sliding_window", "local_attention", "rope_parameters", "rope_scaling", "global_rope_theta",
+          "local_rope_theta")
 def _standardize_modernbert(config: dict) -> dict:
     """ModernBertDecoderConfig's derived keys: the window ``local_attention // 2``, rope parameters per layer type."""
     if "sliding_window" not in config:
@@ -103,24 +150,32 @@ def _standardize_modernbert(config: dict) -> dict:
     return config
 
 
+_standardize_modernbert.derives = ("sliding_window", "rope_parameters")  # not filled by a class default first
+
+
+@_reading()
 def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
     """FlintConfig's rule: full attention on layers 0 and 1, every 4th from 1 and the last; sliding elsewhere."""
     return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
 
 
+@_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
 
 
+@_reading("scale_attn_weights", "scale_attn_by_inverse_layer_idx")
 def _scale_gpt2(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     scale = 1.0 / math.sqrt(head_dim) if config.get("scale_attn_weights", True) else 1.0
     return scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
 
 
+@_reading("attention_multiplier")
 def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
 
 
+@_reading("new_decoder_architecture", "num_kv_heads", "multi_query")
 def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
     """GPT-BigCode's and Falcon's key heads: ``num_kv_heads`` (new_decoder_architecture), 1 (multi_query) or None."""
     if config.get("new_decoder_architecture"):
@@ -128,16 +183,19 @@ def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
     return 1 if config.get("multi_query", True) else None
 
 
+@_reading("softmax_scale")
 def _scale_mpt(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     scale = config.get("softmax_scale")  # MptAttention: attn_config's softmax_scale, else 1 / sqrt(head_dim)
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+@_reading("alibi", "alibi_bias_max")
 def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
     """MPT's slopes (``alibi_bias_max``), added to the scaled logits; None when ``alibi`` is off."""
     return alibi.mpt_slopes(heads, config.get("alibi_bias_max", 8)) if config.get("alibi", True) else None
 
 
+@_reading("alibi")
 def _alibi_falcon(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
     """Falcon's ALiBi slopes (None without ``alibi``): bloom's in bfloat16, over ``sqrt(head_dim)``."""
     slopes = alibi.bloom_slopes(heads) if config.get("alibi") else None
@@ -151,6 +209,7 @@ def _bfloat16(x: float) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
+@_reading("position_embedding_type")
 def _check_bert(config: Mapping[str, Any], layer: int) -> None:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"config ({config.get('model_type')}) sets "
@@ -158,6 +217,7 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
+@_reading("no_rope_layers", "attn_temperature_tuning", "attn_scale", "floor_scale")
 def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | None:
     """Llama 4's temperature tuning: its NoPE layers' queries scaled by ``attn_scale``, ``floor_scale``."""
     if config["no_rope_layers"][layer] or not config.get("attn_temperature_tuning"):
@@ -165,6 +225,7 @@ def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | N
     return QueryScale(float(config["attn_scale"]), float(config["floor_scale"]), 1.0)
 
 
+@_reading("rope_parameters")
 def _query_scale_ministral3(config: Mapping[str, Any], layer: int) -> QueryScale | None:
     """Ministral 3's queries scaled by the rope parameters' ``llama_4_scaling_beta`` over their
     ``original_max_position_embeddings``."""
@@ -224,6 +285,7 @@ class Family:
     clip_qkv: str | None = None  # the key of the projections' clamp (its value falsy: none)
     query_scale: Callable[[Mapping[str, Any], int], QueryScale | None] | None = None  # (config, layer) -> it
     qk_norm_rope_only: bool = False  # the QK-norm only on the layers that rotate
+    rope_forced: Callable[[Mapping[str, Any], int], bool] | None = None  # (config, layer): it rotates whatever else
     rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
 
 
@@ -273,7 +335,8 @@ _PATTERN_KEYS = ("sliding_window_pattern", "_sliding_window_pattern")  # Gemma 3
 # model_type -> its record (model types with the same layer share one)
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), Family()),
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), Family(layer_types=_layer_types_mistral)),
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe"), Family(layer_types=_layer_types_mistral)),
+    "cwm": Family(layer_types=_layer_types_every(4, first=True)),  # CwmConfig: every 4th layer from 0 full
     "qwen3": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen, defaults=_QWEN_WINDOW),
     "qwen3_moe": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen3_moe, defaults=_QWEN_WINDOW),
     "dots1": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_dots1,
@@ -284,12 +347,18 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("glm", "glm4"), Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY)),
     **dict.fromkeys(("ernie4_5", "ernie4_5_moe"),
                     Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias")),
-    **dict.fromkeys(("exaone4", "exaone_moe", "kolibri1"), Family(
+    **dict.fromkeys(("exaone4", "exaone_moe"), Family(
         qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_every(4, *_PATTERN_KEYS),
         rope_sliding_only=True)),
-    **dict.fromkeys(("cohere2", "cohere2_moe"), Family(
-        rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
-        rope_default=(("rope_theta",), "rope_theta", 10000.0))),
+    # Kolibri1Config: every 5th layer full
+    "kolibri1": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_every(5),
+                       rope_sliding_only=True),
+    "cohere2": Family(rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
+                      rope_default=(("rope_theta",), "rope_theta", 10000.0)),
+    # its first layers (a dense MLP) in a pattern of their own, rotating whatever their window with a pattern of 1
+    "cohere2_moe": Family(rope_interleaved=True, layer_types=_layer_types_cohere2_moe, rope_sliding_only=True,
+                          rope_forced=_rope_forced_cohere2_moe, rope_default=(("rope_theta",), "rope_theta", 10000.0),
+                          defaults=dict(sliding_window_pattern=4, prefix_dense_sliding_window_pattern=1)),
     **dict.fromkeys(("olmo2", "flex_olmo"), Family(qk_norm=_RMS)),
     **dict.fromkeys(("apertus", "mellum", "hy_v3"), Family(qk_norm=_RMS_PER_HEAD)),
     "solar_open": Family(out_bias=False),
@@ -334,7 +403,7 @@ FAMILIES: dict[str, Family] = {
                      qk_norm_flag="use_qk_norm", qk_norm_eps="layer_norm_eps",
                      rope_default=(("rope_theta",), "rope_theta", 500000.0), reads=("use_qk_norm",),
                      head_norm_matrix=True),
-    "phi": Family(qkv_bias=True, out_bias=True, reads_head_dim=False, renames={"dense.": "o_proj."},
+    "phi": Family(qkv_bias=True, out_bias=True, renames={"dense.": "o_proj."},
                   rope_default=_HALF_ROTARY, refuses=_QK_LAYERNORM),
     # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
     "flint": Family(sinks=True, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_flint, rope_windowed_only=True),
@@ -367,7 +436,7 @@ FAMILIES: dict[str, Family] = {
                    fused=_NEOX_FUSED, defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
     "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False,
-                  alibi=lambda config, heads, head_dim: alibi.bloom_slopes(heads), fused=_NEOX_FUSED),
+                  alibi=_reading()(lambda config, heads, head_dim: alibi.bloom_slopes(heads)), fused=_NEOX_FUSED),
     # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
     "mpt": _mha("transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
                 scale=_scale_mpt, rope=False, alibi=_alibi_mpt, nested="attn_config",
@@ -386,7 +455,7 @@ FAMILIES: dict[str, Family] = {
                 aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
     # GPT-NeoX's fused layout without biases; the last layer's output bias a key of its own (dense_bias)
     "gpt_neox_japanese": _mha("gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox", qkv_bias=False,
-                              out_bias=lambda config, layer: layer == config["num_hidden_layers"] - 1,
+                              out_bias=_reading()(lambda config, layer: layer == config["num_hidden_layers"] - 1),
                               fused=_NEOX_FUSED, renames={"dense_bias": "dense.bias"}),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": _mha(_GPT2_PREFIX, layout="gpt2", qkv_bias=True, out_bias=True, rope=False, buffers=("bias",),
@@ -474,6 +543,28 @@ def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
     return config
 
 
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")  # one setting: a config's replace the class's
+
+
+def _with_class_defaults(config: Mapping[str, Any], model_type: str, nested: str | None) -> dict:
+    """``config`` with its config class's defaults (``CLASS_DEFAULTS``) where it leaves a key out; the rope keys
+    as one (a config's ``rope_theta`` is not overridden by the class's ``rope_parameters``), a rope parameters'
+    missing ``rope_theta`` the class's; a nested config's keys each."""
+    defaults = dict(CLASS_DEFAULTS.get(model_type, {}))
+    if any(config.get(key) is not None for key in _ROPE_KEYS):
+        theta = (defaults.get("rope_parameters") or {}).get("rope_theta", defaults.get("rope_theta"))
+        for key in _ROPE_KEYS:
+            defaults.pop(key, None)
+        parameters = config.get("rope_parameters")
+        flat = isinstance(parameters, Mapping) and not any(isinstance(v, Mapping) for v in parameters.values())
+        if flat and "rope_theta" not in parameters and config.get("rope_theta") is None and theta is not None:
+            defaults["rope_theta"] = theta  # the class's default_theta, as standardize_rope_params fills it
+    merged = {**defaults, **config}
+    if nested and isinstance(defaults.get(nested), Mapping) and isinstance(config.get(nested), Mapping):
+        merged[nested] = {**defaults[nested], **config[nested]}
+    return merged
+
+
 def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
     """``(model_type, its record, the config with the record's defaults)``; raises on an unknown family or a
     refused option."""
@@ -482,6 +573,7 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
         raise ValueError(f"config's model_type {model_type!r} is not a supported family; "
                          f"supported: {', '.join(sorted(FAMILIES))}")
     family = FAMILIES[model_type]
+    config = _with_class_defaults(config, model_type, family.nested)
     nested = config.get(family.nested) if family.nested else None
     config = _aliased({**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}, family.aliases)
     layers = config.get("num_hidden_layers")
@@ -526,7 +618,8 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
     if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
             or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
-            or family.rope_windowed_only and window is None):
+            or family.rope_windowed_only and window is None) \
+            and not (family.rope_forced and family.rope_forced(config, layer)):
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
         rope = _with_theta(rope, config[family.layer_rope_theta][layer])
