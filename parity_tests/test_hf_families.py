@@ -232,12 +232,14 @@ class _Bare:
         return {k: v for k, v in self.config.to_dict().items() if k not in DERIVED}
 
 
-def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False) -> dict:
+def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False,
+                 model=None) -> dict:
     """Layers ``layers`` (default: one of each kind; ``test_every_layer_reads_as_transformers_model_uses_it``
     checks that the kinds are the model's) of the family's small model, both twins against it (``bare``: read
-    from its config without ``DERIVED`` keys): dtype -> the worst (output, gradient) errors."""
+    from its config without ``DERIVED`` keys; ``model``: the family's small model, built once by the caller):
+    dtype -> the worst (output, gradient) errors."""
     config = _config(model_type, record.config, record.layers)
-    model = _model(config)
+    model = _model(config) if model is None else model
     ours = _Bare(config) if bare else config
     raw = families.read_config(ours.to_dict())
     layers = _representatives(raw, record.layers) if layers is None else layers
@@ -779,16 +781,27 @@ def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(mode
     """A prompt then single tokens: transformers' attention with ``past_key_values`` (a
     ``DynamicCache``) against both twins decoding with their caches, every kind of layer."""
     model_type, record = VARIANTS.get(model_type, (model_type, RECORDS.get(model_type)))
+    for (layer, dtype), error in check_decode(model_type, record, ("float64", "float32"), monkeypatch).items():
+        assert error < (1e-12 if dtype == "float64" else 1e-6), (layer, dtype, error)
+
+
+def check_decode(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False,
+                 model=None) -> dict:
+    """Layers ``layers`` (default: one of each kind) decoding over ``STEPS`` with both twins' caches against
+    transformers' attention with its ``DynamicCache`` (``bare``: ours read from the config without ``DERIVED``
+    keys; ``model`` as ``check_family``'s): (layer, dtype) -> the worse twin's relative error."""
     config = _config(model_type, record.config, record.layers)
-    model, raw = _model(config), config.to_dict()
+    model, raw = _model(config) if model is None else model, (_Bare(config) if bare else config).to_dict()
     x = np.random.default_rng(3).normal(size=(B, S, HIDDEN))
-    for layer in _representatives(families.read_config(raw), record.layers):
+    layers = _representatives(families.read_config(raw), record.layers) if layers is None else layers
+    worst = {}
+    for layer in layers:
         options = families.layer_options(families.read_config(raw), layer)
-        for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-6)):
+        for dtype in dtypes:
             theirs, state = _their_decode(model, layer, options, x, dtype, monkeypatch)
             state = {options.prefix + k: v for k, v in state.items()}
-            for name, ours in zip(("torch", "jax"), _our_decode(raw, layer, state, x, dtype)):
-                assert _rel(ours, theirs) < tolerance, (layer, dtype, name, _rel(ours, theirs))
+            worst[layer, dtype] = max(_rel(ours, theirs) for ours in _our_decode(raw, layer, state, x, dtype))
+    return worst
 
 
 def test_verify_and_conversion_of_a_new_family(tmp_path):

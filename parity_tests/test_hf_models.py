@@ -416,7 +416,9 @@ def test_a_config_json_without_the_rotary_settings_reads_as_transformers_fills_t
     config.json: the values transformers' config class gives them; GPT-J's buffers that older
     checkpoints saved (``attn.bias``, ``attn.masked_bias``) are left unread."""
     config_cls, _, theirs = DEFAULTED[model_type]
-    raw = dict(model_type=model_type, hidden_size=256, num_attention_heads=2, num_hidden_layers=1, vocab_size=11)
+    # num_key_value_heads given: StableLmConfig's default is 32 whatever the heads
+    raw = dict(model_type=model_type, hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+               num_hidden_layers=1, vocab_size=11)
     config = getattr(transformers, config_cls)(**{k: v for k, v in raw.items() if k != "model_type"})
     attention = getattr(_modeling(config), f"{config_cls.removesuffix('Config')}Attention")(config, layer_idx=0)
     for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
