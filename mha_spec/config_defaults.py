@@ -62,6 +62,8 @@ CLASS_DEFAULTS: dict[str, dict] = {
                                 'rope_type': 'llama3'},
             'sliding_window': 8192},
     'data2vec-text': {'is_decoder': False},
+    'dbrx': {'attn_config': {'clip_qkv': None, 'kv_n_heads': 1},
+             'rope_parameters': {'rope_theta': 10000.0, 'rope_type': 'default'}},
     'deepseek_v3': {'attention_bias': False,
                     'head_dim': 64,
                     'kv_lora_rank': 512,

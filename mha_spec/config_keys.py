@@ -52,7 +52,7 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "moe_num_experts", "moe_layer_end_index", "moe_use_aux_free", "shared_intermediate_size",
         "shared_expert_combination_strategy", "expert_selection_fn", "prefix_dense_intermediate_size",
         "enable_moe_fp32_combine", "router_scaling_factor", "topk_method", "scoring_func", "num_nextn_predict_layers",
-        "mtp_mlp_layer_types", "mtp_layer_types", "num_mtp_layers"),
+        "mtp_mlp_layer_types", "mtp_layer_types", "num_mtp_layers", "ffn_config"),
     "softmax arithmetic in float32 only: the same function": (
         "attention_softmax_in_fp32", "scale_attention_softmax_in_fp32", "reorder_and_upcast_attn"),
     "another module than the self-attention (cross-attention, adapters, task heads)": (
@@ -67,6 +67,7 @@ NOT_ATTENTION: dict[str, str] = _grouped({
 FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
     "gpt_bigcode": {"num_key_value_heads": "GPTBigCodeAttention reads multi_query (one key head or as many as "
                                            "heads), not this"},
+    "dbrx": {"num_key_value_heads": "DbrxAttention reads attn_config's kv_n_heads, not this"},
     "mpt": {"attn_impl": "the kernel (torch, flash, triton): the same function",
             "attn_type": "MptAttention reads it not: multi-head attention always"},
     "gemma3_text": {"attn_logit_softcapping": "kept by Gemma3TextConfig, never applied by Gemma3Attention "

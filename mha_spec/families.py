@@ -445,6 +445,12 @@ FAMILIES: dict[str, Family] = {
                          ("attn_uses_sequence_id", "a mask from the content")),
                 aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
                              max_position_embeddings="max_seq_len")),
+    # [q; k; v] in one Wqkv (key heads attn_config's kv_n_heads), clamped by attn_config's clip_qkv
+    "dbrx": _mha("transformer.blocks.{layer}.norm_attn_norm.attn.", layout="fused_qkv", qkv_bias=False,
+                 out_bias=False, kv_heads="kv_n_heads", nested="attn_config", clip_qkv="clip_qkv",
+                 renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
+                 aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
+                              max_position_embeddings="max_seq_len")),
     # sliding layers (local_attention // 2 keys), rope parameters per layer type, the output projection Wo
     "modernbert-decoder": _mha("model.layers.{layer}.attn.", standardize=_standardize_modernbert,
                                layer_types=_layer_types_every(3, "global_attn_every_n_layers", first=True),

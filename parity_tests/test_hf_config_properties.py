@@ -12,7 +12,8 @@ Llama's call (``_decodable``), its last layer also decoding (``check_decode``). 
 refuses must be refused naming a drawn key; one transformers' config class rejects is not drawn.
 
 Examples: ``strategies.examples(1)`` per family (profile ``ci``: derandomized, the first draw
-every key's first value, the least default variant); ``MHA_HYPOTHESIS_PROFILE=long`` draws 20.
+every key's first value, the least default variant; PyTorch's twin); ``MHA_HYPOTHESIS_PROFILE=long``
+draws 20, both twins.
 A failure found is kept in ``test_hf_config_variants.CONFIG_REGRESSIONS``.
 """
 
@@ -37,6 +38,8 @@ from parity_tests.test_hf_families import (
 )
 
 SUPPORTED = sorted(name for name, r in RECORDS.items() if isinstance(r, Supported) and name != "gpt-sw3")
+# ci: PyTorch's twin alone (the twins share the options read, and JAX compiles each drawn shape anew); long: both
+TWINS = ("torch", "jax") if strategies.profile() == "long" else ("torch",)
 FLOAT32 = ("llama4_text",)  # its rotation: complex64 tables and products whatever the input
 FROM_ZERO = ("llama4_text",)  # every row's positions from 0: its temperature tuning reads the index, not positions
 # key -> its values, the first the least default (the ci profile's one example takes every first value)
@@ -91,14 +94,17 @@ def variants(draw, name: str) -> tuple[dict, bool]:
 
 def _decodable(model, layer_prefix: str) -> bool:
     """Whether ``check_decode`` drives the family's attention: Llama's call (``position_embeddings``,
-    ``past_key_values``) and one rotary table for every layer."""
+    ``past_key_values``), one rotary table for every layer in halves (not Cohere's), a cache of keys (not
+    latent)."""
     module = model.get_submodule(layer_prefix.rstrip("."))
     parameters = inspect.signature(module.forward).parameters
     rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     per_type = rotary is not None and any(name.endswith("_inv_freq") and name != "original_inv_freq"
                                          for name, _ in rotary.named_buffers())
     return {"position_embeddings", "past_key_values"} <= set(parameters) and not per_type \
-        and model.config.model_type not in ("llama4_text", "ministral3")
+        and model.config.model_type not in ("llama4_text", "ministral3") \
+        and not families.FAMILIES[model.config.model_type].latent \
+        and not type(rotary).__name__.startswith("Cohere")  # a LatentCache; tables repeating in place
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
@@ -119,12 +125,13 @@ def test_a_drawn_config_variant_equals_transformers_attention(name, data):
         if name in FROM_ZERO:
             offsets.setattr(test_hf_families, "OFFSETS", (0, 0))
         try:
-            worst = check_family(name, variant, (dtype,), monkeypatch, bare=bare, model=model)
+            worst = check_family(name, variant, (dtype,), monkeypatch, bare=bare, model=model, twins=TWINS)
         except ValueError as error:  # refused: naming a drawn key
             assert any(key in str(error) for key in (*extra, *extra.get("rope_parameters", {}))), error
             return
         assert all(e < t for e, t in zip(worst[dtype], tolerance)), (extra, bare, worst)
         last = families.layer_options(model.config.to_dict(), layers - 1)
         if _decodable(model, last.prefix):
-            for key, error in check_decode(name, variant, (dtype,), monkeypatch, [layers - 1], bare, model).items():
+            for key, error in check_decode(name, variant, (dtype,), monkeypatch, [layers - 1], bare, model,
+                                           TWINS).items():
                 assert error < tolerance[0], (extra, bare, key, error)

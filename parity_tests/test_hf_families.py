@@ -55,6 +55,7 @@ FEATURES = (
     "RoFormer's sinusoidal rotary table",
     "a norm after the attention",  # a norm of the heads' output before the output projection
     "QK-norm after the rotary embedding",
+    "a rotation the other way",  # pairs turned by -angle
     "per-position query scaling",
     "routed query and output projections",  # experts chosen per token for the query and output projections
     "clipped projections",  # a clamp of the projections' outputs (clip_qkv)
@@ -232,11 +233,15 @@ class _Bare:
         return {k: v for k, v in self.config.to_dict().items() if k not in DERIVED}
 
 
+TWINS = ("torch", "jax")
+
+
 def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False,
-                 model=None) -> dict:
+                 model=None, twins=TWINS) -> dict:
     """Layers ``layers`` (default: one of each kind; ``test_every_layer_reads_as_transformers_model_uses_it``
     checks that the kinds are the model's) of the family's small model, both twins against it (``bare``: read
-    from its config without ``DERIVED`` keys; ``model``: the family's small model, built once by the caller):
+    from its config without ``DERIVED`` keys; ``model``: the family's small model, built once by the caller;
+    ``twins``: those of ``TWINS`` to run):
     dtype -> the worst (output, gradient) errors."""
     config = _config(model_type, record.config, record.layers)
     model = _model(config) if model is None else model
@@ -250,7 +255,7 @@ def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers
         out_worst = grad_worst = 0.0
         for layer in layers:
             inputs, out_hf, theirs, state = _theirs(model, options[layer], layer, calls[layer], dtype, monkeypatch)
-            for run in (_ours_torch, _ours_jax):
+            for run in [run for twin, run in (("torch", _ours_torch), ("jax", _ours_jax)) if twin in twins]:
                 out, grads = run(ours, layer, state, inputs, dtype)
                 assert sorted(grads) == sorted(theirs), (run.__name__, sorted(grads), sorted(theirs))
                 out_worst = max(out_worst, _rel(out, out_hf))
@@ -400,11 +405,15 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("learned gates on the attention") for name in (
         "afmoe", "laguna", "beam")},
     "blt": Refused("cross-attention", "between bytes and patches"),
-    "dbrx": Refused("clipped projections", "DbrxAttention clamps its fused Wqkv's output and needs clip_qkv set"),
+    "dbrx": Supported("[q; k; v] in one Wqkv clamped (attn_config's clip_qkv), key heads attn_config's kv_n_heads",
+                      dict(_PLAIN, d_model=HIDDEN, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500.0),
+                           ffn_config=dict(hidden_size=HIDDEN, ffn_hidden_size=8, moe_num_experts=2, moe_top_k=1))),
     "doge": Refused("a mask from the content", "its dynamic mask"),
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
-    **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
-                                                                          "nanochat")},
+    **{name: Refused("QK-norm after the rotary embedding", "a learned scale per feature, which the rotation does "
+                     "not commute with") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
+    "nanochat": Refused("a rotation the other way", "its rotate_half is (x2, -x1): each pair turns by -angle "
+                        "(its weightless QK-norm after the rotation would commute with it)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
         "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
@@ -755,25 +764,30 @@ def _step_arguments(model, module, options, parameters, start, n, tables, torch_
     return arguments
 
 
-def _our_decode(raw, layer, state, x, dtype):
-    """Both twins' decoding over ``STEPS`` (a cache of S slots): (torch's, JAX's) outputs."""
+def _our_decode(raw, layer, state, x, dtype, twins=TWINS):
+    """The twins' decoding over ``STEPS`` (a cache of S slots): their outputs, torch's first."""
     import jax.numpy as jnp
 
-    torch_module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
-    jax_module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=getattr(jnp, dtype))
     options = families.layer_options(families.read_config(raw), layer)
-    cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
-    jax_module.init_cache((B, S, HIDDEN), getattr(jnp, dtype))
-    outs_t, outs_j, start = [], [], 0
-    for n in STEPS:
-        chunk = x[:, start:start + n]
+    outs = []
+    if "torch" in twins:
+        module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
+        cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
         with torch.no_grad():
-            outs_t.append(torch_module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
-                                       is_causal=True).double().numpy())
-        outs_j.append(np.asarray(jax_module(jnp.asarray(chunk, getattr(jnp, dtype)), decode=True, is_causal=True),
-                                 np.float64))
-        start += n
-    return np.concatenate(outs_t, axis=1), np.concatenate(outs_j, axis=1)
+            outs.append(np.concatenate([module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
+                                               is_causal=True).double().numpy() for chunk in _steps(x)], axis=1))
+    if "jax" in twins:
+        module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=getattr(jnp, dtype))
+        module.init_cache((B, S, HIDDEN), getattr(jnp, dtype))
+        outs.append(np.concatenate([np.asarray(module(jnp.asarray(chunk, getattr(jnp, dtype)), decode=True,
+                                                      is_causal=True), np.float64) for chunk in _steps(x)], axis=1))
+    return outs
+
+
+def _steps(x):
+    """``x``'s tokens in the chunks of ``STEPS``."""
+    starts = np.cumsum((0, *STEPS))
+    return [x[:, start:end] for start, end in zip(starts[:-1], starts[1:])]
 
 
 @pytest.mark.parametrize("model_type", CACHED)
@@ -786,7 +800,7 @@ def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(mode
 
 
 def check_decode(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False,
-                 model=None) -> dict:
+                 model=None, twins=TWINS) -> dict:
     """Layers ``layers`` (default: one of each kind) decoding over ``STEPS`` with both twins' caches against
     transformers' attention with its ``DynamicCache`` (``bare``: ours read from the config without ``DERIVED``
     keys; ``model`` as ``check_family``'s): (layer, dtype) -> the worse twin's relative error."""
@@ -800,7 +814,7 @@ def check_decode(model_type: str, record: Supported, dtypes, monkeypatch, layers
         for dtype in dtypes:
             theirs, state = _their_decode(model, layer, options, x, dtype, monkeypatch)
             state = {options.prefix + k: v for k, v in state.items()}
-            worst[layer, dtype] = max(_rel(ours, theirs) for ours in _our_decode(raw, layer, state, x, dtype))
+            worst[layer, dtype] = max(_rel(ours, theirs) for ours in _our_decode(raw, layer, state, x, dtype, twins))
     return worst
 
 

@@ -163,8 +163,10 @@ def _keep_float64(monkeypatch, attention):
             offset = 1.0 if "Gemma" in type(module).__name__ else 0.0
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
-            def forward(h, module=module, offset=offset, eps=eps):
-                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (offset + module.weight)
+            def forward(h, module=module, offset=offset, eps=eps):  # NanoChat's: no weight
+                weight = getattr(module, "weight", None)
+                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 if weight is None else
+                                                                                 offset + weight)
 
             monkeypatch.setattr(module, "forward", forward)
         if type(module).__name__ == "Llama4TextL2Norm":  # weightless, the same cast to float32
