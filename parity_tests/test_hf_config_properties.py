@@ -130,7 +130,7 @@ def test_a_drawn_config_variant_equals_transformers_attention(name, data):
             assert any(key in str(error) for key in (*extra, *extra.get("rope_parameters", {}))), error
             return
         assert all(e < t for e, t in zip(worst[dtype], tolerance)), (extra, bare, worst)
-        last = families.layer_options(model.config.to_dict(), layers - 1)
+        last = families.layer_options(families.read_config(model.config.to_dict()), layers - 1)
         if _decodable(model, last.prefix):
             for key, error in check_decode(name, variant, (dtype,), monkeypatch, [layers - 1], bare, model,
                                            TWINS).items():

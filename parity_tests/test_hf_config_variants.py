@@ -74,6 +74,20 @@ CONFIG_REGRESSIONS = [
         Supported("", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0,
                                                 original_max_position_embeddings=2, llama_4_scaling_beta=0.5,
                                                 max_position_embeddings=16)))),
+    ConfigRegression(
+        "cohere2_moe-first_k_dense_replace", "cohere2_moe first_k_dense_replace=1 (prefix_dense_sliding_window_pattern "
+        "1): its dense first layer is full and rotates (Cohere2MoeAttention's force_rope); read as Cohere 2's, it "
+        "did not rotate: 0.61 off", "cohere2_moe",
+        Supported("", dict(sliding_window=WINDOW, first_k_dense_replace=1, **_EXPERTS), layers=3)),
+    ConfigRegression(
+        "cwm-layer_types-derived", "cwm sliding_window=3 without layer_types: CwmConfig makes every 4th layer from "
+        "0 full; read as Mistral's (every layer sliding), layer 0 slid: 0.70 off", "cwm",
+        Supported("", dict(sliding_window=WINDOW), layers=5)),
+    ConfigRegression(
+        "kolibri1-layer_types-derived", "kolibri1 sliding_window=3 without layer_types: Kolibri1Config makes every "
+        "5th layer full; read as EXAONE 4's (every 4th), layer 3 did not "
+        "slide: 0.59 off", "kolibri1",
+        Supported("", dict(sliding_window=WINDOW), layers=5)),
     *(ConfigRegression(
         f"{name}-clip_qkv", f"{name} clip_qkv=0.5 (the projections' outputs clamped): refused", name,
         Supported("", extra)) for name, extra in (
