@@ -65,6 +65,8 @@ NOT_ATTENTION: dict[str, str] = _grouped({
 
 # Per family: keys of its config that do not change its self-attention, beyond ``NOT_ATTENTION``.
 FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
+    **dict.fromkeys(("gptj", "codegen"), _grouped({"its sinusoidal table: base 10000, no scaling, whatever "
+                                                  "these say": ("rope_parameters", "rope_scaling", "rope_theta")})),
     "gpt_bigcode": {"num_key_value_heads": "GPTBigCodeAttention reads multi_query (one key head or as many as "
                                            "heads), not this"},
     "dbrx": {"num_key_value_heads": "DbrxAttention reads attn_config's kv_n_heads, not this"},
@@ -102,6 +104,8 @@ def keys_read(model_type: str) -> frozenset[str]:
         keys.add(family.qk_norm_eps)
     if family.rope:
         keys |= set(_ROPE) | set(family.rope_default[0] if family.rope_default else ())
+    if family.rope_fixed is not None:
+        keys -= {"rope_parameters", "rope_scaling", "rope_theta", "rotary_emb_base"}
     if family.no_rope_layers:
         keys |= {"no_rope_layers", "no_rope_layer_interval"}
     if family.latent:

@@ -287,6 +287,7 @@ class Family:
     qk_norm_rope_only: bool = False  # the QK-norm only on the layers that rotate
     rope_forced: Callable[[Mapping[str, Any], int], bool] | None = None  # (config, layer): it rotates whatever else
     rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
+    rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -324,6 +325,8 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, ori
 _QK_LAYERNORM = (("qk_layernorm", "QK LayerNorm with bias"),)
 _HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
 _ROTARY_DIM = (("rotary_dim",), "rotary_dim", 64)
+# GPT-J's and CodeGen's create_sinusoidal_positions: base 10000, no scaling, whatever rope_parameters say
+_SINUSOIDAL = dict(rope_type="default", rope_theta=10000.0)
 _RMS_PER_HEAD = QKNorm("rms", True, 1e-6)
 _RMS = QKNorm("rms", False, 1e-6)  # over the whole projection
 _GPT2_PREFIX = "transformer.h.{layer}.attn."
@@ -411,7 +414,7 @@ FAMILIES: dict[str, Family] = {
     "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_every(4, first=True),
                           layer_rope_theta="layer_rope_theta"),
     "gptj": _mha(_GPT2_PREFIX, layout="mha_torch", qkv_bias=False, out_bias=False, rope_interleaved=True,
-                 rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS),
+                 rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, rope_fixed=_SINUSOIDAL),
     # heads interleaved in one fused weight, read by ``layer_state``; a quarter of each head rotates
     "gpt_neox": _mha("gpt_neox.layers.{layer}.attention.", layout="gpt_neox", bias_default=True, fused=_NEOX_FUSED,
                      buffers=(*_GPT_BUFFERS, "rotary_emb.inv_freq"),
@@ -480,7 +483,8 @@ FAMILIES: dict[str, Family] = {
                         fused=("c_attn", "c_proj")),
     # GPT-J's rotary (rotary_dim, pairs) and a fused qkv_proj in 4 blocks of (q, v, k), read by ``layer_state``
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
-                    rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj")),
+                    rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj"),
+                    rope_fixed=_SINUSOIDAL),
     # DeepSeek-V3's attention and the classes copied from it
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
@@ -706,6 +710,11 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
         keys, key, default = family.rope_default
         if not any(k in config or k in (config.get("rope_parameters") or {}) for k in keys):
             rope[key] = default
+    if family.rope_fixed is not None:
+        rope.pop("rope_scaling", None)
+        rope.pop("rope_theta", None)
+        rope["rope_parameters"] = dict(family.rope_fixed)
+        return rope
     parameters = config.get("rope_parameters")
     if family.rope_ignore and isinstance(parameters, Mapping):
         parameters = rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
