@@ -18,6 +18,7 @@ from mha_jax import latent as mla
 from mha_jax.attention import spec_attention
 from mha_spec import arguments, batch_axes, kv_cache
 from mha_spec.qk_norm import QKNorm
+from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rotate_at
 
 
@@ -74,12 +75,14 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
     return Cache(key.reshape(flat), value, index.reshape(batch), overflow.reshape(batch))
 
 
-def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call):
-    """Rotate ``query`` and ``key`` ``(batch, n, heads, head_dim)`` at the new positions, append ``key``/``value``:
-    ``(query, cache, spec)``, ``spec`` over the new queries and the cache's slots."""
+def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call, query_scale: QueryScale | None = None):
+    """Rotate ``query`` and ``key`` ``(batch, n, heads, head_dim)`` at the new positions (``query`` then scaled by
+    ``query_scale``), append ``key``/``value``: ``(query, cache, spec)``, ``spec`` over the new queries and the
+    cache's slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
     query, key = rotate_at(rotary, query, key, pos, pos)
+    query = scale_queries(query_scale, query, pos)
     max_length = cache.key.shape[1]
     kv_cache.check_dtype(str(cache.key.dtype), str(key.dtype), "cached_key",
                          f"init_cache(input_shape, dtype={key.dtype})")
@@ -99,7 +102,26 @@ def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache |
         return query, cache.key.astype(query.dtype), cache.value.astype(query.dtype)
     if module.latent is not None:
         return mla.attention_inputs(module, query, key, spec)
-    return *rotate_at(module.rotary, query, key, *masks.positions(spec)), value
+    query_positions, key_positions = masks.positions(spec)
+    query, key = rotate_at(module.rotary, query, key, query_positions, key_positions)
+    return scale_queries(module.query_scale, query, query_positions), key, value
+
+
+def scale_queries(query_scale: QueryScale | None, query: jax.Array, positions: jax.Array) -> jax.Array:
+    """``query`` ``(batch, len, heads, head_dim)`` times ``query_scale``'s factor at ``positions``
+    ``(batch|1, len)``."""
+    if query_scale is None:
+        return query
+    compute = jnp.promote_types(query.dtype, jnp.float32)
+    factor = query_scale.factor(jnp.asarray(positions).astype(compute), jnp.floor, jnp.log1p)
+    return query * factor[:, :, None, None].astype(query.dtype)
+
+
+def project_terms(module, query: jax.Array, key: jax.Array, value: jax.Array):
+    """The projections clamped to ``[-clip_qkv, clip_qkv]`` (after the QK-norm), unchanged without ``clip_qkv``."""
+    if module.clip_qkv is None:
+        return query, key, value
+    return tuple(jnp.clip(x, -module.clip_qkv, module.clip_qkv) for x in (query, key, value))
 
 
 def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_rng, dropout_mask,
@@ -189,7 +211,8 @@ def _logit_terms(module, sinks) -> dict:
 def qk_norm(x: jax.Array, scale: jax.Array, qk_norm: QKNorm) -> jax.Array:
     """``x`` ``(..., heads, head_dim)`` as ``qk_norm`` normalises it, in float32 or wider; in ``x``'s dtype."""
     compute = jnp.promote_types(x.dtype, jnp.float32)
-    y = qk_norm.normalize(x.astype(compute), scale.astype(compute), _mean, jax.lax.rsqrt)
+    scale = 1.0 if scale is None else scale.astype(compute)  # None: a weightless norm
+    y = qk_norm.normalize(x.astype(compute), scale, _mean, jax.lax.rsqrt)
     return y.astype(x.dtype)
 
 

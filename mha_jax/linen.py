@@ -17,9 +17,10 @@ from typing_extensions import Unpack
 from mha_jax import _layer
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import alibi, arguments, batch_axes
+from mha_spec import alibi, arguments, batch_axes, query_terms
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
+from mha_spec.query_terms import QueryScale
 
 # flax's mask helpers are exported beside the classes, as flax exports them
 __all__ = ["MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention", "combine_masks",
@@ -36,7 +37,8 @@ class MultiHeadDotProductAttention(nn.Module):
     ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention (softmax in
     float32 or wider); plus ``num_kv_heads``, ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``,
     ``logit_soft_cap``, ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias``,
-    ``sequence_axis``, ``alibi_slopes`` (a tuple) and ``latent`` as in ``mha_jax.MultiHeadAttention``.
+    ``sequence_axis``, ``alibi_slopes`` (a tuple), ``latent``, ``clip_qkv`` and ``query_scale`` as in
+    ``mha_jax.MultiHeadAttention``.
     Randomness: linen's ``'params'`` and ``'dropout'`` RNG collections.
     """
 
@@ -77,6 +79,8 @@ class MultiHeadDotProductAttention(nn.Module):
     attention_chunk_size: int | None = None
     alibi_slopes: tuple[float, ...] | None = None
     latent: latent_spec.Latent | None = None
+    clip_qkv: float | None = None
+    query_scale: QueryScale | None = None
 
     def __post_init__(self):
         arguments.check_options(self.implementation, IMPLEMENTATIONS, self.scale, self.local_window_size,
@@ -84,6 +88,7 @@ class MultiHeadDotProductAttention(nn.Module):
         arguments.check_qk_norm(self.normalize_qk)
         _layer.check_sequence_axis(self.sequence_axis)
         object.__setattr__(self, "alibi_slopes", alibi.check_module_slopes(self.alibi_slopes, self.num_heads))
+        object.__setattr__(self, "clip_qkv", query_terms.check_terms(self.clip_qkv, self.query_scale, self.latent)[0])
         if self.latent is not None:
             latent_spec.check_latent(self.latent, self.num_heads, self.num_kv_heads, self.qkv_features,
                                      ("num_kv_heads", "qkv_features"))
@@ -169,7 +174,7 @@ class MultiHeadDotProductAttention(nn.Module):
         elif qk_norm is not None:
             query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
             key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
-        return query, key, value
+        return _layer.project_terms(self, query, key, value)
 
     def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
         """flax's ``'cache'`` collection, made by the first call (cache None); later calls append to it:
@@ -186,7 +191,7 @@ class MultiHeadDotProductAttention(nn.Module):
         cache = _layer.check_cache(cached_key.value, None if value is None else cached_value.value, index.value,
                                    overflow.value, batch_shape, *key.shape)
         rotary = self.rotary if value is not None else mla.rope_part(self.rotary, self.latent)
-        query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+        query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call, self.query_scale)
         cached_key.value = cache.key.reshape(cached_key.value.shape)
         if value is not None:
             cached_value.value = cache.value.reshape(cached_value.value.shape)
@@ -233,7 +238,8 @@ class _LinenNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros_init() if self.qk_norm.offset else nn.initializers.ones_init()
         shape = x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:]
-        return _layer.qk_norm(x, self.param("scale", init, shape, self.param_dtype), self.qk_norm)
+        scale = self.param("scale", init, shape, self.param_dtype) if self.qk_norm.weight else None
+        return _layer.qk_norm(x, scale, self.qk_norm)
 
 
 class _LinenRMSNorm(nn.Module):

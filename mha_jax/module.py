@@ -16,9 +16,10 @@ from typing_extensions import Unpack
 from mha_jax import _layer
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import alibi, arguments, batch_axes, docstrings
+from mha_spec import alibi, arguments, batch_axes, docstrings, query_terms
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
+from mha_spec.query_terms import QueryScale
 
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
@@ -69,6 +70,10 @@ class MultiHeadAttention(nnx.Module):
         ``use_bias`` on the low-rank input projections only; ``num_kv_heads`` and ``qkv_features`` None, no
         ``normalize_qk``, ``inputs_v`` the keys' input; default scale ``1 / sqrt(qk_head_dim)``. The cache holds
         the latent entries, ``cached_key`` ``(*batch, max_length, 1, kv_lora_rank + qk_rope_head_dim)``.
+      clip_qkv: a bound: ``query``, ``key`` and ``value`` (the projections, after ``query_ln``/``key_ln``)
+        clamped to ``[-clip_qkv, clip_qkv]``, as OLMo, OLMoE, MPT and DBRX do; None: no clamp.
+      query_scale: an ``mha_spec.query_terms.QueryScale``: the queries, once rotated, scaled by their
+        positions (Llama 4's temperature tuning, Ministral 3's ``llama_4_scaling_beta``); None: no scale.
     """
 
     def __init__(
@@ -121,6 +126,8 @@ class MultiHeadAttention(nnx.Module):
         attention_chunk_size: int | None = None,
         alibi_slopes: Sequence[float] | None = None,
         latent: latent_spec.Latent | None = None,
+        clip_qkv: float | None = None,
+        query_scale: QueryScale | None = None,
     ):
         self.latent = None if latent is None else latent_spec.check_latent(
             latent, num_heads, num_kv_heads, qkv_features, ("num_kv_heads", "qkv_features"))
@@ -144,6 +151,7 @@ class MultiHeadAttention(nnx.Module):
         self.logit_soft_cap, self.rotary = logit_soft_cap, rotary
         self.sequence_axis = _layer.check_sequence_axis(sequence_axis)
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
+        self.clip_qkv, self.query_scale = query_terms.check_terms(clip_qkv, query_scale, self.latent)
         qk_norm = arguments.check_qk_norm(normalize_qk)
 
         common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -251,9 +259,10 @@ class MultiHeadAttention(nnx.Module):
             value = self.value(inputs_v, out_sharding=qkv_sharding)
         if self.query_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
+        query, key, value = _layer.project_terms(self, query, key, value)
         if decoding:
             rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
-            query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call)
+            query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call, self.query_scale)
             self._write_cache(cache, batch_shape)
             dropout_rng = self._dropout_rng(rngs, deterministic)
         query, key, value = _layer.attention_inputs(self, query, key, value, spec, cache)
@@ -359,8 +368,9 @@ class _Norm(nnx.Module):
         self.qk_norm = qk_norm
         init = nnx.initializers.zeros_init() if qk_norm.offset else nnx.initializers.ones_init()
         shape = (head_dim,) if qk_norm.shared_scale else (heads, head_dim)
-        self.scale = nnx.Param(init(rngs.params(), shape, param_dtype), **metadata)
+        self.scale = nnx.Param(init(rngs.params(), shape, param_dtype), **metadata) if qk_norm.weight \
+            else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _layer.qk_norm(x, self.scale[...], self.qk_norm)
+        return _layer.qk_norm(x, None if self.scale is None else self.scale[...], self.qk_norm)
 

@@ -12,15 +12,26 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mha_spec import alibi
+from mha_spec.config_defaults import CLASS_DEFAULTS
 from mha_spec.latent import Latent
 from mha_spec.layouts import renamed
 from mha_spec.qk_norm import QKNorm
+from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import yarn_mscale
 
 _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
 
 
+def _reading(*keys: str) -> Callable[[Callable], Callable]:
+    """Marks a record's function with the config keys it reads (``config_keys.keys_read``)."""
+    def mark(function: Callable) -> Callable:
+        function.keys = keys
+        return function
+    return mark
+
+
+@_reading("sliding_window")
 def _layer_types_mistral(config: Mapping[str, Any], layers: int) -> list[str]:
     """Mistral's rule: every layer sliding when the config sets ``sliding_window``."""
     kind = "sliding_attention" if config.get("sliding_window") is not None else "full_attention"
@@ -34,27 +45,84 @@ def _layer_types_every(period: int, *keys: str, first: bool = False) -> Callable
         every = next((config[key] for key in keys if key in config), period)
         shift = 0 if first else 1
         return ["sliding_attention" if (i + shift) % every else "full_attention" for i in range(layers)]
+    rule.keys = keys
     return rule
 
 
+@_reading("use_sliding_window", "sliding_window", "max_window_layers")
 def _layer_types_qwen(config: Mapping[str, Any], layers: int) -> list[str]:
-    """Qwen2's rule: with ``use_sliding_window``, the layers from ``max_window_layers`` on slide."""
+    """Qwen2's and Qwen3's rule: with ``use_sliding_window``, the layers from ``max_window_layers`` on slide."""
     sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
-    first = config.get("max_window_layers", layers)
+    first = config.get("max_window_layers", _QWEN_WINDOW["max_window_layers"])
     return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
 
 
+@_reading("use_sliding_window", "sliding_window", "max_window_layers")
+def _layer_types_qwen2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen2MoeConfig's rule: with ``use_sliding_window``, the even layers below ``max_window_layers`` slide."""
+    sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+    last = config.get("max_window_layers", _QWEN_WINDOW["max_window_layers"])
+    return ["sliding_attention" if sliding and i % 2 == 0 and i < last else "full_attention" for i in range(layers)]
+
+
+@_reading("use_sliding_window", "sliding_window")
+def _layer_types_qwen3_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen3MoeConfig's rule (no ``layer_types``, no ``max_window_layers``): with ``use_sliding_window``, every
+    layer slides (its model reads ``sliding_window`` on each layer)."""
+    sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
+    return ["sliding_attention" if sliding else "full_attention"] * layers
+
+
+@_reading("sliding_window", "max_window_layers")
+def _layer_types_dots1(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Dots1Config's rule (no ``use_sliding_window``): with a ``sliding_window``, the layers from
+    ``max_window_layers`` on slide."""
+    first = config.get("max_window_layers")
+    sliding = config.get("sliding_window") is not None and first is not None
+    return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+
+
+def _dense_prefix(config: Mapping[str, Any]) -> int:
+    """Cohere2MoeConfig's dense first layers: ``first_k_dense_replace`` (a config.json's), else the leading "dense"
+    entries of ``mlp_layer_types`` (which its config class saves)."""
+    if "first_k_dense_replace" in config:
+        return int(config["first_k_dense_replace"] or 0)
+    kinds = config.get("mlp_layer_types") or []
+    return next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+
+
+@_reading("first_k_dense_replace", "mlp_layer_types", "prefix_dense_sliding_window_pattern", "sliding_window_pattern")
+def _layer_types_cohere2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Cohere2MoeConfig's rule: the dense first layers every ``prefix_dense_sliding_window_pattern``-th full, the
+    others every ``sliding_window_pattern``-th, counted from their first; the rest sliding."""
+    prefix = _dense_prefix(config)
+    periods = config["prefix_dense_sliding_window_pattern"], config["sliding_window_pattern"]
+    return ["sliding_attention" if (j + 1) % period else "full_attention"
+            for period, count in zip(periods, (prefix, layers - prefix)) for j in range(count)]
+
+
+@_reading("first_k_dense_replace", "mlp_layer_types", "prefix_dense_sliding_window_pattern")
+def _rope_forced_cohere2_moe(config: Mapping[str, Any], layer: int) -> bool:
+    """Cohere2MoeAttention's ``force_rope``: a dense layer rotates, window or not, with a prefix pattern of 1."""
+    kinds = config.get("mlp_layer_types")
+    dense = kinds[layer] == "dense" if kinds else layer < _dense_prefix(config)
+    return dense and config["prefix_dense_sliding_window_pattern"] == 1
+
+
+@_reading("no_rope_layers")
 def _layer_types_chunked(config: Mapping[str, Any], layers: int) -> list[str]:
     """Llama4TextConfig's rule: the layers that rotate are chunked."""
     return ["chunked_attention" if rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
+@_reading("use_sliding_window", "sliding_window", "no_rope_layers")
 def _layer_types_smollm3(config: Mapping[str, Any], layers: int) -> list[str]:
     """SmolLM3Config's rule: with ``use_sliding_window``, the layers without rotary slide."""
     sliding = config.get("use_sliding_window", False) and config.get("sliding_window") is not None
     return ["sliding_attention" if sliding and not rope else "full_attention" for rope in config["no_rope_layers"]]
 
 
+@_reading("attention_layers", "attention_types")
 def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
     """GPTNeoConfig's ``attention_layers`` (else expanded from ``attention_types``): ``"local"`` layers slide."""
     kinds = config.get("attention_layers") or [
@@ -63,6 +131,8 @@ def _layer_types_gpt_neo(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
 
 
+@_reading("sliding_window", "local_attention", "rope_parameters", "rope_scaling", "global_rope_theta",
+          "local_rope_theta")
 def _standardize_modernbert(config: dict) -> dict:
     """ModernBertDecoderConfig's derived keys: the window ``local_attention // 2``, rope parameters per layer type."""
     if "sliding_window" not in config:
@@ -80,24 +150,32 @@ def _standardize_modernbert(config: dict) -> dict:
     return config
 
 
+_standardize_modernbert.derives = ("sliding_window", "rope_parameters")  # not filled by a class default first
+
+
+@_reading()
 def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
     """FlintConfig's rule: full attention on layers 0 and 1, every 4th from 1 and the last; sliding elsewhere."""
     return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
 
 
+@_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
 
 
+@_reading("scale_attn_weights", "scale_attn_by_inverse_layer_idx")
 def _scale_gpt2(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     scale = 1.0 / math.sqrt(head_dim) if config.get("scale_attn_weights", True) else 1.0
     return scale / (layer + 1) if config.get("scale_attn_by_inverse_layer_idx", False) else scale
 
 
+@_reading("attention_multiplier")
 def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
 
 
+@_reading("new_decoder_architecture", "num_kv_heads", "multi_query")
 def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
     """GPT-BigCode's and Falcon's key heads: ``num_kv_heads`` (new_decoder_architecture), 1 (multi_query) or None."""
     if config.get("new_decoder_architecture"):
@@ -105,16 +183,19 @@ def _multi_query_kv_heads(config: Mapping[str, Any]) -> int | None:
     return 1 if config.get("multi_query", True) else None
 
 
+@_reading("softmax_scale")
 def _scale_mpt(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     scale = config.get("softmax_scale")  # MptAttention: attn_config's softmax_scale, else 1 / sqrt(head_dim)
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+@_reading("alibi", "alibi_bias_max")
 def _alibi_mpt(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
     """MPT's slopes (``alibi_bias_max``), added to the scaled logits; None when ``alibi`` is off."""
     return alibi.mpt_slopes(heads, config.get("alibi_bias_max", 8)) if config.get("alibi", True) else None
 
 
+@_reading("alibi")
 def _alibi_falcon(config: Mapping[str, Any], heads: int, head_dim: int) -> tuple[float, ...] | None:
     """Falcon's ALiBi slopes (None without ``alibi``): bloom's in bfloat16, over ``sqrt(head_dim)``."""
     slopes = alibi.bloom_slopes(heads) if config.get("alibi") else None
@@ -128,6 +209,7 @@ def _bfloat16(x: float) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
+@_reading("position_embedding_type")
 def _check_bert(config: Mapping[str, Any], layer: int) -> None:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"config ({config.get('model_type')}) sets "
@@ -135,11 +217,23 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
-def _check_llama4(config: Mapping[str, Any], layer: int) -> None:
-    """A NoPE layer of Llama 4 scales its queries by position (``attn_temperature_tuning``)."""
-    if config["no_rope_layers"][layer] == 0 and config["attn_temperature_tuning"]:
-        raise ValueError(f"config (llama4_text) sets attn_temperature_tuning, which scales the queries of its NoPE "
-                         f"layer {layer} by position: this attention does not compute it")
+@_reading("no_rope_layers", "attn_temperature_tuning", "attn_scale", "floor_scale")
+def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | None:
+    """Llama 4's temperature tuning: its NoPE layers' queries scaled by ``attn_scale``, ``floor_scale``."""
+    if config["no_rope_layers"][layer] or not config.get("attn_temperature_tuning"):
+        return None
+    return QueryScale(float(config["attn_scale"]), float(config["floor_scale"]), 1.0)
+
+
+@_reading("rope_parameters")
+def _query_scale_ministral3(config: Mapping[str, Any], layer: int) -> QueryScale | None:
+    """Ministral 3's queries scaled by the rope parameters' ``llama_4_scaling_beta`` over their
+    ``original_max_position_embeddings``."""
+    parameters = config.get("rope_parameters") or {}
+    beta = parameters.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    return QueryScale(float(beta), float(parameters["original_max_position_embeddings"]), 0.0)
 
 
 @dataclass(frozen=True)
@@ -188,6 +282,12 @@ class Family:
     standardize: Callable[[dict], dict] | None = None  # fills in keys its config class derives (a copy)
     latent: bool = False  # multi-head latent attention (DeepSeek-V3's), read by _with_latent
     latent_interleave: bool | str = False  # a latent layer's rotary pairs (2i, 2i + 1), or the key that says so
+    clip_qkv: str | None = None  # the key of the projections' clamp (its value falsy: none)
+    query_scale: Callable[[Mapping[str, Any], int], QueryScale | None] | None = None  # (config, layer) -> it
+    qk_norm_rope_only: bool = False  # the QK-norm only on the layers that rotate
+    rope_forced: Callable[[Mapping[str, Any], int], bool] | None = None  # (config, layer): it rotates whatever else
+    rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
+    rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -214,12 +314,19 @@ def _latent_family(kv_lora_rank: int, q_lora_rank: int | None, dims: tuple[int, 
     return Family(layout="mla", latent=True, latent_interleave=rope_interleave, defaults=defaults)
 
 
+# Qwen2Config's (and Qwen3's, Qwen2-MoE's, Qwen3-MoE's) window defaults, where a config leaves them out
+_QWEN_WINDOW = dict(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
 # Llama4TextConfig's defaults, where a config leaves them out
-_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True)
-_CLIPPED = (("clip_qkv", "clipped projections"),)  # a clamp of the projections' outputs
+_LLAMA4 = dict(use_qk_norm=True, attention_chunk_size=8192, no_rope_layer_interval=4, attn_temperature_tuning=True,
+               attn_scale=0.1, floor_scale=8192)
+# Ministral3Config's rope parameters, where a config leaves them out
+_MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=16384,
+                        beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)
 _QK_LAYERNORM = (("qk_layernorm", "QK LayerNorm with bias"),)
 _HALF_ROTARY = (("partial_rotary_factor",), "partial_rotary_factor", 0.5)  # GLM's default: half of each head rotates
 _ROTARY_DIM = (("rotary_dim",), "rotary_dim", 64)
+# GPT-J's and CodeGen's create_sinusoidal_positions: base 10000, no scaling, whatever rope_parameters say
+_SINUSOIDAL = dict(rope_type="default", rope_theta=10000.0)
 _RMS_PER_HEAD = QKNorm("rms", True, 1e-6)
 _RMS = QKNorm("rms", False, 1e-6)  # over the whole projection
 _GPT2_PREFIX = "transformer.h.{layer}.attn."
@@ -231,39 +338,57 @@ _PATTERN_KEYS = ("sliding_window_pattern", "_sliding_window_pattern")  # Gemma 3
 # model_type -> its record (model types with the same layer share one)
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("llama", "gemma", "arcee", "internlm3", "iquestcoder", "jais2"), Family()),
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe", "cwm"), Family(layer_types=_layer_types_mistral)),
-    **dict.fromkeys(("qwen3", "qwen3_moe", "dots1"), Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen)),
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phimoe"), Family(layer_types=_layer_types_mistral)),
+    "cwm": Family(layer_types=_layer_types_every(4, first=True)),  # CwmConfig: every 4th layer from 0 full
+    "qwen3": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen, defaults=_QWEN_WINDOW),
+    "qwen3_moe": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_qwen3_moe, defaults=_QWEN_WINDOW),
+    "dots1": Family(qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_dots1,
+                    defaults=dict(sliding_window=4096, max_window_layers=62)),
     **dict.fromkeys(("gemma2", "vaultgemma"), Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
                                                      layer_types=_layer_types_every(2))),
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), Family(scale=_scale_granite)),
     **dict.fromkeys(("glm", "glm4"), Family(rope_interleaved=True, out_bias=False, rope_default=_HALF_ROTARY)),
     **dict.fromkeys(("ernie4_5", "ernie4_5_moe"),
                     Family(rope_interleaved=True, qkv_bias="use_bias", out_bias="use_bias")),
-    **dict.fromkeys(("exaone4", "exaone_moe", "kolibri1"), Family(
+    **dict.fromkeys(("exaone4", "exaone_moe"), Family(
         qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_every(4, *_PATTERN_KEYS),
         rope_sliding_only=True)),
-    **dict.fromkeys(("cohere2", "cohere2_moe"), Family(
-        rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
-        rope_default=(("rope_theta",), "rope_theta", 10000.0))),
+    # Kolibri1Config: every 5th layer full
+    "kolibri1": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_every(5),
+                       rope_sliding_only=True),
+    "cohere2": Family(rope_interleaved=True, layer_types=_layer_types_every(4, *_PATTERN_KEYS), rope_sliding_only=True,
+                      rope_default=(("rope_theta",), "rope_theta", 10000.0)),
+    # its first layers (a dense MLP) in a pattern of their own, rotating whatever their window with a pattern of 1
+    "cohere2_moe": Family(rope_interleaved=True, layer_types=_layer_types_cohere2_moe, rope_sliding_only=True,
+                          rope_forced=_rope_forced_cohere2_moe, rope_default=(("rope_theta",), "rope_theta", 10000.0),
+                          defaults=dict(sliding_window_pattern=4, prefix_dense_sliding_window_pattern=1)),
     **dict.fromkeys(("olmo2", "flex_olmo"), Family(qk_norm=_RMS)),
     **dict.fromkeys(("apertus", "mellum", "hy_v3"), Family(qk_norm=_RMS_PER_HEAD)),
     "solar_open": Family(out_bias=False),
     "helium": Family(rope_interleaved=True, out_bias=False),
-    "qwen2": Family(qkv_bias=True, out_bias=False, layer_types=_layer_types_qwen),
-    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen),
-    "gemma3_text": Family(scale=_scale_gemma, soft_cap="attn_logit_softcapping",
+    "qwen2": Family(qkv_bias=True, out_bias=False, layer_types=_layer_types_qwen, defaults=_QWEN_WINDOW),
+    "qwen2_moe": Family(qkv_bias="qkv_bias", out_bias=False, bias_default=True, layer_types=_layer_types_qwen2_moe,
+                        defaults=_QWEN_WINDOW),
+    # attn_logit_softcapping: Gemma3TextConfig keeps it, Gemma3Attention (transformers 5.x) never applies it
+    "gemma3_text": Family(scale=_scale_gemma,
                           qk_norm=QKNorm("rms", True, 1e-6, offset=1.0),
                           layer_types=_layer_types_every(6, *_PATTERN_KEYS)),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
     "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
-                          defaults=_LLAMA4, reads=("attention_chunk_size",), check=_check_llama4),
+                          defaults=_LLAMA4, reads=("attention_chunk_size", "use_qk_norm"),
+                          query_scale=_query_scale_llama4,
+                          # Llama4TextL2Norm on the rotary layers, after the rotation: weightless, per head, it
+                          # commutes with the rotation and is computed before it here
+                          qk_norm=QKNorm("rms", True, 1e-5, weight=False), qk_norm_flag="use_qk_norm",
+                          qk_norm_rope_only=True),
     "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_mistral),
-    "ministral3": Family(layer_types=_layer_types_mistral,
-                         refuses=(("llama_4_scaling_beta", "per-position query scaling"),)),
+    "ministral3": Family(layer_types=_layer_types_mistral, query_scale=_query_scale_ministral3,
+                         rope_ignore=("llama_4_scaling_beta", "max_position_embeddings"),
+                         defaults=dict(rope_parameters=_MINISTRAL3_ROPE)),
     "starcoder2": Family(qkv_bias="use_bias", out_bias="use_bias", bias_default=True, layer_types=_layer_types_mistral),
-    "olmo": Family(refuses=_CLIPPED),
+    "olmo": Family(clip_qkv="clip_qkv"),
     "olmo3": Family(qk_norm=_RMS, layer_types=_layer_types_every(4)),
-    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), refuses=_CLIPPED),
+    "olmoe": Family(qk_norm=QKNorm("rms", False, 1e-5), clip_qkv="clip_qkv"),
     "seed_oss": Family(out_bias="attention_out_bias"),
     "smollm3": Family(layer_types=_layer_types_smollm3, window_flag="use_sliding_window", no_rope_layers=True,
                       defaults=dict(no_rope_layer_interval=4)),
@@ -281,7 +406,7 @@ FAMILIES: dict[str, Family] = {
                      qk_norm_flag="use_qk_norm", qk_norm_eps="layer_norm_eps",
                      rope_default=(("rope_theta",), "rope_theta", 500000.0), reads=("use_qk_norm",),
                      head_norm_matrix=True),
-    "phi": Family(qkv_bias=True, out_bias=True, reads_head_dim=False, renames={"dense.": "o_proj."},
+    "phi": Family(qkv_bias=True, out_bias=True, renames={"dense.": "o_proj."},
                   rope_default=_HALF_ROTARY, refuses=_QK_LAYERNORM),
     # sinks (an extra softmax logit per head), RMS QK-norm per head, rotary on the sliding layers only
     "flint": Family(sinks=True, qk_norm=_RMS_PER_HEAD, layer_types=_layer_types_flint, rope_windowed_only=True),
@@ -289,7 +414,7 @@ FAMILIES: dict[str, Family] = {
     "granite_swa": Family(sinks=True, scale=_scale_granite, layer_types=_layer_types_every(4, first=True),
                           layer_rope_theta="layer_rope_theta"),
     "gptj": _mha(_GPT2_PREFIX, layout="mha_torch", qkv_bias=False, out_bias=False, rope_interleaved=True,
-                 rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS),
+                 rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, rope_fixed=_SINUSOIDAL),
     # heads interleaved in one fused weight, read by ``layer_state``; a quarter of each head rotates
     "gpt_neox": _mha("gpt_neox.layers.{layer}.attention.", layout="gpt_neox", bias_default=True, fused=_NEOX_FUSED,
                      buffers=(*_GPT_BUFFERS, "rotary_emb.inv_freq"),
@@ -314,15 +439,21 @@ FAMILIES: dict[str, Family] = {
                    fused=_NEOX_FUSED, defaults=dict(multi_query=True), alibi=_alibi_falcon),
     # ALiBi; each head's q, k, v rows together in its fused query_key_value (GPT-NeoX's layout)
     "bloom": _mha(_FALCON_PREFIX, layout="gpt_neox", qkv_bias=True, out_bias=True, rope=False,
-                  alibi=lambda config, heads, head_dim: alibi.bloom_slopes(heads), fused=_NEOX_FUSED),
+                  alibi=_reading()(lambda config, heads, head_dim: alibi.bloom_slopes(heads)), fused=_NEOX_FUSED),
     # ALiBi; [q; k; v] in one Wqkv; its attention options in attn_config
     "mpt": _mha("transformer.blocks.{layer}.attn.", layout="fused_qkv", qkv_bias=False, out_bias=False,
                 scale=_scale_mpt, rope=False, alibi=_alibi_mpt, nested="attn_config",
                 renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
-                refuses=(*_CLIPPED, ("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
+                clip_qkv="clip_qkv", refuses=(("qk_ln", "QK LayerNorm"), ("prefix_lm", "a prefix-LM mask"),
                          ("attn_uses_sequence_id", "a mask from the content")),
                 aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
                              max_position_embeddings="max_seq_len")),
+    # [q; k; v] in one Wqkv (key heads attn_config's kv_n_heads), clamped by attn_config's clip_qkv
+    "dbrx": _mha("transformer.blocks.{layer}.norm_attn_norm.attn.", layout="fused_qkv", qkv_bias=False,
+                 out_bias=False, kv_heads="kv_n_heads", nested="attn_config", clip_qkv="clip_qkv",
+                 renames={"Wqkv.": "qkv_proj.", "out_proj.": "o_proj."},
+                 aliases=dict(hidden_size="d_model", num_attention_heads="n_heads", num_hidden_layers="n_layers",
+                              max_position_embeddings="max_seq_len")),
     # sliding layers (local_attention // 2 keys), rope parameters per layer type, the output projection Wo
     "modernbert-decoder": _mha("model.layers.{layer}.attn.", standardize=_standardize_modernbert,
                                layer_types=_layer_types_every(3, "global_attn_every_n_layers", first=True),
@@ -333,7 +464,7 @@ FAMILIES: dict[str, Family] = {
                 aliases=dict(hidden_size="emb_dim", num_attention_heads="n_heads", num_hidden_layers="n_layers")),
     # GPT-NeoX's fused layout without biases; the last layer's output bias a key of its own (dense_bias)
     "gpt_neox_japanese": _mha("gpt_neox_japanese.layers.{layer}.attention.", layout="gpt_neox", qkv_bias=False,
-                              out_bias=lambda config, layer: layer == config["num_hidden_layers"] - 1,
+                              out_bias=_reading()(lambda config, layer: layer == config["num_hidden_layers"] - 1),
                               fused=_NEOX_FUSED, renames={"dense_bias": "dense.bias"}),
     # GPT-2's layout and scale under its own prefix
     "openai-gpt": _mha(_GPT2_PREFIX, layout="gpt2", qkv_bias=True, out_bias=True, rope=False, buffers=("bias",),
@@ -352,7 +483,8 @@ FAMILIES: dict[str, Family] = {
                         fused=("c_attn", "c_proj")),
     # GPT-J's rotary (rotary_dim, pairs) and a fused qkv_proj in 4 blocks of (q, v, k), read by ``layer_state``
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
-                    rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj")),
+                    rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj"),
+                    rope_fixed=_SINUSOIDAL),
     # DeepSeek-V3's attention and the classes copied from it
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
@@ -394,6 +526,8 @@ class LayerOptions:
     alibi_slopes: tuple[float, ...] | None = None  # ALiBi, one slope per head (``mha_spec.alibi``)
     latent: Latent | None = None  # multi-head latent attention; ``rope`` then rotates qk_rope_head_dim features
     rope_interleaved: bool = False  # with ``latent``: the rotary pairs are (2i, 2i + 1), whatever the model_type
+    clip_qkv: float | None = None  # the projections' outputs clamped to [-clip_qkv, clip_qkv]
+    query_scale: QueryScale | None = None  # each query scaled by its position
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -419,6 +553,28 @@ def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
     return config
 
 
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")  # one setting: a config's replace the class's
+
+
+def _with_class_defaults(config: Mapping[str, Any], model_type: str, nested: str | None) -> dict:
+    """``config`` with its config class's defaults (``CLASS_DEFAULTS``) where it leaves a key out; the rope keys
+    as one (a config's ``rope_theta`` is not overridden by the class's ``rope_parameters``), a rope parameters'
+    missing ``rope_theta`` the class's; a nested config's keys each."""
+    defaults = dict(CLASS_DEFAULTS.get(model_type, {}))
+    if any(config.get(key) is not None for key in _ROPE_KEYS):
+        theta = (defaults.get("rope_parameters") or {}).get("rope_theta", defaults.get("rope_theta"))
+        for key in _ROPE_KEYS:
+            defaults.pop(key, None)
+        parameters = config.get("rope_parameters")
+        flat = isinstance(parameters, Mapping) and not any(isinstance(v, Mapping) for v in parameters.values())
+        if flat and "rope_theta" not in parameters and config.get("rope_theta") is None and theta is not None:
+            defaults["rope_theta"] = theta  # the class's default_theta, as standardize_rope_params fills it
+    merged = {**defaults, **config}
+    if nested and isinstance(defaults.get(nested), Mapping) and isinstance(config.get(nested), Mapping):
+        merged[nested] = {**defaults[nested], **config[nested]}
+    return merged
+
+
 def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
     """``(model_type, its record, the config with the record's defaults)``; raises on an unknown family or a
     refused option."""
@@ -427,6 +583,7 @@ def family_of(config: Mapping[str, Any]) -> tuple[str, Family, dict]:
         raise ValueError(f"config's model_type {model_type!r} is not a supported family; "
                          f"supported: {', '.join(sorted(FAMILIES))}")
     family = FAMILIES[model_type]
+    config = _with_class_defaults(config, model_type, family.nested)
     nested = config.get(family.nested) if family.nested else None
     config = _aliased({**family.defaults, **(nested if isinstance(nested, Mapping) else {}), **config}, family.aliases)
     layers = config.get("num_hidden_layers")
@@ -471,7 +628,8 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
     if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
             or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
-            or family.rope_windowed_only and window is None):
+            or family.rope_windowed_only and window is None) \
+            and not (family.rope_forced and family.rope_forced(config, layer)):
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
         rope = _with_theta(rope, config[family.layer_rope_theta][layer])
@@ -480,11 +638,14 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope = None
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
+    qk_norm = None if family.qk_norm_rope_only and rope is None else _qk_norm(config, family)
     options = LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
-        config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, _qk_norm(config, family),
+        config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, qk_norm,
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
-        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes)
+        ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
+        clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
+        query_scale=family.query_scale(config, layer) if family.query_scale else None)
     return _with_latent(options, config, family) if family.latent else options
 
 
@@ -522,8 +683,7 @@ def _qk_norm(config: Mapping[str, Any], family: Family) -> QKNorm | None:
     """The family's QK-norm with the config's eps, None without one."""
     if family.qk_norm is None or (family.qk_norm_flag and not config.get(family.qk_norm_flag, False)):
         return None
-    norm = family.qk_norm
-    return QKNorm(norm.kind, norm.per_head, config.get(family.qk_norm_eps, norm.eps), norm.offset, norm.per_head_scale)
+    return replace(family.qk_norm, eps=config.get(family.qk_norm_eps, family.qk_norm.eps))
 
 
 def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
@@ -550,7 +710,14 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
         keys, key, default = family.rope_default
         if not any(k in config or k in (config.get("rope_parameters") or {}) for k in keys):
             rope[key] = default
+    if family.rope_fixed is not None:
+        rope.pop("rope_scaling", None)
+        rope.pop("rope_theta", None)
+        rope["rope_parameters"] = dict(family.rope_fixed)
+        return rope
     parameters = config.get("rope_parameters")
+    if family.rope_ignore and isinstance(parameters, Mapping):
+        parameters = rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
     if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
         rope["rope_parameters"] = dict(parameters[layer_type])
     elif config.get("model_type") == "gemma3_text" and layer_type == "sliding_attention" and \

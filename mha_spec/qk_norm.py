@@ -18,7 +18,8 @@ class QKNorm:
     Gemma 3, OLMo 2). ``per_head``: over each head's ``head_dim`` features (scale ``(head_dim,)``), else over the
     whole projection (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance. ``offset``: the
     features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``). ``per_head_scale``: with ``per_head``,
-    each head its own scale ``(heads, head_dim)`` (StableLM, Cohere). Computed in float32 at least.
+    each head its own scale ``(heads, head_dim)`` (StableLM, Cohere). ``weight``: False for a norm without a scale
+(Llama 4's ``L2Norm``: an RMS norm per head). Computed in float32 at least.
     """
 
     kind: str = "layer"
@@ -26,6 +27,7 @@ class QKNorm:
     eps: float = 1e-6
     offset: float = 0.0
     per_head_scale: bool = False
+    weight: bool = True
 
     def normalize(self, y: Any, scale: Any, mean: Callable[[Any, tuple[int, ...]], Any], rsqrt: Callable) -> Any:
         """``y`` ``(..., heads, head_dim)`` (float32 or wider) normalised per head or over the last two axes, times
@@ -44,7 +46,7 @@ class QKNorm:
     def __post_init__(self):
         if self.kind not in ("layer", "rms"):
             raise ValueError(f"QKNorm kind must be 'layer' or 'rms', got {self.kind!r}")
-        for name in ("per_head", "per_head_scale"):
+        for name in ("per_head", "per_head_scale", "weight"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QKNorm {name} must be a bool, got {getattr(self, name)!r}")
         if self.per_head_scale and not self.per_head:
@@ -54,5 +56,7 @@ class QKNorm:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):
                 raise ValueError(f"QKNorm {name} must be a finite number, got {value!r}")
+        if not self.weight and (self.offset or self.per_head_scale):
+            raise ValueError("QKNorm weight=False (no scale) takes neither offset nor per_head_scale")
         if self.eps <= 0:
             raise ValueError(f"QKNorm eps must be > 0, got {self.eps!r}")

@@ -103,8 +103,6 @@ def _check_scaling(scaling: Mapping | None, rotary_dim: int, max_pos: int | None
     if rope_type in _NULLABLE_FACTOR and items.get("factor") is None and max_pos is None:
         raise ValueError(f"rope_type {rope_type!r} without scaling['factor'] needs max_position_embeddings "
                          "(the factor is then max_position_embeddings / original_max_position_embeddings)")
-    if rope_type == "llama3" and items["high_freq_factor"] == items["low_freq_factor"]:
-        raise ValueError("scaling['high_freq_factor'] must differ from scaling['low_freq_factor'] (rope_type 'llama3')")
     return Scaling(items)
 
 
@@ -440,6 +438,8 @@ def _llama3_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     inv_freq = _default_inv_freq(ops, rope.theta, rope.rotary_dim)
     wavelen = ops.rdiv(2 * math.pi, inv_freq)
     inv_freq_llama = ops.where(wavelen > low_freq_wavelen, ops.div(inv_freq, factor), inv_freq)
+    if high == low:  # no band between: every wavelength is long or short (transformers' blend is then 0 / 0)
+        return inv_freq_llama
     smooth_factor = ops.div(ops.rdiv(omax, wavelen) - low, high - low)
     smoothed = ops.div((1 - smooth_factor) * inv_freq_llama, factor) + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import Unpack
 
-from mha_spec import alibi, arguments, batch_axes, docstrings, kv_cache
+from mha_spec import alibi, arguments, batch_axes, docstrings, kv_cache, query_terms
 from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
+from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rotate_at
 from mha_torch import _cache, _checks, masks
 from mha_torch import latent as mla
@@ -54,6 +55,10 @@ class MultiHeadAttention(nn.Module):
         on the low-rank input projections only; ``num_kv_heads`` and ``qkv_dim`` None, no ``normalize_qk``, the
         value input the key input; default scale ``1 / sqrt(qk_head_dim)``. Decoding takes an
         ``mha_torch.latent.LatentCache``.
+      clip_qkv: the query, key and value projections' outputs clamped to ``[-clip_qkv, clip_qkv]``, after the
+        QK-norm (OLMo, OLMoE; MPT's and DBRX's fused projection); None: not clamped.
+      query_scale: an ``mha_spec.query_terms.QueryScale``: each query scaled by its position after the rotary
+        embedding (Llama 4's temperature tuning, Ministral 3's ``llama_4_scaling_beta``); None: not scaled.
     """
 
     def __init__(
@@ -82,6 +87,8 @@ class MultiHeadAttention(nn.Module):
         attention_chunk_size: int | None = None,
         alibi_slopes: Sequence[float] | None = None,
         latent: latent_spec.Latent | None = None,
+        clip_qkv: float | None = None,
+        query_scale: QueryScale | None = None,
     ):
         super().__init__()
         self.latent = None if latent is None else latent_spec.check_latent(
@@ -103,6 +110,7 @@ class MultiHeadAttention(nn.Module):
             implementation, IMPLEMENTATIONS, scale, local_window_size, attention_chunk_size)
         self.logit_soft_cap, self.rotary = logit_soft_cap, rotary
         self.alibi_slopes = alibi.check_module_slopes(alibi_slopes, num_heads)
+        self.clip_qkv, self.query_scale = query_terms.check_terms(clip_qkv, query_scale, self.latent)
         qk_norm = arguments.check_qk_norm(normalize_qk)
         out_bias = bias if out_bias is None else out_bias
         if self.latent is not None:
@@ -184,7 +192,9 @@ class MultiHeadAttention(nn.Module):
         if self.latent is not None:  # k: the latent entries
             q, k, v = mla.attention_inputs(self, q, k, call.spec)
         else:
-            q, k = rotate_at(self.rotary, q, k, *masks.positions(call.spec))
+            q_pos, k_pos = masks.positions(call.spec)
+            q, k = rotate_at(self.rotary, q, k, q_pos, k_pos)
+            q = _scale_queries(self.query_scale, q, q_pos)
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
 
     def _prepare(self, inputs: tuple, masking: dict, max_length: int | None = None):
@@ -252,7 +262,7 @@ class MultiHeadAttention(nn.Module):
                              cache.index.shape, call.batch_shape, kv_heads, head_dim, call.inputs[1].shape[1])
         flat = cache if len(call.batch_shape) == 1 else cache.merged(q.shape[0])  # batch axes merged as the inputs'
         rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
-        q, spec = _decode_step(flat, rotary, q, k, v, call)
+        q, spec = _decode_step(flat, rotary, self.query_scale, q, k, v, call)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
             shape = cache.key_storage.shape
             cache.key_storage = flat.key_storage.view(shape)
@@ -287,9 +297,10 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, query, query, batch, heads, kv_heads)
         if k.dtype != keys.dtype:  # under autocast: the general path names the dtypes
             return None
-        if self.rotary is not None:  # every row at the same positions
+        if self.rotary is not None or self.query_scale is not None:  # every row at the same positions
             pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
             q, k = rotate_at(self.rotary, q, k, pos, pos)
+            q = _scale_queries(self.query_scale, q, pos[None])
         _writable(cache, k, v)
         keys, values = cache.key_storage, cache.value_storage
         if merged:  # views: the writes reach the cache
@@ -314,6 +325,8 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(batch, q_len, heads, head_dim))
             k = self.k_norm(k.view(batch, kv_len, kv_heads, head_dim))
+        if self.clip_qkv is not None:
+            q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         return (_split_heads(q, batch, q_len, heads, head_dim), _split_heads(k, batch, kv_len, kv_heads, head_dim),
                 _split_heads(v, batch, kv_len, kv_heads, head_dim))
 
@@ -348,17 +361,20 @@ def _split_heads(x: torch.Tensor, batch: int, length: int, heads: int, head_dim:
 
 
 class _Norm(nn.Module):
-    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` (shared) or ``(heads * head_dim,)``."""
+    """A QK-norm other than flax's LayerNorm: ``weight`` ``(head_dim,)`` (shared) or ``(heads * head_dim,)``; none
+    for a weightless norm."""
 
     def __init__(self, qk_norm: QKNorm, heads: int, head_dim: int, device=None, dtype=None):
         super().__init__()
         self.qk_norm = qk_norm
         shape = (head_dim,) if qk_norm.shared_scale else (heads * head_dim,)
         init = torch.zeros if qk_norm.offset else torch.ones
-        self.weight = nn.Parameter(init(shape, device=device, dtype=dtype))
+        self.weight = nn.Parameter(init(shape, device=device, dtype=dtype)) if qk_norm.weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)
+        if self.weight is None:
+            return self.qk_norm.normalize(x.to(compute), 1.0, _mean, torch.rsqrt).to(x.dtype)
         weight = self.weight.to(compute).view(x.shape[-1:] if self.qk_norm.shared_scale else x.shape[-2:])
         return self.qk_norm.normalize(x.to(compute), weight, _mean, torch.rsqrt).to(x.dtype)
 
@@ -367,12 +383,23 @@ def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x.mean(dim=dims, keepdim=True)
 
 
-def _decode_step(cache: KVCache, rotary, q, k, v, call: batch_axes.Call):
-    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new positions, append ``k``/``v`` (None: a latent
-    cache) to ``cache``: ``(q, spec)``, ``spec`` over the new queries and the cache's slots."""
+def _scale_queries(query_scale: QueryScale | None, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``q`` ``(batch, heads, len, head_dim)`` times ``query_scale``'s factor at ``positions`` ``(batch|1, len)``."""
+    if query_scale is None:
+        return q
+    compute = torch.promote_types(q.dtype, torch.float32)
+    factor = query_scale.factor(positions.to(device=q.device, dtype=compute), torch.floor, torch.log1p)
+    return q * factor[:, None, :, None].to(q.dtype)
+
+
+def _decode_step(cache: KVCache, rotary, query_scale: QueryScale | None, q, k, v, call: batch_axes.Call):
+    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new positions (``q`` then scaled by
+    ``query_scale``), append ``k``/``v`` (None: a latent cache) to ``cache``: ``(q, spec)``, ``spec`` over the new
+    queries and the cache's slots."""
     start, max_length = cache.index.clone(), cache.max_length
     pos = _cache.positions(start, k.shape[2], call.query_positions)
     q, k = rotate_at(rotary, q, k, pos, pos)
+    q = _scale_queries(query_scale, q, pos)
     kv_cache.check_dtype(_checks.dtype_name(cache.key), _checks.dtype_name(k), "the cache's key",
                          f"KVCache(..., dtype={k.dtype})")
     end = _cache.advance(start, pos)

@@ -55,6 +55,7 @@ FEATURES = (
     "RoFormer's sinusoidal rotary table",
     "a norm after the attention",  # a norm of the heads' output before the output projection
     "QK-norm after the rotary embedding",
+    "a rotation the other way",  # pairs turned by -angle
     "per-position query scaling",
     "routed query and output projections",  # experts chosen per token for the query and output projections
     "clipped projections",  # a clamp of the projections' outputs (clip_qkv)
@@ -222,13 +223,30 @@ def _representatives(raw: dict, count: int) -> list[int]:
     return sorted(kinds.values())
 
 
-def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None) -> dict:
+class _Bare:
+    """A transformers config as a config.json may hold it: without the per-layer keys its class fills in."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.config.to_dict().items() if k not in DERIVED}
+
+
+TWINS = ("torch", "jax")
+
+
+def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False,
+                 model=None, twins=TWINS) -> dict:
     """Layers ``layers`` (default: one of each kind; ``test_every_layer_reads_as_transformers_model_uses_it``
-    checks that the kinds are the model's) of the family's small model, both twins against it:
+    checks that the kinds are the model's) of the family's small model, both twins against it (``bare``: read
+    from its config without ``DERIVED`` keys; ``model``: the family's small model, built once by the caller;
+    ``twins``: those of ``TWINS`` to run):
     dtype -> the worst (output, gradient) errors."""
     config = _config(model_type, record.config, record.layers)
-    model = _model(config)
-    raw = families.read_config(config.to_dict())
+    model = _model(config) if model is None else model
+    ours = _Bare(config) if bare else config
+    raw = families.read_config(ours.to_dict())
     layers = _representatives(raw, record.layers) if layers is None else layers
     options = {layer: families.layer_options(raw, layer) for layer in layers}
     calls = _captured(model, {layer: model.get_submodule(o.prefix.rstrip(".")) for layer, o in options.items()})
@@ -237,8 +255,8 @@ def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers
         out_worst = grad_worst = 0.0
         for layer in layers:
             inputs, out_hf, theirs, state = _theirs(model, options[layer], layer, calls[layer], dtype, monkeypatch)
-            for run in (_ours_torch, _ours_jax):
-                out, grads = run(config, layer, state, inputs, dtype)
+            for run in [run for twin, run in (("torch", _ours_torch), ("jax", _ours_jax)) if twin in twins]:
+                out, grads = run(ours, layer, state, inputs, dtype)
                 assert sorted(grads) == sorted(theirs), (run.__name__, sorted(grads), sorted(theirs))
                 out_worst = max(out_worst, _rel(out, out_hf))
                 grad_worst = max(grad_worst, _grad_error(grads, theirs))
@@ -257,7 +275,9 @@ RECORDS: dict[str, Supported | Refused] = {
     # families proven in test_hf_models.py on their own (their record there names what each proves)
     **{name: Supported(_TESTED) for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
                                              "olmo2", "phi3", "gpt_neox", "gpt2", "gptj", "stablelm", "cohere")},
-    "llama4_text": Supported("proven in test_chunked.py: chunked layers, NoPE layers (attn_temperature_tuning refused)",
+    "llama4_text": Supported("proven in test_chunked.py: chunked layers, NoPE layers; use_qk_norm (a weightless RMS "
+                             "norm per head) and attn_temperature_tuning (NoPE layers' queries scaled by position) in "
+                             "test_hf_config_variants.py",
                              dict(attn_temperature_tuning=False, attention_chunk_size=16, no_rope_layer_interval=2,
                                   use_qk_norm=False, **_MOE)),
     "bert": Supported("a decoder (is_decoder): causal, biases, no rotary; its block's LayerNorm left unread",
@@ -271,17 +291,21 @@ RECORDS: dict[str, Supported | Refused] = {
                        dict(num_key_value_heads=None, head_dim=None)) for name in ("opt", "biogpt", "xglm")},
     "mixtral": Supported("Mistral's layer: sliding window", dict(sliding_window=WINDOW, **_MOE)),
     "ministral": Supported("sliding layers from layer_types", dict(sliding_window=WINDOW)),
-    "ministral3": Refused("per-position query scaling", "rope parameters' llama_4_scaling_beta"),
+    "ministral3": Supported("queries scaled by position (rope parameters' llama_4_scaling_beta), yarn rope",
+                            dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0,
+                                                      original_max_position_embeddings=2, llama_4_scaling_beta=0.5,
+                                                      max_position_embeddings=16))),
     "starcoder2": Supported("biases on all four projections (use_bias), sliding window", dict(sliding_window=WINDOW)),
     "qwen2_moe": Supported("q/k/v biases (qkv_bias)", dict(num_experts=2, num_experts_per_tok=1)),
     "qwen3_moe": Supported("RMS QK-norm per head", dict(num_experts=2, num_experts_per_tok=1)),
     "gemma": Supported("Llama's layer"),
     "vaultgemma": Supported("soft-cap, query_pre_attn_scalar, alternating sliding layers",
                             dict(sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=12)),
-    "olmo": Supported("Llama's layer (clip_qkv refused)"),
+    "olmo": Supported("the projections clamped (clip_qkv)", dict(clip_qkv=0.5)),
     "olmo3": Supported("RMS QK-norm over the projection, rope parameters per layer type, sliding layers",
                        dict(sliding_window=WINDOW), layers=5),
-    "olmoe": Supported("RMS QK-norm over the projection", dict(num_experts=2, num_experts_per_tok=1)),
+    "olmoe": Supported("RMS QK-norm over the projection, the projections clamped after it (clip_qkv)",
+                       dict(clip_qkv=0.5, num_experts=2, num_experts_per_tok=1)),
     "flex_olmo": Supported("RMS QK-norm over the projection", dict(num_experts=2, num_experts_per_tok=1)),
     "phimoe": Supported("biases (attention_bias), sliding window", dict(sliding_window=WINDOW, **_MOE)),
     "granite": Supported("the scale from attention_multiplier", dict(attention_multiplier=0.2)),
@@ -338,8 +362,9 @@ RECORDS: dict[str, Supported | Refused] = {
                                   layer_rope_theta=[10000.0, 10000.0, 0.0]), layers=3),
     "bloom": Supported("ALiBi (bloom's slopes), each head's q, k, v rows together in query_key_value, biases",
                        _PLAIN),
-    "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv, softmax_scale from attn_config "
-                     "(clip_qkv, qk_ln, prefix_lm refused)", dict(_PLAIN, attn_config=dict(softmax_scale=0.3))),
+    "mpt": Supported("ALiBi (MPT's slopes, alibi_bias_max), [q; k; v] in one Wqkv clamped (clip_qkv), softmax_scale "
+                     "from attn_config (qk_ln, prefix_lm refused)",
+                     dict(_PLAIN, attn_config=dict(softmax_scale=0.3, clip_qkv=0.5))),
     "modernbert-decoder": Supported("sliding layers (local_attention // 2 keys), rope parameters per layer type, "
                                     "the output projection Wo", dict(_PLAIN, local_attention=2 * WINDOW), layers=3),
     "gpt_neox_japanese": Supported("GPT-NeoX's fused query_key_value without biases, the last layer's output bias "
@@ -380,11 +405,15 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("learned gates on the attention") for name in (
         "afmoe", "laguna", "beam")},
     "blt": Refused("cross-attention", "between bytes and patches"),
-    "dbrx": Refused("clipped projections", "DbrxAttention clamps its fused Wqkv's output and needs clip_qkv set"),
+    "dbrx": Supported("[q; k; v] in one Wqkv clamped (attn_config's clip_qkv), key heads attn_config's kv_n_heads",
+                      dict(_PLAIN, d_model=HIDDEN, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500.0),
+                           ffn_config=dict(hidden_size=HIDDEN, ffn_hidden_size=8, moe_num_experts=2, moe_top_k=1))),
     "doge": Refused("a mask from the content", "its dynamic mask"),
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
-    **{name: Refused("QK-norm after the rotary embedding") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe",
-                                                                          "nanochat")},
+    **{name: Refused("QK-norm after the rotary embedding", "a learned scale per feature, which the rotation does "
+                     "not commute with") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
+    "nanochat": Refused("a rotation the other way", "its rotate_half is (x2, -x1): each pair turns by -angle "
+                        "(its weightless QK-norm after the rotation would commute with it)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
         "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
@@ -414,11 +443,9 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
-    "mpt": (dict(attn_config=dict(clip_qkv=8.0)), "clipped projections"),
-    "ministral3": (dict(), "per-position query scaling"),
+    "mpt": (dict(attn_config=dict(qk_ln=True)), "QK LayerNorm"),
     "phi": (dict(qk_layernorm=True), "QK LayerNorm with bias"),
     "persimmon": (dict(head_dim=None), "QK LayerNorm with bias"),
-    "olmo": (dict(clip_qkv=8.0), "clipped projections"),
 }
 
 
@@ -737,25 +764,30 @@ def _step_arguments(model, module, options, parameters, start, n, tables, torch_
     return arguments
 
 
-def _our_decode(raw, layer, state, x, dtype):
-    """Both twins' decoding over ``STEPS`` (a cache of S slots): (torch's, JAX's) outputs."""
+def _our_decode(raw, layer, state, x, dtype, twins=TWINS):
+    """The twins' decoding over ``STEPS`` (a cache of S slots): their outputs, torch's first."""
     import jax.numpy as jnp
 
-    torch_module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
-    jax_module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=getattr(jnp, dtype))
     options = families.layer_options(families.read_config(raw), layer)
-    cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
-    jax_module.init_cache((B, S, HIDDEN), getattr(jnp, dtype))
-    outs_t, outs_j, start = [], [], 0
-    for n in STEPS:
-        chunk = x[:, start:start + n]
+    outs = []
+    if "torch" in twins:
+        module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
+        cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
         with torch.no_grad():
-            outs_t.append(torch_module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
-                                       is_causal=True).double().numpy())
-        outs_j.append(np.asarray(jax_module(jnp.asarray(chunk, getattr(jnp, dtype)), decode=True, is_causal=True),
-                                 np.float64))
-        start += n
-    return np.concatenate(outs_t, axis=1), np.concatenate(outs_j, axis=1)
+            outs.append(np.concatenate([module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
+                                               is_causal=True).double().numpy() for chunk in _steps(x)], axis=1))
+    if "jax" in twins:
+        module = mha_jax.from_hf(raw, state, layer=layer, param_dtype=getattr(jnp, dtype))
+        module.init_cache((B, S, HIDDEN), getattr(jnp, dtype))
+        outs.append(np.concatenate([np.asarray(module(jnp.asarray(chunk, getattr(jnp, dtype)), decode=True,
+                                                      is_causal=True), np.float64) for chunk in _steps(x)], axis=1))
+    return outs
+
+
+def _steps(x):
+    """``x``'s tokens in the chunks of ``STEPS``."""
+    starts = np.cumsum((0, *STEPS))
+    return [x[:, start:end] for start, end in zip(starts[:-1], starts[1:])]
 
 
 @pytest.mark.parametrize("model_type", CACHED)
@@ -763,16 +795,27 @@ def test_decoding_with_a_cache_equals_transformers_attention_with_its_cache(mode
     """A prompt then single tokens: transformers' attention with ``past_key_values`` (a
     ``DynamicCache``) against both twins decoding with their caches, every kind of layer."""
     model_type, record = VARIANTS.get(model_type, (model_type, RECORDS.get(model_type)))
+    for (layer, dtype), error in check_decode(model_type, record, ("float64", "float32"), monkeypatch).items():
+        assert error < (1e-12 if dtype == "float64" else 1e-6), (layer, dtype, error)
+
+
+def check_decode(model_type: str, record: Supported, dtypes, monkeypatch, layers=None, bare: bool = False,
+                 model=None, twins=TWINS) -> dict:
+    """Layers ``layers`` (default: one of each kind) decoding over ``STEPS`` with both twins' caches against
+    transformers' attention with its ``DynamicCache`` (``bare``: ours read from the config without ``DERIVED``
+    keys; ``model`` as ``check_family``'s): (layer, dtype) -> the worse twin's relative error."""
     config = _config(model_type, record.config, record.layers)
-    model, raw = _model(config), config.to_dict()
+    model, raw = _model(config) if model is None else model, (_Bare(config) if bare else config).to_dict()
     x = np.random.default_rng(3).normal(size=(B, S, HIDDEN))
-    for layer in _representatives(families.read_config(raw), record.layers):
+    layers = _representatives(families.read_config(raw), record.layers) if layers is None else layers
+    worst = {}
+    for layer in layers:
         options = families.layer_options(families.read_config(raw), layer)
-        for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-6)):
+        for dtype in dtypes:
             theirs, state = _their_decode(model, layer, options, x, dtype, monkeypatch)
             state = {options.prefix + k: v for k, v in state.items()}
-            for name, ours in zip(("torch", "jax"), _our_decode(raw, layer, state, x, dtype)):
-                assert _rel(ours, theirs) < tolerance, (layer, dtype, name, _rel(ours, theirs))
+            worst[layer, dtype] = max(_rel(ours, theirs) for ours in _our_decode(raw, layer, state, x, dtype, twins))
+    return worst
 
 
 def test_verify_and_conversion_of_a_new_family(tmp_path):

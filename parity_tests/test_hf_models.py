@@ -163,8 +163,16 @@ def _keep_float64(monkeypatch, attention):
             offset = 1.0 if "Gemma" in type(module).__name__ else 0.0
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
-            def forward(h, module=module, offset=offset, eps=eps):
-                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (offset + module.weight)
+            def forward(h, module=module, offset=offset, eps=eps):  # NanoChat's: no weight
+                weight = getattr(module, "weight", None)
+                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 if weight is None else
+                                                                                 offset + weight)
+
+            monkeypatch.setattr(module, "forward", forward)
+        if type(module).__name__ == "Llama4TextL2Norm":  # weightless, the same cast to float32
+
+            def forward(h, module=module):
+                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.eps)
 
             monkeypatch.setattr(module, "forward", forward)
         if type(module).__name__ == "CohereLayerNorm":  # the same cast to float32
@@ -271,8 +279,11 @@ def _mpt64(monkeypatch, attention):
 
     def forward(hidden_states, position_bias, past_key_values=None, attention_mask=None, **kwargs):
         batch, length = hidden_states.shape[:2]
+        mixed = attention.Wqkv(hidden_states)
+        if attention.clip_qkv:
+            mixed = mixed.clamp(min=-attention.clip_qkv, max=attention.clip_qkv)
         q, k, v = (t.reshape(batch, length, attention.n_heads, attention.head_dim).transpose(1, 2)
-                   for t in attention.Wqkv(hidden_states).chunk(3, dim=2))
+                   for t in mixed.chunk(3, dim=2))
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attention.layer_idx)
         scores = torch.matmul(q, k.transpose(-1, -2)) * attention.softmax_scale
@@ -304,7 +315,23 @@ def _xlm64(monkeypatch, attention):
 
 
 # attention classes -> their float32 steps kept in float64 (beside the softmax and the norms)
+def _temperature64(monkeypatch, attention):
+    """Llama 4's temperature tuning, whose scale it computes from float32 positions, in float64."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    class Torch64:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def log1p(x):
+            return torch.log1p(x.double())
+
+    monkeypatch.setattr(modeling, "torch", Torch64())
+
+
 _FLOAT32_STEPS = {
+    ("Llama4TextAttention",): _temperature64,
     ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention", "ModernBertDecoderAttention"): _rotation64,
     ("Ernie4_5Attention", "Ernie4_5_MoeAttention"): _pair_rotation64,
     ("GPTJAttention",): _gptj64,
@@ -391,7 +418,9 @@ def test_a_config_json_without_the_rotary_settings_reads_as_transformers_fills_t
     config.json: the values transformers' config class gives them; GPT-J's buffers that older
     checkpoints saved (``attn.bias``, ``attn.masked_bias``) are left unread."""
     config_cls, _, theirs = DEFAULTED[model_type]
-    raw = dict(model_type=model_type, hidden_size=256, num_attention_heads=2, num_hidden_layers=1, vocab_size=11)
+    # num_key_value_heads given: StableLmConfig's default is 32 whatever the heads
+    raw = dict(model_type=model_type, hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+               num_hidden_layers=1, vocab_size=11)
     config = getattr(transformers, config_cls)(**{k: v for k, v in raw.items() if k != "model_type"})
     attention = getattr(_modeling(config), f"{config_cls.removesuffix('Config')}Attention")(config, layer_idx=0)
     for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
