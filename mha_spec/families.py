@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mha_spec import alibi
-from mha_spec.config_defaults import CLASS_DEFAULTS
 from mha_spec.latent import Latent
 from mha_spec.layouts import renamed
 from mha_spec.qk_norm import QKNorm
@@ -553,6 +552,11 @@ def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
     return config
 
 
+# The defaults of transformers' config classes for the keys each record reads, where they do not follow from the
+# sizes: what a config.json that leaves a key out holds once its class fills it in. Generated from the installed
+# transformers and checked against it by parity_tests/test_hf_config_keys.py.
+with open(os.path.join(os.path.dirname(__file__), "config_defaults.json")) as _file:
+    CLASS_DEFAULTS: dict[str, dict] = json.load(_file)
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")  # one setting: a config's replace the class's
 
 

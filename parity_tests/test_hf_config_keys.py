@@ -12,12 +12,12 @@ key the record reads, left out of a config.json, reads as the config class fills
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import transformers
 
 from mha_spec import config_keys, families, latent
-from mha_spec.config_defaults import CLASS_DEFAULTS
 from parity_tests.test_hf_families import RECORDS, Supported, _config
 
 SUPPORTED = sorted(name for name, record in RECORDS.items() if isinstance(record, Supported))
@@ -76,24 +76,15 @@ def class_defaults(name: str) -> dict:
 
 
 def render_class_defaults() -> str:
-    """``mha_spec/config_defaults.py`` regenerated: ``python -c "from parity_tests.test_hf_config_keys import
-    render_class_defaults as r; open('mha_spec/config_defaults.py', 'w').write(r())"``."""
-    import pprint
-
-    lines = []
-    for name in [n for n in SUPPORTED if n not in NO_KEYS]:
-        head = f"    {name!r}: "
-        body = pprint.pformat(class_defaults(name), width=118 - len(head), sort_dicts=True, compact=True)
-        lines.append(head + body.replace("\n", "\n" + " " * len(head)) + ",")
-    doc = ('"""The defaults of transformers\' config classes (5.x) for the keys each record reads, where they do not\n'
-           'follow from the sizes: what a config.json that leaves a key out holds once its class fills it in.\n'
-           'Generated and checked by ``parity_tests/test_hf_config_keys.py`` (``class_defaults``)."""\n\n')
-    return doc + "CLASS_DEFAULTS: dict[str, dict] = {\n" + "\n".join(lines) + "\n}\n"
+    """``mha_spec/config_defaults.json`` regenerated: ``python -c "from parity_tests.test_hf_config_keys import
+    render_class_defaults as r; open('mha_spec/config_defaults.json', 'w').write(r())"``."""
+    defaults = {name: class_defaults(name) for name in SUPPORTED if name not in NO_KEYS}
+    return json.dumps(defaults, indent=1, sort_keys=True) + "\n"
 
 
 def test_the_class_defaults_are_those_of_the_installed_config_classes():
     """``CLASS_DEFAULTS`` as ``render_class_defaults`` writes it from the installed transformers."""
-    assert CLASS_DEFAULTS == {name: class_defaults(name) for name in SUPPORTED if name not in NO_KEYS}
+    assert families.CLASS_DEFAULTS == json.loads(render_class_defaults())
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
