@@ -286,13 +286,18 @@ def test_from_hf_equals_transformers_llama4_attention(layer, monkeypatch):
         assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()
 
 
-def test_from_hf_refuses_what_llama4_computes_and_this_attention_does_not():
+def test_from_hf_builds_llama4_qk_norm_and_temperature_tuning_on_their_layers():
+    """Llama 4's ``use_qk_norm`` (a weightless RMS norm of q and k) on its rotating layers and its
+    ``attn_temperature_tuning`` (queries scaled by position) on its NoPE layers: built, in both twins, where
+    transformers applies them and nowhere else (their values: ``test_hf_config_variants.py``)."""
     config, _ = _llama4(0)
     base = config.to_dict()
-    with pytest.raises(ValueError, match=r"sets use_qk_norm \(Llama 4's QK-norm\)"):
-        mha_torch.from_hf(dict(base, use_qk_norm=True))
-    with pytest.raises(ValueError, match="attn_temperature_tuning, which scales the queries of its NoPE layer 1"):
-        mha_jax.from_hf(dict(base, attn_temperature_tuning=True), layer=1)
-    mha_jax.from_hf(dict(base, attn_temperature_tuning=True), layer=0)  # a layer that rotates: no tuning
+    for from_hf in (mha_jax.from_hf, mha_torch.from_hf):
+        normed = from_hf(dict(base, use_qk_norm=True), layer=0)
+        assert normed.query_scale is None and not normed.normalize_qk.weight  # weightless RMS norm
+        tuned = from_hf(dict(base, attn_temperature_tuning=True), layer=1)  # a NoPE layer
+        assert tuned.query_scale is not None
+        assert from_hf(dict(base, attn_temperature_tuning=True), layer=0).query_scale is None  # it rotates
+        assert not from_hf(dict(base, use_qk_norm=True), layer=1).normalize_qk  # NoPE: no QK-norm
     defaults = {k: v for k, v in base.items() if k not in ("no_rope_layers", "layer_types", "attention_chunk_size")}
     assert mha_torch.from_hf(dict(defaults, num_hidden_layers=4), layer=2).attention_chunk_size == 8192  # the default
