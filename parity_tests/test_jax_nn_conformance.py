@@ -227,6 +227,23 @@ def test_unbatched_inputs_and_vmap(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_vmap_over_a_per_example_bias_and_its_gradient(implementation):
+    """A bias mapped with the examples (``in_axes=(0, 0, 0, 0, None)``, the mask shared): outputs and the
+    gradients of query and bias equal jax.nn's mapped the same way."""
+    q, k, v = _inputs()
+    bias, mask = _bias((B, N, T, S)), _mask((1, T, S))
+    cotangent = jnp.asarray(_rng(4).normal(size=(B, T, N, H)))
+
+    def run(f):
+        mapped = jax.vmap(f, in_axes=(0, 0, 0, 0, None))
+        return jax.value_and_grad(lambda q, b: (mapped(q, k, v, b, mask) * cotangent).sum(), argnums=(0, 1))(q, bias)
+    (ours, (dq, dbias)) = run(functools.partial(dot_product_attention, implementation=implementation))
+    (theirs, (dq_nn, dbias_nn)) = run(jax.nn.dot_product_attention)
+    assert _error(ours, theirs) < JAX_NN
+    assert _error(dq, dq_nn) < 10 * JAX_NN and _error(dbias, dbias_nn) < 10 * JAX_NN
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_gradients_equal_jax_nn(implementation):
     """The gradient of query, key, value and bias (jax's testDotProductAttentionBiasGradient's subject), with
     every term of jax.nn's at once and padding queries (no gradient through them)."""
