@@ -1,0 +1,124 @@
+"""A paged key/value cache and ragged attention over it (``mha_spec.paged``), in JAX; twin of ``mha_torch/paged.py``.
+
+The pool is ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``'s: ``kv_pages`` ``(num_pages, page_size,
+2 * kv_heads, head_dim)``, key head ``h`` at ``2 h``, value head ``h`` at ``2 h + 1``; a cache's fields are that
+function's arguments, so its reference and its TPU kernel take them as they are. Functional: every step returns a
+new cache, with static shapes (one compilation per step shape under ``jax.jit``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mha_jax.attention import dot_product_attention
+from mha_spec import paged
+from mha_spec.paged import PageTable
+
+
+class PagedKVCache(NamedTuple):
+    """``kv_pages`` ``(num_pages, page_size, 2 * kv_heads, head_dim)``; the current step's int32 ``kv_lens``
+    ``(max_seqs,)``, ``page_indices`` ``(max_seqs, pages_per_seq)``, ``cu_q_lens`` ``(max_seqs + 1,)``,
+    ``num_seqs`` ``(1,)`` (``mha_spec.paged``)."""
+
+    kv_pages: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+
+def init_cache(table: PageTable, kv_heads: int, head_dim: int, dtype: Any) -> PagedKVCache:
+    """An empty pool of ``table``'s pages; the step arrays of ``table`` as it stands, no queries."""
+    max_seqs, pages_per_seq = table.pages.shape
+    pages = jnp.zeros((table.num_pages, table.page_size, 2 * kv_heads, head_dim), dtype)
+    step = dict(kv_lens=table.lengths, page_indices=np.maximum(table.pages, 0),
+                cu_q_lens=np.zeros(max_seqs + 1, np.int32), num_seqs=np.array([max_seqs], np.int32))
+    return schedule(PagedKVCache(pages, *(None,) * 4), step)
+
+
+def schedule(cache: PagedKVCache, step: dict[str, Any]) -> PagedKVCache:
+    """``cache`` with a step's arrays (``PageTable.append``'s); the pool as it is."""
+    arrays = {name: jnp.asarray(step[name], jnp.int32) for name in paged.STEP}
+    paged.check_cache(cache.kv_pages.shape, {name: a.shape for name, a in arrays.items()})
+    return cache._replace(**arrays)
+
+
+def _step(cache: PagedKVCache) -> dict[str, jax.Array]:
+    return {name: getattr(cache, name) for name in paged.STEP}
+
+
+def _checked(cache: PagedKVCache, total_q: int, max_q_len: int) -> None:
+    """The step's values where they are known (not under ``jit``)."""
+    paged.check_cache(cache.kv_pages.shape, {name: a.shape for name, a in _step(cache).items()})
+    if not any(isinstance(a, jax.core.Tracer) for a in _step(cache).values()):
+        paged.check_values({k: np.asarray(a) for k, a in _step(cache).items()}, cache.kv_pages.shape[1],
+                           cache.kv_pages.shape[0], total_q, max_q_len)
+
+
+def write(cache: PagedKVCache, keys: jax.Array, values: jax.Array) -> PagedKVCache:
+    """``cache`` with the step's new ``keys``/``values``, packed ``(total_q, kv_heads, head_dim)`` (sequence
+    ``s``'s at ``cu_q_lens[s]:cu_q_lens[s + 1]``), at positions ``kv_lens[s] - q_len + i``."""
+    num_pages, page_size, heads2, head_dim = cache.kv_pages.shape
+    for name, array in (("keys", keys), ("values", values)):
+        paged.check_queries(name, array.shape, heads2 // 2, cache.kv_pages.shape)
+    _checked(cache, keys.shape[0], keys.shape[0])
+    pool = num_pages * page_size
+    _, _, slot, _ = paged.token_places(_step(cache), jnp.arange(keys.shape[0]), page_size, pool, jnp)
+    new = jnp.stack([keys, values], axis=2).reshape(keys.shape[0], heads2, head_dim).astype(cache.kv_pages.dtype)
+    flat = cache.kv_pages.reshape(pool, heads2, head_dim).at[slot].set(new, mode="drop")
+    return cache._replace(kv_pages=flat.reshape(cache.kv_pages.shape))
+
+
+def ragged_attention(queries: jax.Array, cache: PagedKVCache, *, max_q_len: int | None = None,
+                     **terms: Any) -> jax.Array:
+    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over each sequence's pages, bottom-right
+    causal (query ``i`` of sequence ``s`` at position ``kv_lens[s] - q_len + i``), through one call of
+    ``dot_product_attention`` over the sequences padded to ``max_q_len`` queries (a static bound, default
+    ``total_q``; 1 for a decode step) and ``pages_per_seq * page_size`` keys, with key lengths.
+
+    ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (``local_window_size=(left, 0)``
+    is ``ragged_paged_attention``'s ``sliding_window=left + 1``). Returns ``(total_q, heads, head_dim)``, 0 for
+    tokens past ``cu_q_lens[num_seqs]``."""
+    paged.check_terms(terms)
+    paged.check_queries("queries", queries.shape, None, cache.kv_pages.shape)
+    total_q, max_q = queries.shape[0], max_q_len or queries.shape[0]
+    _checked(cache, total_q, max_q)
+    step, (num_pages, page_size, heads2, head_dim) = _step(cache), cache.kv_pages.shape
+    max_seqs = cache.kv_lens.shape[0]
+    token, kv_lens, positions = paged.row_queries(step, jnp.arange(max_seqs), jnp.arange(max_q), total_q, jnp)
+    kv = cache.kv_pages[cache.page_indices].reshape(max_seqs, -1, heads2, head_dim)
+    out = dot_product_attention(queries[token], kv[:, :, 0::2], kv[:, :, 1::2], is_causal=True,
+                                query_positions=positions, key_value_seq_lengths=kv_lens,
+                                **terms)
+    seq, index, _, valid = paged.token_places(step, jnp.arange(total_q), page_size, num_pages * page_size, jnp)
+    return jnp.where(valid[:, None, None], out[seq, index.clip(max=max_q - 1)], 0).astype(queries.dtype)
+
+
+def from_contiguous(key: jax.Array, value: jax.Array, lengths: Any, table: PageTable) -> PagedKVCache:
+    """Our contiguous cache (``cached_key``/``cached_value`` ``(batch, max_length, kv_heads, head_dim)``, each
+    row's ``cache_index`` ``lengths``, not rolled over) as pages of the fresh ``table`` (its rows ``0..batch-1``)."""
+    lengths = np.asarray(lengths)
+    if (key.ndim != 4 or value.shape != key.shape or lengths.shape != key.shape[:1] or (lengths > key.shape[1]).any()
+            or table.lengths[: len(lengths)].any()):
+        raise ValueError(f"from_contiguous needs key and value (batch, max_length, kv_heads, head_dim), lengths "
+                         f"(batch,) <= max_length (a rolled-over cache has lost its first positions) and a table with "
+                         f"those rows empty; got key {key.shape}, value {value.shape}, lengths {lengths.tolist()}, "
+                         f"table lengths {table.lengths.tolist()}")
+    cache = schedule(init_cache(table, key.shape[2], key.shape[3], key.dtype), table.append(lengths))
+    total, pool = int(lengths.sum()), table.num_pages * table.page_size
+    seq, index, _, _ = paged.token_places(_step(cache), jnp.arange(total), table.page_size, pool, jnp)
+    return write(cache, key[seq, index], value[seq, index])
+
+
+def convert(cache: Any) -> PagedKVCache:
+    """The other twin's cache (or any object with these fields, e.g. NumPy arrays) as this twin's, bitwise."""
+    return PagedKVCache(*(jnp.asarray(np.asarray(getattr(cache, name))) for name in PagedKVCache._fields))
+
+
+def split_pages(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
+    """vLLM's layout: ``(k_pages, v_pages)``, each ``(kv_heads, num_pages, page_size, head_dim)``."""
+    return cache.kv_pages[:, :, 0::2].transpose(2, 0, 1, 3), cache.kv_pages[:, :, 1::2].transpose(2, 0, 1, 3)

@@ -1,0 +1,141 @@
+"""A paged key/value cache's bookkeeping (host side, NumPy) and the token arithmetic both twins share.
+
+A pool of ``num_pages`` pages of ``page_size`` tokens serves up to ``max_seqs`` sequences; row ``s`` of the
+page table lists, in order, the pages holding positions ``0, page_size, 2 * page_size, ...`` of sequence ``s``
+(``-1``: none). A step appends ``q_lens[s]`` tokens to each sequence ``s`` and describes itself with
+``jax.experimental.pallas.ops.tpu.ragged_paged_attention``'s arrays: ``cu_q_lens`` int32 ``(max_seqs + 1,)``,
+``kv_lens`` int32 ``(max_seqs,)`` (the lengths after the step), ``page_indices`` int32 ``(max_seqs,
+pages_per_seq)``, ``num_seqs`` int32 ``(1,)``; the ``i``-th new token of ``s`` is at position
+``kv_lens[s] - q_len + i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+STEP = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+# the keywords of ``dot_product_attention`` a ragged call passes on (every one reads the tokens' positions)
+TERMS = ("scale", "local_window_size", "attention_chunk_size", "alibi_slopes", "logit_soft_cap", "sinks",
+         "implementation")
+
+
+class PageTable:
+    """Which pages each sequence holds, and which are free; ``lengths`` int32 ``(max_seqs,)``."""
+
+    def __init__(self, num_pages: int, page_size: int, max_seqs: int, pages_per_seq: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.pages = np.full((max_seqs, pages_per_seq), -1, np.int32)
+        self.lengths = np.zeros(max_seqs, np.int32)
+        self.free = list(range(num_pages - 1, -1, -1))
+
+    def append(self, q_lens: Sequence[int]) -> dict[str, np.ndarray]:
+        """Holds pages for ``q_lens[s]`` more tokens of sequence ``s`` (``len(q_lens) <= max_seqs``) and
+        advances the lengths; the step's arrays (``STEP``), released pages read as page 0."""
+        max_seqs, pages_per_seq = self.pages.shape
+        q_lens = np.asarray(q_lens, np.int64)
+        if q_lens.ndim != 1 or len(q_lens) > max_seqs or (q_lens < 0).any():
+            raise ValueError(f"q_lens must be {max_seqs} or fewer counts >= 0, got {q_lens.tolist()}")
+        ends = self.lengths[: len(q_lens)] + q_lens
+        needed = -(-ends // self.page_size)
+        if needed.max(initial=0) > pages_per_seq:
+            raise ValueError(f"a sequence of length {int(ends.max())} needs {int(needed.max())} pages, but the "
+                             f"page table holds {pages_per_seq} per sequence (page_size {self.page_size})")
+        new = [(s, p) for s, n in enumerate(needed) for p in range(n) if self.pages[s, p] < 0
+               and (p + 1) * self.page_size > self.lengths[s]]
+        if len(new) > len(self.free):
+            raise ValueError(f"the step needs {len(new)} new pages but {len(self.free)} of {self.num_pages} are free")
+        for s, p in new:
+            self.pages[s, p] = self.free.pop()
+        self.lengths[: len(q_lens)] = ends
+        cu_q_lens = np.zeros(max_seqs + 1, np.int32)
+        cu_q_lens[1:] = np.cumsum(np.pad(q_lens, (0, max_seqs - len(q_lens))))
+        return dict(kv_lens=self.lengths.copy(), page_indices=np.maximum(self.pages, 0),
+                    cu_q_lens=cu_q_lens, num_seqs=np.array([len(q_lens)], np.int32))
+
+    def release_before(self, seq: int, position: int) -> int:
+        """Frees sequence ``seq``'s pages wholly before ``position`` (keys no later query sees: a window of
+        ``left`` keys after a step needs ``position = lengths[seq] - left``); how many were freed."""
+        held = [p for p in range(min(position // self.page_size, self.pages.shape[1])) if self.pages[seq, p] >= 0]
+        self.free += [int(self.pages[seq, p]) for p in held]
+        self.pages[seq, held] = -1
+        return len(held)
+
+    def release(self, seq: int) -> None:
+        """Frees every page of sequence ``seq``; its length becomes 0."""
+        self.release_before(seq, self.pages.shape[1] * self.page_size)
+        self.lengths[seq] = 0
+
+
+def check_cache(kv_pages: Sequence[int], step: dict[str, Sequence[int]]) -> None:
+    """``kv_pages`` ``(num_pages, page_size, 2 * kv_heads, head_dim)`` and a step's arrays' shapes (``STEP``)."""
+    max_seqs = step["page_indices"][0] if len(step["page_indices"]) == 2 else -1
+    expected = dict(kv_lens=(max_seqs,), cu_q_lens=(max_seqs + 1,), num_seqs=(1,))
+    if len(kv_pages) != 4 or kv_pages[2] % 2 or max_seqs < 0 or any(tuple(step[k]) != v for k, v in expected.items()):
+        raise ValueError(
+            f"a paged cache needs kv_pages (num_pages, page_size, 2 * kv_heads, head_dim), page_indices "
+            f"(max_seqs, pages_per_seq), kv_lens (max_seqs,), cu_q_lens (max_seqs + 1,), num_seqs (1,); got "
+            f"kv_pages {tuple(kv_pages)}, " + ", ".join(f"{k} {tuple(step[k])}" for k in STEP))
+
+
+def check_queries(name: str, shape: Sequence[int], heads: int | None, kv_pages: Sequence[int]) -> None:
+    """Packed ``name`` ``(total_q, heads, head_dim)``; ``heads`` None: a multiple of ``kv_heads``."""
+    kv_heads, head_dim = kv_pages[2] // 2, kv_pages[3]
+    if len(shape) != 3 or shape[2] != head_dim or (shape[1] != heads if heads else shape[1] % kv_heads):
+        want = f"{heads}" if heads else f"a multiple of kv_heads {kv_heads}"
+        raise ValueError(f"{name} must be packed (total_q, heads, head_dim) with heads {want} and head_dim "
+                         f"{head_dim} (kv_pages {tuple(kv_pages)}), got {tuple(shape)}")
+
+
+def check_values(step: dict[str, np.ndarray], page_size: int, num_pages: int, total_q: int, max_q_len: int) -> None:
+    """A step's values (outside ``jit``/compilation): they describe tokens the pages and queries hold."""
+    kv_lens, pages, cu = (np.asarray(step[k]) for k in ("kv_lens", "page_indices", "cu_q_lens"))
+    n = int(np.asarray(step["num_seqs"])[0])
+    q_lens = np.diff(cu)
+    problems = [
+        (not 0 <= n <= len(kv_lens), f"num_seqs {n} is not in [0, max_seqs {len(kv_lens)}]"),
+        (cu[0] != 0 or (q_lens < 0).any() or cu[n] > total_q,
+         f"cu_q_lens {cu.tolist()} must rise from 0 to at most total_q {total_q}"),
+        ((kv_lens > pages.shape[1] * page_size).any(), f"kv_lens {kv_lens.tolist()} go beyond the pages held: "
+         f"page_indices {pages.shape} of page_size {page_size} hold {pages.shape[1] * page_size} per sequence"),
+        ((q_lens[:n] > kv_lens[:n]).any(), f"a sequence has more queries (cu_q_lens {cu.tolist()}) than keys "
+         f"(kv_lens {kv_lens.tolist()})"),
+        (q_lens[:n].max(initial=0) > max_q_len, f"a sequence has {q_lens[:n].max(initial=0)} queries, more than "
+         f"max_q_len {max_q_len}"),
+        (((pages < 0) | (pages >= num_pages)).any(), f"page_indices must be in [0, num_pages {num_pages})"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ValueError(message)
+
+
+def token_places(step: dict[str, Any], tokens: Any, page_size: int, pool: int, xp: Any) -> tuple[Any, Any, Any, Any]:
+    """Each packed token's ``(sequence, index among its queries, slot in the flattened pool, valid)``;
+    ``tokens``: ``arange(total_q)``; ``xp``: ``jax.numpy`` or ``torch``. Invalid tokens (past
+    ``cu_q_lens[num_seqs]``) get slot ``pool`` (``num_pages * page_size``), past the pool."""
+    cu, pages, max_seqs = step["cu_q_lens"], step["page_indices"], step["kv_lens"].shape[0]
+    valid = tokens < cu[step["num_seqs"][0]]
+    seq = ((tokens[:, None] >= cu[None, 1:]) * 1).sum(-1).clip(max=max_seqs - 1)
+    index = xp.where(valid, tokens - cu[seq], 0)
+    position = xp.where(valid, step["kv_lens"][seq] - (cu[seq + 1] - cu[seq]) + index, 0)
+    page = pages[seq, position // page_size]
+    return seq, index, xp.where(valid, page * page_size + position % page_size, pool), valid
+
+
+def row_queries(step: dict[str, Any], rows: Any, queries: Any, total_q: int, xp: Any) -> tuple[Any, ...]:
+    """A padded batch of sequences: ``(token (max_seqs, max_q) into the packed queries, kv_lens (max_seqs,),
+    query positions (max_seqs, max_q))``, lengths 0 past ``num_seqs``; ``rows``:
+    ``arange(max_seqs)``, ``queries``: ``arange(max_q)``."""
+    cu, live = step["cu_q_lens"], rows < step["num_seqs"][0]
+    q_lens, kv_lens = xp.where(live, cu[1:] - cu[:-1], 0), xp.where(live, step["kv_lens"], 0)
+    token = (cu[:-1, None] + queries[None]).clip(max=max(total_q - 1, 0))
+    return token, kv_lens, (kv_lens - q_lens)[:, None] + queries[None]
+
+
+def check_terms(terms: dict[str, Any]) -> None:
+    """Only the keywords ``TERMS`` (positions, lengths and causality are the step's)."""
+    unknown = sorted(set(terms) - set(TERMS))
+    if unknown:
+        raise TypeError(f"a ragged call takes the terms {TERMS} by keyword, not {unknown}")
