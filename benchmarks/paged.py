@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
@@ -33,6 +31,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention 
 
 import mha_jax  # noqa: E402
 import mha_torch  # noqa: E402
+from benchmarks.decode import median_of  # noqa: E402
 from mha_jax import paged as pj  # noqa: E402
 from mha_spec.paged import PageTable  # noqa: E402
 from mha_torch import paged as pt  # noqa: E402
@@ -41,21 +40,16 @@ FULL = dict(batch=32, shortest=128, longest=8192, heads=32, kv_heads=8, head_dim
 CPU = dict(batch=8, shortest=64, longest=1024, heads=8, kv_heads=2, head_dim=64, page_size=16)
 
 
-def median_seconds(step, reps: int) -> float:
-    step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def pool(shape: dict, lengths: np.ndarray) -> tuple[PageTable, int]:
+    """A table of exactly the pages the cache and one more token per sequence need; the longest length + 1."""
+    ps, longest = shape["page_size"], int(lengths.max()) + 1
+    return PageTable(int((-(-(lengths + 1) // ps)).sum()), ps, shape["batch"], -(-longest // ps)), longest
 
 
 def jax_steps(shape: dict, lengths: np.ndarray, rng) -> dict:
     """``{name: step}`` of JAX's variants; each step appends one token per row."""
     b, h, kvh, d, ps = (shape[k] for k in ("batch", "heads", "kv_heads", "head_dim", "page_size"))
-    longest = int(lengths.max()) + 1
-    table = PageTable(int((-(-(lengths + 1) // ps)).sum()), ps, b, -(-longest // ps))
+    table, longest = pool(shape, lengths)
     key, value = (jnp.asarray(rng.standard_normal((b, longest, kvh, d)), jnp.float32) for _ in range(2))
     state = {"paged": pj.from_contiguous(key, value, lengths, table), "key": key, "value": value}
     state["paged"] = pj.schedule(state["paged"], table.append([1] * b))
@@ -93,8 +87,7 @@ def jax_steps(shape: dict, lengths: np.ndarray, rng) -> dict:
 def torch_steps(shape: dict, lengths: np.ndarray, rng) -> dict:
     """``{name: step}`` of PyTorch's variants; each step appends one token per row."""
     b, h, kvh, d, ps = (shape[k] for k in ("batch", "heads", "kv_heads", "head_dim", "page_size"))
-    longest = int(lengths.max()) + 1
-    table = PageTable(int((-(-(lengths + 1) // ps)).sum()), ps, b, -(-longest // ps))
+    table, longest = pool(shape, lengths)
     key, value = (torch.from_numpy(rng.standard_normal((b, longest, kvh, d)).astype(np.float32)) for _ in range(2))
     cache = pt.schedule(pt.from_contiguous(key, value, lengths, table), table.append([1] * b))
     q, new = torch.ones(b, h, d), torch.ones(b, kvh, d)
@@ -146,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"shape {shape}, {tokens} tokens cached, lengths {sorted(lengths.tolist())}")
     print("| step | tokens/s | cache bytes | bytes per token held |\n|---|---:|---:|---:|")
     for name, (step, held) in {**jax_steps(shape, lengths, rng), **torch_steps(shape, lengths, rng)}.items():
-        seconds = median_seconds(step, args.reps)
+        seconds = median_of(step, args.reps)
         print(f"| {name} | {shape['batch'] / seconds:,.0f} | {held:,} | {held / tokens:,.0f} |")
 
 

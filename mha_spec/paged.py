@@ -7,6 +7,11 @@ page table lists, in order, the pages holding positions ``0, page_size, 2 * page
 ``kv_lens`` int32 ``(max_seqs,)`` (the lengths after the step), ``page_indices`` int32 ``(max_seqs,
 pages_per_seq)``, ``num_seqs`` int32 ``(1,)``; the ``i``-th new token of ``s`` is at position
 ``kv_lens[s] - q_len + i``.
+
+The twins' ``ragged_attention`` attends bottom-right causally (query ``i`` of ``s`` at that position) over each
+sequence's pages, gathered into a padded batch of ``pages_per_seq * page_size`` keys, through one call of their
+public ``dot_product_attention`` with ``query_positions`` and ``key_value_seq_lengths``, so every term reading
+positions applies (``local_window_size=(left, 0)`` is ``ragged_paged_attention``'s ``sliding_window=left + 1``).
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ def _checked(cache: PagedKVCache, total_q: int, max_q_len: int) -> None:
 
 
 def write(cache: PagedKVCache, keys: torch.Tensor, values: torch.Tensor) -> PagedKVCache:
-    """``cache`` with the step's new ``keys``/``values``, packed ``(total_q, kv_heads, head_dim)`` (sequence
-    ``s``'s at ``cu_q_lens[s]:cu_q_lens[s + 1]``), at positions ``kv_lens[s] - q_len + i``."""
+    """Writes the step's packed ``keys``/``values`` ``(total_q, kv_heads, head_dim)`` at their positions
+    (``mha_spec.paged``) into ``cache.kv_pages``, in place; returns ``cache``."""
     num_pages, page_size, heads2, head_dim = cache.kv_pages.shape
     for name, array in (("keys", keys), ("values", values)):
         paged.check_queries(name, array.shape, heads2 // 2, cache.kv_pages.shape)
@@ -76,14 +76,10 @@ def write(cache: PagedKVCache, keys: torch.Tensor, values: torch.Tensor) -> Page
 
 def ragged_attention(queries: torch.Tensor, cache: PagedKVCache, *, max_q_len: int | None = None,
                      **terms: Any) -> torch.Tensor:
-    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over each sequence's pages, bottom-right
-    causal (query ``i`` of sequence ``s`` at position ``kv_lens[s] - q_len + i``), through one call of
-    ``dot_product_attention`` over the sequences padded to ``max_q_len`` queries (a static bound, default
-    ``total_q``; 1 for a decode step) and ``pages_per_seq * page_size`` keys, with key lengths.
-
-    ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (``local_window_size=(left, 0)``
-    is ``ragged_paged_attention``'s ``sliding_window=left + 1``). Returns ``(total_q, heads, head_dim)``, 0 for
-    tokens past ``cu_q_lens[num_seqs]``."""
+    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache``'s pages, as ``mha_spec.paged``
+    says: one ``mha_torch.dot_product_attention`` call over the sequences padded to ``max_q_len`` queries (static;
+    default ``total_q``, 1 for a decode step); ``terms``: its keywords ``mha_spec.paged.TERMS``. Returns
+    ``(total_q, heads, head_dim)``, 0 past ``cu_q_lens[num_seqs]``; tensors on the pool's device."""
     paged.check_terms(terms)
     paged.check_queries("queries", queries.shape, None, cache.kv_pages.shape)
     total_q, max_q = queries.shape[0], max_q_len or queries.shape[0]
