@@ -86,8 +86,8 @@ def ours(terms, sinks, slopes, module):
 def test_paged_equals_contiguous_and_oracle_float64(scenario):
     """Random page ids, lengths and chunkings (prefill chunks and decode steps in one call), windows, chunks,
     soft-cap, sinks, ALiBi, grouped heads: both twins' paged attention == our contiguous attention == the
-    float64 oracle, token by token; both twins' pools bitwise equal after every write; pages out of sight freed
-    and reused."""
+    float64 oracle, token by token; both twins' pools bitwise equal after every write (JAX's jitted); pages out of
+    sight freed and reused."""
     kv_heads, steps, terms, order, seed = scenario
     rng = np.random.default_rng(seed)
     sinks, slopes = rng.standard_normal(HEADS), rng.uniform(0, 0.5, HEADS)
@@ -101,7 +101,7 @@ def test_paged_equals_contiguous_and_oracle_float64(scenario):
         cache, twin = pj.schedule(cache, step), pt.schedule(twin, step)
         kv = rng.standard_normal((2, TOKENS, kv_heads, HEAD_DIM))
         q = rng.standard_normal((TOKENS, HEADS, HEAD_DIM))
-        cache, twin = pj.write(cache, *kv), pt.write(twin, *torch.from_numpy(kv))
+        cache, twin = jax.jit(pj.write)(cache, *kv), pt.write(twin, *torch.from_numpy(kv))
         np.testing.assert_array_equal(np.asarray(cache.kv_pages), twin.kv_pages.numpy())
         out = np.asarray(pj.ragged_attention(q, cache, max_q_len=4, **ours(terms, sinks, slopes, jnp)))
         out_t = pt.ragged_attention(torch.from_numpy(q), twin, max_q_len=4, **ours(terms, sinks, slopes, torch))
