@@ -367,7 +367,7 @@ def test_tpu_kernel_in_interpret_mode():
     try:
         with pltpu.force_tpu_interpret_mode(), jax.enable_x64(False):
             got = rpa.ragged_paged_attention(queries, kv_pages, *step, sm_scale=0.3, sliding_window=5,
-                                             num_kv_pages_per_block=2, num_queries_per_block=8)
+                                             num_kv_pages_per_block=2, num_queries_per_block=8).block_until_ready()
     except jax.errors.JaxRuntimeError as error:
         if "'ReshapeTransform' object has no attribute 'indices'" not in str(error):
             raise
