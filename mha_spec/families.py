@@ -158,6 +158,90 @@ def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
 
 
+@_reading("attn_layer_period", "attn_layer_offset")
+def _layer_types_jamba(config: Mapping[str, Any], layers: int) -> list[str]:
+    """JambaConfig's (and Zamba's) rule: layer i attends when ``i % attn_layer_period == attn_layer_offset``."""
+    period, offset = config["attn_layer_period"], config["attn_layer_offset"]
+    return ["full_attention" if i % period == offset else "linear_attention" for i in range(layers)]
+
+
+@_reading("attn_layer_indices")
+def _layer_types_bamba(config: Mapping[str, Any], layers: int) -> list[str]:
+    """BambaConfig's rule: the layers of ``attn_layer_indices`` attend, the others are Mamba layers."""
+    indices = config.get("attn_layer_indices") or ()
+    return ["full_attention" if i in indices else "linear_attention" for i in range(layers)]
+
+
+_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+@_reading("layers_block_type", "hybrid_override_pattern")
+def _layer_types_nemotron_h(config: Mapping[str, Any], layers: int) -> list[str]:
+    """NemotronHConfig's ``layers_block_type``, else its older ``hybrid_override_pattern`` (one letter a layer)."""
+    kinds = config.get("layers_block_type")
+    return list(kinds) if kinds else [_NEMOTRON_PATTERN[c] for c in config["hybrid_override_pattern"]]
+
+
+@_reading("block_types")
+def _layer_types_recurrent_gemma(config: Mapping[str, Any], layers: int) -> list[str]:
+    """RecurrentGemmaConfig's ``block_types`` repeated over the layers: its attention blocks slide."""
+    kinds = (list(config["block_types"]) * layers)[:layers]
+    return ["sliding_attention" if kind == "attention" else "linear_attention" for kind in kinds]
+
+
+@_reading("full_attn_idxs")
+def _layer_types_lfm2(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Lfm2Config's rule: the layers of ``full_attn_idxs`` (default: all) attend, the others convolve."""
+    indices = config.get("full_attn_idxs")
+    return ["full_attention" if indices is None or i in indices else "conv" for i in range(layers)]
+
+
+@_reading()
+def _layer_types_lfm2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Lfm2MoeConfig derives no layer types: its model needs the config's."""
+    raise ValueError(f"config ({config.get('model_type')}) needs its layer_types (its config class derives none)")
+
+
+@_reading()
+def _layer_types_mamba(config: Mapping[str, Any], layers: int) -> list[str]:
+    """GraniteMoeHybridConfig's default: every layer a Mamba layer."""
+    return ["linear_attention"] * layers
+
+
+@_reading()
+def _layer_types_olmo_hybrid(config: Mapping[str, Any], layers: int) -> list[str]:
+    """OlmoHybridConfig's rule: every 4th layer attends (the last at least), the others are linear attention."""
+    kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    return kinds if "full_attention" in kinds else kinds[:-1] + ["full_attention"]
+
+
+@_reading("layer_types", "sliding_window")
+def _standardize_minimax(config: dict) -> dict:
+    """MiniMaxConfig's layer types (every 2nd layer linear attention); its model's one mask slides every attention
+    layer when the config sets ``sliding_window``."""
+    kinds = config.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention"
+                                          for i in range(config["num_hidden_layers"])]
+    sliding = config.get("sliding_window") is not None
+    config["layer_types"] = ["sliding_attention" if sliding and kind in ATTENTION_TYPES else kind for kind in kinds]
+    return config
+
+
+_standardize_minimax.derives = ("layer_types",)
+
+
+@_reading("position_embedding_type")
+def _rope_granitemoehybrid(config: Mapping[str, Any]) -> bool:
+    """GraniteMoeHybridModel's rotary embedding: only with ``position_embedding_type="rope"``."""
+    return config.get("position_embedding_type") == "rope"
+
+
+@_reading("rope_parameters")
+def _rope_olmo_hybrid(config: Mapping[str, Any]) -> bool:
+    """OlmoHybridModel's rotary embedding: only with rope parameters that hold a ``rope_theta``."""
+    parameters = config.get("rope_parameters")
+    return isinstance(parameters, Mapping) and parameters.get("rope_theta") is not None
+
+
 @_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
@@ -172,6 +256,12 @@ def _scale_gpt2(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
 @_reading("attention_multiplier")
 def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
+
+
+@_reading("key_multiplier")
+def _scale_falcon_h1(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    """FalconH1Attention's keys times ``key_multiplier``: the logits' scale times it."""
+    return float(config.get("key_multiplier") or 1.0) / math.sqrt(head_dim)
 
 
 @_reading("new_decoder_architecture", "num_kv_heads", "multi_query")
@@ -258,7 +348,7 @@ class Family:
     layer_types: Callable[[Mapping[str, Any], int], list[str]] | None = None  # where no layer_types; None: all full
     window_flag: str | None = None  # a key that must be set for sliding layers to slide
     window_key: str = "sliding_window"  # the key of the sliding layers' window (keys a query sees, itself included)
-    rope: bool = True
+    rope: bool | Callable[[Mapping[str, Any]], bool] = True  # or (config) -> whether its model rotates
     rope_interleaved: bool = False  # rotates pairs (2i, 2i + 1), not the halves (i, i + rotary_dim / 2)
     rope_default: tuple[tuple[str, ...], str, Any] | None = None  # (keys, any of which gives it; key set; value)
     no_rope_layers: bool = False  # reads ``no_rope_layers`` (default: every ``no_rope_layer_interval``-th)
@@ -287,6 +377,7 @@ class Family:
     rope_forced: Callable[[Mapping[str, Any], int], bool] | None = None  # (config, layer): it rotates whatever else
     rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
     rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
+    layer_count: Callable[[Mapping[str, Any]], int] | None = None  # where the model's is not num_hidden_layers
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -484,12 +575,27 @@ FAMILIES: dict[str, Family] = {
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
                     rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj"),
                     rope_fixed=_SINUSOIDAL),
+    # the softmax attention layers of hybrid models (their other layers refused by kind)
+    "lfm2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps",
+                   layer_types=_layer_types_lfm2,
+                   renames={"out_proj.": "o_proj.", "q_layernorm.": "q_norm.", "k_layernorm.": "k_norm."}),
+    "minimax": Family(qkv_bias=False, out_bias=False, standardize=_standardize_minimax),
+    "olmo_hybrid": Family(qk_norm=_RMS, layer_types=_layer_types_olmo_hybrid, rope=_rope_olmo_hybrid),
+    "jamba": Family(qkv_bias=False, out_bias=False, rope=False, layer_types=_layer_types_jamba),
+    "bamba": Family(layer_types=_layer_types_bamba),
+    "nemotron_h": Family(prefix="model.layers.{layer}.mixer.", qkv_bias=False, out_bias=False, rope=False,
+                         layer_types=_layer_types_nemotron_h,
+                         layer_count=_reading()(lambda config: len(_layer_types_nemotron_h(config, 0)))),
+    "granitemoehybrid": Family(scale=_scale_granite, rope=_rope_granitemoehybrid, layer_types=_layer_types_mamba),
+    "falcon_h1": Family(scale=_scale_falcon_h1),
     # DeepSeek-V3's attention and the classes copied from it
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
 }
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
+FAMILIES["lfm2_moe"] = replace(FAMILIES["lfm2"], layer_types=_layer_types_lfm2_moe)
+FAMILIES["granitemoe_swa"] = FAMILIES["granite_swa"]  # Granite SWA's attention with MoE blocks
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
@@ -543,6 +649,8 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     if "text_config" in config and "num_attention_heads" not in config:
         config = dict(config["text_config"])
     family = FAMILIES.get(config.get("model_type"))
+    if family and family.layer_count:  # NemotronH's: its layers_block_type's, whatever num_hidden_layers says
+        config["num_hidden_layers"] = family.layer_count(config)
     return _aliased(_aliased(config, _ALIASES), family.aliases if family else {})  # a family's own: GPT-Neo's, MPT's
 
 
@@ -557,6 +665,9 @@ def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
 # transformers and checked against it by parity_tests/test_hf_config_keys.py.
 with open(os.path.join(os.path.dirname(__file__), "config_defaults.json")) as _file:
     CLASS_DEFAULTS: dict[str, dict] = json.load(_file)
+# the layer types of softmax attention; a hybrid model's others (transformers' names) are not
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_LEGACY_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}  # remap_legacy_layer_types'
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")  # one setting: a config's replace the class's
 
 
@@ -623,13 +734,19 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         config, family.out_bias, family.bias_default)
     scale = family.scale(config, head_dim, layer) if callable(family.scale) else family.scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    layer_type = _layer_types(config, family, layers)[layer]
+    kinds = _layer_types(config, family, layers)
+    layer_type = kinds[layer]
+    if layer_type not in ATTENTION_TYPES:
+        raise ValueError(f"layer {layer} of this {model_type} config is a {layer_type!r} layer, not softmax attention; "
+                         f"its attention layers (by its layer_types or its family's rule): "
+                         f"{[i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]}")
     window, sliding = None, layer_type == "sliding_attention"
     if (sliding and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config[family.window_key]) - 1, 0)
-    rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
+    rotates = family.rope(config) if callable(family.rope) else family.rope
+    rope = _rope_config(config, family, layer_type, head_dim) if rotates else None
     if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
             or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
             or family.rope_windowed_only and window is None) \
@@ -698,13 +815,23 @@ def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
 
 
 def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
-    """Each layer's type: the config's ``layer_types``, else the family's rule."""
+    """Each layer's type: the config's ``layer_types`` (older names as transformers remaps them), else the family's
+    rule."""
     types = config.get("layer_types")
     if types:
         if len(types) != layers:
             raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
-        return list(types)
+        return [_LEGACY_TYPES.get(kind, kind) for kind in types]
     return family.layer_types(config, layers) if family.layer_types else ["full_attention"] * layers
+
+
+def attention_layers(config: Mapping[str, Any] | str | os.PathLike) -> list[int]:
+    """The layers of a transformers model's ``config`` (a ``config.json`` dict or its path) whose attention is
+    softmax attention, those ``layer_options`` and ``from_hf`` build; a hybrid model's others (state space,
+    linear, convolution, MLP-only layers) are refused."""
+    model_type, family, config = family_of(read_config(config))
+    kinds = _layer_types(config, family, _required(config, "num_hidden_layers", model_type))
+    return [i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]
 
 
 def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:

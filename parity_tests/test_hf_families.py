@@ -215,9 +215,10 @@ def _grad_error(ours: dict, theirs: dict) -> float:
 
 
 def _representatives(raw: dict, count: int) -> list[int]:
-    """The first layer of each kind (its options but the prefix): every kind the config has, once."""
+    """The first layer of each kind (its options but the prefix): every kind of attention layer the config has,
+    once (a config without one: layer 0, refused naming its kind)."""
     kinds = {}
-    for layer in range(count):
+    for layer in families.attention_layers(raw) or [0]:
         options = families.layer_options(raw, layer)
         kinds.setdefault(repr(dataclasses.replace(options, prefix="")), layer)
     return sorted(kinds.values())
@@ -267,6 +268,8 @@ def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers
 
 _TESTED = "proven in test_hf_models.py"
 _MOE = dict(num_local_experts=2, num_experts_per_tok=1)
+_MOE_EXPERTS = dict(num_experts=2, num_experts_per_tok=1)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_state=4, mamba_chunk_size=4)  # Mamba 2 layers beside attention, small
 _TEXT = FEATURES[-1]
 _HYBRID = NO_SOFTMAX
 _BERT = dict(is_decoder=True)
@@ -381,11 +384,36 @@ RECORDS: dict[str, Supported | Refused] = {
     "codegen": Supported("a fused qkv_proj in 4 blocks of (q, v, k), pairs (2i, 2i + 1) in the first rotary_dim",
                          dict(_PLAIN, rotary_dim=4)),
     # refused: no softmax attention in some or all layers
+    **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
     **{name: Refused(NO_SOFTMAX) for name in (
-        "bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "granitemoe_swa", "inkling_text",
-        "inkling2_text", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax",
-        "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-        "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "hrm_text", "zaya")},
+        "bailing_hybrid", "inkling_text", "inkling2_text", "kimi_linear", "lfm3", "qwen3_5", "qwen3_5_text",
+        "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
+        "zamba2", "hrm_text", "zaya")},
+    # hybrid models: their softmax attention layers (the others refused by kind: test_a_hybrid_model_s_...)
+    "lfm2": Supported("its attention layers (full_attn_idxs; the others convolutions): RMS QK-norm per head "
+                      "(q_layernorm, k_layernorm), the output projection out_proj", dict(full_attn_idxs=[1])),
+    "lfm2_moe": Supported("its attention layers (layer_types; the others convolutions): RMS QK-norm per head, "
+                          "the output projection out_proj",
+                          dict(layer_types=["conv", "full_attention"], num_dense_layers=1, **_MOE_EXPERTS)),
+    "minimax": Supported("its softmax layers (layer_types; the others lightning attention): Mixtral's, every one "
+                         "sliding with a sliding_window", dict(sliding_window=WINDOW, **_MOE)),
+    "olmo_hybrid": Supported("its attention layers (layer_types; the others gated delta nets): RMS QK-norm over the "
+                             "projection, rotary only with rope parameters", dict(linear_num_key_heads=2)),
+    "jamba": Supported("its attention layers (attn_layer_period, attn_layer_offset; the others Mamba): no rotary",
+                       dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2, expert_layer_period=2)),
+    "bamba": Supported("its attention layers (attn_layer_indices; the others Mamba 2): half of each head rotating",
+                       dict(attn_layer_indices=[1], **_MAMBA)),
+    "nemotron_h": Supported("its attention layers (layers_block_type; the others Mamba 2, MLP, MoE): no rotary, "
+                            "under mixer", dict(layers_block_type=["linear_attention", "full_attention"], **_MAMBA)),
+    "granitemoehybrid": Supported("its attention layers (layer_types; the others Mamba 2): attention_multiplier, "
+                                  "rotary with position_embedding_type='rope'",
+                                  dict(layer_types=["mamba", "attention"], position_embedding_type="rope",
+                                       attention_multiplier=0.2, **_MAMBA, **_MOE)),
+    "falcon_h1": Supported("every layer (Mamba 2 beside it): the keys times key_multiplier (the scale times it)",
+                           dict(key_multiplier=0.7, **_MAMBA)),
+    "granitemoe_swa": Supported("Granite SWA's: sinks as a scale of the output, sliding layers, a rotary base per "
+                                "layer", dict(sliding_window=WINDOW, attention_multiplier=0.2,
+                                              layer_rope_theta=[10000.0, 10000.0, 0.0], **_MOE), layers=3),
     **{name: Refused(ENCODER_DECODER) for name in (
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen", "musicgen_melody",
         "mvp", "pegasus", "plbart", "prophetnet", "whisper", "trocr")},
@@ -439,7 +467,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 86, len(supported)
+    assert len(supported) >= 103, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -600,6 +628,34 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
     worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
     assert max(worst["float64"]) < 1e-12, worst
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
+
+
+HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid")
+
+
+def _softmax_attention(model, prefix: str, layer: int) -> bool:
+    """Whether transformers' model holds softmax attention at the layer's ``prefix`` (not a Mamba mixer, a
+    convolution, a linear or lightning attention, an MLP, or nothing)."""
+    block, _, attribute = prefix.format(layer=layer).rstrip(".").rpartition(".")
+    name = type(getattr(model.get_submodule(block), attribute, None)).__name__
+    return name.endswith("Attention") and not any(word in name for word in ("Lightning", "Linear", "Delta"))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_model_s_attention_layers_are_those_of_softmax_attention(name):
+    """Every layer of the hybrid's small model (a whole period): ``attention_layers`` lists those whose module at
+    the record's prefix is softmax attention in transformers' model; ``layer_options`` and both twins' ``from_hf``
+    refuse each other layer, naming the layer and its kind."""
+    record = RECORDS[name]
+    config = _config(name, record.config, record.layers)
+    model = _model(config)
+    raw = families.read_config(config.to_dict())
+    theirs = [i for i in range(record.layers) if _softmax_attention(model, families.FAMILIES[name].prefix, i)]
+    assert families.attention_layers(raw) == theirs != []
+    for layer in sorted(set(range(record.layers)) - set(theirs)):
+        for build in (families.layer_options, mha_torch.from_hf, mha_jax.from_hf):
+            with pytest.raises(ValueError, match=rf"layer {layer} of this {name} config is a '\w+' layer, not"):
+                build(raw, layer=layer)
 
 
 # configs longer than their layer pattern's period: (family, config keywords, layers)

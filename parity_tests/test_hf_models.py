@@ -338,7 +338,7 @@ _FLOAT32_STEPS = {
     ("CodeGenAttention",): _codegen64,
     ("GPTNeoSelfAttention",): _gpt_neo64,
     ("FlintAttention",): functools.partial(_sinks64, as_scale=False),
-    ("GraniteSWAAttention",): functools.partial(_sinks64, as_scale=True),
+    ("GraniteSWAAttention", "GraniteMoeSWAAttention"): functools.partial(_sinks64, as_scale=True),
     ("MptAttention",): _mpt64,
     ("modeling_xlm.MultiHeadAttention",): _xlm64,
 }
