@@ -16,7 +16,7 @@ from mha_spec.latent import Latent
 from mha_spec.layouts import renamed
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
-from mha_spec.rotary import yarn_mscale
+from mha_spec.rotary import rope_from_config, yarn_mscale
 
 _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
@@ -306,6 +306,17 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
+@_reading("rope_parameters", "rope_scaling")
+def _check_norm_after_rotation(config: Mapping[str, Any], layer: int) -> None:
+    """NanoChat's weightless norm after the rotation: it undoes a rotary's attention factor (yarn's, longrope's),
+    which this attention, normalizing before the rotation, keeps."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind in ("yarn", "longrope"):
+        raise ValueError(f"config ({config.get('model_type')}) sets rope_parameters rope_type={kind!r}, which this "
+                         "attention does not compute: its norm after the rotation undoes the rotary's attention factor")
+
+
 @_reading("no_rope_layers", "attn_temperature_tuning", "attn_scale", "floor_scale")
 def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | None:
     """Llama 4's temperature tuning: its NoPE layers' queries scaled by ``attn_scale``, ``floor_scale``."""
@@ -378,6 +389,7 @@ class Family:
     rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
     rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
     layer_count: Callable[[Mapping[str, Any]], int] | None = None  # where the model's is not num_hidden_layers
+    rope_reversed: bool = False  # its rotate_half is (x2, -x1): pairs turn by -angle (read by ``layer_keys``)
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -575,6 +587,10 @@ FAMILIES: dict[str, Family] = {
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
                     rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj"),
                     rope_fixed=_SINUSOIDAL),
+    # its rotation by -angle loaded as one by +angle (``rope_reversed``); a weightless RMS norm per head after it,
+    # which the rotation and the negations commute with, computed before it here
+    "nanochat": Family(qk_norm=QKNorm("rms", True, 1e-6, weight=False), rope_reversed=True,
+                       check=_check_norm_after_rotation),
     # the softmax attention layers of hybrid models (their other layers refused by kind)
     "lfm2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps",
                    layer_types=_layer_types_lfm2,
@@ -590,6 +606,8 @@ FAMILIES: dict[str, Family] = {
     "falcon_h1": Family(scale=_scale_falcon_h1),
     # DeepSeek-V3's attention and the classes copied from it
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
+    # its rotation complex products of the pairs (2i, 2i + 1) by e^(i angle): interleaved
+    "deepseek_v2": _latent_family(512, 1536, (64, 128, 128), True),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
 }
@@ -918,12 +936,30 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
     out = {prefix + renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
+    if family.rope_reversed and options.rope is not None:
+        rotary_dim = rope_from_config(options.rope, options.head_dim)["rotary_dim"]
+        for name, heads in (("q_proj", options.num_heads), ("k_proj", options.num_kv_heads)):
+            for key in (f"{prefix}{name}.weight", f"{prefix}{name}.bias"):
+                if key in out:
+                    out[key] = _second_halves_negated(out[key], heads, options.head_dim, rotary_dim, concatenate)
     if family.head_norm_matrix:
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
             if weight is not None and len(weight.shape) == 2:
                 out[f"{prefix}{norm}.weight"] = weight.reshape(-1)
     return out
+
+
+def _second_halves_negated(rows: Any, heads: int, head_dim: int, rotary_dim: int,
+                           concatenate: Callable[[list], Any]) -> Any:
+    """A projection's ``rows`` ``(heads * head_dim, ...)`` with the second half of each head's rotary features
+    negated (a new array): pairs turned by -angle (NanoChat's rotate_half ``(x2, -x1)``) are, so negated, pairs
+    turned by +angle, negated again; the negations of a query's and a key's cancel in their product, and a
+    weightless per-head norm keeps them."""
+    half = rotary_dim // 2
+    parts = [(h * head_dim + start, h * head_dim + end, sign) for h in range(heads)
+             for start, end, sign in ((0, half, 1), (half, rotary_dim, -1), (rotary_dim, head_dim, 1)) if end > start]
+    return concatenate([rows[a:b] if sign > 0 else -rows[a:b] for a, b, sign in parts])
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,10 @@ def _at_dtype(model, layer, args, kwargs, dtype):
     kwargs = dict(kwargs)
     kwargs.pop("hidden_states", None)
     tables = kwargs.get("position_embeddings")
+    if isinstance(tables, torch.Tensor) and tables.is_complex() and dtype == "float64":  # DeepSeek-V2's e^(i angle)
+        rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+        angles = _positions()[..., None].double() * rotary.inv_freq.double()
+        kwargs["position_embeddings"] = torch.polar(torch.ones_like(angles), angles) * rotary.attention_scaling
     if isinstance(tables, tuple) and dtype == "float64":
         layer_types = getattr(model.config, "layer_types", None)
         kwargs["position_embeddings"] = _rotary64(model, tables[0], layer_types[layer] if layer_types else None)
@@ -421,7 +425,11 @@ RECORDS: dict[str, Supported | Refused] = {
         head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
         qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1")},
-    "deepseek_v2": Refused("multi-head latent attention", "its complex-valued rotary tables, not yet compared"),
+    "deepseek_v2": Supported("multi-head latent attention, its rotation as complex products e^(i angle) of the "
+                             "pairs (2i, 2i + 1): interleaved pairs", dict(
+                                 head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8,
+                                 qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2,
+                                 num_experts_per_tok=1, moe_intermediate_size=8, n_group=1, topk_group=1)),
     "longcat_flash": Refused("multi-head latent attention", "its scales of the query and latent (mla_scale_*_lora)"),
     **{name: Refused("a mask from the content", "DSA's indexer, a top-k sparse mask") for name in (
         "deepseek_v32", "glm_moe_dsa", "axk2")},
@@ -440,8 +448,10 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
     **{name: Refused("QK-norm after the rotary embedding", "a learned scale per feature, which the rotation does "
                      "not commute with") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
-    "nanochat": Refused("a rotation the other way", "its rotate_half is (x2, -x1): each pair turns by -angle "
-                        "(its weightless QK-norm after the rotation would commute with it)"),
+    "nanochat": Supported("its rotation by -angle (rotate_half (x2, -x1)): the second half of each head's rotary "
+                          "rows of q_proj and k_proj negated when loading, which turns it by +angle and cancels in "
+                          "the scores; a weightless RMS norm per head after the rotation (yarn and longrope refused: "
+                          "the norm undoes their attention factor)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
         "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
@@ -467,7 +477,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 103, len(supported)
+    assert len(supported) >= 105, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)

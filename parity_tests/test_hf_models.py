@@ -212,6 +212,17 @@ def _pair_rotation64(monkeypatch, attention):
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
 
 
+def _complex_rotation64(monkeypatch, attention):
+    """DeepSeek-V2's rotation, complex products of queries and keys cast to float32, in complex128."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def rotate64(xq, xk, freqs_cis):
+        pairs = [torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous()) for x in (xq, xk)]
+        return tuple(torch.view_as_real(x * freqs_cis.unsqueeze(1)).flatten(3) for x in pairs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_emb", rotate64)
+
+
 def _gptj64(monkeypatch, attention):
     """GPT-J's logits in float32 from a float32 sin/cos table: both in float64."""
     _keep_table64(monkeypatch, attention)
@@ -340,6 +351,7 @@ _FLOAT32_STEPS = {
     ("FlintAttention",): functools.partial(_sinks64, as_scale=False),
     ("GraniteSWAAttention", "GraniteMoeSWAAttention"): functools.partial(_sinks64, as_scale=True),
     ("MptAttention",): _mpt64,
+    ("DeepseekV2Attention",): _complex_rotation64,
     ("modeling_xlm.MultiHeadAttention",): _xlm64,
 }
 
