@@ -73,7 +73,8 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "linear_dt_max", "linear_dt_min", "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads",
         "linear_value_head_dim", "block_size", "num_logits_to_keep", "z_loss_coefficient", "mlp_hidden_act",
         "expert_layer_offset", "expert_layer_period", "num_dense_layers", "use_expert_bias", "moe_latent_size",
-        "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "mtp_layers_block_type"),
+        "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "mtp_layers_block_type",
+        "linear_head_dim", "linear_num_heads"),
 })
 
 # Per family: keys of its config that do not change its self-attention, beyond ``NOT_ATTENTION``.
@@ -103,6 +104,8 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
     "minimax": _grouped({"its decoder layer's residual factors, around the attention": (
         "full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor", "linear_attn_beta_factor",
         "mlp_alpha_factor", "mlp_beta_factor")}),
+    "kimi_linear": _grouped({"its MoE routing and tokenizer length, not the attention's": (
+        "model_max_length", "moe_renormalize", "num_expert_group", "num_experts_per_token")}),
     "nemotron_h": {"attention_bias": "NemotronHAttention (Jamba's) builds its projections without biases whatever "
                                      "it says"},
     "rembert": _grouped({"RemBERT's decoupled embeddings": ("input_embedding_size", "output_embedding_size")}),

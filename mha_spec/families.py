@@ -208,6 +208,15 @@ def _layer_types_mamba(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["linear_attention"] * layers
 
 
+@_reading("linear_attn_config")
+def _layer_types_kimi_linear(config: Mapping[str, Any], layers: int) -> list[str]:
+    """KimiLinearConfig's rule: ``linear_attn_config``'s ``full_attn_layers`` (counted from 1) attend, else every 4th
+    layer from layer 4 (counted from 0); the others are delta attention."""
+    full = (config.get("linear_attn_config") or {}).get("full_attn_layers")
+    return ["full_attention" if (i + 1 in full if full is not None else i and i % 4 == 0) else "linear_attention"
+            for i in range(layers)]
+
+
 @_reading()
 def _layer_types_olmo_hybrid(config: Mapping[str, Any], layers: int) -> list[str]:
     """OlmoHybridConfig's rule: every 4th layer attends (the last at least), the others are linear attention."""
@@ -608,6 +617,9 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     # its rotation complex products of the pairs (2i, 2i + 1) by e^(i angle): interleaved
     "deepseek_v2": _latent_family(512, 1536, (64, 128, 128), True),
+    # its latent layers without rotary (the keys' rope part shared, not rotated), scaled by qk_head_dim ** -0.5
+    "kimi_linear": replace(_latent_family(512, 1536, (64, 128, 128), False), rope=False,
+                           layer_types=_layer_types_kimi_linear),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
 }
@@ -796,7 +808,8 @@ def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Famil
     latent = Latent(*dims, v_head_dim, config.get("q_lora_rank"))
     scale = latent.qk_head_dim ** -0.5
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if parameters.get("rope_type", parameters.get("type", "default")) != "default" and parameters.get("mscale_all_dim"):
+    if options.rope is not None and parameters.get("rope_type", parameters.get("type", "default")) != "default" \
+            and parameters.get("mscale_all_dim"):
         mscale = yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
         scale = scale * mscale * mscale
     rope = None if options.rope is None else dict(options.rope, head_dim=latent.qk_rope_head_dim)

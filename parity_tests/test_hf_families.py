@@ -390,7 +390,7 @@ RECORDS: dict[str, Supported | Refused] = {
     # refused: no softmax attention in some or all layers
     **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
     **{name: Refused(NO_SOFTMAX) for name in (
-        "bailing_hybrid", "inkling_text", "inkling2_text", "kimi_linear", "lfm3", "qwen3_5", "qwen3_5_text",
+        "bailing_hybrid", "inkling_text", "inkling2_text", "lfm3", "qwen3_5", "qwen3_5_text",
         "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
         "zamba2", "hrm_text", "zaya")},
     # hybrid models: their softmax attention layers (the others refused by kind: test_a_hybrid_model_s_...)
@@ -425,6 +425,12 @@ RECORDS: dict[str, Supported | Refused] = {
         head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
         qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1")},
+    "kimi_linear": Supported("its latent attention layers (layer_types; the others delta attention): multi-head "
+                             "latent attention without rotary", dict(
+                                 head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8,
+                                 qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=12, num_local_experts=2,
+                                 num_experts_per_tok=1, moe_intermediate_size=8, linear_num_heads=2,
+                                 linear_head_dim=8, layer_types=["linear_attention", "full_attention"])),
     "deepseek_v2": Supported("multi-head latent attention, its rotation as complex products e^(i angle) of the "
                              "pairs (2i, 2i + 1): interleaved pairs", dict(
                                  head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8,
@@ -477,7 +483,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 105, len(supported)
+    assert len(supported) >= 106, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -640,7 +646,8 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
 
 
-HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid")
+HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
+           "kimi_linear")
 
 
 def _softmax_attention(model, prefix: str, layer: int) -> bool:
@@ -648,7 +655,7 @@ def _softmax_attention(model, prefix: str, layer: int) -> bool:
     convolution, a linear or lightning attention, an MLP, or nothing)."""
     block, _, attribute = prefix.format(layer=layer).rstrip(".").rpartition(".")
     name = type(getattr(model.get_submodule(block), attribute, None)).__name__
-    return name.endswith("Attention") and not any(word in name for word in ("Lightning", "Linear", "Delta"))
+    return name.endswith("Attention") and not any(word in name for word in ("Lightning", "Delta"))
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
