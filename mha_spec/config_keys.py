@@ -106,6 +106,10 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
         "mlp_alpha_factor", "mlp_beta_factor")}),
     "kimi_linear": _grouped({"its MoE routing and tokenizer length, not the attention's": (
         "model_max_length", "moe_renormalize", "num_expert_group", "num_experts_per_token")}),
+    "recurrent_gemma": {
+        **_grouped({"its recurrent blocks, initialisation and the output logits' soft-cap": (
+            "conv1d_width", "final_w_init_variance_scale", "logits_soft_cap", "lru_width", "w_init_variance_scale")}),
+        "head_dim": "RecurrentGemmaConfig sets it to hidden_size // num_attention_heads whatever it is given"},
     "nemotron_h": {"attention_bias": "NemotronHAttention (Jamba's) builds its projections without biases whatever "
                                      "it says"},
     "rembert": _grouped({"RemBERT's decoupled embeddings": ("input_embedding_size", "output_embedding_size")}),

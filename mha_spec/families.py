@@ -601,6 +601,9 @@ FAMILIES: dict[str, Family] = {
     "nanochat": Family(qk_norm=QKNorm("rms", True, 1e-6, weight=False), rope_reversed=True,
                        check=_check_norm_after_rotation),
     # the softmax attention layers of hybrid models (their other layers refused by kind)
+    "recurrent_gemma": Family(prefix="model.layers.{layer}.temporal_block.", out_bias=True, reads_head_dim=False,
+                              layer_types=_layer_types_recurrent_gemma, window_key="attention_window_size",
+                              rope_default=_HALF_ROTARY),
     "lfm2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps",
                    layer_types=_layer_types_lfm2,
                    renames={"out_proj.": "o_proj.", "q_layernorm.": "q_norm.", "k_layernorm.": "k_norm."}),

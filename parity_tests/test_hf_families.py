@@ -391,7 +391,7 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
     **{name: Refused(NO_SOFTMAX) for name in (
         "bailing_hybrid", "inkling_text", "inkling2_text", "lfm3", "qwen3_5", "qwen3_5_text",
-        "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
+        "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "zamba",
         "zamba2", "hrm_text", "zaya")},
     # hybrid models: their softmax attention layers (the others refused by kind: test_a_hybrid_model_s_...)
     "lfm2": Supported("its attention layers (full_attn_idxs; the others convolutions): RMS QK-norm per head "
@@ -425,6 +425,10 @@ RECORDS: dict[str, Supported | Refused] = {
         head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
         qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1")},
+    "recurrent_gemma": Supported("its attention blocks (block_types; the others recurrent): every one sliding "
+                                 "(attention_window_size), half of each head rotating, an output bias",
+                                 dict(_PLAIN, attention_window_size=WINDOW, block_types=["recurrent", "attention"],
+                                      lru_width=HIDDEN)),
     "kimi_linear": Supported("its latent attention layers (layer_types; the others delta attention): multi-head "
                              "latent attention without rotary", dict(
                                  head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8,
@@ -483,7 +487,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 106, len(supported)
+    assert len(supported) >= 107, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -647,7 +651,7 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
 
 
 HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
-           "kimi_linear")
+           "kimi_linear", "recurrent_gemma")
 
 
 def _softmax_attention(model, prefix: str, layer: int) -> bool:

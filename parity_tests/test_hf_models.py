@@ -223,6 +223,17 @@ def _complex_rotation64(monkeypatch, attention):
     monkeypatch.setattr(modeling, "apply_rotary_emb", rotate64)
 
 
+def _own_rotary64(monkeypatch, attention):
+    """Recurrent Gemma's rotary tables, made inside its attention in float32, in float64 from its ``inv_freq``."""
+    rotary = attention.rotary_emb
+
+    def tables64(x, position_ids):
+        return _tables64(rotary, position_ids, 2 * rotary.inv_freq.shape[-1]) if x.dtype == torch.float64 \
+            else type(rotary).forward(rotary, x, position_ids)
+
+    monkeypatch.setattr(rotary, "forward", tables64)
+
+
 def _gptj64(monkeypatch, attention):
     """GPT-J's logits in float32 from a float32 sin/cos table: both in float64."""
     _keep_table64(monkeypatch, attention)
@@ -352,6 +363,7 @@ _FLOAT32_STEPS = {
     ("GraniteSWAAttention", "GraniteMoeSWAAttention"): functools.partial(_sinks64, as_scale=True),
     ("MptAttention",): _mpt64,
     ("DeepseekV2Attention",): _complex_rotation64,
+    ("RecurrentGemmaAttention",): _own_rotary64,
     ("modeling_xlm.MultiHeadAttention",): _xlm64,
 }
 
