@@ -389,10 +389,19 @@ RECORDS: dict[str, Supported | Refused] = {
                          dict(_PLAIN, rotary_dim=4)),
     # refused: no softmax attention in some or all layers
     **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
-    **{name: Refused(NO_SOFTMAX) for name in (
-        "bailing_hybrid", "inkling_text", "inkling2_text", "lfm3", "qwen3_5", "qwen3_5_text",
-        "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "zamba",
-        "zamba2", "hrm_text", "zaya")},
+    **{name: Refused("learned gates on the attention", "its softmax layers (a hybrid's; the others linear "
+                     "attention) gate each head's output by a sigmoid of the input") for name in (
+        "bailing_hybrid", "lfm3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
+    "hrm_text": Refused("learned gates on the attention", "a sigmoid gate on each feature of the output, two stacks "
+                        "of layers, instructions attended bidirectionally"),
+    **{name: Refused("a mask from the content", "indexed attention (a top-k sparse mask) on its softmax layers, "
+                     "linear attention on the others") for name in ("qwen4_exp", "qwen4_exp_text")},
+    **{name: Refused("relative position bias", "learned relative logits, and short convolutions of the keys and "
+                     "values") for name in ("inkling_text", "inkling2_text")},
+    **{name: Refused("a checkpoint layout not yet written", "shared attention blocks over [hidden; embeddings] "
+                     "(2 x hidden_size) inputs") for name in ("zamba", "zamba2")},
+    "zaya": Refused("a checkpoint layout not yet written", "its queries and keys from a CCA projection "
+                    "(convolutions inside the projection)"),
     # hybrid models: their softmax attention layers (the others refused by kind: test_a_hybrid_model_s_...)
     "lfm2": Supported("its attention layers (full_attn_idxs; the others convolutions): RMS QK-norm per head "
                       "(q_layernorm, k_layernorm), the output projection out_proj", dict(full_attn_idxs=[1])),
@@ -445,7 +454,8 @@ RECORDS: dict[str, Supported | Refused] = {
         "deepseek_v32", "glm_moe_dsa", "axk2")},
     **{name: Refused("learned gates on the attention", "a gate on each head's output, and DSA's indexer") for name in (
         "dots3_note", "dots3_note_text", "hy_v4")},
-    **{name: Refused("value head dim != head dim") for name in ("mimo_v2_flash",)},
+    "mimo_v2_flash": Refused("value head dim != head dim", "on a module without latent attention; and its sliding "
+                             "layers' doubled key/value heads, their sinks, its values scaled (attention_value_scale)"),
     **{name: Refused("relative position bias") for name in ("cpmant", "xlnet", "reformer", "deepseek_v4")},
     **{name: Refused("differential attention") for name in ("diffllama",)},
     **{name: Refused("learned gates on the attention") for name in (
