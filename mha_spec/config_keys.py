@@ -123,7 +123,8 @@ def keys_read(model_type: str) -> frozenset[str]:
     keys = set(_BASE) | set(family.reads) | set(family.defaults) | keys_refused(model_type)
     keys |= {value for value in (family.qkv_bias, family.out_bias, family.kv_heads, family.soft_cap,
                                  family.qk_norm_flag, family.window_flag, family.layer_rope_theta, family.clip_qkv,
-                                 family.nested, family.causal, family.latent_interleave) if isinstance(value, str)}
+                                 family.nested, family.causal, family.latent_interleave, family.output_gate_flag)
+              if isinstance(value, str)}
     keys.add(family.window_key)
     keys |= set(families._ALIASES.values()) | set(family.aliases.values())
     if family.reads_head_dim:

@@ -13,7 +13,7 @@ from typing import Any
 
 from mha_spec import alibi
 from mha_spec.latent import Latent
-from mha_spec.layouts import renamed
+from mha_spec.layouts import GATE, renamed
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rope_from_config, yarn_mscale
@@ -251,6 +251,14 @@ def _rope_olmo_hybrid(config: Mapping[str, Any]) -> bool:
     return isinstance(parameters, Mapping) and parameters.get("rope_theta") is not None
 
 
+@_reading("full_attention_interval")
+def _layer_types_qwen3_next(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen3NextConfig's (and Qwen3.5's) rule: every ``full_attention_interval``-th layer (default 4) attends, the
+    others are gated delta nets."""
+    interval = config.get("full_attention_interval", 4)
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+
+
 @_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
@@ -399,6 +407,9 @@ class Family:
     rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
     layer_count: Callable[[Mapping[str, Any]], int] | None = None  # where the model's is not num_hidden_layers
     rope_reversed: bool = False  # its rotate_half is (x2, -x1): pairs turn by -angle (read by ``layer_keys``)
+    output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output (``output_gate``)
+    output_gate_flag: str | None = None  # the key that switches ``output_gate`` on; None: always on
+    query_gate: bool = False  # the gate's rows after each head's query rows in q_proj (Qwen3-Next's)
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -600,6 +611,12 @@ FAMILIES: dict[str, Family] = {
     # which the rotation and the negations commute with, computed before it here
     "nanochat": Family(qk_norm=QKNorm("rms", True, 1e-6, weight=False), rope_reversed=True,
                        check=_check_norm_after_rotation),
+    # gated softmax layers of hybrids: Qwen3-Next's q_proj holds each head's gate rows after its query rows;
+    # Gemma 3's RMS QK-norm (1 + weight), a quarter of each head rotating
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), Family(
+        qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), output_gate="feature",
+        query_gate=True, layer_types=_layer_types_qwen3_next, refuses=(("attention_bias", "a bias on the gate"),),
+        rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.25))),
     # the softmax attention layers of hybrid models (their other layers refused by kind)
     "recurrent_gemma": Family(prefix="model.layers.{layer}.temporal_block.", out_bias=True, reads_head_dim=False,
                               layer_types=_layer_types_recurrent_gemma, window_key="attention_window_size",
@@ -666,6 +683,7 @@ class LayerOptions:
     rope_interleaved: bool = False  # with ``latent``: the rotary pairs are (2i, 2i + 1), whatever the model_type
     clip_qkv: float | None = None  # the projections' outputs clamped to [-clip_qkv, clip_qkv]
     query_scale: QueryScale | None = None  # each query scaled by its position
+    output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -799,7 +817,8 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
         ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
         clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
-        query_scale=family.query_scale(config, layer) if family.query_scale else None)
+        query_scale=family.query_scale(config, layer) if family.query_scale else None,
+        output_gate=family.output_gate if _flag(config, family.output_gate_flag or True, True) else None)
     return _with_latent(options, config, family) if family.latent else options
 
 
@@ -952,6 +971,9 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
     out = {prefix + renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
+    if family.query_gate and f"{prefix}q_proj.weight" in out:
+        out[f"{prefix}q_proj.weight"], out[prefix + GATE] = _query_and_gate(
+            out[f"{prefix}q_proj.weight"], options.num_heads, options.head_dim, concatenate)
     if family.rope_reversed and options.rope is not None:
         rotary_dim = rope_from_config(options.rope, options.head_dim)["rotary_dim"]
         for name, heads in (("q_proj", options.num_heads), ("k_proj", options.num_kv_heads)):
@@ -964,6 +986,13 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
             if weight is not None and len(weight.shape) == 2:
                 out[f"{prefix}{norm}.weight"] = weight.reshape(-1)
     return out
+
+
+def _query_and_gate(rows: Any, heads: int, head_dim: int, concatenate: Callable[[list], Any]) -> tuple[Any, Any]:
+    """Qwen3-Next's q_proj rows ``(heads * 2 * head_dim, in)``, each head's query rows then its gate's, as the query
+    projection's rows and the gate's (new arrays)."""
+    return tuple(concatenate([rows[(2 * h + part) * head_dim:(2 * h + part + 1) * head_dim] for h in range(heads)])
+                 for part in (0, 1))
 
 
 def _second_halves_negated(rows: Any, heads: int, head_dim: int, rotary_dim: int,

@@ -391,7 +391,16 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
     **{name: Refused("learned gates on the attention", "its softmax layers (a hybrid's; the others linear "
                      "attention) gate each head's output by a sigmoid of the input") for name in (
-        "bailing_hybrid", "lfm3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
+        "bailing_hybrid", "lfm3")},
+    **{name: Refused(_TEXT, "its text model is qwen3_5_text's, qwen3_5_moe_text's") for name in (
+        "qwen3_5", "qwen3_5_moe")},
+    **{name: Supported("its softmax layers (layer_types; the others gated delta nets): a sigmoid gate on each "
+                       "output feature (its rows after each head's query rows in q_proj), RMS QK-norm (1 + weight), "
+                       "a quarter of each head rotating", dict(layer_types=["linear_attention", "full_attention"],
+                                                                linear_num_key_heads=2, linear_num_value_heads=2,
+                                                                linear_key_head_dim=8, linear_value_head_dim=8,
+                                                                **_MOE_EXPERTS))
+       for name in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "hrm_text": Refused("learned gates on the attention", "a sigmoid gate on each feature of the output, two stacks "
                         "of layers, instructions attended bidirectionally"),
     **{name: Refused("a mask from the content", "indexed attention (a top-k sparse mask) on its softmax layers, "
@@ -497,7 +506,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 107, len(supported)
+    assert len(supported) >= 110, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -661,7 +670,7 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
 
 
 HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
-           "kimi_linear", "recurrent_gemma")
+           "kimi_linear", "recurrent_gemma", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def _softmax_attention(model, prefix: str, layer: int) -> bool:

@@ -160,7 +160,7 @@ def _keep_float64(monkeypatch, attention):
     monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
     for module in attention.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            offset = 1.0 if "Gemma" in type(module).__name__ else 0.0
+            offset = 1.0 if "1.0 + self.weight" in inspect.getsource(type(module).forward) else 0.0  # Gemma's
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
             def forward(h, module=module, offset=offset, eps=eps):  # NanoChat's: no weight
@@ -479,7 +479,7 @@ def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
     with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; "
-                                         r"supported: apertus, arcee, axk1, bert, .*, phi3, .*, stablelm, .*"):
+                                         r"supported: apertus, arcee, axk1, bamba, bert, .*, phi3, .*, stablelm, .*"):
         from_hf(dict(base, model_type="t5"))
     with pytest.raises(ValueError,
                        match=r"position_embedding_type='relative_key', which this attention does not compute"):
