@@ -410,6 +410,7 @@ class Family:
     output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output (``output_gate``)
     output_gate_flag: str | None = None  # the key that switches ``output_gate`` on; None: always on
     query_gate: bool = False  # the gate's rows after each head's query rows in q_proj (Qwen3-Next's)
+    rope_types: tuple[str, ...] | None = None  # only the layers of these types rotate (AFMoE's sliding ones)
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -617,6 +618,9 @@ FAMILIES: dict[str, Family] = {
         qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), output_gate="feature",
         query_gate=True, layer_types=_layer_types_qwen3_next, refuses=(("attention_bias", "a bias on the gate"),),
         rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.25))),
+    # a sigmoid gate on each output feature (gate_proj), RMS QK-norm per head, rotary on the sliding layers only
+    "afmoe": Family(qk_norm=_RMS_PER_HEAD, output_gate="feature",
+                    layer_types=_layer_types_every(4, "global_attn_every_n_layers"), rope_types=("sliding_attention",)),
     # the softmax attention layers of hybrid models (their other layers refused by kind)
     "recurrent_gemma": Family(prefix="model.layers.{layer}.temporal_block.", out_bias=True, reads_head_dim=False,
                               layer_types=_layer_types_recurrent_gemma, window_key="attention_window_size",
@@ -800,7 +804,8 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     rope = _rope_config(config, family, layer_type, head_dim) if rotates else None
     if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
             or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
-            or family.rope_windowed_only and window is None) \
+            or family.rope_windowed_only and window is None
+            or family.rope_types is not None and layer_type not in family.rope_types) \
             and not (family.rope_forced and family.rope_forced(config, layer)):
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):

@@ -467,8 +467,11 @@ RECORDS: dict[str, Supported | Refused] = {
                              "layers' doubled key/value heads, their sinks, its values scaled (attention_value_scale)"),
     **{name: Refused("relative position bias") for name in ("cpmant", "xlnet", "reformer", "deepseek_v4")},
     **{name: Refused("differential attention") for name in ("diffllama",)},
-    **{name: Refused("learned gates on the attention") for name in (
-        "afmoe", "laguna", "beam")},
+    **{name: Refused("learned gates on the attention") for name in ("laguna", "beam")},
+    "afmoe": Supported("a sigmoid gate on each output feature (gate_proj), RMS QK-norm per head, sliding layers, "
+                       "rotary on the sliding layers only", dict(sliding_window=WINDOW, global_attn_every_n_layers=2,
+                                                                 num_experts=2, num_experts_per_tok=1,
+                                                                 num_dense_layers=1), layers=2),
     "blt": Refused("cross-attention", "between bytes and patches"),
     "dbrx": Supported("[q; k; v] in one Wqkv clamped (attn_config's clip_qkv), key heads attn_config's kv_n_heads",
                       dict(_PLAIN, d_model=HIDDEN, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500.0),
@@ -506,7 +509,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 110, len(supported)
+    assert len(supported) >= 111, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
