@@ -789,19 +789,13 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         config, family.out_bias, family.bias_default)
     scale = family.scale(config, head_dim, layer) if callable(family.scale) else family.scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    kinds = _layer_types(config, family, layers)
-    layer_type = kinds[layer]
-    if layer_type not in ATTENTION_TYPES:
-        raise ValueError(f"layer {layer} of this {model_type} config is a {layer_type!r} layer, not softmax attention; "
-                         f"its attention layers (by its layer_types or its family's rule): "
-                         f"{[i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]}")
+    layer_type = _attention_type(config, family, layers, layer)
     window, sliding = None, layer_type == "sliding_attention"
     if (sliding and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config[family.window_key]) - 1, 0)
-    rotates = family.rope(config) if callable(family.rope) else family.rope
-    rope = _rope_config(config, family, layer_type, head_dim) if rotates else None
+    rope = _rope_config(config, family, layer_type, head_dim) if _rotates(config, family) else None
     if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
             or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
             or family.rope_windowed_only and window is None
@@ -825,6 +819,21 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         query_scale=family.query_scale(config, layer) if family.query_scale else None,
         output_gate=family.output_gate if _flag(config, family.output_gate_flag or True, True) else None)
     return _with_latent(options, config, family) if family.latent else options
+
+
+def _attention_type(config: Mapping[str, Any], family: Family, layers: int, layer: int) -> str:
+    """Layer ``layer``'s type; a ValueError naming its kind where it is not softmax attention (a hybrid's)."""
+    kinds = _layer_types(config, family, layers)
+    if kinds[layer] not in ATTENTION_TYPES:
+        raise ValueError(f"layer {layer} of this {config.get('model_type')} config is a {kinds[layer]!r} layer, not "
+                         f"softmax attention; its attention layers (by its layer_types or its family's rule): "
+                         f"{[i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]}")
+    return kinds[layer]
+
+
+def _rotates(config: Mapping[str, Any], family: Family) -> bool:
+    """Whether the family's model rotates (its record's ``rope``, or the config's say)."""
+    return family.rope(config) if callable(family.rope) else family.rope
 
 
 def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Family) -> LayerOptions:
