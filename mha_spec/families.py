@@ -889,7 +889,8 @@ def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list
         if len(types) != layers:
             raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
         return [_LEGACY_TYPES.get(kind, kind) for kind in types]
-    return family.layer_types(config, layers) if family.layer_types else ["full_attention"] * layers
+    # a rule's entries past the layer count (GPT-Neo's attention_types expanded) are not the model's
+    return family.layer_types(config, layers)[:layers] if family.layer_types else ["full_attention"] * layers
 
 
 def attention_layers(config: Mapping[str, Any] | str | os.PathLike) -> list[int]:
