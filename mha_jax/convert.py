@@ -67,6 +67,10 @@ def _from_torch(state_dict_or_path: Any, num_heads: int, num_kv_heads: int | Non
             params[flax_name] = {"scale": scale if scale.shape == (head_dim,) else scale.reshape(-1, head_dim)}
     if layouts.SINKS in state:
         params[layouts.SINKS] = state[layouts.SINKS]
+    if layouts.GATE in state:  # (heads[ * head_dim], in) -> (in, heads[, head_dim])
+        gate = state[layouts.GATE].T
+        per_head = gate.shape[1] == num_heads
+        params["gate"] = {"kernel": np.ascontiguousarray(gate if per_head else gate.reshape(-1, num_heads, head_dim))}
     return params
 
 
@@ -84,7 +88,7 @@ def to_torch(params: Any) -> dict[str, np.ndarray]:
         return latent.to_torch_state(tree, _to_numpy)
     problems = [f"missing {name!r}" for name, _ in _FLAX_NAMES if name not in tree]
     known = dict(_FLAX_NAMES + _FLAX_NORMS)
-    problems += [f"unexpected {name!r}" for name in tree if name not in known and name != layouts.SINKS]
+    problems += [f"unexpected {name!r}" for name in tree if name not in known and name not in (layouts.SINKS, "gate")]
     problems += [f"{name!r} has no 'scale'" for name, _ in _FLAX_NORMS if name in tree and "scale" not in tree[name]]
     problems += [f"{name!r} has no 'kernel'" for name, _ in _FLAX_NAMES if name in tree and "kernel" not in tree[name]]
     if problems:
@@ -146,6 +150,9 @@ def _flat(tree: dict) -> list[tuple[str, Any, tuple[int, ...]]]:
         if flax_name in tree:
             scale = tree[flax_name]["scale"]
             flat.append((f"{torch_name}.weight", scale, (math.prod(np.shape(scale)),)))
+    if tree.get("gate") is not None:  # (in, heads[, head_dim]) -> (heads[ * head_dim], in) once transposed
+        shape = np.shape(tree["gate"]["kernel"])
+        flat.append((layouts.GATE, tree["gate"]["kernel"], (shape[0], math.prod(shape[1:]))))
     return flat
 
 

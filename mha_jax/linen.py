@@ -37,7 +37,7 @@ class MultiHeadDotProductAttention(nn.Module):
     ``flax.linen.MultiHeadDotProductAttention``; ``attention_fn=None`` is this package's attention (softmax in
     float32 or wider); plus ``num_kv_heads``, ``implementation``, a ``QKNorm`` as ``normalize_qk``, ``scale``,
     ``logit_soft_cap``, ``use_sinks``/``sinks_init``, ``rotary``, ``local_window_size``, ``use_out_bias``,
-    ``sequence_axis``, ``alibi_slopes`` (a tuple), ``latent``, ``clip_qkv`` and ``query_scale`` as in
+    ``sequence_axis``, ``alibi_slopes`` (a tuple), ``latent``, ``clip_qkv``, ``query_scale`` and ``output_gate`` as in
     ``mha_jax.MultiHeadAttention``.
     Randomness: linen's ``'params'`` and ``'dropout'`` RNG collections.
     """
@@ -81,6 +81,7 @@ class MultiHeadDotProductAttention(nn.Module):
     latent: latent_spec.Latent | None = None
     clip_qkv: float | None = None
     query_scale: QueryScale | None = None
+    output_gate: str | None = None
 
     def __post_init__(self):
         arguments.check_options(self.implementation, IMPLEMENTATIONS, self.scale, self.local_window_size,
@@ -89,6 +90,7 @@ class MultiHeadDotProductAttention(nn.Module):
         _layer.check_sequence_axis(self.sequence_axis)
         object.__setattr__(self, "alibi_slopes", alibi.check_module_slopes(self.alibi_slopes, self.num_heads))
         object.__setattr__(self, "clip_qkv", query_terms.check_terms(self.clip_qkv, self.query_scale, self.latent)[0])
+        query_terms.check_output_gate(self.output_gate, self.latent)
         if self.latent is not None:
             latent_spec.check_latent(self.latent, self.num_heads, self.num_kv_heads, self.qkv_features,
                                      ("num_kv_heads", "qkv_features"))
@@ -149,6 +151,10 @@ class MultiHeadDotProductAttention(nn.Module):
             self.sow("intermediates", "attention_weights", sown)
         if parts is not None and decoding:
             out = mla.lift_output(parts, out)
+        if self.output_gate is not None:  # (batch, len, heads[, head_dim]) gates of each head's output
+            gate = jax.nn.sigmoid(_projection(self, query_terms.gate_features(
+                self.output_gate, self.num_heads, out.shape[-1]), "gate", use_bias=False)(inputs_q))
+            out = out * (gate[..., None] if self.output_gate == "head" else gate)
         out = nn.DenseGeneral(
             out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init, dtype=self.dtype,
             bias_init=self.out_bias_init or self.bias_init, param_dtype=self.param_dtype, precision=self.precision,

@@ -128,6 +128,7 @@ class MultiHeadAttention(nnx.Module):
         latent: latent_spec.Latent | None = None,
         clip_qkv: float | None = None,
         query_scale: QueryScale | None = None,
+        output_gate: str | None = None,
     ):
         self.latent = None if latent is None else latent_spec.check_latent(
             latent, num_heads, num_kv_heads, qkv_features, ("num_kv_heads", "qkv_features"))
@@ -183,6 +184,9 @@ class MultiHeadAttention(nnx.Module):
             **dict(common, use_bias=use_bias if use_out_bias is None else use_out_bias),
         )
         self.sinks = nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks else nnx.data(None)
+        self.output_gate = query_terms.check_output_gate(output_gate, self.latent)
+        self.gate = nnx.data(None) if output_gate is None else projection(
+            in_features, query_terms.gate_features(output_gate, num_heads, self.head_dim), use_bias=False)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
 
     # no cache until init_cache or nnx.update: as in flax's class, the instance has none, so that nnx.update adds it
@@ -276,6 +280,9 @@ class MultiHeadAttention(nnx.Module):
             self.sow(nnx.Intermediate, "attention_weights", sown)
         if decoding and self.latent is not None:
             out = mla.lift_output(self, out)
+        if self.gate is not None:  # (batch, len, heads[, head_dim]) gates of each head's output
+            gate = jax.nn.sigmoid(self.gate(inputs_q))
+            out = out * (gate[..., None] if self.output_gate == "head" else gate)
         out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 

@@ -61,6 +61,20 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "max_position_embeddings",),
     "a decoder's flag, always causal here (the BERT-like records read it)": ("is_decoder",),
     "derived by its config class from keys the record reads": ("qk_head_dim",),
+    "a hybrid model's other layers: Mamba, convolution and linear attention mixers (refused by kind)": (
+        "mamba_chunk_size", "mamba_conv_bias", "mamba_d_conv", "mamba_d_head", "mamba_d_state", "mamba_expand",
+        "mamba_n_groups", "mamba_n_heads", "mamba_proj_bias", "mamba_dt_rank", "mamba_d_ssm", "mamba_norm_before_gate",
+        "mamba_rms_norm", "mamba_head_dim", "mamba_hidden_act", "mamba_num_heads", "mamba_ssm_cache_dtype",
+        "use_mamba_kernels", "use_mambapy", "use_associative_scan", "time_step_limit", "time_step_floor",
+        "time_step_max", "time_step_min", "ssm_state_size", "n_groups", "chunk_size", "conv_kernel", "expand",
+        "use_conv_bias", "use_bias", "residual_in_fp32", "rescale_prenorm_residual", "conv_L_cache", "conv_bias",
+        "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier", "block_multiple_of", "linear_a_log_max",
+        "linear_a_log_min", "linear_allow_neg_eigval", "linear_conv_kernel_dim", "linear_dt_init_floor",
+        "linear_dt_max", "linear_dt_min", "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_value_head_dim", "block_size", "num_logits_to_keep", "z_loss_coefficient", "mlp_hidden_act",
+        "expert_layer_offset", "expert_layer_period", "num_dense_layers", "use_expert_bias", "moe_latent_size",
+        "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "mtp_layers_block_type",
+        "linear_head_dim", "linear_num_heads"),
 })
 
 # Per family: keys of its config that do not change its self-attention, beyond ``NOT_ATTENTION``.
@@ -84,6 +98,21 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
         "pre_norm", "adapter_reduction_factor", "adapter_layer_norm", "adapter_reuse_layer_norm",
         "ln_before_adapter", "languages", "default_language")}),
     "ernie": _grouped({"ERNIE's task embeddings": ("use_task_id", "task_type_vocab_size")}),
+    "falcon_h1": _grouped({"multipliers its decoder layer applies around the attention module, and the SSM's": (
+        "attention_in_multiplier", "attention_out_multiplier", "lm_head_multiplier", "mlp_multipliers",
+        "projectors_bias", "ssm_in_multiplier", "ssm_multipliers", "ssm_out_multiplier")}),
+    "minimax": _grouped({"its decoder layer's residual factors, around the attention": (
+        "full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor", "linear_attn_beta_factor",
+        "mlp_alpha_factor", "mlp_beta_factor")}),
+    "afmoe": _grouped({"its embeddings' muP scale and its experts' route scale": ("mup_enabled", "route_scale")}),
+    "kimi_linear": _grouped({"its MoE routing and tokenizer length, not the attention's": (
+        "model_max_length", "moe_renormalize", "num_expert_group", "num_experts_per_token")}),
+    "recurrent_gemma": {
+        **_grouped({"its recurrent blocks, initialisation and the output logits' soft-cap": (
+            "conv1d_width", "final_w_init_variance_scale", "logits_soft_cap", "lru_width", "w_init_variance_scale")}),
+        "head_dim": "RecurrentGemmaConfig sets it to hidden_size // num_attention_heads whatever it is given"},
+    "nemotron_h": {"attention_bias": "NemotronHAttention (Jamba's) builds its projections without biases whatever "
+                                     "it says"},
     "rembert": _grouped({"RemBERT's decoupled embeddings": ("input_embedding_size", "output_embedding_size")}),
 }
 
@@ -95,7 +124,8 @@ def keys_read(model_type: str) -> frozenset[str]:
     keys = set(_BASE) | set(family.reads) | set(family.defaults) | keys_refused(model_type)
     keys |= {value for value in (family.qkv_bias, family.out_bias, family.kv_heads, family.soft_cap,
                                  family.qk_norm_flag, family.window_flag, family.layer_rope_theta, family.clip_qkv,
-                                 family.nested, family.causal, family.latent_interleave) if isinstance(value, str)}
+                                 family.nested, family.causal, family.latent_interleave, family.output_gate_flag)
+              if isinstance(value, str)}
     keys.add(family.window_key)
     keys |= set(families._ALIASES.values()) | set(family.aliases.values())
     if family.reads_head_dim:
@@ -111,7 +141,8 @@ def keys_read(model_type: str) -> frozenset[str]:
     if family.latent:
         keys |= set(_LATENT)
     for function in (family.scale, family.layer_types, family.kv_heads, family.alibi, family.query_scale,
-                     family.standardize, family.check, family.out_bias, family.rope_forced):
+                     family.standardize, family.check, family.out_bias, family.rope_forced, family.rope,
+                     family.layer_count):
         keys |= set(getattr(function, "keys", ()))
     return frozenset(keys)
 

@@ -39,7 +39,11 @@ rotary: a ``RotaryEmbedding`` applied to queries and keys (after ``normalize_qk`
 local_window_size: the call's default window (a sliding-window layer).
 attention_chunk_size: the layer's chunks of positions (Llama 4's chunked attention); also while decoding.
 alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_slopes``, ``mpt_slopes``): each
-  head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions rotary reads; None: none.""",
+  head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions rotary reads; None: none.
+output_gate: each head's output times the sigmoid of a learned projection of the query's input (no bias),
+  before the output projection: ``"head"``, one gate per head (LFM3); ``"feature"``, one per output feature
+  (Qwen3-Next, Qwen3.5); None: none. PyTorch's ``gate_proj.weight`` ``(num_heads[ * head_dim], in)``, Flax's
+  ``gate`` kernel ``(in, num_heads[, head_dim])``; not with a latent.""",
     "rotary_embedding": """\
 ``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
 scaling=None, max_position_embeddings=None)``, or ``RotaryEmbedding.from_config(config)``

@@ -13,10 +13,10 @@ from typing import Any
 
 from mha_spec import alibi
 from mha_spec.latent import Latent
-from mha_spec.layouts import renamed
+from mha_spec.layouts import GATE, renamed
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
-from mha_spec.rotary import yarn_mscale
+from mha_spec.rotary import rope_from_config, yarn_mscale
 
 _PREFIX = "model.layers.{layer}.self_attn."
 _CODEGEN_BLOCKS = 4  # CodeGenAttention's mp_num: its fused projection's blocks of heads
@@ -158,6 +158,107 @@ def _layer_types_flint(config: Mapping[str, Any], layers: int) -> list[str]:
     return ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)]
 
 
+@_reading("attn_layer_period", "attn_layer_offset")
+def _layer_types_jamba(config: Mapping[str, Any], layers: int) -> list[str]:
+    """JambaConfig's (and Zamba's) rule: layer i attends when ``i % attn_layer_period == attn_layer_offset``."""
+    period, offset = config["attn_layer_period"], config["attn_layer_offset"]
+    return ["full_attention" if i % period == offset else "linear_attention" for i in range(layers)]
+
+
+@_reading("attn_layer_indices")
+def _layer_types_bamba(config: Mapping[str, Any], layers: int) -> list[str]:
+    """BambaConfig's rule: the layers of ``attn_layer_indices`` attend, the others are Mamba layers."""
+    indices = config.get("attn_layer_indices") or ()
+    return ["full_attention" if i in indices else "linear_attention" for i in range(layers)]
+
+
+_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+@_reading("layers_block_type", "hybrid_override_pattern")
+def _layer_types_nemotron_h(config: Mapping[str, Any], layers: int) -> list[str]:
+    """NemotronHConfig's ``layers_block_type``, else its older ``hybrid_override_pattern`` (one letter a layer)."""
+    kinds = config.get("layers_block_type")
+    return list(kinds) if kinds else [_NEMOTRON_PATTERN[c] for c in config["hybrid_override_pattern"]]
+
+
+@_reading("block_types")
+def _layer_types_recurrent_gemma(config: Mapping[str, Any], layers: int) -> list[str]:
+    """RecurrentGemmaConfig's ``block_types`` repeated over the layers: its attention blocks slide."""
+    kinds = (list(config["block_types"]) * layers)[:layers]
+    return ["sliding_attention" if kind == "attention" else "linear_attention" for kind in kinds]
+
+
+@_reading("full_attn_idxs")
+def _layer_types_lfm2(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Lfm2Config's rule: the layers of ``full_attn_idxs`` (default: all) attend, the others convolve."""
+    indices = config.get("full_attn_idxs")
+    return ["full_attention" if indices is None or i in indices else "conv" for i in range(layers)]
+
+
+@_reading()
+def _layer_types_lfm2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Lfm2MoeConfig derives no layer types: its model needs the config's."""
+    raise ValueError(f"config ({config.get('model_type')}) needs its layer_types (its config class derives none)")
+
+
+@_reading()
+def _layer_types_mamba(config: Mapping[str, Any], layers: int) -> list[str]:
+    """GraniteMoeHybridConfig's default: every layer a Mamba layer."""
+    return ["linear_attention"] * layers
+
+
+@_reading("linear_attn_config")
+def _layer_types_kimi_linear(config: Mapping[str, Any], layers: int) -> list[str]:
+    """KimiLinearConfig's rule: ``linear_attn_config``'s ``full_attn_layers`` (counted from 1) attend, else every 4th
+    layer from layer 4 (counted from 0); the others are delta attention."""
+    full = (config.get("linear_attn_config") or {}).get("full_attn_layers")
+    return ["full_attention" if (i + 1 in full if full is not None else i and i % 4 == 0) else "linear_attention"
+            for i in range(layers)]
+
+
+@_reading()
+def _layer_types_olmo_hybrid(config: Mapping[str, Any], layers: int) -> list[str]:
+    """OlmoHybridConfig's rule: every 4th layer attends (the last at least), the others are linear attention."""
+    kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    return kinds if "full_attention" in kinds else kinds[:-1] + ["full_attention"]
+
+
+@_reading("layer_types", "sliding_window")
+def _standardize_minimax(config: dict) -> dict:
+    """MiniMaxConfig's layer types (every 2nd layer linear attention); its model's one mask slides every attention
+    layer when the config sets ``sliding_window``."""
+    kinds = config.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention"
+                                          for i in range(config["num_hidden_layers"])]
+    sliding = config.get("sliding_window") is not None
+    config["layer_types"] = ["sliding_attention" if sliding and kind in ATTENTION_TYPES else kind for kind in kinds]
+    return config
+
+
+_standardize_minimax.derives = ("layer_types",)
+
+
+@_reading("position_embedding_type")
+def _rope_granitemoehybrid(config: Mapping[str, Any]) -> bool:
+    """GraniteMoeHybridModel's rotary embedding: only with ``position_embedding_type="rope"``."""
+    return config.get("position_embedding_type") == "rope"
+
+
+@_reading("rope_parameters")
+def _rope_olmo_hybrid(config: Mapping[str, Any]) -> bool:
+    """OlmoHybridModel's rotary embedding: only with rope parameters that hold a ``rope_theta``."""
+    parameters = config.get("rope_parameters")
+    return isinstance(parameters, Mapping) and parameters.get("rope_theta") is not None
+
+
+@_reading("full_attention_interval")
+def _layer_types_qwen3_next(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Qwen3NextConfig's (and Qwen3.5's) rule: every ``full_attention_interval``-th layer (default 4) attends, the
+    others are gated delta nets."""
+    interval = config.get("full_attention_interval", 4)
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+
+
 @_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
@@ -172,6 +273,12 @@ def _scale_gpt2(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
 @_reading("attention_multiplier")
 def _scale_granite(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return float(config.get("attention_multiplier", 1.0))  # GraniteAttention: the scale itself
+
+
+@_reading("key_multiplier")
+def _scale_falcon_h1(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
+    """FalconH1Attention's keys times ``key_multiplier``: the logits' scale times it."""
+    return float(config.get("key_multiplier") or 1.0) / math.sqrt(head_dim)
 
 
 @_reading("new_decoder_architecture", "num_kv_heads", "multi_query")
@@ -216,6 +323,17 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
+@_reading("rope_parameters", "rope_scaling")
+def _check_norm_after_rotation(config: Mapping[str, Any], layer: int) -> None:
+    """NanoChat's weightless norm after the rotation: it undoes a rotary's attention factor (yarn's, longrope's),
+    which this attention, normalizing before the rotation, keeps."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind in ("yarn", "longrope"):
+        raise ValueError(f"config ({config.get('model_type')}) sets rope_parameters rope_type={kind!r}, which this "
+                         "attention does not compute: its norm after the rotation undoes the rotary's attention factor")
+
+
 @_reading("no_rope_layers", "attn_temperature_tuning", "attn_scale", "floor_scale")
 def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | None:
     """Llama 4's temperature tuning: its NoPE layers' queries scaled by ``attn_scale``, ``floor_scale``."""
@@ -258,7 +376,7 @@ class Family:
     layer_types: Callable[[Mapping[str, Any], int], list[str]] | None = None  # where no layer_types; None: all full
     window_flag: str | None = None  # a key that must be set for sliding layers to slide
     window_key: str = "sliding_window"  # the key of the sliding layers' window (keys a query sees, itself included)
-    rope: bool = True
+    rope: bool | Callable[[Mapping[str, Any]], bool] = True  # or (config) -> whether its model rotates
     rope_interleaved: bool = False  # rotates pairs (2i, 2i + 1), not the halves (i, i + rotary_dim / 2)
     rope_default: tuple[tuple[str, ...], str, Any] | None = None  # (keys, any of which gives it; key set; value)
     no_rope_layers: bool = False  # reads ``no_rope_layers`` (default: every ``no_rope_layer_interval``-th)
@@ -287,6 +405,12 @@ class Family:
     rope_forced: Callable[[Mapping[str, Any], int], bool] | None = None  # (config, layer): it rotates whatever else
     rope_ignore: tuple[str, ...] = ()  # keys of the rope parameters that are not the rotary's (read elsewhere)
     rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
+    layer_count: Callable[[Mapping[str, Any]], int] | None = None  # where the model's is not num_hidden_layers
+    rope_reversed: bool = False  # its rotate_half is (x2, -x1): pairs turn by -angle (read by ``layer_keys``)
+    output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output (``output_gate``)
+    output_gate_flag: str | None = None  # the key that switches ``output_gate`` on; None: always on
+    query_gate: bool = False  # the gate's rows after each head's query rows in q_proj (Qwen3-Next's)
+    rope_types: tuple[str, ...] | None = None  # only the layers of these types rotate (AFMoE's sliding ones)
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -484,12 +608,48 @@ FAMILIES: dict[str, Family] = {
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
                     rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj"),
                     rope_fixed=_SINUSOIDAL),
+    # its rotation by -angle loaded as one by +angle (``rope_reversed``); a weightless RMS norm per head after it,
+    # which the rotation and the negations commute with, computed before it here
+    "nanochat": Family(qk_norm=QKNorm("rms", True, 1e-6, weight=False), rope_reversed=True,
+                       check=_check_norm_after_rotation),
+    # gated softmax layers of hybrids: Qwen3-Next's q_proj holds each head's gate rows after its query rows;
+    # Gemma 3's RMS QK-norm (1 + weight), a quarter of each head rotating
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), Family(
+        qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6, offset=1.0), output_gate="feature",
+        query_gate=True, layer_types=_layer_types_qwen3_next, refuses=(("attention_bias", "a bias on the gate"),),
+        rope_default=(("partial_rotary_factor",), "partial_rotary_factor", 0.25))),
+    # a sigmoid gate on each output feature (gate_proj), RMS QK-norm per head, rotary on the sliding layers only
+    "afmoe": Family(qk_norm=_RMS_PER_HEAD, output_gate="feature",
+                    layer_types=_layer_types_every(4, "global_attn_every_n_layers"), rope_types=("sliding_attention",)),
+    # the softmax attention layers of hybrid models (their other layers refused by kind)
+    "recurrent_gemma": Family(prefix="model.layers.{layer}.temporal_block.", out_bias=True, reads_head_dim=False,
+                              layer_types=_layer_types_recurrent_gemma, window_key="attention_window_size",
+                              rope_default=_HALF_ROTARY),
+    "lfm2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps",
+                   layer_types=_layer_types_lfm2,
+                   renames={"out_proj.": "o_proj.", "q_layernorm.": "q_norm.", "k_layernorm.": "k_norm."}),
+    "minimax": Family(qkv_bias=False, out_bias=False, standardize=_standardize_minimax),
+    "olmo_hybrid": Family(qk_norm=_RMS, layer_types=_layer_types_olmo_hybrid, rope=_rope_olmo_hybrid),
+    "jamba": Family(qkv_bias=False, out_bias=False, rope=False, layer_types=_layer_types_jamba),
+    "bamba": Family(layer_types=_layer_types_bamba),
+    "nemotron_h": Family(prefix="model.layers.{layer}.mixer.", qkv_bias=False, out_bias=False, rope=False,
+                         layer_types=_layer_types_nemotron_h,
+                         layer_count=_reading()(lambda config: len(_layer_types_nemotron_h(config, 0)))),
+    "granitemoehybrid": Family(scale=_scale_granite, rope=_rope_granitemoehybrid, layer_types=_layer_types_mamba),
+    "falcon_h1": Family(scale=_scale_falcon_h1),
     # DeepSeek-V3's attention and the classes copied from it
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
+    # its rotation complex products of the pairs (2i, 2i + 1) by e^(i angle): interleaved
+    "deepseek_v2": _latent_family(512, 1536, (64, 128, 128), True),
+    # its latent layers without rotary (the keys' rope part shared, not rotated), scaled by qk_head_dim ** -0.5
+    "kimi_linear": replace(_latent_family(512, 1536, (64, 128, 128), False), rope=False,
+                           layer_types=_layer_types_kimi_linear),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
 }
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
+FAMILIES["lfm2_moe"] = replace(FAMILIES["lfm2"], layer_types=_layer_types_lfm2_moe)
+FAMILIES["granitemoe_swa"] = FAMILIES["granite_swa"]  # Granite SWA's attention with MoE blocks
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}
@@ -527,6 +687,7 @@ class LayerOptions:
     rope_interleaved: bool = False  # with ``latent``: the rotary pairs are (2i, 2i + 1), whatever the model_type
     clip_qkv: float | None = None  # the projections' outputs clamped to [-clip_qkv, clip_qkv]
     query_scale: QueryScale | None = None  # each query scaled by its position
+    output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -543,6 +704,8 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
     if "text_config" in config and "num_attention_heads" not in config:
         config = dict(config["text_config"])
     family = FAMILIES.get(config.get("model_type"))
+    if family and family.layer_count:  # NemotronH's: its layers_block_type's, whatever num_hidden_layers says
+        config["num_hidden_layers"] = family.layer_count(config)
     return _aliased(_aliased(config, _ALIASES), family.aliases if family else {})  # a family's own: GPT-Neo's, MPT's
 
 
@@ -557,6 +720,9 @@ def _aliased(config: dict, aliases: Mapping[str, str]) -> dict:
 # transformers and checked against it by parity_tests/test_hf_config_keys.py.
 with open(os.path.join(os.path.dirname(__file__), "config_defaults.json")) as _file:
     CLASS_DEFAULTS: dict[str, dict] = json.load(_file)
+# the layer types of softmax attention; a hybrid model's others (transformers' names) are not
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_LEGACY_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}  # remap_legacy_layer_types'
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")  # one setting: a config's replace the class's
 
 
@@ -623,16 +789,17 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         config, family.out_bias, family.bias_default)
     scale = family.scale(config, head_dim, layer) if callable(family.scale) else family.scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    layer_type = _layer_types(config, family, layers)[layer]
+    layer_type = _attention_type(config, family, layers, layer)
     window, sliding = None, layer_type == "sliding_attention"
     if (sliding and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config[family.window_key]) - 1, 0)
-    rope = _rope_config(config, family, layer_type, head_dim) if family.rope else None
+    rope = _rope_config(config, family, layer_type, head_dim) if _rotates(config, family) else None
     if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
             or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
-            or family.rope_windowed_only and window is None) \
+            or family.rope_windowed_only and window is None
+            or family.rope_types is not None and layer_type not in family.rope_types) \
             and not (family.rope_forced and family.rope_forced(config, layer)):
         rope = None
     if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
@@ -649,8 +816,24 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
         ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
         clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
-        query_scale=family.query_scale(config, layer) if family.query_scale else None)
+        query_scale=family.query_scale(config, layer) if family.query_scale else None,
+        output_gate=family.output_gate if _flag(config, family.output_gate_flag or True, True) else None)
     return _with_latent(options, config, family) if family.latent else options
+
+
+def _attention_type(config: Mapping[str, Any], family: Family, layers: int, layer: int) -> str:
+    """Layer ``layer``'s type; a ValueError naming its kind where it is not softmax attention (a hybrid's)."""
+    kinds = _layer_types(config, family, layers)
+    if kinds[layer] not in ATTENTION_TYPES:
+        raise ValueError(f"layer {layer} of this {config.get('model_type')} config is a {kinds[layer]!r} layer, not "
+                         f"softmax attention; its attention layers (by its layer_types or its family's rule): "
+                         f"{[i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]}")
+    return kinds[layer]
+
+
+def _rotates(config: Mapping[str, Any], family: Family) -> bool:
+    """Whether the family's model rotates (its record's ``rope``, or the config's say)."""
+    return family.rope(config) if callable(family.rope) else family.rope
 
 
 def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Family) -> LayerOptions:
@@ -661,7 +844,8 @@ def _with_latent(options: LayerOptions, config: Mapping[str, Any], family: Famil
     latent = Latent(*dims, v_head_dim, config.get("q_lora_rank"))
     scale = latent.qk_head_dim ** -0.5
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if parameters.get("rope_type", parameters.get("type", "default")) != "default" and parameters.get("mscale_all_dim"):
+    if options.rope is not None and parameters.get("rope_type", parameters.get("type", "default")) != "default" \
+            and parameters.get("mscale_all_dim"):
         mscale = yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
         scale = scale * mscale * mscale
     rope = None if options.rope is None else dict(options.rope, head_dim=latent.qk_rope_head_dim)
@@ -698,13 +882,24 @@ def _required(config: Mapping[str, Any], key: str, model_type: str) -> int:
 
 
 def _layer_types(config: Mapping[str, Any], family: Family, layers: int) -> list[str]:
-    """Each layer's type: the config's ``layer_types``, else the family's rule."""
+    """Each layer's type: the config's ``layer_types`` (older names as transformers remaps them), else the family's
+    rule."""
     types = config.get("layer_types")
     if types:
         if len(types) != layers:
             raise ValueError(f"config's layer_types has {len(types)} entries for num_hidden_layers={layers}")
-        return list(types)
-    return family.layer_types(config, layers) if family.layer_types else ["full_attention"] * layers
+        return [_LEGACY_TYPES.get(kind, kind) for kind in types]
+    # a rule's entries past the layer count (GPT-Neo's attention_types expanded) are not the model's
+    return family.layer_types(config, layers)[:layers] if family.layer_types else ["full_attention"] * layers
+
+
+def attention_layers(config: Mapping[str, Any] | str | os.PathLike) -> list[int]:
+    """The layers of a transformers model's ``config`` (a ``config.json`` dict or its path) whose attention is
+    softmax attention, those ``layer_options`` and ``from_hf`` build; a hybrid model's others (state space,
+    linear, convolution, MLP-only layers) are refused."""
+    model_type, family, config = family_of(read_config(config))
+    kinds = _layer_types(config, family, _required(config, "num_hidden_layers", model_type))
+    return [i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]
 
 
 def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
@@ -791,12 +986,40 @@ def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Cal
             ordered = sorted(heads, key=lambda k: int(heads[k]))
             out[prefix + norm + ".weight"] = concatenate([out.pop(k) for k in ordered])
     out = {prefix + renamed(k[len(prefix):], family.renames) if k.startswith(prefix) else k: v for k, v in out.items()}
+    if family.query_gate and f"{prefix}q_proj.weight" in out:
+        out[f"{prefix}q_proj.weight"], out[prefix + GATE] = _query_and_gate(
+            out[f"{prefix}q_proj.weight"], options.num_heads, options.head_dim, concatenate)
+    if family.rope_reversed and options.rope is not None:
+        rotary_dim = rope_from_config(options.rope, options.head_dim)["rotary_dim"]
+        for name, heads in (("q_proj", options.num_heads), ("k_proj", options.num_kv_heads)):
+            for key in (f"{prefix}{name}.weight", f"{prefix}{name}.bias"):
+                if key in out:
+                    out[key] = _second_halves_negated(out[key], heads, options.head_dim, rotary_dim, concatenate)
     if family.head_norm_matrix:
         for norm in ("q_norm", "k_norm"):
             weight = out.get(f"{prefix}{norm}.weight")
             if weight is not None and len(weight.shape) == 2:
                 out[f"{prefix}{norm}.weight"] = weight.reshape(-1)
     return out
+
+
+def _query_and_gate(rows: Any, heads: int, head_dim: int, concatenate: Callable[[list], Any]) -> tuple[Any, Any]:
+    """Qwen3-Next's q_proj rows ``(heads * 2 * head_dim, in)``, each head's query rows then its gate's, as the query
+    projection's rows and the gate's (new arrays)."""
+    return tuple(concatenate([rows[(2 * h + part) * head_dim:(2 * h + part + 1) * head_dim] for h in range(heads)])
+                 for part in (0, 1))
+
+
+def _second_halves_negated(rows: Any, heads: int, head_dim: int, rotary_dim: int,
+                           concatenate: Callable[[list], Any]) -> Any:
+    """A projection's ``rows`` ``(heads * head_dim, ...)`` with the second half of each head's rotary features
+    negated (a new array): pairs turned by -angle (NanoChat's rotate_half ``(x2, -x1)``) are, so negated, pairs
+    turned by +angle, negated again; the negations of a query's and a key's cancel in their product, and a
+    weightless per-head norm keeps them."""
+    half = rotary_dim // 2
+    parts = [(h * head_dim + start, h * head_dim + end, sign) for h in range(heads)
+             for start, end, sign in ((0, half, 1), (half, rotary_dim, -1), (rotary_dim, head_dim, 1)) if end > start]
+    return concatenate([rows[a:b] if sign > 0 else -rows[a:b] for a, b, sign in parts])
 
 
 def layer_state(options: LayerOptions, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ PARTS = ("weight", "bias")
 NORMS = ("q_norm", "k_norm")
 # Optional learned sink logits, ``(num_heads,)``: a key of its own, no weight/bias part.
 SINKS = "sinks"
+# Optional output gate (``output_gate``): ``gate_proj.weight`` ``(num_heads, in)`` or ``(num_heads * head_dim, in)``.
+GATE = "gate_proj.weight"
 
 
 class _Source(NamedTuple):
@@ -35,7 +37,8 @@ def from_names(names: Mapping[str, str]) -> tuple[_Source, ...]:
 
 _QKV = FUSED["qkv_proj"]
 # QK-norm scales and sinks, named alike by this package and Hugging Face's attention classes
-_EXTRAS = tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS) + (_Source(SINKS, "", (SINKS,)),)
+_EXTRAS = tuple(_Source(f"{norm}.weight", "weight", (norm,)) for norm in NORMS) + (
+    _Source(SINKS, "", (SINKS,)), _Source(GATE, "weight", ("gate_proj",)))
 LAYOUTS: dict[str, tuple[_Source, ...]] = {
     "mha_torch": from_names(dict(zip(PROJECTIONS, PROJECTIONS))) + _EXTRAS,
     # torch.nn.MultiheadAttention: a fused in_proj_weight when kdim == vdim == embed_dim, else
@@ -192,7 +195,8 @@ def read_layout(state: Mapping[str, Any], *, layout: str | None = None, mapping:
 
 
 # What a module option adds, for the messages about keys a module has or lacks.
-_OPTIONS = {"q_norm.weight": "normalize_qk", "k_norm.weight": "normalize_qk", SINKS: "use_sinks"}
+_OPTIONS = {"q_norm.weight": "normalize_qk", "k_norm.weight": "normalize_qk", SINKS: "use_sinks",
+            GATE: "output_gate"}
 
 
 def _module_fit(out: Mapping[str, Any], given: Mapping[str, str], expected: Mapping[str, Sequence[int]],
@@ -304,7 +308,8 @@ def check_state(state: Mapping[str, Any], num_heads: int, num_kv_heads: int,
 
 
 _WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
-_ORDER = tuple(f"{p}.{part}" for p in PROJECTIONS for part in PARTS) + tuple(f"{n}.weight" for n in NORMS) + (SINKS,)
+_ORDER = tuple(f"{p}.{part}" for p in PROJECTIONS for part in PARTS) + tuple(f"{n}.weight" for n in NORMS) + (
+    SINKS, GATE)
 _KV = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 
 
@@ -315,7 +320,7 @@ def _check_shapes(state: Mapping[str, Any], heads: int, kv_heads: int, module: M
     check_head_counts(heads, kv_heads)
     shapes = {k: tuple(v.shape) for k, v in state.items() if k in _ORDER}
     shown = {k: names.get(k, repr(k)) for k in _ORDER}
-    rank = {k: 2 if k in _WEIGHTS else 1 for k in _ORDER}
+    rank = {k: 2 if k in (*_WEIGHTS, GATE) else 1 for k in _ORDER}
     problems = [f"{shown[k]} has shape {s}, expected rank {rank[k]}" for k, s in shapes.items()
                 if len(s) != rank[k] and not (module and k in module)]
     ranked = {k: s for k, s in shapes.items() if len(s) == rank[k]}
@@ -370,6 +375,8 @@ def _allowed(shapes: Mapping[str, tuple], heads: int, kv_heads: int, head_dim: i
     for norm, n in zip(NORMS, (heads, kv_heads)):
         allowed[f"{norm}.weight"] = [(head_dim,), (n * head_dim,)] if n > 1 else [(head_dim,)]
     allowed[SINKS] = [(heads,)]
+    if GATE in shapes and "q_proj.weight" in shapes:
+        allowed[GATE] = [(n, shapes["q_proj.weight"][1]) for n in (heads, heads * head_dim)]
     return {k: v for k, v in allowed.items() if k in shapes}
 
 

@@ -1,5 +1,6 @@
 """Terms on the projections before the logits, read by both twins: ``clip_qkv`` (a clamp of the query, key and
-value projections) and ``QueryScale`` (each query scaled by its position)."""
+value projections) and ``QueryScale`` (each query scaled by its position); and ``output_gate`` (each head's output
+times a sigmoid of the input, before the output projection)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,22 @@ def check_terms(clip_qkv: Any, query_scale: Any, latent: Any) -> tuple[float | N
     if latent is not None and given:
         raise ValueError(f"{', '.join(given)} is not taken with a latent (multi-head latent attention)")
     return clip_qkv, query_scale
+
+
+# ``output_gate``: ``"head"``, one gate per head (``gate_proj`` ``(num_heads, in)``); ``"feature"``, one per output
+# feature of each head (``gate_proj`` ``(num_heads * head_dim, in)``, Qwen3-Next's)
+OUTPUT_GATES = ("head", "feature")
+
+
+def check_output_gate(output_gate: Any, latent: Any) -> str | None:
+    """A module's ``output_gate`` (None, ``"head"`` or ``"feature"``) checked; not taken with a ``latent``."""
+    if output_gate is not None and output_gate not in OUTPUT_GATES:
+        raise ValueError(f"output_gate must be None, 'head' or 'feature', got {output_gate!r}")
+    if output_gate is not None and latent is not None:
+        raise ValueError("output_gate is not taken with a latent (multi-head latent attention)")
+    return output_gate
+
+
+def gate_features(output_gate: str, heads: int, head_dim: int) -> tuple[int, ...]:
+    """The gate projection's output features per token: ``(heads,)`` or ``(heads, head_dim)``."""
+    return (heads,) if output_gate == "head" else (heads, head_dim)

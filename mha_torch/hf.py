@@ -41,7 +41,7 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
         use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),
         local_window_size=options.window, attention_chunk_size=options.attention_chunk_size, latent=options.latent,
-        alibi_slopes=options.alibi_slopes, clip_qkv=options.clip_qkv,
+        alibi_slopes=options.alibi_slopes, clip_qkv=options.clip_qkv, output_gate=options.output_gate,
         query_scale=options.query_scale, dtype=dtype, device=device, implementation=implementation,
     )
     if weights is not None:

@@ -6,6 +6,7 @@ with ``use_sinks``; with a ``latent``, transformers' names (``mha_torch.latent.m
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -82,6 +83,7 @@ class MultiHeadAttention(nn.Module):
         rotary: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         local_window_size: int | tuple[int, int] | None = None,
         out_bias: bool | None = None,
+        output_gate: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         attention_chunk_size: int | None = None,
@@ -118,6 +120,10 @@ class MultiHeadAttention(nn.Module):
         else:
             self._make_projections(qk_norm, out_bias, bias, device, dtype)
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if use_sinks else None
+        self.output_gate = query_terms.check_output_gate(output_gate, self.latent)
+        self.gate_proj = None if output_gate is None else nn.Linear(
+            self.embed_dim, math.prod(query_terms.gate_features(output_gate, num_heads, self.head_dim)), bias=False,
+            device=device, dtype=dtype)
 
     def _make_projections(self, qk_norm: QKNorm | None, out_bias: bool, bias: bool, device, dtype) -> None:
         kv_dim = self.num_kv_heads * self.head_dim
@@ -195,7 +201,8 @@ class MultiHeadAttention(nn.Module):
             q_pos, k_pos = masks.positions(call.spec)
             q, k = rotate_at(self.rotary, q, k, q_pos, k_pos)
             q = _scale_queries(self.query_scale, q, q_pos)
-        return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True)
+        return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True,
+                            gate=self._gate(call.inputs[0]))
 
     def _prepare(self, inputs: tuple, masking: dict, max_length: int | None = None):
         """``(call, (q, k, v))``: the checked call (``batch_axes.merged_call``) and its projections (``_project``;
@@ -271,13 +278,15 @@ class MultiHeadAttention(nn.Module):
             q, (keys, values) = mla.absorb_query(self, q), mla.cached_keys(flat, self.latent, q.dtype)
         else:
             keys, values = flat.key_storage.to(q.dtype), flat.value_storage.to(q.dtype)
-        return self._attend(q, keys, values, spec, call.batch_shape, need_weights, absorbed=self.latent is not None)
+        return self._attend(q, keys, values, spec, call.batch_shape, need_weights, absorbed=self.latent is not None,
+                            gate=self._gate(call.inputs[0]))
 
     def _fast_step(self, query, cache: KVCache, is_causal, need_weights):
         """Self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or not causal) over ``cache`` when every
         row is at one position with room, outside torch.compile: written by slicing, attended unmasked. Else None."""
         keys, weight = cache.key_storage, self.q_proj.weight
-        if not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() or query.ndim < 2 \
+        if self.gate_proj is not None or not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() \
+                or query.ndim < 2 \
                 or query.shape[-1] != self.embed_dim or query.dtype != weight.dtype:
             return None
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -330,10 +339,19 @@ class MultiHeadAttention(nn.Module):
         return (_split_heads(q, batch, q_len, heads, head_dim), _split_heads(k, batch, kv_len, kv_heads, head_dim),
                 _split_heads(v, batch, kv_len, kv_heads, head_dim))
 
+    def _gate(self, query: torch.Tensor) -> torch.Tensor | None:
+        """The output gate of the query's input ``(batch, q_len, embed_dim)``: ``(batch, heads, q_len, 1 | head_dim)``,
+        None without ``output_gate``."""
+        if self.gate_proj is None:
+            return None
+        width = 1 if self.output_gate == "head" else self.head_dim
+        return torch.sigmoid(self.gate_proj(query)).view(*query.shape[:2], -1, width).transpose(1, 2)
+
     def _attend(self, q, keys, values, spec: masks.Spec, batch_shape, need_weights: bool, dropout_mask=None,
-                zero_unused: bool = False, absorbed: bool = False):
-        """Attention of ``(batch, heads, len, head_dim)`` inputs, projected out: ``(*batch, q_len, out_dim)``, or
-        ``(output, weights)``; ``absorbed``: a latent decoding step's, lifted to the value heads first."""
+                zero_unused: bool = False, absorbed: bool = False, gate: torch.Tensor | None = None):
+        """Attention of ``(batch, heads, len, head_dim)`` inputs, gated by ``gate`` (``_gate``'s), projected out:
+        ``(*batch, q_len, out_dim)``, or ``(output, weights)``; ``absorbed``: a latent decoding step's, lifted to
+        the value heads first."""
         batch, heads, n = spec.shape[:3]
         dropout_p = self.dropout if self.training or dropout_mask is not None else 0.0
         if dropout_mask is None and dropout_p > 0 and self.broadcast_dropout:
@@ -347,6 +365,8 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if need_weights else (result, None)
         if absorbed:
             out = mla.lift_output(self, out)
+        if gate is not None:
+            out = out * gate
         out = self.out_proj(out.transpose(1, 2).reshape(batch, n, heads * out.shape[-1]))
         out = batch_axes.unflatten_batch(out, batch_shape)
         return (out, batch_axes.unflatten_batch(weights, batch_shape)) if need_weights else out

@@ -142,6 +142,10 @@ def _at_dtype(model, layer, args, kwargs, dtype):
     kwargs = dict(kwargs)
     kwargs.pop("hidden_states", None)
     tables = kwargs.get("position_embeddings")
+    if isinstance(tables, torch.Tensor) and tables.is_complex() and dtype == "float64":  # DeepSeek-V2's e^(i angle)
+        rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+        angles = _positions()[..., None].double() * rotary.inv_freq.double()
+        kwargs["position_embeddings"] = torch.polar(torch.ones_like(angles), angles) * rotary.attention_scaling
     if isinstance(tables, tuple) and dtype == "float64":
         layer_types = getattr(model.config, "layer_types", None)
         kwargs["position_embeddings"] = _rotary64(model, tables[0], layer_types[layer] if layer_types else None)
@@ -215,9 +219,10 @@ def _grad_error(ours: dict, theirs: dict) -> float:
 
 
 def _representatives(raw: dict, count: int) -> list[int]:
-    """The first layer of each kind (its options but the prefix): every kind the config has, once."""
+    """The first layer of each kind (its options but the prefix): every kind of attention layer the config has,
+    once (a config without one: layer 0, refused naming its kind)."""
     kinds = {}
-    for layer in range(count):
+    for layer in families.attention_layers(raw) or [0]:
         options = families.layer_options(raw, layer)
         kinds.setdefault(repr(dataclasses.replace(options, prefix="")), layer)
     return sorted(kinds.values())
@@ -267,6 +272,8 @@ def check_family(model_type: str, record: Supported, dtypes, monkeypatch, layers
 
 _TESTED = "proven in test_hf_models.py"
 _MOE = dict(num_local_experts=2, num_experts_per_tok=1)
+_MOE_EXPERTS = dict(num_experts=2, num_experts_per_tok=1)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_state=4, mamba_chunk_size=4)  # Mamba 2 layers beside attention, small
 _TEXT = FEATURES[-1]
 _HYBRID = NO_SOFTMAX
 _BERT = dict(is_decoder=True)
@@ -381,11 +388,54 @@ RECORDS: dict[str, Supported | Refused] = {
     "codegen": Supported("a fused qkv_proj in 4 blocks of (q, v, k), pairs (2i, 2i + 1) in the first rotary_dim",
                          dict(_PLAIN, rotary_dim=4)),
     # refused: no softmax attention in some or all layers
-    **{name: Refused(NO_SOFTMAX) for name in (
-        "bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "granitemoe_swa", "inkling_text",
-        "inkling2_text", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax",
-        "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-        "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "hrm_text", "zaya")},
+    **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
+    **{name: Refused("learned gates on the attention", "its softmax layers (a hybrid's; the others linear "
+                     "attention) gate each head's output by a sigmoid of the input") for name in (
+        "bailing_hybrid", "lfm3")},
+    **{name: Refused(_TEXT, "its text model is qwen3_5_text's, qwen3_5_moe_text's") for name in (
+        "qwen3_5", "qwen3_5_moe")},
+    **{name: Supported("its softmax layers (layer_types; the others gated delta nets): a sigmoid gate on each "
+                       "output feature (its rows after each head's query rows in q_proj), RMS QK-norm (1 + weight), "
+                       "a quarter of each head rotating", dict(layer_types=["linear_attention", "full_attention"],
+                                                                linear_num_key_heads=2, linear_num_value_heads=2,
+                                                                linear_key_head_dim=8, linear_value_head_dim=8,
+                                                                **_MOE_EXPERTS))
+       for name in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "hrm_text": Refused("learned gates on the attention", "a sigmoid gate on each feature of the output, two stacks "
+                        "of layers, instructions attended bidirectionally"),
+    **{name: Refused("a mask from the content", "indexed attention (a top-k sparse mask) on its softmax layers, "
+                     "linear attention on the others") for name in ("qwen4_exp", "qwen4_exp_text")},
+    **{name: Refused("relative position bias", "learned relative logits, and short convolutions of the keys and "
+                     "values") for name in ("inkling_text", "inkling2_text")},
+    **{name: Refused("a checkpoint layout not yet written", "shared attention blocks over [hidden; embeddings] "
+                     "(2 x hidden_size) inputs") for name in ("zamba", "zamba2")},
+    "zaya": Refused("a checkpoint layout not yet written", "its queries and keys from a CCA projection "
+                    "(convolutions inside the projection)"),
+    # hybrid models: their softmax attention layers (the others refused by kind: test_a_hybrid_model_s_...)
+    "lfm2": Supported("its attention layers (full_attn_idxs; the others convolutions): RMS QK-norm per head "
+                      "(q_layernorm, k_layernorm), the output projection out_proj", dict(full_attn_idxs=[1])),
+    "lfm2_moe": Supported("its attention layers (layer_types; the others convolutions): RMS QK-norm per head, "
+                          "the output projection out_proj",
+                          dict(layer_types=["conv", "full_attention"], num_dense_layers=1, **_MOE_EXPERTS)),
+    "minimax": Supported("its softmax layers (layer_types; the others lightning attention): Mixtral's, every one "
+                         "sliding with a sliding_window", dict(sliding_window=WINDOW, **_MOE)),
+    "olmo_hybrid": Supported("its attention layers (layer_types; the others gated delta nets): RMS QK-norm over the "
+                             "projection, rotary only with rope parameters", dict(linear_num_key_heads=2)),
+    "jamba": Supported("its attention layers (attn_layer_period, attn_layer_offset; the others Mamba): no rotary",
+                       dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2, expert_layer_period=2)),
+    "bamba": Supported("its attention layers (attn_layer_indices; the others Mamba 2): half of each head rotating",
+                       dict(attn_layer_indices=[1], **_MAMBA)),
+    "nemotron_h": Supported("its attention layers (layers_block_type; the others Mamba 2, MLP, MoE): no rotary, "
+                            "under mixer", dict(layers_block_type=["linear_attention", "full_attention"], **_MAMBA)),
+    "granitemoehybrid": Supported("its attention layers (layer_types; the others Mamba 2): attention_multiplier, "
+                                  "rotary with position_embedding_type='rope'",
+                                  dict(layer_types=["mamba", "attention"], position_embedding_type="rope",
+                                       attention_multiplier=0.2, **_MAMBA, **_MOE)),
+    "falcon_h1": Supported("every layer (Mamba 2 beside it): the keys times key_multiplier (the scale times it)",
+                           dict(key_multiplier=0.7, **_MAMBA)),
+    "granitemoe_swa": Supported("Granite SWA's: sinks as a scale of the output, sliding layers, a rotary base per "
+                                "layer", dict(sliding_window=WINDOW, attention_multiplier=0.2,
+                                              layer_rope_theta=[10000.0, 10000.0, 0.0], **_MOE), layers=3),
     **{name: Refused(ENCODER_DECODER) for name in (
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen", "musicgen_melody",
         "mvp", "pegasus", "plbart", "prophetnet", "whisper", "trocr")},
@@ -393,17 +443,35 @@ RECORDS: dict[str, Supported | Refused] = {
         head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
         qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         n_group=1, topk_group=1)) for name in ("deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1")},
-    "deepseek_v2": Refused("multi-head latent attention", "its complex-valued rotary tables, not yet compared"),
+    "recurrent_gemma": Supported("its attention blocks (block_types; the others recurrent): every one sliding "
+                                 "(attention_window_size), half of each head rotating, an output bias",
+                                 dict(_PLAIN, attention_window_size=WINDOW, block_types=["recurrent", "attention"],
+                                      lru_width=HIDDEN)),
+    "kimi_linear": Supported("its latent attention layers (layer_types; the others delta attention): multi-head "
+                             "latent attention without rotary", dict(
+                                 head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8,
+                                 qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=12, num_local_experts=2,
+                                 num_experts_per_tok=1, moe_intermediate_size=8, linear_num_heads=2,
+                                 linear_head_dim=8, layer_types=["linear_attention", "full_attention"])),
+    "deepseek_v2": Supported("multi-head latent attention, its rotation as complex products e^(i angle) of the "
+                             "pairs (2i, 2i + 1): interleaved pairs", dict(
+                                 head_dim=None, num_key_value_heads=HEADS, q_lora_rank=16, kv_lora_rank=8,
+                                 qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=2,
+                                 num_experts_per_tok=1, moe_intermediate_size=8, n_group=1, topk_group=1)),
     "longcat_flash": Refused("multi-head latent attention", "its scales of the query and latent (mla_scale_*_lora)"),
     **{name: Refused("a mask from the content", "DSA's indexer, a top-k sparse mask") for name in (
         "deepseek_v32", "glm_moe_dsa", "axk2")},
     **{name: Refused("learned gates on the attention", "a gate on each head's output, and DSA's indexer") for name in (
         "dots3_note", "dots3_note_text", "hy_v4")},
-    **{name: Refused("value head dim != head dim") for name in ("mimo_v2_flash",)},
+    "mimo_v2_flash": Refused("value head dim != head dim", "on a module without latent attention; and its sliding "
+                             "layers' doubled key/value heads, their sinks, its values scaled (attention_value_scale)"),
     **{name: Refused("relative position bias") for name in ("cpmant", "xlnet", "reformer", "deepseek_v4")},
     **{name: Refused("differential attention") for name in ("diffllama",)},
-    **{name: Refused("learned gates on the attention") for name in (
-        "afmoe", "laguna", "beam")},
+    **{name: Refused("learned gates on the attention") for name in ("laguna", "beam")},
+    "afmoe": Supported("a sigmoid gate on each output feature (gate_proj), RMS QK-norm per head, sliding layers, "
+                       "rotary on the sliding layers only", dict(sliding_window=WINDOW, global_attn_every_n_layers=2,
+                                                                 num_experts=2, num_experts_per_tok=1,
+                                                                 num_dense_layers=1), layers=2),
     "blt": Refused("cross-attention", "between bytes and patches"),
     "dbrx": Supported("[q; k; v] in one Wqkv clamped (attn_config's clip_qkv), key heads attn_config's kv_n_heads",
                       dict(_PLAIN, d_model=HIDDEN, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500.0),
@@ -412,8 +480,10 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
     **{name: Refused("QK-norm after the rotary embedding", "a learned scale per feature, which the rotation does "
                      "not commute with") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
-    "nanochat": Refused("a rotation the other way", "its rotate_half is (x2, -x1): each pair turns by -angle "
-                        "(its weightless QK-norm after the rotation would commute with it)"),
+    "nanochat": Supported("its rotation by -angle (rotate_half (x2, -x1)): the second half of each head's rotary "
+                          "rows of q_proj and k_proj negated when loading, which turns it by +angle and cancels in "
+                          "the scores; a weightless RMS norm per head after the rotation (yarn and longrope refused: "
+                          "the norm undoes their attention factor)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
         "git", "moshi", "cohere_compass_text")},
     **{name: Refused("cross-attention") for name in ("mllama",)},
@@ -439,7 +509,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 86, len(supported)
+    assert len(supported) >= 111, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -600,6 +670,35 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
     worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
     assert max(worst["float64"]) < 1e-12, worst
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
+
+
+HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
+           "kimi_linear", "recurrent_gemma", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _softmax_attention(model, prefix: str, layer: int) -> bool:
+    """Whether transformers' model holds softmax attention at the layer's ``prefix`` (not a Mamba mixer, a
+    convolution, a linear or lightning attention, an MLP, or nothing)."""
+    block, _, attribute = prefix.format(layer=layer).rstrip(".").rpartition(".")
+    name = type(getattr(model.get_submodule(block), attribute, None)).__name__
+    return name.endswith("Attention") and not any(word in name for word in ("Lightning", "Delta"))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_model_s_attention_layers_are_those_of_softmax_attention(name):
+    """Every layer of the hybrid's small model (a whole period): ``attention_layers`` lists those whose module at
+    the record's prefix is softmax attention in transformers' model; ``layer_options`` and both twins' ``from_hf``
+    refuse each other layer, naming the layer and its kind."""
+    record = RECORDS[name]
+    config = _config(name, record.config, record.layers)
+    model = _model(config)
+    raw = families.read_config(config.to_dict())
+    theirs = [i for i in range(record.layers) if _softmax_attention(model, families.FAMILIES[name].prefix, i)]
+    assert families.attention_layers(raw) == theirs != []
+    for layer in sorted(set(range(record.layers)) - set(theirs)):
+        for build in (families.layer_options, mha_torch.from_hf, mha_jax.from_hf):
+            with pytest.raises(ValueError, match=rf"layer {layer} of this {name} config is a '\w+' layer, not"):
+                build(raw, layer=layer)
 
 
 # configs longer than their layer pattern's period: (family, config keywords, layers)

@@ -160,7 +160,7 @@ def _keep_float64(monkeypatch, attention):
     monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
     for module in attention.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            offset = 1.0 if "Gemma" in type(module).__name__ else 0.0
+            offset = 1.0 if "1.0 + self.weight" in inspect.getsource(type(module).forward) else 0.0  # Gemma's
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
             def forward(h, module=module, offset=offset, eps=eps):  # NanoChat's: no weight
@@ -210,6 +210,28 @@ def _pair_rotation64(monkeypatch, attention):
         return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", rotate_pairs64)
+
+
+def _complex_rotation64(monkeypatch, attention):
+    """DeepSeek-V2's rotation, complex products of queries and keys cast to float32, in complex128."""
+    modeling = __import__(type(attention).__module__, fromlist=["_"])
+
+    def rotate64(xq, xk, freqs_cis):
+        pairs = [torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous()) for x in (xq, xk)]
+        return tuple(torch.view_as_real(x * freqs_cis.unsqueeze(1)).flatten(3) for x in pairs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_emb", rotate64)
+
+
+def _own_rotary64(monkeypatch, attention):
+    """Recurrent Gemma's rotary tables, made inside its attention in float32, in float64 from its ``inv_freq``."""
+    rotary = attention.rotary_emb
+
+    def tables64(x, position_ids):
+        return _tables64(rotary, position_ids, 2 * rotary.inv_freq.shape[-1]) if x.dtype == torch.float64 \
+            else type(rotary).forward(rotary, x, position_ids)
+
+    monkeypatch.setattr(rotary, "forward", tables64)
 
 
 def _gptj64(monkeypatch, attention):
@@ -338,8 +360,10 @@ _FLOAT32_STEPS = {
     ("CodeGenAttention",): _codegen64,
     ("GPTNeoSelfAttention",): _gpt_neo64,
     ("FlintAttention",): functools.partial(_sinks64, as_scale=False),
-    ("GraniteSWAAttention",): functools.partial(_sinks64, as_scale=True),
+    ("GraniteSWAAttention", "GraniteMoeSWAAttention"): functools.partial(_sinks64, as_scale=True),
     ("MptAttention",): _mpt64,
+    ("DeepseekV2Attention",): _complex_rotation64,
+    ("RecurrentGemmaAttention",): _own_rotary64,
     ("modeling_xlm.MultiHeadAttention",): _xlm64,
 }
 
@@ -455,7 +479,7 @@ def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
     with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; "
-                                         r"supported: apertus, arcee, axk1, bert, .*, phi3, .*, stablelm, .*"):
+                                         r"supported: apertus, arcee, axk1, bamba, bert, .*, phi3, .*, stablelm, .*"):
         from_hf(dict(base, model_type="t5"))
     with pytest.raises(ValueError,
                        match=r"position_embedding_type='relative_key', which this attention does not compute"):
