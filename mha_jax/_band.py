@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mha_jax import _tiles
+from mha_jax import _tiles, _tuning
 from mha_spec.terms import Causal, Terms, Where, Window
 
 _BAND_SCORES = 1 << 22  # the most scores of one band (batch x heads x rows x keys), as ``_blockwise``'s
-_BLOCK = 128  # queries per band (docs/performance.md: how it was chosen)
 
 
 @dataclass(frozen=True)
@@ -45,17 +44,18 @@ def band(q_len: int, kv_len: int, batch_heads: int, groups: int, terms: Terms) -
         return None
     left, right = window[0].left, window[0].right
     left, right = min(left, q_len), min(0 if Causal() in terms.members else right, kv_len)
-    block = min(_BLOCK, max(8, 1 << (q_len - 1).bit_length()))
+    block = min(_tuning.current().band_block, max(8, 1 << (q_len - 1).bit_length()))
     if batch_heads * groups * block * (block + left + right) > _BAND_SCORES:
         return None
     return block, left, right
 
 
-def attention(q, k, v, terms, conditions: Terms, *, block, left, right, scale, precision):
+def attention(q, k, v, tokens: _tiles.Tokens, conditions: Terms, *, block, left, right, scale, precision):
     """(output ``(batch, kv_heads, groups, q_len, v_head_dim)`` in ``q.dtype``, its lse ``(batch, kv_heads, groups,
-    q_len)``, without gradient); ``conditions`` read ``terms``."""
+    q_len)``, without gradient); ``conditions`` read ``tokens`` (positions: default ones, relative to each band)."""
     cfg = _Band(block, q.shape[3], k.shape[2], left, right, scale, precision, conditions)
-    return _band(cfg, q, k, v, terms[2:])
+    _tuning.observe("band", cfg)
+    return _band(cfg, q, k, v, tokens._replace(query_positions=None, key_positions=None))
 
 
 def _padded_keys(cfg, x, axis):
@@ -68,18 +68,18 @@ def _padded_keys(cfg, x, axis):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _band(cfg, q, k, v, terms):
-    return _forward(cfg, q, k, v, terms)[0]
+def _band(cfg, q, k, v, tokens):
+    return _forward(cfg, q, k, v, tokens)[0]
 
 
-def _scores(cfg, q_i, k_band, i, g, terms, transposed=False):
+def _scores(cfg, q_i, k_band, i, g, tokens: _tiles.Tokens, transposed=False):
     """Band ``i``'s scores ``(b, h, g * block, width)``, masked where not visible; ``transposed``: ``(b, h, width, g *
     block)``."""
     b, h = q_i.shape[:2]
     rows = np.arange(cfg.block_q).reshape(1, 1, 1, -1, 1)  # positions relative to the band's first query
     cols = np.arange(cfg.width).reshape(1, 1, 1, 1, -1) - cfg.left
     key = i * cfg.block_q + jnp.asarray(cols, jnp.int32)  # the key's index
-    qs, ks, lengths, slopes = terms
+    qs, ks, lengths, slopes = tokens.query_segments, tokens.key_segments, tokens.lengths, tokens.slopes
     q_ids = None if qs is None else \
         lax.dynamic_slice_in_dim(qs, i * cfg.block_q, cfg.block_q, 1)[:, None, None, :, None]
     k_ids = None if ks is None else lax.dynamic_slice_in_dim(ks, i * cfg.block_q, cfg.width, 1)[:, None, None, None, :]
@@ -123,18 +123,18 @@ def _unblocked(cfg, x):
     return jnp.moveaxis(x[:, : cfg.q_len], 1, 3)
 
 
-def _forward(cfg, q, k, v, terms):
+def _forward(cfg, q, k, v, tokens: _tiles.Tokens):
     g = q.shape[2]
-    q_ids, k_ids = terms[:2]
+    q_ids, k_ids = tokens.query_segments, tokens.key_segments
     if q_ids is not None:  # query ids padded to whole blocks, key ids laid as the keys
         q_ids = jnp.pad(q_ids, ((0, 0), (0, cfg.n_q * cfg.block_q - q_ids.shape[1])), constant_values=-1)
-        terms = (q_ids, _padded_keys(cfg, k_ids, 1), *terms[2:])
+        tokens = tokens._replace(query_segments=q_ids, key_segments=_padded_keys(cfg, k_ids, 1))
     qs = _queries(cfg, q)  # (b, padded, h, g, d)
     kp, vp = _padded_keys(cfg, k, 2), _padded_keys(cfg, v, 2)  # (b, h, padded, d)
     def block(i):
         start = i * cfg.block_q
         q_i = _block_rows(cfg, qs, i)
-        s = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms)
+        s = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, tokens)
         v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
         def mix(p):
             return jnp.einsum("bhmk,bhkd->bhmd", p, v_band, precision=cfg.precision)
@@ -143,11 +143,11 @@ def _forward(cfg, q, k, v, terms):
         return _in_caller_layout(cfg, out), lse
     out, lse = lax.map(block, jnp.arange(cfg.n_q))
     out = _unblocked(cfg, out)
-    return (out, _tiles.from_query_rows(cfg, lse, *q.shape[:3])), (q, k, v, terms, out, lse)
+    return (out, _tiles.from_query_rows(cfg, lse, *q.shape[:3])), (q, k, v, tokens, out, lse)
 
 
 def _backward(cfg, residuals, cotangents):
-    q, k, v, terms, out, lse = residuals  # lse: (n, b, h, rows)
+    q, k, v, tokens, out, lse = residuals  # lse: (n, b, h, rows)
     d_out = cotangents[0]  # the lse's is not read: it has no gradient
     g = q.shape[2]
     delta = _tiles.query_rows(cfg, jnp.sum(d_out * out, axis=-1))  # rowsum(dO * O) = rowsum(dP * P)
@@ -161,7 +161,7 @@ def _backward(cfg, residuals, cotangents):
         start = i * cfg.block_q
         q_i, do_i = _block_rows(cfg, qs, i), _block_rows(cfg, dos, i)
         v_band = lax.dynamic_slice_in_dim(vp, start, cfg.width, 2)
-        st = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, terms, transposed=True)
+        st = _scores(cfg, q_i, lax.dynamic_slice_in_dim(kp, start, cfg.width, 2), i, g, tokens, transposed=True)
         dpt = jnp.einsum("bhkd,bhmd->bhkm", v_band, do_i, precision=cfg.precision)
         pt, _, dst = _tiles.backward(st, lse_i[:, :, None, :], delta_i[:, :, None, :], dpt)
         dst = dst * jnp.asarray(cfg.scale, pt.dtype)  # of the unscaled products

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _band, _tiles, masks
+from mha_jax import _band, _mesh, _tiles, _tuning, masks
 from mha_spec import terms as _terms
 from mha_spec.terms import Terms, Where
 
@@ -37,6 +37,7 @@ class Config:
     soft_cap: float | None = None
     band: tuple[int, int, int] | None = None  # (block, left, right): computed by ``_band``
     chunk_size: int | None = None
+    backward_blocks: tuple[int, int] | None = None  # (block_q, block_k) of the backward; None: ``block_sizes``'
 
     @property
     def n_q(self) -> int:
@@ -68,7 +69,29 @@ def block_sizes(q_len: int, kv_len: int, batch_heads: int = 8, groups: int = 1, 
     return block_q, block_k
 
 
-backward_block_sizes = functools.partial(block_sizes, backward=True)
+def run(query, key, value, *, spec, scale, soft_cap, sinks, keep, rng, dropout_rate, keep_scale, precision, compute,
+        residual=False):
+    """(output ``(batch, q_len, heads, v_head_dim)``, None, lse ``(batch, q_len, heads)`` or None) of the public
+    layout's inputs."""
+    batch, heads, q_len, kv_len = spec.shape
+    kv_heads, head_dim = key.shape[2], query.shape[3]
+    groups = heads // kv_heads
+    q = query.astype(compute).reshape(batch, q_len, kv_heads, groups, head_dim)
+    k, v = key.astype(compute), value.astype(compute)
+    causal = spec.is_causal or spec.window is not None
+    blocks = _tuning.current().blocks or block_sizes(q_len, kv_len, batch * kv_heads, groups, causal)
+    out = attention(
+        q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), spec,
+        allowed=_tiles.grouped(spec.allowed, kv_heads), bias=_tiles.grouped(spec.bias, kv_heads),
+        keep=_tiles.grouped(keep, kv_heads), dropout_rng=rng, scale=scale, dropout_rate=dropout_rate,
+        keep_scale=keep_scale, precision=precision, block_q=blocks[0], block_k=blocks[1], soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.astype(compute).reshape(1, kv_heads, groups), residual=residual,
+    )
+    lse = None
+    if residual:  # (batch, kv_heads, groups, q_len) -> (batch, q_len, heads)
+        out, lse = out
+        lse = _tiles.residual(lse, _tiles.no_key_residual(lse.dtype)).transpose(0, 3, 1, 2).reshape(query.shape[:3])
+    return out.transpose(0, 3, 1, 2, 4).reshape(query.shape[:3] + value.shape[3:]), None, lse
 
 
 def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, scale, dropout_rate,
@@ -82,20 +105,21 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     plain = all(x is None for x in (allowed, bias, keep, dropout_rng, sinks, soft_cap))
     b, h, g = q.shape[:3]
     bands = _band.band(q.shape[3], k.shape[2], b * h, g, spec.terms) if plain and spec.default_positions else None
-    cfg = Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale,
-                  keep_scale, dropout_rate, precision, soft_cap, bands, spec.chunk_size)
+    cfg = Config(block_q, block_k, q.shape[3], k.shape[2], spec.is_causal, spec.window, scale, keep_scale,
+                 dropout_rate, precision, soft_cap, bands, spec.chunk_size, _tuning.current().backward_blocks)
+    _tuning.observe("blocks", (block_q, block_k))
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, h, g, 1, 1)  # (b|1, h, g, 1, 1)
     positions = masks.positions(spec) if "position" in spec.terms.reads or slopes is not None else (None, None)
-    terms = (*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths, slopes)
-    args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, terms)
+    tokens = _tiles.Tokens(*positions, spec.query_segment_ids, spec.key_segment_ids, spec.lengths, slopes)
+    args = (q, k, v, allowed, bias, keep, sinks, dropout_rng, tokens)
     explicit = tuple(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
     if not explicit:
         out, lse = _run(cfg, *args)
         return (out, lse) if residual else out
     # Only batch and heads sharded, no drawn dropout: each device runs its own share; else the axes go automatic.
     out_spec = jax.typeof(q).sharding.spec
-    batch, heads = _names(out_spec[0]), _names(out_spec[1])
-    if dropout_rng is None and (batch or heads) and not any(_names(e) for e in out_spec[2:]):
+    batch, heads = _mesh.names(out_spec[0]), _mesh.names(out_spec[1])
+    if dropout_rng is None and (batch or heads) and not any(_mesh.names(e) for e in out_spec[2:]):
         n, kv_heads = q.shape[:2]
         def place(x, has_heads):  # the batch (where not broadcast) and the key/value heads split
             entries = [batch if x.shape[0] == n else None] + [None] * (x.ndim - 1)
@@ -103,9 +127,10 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
                 entries[1] = heads
             return P(*(e or None for e in entries))
         specs = (*(None if x is None else place(x, True) for x in args[:7]), None,
-                 (*jax.tree.map(lambda x: place(x, False), terms[:5]), None if slopes is None else place(slopes, True)))
+                 jax.tree.map(lambda x: place(x, False), tokens)._replace(
+                     slopes=None if slopes is None else place(slopes, True)))
         placed = P(batch or None, heads or None)
-        out, lse = per_device(functools.partial(_run, cfg), args, specs, (placed, placed))
+        out, lse = _mesh.per_device(functools.partial(_run, cfg), args, specs, (placed, placed))
         out, lse = ((x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want))
                     for x, want in ((out, out_spec), (lse, P(*out_spec[:4]))))
         return (out, lse) if residual else out
@@ -114,57 +139,26 @@ def attention(q, k, v, spec: masks.Spec, *, allowed, bias, keep, dropout_rng, sc
     return (out, lse) if residual else out
 
 
-def axes_of(entry) -> tuple:
-    """The mesh axis names of one entry of a PartitionSpec (None, a name or a tuple of names)."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _names(entry) -> tuple:
-    """The names of the mesh axes of more than one device in one entry of a PartitionSpec."""
-    sizes = jax.sharding.get_abstract_mesh().shape
-    return tuple(a for a in axes_of(entry) if sizes[a] > 1)
-
-
-def per_device(run, args: tuple, specs: tuple, out_specs, check_vma: bool = True):
-    """``run(*args)`` in ``jax.shard_map`` over the mesh's Explicit axes, ``args`` resharded to ``specs``."""
-    def placed(x, spec):
-        return x if jax.typeof(x).sharding.spec == spec else jax.sharding.reshard(x, spec)
-    args = jax.tree.map(placed, args, specs)
-    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
-    return jax.shard_map(run, in_specs=specs, out_specs=out_specs, axis_names=explicit, check_vma=check_vma)(*args)
-
-
-def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
+def _run(cfg, q, k, v, allowed, bias, keep, sinks, rng, tokens):
     # varying over every manual axis any input varies over: the loops' carries start from them, and each
     # gradient then has its input's type
-    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(((q, k, v, bias, sinks), (allowed, keep, rng, terms)))))
+    leaves = jax.tree.leaves(((q, k, v, bias, sinks), (allowed, keep, rng, tokens)))
+    axes = frozenset().union(*(_mesh.vma(x) for x in leaves))
     def vary(x):
-        missing = tuple(sorted(axes - _vma(x)))
-        return to_varying(x, missing) if missing else x
+        missing = tuple(sorted(axes - _mesh.vma(x)))
+        return _mesh.to_varying(x, missing) if missing else x
     q, k, v, bias, sinks = (None if x is None else vary(x) for x in (q, k, v, bias, sinks))
     if cfg.band is not None:
         block, left, right = cfg.band
-        return _band.attention(q, k, v, terms, _conjunction(cfg, terms), block=block, left=left, right=right,
+        return _band.attention(q, k, v, tokens, _conjunction(cfg, tokens), block=block, left=left, right=right,
                                scale=cfg.scale, precision=cfg.precision)
-    return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)
-
-
-def to_varying(x, axes: tuple[str, ...]):
-    """``x`` cast to varying over the manual mesh ``axes`` (``jax.lax.pcast``; ``pvary`` in older jax)."""
-    return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
-
-
-def _vma(x) -> frozenset:
-    """The manual mesh axes ``x`` varies over (empty outside ``jax.shard_map``)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # in older jax, the aval's ``vma``
-    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    return _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, tokens)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
+def _flash(cfg, q, k, v, allowed, bias, keep, sinks, rng, tokens):
     """(output, lse); the lse has no gradient (its cotangent is not read)."""
-    return _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms)[0]
+    return _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, tokens)[0]
 
 
 def _axes(transposed):
@@ -184,11 +178,11 @@ def _pad_masks(cfg, arrays):
     return [_tiles.pad(_tiles.pad(m, 3, cfg.n_q * cfg.block_q, True), 4, cfg.n_k * cfg.block_k, True) for m in arrays]
 
 
-def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
+def _scores(cfg, s, i, j, allowed, tokens: _tiles.Tokens, bias, block5, transposed, partial):
     """(scores, tanh of the cap) of block (i, j) from products ``s`` (``_axes`` layout); a partial block is masked
     by the terms, the mask and (forward only: ``_tiles.backward`` clamps) the key padding."""
     bias = _tile(cfg, bias, i, j, transposed)
-    slopes = terms[5] if terms[5] is None or not transposed else jnp.moveaxis(terms[5], 4, 2)
+    slopes = tokens.slopes if tokens.slopes is None or not transposed else jnp.moveaxis(tokens.slopes, 4, 2)
     if not partial and slopes is None:
         return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias)
     q_axis, k_axis = _axes(transposed)
@@ -202,11 +196,11 @@ def _scores(cfg, s, i, j, allowed, terms, bias, block5, transposed, partial):
         layout = [x.shape[0], 1, 1, 1, 1]
         layout[axis] = size
         return lax.dynamic_slice_in_dim(x, index * size, size, 1).reshape(layout)
-    qp, kp, qs, ks, lengths = terms[:5]
-    q = Where(along(qp, q_axis, i, cfg.block_q), along(qs, q_axis, i, cfg.block_q))
-    k = Where(along(kp, k_axis, j, cfg.block_k), along(ks, k_axis, j, cfg.block_k), cols,
-              None if lengths is None else lengths.reshape(-1, 1, 1, 1, 1))
-    conditions = _conjunction(cfg, terms) if partial else None
+    t = tokens
+    q = Where(along(t.query_positions, q_axis, i, cfg.block_q), along(t.query_segments, q_axis, i, cfg.block_q))
+    k = Where(along(t.key_positions, k_axis, j, cfg.block_k), along(t.key_segments, k_axis, j, cfg.block_k), cols,
+              None if t.lengths is None else t.lengths.reshape(-1, 1, 1, 1, 1))
+    conditions = _conjunction(cfg, tokens) if partial else None
     dense = (padding, _tile(cfg, allowed, i, j, transposed)) if partial else ()
     return _tiles.scores(s, block5, soft_cap=cfg.soft_cap, bias=bias, terms=conditions, q=q, k=k, masks=dense,
                          alibi=slopes)
@@ -225,31 +219,33 @@ def _ranges(x, block, n):
     return x.min(axis=2), x.max(axis=2)
 
 
-def _pad_terms(cfg, terms):
-    """Positions and segment ids padded to whole blocks (``_edge_padded``); the slopes as they are."""
-    qp, kp, qs, ks, lengths, slopes = terms
-    return (_edge_padded(qp, cfg.n_q, cfg.block_q), _edge_padded(kp, cfg.n_k, cfg.block_k),
-            _edge_padded(qs, cfg.n_q, cfg.block_q), _edge_padded(ks, cfg.n_k, cfg.block_k), lengths, slopes)
+def _pad_tokens(cfg, t: _tiles.Tokens) -> _tiles.Tokens:
+    """Positions and segment ids padded to whole blocks (``_edge_padded``); lengths and slopes as they are."""
+    return t._replace(query_positions=_edge_padded(t.query_positions, cfg.n_q, cfg.block_q),
+                      key_positions=_edge_padded(t.key_positions, cfg.n_k, cfg.block_k),
+                      query_segments=_edge_padded(t.query_segments, cfg.n_q, cfg.block_q),
+                      key_segments=_edge_padded(t.key_segments, cfg.n_k, cfg.block_k))
 
 
-def _conjunction(cfg, terms) -> Terms:
-    """The structured terms of ``cfg`` and of the arrays ``terms`` given (segments, lengths)."""
-    return _terms.of(cfg.causal, cfg.window, cfg.chunk_size, terms[2] is not None, terms[4] is not None)
+def _conjunction(cfg, tokens: _tiles.Tokens) -> Terms:
+    """The structured terms of ``cfg`` and of the ``tokens`` given (segments, lengths)."""
+    return _terms.of(cfg.causal, cfg.window, cfg.chunk_size, tokens.query_segments is not None,
+                     tokens.lengths is not None)
 
 
-def classes(cfg, allowed, terms, padding):
+def classes(cfg, allowed, tokens: _tiles.Tokens, padding):
     """(whole, live) bool ``(n_q, n_k)``: live where some score may be visible, whole where all are (no mask
     needed); with ``padding`` the last key block's padding counts as masked."""
-    qp, kp, qs, ks, lengths = terms[:5]
-    q_pos, k_pos = _ranges(qp, cfg.block_q, cfg.n_q), _ranges(kp, cfg.block_k, cfg.n_k)  # (lo, hi) (b|1, n)
-    q_ids, k_ids = _ranges(qs, cfg.block_q, cfg.n_q), _ranges(ks, cfg.block_k, cfg.n_k)
+    t = tokens
+    q_pos, k_pos = _ranges(t.query_positions, cfg.block_q, cfg.n_q), _ranges(t.key_positions, cfg.block_k, cfg.n_k)
+    q_ids, k_ids = _ranges(t.query_segments, cfg.block_q, cfg.n_q), _ranges(t.key_segments, cfg.block_k, cfg.n_k)
     start = jnp.arange(cfg.n_k)[None, None, :] * cfg.block_k  # each key block's first index
-    length = None if lengths is None else lengths[:, None, None]
+    length = None if t.lengths is None else t.lengths[:, None, None]
     def at(ranges, end, axis):  # the blocks' lows (end 0) or highs (1), laid as (b|1, n_q, n_k)
         return None if ranges is None else jnp.expand_dims(ranges[end], axis)
     queries = (Where(at(q_pos, e, 2), at(q_ids, e, 2)) for e in (0, 1))
     keys = (Where(at(k_pos, e, 1), at(k_ids, e, 1), start + e * (cfg.block_k - 1), length) for e in (0, 1))
-    block = _conjunction(cfg, terms).block(*queries, *keys)
+    block = _conjunction(cfg, tokens).block(*queries, *keys)
     whole = live = jnp.ones((1, cfg.n_q, cfg.n_k), bool)  # (b|1, n_q, n_k)
     if block[0] is not None:
         whole, live = whole & block[0], live & block[1]
@@ -294,14 +290,14 @@ def _keep(cfg, keep, rng, i, j, b, h, g, transposed):
     return jnp.moveaxis(drawn, 4, 2) if transposed else drawn
 
 
-def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
+def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, tokens):
     b, h, g, _, d = q.shape
     q_blocks = _tiles.query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype))  # (n_q, b, h, rows, d)
     kt_blocks = jnp.swapaxes(_tiles.key_rows(cfg, k), 3, 4)  # (n_k, b, h, d, block_k)
     v_blocks = _tiles.key_rows(cfg, v)
     allowed_p, bias_p, keep_p = _pad_masks(cfg, (allowed, bias, keep))
-    terms_p = _pad_terms(cfg, terms)
-    order, n_whole, n_live = schedule(*classes(cfg, allowed, terms, padding=True))
+    tokens_p = _pad_tokens(cfg, tokens)
+    order, n_whole, n_live = schedule(*classes(cfg, allowed, tokens, padding=True))
     block5 = (b, h, g, cfg.block_q, cfg.block_k)
     # (1, h, g * block_q): each query head's sink along the rows of a query block
     sink_rows = None if sinks is None else jnp.repeat(sinks, cfg.block_q, axis=2)
@@ -310,7 +306,7 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
         def key_step(t, state, partial):
             j = order_i[t]
             s = jnp.einsum("bhmd,bhdk->bhmk", q_i, kt_blocks[j], precision=cfg.precision)
-            s = _scores(cfg, s, i, j, allowed_p, terms_p, bias_p, block5, False, partial)[0]
+            s = _scores(cfg, s, i, j, allowed_p, tokens_p, bias_p, block5, False, partial)[0]
             def mix(p):
                 return jnp.einsum("bhmk,bhkd->bhmd", p, v_blocks[j], precision=cfg.precision)
             block_keep = _keep(cfg, keep_p, rng, i, j, b, h, g, False)
@@ -320,27 +316,28 @@ def _forward(cfg, q, k, v, allowed, bias, keep, sinks, rng, terms):
         return _tiles.finish(lax.fori_loop(whole_i, live_i, functools.partial(key_step, partial=True), state))
     out, lse = lax.map(query_block, (jnp.arange(cfg.n_q), q_blocks, order, n_whole, n_live))
     out, lse = _tiles.from_query_rows(cfg, out, b, h, g), _tiles.from_query_rows(cfg, lse, b, h, g)
-    return (out, lse), (q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse)
+    return (out, lse), (q, k, v, allowed, bias, keep, sinks, rng, tokens, out, lse)
 
 
-# The backward's query blocks ``(n_q, b, h, rows, ...)``, padded transposed masks and padded terms.
-_Transposed = collections.namedtuple("_Transposed", "qs qst do dot lse delta allowed bias keep terms")
+# The backward's query blocks ``(n_q, b, h, rows, ...)``, padded transposed masks and padded tokens.
+_Transposed = collections.namedtuple("_Transposed", "qs qst do dot lse delta allowed bias keep tokens")
 
 
 def _flash_bwd(cfg, residuals, cotangents):
-    q, k, v, allowed, bias, keep, sinks, rng, terms, out, lse = residuals
+    q, k, v, allowed, bias, keep, sinks, rng, tokens, out, lse = residuals
     d_out = cotangents[0]  # the lse's is not read: it has no gradient
     b, h, g, _, d = q.shape
     if rng is None:  # a drawn dropout mask is tied to the forward's blocks; otherwise re-block
-        sizes = backward_block_sizes(cfg.q_len, cfg.kv_len, b * h, g, cfg.causal or cfg.window is not None)
+        causal = cfg.causal or cfg.window is not None
+        sizes = cfg.backward_blocks or block_sizes(cfg.q_len, cfg.kv_len, b * h, g, causal, backward=True)
         cfg = dataclasses.replace(cfg, block_q=sizes[0], block_k=sizes[1])
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
     qs_blocks, do_blocks = _tiles.query_rows(cfg, q * jnp.asarray(cfg.scale, q.dtype)), _tiles.query_rows(cfg, d_out)
     masks_t = (None if m is None else jnp.moveaxis(m, 4, 2) for m in _pad_masks(cfg, (allowed, bias, keep)))
     blocks = _Transposed(qs_blocks, jnp.swapaxes(qs_blocks, 3, 4), do_blocks, jnp.swapaxes(do_blocks, 3, 4),
-                         _tiles.query_rows(cfg, lse), _tiles.query_rows(cfg, delta), *masks_t, _pad_terms(cfg, terms))
+                         _tiles.query_rows(cfg, lse), _tiles.query_rows(cfg, delta), *masks_t, _pad_tokens(cfg, tokens))
     k_blocks, v_blocks = _tiles.key_rows(cfg, k), _tiles.key_rows(cfg, v)  # (n_k, b, h, block_k, d)
-    whole, live = classes(cfg, allowed, terms, padding=False)
+    whole, live = classes(cfg, allowed, tokens, padding=False)
     order, n_whole, n_live = schedule(whole.T, live.T)  # per key block, over query blocks
     def key_block(carry, args):
         dqt, d_bias = carry
@@ -373,7 +370,7 @@ def _backward_tile(cfg, blocks: _Transposed, rng, i, j, key_block, grads, partia
     g = blocks.qs.shape[3] // cfg.block_q
     block5_t = (b, h, block_k, g, cfg.block_q)
     st = jnp.einsum("bhkd,bhdm->bhkm", k_j, blocks.qst[i], precision=cfg.precision)
-    st, tanh_t = _scores(cfg, st, i, j, blocks.allowed, blocks.terms, blocks.bias, block5_t, True, partial)
+    st, tanh_t = _scores(cfg, st, i, j, blocks.allowed, blocks.tokens, blocks.bias, block5_t, True, partial)
     dpt = jnp.einsum("bhkd,bhdm->bhkm", v_j, blocks.dot[i], precision=cfg.precision)
     block_keep = _keep(cfg, blocks.keep, rng, i, j, b, h, g, True)
     pt_used, ds_bias, dst = _tiles.backward(st, blocks.lse[i][:, :, None, :], blocks.delta[i][:, :, None, :], dpt,

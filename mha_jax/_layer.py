@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax import _cache, _checks, masks
+from mha_jax import _cache, _checks, _dispatch, masks
 from mha_jax import latent as mla
 from mha_jax.attention import spec_attention
 from mha_spec import arguments, batch_axes, kv_cache
@@ -152,12 +152,11 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
         dropout_mask = jax.random.bernoulli(dropout_rng, 1.0 - rate, shape)
     dropped = dropout_mask is not None
     # weights come from "xla"; sown ones are formed on the side when another implementation or dropout is used
-    want = return_weights or sow_weights and not dropped and module.implementation in (None, "xla")
+    want = return_weights or sow_weights and not dropped and _dispatch.record(module.implementation).weights
     logits = _logit_terms(module, sinks)
     result = spec_attention(
         query, key, value, spec, dropout_rate=rate if dropped else 0.0, dropout_mask=dropout_mask,
-        return_weights=want, precision=module.precision,
-        implementation="xla" if want and module.implementation is None else module.implementation,
+        return_weights=want, precision=module.precision, implementation=module.implementation,
         zero_unused=zero_unused, sequence_axis=sequence_axis, **logits,
     )
     out, weights = result if want else (result, None)
@@ -167,7 +166,7 @@ def attend(module, query, key, value, spec: masks.Spec, batch_shape, *, dropout_
     if sow_weights:  # flax sows the weights before dropout
         sown = weights if weights is not None and not dropped and not wide else spec_attention(
             *(x.astype(jnp.float32) if wide else x for x in (query, key, value)), spec, return_weights=True,
-            precision=module.precision, implementation="xla", **logits,
+            precision=module.precision, **logits,  # the default forms the weights
         )[1]
         sown = batch_axes.unflatten_batch(sown, batch_shape)
     weights = None if weights is None or not return_weights else batch_axes.unflatten_batch(weights, batch_shape)
@@ -189,11 +188,12 @@ def _complex_attention_fn(module, sinks, **options) -> Callable[..., jax.Array]:
     return dot_product_attention
 
 
-def call_masking(module, call: str, named: Mapping, masking: Mapping) -> dict:
-    """A call's masking arguments (``batch_axes.call_masking``) from its ``locals()`` and ``**masking``."""
+def call_masking(module, call: str, masking: Mapping, **given) -> dict:
+    """A call's masking arguments (``batch_axes.call_masking``): ``**masking`` and the call's own, ``given`` by
+    name."""
     slopes = None if module.alibi_slopes is None else jnp.asarray(module.alibi_slopes)
-    return batch_axes.call_masking(module.local_window_size, module.attention_chunk_size,
-                                   dict(named, **arguments.position_masking(call, masking)), slopes)
+    return batch_axes.call_masking(module.local_window_size, module.attention_chunk_size, slopes,
+                                   arguments.position_masking(call, masking), **given)
 
 
 def check_sequence_axis(sequence_axis):

@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _blockwise, _tiles, masks
+from mha_jax import _mesh, _tiles, _tuning, masks
 from mha_spec.terms import Terms, Where, conjoin
 
 
@@ -26,7 +26,7 @@ class _Config:
     size: int
     scale: float
     soft_cap: float | None
-    terms: Terms  # the structured terms, read from the arrays ``qp``, ``kp``, ``qs``, ``ks``, ``lengths``
+    terms: Terms  # the structured terms, read from the tokens' positions, segments and lengths
     precision: Any
     batch_axes: tuple[str, ...] = ()  # Explicit mesh axes sharding the batch, manual in the ring too
     head_axes: tuple[str, ...] = ()  # and the (key/value) heads
@@ -36,6 +36,7 @@ class _Config:
     dropout_rate: float = 0.0  # of drawn dropout (a "seed" among the dense terms)
     keep_scale: float = 1.0  # of kept weights, drawn or given
     uniform: str = "float32"  # the dtype in which jax.random.bernoulli draws: float64 under jax_enable_x64
+    tile: int = 512  # the largest tile of queries (and of keys) a step scores at once (``Tuning.ring_tile``)
 
     def spec(self, *dims):
         """A PartitionSpec naming the axes of ``dims``: "b" batch, "s" sequence, "h" heads, None."""
@@ -44,7 +45,7 @@ class _Config:
 
 
 def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation,
-          return_residual: bool = False) -> int:
+          takes_ring: bool, return_residual: bool = False) -> int:
     """The axis's size, after refusing by name what a ring cannot run on or take."""
     if not isinstance(sequence_axis, str):
         raise TypeError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}")
@@ -78,10 +79,26 @@ def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights
         raise refused("does not take return_weights=True (the ring never forms them)")
     if return_residual:
         raise refused("does not take return_residual=True; use sequence_axis=None")
-    if implementation == "cudnn":
-        raise refused("does not take implementation='cudnn'; use None, 'xla' or 'blockwise' (the ring computes each "
-                      "step itself)")
+    if not takes_ring:
+        raise refused(f"does not take implementation={implementation!r}; use None, 'xla' or 'blockwise' (the ring "
+                      "computes each step itself)")
     return n
+
+
+def run(query, key, value, *, axis: str, size: int, spec: masks.Spec, scale, soft_cap, sinks, keep, rng, dropout_rate,
+        keep_scale, precision, compute, residual=False):
+    """(output ``(batch, q_len, heads, v_head_dim)``, None, None) of the public layout's inputs, over the ring."""
+    batch, heads, q_len, _ = spec.shape
+    kv_heads = key.shape[2]
+    groups = heads // kv_heads
+    out = attention(
+        query.reshape(batch, q_len, kv_heads, groups, query.shape[3]), key, value, spec, axis=axis, size=size,
+        scale=scale, soft_cap=soft_cap, precision=precision,
+        sinks=None if sinks is None else sinks.astype(compute).reshape(kv_heads, groups),
+        allowed=_tiles.grouped(spec.allowed, kv_heads), bias=_tiles.grouped(spec.bias, kv_heads),
+        keep=_tiles.grouped(keep, kv_heads), dropout_rng=rng, dropout_rate=dropout_rate, keep_scale=keep_scale,
+    )
+    return out.reshape(batch, q_len, heads, value.shape[3]), None, None
 
 
 def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, soft_cap, sinks, precision,
@@ -90,7 +107,7 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
     dv)``; ``sinks`` ``(kv_heads, groups)`` or None; ``allowed``, ``keep``, ``bias`` None or 5-d."""
     # the Explicit mesh axes sharding q's batch and heads: manual in the ring's ``shard_map`` too
     q_spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())) + (None,) * 5
-    batch, heads = _blockwise.axes_of(q_spec[0]), _blockwise.axes_of(q_spec[2])
+    batch, heads = _mesh.axes_of(q_spec[0]), _mesh.axes_of(q_spec[2])
     if axis in batch + heads:
         raise ValueError(f"sequence_axis={axis!r} also shards the query's {'batch' if axis in batch else 'heads'}: "
                          "shard the length over it, and the batch and heads over other axes")
@@ -99,10 +116,10 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
     drawn = keep is None and dropout_rng is not None
     cfg = _Config(axis, size, float(scale), soft_cap, spec.terms, precision, batch, heads,
                   explicit, bool(mesh.auto_axes), tuple(spec.shape), float(dropout_rate) if drawn else 0.0,
-                  float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))))
-    terms = dict(qp=spec.query_positions, kp=spec.key_positions, qs=spec.query_segment_ids,
-                 ks=spec.key_segment_ids, lengths=spec.lengths)
-    terms = {name: x for name, x in terms.items() if x is not None}
+                  float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))),
+                  _tuning.current().ring_tile)
+    tokens = _tiles.Tokens(spec.query_positions, spec.key_positions, spec.query_segment_ids, spec.key_segment_ids,
+                           spec.lengths)
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
     # device, example and head indices are inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual
     dense = dict(allowed=allowed, keep=keep, slopes=slopes, device=jnp.arange(size, dtype=jnp.int32))
@@ -114,7 +131,7 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
                      kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32),
                      seed=jax.random.key_data(key) if threefry else jax.random.bits(key, (2,), jnp.uint32))
     dense = {name: x for name, x in dense.items() if x is not None}
-    return _ring(cfg, q, k, v, sinks, bias, terms, dense)
+    return _ring(cfg, q, k, v, sinks, bias, tokens, dense)
 
 
 def _to_zigzag(x, cfg: _Config, me, dim: int = 1):
@@ -163,11 +180,11 @@ def _dense_rows(local: dict, start, size: int) -> dict:
     return rows
 
 
-def _key_tile(cfg: _Config, k, v, kt: dict, rows: dict, start, size: int, dtype):
+def _key_tile(cfg: _Config, k, v, kt: Where, rows: dict, start, size: int, dtype):
     """(keys, values in ``dtype``, their terms, (mask, bias, keep)) of the ``size`` keys from ``start``."""
     kj, vj = (_rows(x, start, size, 1).astype(dtype) for x in (k, v))
     ktj = _sliced(kt, start, size)
-    keys = ktj["index"][0]  # int32 (size,), consecutive global indices
+    keys = ktj.index[0]  # int32 (size,), consecutive global indices
     cols = lambda x: x if x is None or x.shape[4] == 1 else _rows(x, keys[0], keys.shape[0], 4)  # noqa: E731
     mask, bias, keep = (cols(rows.get(name)) for name in DENSE)
     if "seed" in rows:
@@ -222,23 +239,21 @@ def _drawn(cfg: _Config, seed, hi, lo, keys):
     return (bits >> kind(width - mantissa)) < kind(math.ceil(p * 2.0**mantissa))
 
 
-TILE = 512  # the largest tile of queries (and of keys) a step scores at once
-
-
-def _tile(chunk: int) -> int:
-    """The largest divisor of ``chunk`` up to ``TILE``: tiles never straddle two chunks."""
-    return max(t for t in range(1, min(chunk, TILE) + 1) if chunk % t == 0)
+def _tile(chunk: int, most: int) -> int:
+    """The largest divisor of ``chunk`` up to ``most``: tiles never straddle two chunks."""
+    return max(t for t in range(1, min(chunk, most) + 1) if chunk % t == 0)
 
 
 _rows = jax.lax.dynamic_slice_in_dim  # (x, start, size, axis)
 _put = jax.lax.dynamic_update_slice_in_dim  # (x, update, start, axis)
 
 
-def _sliced(terms: dict, start, size: int) -> dict:
-    return {name: None if x is None else _rows(x, start, size, 1) for name, x in terms.items()}
+def _sliced(w: Where, start, size: int) -> Where:
+    """The ``size`` queries (or keys) of ``w`` from ``start``."""
+    return jax.tree.map(lambda x: _rows(x, start, size, 1), w)
 
 
-def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slopes):
+def _scores(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, mask, bias, slopes):
     """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh or None, keys, values with the unseen zeroed) of
     ``q`` ``(b, q_tile, kv_heads, groups, d)`` and ``k`` ``(b, k_tile, kv_heads, d)``."""
     seen = conjoin(mask, None if bias is None else ~_tiles.below_all(bias))
@@ -246,19 +261,17 @@ def _scores(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, mask, bias, slop
         seen = seen.any(axis=(2, 3)).transpose(0, 2, 1)[..., None]  # (b|1, k_tile|1, kv_heads|1, 1), as k
         k, v = jnp.where(seen, k, 0), jnp.where(seen, v, 0)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
-    q5 = lambda x: None if x is None else x[:, None, None, :, None]  # noqa: E731
-    k5 = lambda x: None if x is None else x[:, None, None, None, :]  # noqa: E731
-    qw = Where(q5(qt["qp"]), q5(qt.get("qs")))
-    kw = Where(k5(kt["kp"]), k5(kt.get("ks")), k5(kt["index"]),
-               None if lengths is None else lengths[:, None, None, None, None])
+    qw = jax.tree.map(lambda x: x[:, None, None, :, None], qt)
+    kw = jax.tree.map(lambda x: x[:, None, None, None, :], kt)._replace(
+        length=None if lengths is None else lengths[:, None, None, None, None])
     s, tanh = _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw,
                             k=kw, masks=(mask,), alibi=slopes)
     return s, tanh, k, v
 
 
-def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
+def _if_visible(cfg: _Config, qt: Where, kt: Where, mask, update, state):
     """``update(state)``, skipped where the positional terms or the (wholly seen) dense mask leave the tile empty."""
-    may, qp, kp = None, qt["qp"], kt["kp"]
+    may, qp, kp = None, qt.position, kt.position
     positional = cfg.terms.only({"position"})
     if positional and qp.shape[0] == 1 and kp.shape[0] == 1:
         may = positional.block(Where(qp.min()), Where(qp.max()), Where(kp.min()), Where(kp.max()))[1]
@@ -268,15 +281,15 @@ def _if_visible(cfg: _Config, qt: dict, kt: dict, mask, update, state):
     return update(state) if may is None else jax.lax.cond(may, update, lambda state: state, state)
 
 
-def _key_terms(cfg: _Config, kt: dict, source, chunk: int):
+def _key_terms(cfg: _Config, kt: Where, source, chunk: int) -> Where:
     """The per-key terms of the block that came from device ``source``."""
     index = _index(source, cfg.size, chunk)
-    return dict(kt, index=index, kp=kt.get("kp", index))
+    return kt._replace(index=index, position=index if kt.position is None else kt.position)
 
 
-def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dict, state):
+def _forward_step(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, dense: dict, state):
     """The online softmax ``state`` of ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block."""
-    tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
+    tq, tk = _tile(q.shape[1] // 2, cfg.tile), _tile(k.shape[1] // 2, cfg.tile)
     def q_tile(i, state):
         r = i * tq
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
@@ -294,9 +307,9 @@ def _forward_step(cfg: _Config, q, k, v, qt: dict, kt: dict, lengths, dense: dic
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
 
 
-def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, lengths, dense: dict, grads):
+def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: Where, kt: Where, lengths, dense: dict, grads):
     """``grads`` (dq, dk, dv, d_bias or None) plus one key/value block's share, by tiles."""
-    tq, tk = _tile(q.shape[1] // 2), _tile(k.shape[1] // 2)
+    tq, tk = _tile(q.shape[1] // 2, cfg.tile), _tile(k.shape[1] // 2, cfg.tile)
     def q_tile(i, grads):
         r = i * tq
         qi, qti, rows = _rows(q, r, tq, 1), _sliced(qt, r, tq), _dense_rows(dense, r, tq)
@@ -318,7 +331,7 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
                 dqi = dqi + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kz, precision=cfg.precision)
                 dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, precision=cfg.precision)
                 return dqi, dkj, dvj, d_bias_t
-            tile = None if d_bias is None else _tiles.bias_tile(d_bias.shape, {3: (r, tq), 4: (ktj["index"][0, 0], tk)})
+            tile = None if d_bias is None else _tiles.bias_tile(d_bias.shape, {3: (r, tq), 4: (ktj.index[0, 0], tk)})
             d_bias_t = None if tile is None else jax.lax.dynamic_slice(d_bias, *tile)
             tile_grads = _if_visible(cfg, qti, ktj, mask, update,
                                      (dqi, _rows(dk, c, tk, 1), _rows(dv, c, tk, 1), d_bias_t))
@@ -331,13 +344,13 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: dict, kt: dict, 
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
-def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
+def _on_device(cfg: _Config, q, k, bias, tokens: _tiles.Tokens, dense: dict):
     """(ring size, device index, key chunk, query terms, travelling key terms, dense terms, lengths)."""
     n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see attention)
     chunk_q = q.shape[1] // 2
-    zig = {name: _to_zigzag(x, cfg, me) for name, x in terms.items() if name != "lengths"}
-    qt = dict(qp=zig.get("qp", _index(me, n, chunk_q)), qs=zig.get("qs"))
-    kt = {name: zig[name] for name in ("kp", "ks") if name in zig}
+    zig = jax.tree.map(lambda x: _to_zigzag(x, cfg, me), tokens._replace(lengths=None))
+    qt = Where(_index(me, n, chunk_q) if zig.query_positions is None else zig.query_positions, zig.query_segments)
+    kt = Where(zig.key_positions, zig.key_segments)
     # the dense terms, rows in zig-zag order; for drawn dropout the seed and its rows' counters
     local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
     if bias is not None:
@@ -348,7 +361,7 @@ def _on_device(cfg: _Config, q, k, bias, terms: dict, dense: dict):
     if "seed" in local:
         q_index = _index(me, n, chunk_q)[0]
         local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], q.shape[3], q_index)
-    return n, me, k.shape[1] // 2, qt, kt, local, terms.get("lengths")
+    return n, me, k.shape[1] // 2, qt, kt, local, tokens.lengths
 
 
 def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
@@ -362,9 +375,9 @@ def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
     return step(cfg.size - 1, carry, *last)
 
 
-def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
+def _forward_body(cfg: _Config, q, k, v, sinks, bias, tokens, dense):
     """One device's forward: blocks travel in the inputs' dtype, tiles are computed in float32 or wider."""
-    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, terms, dense)
+    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, tokens, dense)
     q, k, v = (_to_zigzag(x, cfg, me) for x in (q, k, v))
     if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
         pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
@@ -379,15 +392,15 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, terms, dense):
     return result, (q, k, v, out, lse)
 
 
-def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, terms, dense, dout):
+def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, tokens, dense, dout):
     """``shared``: the manual axes the bias is not split over (its gradient is summed over them)."""
-    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, terms, dense)
+    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, tokens, dense)
     qc = q.astype(out.dtype)
     dout = _to_zigzag(dout, cfg, me).astype(out.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
     delta = jnp.sum(dout * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
     d_bias = None
     if bias is not None:  # varying over every manual axis, as what the loops add to it is
-        d_bias = _blockwise.to_varying(jnp.zeros(local["bias"].shape, out.dtype), tuple(sorted(_manual(cfg))))
+        d_bias = _mesh.to_varying(jnp.zeros(local["bias"].shape, out.dtype), tuple(sorted(_manual(cfg))))
     def step(s, grads, k, v, kt):
         kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
         return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, local, grads)
@@ -407,20 +420,24 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
     return dq, _from_zigzag(dk.astype(k.dtype), cfg, me), _from_zigzag(dv.astype(v.dtype), cfg, me), dsinks, d_bias
 
 
-def _in_specs(cfg: _Config, bias, terms: dict, dense: dict):
-    """The rings' specs: (length blocks, per-query rows, heads, the bias's, (the terms', the dense terms'))."""
-    terms_specs = {name: cfg.spec("b") if name == "lengths" else cfg.spec("b" if x.shape[0] > 1 else None, "s")
-                   for name, x in terms.items()}
+def _in_specs(cfg: _Config, bias, tokens: _tiles.Tokens, dense: dict):
+    """The rings' specs: (length blocks, per-query rows, heads, the bias's, (the tokens', the dense terms'))."""
+    tokens_specs = jax.tree.map(lambda x: cfg.spec("b" if x.shape[0] > 1 else None, "s"), tokens)._replace(
+        lengths=None if tokens.lengths is None else cfg.spec("b"))
     dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
     return (cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h"), _dense_spec(cfg, bias),
-            (terms_specs, dense_specs))
+            (tokens_specs, dense_specs))
+
+
+# The dense terms that are indices, by the axes that split them (the seed: none, replicated).
+_INDEX_AXES = dict(device=("s",), examples=("b",), kv_heads=("h",), seed=())
 
 
 def _dense_spec(cfg: _Config, x, name: str = "bias"):
     """A dense term's spec: rows over the sequence axis, examples and heads as the query's; the seed replicated."""
-    if name in ("device", "examples", "kv_heads"):
-        return cfg.spec(dict(device="s", examples="b", kv_heads="h")[name])
-    if x is None or name == "seed":
+    if name in _INDEX_AXES:
+        return cfg.spec(*_INDEX_AXES[name])
+    if x is None:
         return P()
     b, h, _, rows, _ = x.shape
     return cfg.spec("b" if b > 1 else None, "h" if h > 1 else None, None, "s" if rows > 1 else None, None)
@@ -439,25 +456,25 @@ def _mapped(cfg: _Config, body, args: tuple, in_specs: tuple, out_specs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, sinks, bias, terms, dense):
-    return _ring_fwd(cfg, q, k, v, sinks, bias, terms, dense)[0]
+def _ring(cfg: _Config, q, k, v, sinks, bias, tokens, dense):
+    return _ring_fwd(cfg, q, k, v, sinks, bias, tokens, dense)[0]
 
 
-def _ring_fwd(cfg: _Config, q, k, v, sinks, bias, terms, dense):
-    seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
+def _ring_fwd(cfg: _Config, q, k, v, sinks, bias, tokens, dense):
+    seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, tokens, dense)
     in_specs = (seq, seq, seq, heads, bias_spec, *terms_specs)
-    out, residuals = _mapped(cfg, functools.partial(_forward_body, cfg), (q, k, v, sinks, bias, terms, dense),
+    out, residuals = _mapped(cfg, functools.partial(_forward_body, cfg), (q, k, v, sinks, bias, tokens, dense),
                              in_specs, (seq, (seq, seq, seq, per_query, per_query)))
-    return out, (residuals, sinks, bias, terms, dense)
+    return out, (residuals, sinks, bias, tokens, dense)
 
 
 def _ring_bwd(cfg: _Config, saved, dout):
-    residuals, sinks, bias, terms, dense = saved
-    seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, terms, dense)
+    residuals, sinks, bias, tokens, dense = saved
+    seq, per_query, heads, bias_spec, terms_specs = _in_specs(cfg, bias, tokens, dense)
     in_specs = (seq, seq, seq, per_query, per_query, heads, bias_spec, *terms_specs, seq)
-    shared = tuple(sorted(_manual(cfg) - {a for entry in bias_spec for a in _blockwise.axes_of(entry)}))
+    shared = tuple(sorted(_manual(cfg) - {a for entry in bias_spec for a in _mesh.axes_of(entry)}))
     dq, dk, dv, dsinks, d_bias = _mapped(cfg, functools.partial(_backward_body, cfg, shared),
-                                         (*residuals, sinks, bias, terms, dense, dout), in_specs,
+                                         (*residuals, sinks, bias, tokens, dense, dout), in_specs,
                                          (seq, seq, seq, heads, bias_spec))
     if cfg.explicit and bias is not None:  # a cotangent has its primal's type: a bias not split over the ring too
         d_bias = jax.reshard(d_bias, jax.typeof(bias).sharding.spec)

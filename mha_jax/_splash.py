@@ -43,6 +43,12 @@ def refusal(spec: masks.Spec, *, dropout: bool) -> str | None:
     return None
 
 
+def run(query, key, value, *, spec, scale, soft_cap, sinks, interpret, **_):
+    """(output, None, None): ``attention``'s, as the dispatch's runners give theirs."""
+    out = attention(query, key, value, spec, scale=scale, soft_cap=soft_cap, sinks=sinks, interpret=interpret)
+    return out, None, None
+
+
 def block_size(length: int) -> int:
     """The largest of 512, 256, 128 that divides ``length`` (a multiple of 128)."""
     return next(b for b in BLOCKS if length % b == 0)

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mha_spec import alibi as _alibi
 from mha_spec.terms import BIAS_FLOOR, EMPTY_LSE, MASKED, NO_KEY, Terms, Where, conjoin
+
+
+class Tokens(NamedTuple):
+    """What a kernel reads per query or per key, by name (None: absent): positions and segment ids ``(batch|1,
+    len)``, the keys' ``lengths`` ``(batch,)``, the ALiBi ``slopes`` laid out to broadcast over the kernel's scores."""
+
+    query_positions: Any = None
+    key_positions: Any = None
+    query_segments: Any = None
+    key_segments: Any = None
+    lengths: Any = None
+    slopes: Any = None
 
 
 def _of_max(dtype, fraction: float):
@@ -27,6 +42,23 @@ def has_key(row_max):
 def empty_lse(dtype):
     """The lse an empty row keeps: finite, and so large that every weight recomputed from it is 0."""
     return _of_max(dtype, EMPTY_LSE)
+
+
+def no_key_residual(dtype):
+    """The residual of a query with no key: jax.nn's (``-0.7 x`` float32's largest, as float32 rounds it), or
+    ``dtype``'s lowest finite value where that is higher (float16: jax.nn's overflows to -inf)."""
+    value = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))
+    return np.asarray(max(value, float(jnp.finfo(dtype).min)), jnp.promote_types(dtype, jnp.float32))[()]
+
+
+def grouped(x, kv_heads: int):
+    """A mask broadcasting to (b, heads, q, k) as 5-d (b|1, kv_heads|1, groups|1, q|1, k|1)."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, x.shape[2], x.shape[3])
 
 
 def below_all(x):
@@ -98,6 +130,22 @@ def scores(s, shape, *, scale=None, soft_cap=None, bias=None, terms: Terms | Non
     if ok is not None:
         s = jnp.where(ok, s, masked(s.dtype))
     return s.reshape(flat), t
+
+
+def softmax(s, sinks=None):
+    """(softmax over the last axis of scores ``s`` from ``scores``, 0 on rows with no key; its lse, ``no_key_residual``
+    on those rows); ``sinks`` broadcasting to ``s`` without its last axis (kept as 1): each row's extra logit."""
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks)
+    row_max = jax.lax.stop_gradient(row_max)
+    row_max = jnp.where(has_key(row_max), row_max, 0.0)  # no key: exp(masked) is 0
+    exp = jnp.exp(s - row_max)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - row_max)
+    lse = jnp.where(total > 0.0, row_max + jnp.log(jnp.where(total > 0.0, total, 1.0)), no_key_residual(total.dtype))
+    return exp / jnp.where(total == 0.0, 1.0, total), lse[..., 0]
 
 
 def dropped(x, keep, keep_scale, shape):

@@ -125,7 +125,8 @@ class MultiHeadDotProductAttention(nn.Module):
         if self.latent is not None:
             latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode and self.has_variable("cache", "cached_key")  # flax: the first call makes the cache
-        masking = _layer.call_masking(self, "MultiHeadDotProductAttention.__call__", locals(), masking)
+        masking = _layer.call_masking(self, "MultiHeadDotProductAttention.__call__", masking, mask=mask, bias=bias,
+                                      is_causal=is_causal, dropout_mask=dropout_mask)
         max_length = self.get_variable("cache", "cached_key").shape[-3] if decoding else None
         call = _layer.prepare((inputs_q, inputs_k, inputs_v), masking, self.num_heads, (None, None),
                               max_length=max_length, sequence_axis=self.sequence_axis)

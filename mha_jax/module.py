@@ -240,7 +240,8 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``(*batch, q_len, out_features)``, or ``(output, weights)``.
         """
-        masking = _layer.call_masking(self, "MultiHeadAttention.__call__", locals(), masking)
+        masking = _layer.call_masking(self, "MultiHeadAttention.__call__", masking, mask=mask, bias=bias,
+                                      is_causal=is_causal, dropout_mask=dropout_mask)
         if self.latent is not None:
             latent_spec.check_inputs(inputs_k, inputs_v, "inputs_v")
         decoding = self.decode if decode is None else decode

@@ -1,15 +1,32 @@
-"""Picking a call's masking arguments by name; merging the modules' batch axes into one and restoring them."""
+"""A call's masking arguments gathered by name; merging the modules' batch axes into one and restoring them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-# The masking arguments of the public calls, in their signatures' order; ``masking`` picks them from ``locals()``.
-MASKING = ("mask", "bias", "is_causal", "query_positions", "key_positions", "local_window_size", "query_segment_ids",
-           "key_segment_ids", "key_value_seq_lengths", "attention_chunk_size", "alibi_slopes", "query_seq_lengths")
+
+class Masking(NamedTuple):
+    """The masking arguments of the public cores, gathered by name once per call (every one given: None if absent);
+    ``mha_jax``'s ``query_seq_lengths`` marks padding queries and goes beside it."""
+
+    mask: Any
+    bias: Any
+    is_causal: Any
+    query_positions: Any
+    key_positions: Any
+    local_window_size: Any
+    query_segment_ids: Any
+    key_segment_ids: Any
+    key_value_seq_lengths: Any
+    attention_chunk_size: Any
+    alibi_slopes: Any
+
+
+# Every masking argument of a public call's signature; ``query_seq_lengths``: ``mha_jax``'s core alone.
+MASKING = (*Masking._fields, "query_seq_lengths")
 # A module call's arguments that carry batch axes, in the order they are merged (and checked).
 BATCHED = ("dropout_mask", "mask", "bias", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids",
            "key_value_seq_lengths")
@@ -29,18 +46,14 @@ class Call:
     query_positions: Any = None
 
 
-def masking(arguments: Mapping[str, Any], *extra: str) -> dict:
-    """The arguments named in ``MASKING`` (then ``extra``) among a call's ``arguments`` (its ``locals()``)."""
-    return {name: arguments[name] for name in MASKING + extra if name in arguments}
-
-
-def call_masking(layer_window: Any, attention_chunk_size: int | None, arguments: Mapping[str, Any],
-                 alibi_slopes: Any = None) -> dict:
-    """A module call's masking arguments and ``dropout_mask`` for ``merged_call``, with the layer's window
-    (the default), chunk size and ALiBi slopes ``(num_heads,)``."""
-    picked = masking(arguments, "dropout_mask")
-    window = layer_window if picked["local_window_size"] is None else picked["local_window_size"]
-    return dict(picked, local_window_size=window, attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes)
+def call_masking(layer_window: Any, attention_chunk_size: int | None, alibi_slopes: Any, positions: Mapping[str, Any],
+                 *, mask: Any, bias: Any, is_causal: Any, dropout_mask: Any) -> dict:
+    """A module call's masking arguments and ``dropout_mask`` for ``merged_call``: ``positions`` (those of
+    ``arguments.PositionMasking``, each named) and the call's own, with the layer's window (the default), chunk size
+    and ALiBi slopes ``(num_heads,)``."""
+    window = layer_window if positions["local_window_size"] is None else positions["local_window_size"]
+    return dict(positions, mask=mask, bias=bias, is_causal=is_causal, dropout_mask=dropout_mask,
+                local_window_size=window, attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes)
 
 
 # Axes after the batch axes per argument (1 otherwise: positions and segment ids).

@@ -188,8 +188,9 @@ class MultiHeadAttention(nn.Module):
           ``(*batch, q_len, out_dim)``, or ``(output, weights)``.
         """
         masking = batch_axes.call_masking(
-            self.local_window_size, self.attention_chunk_size,
-            dict(locals(), **arguments.position_masking("MultiHeadAttention.forward", masking)), self._slopes())
+            self.local_window_size, self.attention_chunk_size, self._slopes(),
+            arguments.position_masking("MultiHeadAttention.forward", masking), mask=mask, bias=bias,
+            is_causal=is_causal, dropout_mask=dropout_mask)
         if self.latent is not None:
             latent_spec.check_inputs(key, value, "value")
         if cache is not None:

@@ -28,7 +28,7 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from mha_jax import _band, _blockwise
+from mha_jax import testing
 from mha_spec import alibi
 from parity_tests import cores
 from parity_tests.conftest import X64
@@ -52,10 +52,10 @@ needs_x64 = pytest.mark.skipif(not X64, reason="float64 needs jax_enable_x64")
 
 
 @pytest.fixture(autouse=True)
-def tiny_blocks(monkeypatch):
+def tiny_blocks():
     """Blockwise forward blocks of 4 queries x 3 keys, backward blocks of 2 x 4."""
-    monkeypatch.setattr(_blockwise, "block_sizes", lambda *shape: (4, 3))
-    monkeypatch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (2, 4))
+    with testing.tuned(blocks=(4, 3), backward_blocks=(2, 4)):
+        yield
 
 
 def _alibi_bias(slopes, query_positions, key_positions) -> np.ndarray:
@@ -245,20 +245,16 @@ def test_every_implementation_matches_the_oracle(case, dtype):
         assert worst <= TOLERANCES[dtype], (framework, implementation, worst)
 
 
-def test_a_window_at_default_positions_runs_as_bands_with_the_term(monkeypatch):
+def test_a_window_at_default_positions_runs_as_bands_with_the_term():
     """The band reads the term on positions relative to each band's first query."""
-    calls = []
-    monkeypatch.setattr(_band, "attention", lambda *a, **kw: calls.append(1) or _band_attention(*a, **kw))
     x = _inputs("float32", "heads", seed=3)
     q, k, v = (jnp.asarray(x[n].transpose(0, 2, 1, 3)) for n in ("q", "k", "v"))
-    got = mha_jax.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0), implementation="blockwise",
-                                        alibi_slopes=jnp.asarray(x["slopes"]))
-    assert calls
+    with testing.observed() as seen:
+        got = mha_jax.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0),
+                                            implementation="blockwise", alibi_slopes=jnp.asarray(x["slopes"]))
+    assert "band" in [event for event, _ in seen]
     want = _oracle("band", x)["out"].transpose(0, 2, 1, 3)
     assert max(harness.errors(np.asarray(got), want)) <= TOLERANCES["float32"]
-
-
-_band_attention = _band.attention
 
 
 def test_the_slopes_get_no_gradient_and_refusals_name_the_argument():

@@ -7,18 +7,19 @@ import numpy as np
 import pytest
 
 import mha_jax
-from mha_jax import _blockwise
+from mha_jax import testing
+from mha_jax.testing import blockwise as _blockwise
 from parity_tests.tool import harness, oracle
 
 B, H, HK, Q, K, D = 2, 6, 2, 9, 11, 5
 
 
 @pytest.fixture
-def tiny_blocks(monkeypatch):
+def tiny_blocks():
     """Forward blocks of 4 queries x 3 keys (3 x 4 blocks), backward blocks of 2 x 4 (5 x 3):
     the last of each padded, and the backward re-blocked."""
-    monkeypatch.setattr(_blockwise, "block_sizes", lambda *shape: (4, 3))
-    monkeypatch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (2, 4))
+    with testing.tuned(blocks=(4, 3), backward_blocks=(2, 4)):
+        yield
 
 
 def _case(name, rng):
@@ -95,9 +96,10 @@ def test_blockwise_matches_oracle_across_blocks(name, tiny_blocks):
 def _visits(q_len, kv_len, block_q, block_k, *, causal=False, window=None, terms=(None,) * 5, allowed=None):
     """Per query block: (whole key blocks, partial key blocks), as the forward visits them."""
     cfg = _blockwise.Config(block_q, block_k, q_len, kv_len, causal, window, 1.0, 1.0, 0.0, None)
-    if terms[0] is None and (causal or window):
-        terms = (jnp.arange(q_len)[None], jnp.arange(kv_len)[None]) + terms[2:]
-    order, whole, live = _blockwise.schedule(*_blockwise.classes(cfg, allowed, terms, padding=True))
+    tokens = testing.Tokens(*terms)
+    if tokens.query_positions is None and (causal or window):
+        tokens = tokens._replace(query_positions=jnp.arange(q_len)[None], key_positions=jnp.arange(kv_len)[None])
+    order, whole, live = _blockwise.schedule(*_blockwise.classes(cfg, allowed, tokens, padding=True))
     return [(int(w), int(n) - int(w)) for w, n in zip(whole, live)]
 
 
@@ -173,15 +175,10 @@ BAND_CASES = {  # (is_causal, structured terms), all over default positions
 
 @pytest.mark.parametrize("shape", [(Q, K), (K, Q)], ids=["keys longer", "queries longer"])
 @pytest.mark.parametrize("name", list(BAND_CASES))
-def test_windows_over_default_positions_run_as_bands(name, shape, monkeypatch):
+def test_windows_over_default_positions_run_as_bands(name, shape):
     """A window over default positions, with no dense mask, bias, dropout, sinks or cap, takes
     one band of keys per query block (``_band``); bands of 4 queries here, the last one padded,
     against the float64 oracle, outputs and gradients, grouped heads."""
-    from mha_jax import _band
-
-    monkeypatch.setattr(_band, "_BLOCK", 4)
-    ran = []
-    monkeypatch.setattr(_band, "_band", lambda cfg, *args, run=_band._band: ran.append(cfg) or run(cfg, *args))
     q_len, kv_len = shape
     rng = np.random.default_rng(1)
     q = rng.normal(size=(B, H, q_len, D))
@@ -196,27 +193,25 @@ def test_windows_over_default_positions_run_as_bands(name, shape, monkeypatch):
     want_grads = oracle.attention_grad(cache, d_out)
     T = lambda x: jnp.asarray(x.transpose(0, 2, 1, 3))  # noqa: E731
     structured = {NAMES[n]: x if n == "window" else jnp.asarray(x) for n, x in terms.items()}
-    out, vjp = jax.vjp(lambda q, k, v: mha_jax.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="blockwise", **structured), T(q), T(k), T(v))
-    grads = vjp(T(d_out))
-    assert [(c.block_q, c.n_q) for c in ran] == [(4, -(-q_len // 4))]
+    with testing.tuned(band_block=4), testing.observed() as seen:
+        out, vjp = jax.vjp(lambda q, k, v: mha_jax.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="blockwise", **structured), T(q), T(k), T(v))
+        grads = vjp(T(d_out))
+    assert [(c.block_q, c.n_q) for event, c in seen if event == "band"] == [(4, -(-q_len // 4))]
     assert max(harness.errors(np.asarray(out).transpose(0, 2, 1, 3), want)) <= 1e-13
     for got, w in zip(grads, want_grads):
         assert max(harness.errors(np.asarray(got).transpose(0, 2, 1, 3), w)) <= 1e-12
 
 
-def test_bands_only_where_nothing_else_is_per_score(monkeypatch):
+def test_bands_only_where_nothing_else_is_per_score():
     """A bias, a mask, explicit positions or a soft-cap send a window to the tiles."""
-    from mha_jax import _band
-
-    ran = []
-    monkeypatch.setattr(_band, "_band", lambda cfg, *args, run=_band._band: ran.append(cfg) or run(cfg, *args))
     x = jnp.ones((1, 16, 2, 4))
-    for extra in (dict(bias=jnp.zeros((16, 16))), dict(mask=jnp.ones((16, 16), bool)),
-                  dict(query_positions=jnp.arange(16)), dict(logit_soft_cap=5.0), {}):
-        mha_jax.dot_product_attention(x, x, x, is_causal=True, local_window_size=(3, 0), implementation="blockwise",
-                                      **extra)
-    assert len(ran) == 1  # the last call only
+    with testing.observed() as seen:
+        for extra in (dict(bias=jnp.zeros((16, 16))), dict(mask=jnp.ones((16, 16), bool)),
+                      dict(query_positions=jnp.arange(16)), dict(logit_soft_cap=5.0), {}):
+            mha_jax.dot_product_attention(x, x, x, is_causal=True, local_window_size=(3, 0),
+                                          implementation="blockwise", **extra)
+    assert [event for event, _ in seen].count("band") == 1  # the last call only
 
 
 @pytest.mark.parametrize("terms", [dict(is_causal=True), dict(is_causal=True, local_window_size=(3, 0))],

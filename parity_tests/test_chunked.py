@@ -22,7 +22,8 @@ from transformers.models.llama4 import modeling_llama4
 
 import mha_jax
 import mha_torch
-from mha_jax import _blockwise, _ring
+from mha_jax import testing
+from mha_jax.testing import blockwise as _blockwise
 from parity_tests.conftest import X64
 from parity_tests.tool import harness, oracle
 
@@ -39,11 +40,11 @@ CASES = {
 
 
 @pytest.fixture
-def tiny_blocks(monkeypatch):
+def tiny_blocks():
     """Forward blocks of 4 queries x 3 keys, backward blocks of 2 x 4: chunks of 3 to 5 make
     empty, whole and partial blocks."""
-    monkeypatch.setattr(_blockwise, "block_sizes", lambda *shape: (4, 3))
-    monkeypatch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (2, 4))
+    with testing.tuned(blocks=(4, 3), backward_blocks=(2, 4)):
+        yield
 
 
 def _data():
@@ -81,8 +82,8 @@ def test_every_implementation_matches_the_oracle(case, tiny_blocks):
 def _visits(q_len, kv_len, block_q, block_k, *, causal, chunk):
     """Per query block: (whole key blocks, partial key blocks), as the forward visits them."""
     cfg = _blockwise.Config(block_q, block_k, q_len, kv_len, causal, None, 1.0, 1.0, 0.0, None, chunk_size=chunk)
-    terms = (jnp.arange(q_len)[None], jnp.arange(kv_len)[None], None, None, None)
-    order, whole, live = _blockwise.schedule(*_blockwise.classes(cfg, None, terms, padding=True))
+    tokens = testing.Tokens(jnp.arange(q_len)[None], jnp.arange(kv_len)[None])
+    order, whole, live = _blockwise.schedule(*_blockwise.classes(cfg, None, tokens, padding=True))
     return [(int(w), int(n) - int(w)) for w, n in zip(whole, live)]
 
 
@@ -185,15 +186,14 @@ def test_a_bad_chunk_size_fails_by_name():
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: XLA_FLAGS=...device_count=8, as test_ring")
-def test_ring_matches_the_oracle(monkeypatch):
+def test_ring_matches_the_oracle():
     """The length over 4 devices, tiles of 2 x 2: tiles of other chunks are skipped."""
-    monkeypatch.setattr(_ring, "TILE", 2)
     q, k, v, d_out = (np.concatenate([x, x[:, :, ::-1]], axis=2) for x in _data())  # length 24: 2 x 4 chunks of 3
     positions = np.arange(2 * T)[None]
     want, _, cache = oracle.attention(q, k, v, oracle.Attention(is_causal=True, chunk_size=5))
     want_grads = oracle.attention_grad(cache, d_out)
     mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), testing.tuned(ring_tile=2):
         def f(q, k, v):
             return mha_jax.dot_product_attention(q, k, v, is_causal=True, attention_chunk_size=5, sequence_axis="seq",
                                                  query_positions=jnp.asarray(positions))

@@ -9,6 +9,7 @@ import torch
 
 import mha_jax
 import mha_torch
+from mha_jax import testing
 from parity_tests.tool import arrays, harness, oracle
 
 B, H, Q, K, D = 2, 6, 5, 7, 8
@@ -201,13 +202,11 @@ def test_nan_and_inf_in_padded_keys_do_not_leak(poison):
 
 @pytest.mark.parametrize("kv_heads", [6, 2, 1])
 @pytest.mark.parametrize("rows_over_heads", [0, 10**9], ids=["per-head", "over-all-heads"])
-def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, kv_heads, monkeypatch):
+def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, kv_heads):
     """Both ways the ``xla`` core forms its two products (per key/value head, or one product over
     every head keeping each head's own block, which few queries over many keys take) give the
     oracle's outputs, weights and gradients, with a mask, a bias, causality, sinks, a soft cap and
     dropout at once; a NaN in one key/value head's values reaches only that head's queries."""
-    monkeypatch.setattr(mha_jax.attention, "_ROWS_OVER_HEADS", rows_over_heads)
-    monkeypatch.setattr(mha_jax.attention, "_MANY_KEYS", 1)
     rng = np.random.default_rng(12)
     q, k, v = _inputs(rng, kv_heads, "float64")
     att = oracle.Attention(
@@ -226,8 +225,9 @@ def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, 
             implementation="xla", return_weights=True,
         )
 
-    (out, w), vjp = jax.vjp(f, t(q), t(k), t(v))
-    grads = vjp((t(d_out), jnp.zeros_like(w)))
+    with testing.tuned(rows_over_heads=rows_over_heads, many_keys=1):
+        (out, w), vjp = jax.vjp(f, t(q), t(k), t(v))
+        grads = vjp((t(d_out), jnp.zeros_like(w)))
     assert max(harness.errors(np.asarray(out).transpose(0, 2, 1, 3), want)) <= 1e-13
     assert max(harness.errors(np.asarray(w), want_w)) <= 1e-13
     for got, want_grad in zip(grads, want_grads):
@@ -235,26 +235,24 @@ def test_xla_products_per_head_and_over_all_heads_match_oracle(rows_over_heads, 
     if kv_heads == 1:
         return
     v[:, 1] = np.nan
-    poisoned = np.asarray(mha_jax.dot_product_attention(t(q), t(k), t(v), is_causal=True)).transpose(0, 2, 1, 3)
+    with testing.tuned(rows_over_heads=rows_over_heads, many_keys=1):
+        poisoned = np.asarray(mha_jax.dot_product_attention(t(q), t(k), t(v), is_causal=True)).transpose(0, 2, 1, 3)
     heads_of = np.arange(H) // (H // kv_heads)
     clean, _, _ = oracle.attention(q, k, np.where(np.isnan(v), 0.0, v), oracle.Attention(is_causal=True))
     assert np.isnan(poisoned[:, heads_of == 1]).all()
     assert max(harness.errors(poisoned[:, heads_of != 1], clean[:, heads_of != 1])) <= 1e-13
 
 
-def test_xla_products_over_all_heads_only_for_few_query_rows(monkeypatch):
+def test_xla_products_over_all_heads_only_for_few_query_rows():
     """A one-token step over a long cache takes the product over all heads, with grouped,
     multi-query and multi-head attention alike; a prompt's queries, and a step over few keys,
     take the per-head products."""
-    taken = []
-    own_blocks = mha_jax.attention.own_blocks
-    monkeypatch.setattr(mha_jax.attention, "own_blocks", lambda *a: taken.append(a[0].shape) or own_blocks(*a))
     x = lambda q_len, heads: jnp.ones((1, q_len, heads, 16))  # noqa: E731
     for kv_heads in (2, 1, 8):
-        taken.clear()
-        mha_jax.dot_product_attention(x(1, 8), x(512, kv_heads), x(512, kv_heads))
-        assert len(taken) == 2  # the logits and the outputs
+        with testing.observed() as seen:
+            mha_jax.dot_product_attention(x(1, 8), x(512, kv_heads), x(512, kv_heads))
+        assert [event for event, _ in seen].count("own_blocks") == 2  # the logits and the outputs
     for q_len, kv_len, kv_heads in ((512, 512, 2), (512, 512, 1), (64, 512, 8), (1, 64, 2)):
-        taken.clear()
-        mha_jax.dot_product_attention(x(q_len, 8), x(kv_len, kv_heads), x(kv_len, kv_heads))
-        assert taken == []
+        with testing.observed() as seen:
+            mha_jax.dot_product_attention(x(q_len, 8), x(kv_len, kv_heads), x(kv_len, kv_heads))
+        assert "own_blocks" not in [event for event, _ in seen]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mha_jax import _platform
+from mha_jax.testing import platform as _platform
 
 
 @pytest.mark.parametrize("module", sorted(_platform.INTERNALS))

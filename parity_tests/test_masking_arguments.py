@@ -1,7 +1,6 @@
-"""The public calls' bodies pick their masking arguments from ``locals()`` by the names in
-``batch_axes.MASKING``: every parameter of each signature is either one of those names or one the
-body passes on by name, so a parameter added to a signature and to neither list fails here
-instead of being dropped."""
+"""The public calls gather their masking arguments by name (``batch_axes.Masking``, every name given):
+every parameter of each signature is either one of ``batch_axes.MASKING`` or one the body passes
+on by name, so a parameter added to a signature and to neither list fails here."""
 
 from __future__ import annotations
 
@@ -65,13 +64,19 @@ def test_a_module_call_names_an_unknown_keyword():
         linen.init(jax.random.key(0), x, key_segment_id=np.zeros((1, 3), np.int32))
 
 
-def test_masking_picks_the_named_arguments_only():
-    given = dict(mask=1, bias=2, scale=3, dropout_mask=4, self=5)
-    assert batch_axes.masking(given) == {"mask": 1, "bias": 2}
-    assert batch_axes.masking(given, "dropout_mask") == {"mask": 1, "bias": 2, "dropout_mask": 4}
-    picked = batch_axes.call_masking((2, 0), 8, dict(given, local_window_size=None))
-    assert picked["local_window_size"] == (2, 0) and picked["attention_chunk_size"] == 8
-    assert batch_axes.call_masking((2, 0), None, dict(given, local_window_size=3))["local_window_size"] == 3
+def test_masking_takes_every_name_and_no_other():
+    given = dict.fromkeys(batch_axes.Masking._fields)
+    assert batch_axes.Masking(**given)._asdict() == given
+    with pytest.raises(TypeError, match="scale"):
+        batch_axes.Masking(**given, scale=3)
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        batch_axes.Masking(**{n: None for n in batch_axes.Masking._fields if n != "alibi_slopes"})
+    own = dict(mask=1, bias=2, is_causal=False, dropout_mask=4)
+    picked = batch_axes.call_masking((2, 0), 8, None, dict(local_window_size=None), **own)
+    assert picked["local_window_size"] == (2, 0) and picked["attention_chunk_size"] == 8 and picked["mask"] == 1
+    assert batch_axes.call_masking((2, 0), None, None, dict(local_window_size=3), **own)["local_window_size"] == 3
+    with pytest.raises(TypeError, match="dropout_mask"):
+        batch_axes.call_masking((2, 0), None, None, dict(local_window_size=3), mask=1, bias=2, is_causal=False)
 
 
 def test_a_module_call_passes_its_masking_keywords_on():

@@ -13,6 +13,7 @@ length of 72 gives 3 to 5 blocks, the last padded: causality, windows and segmen
 partial and empty blocks.
 """
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -24,7 +25,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _band, _blockwise
+from mha_jax import testing
 from mha_jax.attention import dot_product_attention
 
 B, L, H, D = 8, 72, 8, 8
@@ -41,17 +42,11 @@ def test_ci_runs_this_file_on_8_devices():
     assert CI_COMMAND in ci
 
 
-OWN_BLOCK_SIZES = dict(block_sizes=_blockwise.block_sizes, backward_block_sizes=_blockwise.backward_block_sizes)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def small_blocks():
     """Forward blocks of 32 queries x 16 keys (3 x 5), backward blocks of 16 x 32 (5 x 3), bands
     of 16 queries (5)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_blockwise, "block_sizes", lambda *shape: (32, 16))
-        patch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (16, 32))
-        patch.setattr(_band, "_BLOCK", 16)  # a window over default positions: bands of 16 queries
+    with testing.tuned(blocks=(32, 16), backward_blocks=(16, 32), band_block=16):  # bands: windows at default positions
         yield
 
 
@@ -323,15 +318,14 @@ def test_batch_not_divisible_by_its_axis_is_refused_by_jax():
 
 
 @needs_8
-def test_docs_scaling_out_examples_run(monkeypatch):
+def test_docs_scaling_out_examples_run():
     """At the kernel's own block sizes; the page's figures are the same layouts' counts."""
-    for name, f in OWN_BLOCK_SIZES.items():
-        monkeypatch.setattr(_blockwise, name, f)
     page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
     blocks = page.read_text().split("```py\n")[1:]
     assert len(blocks) == 2  # the second, ring attention's, runs in test_ring
     names = {}
-    exec(compile(blocks[0].split("```")[0], "docs/scaling.md", "exec"), names)
+    with testing.tuned(**dataclasses.asdict(testing.Tuning())):
+        exec(compile(blocks[0].split("```")[0], "docs/scaling.md", "exec"), names)
     assert names["out"].sharding.spec == P("data", None, "model", None)
 
 

@@ -67,20 +67,19 @@ def test_a_wrong_weight_is_caught(dtype):
     assert not harness.compare(case, results).passed
 
 
-def test_one_blockwise_program_serves_every_mask_form_with_the_same_static_options(monkeypatch):
+def test_one_blockwise_program_serves_every_mask_form_with_the_same_static_options():
     """The blockwise side compiles one program per configuration, dtype and static option:
     every mask form's terms, in their one form, fit the program of its static options (each
     program traces the kernel once; a case that needed a program of its own would trace it
     again)."""
-    from mha_jax import _blockwise
+    from mha_jax import testing
 
     cases = [c for c in GRID if c.config.name == "self" and c.dtype == "float32"]
     harness._jax_programs()[1].clear_cache()
-    traces = []
-    monkeypatch.setattr(_blockwise, "attention",
-                        lambda *a, run=_blockwise.attention, **k: traces.append(1) or run(*a, **k))
-    for case in cases:
-        harness.run_jax(case, harness.make_data(case), implementation="blockwise", canonical=True)
+    with testing.observed() as seen:
+        for case in cases:
+            harness.run_jax(case, harness.make_data(case), implementation="blockwise", canonical=True)
+    traces = [event for event, _ in seen if event == "blocks"]
     options = {harness.static_options(harness.make_data(c).attention) for c in cases}
     assert len(traces) == len(options) == 5
 

@@ -16,7 +16,6 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from mha_jax import attention as jax_attention
 
 B, T, H, KV, D = 2, 12, 4, 2, 8
 JAX_IMPLEMENTATIONS = ("xla", "blockwise")
@@ -143,9 +142,9 @@ def test_cudnn_mapping_through_jax_nn(monkeypatch):
     def xla_instead(*args, implementation=None, **kw):
         return nn_attention(*args, implementation="xla", **kw)
 
-    monkeypatch.setattr(jax_attention.jax.nn, "dot_product_attention", xla_instead)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", xla_instead)
     # the branch a program lowered for an NVIDIA GPU runs
-    monkeypatch.setattr(jax_attention.jax.lax, "platform_dependent", lambda *args, cuda, **_: cuda(*args))
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, **_: cuda(*args))
     q, k, v = (x.astype(np.float32) for x in _qkv(6))
     q[:, :3] *= 0  # rows with no key below: lengths 0 in the second batch element
     rng = np.random.default_rng(6)

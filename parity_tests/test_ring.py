@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from mha_jax import _ring
+from mha_jax import testing
 from mha_jax.attention import dot_product_attention
 
 B, L, H, KVH, D = 2, 32, 4, 2, 8
@@ -47,8 +47,7 @@ def test_ci_runs_this_file_on_8_devices():
 def small_tiles():
     """Tiles of 2 queries x 2 keys: over 8 devices one per chunk, over 4 two, so that causality
     and windows leave whole, partial and empty tiles (skipped)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_ring, "TILE", 2)
+    with testing.tuned(ring_tile=2):
         yield
 
 
@@ -604,12 +603,12 @@ def test_inside_shard_map_over_the_axis_is_refused():
 
 
 @needs_8
-def test_docs_ring_example_runs(monkeypatch):
+def test_docs_ring_example_runs():
     """At the ring's own tile size."""
-    monkeypatch.setattr(_ring, "TILE", 512)
     page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
     blocks = page.read_text().split("```py\n")[1:]
     assert len(blocks) == 2
     names = {}
-    exec(compile(blocks[1].split("```")[0], "docs/scaling.md", "exec"), names)
+    with testing.tuned(ring_tile=testing.Tuning.ring_tile):
+        exec(compile(blocks[1].split("```")[0], "docs/scaling.md", "exec"), names)
     assert tuple(names["out"].sharding.spec)[:2] == ("data", "seq")

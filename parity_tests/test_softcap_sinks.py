@@ -22,7 +22,7 @@ import torch
 
 import mha_jax
 import mha_torch
-from mha_jax import _blockwise
+from mha_jax import testing
 from parity_tests import cores
 from parity_tests.tool import arrays, harness, oracle
 
@@ -55,11 +55,11 @@ ORACLE_NAMES = {"local_window_size": "window", "key_value_seq_lengths": "lengths
 
 
 @pytest.fixture(autouse=True)
-def tiny_blocks(monkeypatch):
+def tiny_blocks():
     """Blockwise forward blocks of 4 queries x 3 keys, backward blocks of 2 x 4: several blocks
     each way, the last padded, and the backward re-blocked."""
-    monkeypatch.setattr(_blockwise, "block_sizes", lambda *shape: (4, 3))
-    monkeypatch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (2, 4))
+    with testing.tuned(blocks=(4, 3), backward_blocks=(2, 4)):
+        yield
 
 
 def _inputs(dtype: str, seed: int = 0) -> dict:

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mha_jax
+from mha_jax import testing
 from parity_tests import cores, strategies
 from parity_tests.tool import harness, oracle
 
@@ -134,7 +135,7 @@ def test_flash_is_blockwise_on_cpu():
 def test_splash_internals_are_where_they_were_written_for():
     """The kernel is built from jax's splash modules that their package does not export; when a
     jax release moves one of those names, this says which, and for which jax it was written."""
-    from mha_jax import _splash
+    _splash = testing.splash
 
     found = _splash.jax_internals()
     assert set(found) == {n for names in _splash.INTERNALS.values() for n in names}
@@ -143,7 +144,7 @@ def test_splash_internals_are_where_they_were_written_for():
             _splash.kernel(2, 128, 256, True, None, chunk, 2.0, True)
         except TypeError as error:
             raise AssertionError(f"jax {jax.__version__}'s splash kernel no longer takes what mha_jax._splash "
-                                 f"passes (written for jax {_splash.WRITTEN_FOR}): {error}") from error
+                                 f"passes (written for jax {testing.platform.JAX_VERSION}): {error}") from error
 
 
 HAS_KEY = {  # (q_len, kv_len, Spec keywords): rows with no key in every case
@@ -165,7 +166,7 @@ def test_splash_rows_with_no_key_are_the_dense_masks(name):
     """Which queries see some key (the rows set to 0 after the kernel), from the terms' block
     ranges, is exactly where the dense mask of the same terms has a key: windows either side,
     causality, chunks, lengths strictly between 0 and the key count, and segments."""
-    from mha_jax import _splash
+    _splash = testing.splash
     from mha_spec.terms import Spec
 
     q_len, kv_len, kw = HAS_KEY[name]

@@ -23,7 +23,7 @@ import torch
 
 import mha_jax
 import mha_torch
-from mha_jax import _blockwise
+from mha_jax import testing
 from parity_tests import cores
 from parity_tests.test_kernels_mesh import run_on_4_devices
 from parity_tests.tool import harness, oracle
@@ -97,11 +97,11 @@ def _check(framework, implementation, dtype, q, k, v, d_out, case):
 
 
 @pytest.fixture
-def small_blocks(monkeypatch):
+def small_blocks():
     """Blockwise over 2 query blocks of 4 and 6 key blocks of 3 (the last padded), backward
     blocks of 8 x 4: whole, partial and empty blocks, each with the value's head dim."""
-    monkeypatch.setattr(_blockwise, "block_sizes", lambda *shape: (4, 3))
-    monkeypatch.setattr(_blockwise, "backward_block_sizes", lambda *shape: (8, 4))
+    with testing.tuned(blocks=(4, 3), backward_blocks=(8, 4)):
+        yield
 
 
 CASES = ["causal", "mask+bias+sinks+lengths", "positional terms", "window", "soft_cap+dropout"]
