@@ -385,6 +385,24 @@ def test_an_unpaired_parameter_fails_the_gradients_and_the_command_line_says_so(
 PARTIAL = {r"blocks\.0\.proj": r"blocks.0.dense", r"head\.act": None}  # blocks.1.proj left without its pair
 
 
+class NnxTinyFrozenHeadBias(NnxTiny):
+    """Equal outputs, but the head's bias (PyTorch's last parameter) takes no gradient."""
+
+    def __call__(self, ids):
+        out = super().__call__(ids)
+        h = out["hidden"]
+        return {"logits": h @ self.head.kernel[...] + jax.lax.stop_gradient(self.head.bias[...]), "hidden": h}
+
+
+def test_every_parameter_is_checked_the_last_included():
+    from parity_tests.porting import compare_gradients
+
+    assert [n for n, _ in torch_tiny().named_parameters()][-1] == "head.bias"
+    report = compare_gradients(torch_tiny(), NnxTinyFrozenHeadBias(), *tiny_inputs(), mapping=MAPPING)
+    assert [p.name for p in report.parameters if not p.passed] == ["head.bias"], report.table()
+    assert report.failures()[0].startswith("head.bias 1.00e+00 > ") and len(report.failures()) == 1, report.table()
+
+
 def test_one_adamw_step_with_weight_decay_and_a_port_that_must_fail_it():
     """At a learning rate of 1e-2 and weight decay of 0.1 a step that left out the decay on one
     side moves every weight by 1e-3 of itself; a port with one bias off fails."""
