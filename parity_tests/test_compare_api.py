@@ -427,7 +427,7 @@ def test_a_decode_with_equal_tokens_and_logits_off_fails_naming_the_row_and_step
     assert not off.passed and off.first_step == 1 and not other.passed and other.first_step == 1 and good.passed
     table = DecodeReport([good, off, other], 3).table()
     assert table.splitlines()[-1] == ("decoding: verdict: FAILED: JAX, left-padded batch row 1: differs from step 1 "
-                                      "(logits 5.00e-01 > 1e-04); JAX, the row alone row 0: differs from step 1 "
+                                      "(logits 5.00e-01 > 1.00e-04); JAX, the row alone row 0: differs from step 1 "
                                       "(token 7 for 5)"), table
 
 

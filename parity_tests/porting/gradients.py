@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import jax_side, names, parameter_pairs, settings
+from parity_tests.porting import jax_side, names, parameter_pairs, settings, torch_side
 from parity_tests.tool import arrays, verdict
 
 
@@ -83,16 +83,12 @@ def cotangent(shape: tuple[int, ...], dtype: str, valid: np.ndarray | None, seed
 
 
 def arrays_rounded(x, dtype):
-    from parity_tests.tool.arrays import rounded
-
-    return rounded(x, dtype)
+    return arrays.rounded(x, dtype)
 
 
 def _torch_run(model, inputs, valid, seed, step: Mapping | None):
     """PyTorch's gradients (name -> NumPy), or its parameters after one AdamW ``step`` (on a copy)."""
     import torch
-
-    from parity_tests.porting import torch_side
 
     dtype = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(model), None)
     if step is not None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from parity_tests.tool import axis_layouts
+
 
 def numpy_dtype(dtype: str):
     """The NumPy dtype of a dtype name; ``"bfloat16"`` is ml_dtypes' (as JAX's)."""
@@ -117,8 +119,6 @@ def _pair(a, b, valid, layout) -> tuple[np.ndarray, np.ndarray]:
     both float64, at the ``valid`` positions: of ``b`` where its shape starts with ``valid``'s, else
     of ``a`` where its shape does, carried to ``b``'s layout with it (``(batch, heads, length, ...)``
     against ``(batch, length, heads, ...)``)."""
-    from parity_tests.tool import axis_layouts
-
     a, b = to_numpy(a), to_float64(b)
     aligned = to_float64(axis_layouts.fit(a, b.shape, layout))
     if valid is None:
@@ -142,8 +142,6 @@ def relative_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:
     ``(batch, length)``): only those positions of arrays whose shape starts with it."""
     error = _relative(*_pair(a, b, valid, layout))
     if layout is None and tuple(np.shape(a)) == tuple(np.shape(b)) and error > 0:
-        from parity_tests.tool import axis_layouts
-
         for other in axis_layouts.alternatives(np.shape(b)):
             nearer = _relative(*_pair(other.apply(to_numpy(a)), b, valid, None))
             if nearer < error:
