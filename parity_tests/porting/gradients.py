@@ -17,17 +17,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity_tests.porting import jax_side, names, parameter_pairs, settings, torch_side
-from parity_tests.tool import arrays, verdict
+from parity_tests.tool import arrays, table, verdict
+
+COLUMNS = ("parameter", "error", "outcome")
 
 
 @dataclass
-class ParameterResult(verdict.Measured):
-    """One parameter: ``name`` (PyTorch's), ``jax_name``, the relative ``error`` and its ``tolerance``."""
+class ParameterResult(table.Measured):
+    """One parameter, a row of the report core: ``name`` (PyTorch's), ``jax_name``, the relative
+    ``error`` and its ``tolerance``."""
 
     name: str
     jax_name: str
     error: float
     tolerance: float
+
+    def cells(self) -> list[str]:
+        return [self.name, f"{self.error:.2e}", "ok" if self.passed else "FAILED"]
+
+    def failure(self) -> str:
+        return f"{self.name} {self.error:.2e} > {self.tolerance:.0e}"
 
 
 @dataclass
@@ -50,7 +59,7 @@ class ParameterReport:
 
     def failures(self) -> list[str]:
         """What failed, in words: each parameter beyond its tolerance, those without a pair, or none paired."""
-        found = [f"{p.name} {p.error:.2e} > {p.tolerance:.0e}" for p in self.parameters if not p.passed]
+        found = table.Table(COLUMNS, self.parameters).failures()
         if self.unpaired_torch:
             found.append(f"{len(self.unpaired_torch)} PyTorch parameters without a JAX pair "
                          f"({', '.join(self.unpaired_torch[:4])}{' ...' if len(self.unpaired_torch) > 4 else ''})")
@@ -59,11 +68,10 @@ class ParameterReport:
         return found
 
     def table(self) -> str:
-        width = max([len(p.name) for p in self.parameters] + [1])
         worst = self.worst
         lines = [f"{self.what}: {len(self.parameters)} parameters"
                  + (f", worst {worst.name} {worst.error:.2e}" if worst is not None else "")]
-        lines += [f"  {p.name.ljust(width)}  {p.error:.2e}  {'ok' if p.passed else 'FAILED'}" for p in self.parameters]
+        lines += ["  " + line for line in table.Table(COLUMNS, self.parameters).text().splitlines()[2:]]
         if self.unpaired_torch:
             lines.append("  PyTorch parameters without a JAX pair (not compared): " + ", ".join(self.unpaired_torch))
         lines.append(verdict.line(self.passed, self.failures(), f"{self.what}: verdict"))
