@@ -22,7 +22,10 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+
+from parity_tests.porting import record
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -299,3 +302,23 @@ ADAPTED = {
     r"model\.layers\.(\d+)\.self_attn": (r"model.layers.\1.attn", adapter),
     r"model\.layers\.(\d+)": (r"model.layers.\1", adapter),
 }
+
+
+def fixtures(port) -> tuple:
+    """The tests' module-scoped fixtures of a foreign port module ``port``: ``torch_model`` (its
+    transformers model), ``batch`` (its ``inputs()``: two rows, the second left-padded by 3) and
+    ``reference`` (PyTorch's recording of the batch); assign them to names in a test module."""
+
+    @pytest.fixture(scope="module", name="torch_model")
+    def torch_model():
+        return port.transformers_model()
+
+    @pytest.fixture(scope="module", name="batch")
+    def batch():
+        return port.inputs()
+
+    @pytest.fixture(scope="module", name="reference")
+    def reference(torch_model, batch):
+        return record(torch_model, *batch)
+
+    return torch_model, batch, reference

@@ -12,25 +12,14 @@ import torch
 
 from parity_tests import foreign_apertus as fa
 from parity_tests import foreign_gpt2 as fg
-from parity_tests.porting import compare, compare_decoding, compare_training, record, suggest_mapping
+from parity_tests import foreign_port as fp
+from parity_tests.porting import compare, compare_decoding, compare_training, suggest_mapping
 from parity_tests.tool import verdict
 
 NORMS = [f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")]
 
 
-@pytest.fixture(scope="module")
-def torch_model():
-    return fa.transformers_model()
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return fa.inputs()
-
-
-@pytest.fixture(scope="module")
-def reference(torch_model, batch):
-    return record(torch_model, *batch)
+torch_model, batch, reference = fp.fixtures(fa)
 
 
 def test_the_port_gives_transformers_logits_and_each_defect_changes_them(torch_model, batch):
