@@ -6,11 +6,11 @@ Its names are its own (``wte``, ``blocks.N.norm1``, ``blocks.N.attn.qkv``, ``blo
 as GPT-2's ``Conv1D`` keeps ``(in, out)``), splits it into queries, keys and values ``(batch,
 length, heads, head_dim)`` (transformers: ``(batch, heads, length, head_dim)``) and writes its
 keys and values to its cache (an ``nnx.Variable`` of the attention) on every call, attending over
-what the cache holds; the model empties every cache at the start of each call but a decoding one
-(``init_cache``, then ``decode=True``: one row at a time, as ``compare_decoding(..., paddings=())``
-decodes it). The logits are the
-hidden states against ``wte`` (tied). ``build(torch_model, defect)`` loads it from a ``state_dict``
-and plants one of ``DEFECTS`` where ``WHERE`` says.
+what the cache holds but its padding; the model empties every cache at the start of each call but
+a decoding one (``init_cache``, then ``decode=True`` with each token's position, -1 for padding: rows
+alone or in a padded batch). The logits are the hidden states against ``wte`` (tied).
+``build(torch_model, defect)`` loads it from a ``state_dict`` and plants one of ``DEFECTS``, or
+``PADDING_DEFECT``, where ``WHERE`` says.
 """
 
 from __future__ import annotations
