@@ -175,6 +175,7 @@ def report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, out
     paired = set(pairs)
     unpaired_jax = [c.name for c in jax_calls if (c.name, c.occurrence) not in paired]
     tolerance = output_tolerance if output_tolerance is not None else settings.OUTPUT_TOLERANCES.get(ref.dtype, 1e-4)
+    floor, exact = verdict.module_floor(tolerance, ref.dtype), dict(ref.outputs64 if output_tolerance is None else [])
     outputs, metrics = [], None
     for name, mine, theirs in _pair_outputs(output, ref.outputs):
         if not arrays.is_float(theirs):
@@ -183,7 +184,8 @@ def report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, out
             errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
         except ValueError:  # an output of no (or no one) layout of PyTorch's cannot hold: it fails, its error infinite
             errors = float("inf"), float("inf")
-        outputs.append(OutputResult(name, *errors, tolerance))
+        outputs.append(OutputResult(name, *errors, tolerance, reference=_optional_error(theirs, exact.get(name), valid),
+                                    floor=floor))
         if name == "logits" and np.isfinite(errors[0]):
             metrics = logits.metrics(mine, theirs, k=top_k, valid=valid)
     return Report(modules, outputs, metrics, recorded, unpaired, unpaired_jax)

@@ -438,7 +438,7 @@ def _torch_step(torch_model, sequence: np.ndarray, positions: np.ndarray, step: 
         for call in ref.calls:
             call.inputs = [(n, cut(x)) for n, x in call.inputs]
             call.output, call.output64, call.inherited64 = cut(call.output), cut(call.output64), cut(call.inherited64)
-        ref.outputs = [(n, cut(x)) for n, x in ref.outputs]
+        ref.outputs, ref.outputs64 = [(n, cut(x)) for n, x in ref.outputs], [(n, cut(x)) for n, x in ref.outputs64]
     return ref
 
 

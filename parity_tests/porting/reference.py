@@ -84,6 +84,7 @@ def write(path: str | os.PathLike, recording: Recording) -> None:
         "format": FORMAT, "dtype": recording.dtype, "settings": recording.settings,
         "inputs": [_put(store, f"input.{i}", x) for i, x in enumerate(recording.inputs)],
         "outputs": [named(f"output.{i}", name, x) for i, (name, x) in enumerate(recording.outputs)],
+        "outputs64": [named(f"output64.{i}", name, x) for i, (name, x) in enumerate(recording.outputs64)],
         "calls": [{"name": c.name, "occurrence": c.occurrence, "class": c.cls,
                    "inputs": [named(f"call.{j}.input.{k}", name, x) for k, (name, x) in enumerate(c.inputs)],
                    "sources": c.sources,
@@ -114,4 +115,5 @@ def load_reference(path: str | os.PathLike) -> Recording:
                   read(c["output"]), c.get("sources", []), read(c.get("output64")), read(c.get("inherited64")))
              for c in index["calls"]]
     return Recording([_get(store, e) for e in index["inputs"]], [(e["name"], _get(store, e)) for e in index["outputs"]],
-                     calls, index["dtype"], index["settings"])
+                     calls, index["dtype"], index["settings"],
+                     [(e["name"], _get(store, e)) for e in index.get("outputs64", [])])

@@ -99,12 +99,15 @@ class ModuleResult(table.Row):
 
 @dataclass
 class OutputResult(table.Measured):
-    """One output field: relative and max-abs error, the tolerance of its relative error."""
+    """One output field: relative and max-abs error, the tolerance of its relative error and
+    (``reference``, ``floor``) the bound ``verdict.bound`` makes of PyTorch's own rounding."""
 
     name: str
     relative: float
     max_abs: float
     tolerance: float
+    reference: float | None = field(default=None, kw_only=True)
+    floor: float | None = field(default=None, kw_only=True)
 
     @property
     def error(self) -> float:
@@ -147,7 +150,7 @@ class Report:
         if first is not None:
             how = " (found by inherited error)" if first.by_flow else ""
             found.append(f"first divergence at {first.label}{how}")
-        found += [f"{o.name} relative error {o.relative:.2e} > {o.tolerance:.0e}" for o in self.outputs if not o.passed]
+        found += [f"{o.name} relative error {o.relative:.2e} > {o.bound:.1e}" for o in self.outputs if not o.passed]
         return found
 
     def module(self, name: str, occurrence: int = 0) -> ModuleResult:
@@ -176,7 +179,7 @@ class Report:
         return table.Table(HEADER, self.modules)
 
     def summary(self) -> list[str]:
-        lines = [f"{o.name}: relative error {o.relative:.2e}, max abs {o.max_abs:.2e} (tolerance {o.tolerance:.0e}) "
+        lines = [f"{o.name}: relative error {o.relative:.2e}, max abs {o.max_abs:.2e} (allowed {o.bound:.1e}) "
                  + ("ok" if o.passed else "FAILED") for o in self.outputs]
         if self.logits is not None:
             g = self.logits

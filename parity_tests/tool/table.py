@@ -40,18 +40,26 @@ class Row:
 
 
 class Measured(Row):
-    """A row (a dataclass with ``error`` and ``tolerance``) whose ``error`` passes within
-    ``verdict.bound(tolerance)``; ``as_json`` adds ``passed`` to its fields."""
+    """A row (a dataclass with ``error``, ``tolerance`` and, keywords, ``reference`` and ``floor``) whose
+    ``error`` passes within its ``bound``, ``verdict.bound(tolerance, reference, floor)``: ``reference``
+    PyTorch's own error against its float64 copy where it was measured (None: the tolerance alone);
+    ``as_json`` adds ``bound`` and ``passed`` to its fields."""
 
     error: float
     tolerance: float
+    reference: float | None
+    floor: float | None
+
+    @property
+    def bound(self) -> float:
+        return verdict.bound(self.tolerance, self.reference, self.floor)
 
     @property
     def outcome(self) -> str:
-        return verdict.outcome(self.error, verdict.bound(self.tolerance))
+        return verdict.outcome(self.error, self.bound)
 
     def as_json(self) -> dict:
-        return dict(dataclasses.asdict(self), passed=self.passed)
+        return dict(dataclasses.asdict(self), bound=self.bound, passed=self.passed)
 
 
 @dataclass
