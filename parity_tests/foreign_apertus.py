@@ -32,7 +32,10 @@ PORT_CONFIG = {**CONFIG, "head_dim": CONFIG["hidden_size"] // CONFIG["num_attent
 adapter = functools.partial(fp.adapter, c=PORT_CONFIG)  # transformers' attention call -> the port's
 
 DEFECTS = ("q-norm over the heads axis", "mlp activation")
-WHERE = {"q-norm over the heads axis": "model.layers.1.self_attn.q_norm", "mlp activation": "model.layers.0.mlp"}
+# a defect only a padded batch shows: a token's position counts the left padding before it
+PADDING_DEFECT = "positions counting the padding"
+WHERE = {"q-norm over the heads axis": "model.layers.1.self_attn.q_norm", "mlp activation": "model.layers.0.mlp",
+         PADDING_DEFECT: "model.layers.0.self_attn"}
 
 MAPPING = {
     r"model\.embed_tokens": "model.embed",
@@ -89,8 +92,8 @@ class Decoder(nnx.Module):
 
 class Apertus(nnx.Module):
     """``tokens`` ``(batch, length)`` and ``segment_ids`` (default all 1) -> logits ``(batch, length, vocab)``;
-    ``decode=True``: appended to the caches ``init_cache`` made (each token's position is what its
-    row's cache holds: ``position_ids`` are not read; one row at a time, no padding)."""
+    ``decode=True``: appended to the caches ``init_cache`` made, ``position_ids`` -1 for padding (each
+    token's position is the number of tokens its row's cache holds before it)."""
 
     def __init__(self, c: Mapping = PORT_CONFIG):
         rngs = nnx.Rngs(0)
@@ -99,8 +102,9 @@ class Apertus(nnx.Module):
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, position_ids=None, *,
                  decode: bool = False) -> jax.Array:
-        segment_ids = jnp.ones(tokens.shape, jnp.int32) if segment_ids is None else segment_ids
-        return self.lm_head(self.model(tokens, segment_ids, decode))
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32) if position_ids is None else (position_ids >= 0)
+        return self.lm_head(self.model(tokens, jnp.asarray(segment_ids, jnp.int32), decode))
 
     def init_cache(self, batch: int, max_length: int) -> None:
         """Empty caches for ``batch`` rows of up to ``max_length`` tokens (``compare_decoding``'s protocol)."""
@@ -135,29 +139,19 @@ def build(torch_model, defect: str | None = None) -> Apertus:
         port.model.layers[1].attn.q_norm.axis = -2
     elif defect == "mlp activation":
         port.model.layers[0].ffn.activation = jax.nn.gelu
+    elif defect == PADDING_DEFECT:
+        port.model.layers[0].attn.count_padding = True
     elif defect is not None:
-        raise ValueError(f"defect must be one of {DEFECTS} or None, got {defect!r}")
+        raise ValueError(f"defect must be one of {(*DEFECTS, PADDING_DEFECT)} or None, got {defect!r}")
     return port
 
 
 def transformers_model(seed: int = 0):
     """transformers' ``ApertusForCausalLM`` of ``CONFIG``, float32, eager attention, random weights
     (its norms' too, so that a norm loaded from the wrong place shows)."""
-    import torch
     import transformers
 
-    torch.manual_seed(seed)
-    model = transformers.ApertusForCausalLM(transformers.ApertusConfig(**CONFIG, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return fp.random_model(transformers.ApertusForCausalLM, transformers.ApertusConfig, CONFIG, seed)
 
 
-def inputs(rows: int = 2, length: int = 12, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and the attention mask (the port's segment ids): the second row left-padded by 3."""
-    ids = np.random.default_rng(seed).integers(3, CONFIG["vocab_size"], (rows, length))
-    mask = np.ones((rows, length), np.int64)
-    mask[1:, :3] = 0
-    return ids, mask
+inputs = functools.partial(fp.inputs, c=CONFIG)  # two rows of 12 tokens, the second left-padded by 3

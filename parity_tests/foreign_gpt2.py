@@ -6,11 +6,11 @@ Its names are its own (``wte``, ``blocks.N.norm1``, ``blocks.N.attn.qkv``, ``blo
 as GPT-2's ``Conv1D`` keeps ``(in, out)``), splits it into queries, keys and values ``(batch,
 length, heads, head_dim)`` (transformers: ``(batch, heads, length, head_dim)``) and writes its
 keys and values to its cache (an ``nnx.Variable`` of the attention) on every call, attending over
-what the cache holds; the model empties every cache at the start of each call but a decoding one
-(``init_cache``, then ``decode=True``: one row at a time, as ``compare_decoding(..., paddings=())``
-decodes it). The logits are the
-hidden states against ``wte`` (tied). ``build(torch_model, defect)`` loads it from a ``state_dict``
-and plants one of ``DEFECTS`` where ``WHERE`` says.
+what the cache holds but its padding; the model empties every cache at the start of each call but
+a decoding one (``init_cache``, then ``decode=True`` with each token's position, -1 for padding: rows
+alone or in a padded batch). The logits are the hidden states against ``wte`` (tied).
+``build(torch_model, defect)`` loads it from a ``state_dict`` and plants one of ``DEFECTS``, or
+``PADDING_DEFECT``, where ``WHERE`` says.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from parity_tests.gpt2_port import CONFIG, inputs, transformers_model  # noqa: F
 
 SLOTS = 32  # key/value slots of each attention's cache
 DEFECTS = ("q and k swapped in the split", "mlp activation")
-WHERE = {"q and k swapped in the split": "transformer.h.1.attn", "mlp activation": "transformer.h.0.mlp"}
+# a defect only a padded batch shows: the attention attends to the padding its cache holds
+PADDING_DEFECT = "padding attended"
+WHERE = {"q and k swapped in the split": "transformer.h.1.attn", "mlp activation": "transformer.h.0.mlp",
+         PADDING_DEFECT: "transformer.h.0.attn"}
 MAPPING = {
     r"transformer\.wte": "wte",
     r"transformer\.wpe": "wpe",
@@ -45,7 +48,8 @@ MAPPING = {
 
 
 class Cache(nnx.Variable):
-    """``k``, ``v`` ``(batch, SLOTS, heads, head_dim)`` and ``end``, the slots filled."""
+    """``k``, ``v`` ``(batch, SLOTS, heads, head_dim)``, ``real`` ``(batch, SLOTS)`` (False: padding)
+    and ``end``, the slots filled."""
 
 
 class Attention(nnx.Module):
@@ -55,15 +59,17 @@ class Attention(nnx.Module):
         self.proj = nnx.Linear(n, n, rngs=rngs)
         self.order = (0, 1, 2)  # which third of qkv is the query, the key, the value
         self.cache = Cache(self.empty(1))
+        self.attend_padding = False  # a planted defect: the padding cached is attended to
 
     def empty(self, batch: int) -> dict:
         kv = jnp.zeros((batch, SLOTS, self.heads, self.head_dim), jnp.float32)
-        return dict(k=kv, v=kv, end=jnp.int32(0))
+        return dict(k=kv, v=kv, real=jnp.zeros((batch, SLOTS), bool), end=jnp.int32(0))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, real: jax.Array | None = None) -> jax.Array:
         """``x`` ``(batch, length, hidden)``: its keys and values appended to the cache, its queries
-        attending causally over the cache."""
+        attending causally over the cache's tokens that are not padding (``real``: False, default none)."""
         b, n, _ = x.shape
+        real = jnp.ones((b, n), bool) if real is None or self.attend_padding else real
         parts = jnp.split(self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim), 3, axis=2)
         q, k, v = (parts[i][:, :, 0] for i in self.order)
         state = self.cache.get_value()
@@ -72,10 +78,12 @@ class Attention(nnx.Module):
         at = state["end"]
         zero = jnp.zeros_like(at)
         state = dict(k=jax.lax.dynamic_update_slice(state["k"], k, (zero, at, zero, zero)),
-                     v=jax.lax.dynamic_update_slice(state["v"], v, (zero, at, zero, zero)), end=at + n)
+                     v=jax.lax.dynamic_update_slice(state["v"], v, (zero, at, zero, zero)),
+                     real=jax.lax.dynamic_update_slice(state["real"], real, (zero, at)), end=at + n)
         self.cache.set_value(state)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, state["k"]) / math.sqrt(self.head_dim)
-        visible = jnp.arange(SLOTS)[None, :] <= (at + jnp.arange(n))[:, None]
+        visible = (jnp.arange(SLOTS)[None, :] <= (at + jnp.arange(n))[:, None])[None] & state["real"][:, None, :]
+        visible = visible[:, None]
         scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), state["v"])
         return self.proj(out.reshape(b, n, -1))
@@ -98,8 +106,8 @@ class Block(nnx.Module):
         self.norm2 = nnx.LayerNorm(n, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
         self.mlp = MLP(n, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x))
+    def __call__(self, x: jax.Array, real: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.norm1(x), real=real)
         return x + self.mlp(self.norm2(x))
 
 
@@ -115,13 +123,14 @@ class GPT2(nnx.Module):
 
     def __call__(self, ids: jax.Array, position_ids: jax.Array | None = None, *, decode: bool = False) -> jax.Array:
         """A forward pass (every cache emptied first); ``decode=True``: ``ids`` appended to the
-        caches ``init_cache`` made, at ``position_ids`` (one row, no padding)."""
+        caches ``init_cache`` made, at ``position_ids`` (-1: padding, never attended to)."""
         positions = jnp.arange(ids.shape[1])[None] if position_ids is None else position_ids
-        x = self.wte(ids) + self.wpe(positions)
+        real = None if position_ids is None else position_ids >= 0
+        x = self.wte(ids) + self.wpe(jnp.maximum(positions, 0))
         for block in self.blocks:
             if not decode:
                 block.attn.cache.set_value(block.attn.empty(ids.shape[0]))
-            x = block(x)
+            x = block(x, real=real)
         return self.wte.attend(self.norm(x))
 
     def init_cache(self, batch: int, max_length: int) -> None:
@@ -151,6 +160,8 @@ def build(torch_model, defect: str | None = None) -> GPT2:
         port.blocks[1].attn.order = (1, 0, 2)
     elif defect == "mlp activation":
         port.blocks[0].mlp.approximate = False
+    elif defect == PADDING_DEFECT:
+        port.blocks[0].attn.attend_padding = True
     elif defect is not None:
-        raise ValueError(f"defect must be one of {DEFECTS} or None, got {defect!r}")
+        raise ValueError(f"defect must be one of {(*DEFECTS, PADDING_DEFECT)} or None, got {defect!r}")
     return port

@@ -22,7 +22,10 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+
+from parity_tests.porting import record
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -100,6 +103,7 @@ class Attention(nnx.Module):
         self.sin = Table(jnp.asarray(np.sin(angles), jnp.float32))
         self.scale = 1 / math.sqrt(d)
         self.use_k_norm = True
+        self.count_padding = False  # a planted defect: a token's position counts the padding before it
 
     def __call__(self, x: jax.Array, cache: KVCache, segment_ids: jax.Array) -> jax.Array:
         """``x`` ``(batch, length, hidden)`` -> ``(batch, length, hidden)``; appends to ``cache``."""
@@ -110,7 +114,8 @@ class Attention(nnx.Module):
         v = self.v(x).reshape(b, n, self.kv_heads, self.head_dim)
         state = cache.get_value()
         real = (segment_ids != 0).astype(jnp.int32)
-        positions = jnp.maximum(state["count"][:, None] + jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
+        counted = jnp.ones_like(real) if self.count_padding else real
+        positions = jnp.maximum(state["count"][:, None] + jnp.cumsum(counted, axis=1, dtype=jnp.int32) - 1, 0)
         cos, sin = self.cos[...][positions], self.sin[...][positions]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         state = _append(state, k, v, segment_ids.astype(jnp.int32), positions, real)
@@ -250,12 +255,18 @@ def build(torch_model, defect: str | None = None) -> Qwen3:
 def transformers_model(seed: int = 0):
     """transformers' ``Qwen3ForCausalLM`` of ``CONFIG``, float32, eager attention, random weights
     (norm weights too, so that a norm loaded from the wrong place shows)."""
-    import torch
     import transformers
 
+    return random_model(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, CONFIG, seed)
+
+
+def random_model(model_class, config_class, c: Mapping, seed: int = 0):
+    """transformers' ``model_class`` of config ``c`` (a ``config_class``), float32, eager attention,
+    random weights, its norms' weights moved off 1 by ``0.1 * N(0, 1)``."""
+    import torch
+
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**CONFIG, attn_implementation="eager")
-    model = transformers.Qwen3ForCausalLM(config).eval()
+    model = model_class(config_class(**c, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -263,9 +274,10 @@ def transformers_model(seed: int = 0):
     return model
 
 
-def inputs(rows: int = 2, length: int = 12, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and the attention mask (the port's segment ids): the second row left-padded by 3."""
-    ids = np.random.default_rng(seed).integers(3, CONFIG["vocab_size"], (rows, length))
+def inputs(rows: int = 2, length: int = 12, seed: int = 0, c: Mapping = CONFIG) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (of config ``c``'s vocabulary) and the attention mask (the port's segment ids): the
+    second row left-padded by 3."""
+    ids = np.random.default_rng(seed).integers(3, c["vocab_size"], (rows, length))
     mask = np.ones((rows, length), np.int64)
     mask[1:, :3] = 0
     return ids, mask
@@ -290,3 +302,23 @@ ADAPTED = {
     r"model\.layers\.(\d+)\.self_attn": (r"model.layers.\1.attn", adapter),
     r"model\.layers\.(\d+)": (r"model.layers.\1", adapter),
 }
+
+
+def fixtures(port) -> tuple:
+    """The tests' module-scoped fixtures of a foreign port module ``port``: ``torch_model`` (its
+    transformers model), ``batch`` (its ``inputs()``: two rows, the second left-padded by 3) and
+    ``reference`` (PyTorch's recording of the batch); assign them to names in a test module."""
+
+    @pytest.fixture(scope="module", name="torch_model")
+    def torch_model():
+        return port.transformers_model()
+
+    @pytest.fixture(scope="module", name="batch")
+    def batch():
+        return port.inputs()
+
+    @pytest.fixture(scope="module", name="reference")
+    def reference(torch_model, batch):
+        return record(torch_model, *batch)
+
+    return torch_model, batch, reference

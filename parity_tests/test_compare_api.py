@@ -365,6 +365,60 @@ def test_the_bound_follows_pytorchs_own_rounding():
     assert verdict.outcome(None, 1.0) == "not compared" and verdict.outcome(float("nan"), 1.0) == "failed"
 
 
+class NnxTinyLogitsOff(NnxTiny):
+    """Every module as PyTorch's; its logits scaled by 1 + 1e-5 between the head and the output,
+    and every gradient below the blocks by 1 + 1e-5 (the forward unchanged, bit for bit)."""
+
+    def __call__(self, ids):
+        out = super().__call__(ids)
+        h = out["hidden"]
+        h = h + (1e-5 * h - jax.lax.stop_gradient(1e-5 * h))
+        return {"logits": self.head(h) * (1 + 1e-5), "hidden": h}
+
+
+def _own_rounding(values32, values64) -> float:
+    """PyTorch's float32 result against its float64 copy's, relative as the report defines it."""
+    a, b = np.asarray(values32, np.float64), np.asarray(values64, np.float64)
+    return max(np.linalg.norm(a - b) / np.linalg.norm(b), np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_logits_gradients_and_a_step_are_bounded_by_pytorchs_own_rounding():
+    """The logits' and each parameter's bound is ``verdict.bound`` of PyTorch's float32 result against
+    its float64 copy's (at least a module's floor; a step's at least its tolerance): an error of 1e-5,
+    within the fixed 1e-4, fails; a tolerance given judges alone."""
+    from parity_tests.porting import compare_gradients, compare_step
+    from parity_tests.porting.gradients import cotangent
+    from parity_tests.tool import verdict
+
+    floor = verdict.module_floor(1e-4, "float32")
+    model, ids = torch_tiny(), torch.as_tensor(tiny_inputs()[0])
+    exact = model.double()(ids)["logits"].detach().numpy()
+    report = compare(torch_tiny(), nnx_tiny(), *tiny_inputs(), mapping=MAPPING)
+    logits = next(o for o in report.outputs if o.name == "logits")
+    ours = torch_tiny()(ids)["logits"].detach().numpy()
+    assert np.isclose(logits.reference, _own_rounding(ours, exact), rtol=1e-6) and 0 < logits.reference < 1e-6
+    assert report.passed and logits.bound == max(floor, 16 * logits.reference) < 1e-5, report.table()
+    off = compare(torch_tiny(), NnxTinyLogitsOff(), *tiny_inputs(), mapping=MAPPING)
+    assert not off.passed and off.first_divergence is None and off.failures()[0].startswith("logits relative error")
+    assert compare(torch_tiny(), NnxTinyLogitsOff(), *tiny_inputs(), mapping=MAPPING, output_tolerance=1e-4).passed
+
+    g = cotangent((2, 5, VOCAB), "float32", None, 0)
+    grads = {}
+    for name, m in (("float32", torch_tiny()), ("float64", torch_tiny().double())):
+        (m(ids)["logits"] * torch.as_tensor(g).to(m.head.weight.dtype)).sum().backward()
+        grads[name] = m.head.weight.grad.numpy()
+    report = compare_gradients(torch_tiny(), nnx_tiny(), *tiny_inputs(), mapping=MAPPING)
+    head = next(p for p in report.parameters if p.name == "head.weight")
+    assert np.isclose(head.reference, _own_rounding(grads["float32"], grads["float64"]), rtol=1e-6)
+    assert report.passed and all(p.bound == max(floor, 16 * p.reference) for p in report.parameters)
+    off = compare_gradients(torch_tiny(), NnxTinyLogitsOff(), *tiny_inputs(), mapping=MAPPING)
+    assert not off.passed and {p.name for p in off.parameters if not p.passed} >= {"embed.weight"}, off.table()
+    assert compare_gradients(torch_tiny(), NnxTinyLogitsOff(), *tiny_inputs(), mapping=MAPPING, tolerance=1e-4).passed
+    step = compare_step(torch_tiny(), nnx_tiny(), *tiny_inputs(), mapping=MAPPING)
+    assert step.passed and all(p.reference is not None and p.bound == max(1e-4, 16 * p.reference)
+                               for p in step.parameters), step.table()
+
+
 def test_an_unpaired_parameter_fails_the_gradients_and_the_command_line_says_so(capsys):
     from parity_tests.porting import compare_gradients
 
@@ -383,6 +437,24 @@ def test_an_unpaired_parameter_fails_the_gradients_and_the_command_line_says_so(
 
 
 PARTIAL = {r"blocks\.0\.proj": r"blocks.0.dense", r"head\.act": None}  # blocks.1.proj left without its pair
+
+
+class NnxTinyFrozenHeadBias(NnxTiny):
+    """Equal outputs, but the head's bias (PyTorch's last parameter) takes no gradient."""
+
+    def __call__(self, ids):
+        out = super().__call__(ids)
+        h = out["hidden"]
+        return {"logits": h @ self.head.kernel[...] + jax.lax.stop_gradient(self.head.bias[...]), "hidden": h}
+
+
+def test_every_parameter_is_checked_the_last_included():
+    from parity_tests.porting import compare_gradients
+
+    assert [n for n, _ in torch_tiny().named_parameters()][-1] == "head.bias"
+    report = compare_gradients(torch_tiny(), NnxTinyFrozenHeadBias(), *tiny_inputs(), mapping=MAPPING)
+    assert [p.name for p in report.parameters if not p.passed] == ["head.bias"], report.table()
+    assert report.failures()[0].startswith("head.bias 1.00e+00 > ") and len(report.failures()) == 1, report.table()
 
 
 def test_one_adamw_step_with_weight_decay_and_a_port_that_must_fail_it():
@@ -409,7 +481,7 @@ def test_a_decode_with_equal_tokens_and_logits_off_fails_naming_the_row_and_step
     assert not off.passed and off.first_step == 1 and not other.passed and other.first_step == 1 and good.passed
     table = DecodeReport([good, off, other], 3).table()
     assert table.splitlines()[-1] == ("decoding: verdict: FAILED: JAX, left-padded batch row 1: differs from step 1 "
-                                      "(logits 5.00e-01 > 1e-04); JAX, the row alone row 0: differs from step 1 "
+                                      "(logits 5.00e-01 > 1.00e-04); JAX, the row alone row 0: differs from step 1 "
                                       "(token 7 for 5)"), table
 
 
@@ -423,13 +495,13 @@ def test_a_saved_reference_reads_back_bit_for_bit(tmp_path, dtype):
     values = np.array([0.0, 1.0, -2.5, 3.0e-3, 65504.0, 1e-30])
     x = values.astype(numpy_dtype(dtype)) if dtype != "bool" else values > 0.5
     call = Call("a.b", 0, "m.C", [("hidden_states", x)], x[::-1].copy(), ["input.0"], x, x)
-    write(tmp_path, Recording([x], [("logits", x)], [call], dtype))
+    write(tmp_path, Recording([x], [("logits", x)], [call], dtype, {}, [("logits", x[::-1].copy())]))
     back = load_reference(tmp_path)
     read = [back.inputs[0], back.outputs[0][1], *[a for _, a in back.calls[0].inputs], back.calls[0].output,
-            back.calls[0].output64, back.calls[0].inherited64]
-    expected = [x, x, x, x[::-1], x, x]
+            back.calls[0].output64, back.calls[0].inherited64, back.outputs64[0][1]]
+    expected = [x, x, x, x[::-1], x, x, x[::-1]]
     assert all(a.dtype == e.dtype and a.tobytes() == e.tobytes() for a, e in zip(read, expected)), (read, x)
-    assert back.calls[0].sources == ["input.0"] and back.dtype == dtype
+    assert back.calls[0].sources == ["input.0"] and back.dtype == dtype and back.outputs64[0][0] == "logits"
 
 
 def test_dir_and_help_list_the_public_api():

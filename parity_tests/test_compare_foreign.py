@@ -13,27 +13,14 @@ import torch
 
 from parity_tests import compare
 from parity_tests import foreign_port as fp
-from parity_tests.porting import names, record, settings
+from parity_tests.porting import names, settings
 from parity_tests.porting.suggest import Suggestion, format_suggestion, kind, print_suggestion, suggest_mapping
 from parity_tests.tool import verdict
 
 ATTENTIONS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
-@pytest.fixture(scope="module")
-def torch_model():
-    return fp.transformers_model()
-
-
-@pytest.fixture(scope="module")
-def batch():
-    """Two rows of 12 tokens, the second left-padded by 3."""
-    return fp.inputs()
-
-
-@pytest.fixture(scope="module")
-def reference(torch_model, batch):
-    return record(torch_model, *batch)
+torch_model, batch, reference = fp.fixtures(fp)
 
 
 @pytest.fixture(scope="module")

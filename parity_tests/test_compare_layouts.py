@@ -4,6 +4,8 @@ parameters' orientations (a ``Linear``'s ``(out, in)``, a ``Conv1D``'s ``(in, ou
 
 import numpy as np
 import pytest
+import torch
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,3 +158,88 @@ def test_a_fused_query_key_value_is_split_as_from_hf_splits_it(family):
         assert fused[0].error(state, swapped) > 0.1
     else:  # grouped: fewer key heads; a query scaled by 2 instead
         assert fused[0].error(state, {**ours, q: 2 * ours[q]}) > 0.1
+
+
+def test_valid_positions_are_placed_by_the_layout_when_heads_equal_length():
+    """heads == length: PyTorch's ``(batch, heads, length, d)`` starts with ``(batch, length)`` too, so
+    the padding is placed through the port's ``(batch, length, heads * d)`` and the declared layout, never
+    on the heads; where neither side tells its length axis, nothing is compared."""
+    rng = np.random.default_rng(3)
+    torch_array = rng.normal(size=(2, 4, 4, 8))
+    port = torch_array.transpose(0, 2, 1, 3).reshape(2, 4, 32).copy()
+    valid = np.ones((2, 4), bool)
+    valid[1, :1] = False
+    padded, live = port.copy(), port.copy()
+    padded[1, 0] += 5.0
+    live[1, 1, :8] += 5.0
+    assert arrays.relative_error(padded, torch_array, valid, layout=(0, 2, 1, 3)) == 0.0
+    assert arrays.relative_error(live, torch_array, valid, layout=(0, 2, 1, 3)) > 0.1
+    assert arrays.relative_error(padded, torch_array, np.ones((2, 4), bool), layout=(0, 2, 1, 3)) > 0.1
+    with pytest.raises(axis_layouts.LayoutError, match=r"valid \(2, 4\) \(batch, length\) reads more than one axis"):
+        arrays.relative_error(padded.reshape(2, 4, 4, 8), torch_array, valid, layout=(0, 2, 1, 3))
+
+
+class _TorchHeads(torch.nn.Module):
+    """``(batch, length, 8)`` -> ``(batch, heads 4, length, 2)``, PyTorch's layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).view(x.shape[0], x.shape[1], 4, 2).transpose(1, 2)
+
+
+class _TorchHeadsModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.heads, self.out = torch.nn.Embedding(11, 8), _TorchHeads(), torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        q = self.heads(self.embed(ids))
+        return {"logits": self.out(q.transpose(1, 2).reshape(ids.shape[0], ids.shape[1], 8))}
+
+
+class _NnxHeads(nnx.Module):
+    """The port keeps the heads merged, ``(batch, length, 8)``; ``defect`` adds 1 at ``(row, position)``."""
+
+    def __init__(self, w, defect):
+        self.proj, self.defect = nnx.Linear(8, 8, rngs=nnx.Rngs(0)), defect
+        self.proj.kernel.set_value(w["heads.proj.weight"].T)
+        self.proj.bias.set_value(w["heads.proj.bias"])
+
+    def __call__(self, x):
+        out = self.proj(x)
+        return out if self.defect is None else out.at[self.defect].add(1.0)
+
+
+class _NnxHeadsModel(nnx.Module):
+    def __init__(self, defect=None):
+        w = {k: v.detach().numpy() for k, v in _TorchHeadsModel().state_dict().items()}
+        self.embed, self.out = nnx.Embed(11, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 11, rngs=nnx.Rngs(0))
+        self.embed.embedding.set_value(w["embed.weight"])
+        self.out.kernel.set_value(w["out.weight"].T)
+        self.out.bias.set_value(w["out.bias"])
+        self.heads = _NnxHeads(w, defect)
+
+    def __call__(self, ids):
+        return {"logits": self.out(self.heads(self.embed(ids)))}
+
+
+@pytest.mark.parametrize("defect, passes", [(None, True), ((1, 0), True), ((1, 1), False)])
+def test_compare_leaves_padding_out_when_heads_equal_length(defect, passes):
+    """``compare`` with a padded row and heads == length: a correct port passes; a defect only at the
+    padded position is not reported; one at a live position fails at the heads row."""
+    from parity_tests import compare
+
+    ids = np.random.default_rng(0).integers(1, 11, (2, 4))
+    ids[1, 0] = 0
+    valid = ids != 0
+    report = compare(_TorchHeadsModel().eval(), _NnxHeadsModel(defect), ids, valid=valid,
+                     mapping={r"heads": ("heads", None, (0, 2, 1, 3))})
+    heads = next(m for m in report.modules if m.name == "heads")
+    assert heads.layout == "last axis split into (4, 2), axes (0, 2, 1, 3)" and heads.added is not None, heads
+    assert report.passed is passes, report
+    if not passes:
+        assert report.first_divergence == "heads", report

@@ -95,12 +95,14 @@ def test_a_defect_of_the_cached_step_is_named_at_its_step_and_module(models, mon
     (alone, _) = report.results
     assert not alone.passed and alone.tokens == alone.expected and alone.first_step == 1, report.table()
     assert alone.module == "model.layers.1.self_attn", report.table()
+    forced = report.forced[0]
     assert report.table().splitlines()[-1] == (
         "decoding: verdict: FAILED: JAX, the row alone row 0: differs from step 1 (logits "
-        f"{alone.step_errors[1]:.2e} > 1e-04); first module differing in that step: model.layers.1.self_attn; "
-        f"teacher-forced row 0: out of bounds from step 1 (logits {report.forced[0].errors[1]:.2e} > 1e-04, "
-        f"KL {report.forced[0].kl[1]:.2e}, top-1 agrees); first module differing in that step: "
-        "model.layers.1.self_attn")
+        f"{alone.step_errors[1]:.2e} > {alone.limits.bound(1):.2e}); first module differing in that step: "
+        f"model.layers.1.self_attn; teacher-forced row 0: out of bounds from step 1 (logits {forced.errors[1]:.2e}, "
+        f"bound {forced.limits.bound(1):.2e}, KL {forced.kl[1]:.2e}, top-1 agrees); first module differing in "
+        "that step: model.layers.1.self_attn")
+    assert forced.limits.bound(1) < 1e-5 and forced.limits.references[1] is not None  # measured, not the 1e-4
 
 
 def _planted(monkeypatch, port, defect):

@@ -245,3 +245,32 @@ def test_the_page_example_runs(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the block finds examples/ from the repository's root
     exec(compile(code, page, "exec"), {})
     assert capsys.readouterr().out.splitlines()[0].startswith("training, 10 steps, 21 parameters (float32): passed")
+
+
+def _off_at_step(tx: optax.GradientTransformation, step: int, leaf: str) -> optax.GradientTransformation:
+    """``tx``, but at ``step`` (1: the first) the update of the parameter whose path reads ``leaf`` is doubled."""
+    def init(params):
+        return tx.init(params), jnp.zeros([], jnp.int32)
+
+    def update(updates, state, params=None):
+        inner, count = state
+        updates, inner = tx.update(updates, inner, params)
+        factor = jnp.where(count == step - 1, 2.0, 1.0)
+        updates = jax.tree_util.tree_map_with_path(
+            lambda path, u: u * factor if jax.tree_util.keystr(path) == leaf else u, updates)
+        return updates, (inner, count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_every_step_is_checked_the_last_included(llama64):
+    """A divergence planted only at the last step, in the final norm (the last parameter in PyTorch's order but
+    the tied ``lm_head.weight``), is named at that step and parameter."""
+    torch_model, port = llama64
+    tx = _off_at_step(training._default_optax(1e-3, 1e-2), 3, "['model']['norm']['scale'].value")
+    report = compare_training(torch_model, port, BATCHES, steps=3, mapping=llama.MAPPING, optax_optimizer=tx)
+    assert report.names[-2:] == ["model.norm.weight", "lm_head.weight"], report.names
+    divergence = report.first_divergence
+    assert (divergence.step, divergence.name) == (3, "model.norm.weight"), report.table()
+    assert not report.passed and "first divergence at step 3, model.norm.weight" in report.failures()[0]
+    assert all(d <= a for d, a in zip(report.drift[1], report.allowance[1])), report.table()  # step 2 was within

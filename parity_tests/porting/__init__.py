@@ -10,11 +10,11 @@ each the error it inherits and the error it adds, naming the first module that a
 Importing this package imports neither framework; each function imports what it runs.
 """
 
-from parity_tests.porting.core import compare, record
+from parity_tests.porting.core import compare
 from parity_tests.porting.decoding import compare_decoding
 from parity_tests.porting.gradients import compare_gradients, compare_step
 from parity_tests.porting.recording import Recording
-from parity_tests.porting.reference import load_reference, save_reference
+from parity_tests.porting.reference import load_reference, record, save_reference
 from parity_tests.porting.report import ModuleResult, Report
 from parity_tests.porting.suggest import Suggestion, print_suggestion, suggest_mapping
 from parity_tests.porting.training import TrainingReport, compare_training

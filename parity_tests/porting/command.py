@@ -12,6 +12,17 @@ import sys
 
 import numpy as np
 
+from parity_tests.porting import (
+    compare,
+    compare_gradients,
+    compare_step,
+    compare_training,
+    load_reference,
+    print_suggestion,
+    save_reference,
+    suggest_mapping,
+)
+
 DESCRIPTION = ("A PyTorch model and its Flax port on the same inputs, module by module: the error each module adds "
                "and inherits, the first divergence, the outputs (logits: KL and top-k agreement); optionally the "
                "gradients and one AdamW step. The PyTorch side may be a reference saved earlier (--reference), "
@@ -79,16 +90,12 @@ def _inputs(spec: str | None) -> tuple:
 
 def _train(args: argparse.Namespace, flax_model, inputs: tuple, mapping):
     """``compare_training`` on a fresh PyTorch model, the inputs as its one batch."""
-    from parity_tests.porting import compare_training
-
     return compare_training(load(args.torch, "--torch"), flax_model, [inputs], steps=args.train, mapping=mapping)
 
 
 def run(args: argparse.Namespace) -> int:
     """The comparison the arguments ask for: prints the table; the exit code (0 passed, 1 failed).
     ``--suggest-mapping`` prints the suggested mapping instead (exit code 0)."""
-    from parity_tests.porting import compare, compare_gradients, compare_step, load_reference, save_reference
-
     if (args.torch is None) == (args.reference is None):
         raise ValueError("give one of --torch (the PyTorch model) and --reference (a saved reference)")
     if args.reference and (args.save_reference or args.gradients or args.step or args.train):
@@ -101,14 +108,10 @@ def run(args: argparse.Namespace) -> int:
     torch_model = load(args.torch, "--torch") if args.torch else load_reference(args.reference)
     flax_model = load(args.flax, "--flax")
     if args.suggest_mapping:
-        from parity_tests.porting import print_suggestion
-
         print_suggestion(torch_model, flax_model, *inputs)
         return 0
     mapping = args.mapping if args.mapping in (None, "auto") else load(args.mapping, "--mapping")
     if mapping == "auto" and (args.gradients or args.step or args.train):  # pairs their parameters too
-        from parity_tests.porting import suggest_mapping
-
         mapping = dict(suggest_mapping(torch_model, flax_model, *inputs))
     if args.save_reference:
         torch_model = save_reference(args.save_reference, torch_model, *inputs, dtype=args.dtype)

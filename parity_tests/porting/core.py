@@ -9,42 +9,14 @@ import numpy as np
 
 from parity_tests.porting import jax_side, logits, names, settings
 from parity_tests.porting.recording import Recording
+from parity_tests.porting.reference import reference
 from parity_tests.porting.report import ModuleResult, OutputResult, Report
-from parity_tests.tool import arrays, verdict
+from parity_tests.porting.suggest import suggest_mapping
+from parity_tests.tool import arrays, axis_layouts, verdict
 
 
 def _is_ours(cls: str) -> bool:
     return cls.split(".", 1)[0] in ("mha_jax", "mha_torch") and "Attention" in cls.rsplit(".", 1)[-1]
-
-
-def reference(torch_model, inputs, dtype: str | None) -> Recording:
-    """The PyTorch side's recording (``torch_model`` a saved ``Recording``: itself, its dtype checked)."""
-    if isinstance(torch_model, Recording):
-        if dtype is not None and torch_model.dtype != dtype:
-            raise ValueError(f"the saved reference is {torch_model.dtype}, not the {dtype} asked for (dtype={dtype!r})")
-        if inputs and (len(inputs) != len(torch_model.inputs)
-                       or not all(np.array_equal(np.asarray(a), b) for a, b in zip(inputs, torch_model.inputs))):
-            raise ValueError("the inputs given are not the saved reference's: leave them out to use its own")
-        return torch_model
-    from parity_tests.porting import torch_side
-
-    if not inputs:
-        raise ValueError("compare needs the inputs (NumPy arrays) to give both models; a saved reference has its own")
-    found = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), dtype)
-    return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found)
-
-
-def record(torch_model, *inputs, dtype: str | None = None, matmul_precision: str = "highest") -> Recording:
-    """The PyTorch side of ``compare`` alone: its inputs, outputs and every module call, as NumPy
-    (give it to ``compare`` in place of the model, or keep it with ``save_reference``)."""
-    with settings.numerics(matmul_precision):
-        return reference(torch_model, inputs, dtype)
-
-
-def _torch():
-    import sys
-
-    return sys.modules.get("torch")
 
 
 def _pair_outputs(jax_output, torch_fields: list[tuple[str, np.ndarray]]) -> list[tuple[str, object, np.ndarray]]:
@@ -103,28 +75,35 @@ def compare(
         ref = reference(torch_model, inputs, dtype)
         inputs = ref.inputs
         if auto:  # suggested from the recording just made: PyTorch runs once
-            from parity_tests.porting.suggest import suggest_mapping
-
             compiled = names.check_mapping(suggest_mapping(ref, flax))
         _check_valid(valid, ref)
         jax_dtype = settings.check_dtype("JAX", flax.dtypes(), ref.dtype)
         if jax_dtype != ref.dtype:
             raise ValueError(f"the JAX side holds {jax_dtype} parameters and the PyTorch side {ref.dtype}: "
                              "compare them in one dtype")
-        pairs, adapters, layouts = {}, {}, {}
-        for call in ref.calls:
-            target = names.jax_name(call.name, compiled)
-            if target is not None:
-                pairs[(target, call.occurrence)] = call
-                if names.adapter(call.name, compiled) is not None:
-                    adapters[call.key] = names.adapter(call.name, compiled)
-                if names.layout(call.name, compiled) is not None:
-                    layouts[call.key] = names.layout(call.name, compiled)
+        pairs, adapters, layouts = pairs_of(ref, compiled)
         output, jax_calls = jax_side.run(flax, inputs, pairs, valid, adapters, layouts)
     torch_settings = {k: v for k, v in ref.settings.items() if k.startswith("torch")}
     recorded = {**numerics, **torch_settings, "dtype": ref.dtype, "torch_dtype": ref.dtype, "jax_dtype": jax_dtype,
                 "saved_reference": saved}
-    return _report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
+    return report(ref, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance)
+
+
+def pairs_of(ref: Recording, compiled: list[tuple], adapters: bool = True) -> tuple[dict, dict, dict]:
+    """The recorded calls by the JAX call each pairs with (``(JAX name, occurrence)``), and the input
+    adapters (unless ``adapters`` is False) and declared output layouts of their mapping entries, by
+    the PyTorch call's key."""
+    pairs, adapter_of, layouts = {}, {}, {}
+    for call in ref.calls:
+        target = names.jax_name(call.name, compiled)
+        if target is None:
+            continue
+        pairs[(target, call.occurrence)] = call
+        if adapters and names.adapter(call.name, compiled) is not None:
+            adapter_of[call.key] = names.adapter(call.name, compiled)
+        if names.layout(call.name, compiled) is not None:
+            layouts[call.key] = names.layout(call.name, compiled)
+    return pairs, adapter_of, layouts
 
 
 def _check_valid(valid: np.ndarray | None, ref: Recording) -> None:
@@ -146,7 +125,10 @@ def _optional_error(a, b, valid) -> float | None:
     finite = np.isfinite(b)
     if not finite.any():
         return None
-    error = arrays.relative_error(np.where(finite, a, 0.0), np.where(finite, b, 0.0), valid)
+    try:
+        error = arrays.relative_error(np.where(finite, a, 0.0), np.where(finite, b, 0.0), valid)
+    except axis_layouts.LayoutError:  # padding that cannot be placed (heads == length): the row is not compared
+        return None
     return error if np.isfinite(error) else None
 
 
@@ -179,7 +161,8 @@ def judge_by_flow(modules: list[ModuleResult]) -> None:
                                                                                                m.inherited_bound)
 
 
-def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
+def report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, output_tolerance) -> Report:
+    """The ``Report`` of a run: a row per paired call, judged; the outputs; the unpaired modules."""
     by_torch = {(pairs[(c.name, c.occurrence)].key): c for c in jax_calls if (c.name, c.occurrence) in pairs}
     modules, unpaired = [], []
     for call in ref.calls:
@@ -192,6 +175,7 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
     paired = set(pairs)
     unpaired_jax = [c.name for c in jax_calls if (c.name, c.occurrence) not in paired]
     tolerance = output_tolerance if output_tolerance is not None else settings.OUTPUT_TOLERANCES.get(ref.dtype, 1e-4)
+    floor, exact = verdict.module_floor(tolerance, ref.dtype), dict(ref.outputs64 if output_tolerance is None else [])
     outputs, metrics = [], None
     for name, mine, theirs in _pair_outputs(output, ref.outputs):
         if not arrays.is_float(theirs):
@@ -200,7 +184,8 @@ def _report(ref: Recording, output, jax_calls, pairs, valid, top_k, recorded, ou
             errors = arrays.relative_error(mine, theirs, valid), arrays.max_abs_error(mine, theirs, valid)
         except ValueError:  # an output of no (or no one) layout of PyTorch's cannot hold: it fails, its error infinite
             errors = float("inf"), float("inf")
-        outputs.append(OutputResult(name, *errors, tolerance))
+        outputs.append(OutputResult(name, *errors, tolerance, reference=_optional_error(theirs, exact.get(name), valid),
+                                    floor=floor))
         if name == "logits" and np.isfinite(errors[0]):
             metrics = logits.metrics(mine, theirs, k=top_k, valid=valid)
     return Report(modules, outputs, metrics, recorded, unpaired, unpaired_jax)

@@ -16,18 +16,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.porting import jax_side, names, parameter_pairs, settings
-from parity_tests.tool import arrays, verdict
+from parity_tests.porting import jax_side, names, parameter_pairs, settings, torch_side
+from parity_tests.tool import arrays, table, verdict
+
+COLUMNS = ("parameter", "error", "allowed", "outcome")
 
 
 @dataclass
-class ParameterResult(verdict.Measured):
-    """One parameter: ``name`` (PyTorch's), ``jax_name``, the relative ``error`` and its ``tolerance``."""
+class ParameterResult(table.Measured):
+    """One parameter, a row of the report core: ``name`` (PyTorch's), ``jax_name``, the relative
+    ``error``, its ``tolerance`` and (``reference``, ``floor``) the bound made of PyTorch's own rounding."""
 
     name: str
     jax_name: str
     error: float
     tolerance: float
+    reference: float | None = field(default=None, kw_only=True)
+    floor: float | None = field(default=None, kw_only=True)
+
+    def cells(self) -> list[str]:
+        return [self.name, f"{self.error:.2e}", f"{self.bound:.1e}", "ok" if self.passed else "FAILED"]
+
+    def failure(self) -> str:
+        return f"{self.name} {self.error:.2e} > {self.bound:.1e}"
 
 
 @dataclass
@@ -46,11 +57,11 @@ class ParameterReport:
 
     @property
     def worst(self) -> ParameterResult | None:
-        return max(self.parameters, key=lambda p: p.error / p.tolerance, default=None)
+        return max(self.parameters, key=lambda p: p.error / p.bound, default=None)
 
     def failures(self) -> list[str]:
         """What failed, in words: each parameter beyond its tolerance, those without a pair, or none paired."""
-        found = [f"{p.name} {p.error:.2e} > {p.tolerance:.0e}" for p in self.parameters if not p.passed]
+        found = table.Table(COLUMNS, self.parameters).failures()
         if self.unpaired_torch:
             found.append(f"{len(self.unpaired_torch)} PyTorch parameters without a JAX pair "
                          f"({', '.join(self.unpaired_torch[:4])}{' ...' if len(self.unpaired_torch) > 4 else ''})")
@@ -59,11 +70,10 @@ class ParameterReport:
         return found
 
     def table(self) -> str:
-        width = max([len(p.name) for p in self.parameters] + [1])
         worst = self.worst
         lines = [f"{self.what}: {len(self.parameters)} parameters"
                  + (f", worst {worst.name} {worst.error:.2e}" if worst is not None else "")]
-        lines += [f"  {p.name.ljust(width)}  {p.error:.2e}  {'ok' if p.passed else 'FAILED'}" for p in self.parameters]
+        lines += ["  " + line for line in table.Table(COLUMNS, self.parameters).text().splitlines()[2:]]
         if self.unpaired_torch:
             lines.append("  PyTorch parameters without a JAX pair (not compared): " + ", ".join(self.unpaired_torch))
         lines.append(verdict.line(self.passed, self.failures(), f"{self.what}: verdict"))
@@ -83,16 +93,13 @@ def cotangent(shape: tuple[int, ...], dtype: str, valid: np.ndarray | None, seed
 
 
 def arrays_rounded(x, dtype):
-    from parity_tests.tool.arrays import rounded
-
-    return rounded(x, dtype)
+    return arrays.rounded(x, dtype)
 
 
-def _torch_run(model, inputs, valid, seed, step: Mapping | None):
-    """PyTorch's gradients (name -> NumPy), or its parameters after one AdamW ``step`` (on a copy)."""
+def _torch_run(model, inputs, valid, seed, step: Mapping | None, g: np.ndarray | None = None):
+    """PyTorch's gradients (name -> NumPy), or its parameters after one AdamW ``step`` (on a copy);
+    the cotangent ``g`` given, or drawn from ``seed``."""
     import torch
-
-    from parity_tests.porting import torch_side
 
     dtype = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(model), None)
     if step is not None:
@@ -105,7 +112,7 @@ def _torch_run(model, inputs, valid, seed, step: Mapping | None):
             p.grad = None
         torch_side.check_eval(model)
         out = arrays.primary(model(*(torch_side.to_torch(x, device) for x in inputs)))
-        g = cotangent(tuple(out.shape), dtype, valid, seed)
+        g = cotangent(tuple(out.shape), dtype, valid, seed) if g is None else g
         (out * torch_side.to_torch(g, device).to(out.dtype)).sum().backward()
         if step is None:
             return {n: arrays.numpy(p.grad) for n, p in params.items() if p.grad is not None}, g, dtype
@@ -117,6 +124,18 @@ def _torch_run(model, inputs, valid, seed, step: Mapping | None):
         if step is None:
             for n, p in params.items():
                 p.grad = saved[n]
+
+
+def _own_rounding(model, inputs, valid, step: Mapping | None, g: np.ndarray) -> dict[str, np.ndarray]:
+    """``_torch_run`` of the float64 copy of ``model`` on the same inputs and cotangent, against which
+    PyTorch's own rounding is measured; {} for a float64 model, or one that cannot run in float64."""
+    shadow = torch_side.float64_copy(model)
+    if shadow is None:
+        return {}
+    try:
+        return _torch_run(shadow, [arrays.cast(x, "float64") for x in inputs], valid, 0, step, g)[0]
+    except Exception:  # judged by the fixed tolerance alone
+        return {}
 
 
 def _jax_run(flax: jax_side.Flax, inputs, g: np.ndarray, step: Mapping | None) -> dict[str, np.ndarray]:
@@ -161,9 +180,15 @@ def _compare(what, torch_model, flax_model, inputs, mapping, valid, seed, tolera
         theirs, g, dtype = _torch_run(torch_model, inputs, valid, seed, step)
         settings.check_dtype("JAX", flax.dtypes(), dtype)
         mine = _jax_run(flax, inputs, g, step)
+        exact = _own_rounding(torch_model, inputs, valid, step, g) if tolerance is None else {}
     pairs, unpaired = parameter_pairs.pair(torch_model, list(theirs), list(mine), mapping)
     tolerance = tolerance if tolerance is not None else settings.GRADIENT_TOLERANCES.get(dtype, 1e-4)
-    results = [ParameterResult(p.name, p.jax_name, p.error(theirs, mine), tolerance) for p in pairs]
+    # a step's floor stays the tolerance: AdamW's first step moves each element by about the learning rate
+    # whatever its gradient's size (gradients within 4.9e-7 gave steps 4.5e-5 apart: docs/tolerances.md)
+    floor = tolerance if step else verdict.module_floor(tolerance, dtype)
+    results = [ParameterResult(p.name, p.jax_name, p.error(theirs, mine), tolerance, floor=floor,
+                               reference=arrays.relative_error(theirs[p.name], exact[p.name]) if p.name in exact
+                               else None) for p in pairs]
     used = {part.jax_name for p in pairs for part in p.parts}
     recorded = {**numerics, "dtype": dtype, "seed": seed, **({"optimizer": dict(step)} if step else {})}
     return ParameterReport(what, results, recorded, unpaired, [j for j in mine if j not in used])

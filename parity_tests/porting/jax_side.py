@@ -105,11 +105,13 @@ def _fit(i: int, value, name: str | None, recorded: list[tuple[str, np.ndarray]]
     raise ValueError(f"no PyTorch input fits argument {i} {tuple(value.shape)} (PyTorch's inputs: {have}){why}")
 
 
-def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]]) -> tuple:
+def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[str, np.ndarray]],
+               declared: axis_layouts.Declared = None) -> tuple:
     """The call's positional arrays (not nnx Variables: those are the port's state) replaced by the
     PyTorch call's (see ``_fit``), in the JAX argument's layout (``axis_layouts.fit``: never
-    reshaped across shapes), in its dtype. A ValueError when one has no match, or its layout is
-    not one: the row is then not compared, never filled by a guess."""
+    reshaped across shapes; an array of the declared output layout's rank taken back through it),
+    in its dtype. A ValueError when one has no match, or its layout is not one: the row is then not
+    compared, never filled by a guess."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -123,8 +125,9 @@ def substitute(signature: inspect.Signature, args: tuple, recorded: list[tuple[s
         value = args[i]
         j = _fit(i, value, params[i].name if i < len(params) else None, recorded, used, only)
         used.add(j)
-        given = axis_layouts.fit(recorded[j][1], value.shape, sides=(f"PyTorch's input {recorded[j][0]}",
-                                                                     f"the JAX argument {i}"))
+        back = axis_layouts.inverse(declared, recorded[j][1].ndim)
+        given = axis_layouts.fit(recorded[j][1], value.shape, back, sides=(f"PyTorch's input {recorded[j][0]}",
+                                                                           f"the JAX argument {i}"))
         out[i] = jnp.asarray(given).astype(value.dtype)
     return tuple(out)
 
@@ -222,10 +225,11 @@ class Interceptor:
             try:
                 call.layout = axis_layouts.describe(out.shape, reference.output.shape, declared)
                 call.inherited = arrays.relative_error(out, reference.output, self.valid, declared)
-            except ValueError as error:
+            except ValueError as error:  # no layout, or several: its re-run reads no better
                 notes.append(str(error))
             try:
-                call.added = self.added(reference, signature, began, again or fn, state)
+                if not notes:
+                    call.added = self.added(reference, signature, began, again or fn, state)
             except (ValueError, TypeError) as error:
                 notes.append(str(error))
             call.note = "; ".join(dict.fromkeys(notes))
@@ -239,7 +243,7 @@ class Interceptor:
         if adapter is not None:
             args, kwargs = adapted(adapter, reference.inputs, args, kwargs)
         else:
-            args = substitute(signature, args, reference.inputs)
+            args = substitute(signature, args, reference.inputs, self.layouts.get(reference.key))
         after = state.take() if state is not None else None
         if state is not None:
             state.put(before)

@@ -41,13 +41,15 @@ class Call:
 @dataclass
 class Recording:
     """A run: ``inputs`` as given, ``outputs`` (field -> array), ``calls`` in order, ``dtype`` of
-    the parameters and the ``settings`` it ran under."""
+    the parameters, the ``settings`` it ran under and ``outputs64``, the outputs of the whole model
+    run in float64 (empty: not measured)."""
 
     inputs: list[np.ndarray]
     outputs: list[tuple[str, np.ndarray]]
     calls: list[Call] = field(default_factory=list)
     dtype: str = "float32"
     settings: dict = field(default_factory=dict)
+    outputs64: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
     def by_key(self) -> dict[tuple[str, int], Call]:
         return {c.key: c for c in self.calls}

@@ -10,7 +10,9 @@ import os
 
 import numpy as np
 
+from parity_tests.porting import settings, torch_side
 from parity_tests.porting.recording import Call, Recording
+from parity_tests.tool.arrays import numpy_dtype
 
 FORMAT = 1
 ARRAYS, INDEX = "arrays.safetensors", "reference.json"
@@ -27,18 +29,42 @@ def _put(store: dict, key: str, x: np.ndarray) -> dict:
 def _get(store: dict, entry: dict) -> np.ndarray:
     x = store[entry["key"]]
     if entry["dtype"] == "bfloat16":
-        from parity_tests.tool.arrays import numpy_dtype
-
         return x.view(numpy_dtype("bfloat16"))
     return x
+
+
+def reference(torch_model, inputs, dtype: str | None) -> Recording:
+    """The PyTorch side's recording (``torch_model`` a saved ``Recording``: itself, its dtype checked)."""
+    if isinstance(torch_model, Recording):
+        if dtype is not None and torch_model.dtype != dtype:
+            raise ValueError(f"the saved reference is {torch_model.dtype}, not the {dtype} asked for (dtype={dtype!r})")
+        if inputs and (len(inputs) != len(torch_model.inputs)
+                       or not all(np.array_equal(np.asarray(a), b) for a, b in zip(inputs, torch_model.inputs))):
+            raise ValueError("the inputs given are not the saved reference's: leave them out to use its own")
+        return torch_model
+    if not inputs:
+        raise ValueError("compare needs the inputs (NumPy arrays) to give both models; a saved reference has its own")
+    found = settings.check_dtype("PyTorch", torch_side.parameter_dtypes(torch_model), dtype)
+    return torch_side.record(torch_model, inputs, settings=settings.recorded(_torch()), dtype=found)
+
+
+def record(torch_model, *inputs, dtype: str | None = None, matmul_precision: str = "highest") -> Recording:
+    """The PyTorch side of ``compare`` alone: its inputs, outputs and every module call, as NumPy
+    (give it to ``compare`` in place of the model, or keep it with ``save_reference``)."""
+    with settings.numerics(matmul_precision):
+        return reference(torch_model, inputs, dtype)
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")
 
 
 def save_reference(path: str | os.PathLike, torch_model, *inputs, dtype: str | None = None,
                    matmul_precision: str = "highest") -> Recording:
     """Run ``torch_model`` on ``inputs`` as ``compare`` does and save what it recorded in folder
     ``path`` (made if missing; its two files overwritten). Returns the recording."""
-    from parity_tests.porting.core import record
-
     recording = torch_model if isinstance(torch_model, Recording) else record(
         torch_model, *inputs, dtype=dtype, matmul_precision=matmul_precision)
     write(path, recording)
@@ -58,6 +84,7 @@ def write(path: str | os.PathLike, recording: Recording) -> None:
         "format": FORMAT, "dtype": recording.dtype, "settings": recording.settings,
         "inputs": [_put(store, f"input.{i}", x) for i, x in enumerate(recording.inputs)],
         "outputs": [named(f"output.{i}", name, x) for i, (name, x) in enumerate(recording.outputs)],
+        "outputs64": [named(f"output64.{i}", name, x) for i, (name, x) in enumerate(recording.outputs64)],
         "calls": [{"name": c.name, "occurrence": c.occurrence, "class": c.cls,
                    "inputs": [named(f"call.{j}.input.{k}", name, x) for k, (name, x) in enumerate(c.inputs)],
                    "sources": c.sources,
@@ -88,4 +115,5 @@ def load_reference(path: str | os.PathLike) -> Recording:
                   read(c["output"]), c.get("sources", []), read(c.get("output64")), read(c.get("inherited64")))
              for c in index["calls"]]
     return Recording([_get(store, e) for e in index["inputs"]], [(e["name"], _get(store, e)) for e in index["outputs"]],
-                     calls, index["dtype"], index["settings"])
+                     calls, index["dtype"], index["settings"],
+                     [(e["name"], _get(store, e)) for e in index.get("outputs64", [])])

@@ -1,5 +1,6 @@
-"""The report of a whole-model comparison: a row per paired module in execution order, the
-outputs (logit metrics on ``logits``), the settings; as a table, JSON or Markdown with a plot."""
+"""What ``mha-parity compare`` reports of its own: a row of the report core (``tool/table.py``) per
+paired module in execution order, the first divergence, the outputs (logit metrics on ``logits``),
+the settings; as a table, JSON or Markdown with a plot."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import os
 from dataclasses import dataclass, field
 
 from parity_tests.porting.logits import LogitMetrics
-from parity_tests.tool import verdict
+from parity_tests.tool import files, table, verdict
 
 
 @dataclass
-class ModuleResult:
+class ModuleResult(table.Row):
     """A paired module: ``name`` (PyTorch's), ``jax_name``, ``occurrence`` (0: its first call),
     ``added`` (relative error of the JAX module on PyTorch's inputs), ``inherited`` (of its output
     in the end-to-end run), ``tolerance`` (the floor of its bound; the attention tolerance for
@@ -61,13 +62,21 @@ class ModuleResult:
             return verdict.FAILED if self.by_flow else verdict.NOT_COMPARED
         return verdict.outcome(self.added, self.bound)
 
-    @property
-    def passed(self) -> bool:
-        return self.outcome == verdict.PASSED
+    def cells(self, first: bool = False) -> list[str]:
+        """Its cells (``HEADER``): ``first``: marked the first divergence; a not-compared row says why."""
+        how = " (found by inherited error)" if self.by_flow else ""
+        mark = ("FIRST DIVERGENCE" + how if first else "FAILED" + how.replace("found ", "")) if self.failed \
+            else self.outcome
+        if self.outcome == verdict.NOT_COMPARED and self.note:
+            mark = f"{mark} ({self.note})"
+        allowed = f"{self.bound:.1e}" + (" (attention)" if self.attention else "")
+        jax = self.jax_name if self.layout == "as is" else f"{self.jax_name} [{self.layout}]"
+        return [self.label, jax, _e(self.added), _e(self.reference), allowed, _e(self.inherited), mark]
 
-    @property
-    def failed(self) -> bool:
-        return self.outcome == verdict.FAILED
+    def failure(self) -> str:
+        if self.by_flow:
+            return f"{self.label} (found by inherited error)"
+        return f"{self.label} adds {self.added:.2e} > {self.bound:.1e}" if self.failed else ""
 
     @property
     def label(self) -> str:
@@ -89,13 +98,16 @@ class ModuleResult:
 
 
 @dataclass
-class OutputResult(verdict.Measured):
-    """One output field: relative and max-abs error, the tolerance of its relative error."""
+class OutputResult(table.Measured):
+    """One output field: relative and max-abs error, the tolerance of its relative error and
+    (``reference``, ``floor``) the bound ``verdict.bound`` makes of PyTorch's own rounding."""
 
     name: str
     relative: float
     max_abs: float
     tolerance: float
+    reference: float | None = field(default=None, kw_only=True)
+    floor: float | None = field(default=None, kw_only=True)
 
     @property
     def error(self) -> float:
@@ -138,7 +150,7 @@ class Report:
         if first is not None:
             how = " (found by inherited error)" if first.by_flow else ""
             found.append(f"first divergence at {first.label}{how}")
-        found += [f"{o.name} relative error {o.relative:.2e} > {o.tolerance:.0e}" for o in self.outputs if not o.passed]
+        found += [f"{o.name} relative error {o.relative:.2e} > {o.bound:.1e}" for o in self.outputs if not o.passed]
         return found
 
     def module(self, name: str, occurrence: int = 0) -> ModuleResult:
@@ -160,30 +172,21 @@ class Report:
     def rows(self) -> list[list[str]]:
         """The table's cells (``HEADER``): the first divergence marked, a not-compared row saying why."""
         first = next((m for m in self.modules if m.failed), None)
-        out = []
-        for m in self.modules:
-            if m is first:
-                mark = "FIRST DIVERGENCE" + (" (found by inherited error)" if m.by_flow else "")
-            elif m.failed:
-                mark = "FAILED" + (" (by inherited error)" if m.by_flow else "")
-            else:
-                mark = m.outcome
-            if m.outcome == verdict.NOT_COMPARED and m.note:
-                mark = f"{mark} ({m.note})"
-            allowed = f"{m.bound:.1e}" + (" (attention)" if m.attention else "")
-            jax = m.jax_name if m.layout == "as is" else f"{m.jax_name} [{m.layout}]"
-            out.append([m.label, jax, _e(m.added), _e(m.reference), allowed, _e(m.inherited), mark])
-        return out
+        return [m.cells(first=m is first) for m in self.modules]
+
+    def core(self) -> table.Table:
+        """The modules as the report core's table."""
+        return table.Table(HEADER, self.modules)
 
     def summary(self) -> list[str]:
-        lines = [f"{o.name}: relative error {o.relative:.2e}, max abs {o.max_abs:.2e} (tolerance {o.tolerance:.0e}) "
+        lines = [f"{o.name}: relative error {o.relative:.2e}, max abs {o.max_abs:.2e} (allowed {o.bound:.1e}) "
                  + ("ok" if o.passed else "FAILED") for o in self.outputs]
         if self.logits is not None:
             g = self.logits
             lines.append(f"logits: KL mean {g.kl_mean:.2e}, max {g.kl_max:.2e} at token {g.kl_max_token}; "
                          f"top-1 agreement {g.top1:.3f}, top-{g.k} overlap {g.topk:.3f}")
         first = self.first_divergence
-        lines.append(f"{len(self.modules)} paired modules ({verdict.counts(m.outcome for m in self.modules)}); "
+        lines.append(f"{len(self.modules)} paired modules ({self.core().counts()}); "
                      + (f"first divergence: {first}" if first else "none adds more than it may"))
         if self.not_compared:
             lines.append(f"not compared ({len(self.not_compared)}, neither passed nor failed): "
@@ -197,20 +200,15 @@ class Report:
 
     def table(self) -> str:
         """A plain-text table, one row per module in order, then the outputs, the verdict and the settings."""
-        rows = self.rows()
-        widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-        return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, rows), "", *self.summary(),
+        return "\n".join([self.core().text(self.rows()), "", *self.summary(),
                           "settings: " + ", ".join(f"{k} {v}" for k, v in self.settings.items())])
 
     def markdown(self, path: str, title: str = "Comparing a port") -> list[str]:
         """Write the report as Markdown at ``path``, with a plot of the error each module adds and
         inherits beside it when matplotlib can be imported (the ``bench`` extra). Returns the files."""
-        header = HEADER
         lines = [f"# {title}", "", *[f"- {s}" for s in self.summary()],
                  "- settings: " + ", ".join(f"`{k}` {v}" for k, v in self.settings.items()), "",
-                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in self.rows()]
+                 *self.core().markdown(self.rows())]
         written = [path]
         png = plot(self, os.path.splitext(path)[0] + ".png")
         if png:
@@ -218,8 +216,7 @@ class Report:
             lines += ["", f"![error per module]({os.path.basename(png)})"]
         else:
             lines += ["", "(no plot: matplotlib cannot be imported here; it comes with the bench extra)"]
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        files.write_text(path, "\n".join(lines) + "\n")
         return written
 
     def write_json(self, path: str) -> None:
@@ -233,27 +230,13 @@ def _e(x: float | None) -> str:
 
 def plot(report: Report, path: str) -> str | None:
     """Error added and inherited per module against what it may add, on a log scale; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    floor = 1e-18
-    x = range(len(report.modules))
-    fig, ax = plt.subplots(figsize=(max(6, len(report.modules) * 0.12), 3.5))
-    ax.semilogy(x, [max(m.added or 0, floor) for m in report.modules], ".", label="added")
-    ax.semilogy(x, [max(m.inherited or 0, floor) for m in report.modules], "x", label="inherited", alpha=0.5)
-    ax.step(x, [m.bound for m in report.modules], where="mid", color="C3", label="allowed")
     first = next((i for i, m in enumerate(report.modules) if m.failed), None)
-    if first is not None:
-        ax.axvline(first, color="C3", linestyle=":", label=f"first divergence: {report.modules[first].label}")
-    ax.set_title(f"error per module (an error of 0 drawn at {floor:.0e})", fontsize=9)
-    ax.set_xlabel("module, in execution order")
-    ax.set_ylabel("relative error")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+
+    def marks(ax):
+        if first is not None:
+            ax.axvline(first, color="C3", linestyle=":", label=f"first divergence: {report.modules[first].label}")
+            ax.legend(fontsize=7)
+
+    return table.plot(path, [m.label for m in report.modules],
+                      {"added": [m.added for m in report.modules], "inherited": [m.inherited for m in report.modules]},
+                      {"allowed": [m.bound for m in report.modules]}, "error per module", marks)

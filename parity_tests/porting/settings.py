@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from parity_tests.tool import harness
+
 # relative error a module may add, by dtype; ours (mha_jax / mha_torch attention) by the
 # parity suite's forward tolerances
 MODULE_TOLERANCES = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
@@ -16,8 +18,6 @@ GRADIENT_TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 1e-1, "flo
 
 
 def attention_tolerance(dtype: str) -> float:
-    from parity_tests.tool import harness
-
     return harness.TOLERANCES.get(dtype, (MODULE_TOLERANCES.get(dtype, 1e-5),))[0]
 
 

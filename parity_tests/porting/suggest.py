@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parity_tests.porting import jax_side, settings
+from parity_tests.porting.reference import record
 from parity_tests.tool import arrays, axis_layouts
 
 # kind of a module from its class name, else its own name's last part: the first that matches
@@ -80,8 +81,6 @@ class Suggestion(dict):
 def _torch_modules(torch_model, inputs) -> tuple[list[Module], list[np.ndarray]]:
     """The PyTorch side's first call of each module (``torch_model`` a model or a saved ``Recording``),
     and the inputs it ran on."""
-    from parity_tests.porting.core import record
-
     recording = record(torch_model, *inputs)
     calls = [c for c in recording.calls if c.occurrence == 0]
     return [Module(c.name, c.cls, None if c.output is None else tuple(c.output.shape), i)

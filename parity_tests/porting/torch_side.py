@@ -145,8 +145,9 @@ def _own_float64(copy_of_module, args, kwargs) -> np.ndarray | None:
         return None
 
 
-def _whole_float64(shadow, inputs, device) -> dict[tuple[str, int], np.ndarray]:
-    """Every submodule's output when the float64 copy runs the whole model: ``(name, occurrence)`` -> array."""
+def _whole_float64(shadow, inputs, device, keywords: dict | None = None) -> tuple[dict, list]:
+    """Every submodule's output when the float64 copy runs the whole model (``(name, occurrence)`` ->
+    array), and the model's output fields (``arrays.fields``)."""
     outputs: dict[tuple[str, int], np.ndarray] = {}
     counts: Counter = Counter()
     names = {id(m): n for n, m in shadow.named_modules() if n}
@@ -160,13 +161,14 @@ def _whole_float64(shadow, inputs, device) -> dict[tuple[str, int], np.ndarray]:
 
     handles = [m.register_forward_hook(after) for _, m in shadow.named_modules() if id(m) in names]
     try:
-        shadow(*(_as_float64(to_torch(x, device)) for x in inputs))
+        result = shadow(*(_as_float64(to_torch(x, device)) for x in inputs),
+                        **{k: _as_float64(to_torch(x, device)) for k, x in (keywords or {}).items()})
     except Exception:  # the model cannot run in float64: every module is judged by its fixed tolerance
-        return {}
+        return {}, []
     finally:
         for handle in handles:
             handle.remove()
-    return outputs
+    return outputs, [(k, arrays.numpy(v)) for k, v in arrays.fields(result)]
 
 
 def check_eval(model) -> None:
@@ -177,8 +179,8 @@ def check_eval(model) -> None:
                          "between the sides); call model.eval() first")
 
 
-def record(model, inputs, *, settings: dict, dtype: str) -> Recording:
-    """Run ``model(*inputs)`` (NumPy arrays, each as a tensor of its own dtype) without gradients;
+def record(model, inputs, *, settings: dict, dtype: str, keywords: dict | None = None) -> Recording:
+    """Run ``model(*inputs, **keywords)`` (NumPy arrays, each as a tensor of its own dtype) without gradients;
     unless it computes in float64, a float64 copy of it too: each module on its call's inputs
     (the module's own rounding) and the whole model (the rounding each module inherits)."""
     import torch
@@ -188,14 +190,15 @@ def record(model, inputs, *, settings: dict, dtype: str) -> Recording:
     calls: list[Call] = []
     flow = Flow()
     given = [to_torch(x, device) for x in inputs]
-    for i, x in enumerate(given):
+    named = {k: to_torch(x, device) for k, x in (keywords or {}).items()}
+    for i, x in enumerate([*given, *named.values()]):
         flow.mark(x, f"input.{i}")
     with torch.no_grad():
         shadow = float64_copy(model)
-        whole = _whole_float64(shadow, inputs, device) if shadow is not None else {}
+        whole, outputs64 = _whole_float64(shadow, inputs, device, keywords) if shadow is not None else ({}, [])
         with recording(model, calls, flow, shadow):
-            output = model(*given)
+            output = model(*given, **named)
     for call in calls:
         call.inherited64 = whole.get(call.key)
     outputs = [(k, arrays.numpy(v)) for k, v in arrays.fields(output)]
-    return Recording([np.asarray(x) for x in inputs], outputs, calls, dtype, settings)
+    return Recording([np.asarray(x) for x in inputs], outputs, calls, dtype, settings, outputs64)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from parity_tests.tool import axis_layouts
+
 
 def numpy_dtype(dtype: str):
     """The NumPy dtype of a dtype name; ``"bfloat16"`` is ml_dtypes' (as JAX's)."""
@@ -114,23 +116,40 @@ def is_float(x) -> bool:
 
 def _pair(a, b, valid, layout) -> tuple[np.ndarray, np.ndarray]:
     """``a`` in ``b``'s layout (``axis_layouts.fit``; a ``LayoutError`` when it has none, or several),
-    both float64, at the ``valid`` positions: of ``b`` where its shape starts with ``valid``'s, else
-    of ``a`` where its shape does, carried to ``b``'s layout with it (``(batch, heads, length, ...)``
-    against ``(batch, length, heads, ...)``)."""
-    from parity_tests.tool import axis_layouts
-
+    both float64, at the ``valid`` positions (``_keep``)."""
     a, b = to_numpy(a), to_float64(b)
     aligned = to_float64(axis_layouts.fit(a, b.shape, layout))
-    if valid is None:
-        return aligned, b
-    if b.shape[: valid.ndim] == valid.shape:
-        keep = np.broadcast_to(valid.reshape(valid.shape + (1,) * (b.ndim - valid.ndim)), b.shape)
-    elif a.shape[: valid.ndim] == valid.shape:
-        keep = axis_layouts.fit(np.broadcast_to(valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a.shape),
-                                b.shape, layout)
-    else:
-        return aligned, b
-    return aligned[keep], b[keep]
+    keep = None if valid is None or valid.all() else _keep(a.shape, b.shape, valid, layout)
+    return (aligned, b) if keep is None else (aligned[keep], b[keep])
+
+
+def _holds_positions(shape: tuple[int, ...], valid: np.ndarray) -> bool | None:
+    """Whether ``shape`` starts with ``valid``'s ``(batch, length)`` and no later axis has the length
+    (True), starts with it but another axis has the length too (None: heads == length), or not (False)."""
+    if shape[: valid.ndim] != valid.shape:
+        return False
+    return None if valid.shape[-1] in shape[valid.ndim:] else True
+
+
+def _keep(a_shape, b_shape, valid: np.ndarray, layout) -> np.ndarray | None:
+    """The mask of ``b``'s elements at ``valid`` positions: placed on ``b`` where its shape holds
+    ``(batch, length)`` alone, else on ``a`` where its shape does and carried to ``b``'s layout by the
+    layout ``a`` is read in (``(batch, length, heads, ...)`` against ``(batch, heads, length, ...)``);
+    None where neither starts with it. Where a side starts with it but its length axis is not the
+    only one of that size on either side, a ``LayoutError``: the positions are not placed by guess."""
+    def spread(shape):
+        return np.broadcast_to(valid.reshape(valid.shape + (1,) * (len(shape) - valid.ndim)), shape)
+
+    on_b, on_a = _holds_positions(tuple(b_shape), valid), _holds_positions(tuple(a_shape), valid)
+    if on_b:
+        return spread(b_shape)
+    if on_a:
+        return axis_layouts.fit(spread(a_shape), b_shape, layout)
+    if on_a is None or on_b is None:
+        raise axis_layouts.LayoutError(
+            f"valid {valid.shape} (batch, length) reads more than one axis of the JAX array {tuple(a_shape)} and "
+            f"of PyTorch's {tuple(b_shape)} as the length: padding is not left out by guess, nothing is compared")
+    return None
 
 
 def relative_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:
@@ -139,11 +158,10 @@ def relative_error(a, b, valid: np.ndarray | None = None, layout=None) -> float:
     fits, or several do). Equal shapes are compared as they are, unless another layout of that shape
     (axes of one size exchanged: heads == length) reads ``a`` nearer ``b``: then nothing is
     (a ``LayoutError`` naming both errors), for the port may keep either. ``valid`` (bool
-    ``(batch, length)``): only those positions of arrays whose shape starts with it."""
+    ``(batch, length)``): only those positions, placed on the side whose shape holds them alone and
+    carried by that layout (``_keep``; a ``LayoutError`` where neither side tells its length axis)."""
     error = _relative(*_pair(a, b, valid, layout))
     if layout is None and tuple(np.shape(a)) == tuple(np.shape(b)) and error > 0:
-        from parity_tests.tool import axis_layouts
-
         for other in axis_layouts.alternatives(np.shape(b)):
             nearer = _relative(*_pair(other.apply(to_numpy(a)), b, valid, None))
             if nearer < error:

@@ -147,10 +147,11 @@ def choose(source: Sequence[int], target: Sequence[int], declared: Declared = No
     source, target = tuple(source), tuple(target)
     if callable(declared) and not isinstance(declared, Layout):
         return declared
-    found = candidates(source, target)
+    # equal shapes read as they are, unless a layout is declared (axes of one size exchanged)
+    found = candidates(source, target) if declared is None or source != target else _candidates(source, target, True)
     if isinstance(declared, Layout):
         found = [declared] if declared.source == source and declared.target == target else []
-    elif declared is not None and source != target:
+    elif declared is not None:
         found = [c for c in found if c.axes == tuple(declared)]
     if len(found) == 1:
         return found[0]
@@ -165,7 +166,7 @@ def fit(x: np.ndarray, shape: Sequence[int], declared: Declared = None,
         sides: tuple[str, str] = ("the JAX array", "PyTorch's")) -> np.ndarray:
     """``x`` in ``shape`` by the layout ``choose`` finds (equal shapes: ``x`` itself)."""
     x = np.asarray(x)
-    if tuple(x.shape) == tuple(shape):
+    if tuple(x.shape) == tuple(shape) and declared is None:
         return x
     layout = choose(x.shape, shape, declared, sides)
     out = np.asarray(layout(x) if not isinstance(layout, Layout) else layout.apply(x))
@@ -175,8 +176,17 @@ def fit(x: np.ndarray, shape: Sequence[int], declared: Declared = None,
 
 
 def describe(source: Sequence[int], target: Sequence[int], declared: Declared = None) -> str:
-    """The layout ``fit`` uses, in words (``"as is"`` for equal shapes); a ``LayoutError`` as ``choose``."""
-    if tuple(source) == tuple(target):
+    """The layout ``fit`` uses, in words (``"as is"`` for equal shapes none is declared for); a
+    ``LayoutError`` as ``choose``."""
+    if tuple(source) == tuple(target) and declared is None:
         return "as is"
     layout = choose(source, target, declared)
     return str(layout) if isinstance(layout, Layout) else f"declared {getattr(layout, '__name__', 'function')}"
+
+
+def inverse(declared: Declared, ndim: int) -> tuple[int, ...] | None:
+    """The axis order that takes PyTorch's layout back to the JAX one, for a declared axis order of
+    ``ndim`` axes (None for anything else)."""
+    if declared is None or callable(declared) or isinstance(declared, Layout) or len(declared) != ndim:
+        return None
+    return tuple(int(a) for a in np.argsort(declared))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parity_tests.tool import harness, oracle
+from parity_tests.tool import report as reporting
 from parity_tests.tool.arrays import cast, rounded, to_float64
 
 # Mask forms every attention can take as one boolean mask (no query left without a key: the
@@ -194,8 +195,6 @@ def verify(
     of the Flax side) adds the float64 oracle as the reference. Returns the results; each has
     ``passed``.
     """
-    from parity_tests.tool import report as reporting
-
     out_features = out_features or inputs.in_features
     if weights is not None:
         out_features = weights["out_proj.weight"].shape[0]

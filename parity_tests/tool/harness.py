@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity_tests.tool import oracle
+from parity_tests.tool import oracle, verdict
 from parity_tests.tool.arrays import cast, numpy_dtype, rounded, to_float64
 from parity_tests.tool.cases import (  # noqa: F401  (the grid's names, read from here by the suite and the CLI)
     CAUSAL,
@@ -583,8 +583,6 @@ class Result:
 
     @property
     def passed(self) -> bool:
-        from parity_tests.tool import verdict  # the one rule of every comparison; against the oracle, the tolerance
-
         tol, grad_tol = TOLERANCES[self.case.dtype]
         forward = self._worst(lambda n: not n.startswith("grad:"))[0]
         return verdict.within(forward, verdict.bound(tol)) and verdict.within(self.grad, verdict.bound(grad_tol))

@@ -1,6 +1,7 @@
-"""The report people read: a header saying what is compared, a line per case as it finishes
-(when the output is not a terminal: CI logs), a table, and optionally a Markdown file with a
-plot per dtype of each case's error against its tolerance."""
+"""What ``mha-parity verify`` reports of its own: a header saying what is compared, a line per case
+as it finishes (when the output is not a terminal: CI logs), and each case as a row of the report
+core (``table``): the table, its counts and failures, and optionally a Markdown file with a plot
+per dtype of each case's error against its tolerance."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from parity_tests.tool import files, harness
+from parity_tests.tool import files, harness, table, verdict
 
 COLUMNS = ("case", "dtype", "abs error", "rel error", "grad error", "JAX vs PyTorch", "worst pair", "pass")
 
@@ -40,10 +41,34 @@ class Header:
 
 def row(r: harness.Result) -> list[str]:
     """A case's cells, in ``COLUMNS`` order."""
-    return [
-        f"{r.case.config.name}/{r.case.mask}", r.case.dtype, f"{r.abs:.2e}", f"{max(r.rel, r.max_abs):.2e}",
-        f"{r.grad:.2e}", f"{r.jax_vs_torch:.2e}", r.worst_pair, "yes" if r.passed else "NO",
-    ]
+    return CaseRow(r).cells()
+
+
+@dataclass
+class CaseRow(table.Row):
+    """A case of the grid as a row: passed or failed (against the float64 oracle, the fixed tolerance)."""
+
+    result: harness.Result
+
+    @property
+    def outcome(self) -> str:
+        return verdict.PASSED if self.result.passed else verdict.FAILED
+
+    def cells(self) -> list[str]:
+        r = self.result
+        return [f"{r.case.config.name}/{r.case.mask}", r.case.dtype, f"{r.abs:.2e}", f"{max(r.rel, r.max_abs):.2e}",
+                f"{r.grad:.2e}", f"{r.jax_vs_torch:.2e}", r.worst_pair, "yes" if r.passed else "NO"]
+
+    def failure(self) -> str:
+        r = self.result
+        tol, grad_tol = harness.TOLERANCES[r.case.dtype]
+        return (f"FAILED {r.case.id}: {r.worst_pair} is off by {max(r.rel, r.max_abs):.2e} (outputs; tolerance "
+                f"{tol:.0e}) and {r.grad:.2e} (gradients; tolerance {grad_tol:.0e})")
+
+
+def cases(results: list[harness.Result]) -> table.Table:
+    """The cases as the report core's table."""
+    return table.Table(COLUMNS, [CaseRow(r) for r in results])
 
 
 class Printer:
@@ -89,29 +114,13 @@ class Printer:
 
     def table(self, results: list[harness.Result], title: str = "",
               elapsed: float | None = None) -> list[harness.Result]:
-        """Print the table and the totals; return the failed results."""
+        """Print the table, the counts and what failed; return the failed results."""
         failed = [r for r in results if not r.passed]
         if not self.echo:
             return failed
-        from rich.table import Table
-
+        rows = cases(results)
         when = f", {elapsed:.1f} s" if elapsed is not None else ""
-        table = Table(title=f"{title}{len(results)} cases{when}")
-        for column in COLUMNS:
-            left = column in ("case", "dtype", "worst pair")
-            table.add_column(column, justify="left" if left else "right", no_wrap=column != "worst pair")
-        for r in results:
-            cells = row(r)
-            cells[-1] = "[green]yes[/]" if r.passed else "[red]NO[/]"
-            table.add_row(*cells)
-        self.console.print(table)
-        self.console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed", markup=False)
-        for r in failed:
-            tol, grad_tol = harness.TOLERANCES[r.case.dtype]
-            self.console.print(
-                f"FAILED {r.case.id}: {r.worst_pair} is off by {max(r.rel, r.max_abs):.2e} "
-                f"(outputs; tolerance {tol:.0e}) "
-                f"and {r.grad:.2e} (gradients; tolerance {grad_tol:.0e})", markup=False)
+        print(f"{title}{len(results)} cases{when}", rows.text(), rows.counts(), *rows.failures(), sep="\n", flush=True)
         return failed
 
 
@@ -124,44 +133,29 @@ def write_markdown(path: str, header: Header,
     lines = ["# mha-parity report", ""] + [f"- {line.strip()}" for line in header.lines()[1:]]
     lines[1:1] = ["", header.title]
     for title, results in sections.items():
-        failed = sum(not r.passed for r in results)
-        lines += ["", f"## {title or 'cases'}: {len(results) - failed} passed, {failed} failed", ""]
-        lines.append("| " + " | ".join(COLUMNS) + " |")
-        lines.append("|" + "---|" * len(COLUMNS))
-        lines += ["| " + " | ".join(row(r)) + " |" for r in results]
+        rows = cases(results)
+        lines += ["", f"## {title or 'cases'}: {rows.counts()}", "", *rows.markdown()]
     written = [path]
     every = [r for results in sections.values() for r in results]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plots = [_plot(f"{os.path.splitext(path)[0]}-{dtype}.png", dtype, [r for r in every if r.case.dtype == dtype])
+             for dtype in harness.DTYPES]
+    if any(p is False for p in plots):
         lines += ["", "(no plots: matplotlib cannot be imported here)"]
-    else:
+    elif any(plots):
         lines += ["", "## Error against tolerance", ""]
-        stem = os.path.splitext(path)[0]
-        for dtype in harness.DTYPES:
-            chosen = [r for r in every if r.case.dtype == dtype]
-            if not chosen:
-                continue
-            tol, grad_tol = harness.TOLERANCES[dtype]
-            fig, ax = plt.subplots(figsize=(8, 3.5))
-            x = range(len(chosen))
-            floor = 1e-18
-            ax.semilogy(x, [max(r.rel, r.max_abs, floor) for r in chosen], "o", label="outputs")
-            ax.semilogy(x, [max(r.grad, floor) for r in chosen], "x", label="gradients")
-            ax.axhline(tol, color="C0", linestyle="--", label=f"tolerance {tol:.0e}")
-            ax.axhline(grad_tol, color="C1", linestyle=":", label=f"gradient tolerance {grad_tol:.0e}")
-            ax.set_xticks(list(x), [f"{r.case.config.name}/{r.case.mask}" for r in chosen], rotation=90, fontsize=6)
-            ax.set_ylabel("worst error")
-            ax.set_title(f"{dtype}: worst error of each case")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            png = f"{stem}-{dtype}.png"
-            files.write_atomically(png, lambda path, fig=fig: fig.savefig(path, dpi=100))
-            plt.close(fig)
-            written.append(png)
-            lines.append(f"![{dtype}]({os.path.basename(png)})")
+        lines += [f"![{dtype}]({os.path.basename(p)})" for dtype, p in zip(harness.DTYPES, plots) if p]
+        written += [p for p in plots if p]
     files.write_text(path, "\n".join(lines) + "\n")
     return written
+
+
+def _plot(path: str, dtype: str, chosen: list[harness.Result]) -> str | None | bool:
+    """The plot of one dtype's cases against its tolerances: its path, None without cases, False without matplotlib."""
+    if not chosen:
+        return None
+    tol, grad_tol = harness.TOLERANCES[dtype]
+    written = table.plot(path, [f"{r.case.config.name}/{r.case.mask}" for r in chosen],
+                         {"outputs": [max(r.rel, r.max_abs) for r in chosen], "gradients": [r.grad for r in chosen]},
+                         {f"tolerance {tol:.0e}": tol, f"gradient tolerance {grad_tol:.0e}": grad_tol},
+                         f"{dtype}: worst error of each case")
+    return False if written is None else written

@@ -25,7 +25,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from parity_tests.tool.ports import FLAX, Checkpoint
+from parity_tests.tool.arrays import numpy_dtype
+from parity_tests.tool.ports import FLAX, Checkpoint, read_flax_tree
 
 
 @dataclass
@@ -306,8 +307,6 @@ def _bert(checkpoint: Checkpoint, config: dict | None, module=None) -> Source:
 
 
 def _flax_source(checkpoint: Checkpoint) -> Source:
-    from parity_tests.tool.ports import read_flax_tree
-
     c = checkpoint.config()
     tree = read_flax_tree(checkpoint.path)
 
@@ -315,8 +314,6 @@ def _flax_source(checkpoint: Checkpoint) -> Source:
         import jax
         import jax.numpy as jnp
         from flax import nnx
-
-        from parity_tests.tool.arrays import numpy_dtype
 
         jdtype = jnp.dtype(numpy_dtype(dtype))
         layer = nnx.MultiHeadAttention(

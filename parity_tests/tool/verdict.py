@@ -21,7 +21,6 @@ the bound is the fixed tolerance.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 PASSED, FAILED, NOT_COMPARED = "passed", "failed", "not compared"
@@ -75,17 +74,3 @@ def line(passed: bool, failures: Iterable[str], what: str = "") -> str:
     named = [f for f in failures if f]
     return f"{prefix}FAILED: " + ("; ".join(named) if named else "see above")
 
-
-class Measured:
-    """A result row (a dataclass with ``tolerance``) whose ``error`` passes within it; ``as_json``
-    adds ``passed`` to its fields."""
-
-    error: float
-    tolerance: float
-
-    @property
-    def passed(self) -> bool:
-        return within(self.error, bound(self.tolerance))
-
-    def as_json(self) -> dict:
-        return dict(dataclasses.asdict(self), passed=self.passed)
