@@ -182,3 +182,17 @@ def test_a_wrong_port_of_the_shipped_bert_fails(monkeypatch, capsys, setting, ch
     assert code == 1, (setting, out)
     failed = next(line for line in out.splitlines() if line.startswith("FAILED: layer 5: "))
     assert "PyTorch vs source" in failed and "JAX vs source" in failed, out
+
+
+def test_a_hybrid_model_is_verified_on_its_attention_layers(tmp_path, capsys):
+    """LFM2 (convolution layers 0 and 2, attention at layer 1): with no ``--layer`` the rows are its attention
+    layers alone, passed; a convolution layer asked for by ``--layer`` is refused naming its kind."""
+    torch.manual_seed(0)
+    config = transformers.Lfm2Config(**SMALL, num_key_value_heads=2, full_attn_idxs=[1])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    args = ("--config", str(tmp_path / "config.json"), "--weights", str(tmp_path / "model.safetensors"))
+    code, out = _verify(capsys, *args)
+    assert code == 0, out
+    assert [line.split(" (")[0] for line in out.splitlines() if line.startswith("layer ")] == ["layer 1"], out
+    code, out = _verify(capsys, *args, "--layer", "0")
+    assert code != 0 and "'conv' layer, not softmax attention" in out, out

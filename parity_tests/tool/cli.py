@@ -392,7 +392,7 @@ def _add_verify_parser(commands) -> None:
                              "its model.safetensors.index.json), each attention layer is built by from_hf in both "
                              "frameworks and compared with the layer of transformers' model, one row per layer")
     verify.add_argument("--layer", type=int, action="append", metavar="N",
-                        help="with --config, only layer N (repeatable; default: every layer)")
+                        help="with --config, only layer N (repeatable; default: every attention layer)")
     _add_checkpoint_arguments(verify)
 
 

@@ -122,22 +122,24 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
             raise FileNotFoundError(f"--weights: {path} does not exist")
         state.update(_read_weights(path))
     torch.manual_seed(0)  # weights the checkpoint lacks (none, for a whole model's) are random
-    auto = transformers.AutoModelForCausalLM if _causal(raw, 0) else transformers.AutoModelForMaskedLM
+    auto = transformers.AutoModelForCausalLM if _causal(raw) else transformers.AutoModelForMaskedLM
     model = auto.from_config(config).float().eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
     return Model(os.fspath(config_path), raw, model, state, files, list(missing), list(unexpected))
 
 
-def _causal(raw: dict, layer: int) -> bool:
-    """Whether the layer's attention is a decoder's (every family's but an encoder's, BERT's)."""
+def _causal(raw: dict, layer: int | None = None) -> bool:
+    """Whether the layer's attention (default: the first attention layer's) is a decoder's (every family's but an
+    encoder's, BERT's)."""
     from mha_spec import families
 
-    return families.layer_options(families.read_config(raw), layer).is_causal
+    raw = families.read_config(raw)
+    return families.layer_options(raw, families.attention_layers(raw)[0] if layer is None else layer).is_causal
 
 
 def is_causal(source: Model) -> bool:
-    """Whether the model is a decoder (its first layer's attention causal)."""
-    return _causal(source.raw, 0)
+    """Whether the model is a decoder (its first attention layer causal)."""
+    return _causal(source.raw)
 
 
 def _inputs(vocab: int, seed: int, offsets: tuple[int, ...] = OFFSETS):
@@ -281,8 +283,8 @@ def run_jax(raw, state, layer, x, positions, lengths, d_out, dtype, implementati
 
 def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0, done=None,
            source: Model | None = None) -> tuple[Model, list[LayerResult]]:
-    """Every layer in ``layers`` (default: all) of the model, ours against the source; ``done``
-    is called with each layer's result as it finishes."""
+    """Every layer in ``layers`` (default: every attention layer, ``families.attention_layers``) of the model,
+    ours against the source; ``done`` is called with each layer's result as it finishes."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -292,7 +294,7 @@ def verify(config_path, weights, layers: list[int] | None = None, seed: int = 0,
     source = source or load(config_path, weights)
     raw = families.read_config(source.raw)
     count = int(raw["num_hidden_layers"])
-    layers = list(range(count)) if layers is None else list(layers)
+    layers = families.attention_layers(raw) if layers is None else list(layers)
     for layer in layers:
         if not 0 <= layer < count:
             raise ValueError(f"--layer {layer}: the model has layers 0 to {count - 1}")
