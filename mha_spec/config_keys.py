@@ -105,6 +105,7 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
         "full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor", "linear_attn_beta_factor",
         "mlp_alpha_factor", "mlp_beta_factor")}),
     "afmoe": _grouped({"its embeddings' muP scale and its experts' route scale": ("mup_enabled", "route_scale")}),
+    "lfm3": {"use_sandwich_norm": "RMS norms its decoder layer applies to the attention's output, after it"},
     "kimi_linear": _grouped({"its MoE routing and tokenizer length, not the attention's": (
         "model_max_length", "moe_renormalize", "num_expert_group", "num_experts_per_token")}),
     "recurrent_gemma": {

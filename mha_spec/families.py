@@ -203,6 +203,13 @@ def _layer_types_lfm2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
 
 
 @_reading()
+def _layer_types_lfm3(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Lfm3Config's rule: of each 4 layers the third full, the first sliding (not layer 0), the others convolve."""
+    return ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i else "conv"
+            for i in range(layers)]
+
+
+@_reading()
 def _layer_types_mamba(config: Mapping[str, Any], layers: int) -> list[str]:
     """GraniteMoeHybridConfig's default: every layer a Mamba layer."""
     return ["linear_attention"] * layers
@@ -628,6 +635,9 @@ FAMILIES: dict[str, Family] = {
     "lfm2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps",
                    layer_types=_layer_types_lfm2,
                    renames={"out_proj.": "o_proj.", "q_layernorm.": "q_norm.", "k_layernorm.": "k_norm."}),
+    # a sigmoid gate on each head's output (g_proj), its full layers' rotary "proportional"
+    "lfm3": Family(qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps", output_gate="head",
+                   output_gate_flag="use_attention_gate", layer_types=_layer_types_lfm3, renames={"g_proj.": "gate_proj."}),
     "minimax": Family(qkv_bias=False, out_bias=False, standardize=_standardize_minimax),
     "olmo_hybrid": Family(qk_norm=_RMS, layer_types=_layer_types_olmo_hybrid, rope=_rope_olmo_hybrid),
     "jamba": Family(qkv_bias=False, out_bias=False, rope=False, layer_types=_layer_types_jamba),

@@ -391,7 +391,11 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
     **{name: Refused("learned gates on the attention", "its softmax layers (a hybrid's; the others linear "
                      "attention) gate each head's output by a sigmoid of the input") for name in (
-        "bailing_hybrid", "lfm3")},
+        "bailing_hybrid",)},
+    "lfm3": Supported("its attention layers (layer_types; the others convolutions): a sigmoid gate on each head's "
+                      "output (g_proj), RMS QK-norm per head, sliding layers, the full layers' proportional rotary "
+                      "(half of each head's frequencies zero)",
+                      dict(sliding_window=WINDOW), layers=5),
     **{name: Refused(_TEXT, "its text model is qwen3_5_text's, qwen3_5_moe_text's") for name in (
         "qwen3_5", "qwen3_5_moe")},
     **{name: Supported("its softmax layers (layer_types; the others gated delta nets): a sigmoid gate on each "
@@ -509,7 +513,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 111, len(supported)
+    assert len(supported) >= 112, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -672,7 +676,7 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
 
 
-HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
+HYBRIDS = ("lfm2", "lfm2_moe", "lfm3", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
            "kimi_linear", "recurrent_gemma", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 

@@ -52,6 +52,7 @@ SCALINGS = {
     },
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": OMAX},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.75, "factor": 2.0},
 }
 # Positions up to 36 (past both thresholds), and per row up to 15 (below both).
 OFFSET = np.arange(L) + 30
