@@ -74,7 +74,7 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "linear_value_head_dim", "block_size", "num_logits_to_keep", "z_loss_coefficient", "mlp_hidden_act",
         "expert_layer_offset", "expert_layer_period", "num_dense_layers", "use_expert_bias", "moe_latent_size",
         "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "mtp_layers_block_type",
-        "linear_head_dim", "linear_num_heads"),
+        "linear_head_dim", "linear_num_heads", "n_mamba_heads", "hidden_mamba_act"),
 })
 
 # Per family: keys of its config that do not change its self-attention, beyond ``NOT_ATTENTION``.
@@ -125,7 +125,8 @@ def keys_read(model_type: str) -> frozenset[str]:
     keys = set(_BASE) | set(family.reads) | set(family.defaults) | keys_refused(model_type)
     keys |= {value for value in (family.qkv_bias, family.out_bias, family.kv_heads, family.soft_cap,
                                  family.qk_norm_flag, family.window_flag, family.layer_rope_theta, family.clip_qkv,
-                                 family.nested, family.causal, family.latent_interleave, family.output_gate_flag)
+                                 family.nested, family.causal, family.latent_interleave, family.output_gate_flag,
+                                 family.input_size)
               if isinstance(value, str)}
     keys.add(family.window_key)
     keys |= set(families._ALIASES.values()) | set(family.aliases.values())
