@@ -105,6 +105,9 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
         "full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor", "linear_attn_beta_factor",
         "mlp_alpha_factor", "mlp_beta_factor")}),
     "afmoe": _grouped({"its embeddings' muP scale and its experts' route scale": ("mup_enabled", "route_scale")}),
+    "cohere_compass_text": {
+        "pooling": "the pooling of its embedding model's outputs, after the decoder",
+        "head_dim": "CohereCompassTextConfig sets it to hidden_size // num_attention_heads whatever it is given"},
     "lfm3": {"use_sandwich_norm": "RMS norms its decoder layer applies to the attention's output, after it"},
     "kimi_linear": _grouped({"its MoE routing and tokenizer length, not the attention's": (
         "model_max_length", "moe_renormalize", "num_expert_group", "num_experts_per_token")}),

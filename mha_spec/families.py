@@ -669,6 +669,9 @@ FAMILIES: dict[str, Family] = {
                          layer_count=_reading()(lambda config: len(_layer_types_nemotron_h(config, 0)))),
     "granitemoehybrid": Family(scale=_scale_granite, rope=_rope_granitemoehybrid, layer_types=_layer_types_mamba),
     "falcon_h1": Family(scale=_scale_falcon_h1),
+    # rope parameters per layer type (None: the type does not rotate); its M-RoPE sections, over a text's three
+    # equal rows of positions, the plain rotation
+    "cohere_compass_text": Family(reads_head_dim=False, rope_ignore=("mrope_section", "mrope_interleaved")),
     # one attention block shared by its hybrid layers, over [hidden; embeddings] (attention_hidden_size), scaled by
     # (head_dim / 2) ** -0.5
     "zamba": Family(prefix="model.layers.{layer}.shared_transf.self_attn.", qkv_bias=False, out_bias=False, rope=False,
@@ -950,8 +953,9 @@ def attention_layers(config: Mapping[str, Any] | str | os.PathLike) -> list[int]
     return [i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]
 
 
-def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
-    """The config the layer's ``RotaryEmbedding.from_config`` reads, rope parameters of the layer's type."""
+def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict | None:
+    """The config the layer's ``RotaryEmbedding.from_config`` reads, rope parameters of the layer's type; None
+    where the type's are None (Cohere Compass's layers without rotary)."""
     rope = dict(config, head_dim=head_dim)
     if family.rope_default:
         keys, key, default = family.rope_default
@@ -963,14 +967,17 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
         rope["rope_parameters"] = dict(family.rope_fixed)
         return rope
     parameters = config.get("rope_parameters")
-    if family.rope_ignore and isinstance(parameters, Mapping):
-        parameters = rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
-    if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
-        rope["rope_parameters"] = dict(parameters[layer_type])
+    typed = isinstance(parameters, Mapping) and layer_type in parameters
+    if typed and parameters[layer_type] is None:
+        return None
+    if typed and isinstance(parameters[layer_type], Mapping):
+        parameters = rope["rope_parameters"] = dict(parameters[layer_type])
     elif config.get("model_type") == "gemma3_text" and layer_type == "sliding_attention" and \
             "rope_local_base_freq" in config:
         rope.pop("rope_scaling", None)  # older Gemma 3 configs: local layers, default rope at their own base
         rope["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
+    if family.rope_ignore and isinstance(parameters, Mapping):
+        rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
     return rope
 
 

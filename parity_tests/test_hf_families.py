@@ -133,7 +133,7 @@ def _rotary64(model, cos, layer_type):
     """The rotary tables the model gave (``cos`` of them), computed again in float64 from its own ``inv_freq``."""
     rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     has_type = hasattr(rotary, f"{layer_type}_inv_freq")
-    interleaved = type(rotary).__name__.startswith("Cohere")
+    interleaved = type(rotary).__name__.startswith(("CohereRotary", "Cohere2"))  # not Cohere Compass's
     return _tables64(rotary, _positions(), cos.shape[-1], layer_type if has_type else None, interleaved)
 
 
@@ -496,7 +496,13 @@ RECORDS: dict[str, Supported | Refused] = {
                           "the scores; a weightless RMS norm per head after the rotation (yarn and longrope refused: "
                           "the norm undoes their attention factor)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "git", "moshi", "cohere_compass_text")},
+        "git", "moshi")},
+    "cohere_compass_text": Supported("sliding layers, rope parameters per layer type (None: the layer does not "
+                                     "rotate), its M-RoPE sections over a text's positions the plain rotation",
+                                     dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+                                          rope_parameters={"sliding_attention": dict(
+                                              rope_type="default", rope_theta=100.0, mrope_section=[2, 1, 1]),
+                                              "full_attention": None})),
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -520,7 +526,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 113, len(supported)
+    assert len(supported) >= 114, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
