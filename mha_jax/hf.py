@@ -39,7 +39,8 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
     options = families.layer_options(families.read_config(config), layer)
     rotary = latent.layer_rotary(options)  # None without one; a latent layer's over its rope part
     module = MultiHeadAttention(
-        options.num_heads, options.hidden_size, options.num_heads * options.head_dim, options.hidden_size,
+        options.num_heads, options.input_size or options.hidden_size, options.num_heads * options.head_dim,
+        options.hidden_size,
         options.num_kv_heads, use_bias=options.qkv_bias, use_out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
         use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),

@@ -74,7 +74,7 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "linear_value_head_dim", "block_size", "num_logits_to_keep", "z_loss_coefficient", "mlp_hidden_act",
         "expert_layer_offset", "expert_layer_period", "num_dense_layers", "use_expert_bias", "moe_latent_size",
         "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "mtp_layers_block_type",
-        "linear_head_dim", "linear_num_heads"),
+        "linear_head_dim", "linear_num_heads", "n_mamba_heads", "hidden_mamba_act"),
 })
 
 # Per family: keys of its config that do not change its self-attention, beyond ``NOT_ATTENTION``.
@@ -105,6 +105,10 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
         "full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor", "linear_attn_beta_factor",
         "mlp_alpha_factor", "mlp_beta_factor")}),
     "afmoe": _grouped({"its embeddings' muP scale and its experts' route scale": ("mup_enabled", "route_scale")}),
+    "cohere_compass_text": {
+        "pooling": "the pooling of its embedding model's outputs, after the decoder",
+        "head_dim": "CohereCompassTextConfig sets it to hidden_size // num_attention_heads whatever it is given"},
+    "lfm3": {"use_sandwich_norm": "RMS norms its decoder layer applies to the attention's output, after it"},
     "kimi_linear": _grouped({"its MoE routing and tokenizer length, not the attention's": (
         "model_max_length", "moe_renormalize", "num_expert_group", "num_experts_per_token")}),
     "recurrent_gemma": {
@@ -124,7 +128,8 @@ def keys_read(model_type: str) -> frozenset[str]:
     keys = set(_BASE) | set(family.reads) | set(family.defaults) | keys_refused(model_type)
     keys |= {value for value in (family.qkv_bias, family.out_bias, family.kv_heads, family.soft_cap,
                                  family.qk_norm_flag, family.window_flag, family.layer_rope_theta, family.clip_qkv,
-                                 family.nested, family.causal, family.latent_interleave, family.output_gate_flag)
+                                 family.nested, family.causal, family.latent_interleave, family.output_gate_flag,
+                                 family.input_size)
               if isinstance(value, str)}
     keys.add(family.window_key)
     keys |= set(families._ALIASES.values()) | set(family.aliases.values())

@@ -203,6 +203,13 @@ def _layer_types_lfm2_moe(config: Mapping[str, Any], layers: int) -> list[str]:
 
 
 @_reading()
+def _layer_types_lfm3(config: Mapping[str, Any], layers: int) -> list[str]:
+    """Lfm3Config's rule: of each 4 layers the third full, the first sliding (not layer 0), the others convolve."""
+    return ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i else "conv"
+            for i in range(layers)]
+
+
+@_reading()
 def _layer_types_mamba(config: Mapping[str, Any], layers: int) -> list[str]:
     """GraniteMoeHybridConfig's default: every layer a Mamba layer."""
     return ["linear_attention"] * layers
@@ -249,6 +256,25 @@ def _rope_olmo_hybrid(config: Mapping[str, Any]) -> bool:
     """OlmoHybridModel's rotary embedding: only with rope parameters that hold a ``rope_theta``."""
     parameters = config.get("rope_parameters")
     return isinstance(parameters, Mapping) and parameters.get("rope_theta") is not None
+
+
+@_reading("layers_block_type", "attn_layer_period", "attn_layer_offset", "attention_hidden_size", "attention_head_dim")
+def _standardize_zamba(config: dict) -> dict:
+    """ZambaConfig's derived keys: its block's input width (default ``2 * hidden_size``) and head_dim (default
+    ``2 * hidden_size // heads``); the layer types ``layers_block_type``, else its rule (layer 2 and each layer
+    ``3 + i`` with ``i % attn_layer_period == attn_layer_offset``), its "hybrid" layers (the shared block beside a
+    Mamba layer) attending."""
+    config["attention_hidden_size"] = config.get("attention_hidden_size") or 2 * config["hidden_size"]
+    config["head_dim"] = config.get("attention_head_dim") or config["attention_hidden_size"] // config[
+        "num_attention_heads"]
+    kinds = config.get("layers_block_type") or ["linear_attention", "linear_attention", "hybrid"] + [
+        "hybrid" if i % config["attn_layer_period"] == config["attn_layer_offset"] else "linear_attention"
+        for i in range(config["num_hidden_layers"] - 3)]
+    config["layer_types"] = ["full_attention" if kind == "hybrid" else _LEGACY_TYPES.get(kind, kind) for kind in kinds]
+    return config
+
+
+_standardize_zamba.derives = ("layer_types", "attention_hidden_size", "head_dim")
 
 
 @_reading("full_attention_interval")
@@ -411,6 +437,8 @@ class Family:
     output_gate_flag: str | None = None  # the key that switches ``output_gate`` on; None: always on
     query_gate: bool = False  # the gate's rows after each head's query rows in q_proj (Qwen3-Next's)
     rope_types: tuple[str, ...] | None = None  # only the layers of these types rotate (AFMoE's sliding ones)
+    input_size: str | None = None  # the key of the projections' input width, where not hidden_size
+    tied_layers: bool = False  # every attention layer holds the first's weights (tied: saved once, under its prefix)
 
 
 def _mha(prefix: str, **fields: Any) -> Family:
@@ -628,6 +656,10 @@ FAMILIES: dict[str, Family] = {
     "lfm2": Family(qkv_bias=False, out_bias=False, qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps",
                    layer_types=_layer_types_lfm2,
                    renames={"out_proj.": "o_proj.", "q_layernorm.": "q_norm.", "k_layernorm.": "k_norm."}),
+    # a sigmoid gate on each head's output (g_proj), its full layers' rotary "proportional"
+    "lfm3": Family(qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps", output_gate="head",
+                   output_gate_flag="use_attention_gate", layer_types=_layer_types_lfm3,
+                   renames={"g_proj.": "gate_proj."}),
     "minimax": Family(qkv_bias=False, out_bias=False, standardize=_standardize_minimax),
     "olmo_hybrid": Family(qk_norm=_RMS, layer_types=_layer_types_olmo_hybrid, rope=_rope_olmo_hybrid),
     "jamba": Family(qkv_bias=False, out_bias=False, rope=False, layer_types=_layer_types_jamba),
@@ -637,6 +669,14 @@ FAMILIES: dict[str, Family] = {
                          layer_count=_reading()(lambda config: len(_layer_types_nemotron_h(config, 0)))),
     "granitemoehybrid": Family(scale=_scale_granite, rope=_rope_granitemoehybrid, layer_types=_layer_types_mamba),
     "falcon_h1": Family(scale=_scale_falcon_h1),
+    # rope parameters per layer type (None: the type does not rotate); its M-RoPE sections, over a text's three
+    # equal rows of positions, the plain rotation
+    "cohere_compass_text": Family(reads_head_dim=False, rope_ignore=("mrope_section", "mrope_interleaved")),
+    # one attention block shared by its hybrid layers, over [hidden; embeddings] (attention_hidden_size), scaled by
+    # (head_dim / 2) ** -0.5
+    "zamba": Family(prefix="model.layers.{layer}.shared_transf.self_attn.", qkv_bias=False, out_bias=False, rope=False,
+                    scale=_reading()(lambda config, head_dim, layer: (head_dim / 2) ** -0.5),
+                    standardize=_standardize_zamba, input_size="attention_hidden_size", tied_layers=True),
     # DeepSeek-V3's attention and the classes copied from it
     **dict.fromkeys(("deepseek_v3", "youtu", "axk1"), _latent_family(512, 1536, (64, 128, 128), "rope_interleave")),
     # its rotation complex products of the pairs (2i, 2i + 1) by e^(i angle): interleaved
@@ -688,6 +728,7 @@ class LayerOptions:
     clip_qkv: float | None = None  # the projections' outputs clamped to [-clip_qkv, clip_qkv]
     query_scale: QueryScale | None = None  # each query scaled by its position
     output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output
+    input_size: int | None = None  # the projections' input width, where not hidden_size (Zamba's [hidden; embeddings])
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -813,12 +854,22 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     options = LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
         config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, qk_norm,
-        rope, family.prefix.format(layer=layer), family.layout, is_causal=_flag(config, family.causal, False),
+        rope, family.prefix.format(layer=_saved_layer(config, family, layers, layer)), family.layout,
+        is_causal=_flag(config, family.causal, False),
         ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
         clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
         query_scale=family.query_scale(config, layer) if family.query_scale else None,
-        output_gate=family.output_gate if _flag(config, family.output_gate_flag or True, True) else None)
+        output_gate=family.output_gate if _flag(config, family.output_gate_flag or True, True) else None,
+        input_size=config[family.input_size] if family.input_size else None)
     return _with_latent(options, config, family) if family.latent else options
+
+
+def _saved_layer(config: Mapping[str, Any], family: Family, layers: int, layer: int) -> int:
+    """The layer whose keys hold layer ``layer``'s weights: itself, or with ``tied_layers`` the first attention
+    layer."""
+    if not family.tied_layers:
+        return layer
+    return next(i for i, kind in enumerate(_layer_types(config, family, layers)) if kind in ATTENTION_TYPES)
 
 
 def _attention_type(config: Mapping[str, Any], family: Family, layers: int, layer: int) -> str:
@@ -902,8 +953,9 @@ def attention_layers(config: Mapping[str, Any] | str | os.PathLike) -> list[int]
     return [i for i, kind in enumerate(kinds) if kind in ATTENTION_TYPES]
 
 
-def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict:
-    """The config the layer's ``RotaryEmbedding.from_config`` reads, rope parameters of the layer's type."""
+def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, head_dim: int) -> dict | None:
+    """The config the layer's ``RotaryEmbedding.from_config`` reads, rope parameters of the layer's type; None
+    where the type's are None (Cohere Compass's layers without rotary)."""
     rope = dict(config, head_dim=head_dim)
     if family.rope_default:
         keys, key, default = family.rope_default
@@ -915,14 +967,17 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
         rope["rope_parameters"] = dict(family.rope_fixed)
         return rope
     parameters = config.get("rope_parameters")
-    if family.rope_ignore and isinstance(parameters, Mapping):
-        parameters = rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
-    if isinstance(parameters, Mapping) and layer_type in parameters and isinstance(parameters[layer_type], Mapping):
-        rope["rope_parameters"] = dict(parameters[layer_type])
+    typed = isinstance(parameters, Mapping) and layer_type in parameters
+    if typed and parameters[layer_type] is None:
+        return None
+    if typed and isinstance(parameters[layer_type], Mapping):
+        parameters = rope["rope_parameters"] = dict(parameters[layer_type])
     elif config.get("model_type") == "gemma3_text" and layer_type == "sliding_attention" and \
             "rope_local_base_freq" in config:
         rope.pop("rope_scaling", None)  # older Gemma 3 configs: local layers, default rope at their own base
         rope["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
+    if family.rope_ignore and isinstance(parameters, Mapping):
+        rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
     return rope
 
 

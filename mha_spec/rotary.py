@@ -23,6 +23,7 @@ ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
              ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 # Keys whose value may be None: transformers then derives it.
 _NULLABLE = {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
@@ -300,8 +301,11 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     rotary_dim = config.get("rotary_dim") or int(head_dim * fraction)
     max_pos = _first(config.get("max_position_embeddings"), config.get("n_positions"))
+    scaling = _config_scaling(params, config, max_pos)
+    if scaling is not None and scaling["rope_type"] == "proportional":  # all of each head, zero frequencies past
+        rotary_dim, scaling = head_dim, dict(scaling, partial_rotary_factor=fraction)  # the fraction's
     return dict(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta, interleaved=_interleaved(model_type),
-                scaling=_config_scaling(params, config, max_pos), max_position_embeddings=max_pos)
+                scaling=scaling, max_position_embeddings=max_pos)
 
 
 def _first(*values: Any) -> Any:
@@ -446,9 +450,18 @@ def _llama3_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
     return ops.where(is_medium_freq, smoothed, inv_freq_llama)
 
 
+def _proportional_inv_freq(rope: RotaryParameters, ops: FrequencyOps) -> Any:
+    """``_compute_proportional_rope_parameters``: the default frequencies over all of each head, those past the
+    first ``int(partial_rotary_factor * head_dim // 2)`` zero, all divided by ``factor``."""
+    inv_freq = _default_inv_freq(ops, rope.theta, rope.rotary_dim)
+    angles = int(rope.scaling.get("partial_rotary_factor", 1.0) * rope.rotary_dim // 2)
+    kept = ops.where(ops.arange(rope.rotary_dim // 2) < angles, inv_freq, 0 * inv_freq)
+    return ops.div(kept, rope.scaling.get("factor", 1.0))
+
+
 # rope_type -> transformers' init function: float32 ``(rotary_dim // 2,)``, the frequencies at construction.
 _INIT_INV_FREQ = {
     "default": lambda rope, ops: _default_inv_freq(ops, rope.theta, rope.rotary_dim), "linear": _linear_inv_freq,
     "dynamic": _dynamic_init_inv_freq, "yarn": _yarn_inv_freq, "longrope": _longrope_inv_freq,
-    "llama3": _llama3_inv_freq,
+    "llama3": _llama3_inv_freq, "proportional": _proportional_inv_freq,
 }

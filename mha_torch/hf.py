@@ -36,8 +36,9 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
     options = families.layer_options(families.read_config(config), layer)
     rotary = latent.layer_rotary(options)  # None without one; a latent layer's over its rope part
     module = MultiHeadAttention(
-        options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
-        qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias, out_bias=options.out_bias,
+        options.input_size or options.hidden_size, options.num_heads, num_kv_heads=options.num_kv_heads,
+        out_dim=options.hidden_size, qkv_dim=options.num_heads * options.head_dim, bias=options.qkv_bias,
+        out_bias=options.out_bias,
         normalize_qk=options.qk_norm or False, scale=options.scale, logit_soft_cap=options.logit_soft_cap,
         use_sinks=options.use_sinks, rotary=None if rotary is None else RotaryEmbedding(**rotary),
         local_window_size=options.window, attention_chunk_size=options.attention_chunk_size, latent=options.latent,

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import safetensors
 import torch
 import transformers
+from flax import nnx
 
 import mha_jax
 import mha_torch
@@ -131,7 +133,7 @@ def _rotary64(model, cos, layer_type):
     """The rotary tables the model gave (``cos`` of them), computed again in float64 from its own ``inv_freq``."""
     rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     has_type = hasattr(rotary, f"{layer_type}_inv_freq")
-    interleaved = type(rotary).__name__.startswith("Cohere")
+    interleaved = type(rotary).__name__.startswith(("CohereRotary", "Cohere2"))  # not Cohere Compass's
     return _tables64(rotary, _positions(), cos.shape[-1], layer_type if has_type else None, interleaved)
 
 
@@ -188,7 +190,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
     rest, kwargs = _at_dtype(model, layer, *call, dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
-    x = np.random.default_rng(0).normal(size=(B, S, HIDDEN))
+    x = np.random.default_rng(0).normal(size=(B, S, options.input_size or HIDDEN))
     hidden = torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True)
     rest = _positional(module, call[0][0] if call[0] else call[1].get("hidden_states"), rest, hidden)
     default = torch.get_default_dtype()
@@ -391,7 +393,11 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused(NO_SOFTMAX) for name in ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm")},
     **{name: Refused("learned gates on the attention", "its softmax layers (a hybrid's; the others linear "
                      "attention) gate each head's output by a sigmoid of the input") for name in (
-        "bailing_hybrid", "lfm3")},
+        "bailing_hybrid",)},
+    "lfm3": Supported("its attention layers (layer_types; the others convolutions): a sigmoid gate on each head's "
+                      "output (g_proj), RMS QK-norm per head, sliding layers, the full layers' proportional rotary "
+                      "(half of each head's frequencies zero)",
+                      dict(sliding_window=WINDOW), layers=5),
     **{name: Refused(_TEXT, "its text model is qwen3_5_text's, qwen3_5_moe_text's") for name in (
         "qwen3_5", "qwen3_5_moe")},
     **{name: Supported("its softmax layers (layer_types; the others gated delta nets): a sigmoid gate on each "
@@ -407,8 +413,13 @@ RECORDS: dict[str, Supported | Refused] = {
                      "linear attention on the others") for name in ("qwen4_exp", "qwen4_exp_text")},
     **{name: Refused("relative position bias", "learned relative logits, and short convolutions of the keys and "
                      "values") for name in ("inkling_text", "inkling2_text")},
-    **{name: Refused("a checkpoint layout not yet written", "shared attention blocks over [hidden; embeddings] "
-                     "(2 x hidden_size) inputs") for name in ("zamba", "zamba2")},
+    "zamba2": Refused("a checkpoint layout not yet written", "shared attention blocks over [hidden; embeddings] "
+                      "with LoRA adapters per layer (use_shared_attention_adapter) and rotary (use_mem_rope)"),
+    "zamba": Supported("its hybrid layers (layers_block_type; the others Mamba layers): one attention block shared "
+                       "by all (its keys the first's), over [hidden; embeddings] (attention_hidden_size), scaled by "
+                       "(head_dim / 2) ** -0.5, no rotary",
+                       dict(attention_head_dim=8, n_mamba_heads=2, mamba_d_state=4, attn_layer_period=2,
+                            attn_layer_offset=0), layers=4),
     "zaya": Refused("a checkpoint layout not yet written", "its queries and keys from a CCA projection "
                     "(convolutions inside the projection)"),
     # hybrid models: their softmax attention layers (the others refused by kind: test_a_hybrid_model_s_...)
@@ -485,7 +496,13 @@ RECORDS: dict[str, Supported | Refused] = {
                           "the scores; a weightless RMS norm per head after the rotation (yarn and longrope refused: "
                           "the norm undoes their attention factor)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
-        "git", "moshi", "cohere_compass_text")},
+        "git", "moshi")},
+    "cohere_compass_text": Supported("sliding layers, rope parameters per layer type (None: the layer does not "
+                                     "rotate), its M-RoPE sections over a text's positions the plain rotation",
+                                     dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+                                          rope_parameters={"sliding_attention": dict(
+                                              rope_type="default", rope_theta=100.0, mrope_section=[2, 1, 1]),
+                                              "full_attention": None})),
     **{name: Refused("cross-attention") for name in ("mllama",)},
     # a LayerNorm before the attention inside its block, or block-sparse or rotary BERTs
     **{name: Refused("a norm inside the attention block") for name in (
@@ -509,7 +526,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 111, len(supported)
+    assert len(supported) >= 114, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -672,15 +689,18 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
 
 
-HYBRIDS = ("lfm2", "lfm2_moe", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h", "granitemoehybrid",
-           "kimi_linear", "recurrent_gemma", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+HYBRIDS = ("lfm2", "lfm2_moe", "lfm3", "zamba", "minimax", "olmo_hybrid", "jamba", "bamba", "nemotron_h",
+           "granitemoehybrid", "kimi_linear", "recurrent_gemma", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def _softmax_attention(model, prefix: str, layer: int) -> bool:
     """Whether transformers' model holds softmax attention at the layer's ``prefix`` (not a Mamba mixer, a
     convolution, a linear or lightning attention, an MLP, or nothing)."""
-    block, _, attribute = prefix.format(layer=layer).rstrip(".").rpartition(".")
-    name = type(getattr(model.get_submodule(block), attribute, None)).__name__
+    try:  # Zamba's Mamba layers hold no shared_transf
+        module = model.get_submodule(prefix.format(layer=layer).rstrip("."))
+    except AttributeError:
+        return False
+    name = type(module).__name__
     return name.endswith("Attention") and not any(word in name for word in ("Lightning", "Delta"))
 
 
@@ -990,3 +1010,19 @@ def test_verify_runs_the_source_eager_but_falcon_with_alibi_through_sdpa(tmp_pat
         save_model(_model(config), str(path / "model.safetensors"))
         found[alibi] = models.load(path / "config.json", path / "model.safetensors").model.config._attn_implementation
     assert found == {False: "eager", True: "sdpa"}
+
+
+def test_a_tied_block_is_read_from_its_one_saved_copy(tmp_path):
+    """Zamba's checkpoint holds its shared attention block once, under its first hybrid layer: a later hybrid layer's
+    ``from_hf`` reads it there, in both twins, the same parameters as the first's."""
+    record = RECORDS["zamba"]
+    model = _model(_config("zamba", record.config, record.layers))
+    model.save_pretrained(tmp_path)
+    config, weights = tmp_path / "config.json", tmp_path / "model.safetensors"
+    with safetensors.safe_open(weights, "pt") as f:
+        assert not [k for k in f.keys() if k.startswith("model.layers.3.shared_transf.")]
+    first, later = (mha_torch.from_hf(config, weights, layer=layer).state_dict() for layer in (2, 3))
+    assert first.keys() == later.keys() and all(torch.equal(first[k], later[k]) for k in first)
+    first, later = (nnx.to_flat_state(nnx.state(mha_jax.from_hf(config, weights, layer=layer), nnx.Param))
+                    for layer in (2, 3))
+    assert all(np.array_equal(a[1].value, b[1].value) and a[0] == b[0] for a, b in zip(first, later))

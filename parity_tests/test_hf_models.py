@@ -479,7 +479,7 @@ def test_from_hf_names_what_it_cannot_build(framework):
     from_hf = mha_jax.from_hf if framework == "jax" else mha_torch.from_hf
     base = dict(COMMON, model_type="llama")
     with pytest.raises(ValueError, match=r"model_type 't5' is not a supported family; "
-                                         r"supported: apertus, arcee, axk1, bamba, bert, .*, phi3, .*, stablelm, .*"):
+                                         r"supported: afmoe, apertus, arcee, axk1, bamba, .*, phi3, .*, stablelm, .*"):
         from_hf(dict(base, model_type="t5"))
     with pytest.raises(ValueError,
                        match=r"position_embedding_type='relative_key', which this attention does not compute"):

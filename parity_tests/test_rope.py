@@ -52,6 +52,7 @@ SCALINGS = {
     },
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": OMAX},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.75, "factor": 2.0},
 }
 # Positions up to 36 (past both thresholds), and per row up to 15 (below both).
 OFFSET = np.arange(L) + 30
@@ -465,7 +466,7 @@ CONSTRUCTOR_ERRORS = {
     "theta_negative": ({"theta": -1}, ValueError, "theta must be a finite number > 0, got -1"),
     "unknown_type": ({"scaling": {"rope_type": "mrope"}}, ValueError,
                      "scaling['rope_type'] must be one of ('default', 'linear', 'dynamic', 'yarn', 'longrope', "
-                     "'llama3'), got 'mrope'"),
+                     "'llama3', 'proportional'), got 'mrope'"),
     "no_type": ({"scaling": {"factor": 2.0}}, ValueError, "scaling['rope_type'] must be one of"),
     "missing_key": ({"scaling": {"rope_type": "yarn", "factor": 2.0}}, ValueError,
                     "scaling for rope_type 'yarn' is missing required key(s) 'original_max_position_embeddings'"),
