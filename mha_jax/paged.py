@@ -33,11 +33,8 @@ class PagedKVCache(NamedTuple):
 
 def init_cache(table: PageTable, kv_heads: int, head_dim: int, dtype: Any) -> PagedKVCache:
     """An empty pool of ``table``'s pages; the step arrays of ``table`` as it stands, no queries."""
-    max_seqs, pages_per_seq = table.pages.shape
     pages = jnp.zeros((table.num_pages, table.page_size, 2 * kv_heads, head_dim), dtype)
-    step = dict(kv_lens=table.lengths, page_indices=np.maximum(table.pages, 0),
-                cu_q_lens=np.zeros(max_seqs + 1, np.int32), num_seqs=np.array([max_seqs], np.int32))
-    return schedule(PagedKVCache(pages, *(None,) * 4), step)
+    return schedule(PagedKVCache(pages, *(None,) * 4), table.arrays())
 
 
 def schedule(cache: PagedKVCache, step: dict[str, Any]) -> PagedKVCache:

@@ -55,10 +55,17 @@ class PageTable:
         for s, p in new:
             self.pages[s, p] = self.free.pop()
         self.lengths[: len(q_lens)] = ends
+        return self.arrays(q_lens)
+
+    def arrays(self, q_lens: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """The step's arrays (``STEP``) of the table as it stands: ``q_lens`` the queries of the rows just
+        appended to, or None: no query, every row counted (an empty cache's)."""
+        max_seqs = self.pages.shape[0]
+        counts = np.zeros(max_seqs, np.int64) if q_lens is None else np.asarray(q_lens, np.int64)
         cu_q_lens = np.zeros(max_seqs + 1, np.int32)
-        cu_q_lens[1:] = np.cumsum(np.pad(q_lens, (0, max_seqs - len(q_lens))))
+        cu_q_lens[1:] = np.cumsum(np.pad(counts, (0, max_seqs - len(counts))))
         return dict(kv_lens=self.lengths.copy(), page_indices=np.maximum(self.pages, 0),
-                    cu_q_lens=cu_q_lens, num_seqs=np.array([len(q_lens)], np.int32))
+                    cu_q_lens=cu_q_lens, num_seqs=np.array([len(counts)], np.int32))
 
     def release_before(self, seq: int, position: int) -> int:
         """Frees sequence ``seq``'s pages wholly before ``position`` (keys no later query sees: a window of
