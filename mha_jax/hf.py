@@ -13,7 +13,7 @@ from flax import nnx
 from mha_jax.convert import load_weights, read_state
 from mha_jax.module import MultiHeadAttention
 from mha_jax.rope import RotaryEmbedding
-from mha_spec import docstrings, families, latent
+from mha_spec import checkpoint, docstrings, families, latent
 
 
 @docstrings.fill
@@ -51,6 +51,6 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
     )
     if weights is not None:
         # "flax": bfloat16 too, which NumPy's reader refuses
-        state, keywords = families.load_arguments(options, weights, read_state, "flax", np.concatenate)
+        state, keywords = checkpoint.load_arguments(options, weights, read_state, "flax", np.concatenate)
         load_weights(module, state, **keywords)
     return module

@@ -4,7 +4,7 @@ with its reason. ``parity_tests/test_hf_config_keys.py`` holds transformers' con
 
 from __future__ import annotations
 
-from mha_spec import families
+from mha_spec import families, records
 
 _BASE = ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers", "layer_types")
 # what ``rotary.rope_from_config`` reads
@@ -132,7 +132,7 @@ def keys_read(model_type: str) -> frozenset[str]:
                                  family.input_size)
               if isinstance(value, str)}
     keys.add(family.window_key)
-    keys |= set(families._ALIASES.values()) | set(family.aliases.values())
+    keys |= set(records.ALIASES.values()) | set(family.aliases.values())
     if family.reads_head_dim:
         keys.add("head_dim")
     if family.qk_norm is not None:
@@ -156,7 +156,7 @@ def keys_refused(model_type: str) -> frozenset[str]:
     """The keys ``families.family_of`` refuses, naming them, when set (to a true value) in a config of
     ``model_type``."""
     family = families.FAMILIES[model_type]
-    return frozenset({key for key in families._REFUSED if key not in family.reads} | {k for k, _ in family.refuses})
+    return frozenset({key for key in records.REFUSED if key not in family.reads} | {k for k, _ in family.refuses})
 
 
 def unaccounted(model_type: str, keys) -> list[str]:

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mha_spec.records import rope_defaults
+
 # rope_type -> (keys transformers' init function requires, keys it reads when present), as
 # ``transformers.modeling_rope_utils`` (5.x) reads ``rope_parameters``.
 ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -261,16 +263,6 @@ class RotaryParameters:
 # Keys whose presence says a config.json describes rotary embeddings.
 _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim", "rotary_emb_base",
                      "partial_rotary_factor")
-# Rotary fractions that models' config classes set when config.json leaves them out.
-_DEFAULT_ROTARY_FRACTION = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
-
-
-def _interleaved(model_type: Any) -> bool:
-    """Whether the family's record (``mha_spec.families``) says it rotates pairs ``(2i, 2i + 1)``."""
-    from mha_spec.families import FAMILIES  # the records; imported when a config is read, not with the array code
-
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    return bool(family and family.rope_interleaved)
 
 
 def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
@@ -281,13 +273,13 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
     - theta: ``rope_parameters['rope_theta']``, ``rope_theta``, ``rotary_emb_base`` (GPT-NeoX), 10000;
     - head_dim: the argument, else ``_config_head_dim``;
     - rotary_dim: ``rotary_dim``, else ``int(head_dim * fraction)`` (``partial_rotary_factor``, ``rotary_pct``,
-      the model's default or 1);
+      the family record's ``rope_default`` or 1);
     - max_position_embeddings (GPT-J: ``n_positions``); interleaved where the family's record says so."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping (a config.json dict), got {type(config).__name__}")
     if not any(key in config for key in _ROPE_CONFIG_KEYS):
         return None
-    model_type = config.get("model_type")
+    config, interleaved = rope_defaults(config)  # the family's record: a default rotary fraction, pairs
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     nested = [k for k, v in params.items() if isinstance(v, Mapping)]
     if nested:
@@ -295,7 +287,7 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
                          "build one RotaryEmbedding per type, from a config whose 'rope_parameters' is that entry")
     theta = _first(params.get("rope_theta"), config.get("rope_theta"), config.get("rotary_emb_base"), 10000.0)
     fraction = _first(params.get("partial_rotary_factor"), config.get("partial_rotary_factor"),
-                      config.get("rotary_pct"), _DEFAULT_ROTARY_FRACTION.get(model_type), 1.0)
+                      config.get("rotary_pct"), 1.0)
     head_dim = _config_head_dim(config) if head_dim is None else head_dim
     if not _is_int(head_dim) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
@@ -304,7 +296,7 @@ def rope_from_config(config: Mapping[str, Any], head_dim: int | None = None) -> 
     scaling = _config_scaling(params, config, max_pos)
     if scaling is not None and scaling["rope_type"] == "proportional":  # all of each head, zero frequencies past
         rotary_dim, scaling = head_dim, dict(scaling, partial_rotary_factor=fraction)  # the fraction's
-    return dict(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta, interleaved=_interleaved(model_type),
+    return dict(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta, interleaved=interleaved,
                 scaling=scaling, max_position_embeddings=max_pos)
 
 

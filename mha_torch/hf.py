@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mha_spec import docstrings, families, latent
+from mha_spec import checkpoint, docstrings, families, latent
 from mha_torch.convert import load_weights, read_state
 from mha_torch.module import MultiHeadAttention
 from mha_torch.rope import RotaryEmbedding
@@ -46,6 +46,6 @@ def from_hf(config: Mapping[str, Any] | str | os.PathLike, weights: Mapping[str,
         query_scale=options.query_scale, dtype=dtype, device=device, implementation=implementation,
     )
     if weights is not None:
-        state, keywords = families.load_arguments(options, weights, read_state, "pt", torch.cat)
+        state, keywords = checkpoint.load_arguments(options, weights, read_state, "pt", torch.cat)
         load_weights(module, state, **keywords)
     return module

@@ -17,7 +17,7 @@ import json
 import pytest
 import transformers
 
-from mha_spec import config_keys, families, latent
+from mha_spec import config_keys, families, latent, records
 from parity_tests.test_hf_families import RECORDS, Supported, _config
 
 SUPPORTED = sorted(name for name, record in RECORDS.items() if isinstance(record, Supported))
@@ -42,14 +42,14 @@ def _keys(name: str) -> set[str]:
     return keys
 
 
-_ALIASED = {v for f in families.FAMILIES.values() for v in f.aliases.values()} | set(families._ALIASES.values())
+_ALIASED = {v for f in families.FAMILIES.values() for v in f.aliases.values()} | set(records.ALIASES.values())
 SIZES = ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers", *DERIVED, *sorted(_ALIASED))
 
 
 def _resized(cls, saved: dict, hidden: int) -> dict:
     """The config class's save at other sizes (``hidden``, 6 heads, 5 layers; twice ``hidden`` where its class
     rejects those: a Mamba mixer's heads must divide twice the hidden size)."""
-    other = {families._ALIASES.get(k, k) if k not in saved else k: v
+    other = {records.ALIASES.get(k, k) if k not in saved else k: v
              for k, v in (("hidden_size", hidden), ("num_attention_heads", 6), ("num_hidden_layers", 5))}
     try:
         return cls(**other).to_dict()

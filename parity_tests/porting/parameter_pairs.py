@@ -9,7 +9,7 @@ the same. Each pair is compared in PyTorch's layout:
   flattened to two axes; a kernel whose other orientation is the only one that fits is read in it
   (a square one goes by its module's kind);
 - a fused projection (GPT-2's ``c_attn``, Falcon's and BLOOM's ``query_key_value``) beside a port
-  built on ``mha_jax.MultiHeadAttention``: split as ``mha_spec.families.layer_state`` splits it
+  built on ``mha_jax.MultiHeadAttention``: split as ``mha_spec.checkpoint.layer_state`` splits it
   for ``from_hf``, its query, key and value parts against the port's ``query``, ``key`` and
   ``value`` (its output projection against ``out``); the parameter is one row, its error that of
   its parts together;
@@ -103,7 +103,7 @@ def _fused_layers(torch_model, torch_names: list[str]) -> dict[str, tuple[dict[s
     config = getattr(torch_model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return {}
-    from mha_spec import families
+    from mha_spec import checkpoint, families
 
     try:
         settings = families.read_config(config.to_dict())
@@ -126,7 +126,7 @@ def _fused_layers(torch_model, torch_names: list[str]) -> dict[str, tuple[dict[s
             state[key] = np.arange(start, start + int(np.prod(shapes[key])), dtype=np.float64).reshape(shapes[key])
             start += int(np.prod(shapes[key]))
         try:
-            converted = families.layer_state(option, state)
+            converted = checkpoint.layer_state(option, state)
         except ValueError:
             continue
         where = {}

@@ -107,7 +107,7 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
     import torch
     import transformers
 
-    from mha_spec import families
+    from mha_spec import checkpoint
 
     raw = read_raw(config_path)
     raw = dict(raw, model_type=_model_type(raw, config_path))
@@ -115,7 +115,7 @@ def load(config_path: str | os.PathLike, weights: str | os.PathLike) -> Model:
     # eager attention, but Falcon's with ALiBi: its eager model adds the term twice (in the
     # attention and in the mask it passes), its SDPA path once, as Falcon's own code does
     config._attn_implementation = "sdpa" if raw["model_type"] == "falcon" and raw.get("alibi") else "eager"
-    files = families.layer_files(weights, "")  # every shard: the whole model runs
+    files = checkpoint.layer_files(weights, "")  # every shard: the whole model runs
     state = {}
     for path in files:
         if not os.path.exists(path):
@@ -183,14 +183,14 @@ def _captured(source: Model, prefixes: dict[int, str], seed: int, offsets: tuple
 def by_our_names(grads: dict, options) -> dict:
     """transformers' gradient names -> ours, renamed and split as the loaders read the layer's
     checkpoint (``read_layout``; fused weights, GPT-NeoX's, GPT-2's, Falcon's, by ``layer_state``)."""
-    from mha_spec import families, layouts
+    from mha_spec import checkpoint, families, layouts
 
     state = {options.prefix + k: g for k, g in grads.items()}
     if options.latent is not None:  # multi-head latent attention: transformers' names, o_proj as out_proj
         return layouts.read_latent(state, prefix=options.prefix)
     if families.FAMILIES[options.model_type].fused:
-        return families.layer_state(options, state)
-    state = families.layer_keys(options, state, np.concatenate)
+        return checkpoint.layer_state(options, state)
+    state = checkpoint.layer_keys(options, state, np.concatenate)
     return layouts.read_layout(state, layout=options.layout, prefix=options.prefix,
                                 num_heads=options.num_heads, num_kv_heads=options.num_kv_heads)
 
