@@ -5,10 +5,11 @@ Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 -
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,21 +45,11 @@ class _Config:
         return P(*(None if d is None else axes[d] for d in dims))
 
 
-class Dense(NamedTuple):
-    """The ring's terms beside the tokens, by name (None: absent): ``allowed``, ``bias``, ``keep`` 5-d ``(b|1,
-    kv_heads|1, groups|1, q|1, k|1)``, their rows in zig-zag order on a device; the device, example and key/value
-    head indices (inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual); drawn dropout's
-    threefry ``seed`` and, on a device, each row's counters ``hi``, ``lo``."""
-
-    allowed: Any = None
-    bias: Any = None
-    keep: Any = None
-    device: Any = None
-    examples: Any = None
-    kv_heads: Any = None
-    seed: Any = None
-    hi: Any = None
-    lo: Any = None
+# The ring's terms beside the tokens, by name (None: absent): ``allowed``, ``bias``, ``keep`` 5-d ``(b|1, kv_heads|1,
+# groups|1, q|1, k|1)``, their rows in zig-zag order on a device; the device, example and key/value head indices
+# (inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual); drawn dropout's threefry ``seed`` and,
+# on a device, each row's counters ``hi``, ``lo``.
+Dense = collections.namedtuple("Dense", "allowed bias keep device examples kv_heads seed hi lo", defaults=(None,) * 9)
 
 
 def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation,

@@ -280,6 +280,14 @@ class ArrayChecks:
     require_float = functools.partialmethod(require_kind, want="float")
     require_int = functools.partialmethod(require_kind, want="int")
 
+    def check_logit_terms(self, scale, logit_soft_cap, sinks, heads: int, head_dim: int) -> tuple[float, float | None]:
+        """(scale, default ``1 / sqrt(head_dim)``; soft cap or None), checked; ``sinks`` real floating ``(heads,)``."""
+        scale, soft_cap = check_scale(scale), check_logit_soft_cap(logit_soft_cap)
+        if sinks is not None:
+            self.require_float("sinks", sinks)
+            check_sinks_shape(sinks.shape, heads)
+        return 1.0 / math.sqrt(head_dim) if scale is None else scale, soft_cap
+
     def _inputs(self, query, key, value) -> tuple[tuple[str, Any, str], ...]:
         """``(name, array, layout)`` of the query, key and value."""
         layout = "(batch, {}, {}, {})" if self.heads_first else "(batch, {1}, {0}, {2})"
