@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks, _tiles
-from mha_spec import alibi, arguments, docstrings, terms, torch_mha
+from mha_spec import arguments, docstrings, torch_mha
 from mha_spec.terms import Spec
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
@@ -45,58 +45,32 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         _checks.require_float("bias", bias)
         arguments.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = jnp.asarray(bias)
-    return Spec(
-        shape, allowed, bias, arguments.check_is_causal(is_causal),
-        _sequence("query_positions", query_positions, batch, q_len, "q_len"),
-        _sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
-        arguments.check_window(local_window_size),
-        *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
-        _lengths(key_value_seq_lengths, batch, kv_len), terms.check_chunk_size(attention_chunk_size),
-        alibi_slopes=_slopes(alibi_slopes, batch, heads),
-        query_lengths=_lengths(query_seq_lengths, batch, q_len, "query_seq_lengths", "q_len"),
-    )
+    fields = _checks.CHECKS.position_terms(
+        shape, _index, _constant, is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
+        local_window_size=local_window_size, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+        key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=attention_chunk_size,
+        alibi_slopes=alibi_slopes)
+    query_lengths = _checks.CHECKS.lengths("query_seq_lengths", query_seq_lengths, batch, q_len, "q_len", _index)
+    return Spec(shape, allowed, bias, **fields, query_lengths=query_lengths)
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
     """``spec`` over a decoding cache's slots, with the step's positions ``(batch, n)``, the slots' positions
     ``(batch, max_length)`` and the written slots' count ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
-    queries = _sequence("query_positions", query_positions, batch, q_len, "q_len")
-    keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len")
-    lengths = _lengths(lengths, batch, kv_len)
-    return dataclasses.replace(spec, query_positions=queries, key_positions=keys, lengths=lengths)
+    checks = _checks.CHECKS
+    return dataclasses.replace(
+        spec, query_positions=checks.sequence("query_positions", query_positions, batch, q_len, "q_len", _index),
+        key_positions=checks.sequence("key_positions", key_positions, batch, kv_len, "kv_len", _index),
+        lengths=checks.lengths("key_value_seq_lengths", lengths, batch, kv_len, "kv_len", _index))
 
 
-def _sequence(name: str, x, batch: int, length: int, length_name: str):
-    """Integer ``(length,)`` or ``(batch|1, length)`` as int32 ``(batch|1, length)``."""
-    if x is None:
-        return None
-    _checks.check_sequence(name, x, batch, length, length_name)
-    x = jnp.asarray(x, jnp.int32)
-    return x[None] if x.ndim == 1 else x
+def _index(x) -> jax.Array:
+    return jnp.asarray(x, jnp.int32)
 
 
-def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int):
-    arguments.check_segments_given(query_ids is not None, key_ids is not None)
-    return (_sequence("query_segment_ids", query_ids, batch, q_len, "q_len"),
-            _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len"))
-
-
-def _slopes(slopes, batch: int, heads: int):
-    """Real floating ``(heads,)`` or ``(batch, heads)`` as ``(batch|1, heads)``, a constant (no gradient)."""
-    if slopes is None:
-        return None
-    _checks.require_float("alibi_slopes", slopes)
-    alibi.check_slopes_shape(slopes.shape, batch, heads)
-    slopes = jax.lax.stop_gradient(jnp.asarray(slopes))
-    return slopes[None] if slopes.ndim == 1 else slopes
-
-
-def _lengths(lengths, batch: int, length: int, name: str = "key_value_seq_lengths", length_name: str = "kv_len"):
-    if lengths is None:
-        return None
-    _checks.check_lengths(name, lengths, batch, length, length_name)
-    return jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (batch,))
+def _constant(x) -> jax.Array:
+    return jax.lax.stop_gradient(jnp.asarray(x))
 
 
 def _arange(n: int) -> jax.Array:

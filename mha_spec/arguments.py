@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 from typing_extensions import TypedDict
 
+from mha_spec.alibi import check_slopes_shape
 from mha_spec.qk_norm import QKNorm
 from mha_spec.terms import check_chunk_size
 
@@ -352,6 +353,43 @@ class ArrayChecks:
         values = self.values(lengths)
         if values is not None and values.size and (values.min() < 0 or values.max() > length):
             raise ValueError(f"{name} must lie in [0, {length_name}] = [0, {length}], got {values.tolist()}")
+
+    def sequence(self, name: str, x, batch: int, length: int, length_name: str, index: Callable):
+        """Integer ``(length,)`` or ``(batch|1, length)`` as ``index(x)`` ``(batch|1, length)``; None stays None."""
+        if x is None:
+            return None
+        self.check_sequence(name, x, batch, length, length_name)
+        x = index(x)
+        return x[None] if x.ndim == 1 else x
+
+    def lengths(self, name: str, x, batch: int, length: int, length_name: str, index: Callable):
+        """Lengths checked by ``check_lengths`` as ``index(x)`` ``(batch,)``; None stays None."""
+        if x is None:
+            return None
+        self.check_lengths(name, x, batch, length, length_name)
+        return index(x).reshape(-1)[[0] * batch] if x.ndim == 0 or x.shape[0] != batch else index(x)
+
+    def position_terms(self, shape: tuple[int, int, int, int], index: Callable, constant: Callable, *, is_causal,
+                       query_positions, key_positions, local_window_size, query_segment_ids, key_segment_ids,
+                       key_value_seq_lengths, attention_chunk_size, alibi_slopes) -> dict[str, Any]:
+        """The ``Spec`` fields of every masking term but the mask and bias, checked in the order of the names;
+        ``index``: integers as the framework's index array, ``constant``: a float array with no gradient."""
+        batch, heads, q_len, kv_len = shape
+        fields = dict(is_causal=check_is_causal(is_causal),
+                      query_positions=self.sequence("query_positions", query_positions, batch, q_len, "q_len", index),
+                      key_positions=self.sequence("key_positions", key_positions, batch, kv_len, "kv_len", index),
+                      window=check_window(local_window_size))
+        check_segments_given(query_segment_ids is not None, key_segment_ids is not None)
+        fields.update(
+            query_segment_ids=self.sequence("query_segment_ids", query_segment_ids, batch, q_len, "q_len", index),
+            key_segment_ids=self.sequence("key_segment_ids", key_segment_ids, batch, kv_len, "kv_len", index),
+            lengths=self.lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len, "kv_len", index),
+            chunk_size=check_chunk_size(attention_chunk_size))
+        if alibi_slopes is not None:  # a constant (no gradient), (batch|1, heads)
+            self.require_float("alibi_slopes", alibi_slopes)
+            check_slopes_shape(alibi_slopes.shape, batch, heads)
+            fields["alibi_slopes"] = constant(alibi_slopes)[None] if alibi_slopes.ndim == 1 else constant(alibi_slopes)
+        return fields
 
     def check_dropout_mask(self, x, shape: tuple[int, ...], layout: str) -> None:
         """A bool (True = keep) or 0/1 integer keep-mask broadcasting to ``shape``."""
