@@ -28,11 +28,10 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None, None]
 
 
-def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
-          key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, query_seq_lengths=None) -> Spec:
-    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
-    batch, heads, q_len, kv_len = shape
+def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, query_seq_lengths=None, **terms) -> Spec:
+    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len); ``terms``: the others
+    of ``batch_axes.Masking``, by name (``ArrayChecks.position_terms``)."""
+    batch, _, q_len, _ = shape
     allowed = None
     if mask is not None:
         _checks.require_array("mask", mask)
@@ -45,11 +44,7 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         _checks.require_float("bias", bias)
         arguments.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = jnp.asarray(bias)
-    fields = _checks.CHECKS.position_terms(
-        shape, _index, _constant, is_causal=is_causal, query_positions=query_positions, key_positions=key_positions,
-        local_window_size=local_window_size, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-        key_value_seq_lengths=key_value_seq_lengths, attention_chunk_size=attention_chunk_size,
-        alibi_slopes=alibi_slopes)
+    fields = _checks.CHECKS.position_terms(shape, _index, _constant, **terms)
     query_lengths = _checks.CHECKS.lengths("query_seq_lengths", query_seq_lengths, batch, q_len, "q_len", _index)
     return Spec(shape, allowed, bias, **fields, query_lengths=query_lengths)
 

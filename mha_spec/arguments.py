@@ -369,9 +369,10 @@ class ArrayChecks:
         self.check_lengths(name, x, batch, length, length_name)
         return index(x).reshape(-1)[[0] * batch] if x.ndim == 0 or x.shape[0] != batch else index(x)
 
-    def position_terms(self, shape: tuple[int, int, int, int], index: Callable, constant: Callable, *, is_causal,
-                       query_positions, key_positions, local_window_size, query_segment_ids, key_segment_ids,
-                       key_value_seq_lengths, attention_chunk_size, alibi_slopes) -> dict[str, Any]:
+    def position_terms(self, shape: tuple[int, int, int, int], index: Callable, constant: Callable, *, is_causal=False,
+                       query_positions=None, key_positions=None, local_window_size=None, query_segment_ids=None,
+                       key_segment_ids=None, key_value_seq_lengths=None, attention_chunk_size=None,
+                       alibi_slopes=None) -> dict[str, Any]:
         """The ``Spec`` fields of every masking term but the mask and bias, checked in the order of the names;
         ``index``: integers as the framework's index array, ``constant``: a float array with no gradient."""
         batch, heads, q_len, kv_len = shape

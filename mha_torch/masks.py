@@ -28,13 +28,10 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()[None, None]
 
 
-def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
-          key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, device=None,
-          mask_name="mask") -> Spec:
-    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len);
-    the tensors kept are moved to ``device`` (the query's). ``mask_name``: what messages call ``mask``."""
-    batch, heads, q_len, kv_len = shape
+def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, device=None, mask_name="mask", **terms) -> Spec:
+    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len); ``terms``: the others
+    of ``batch_axes.Masking``, by name (``ArrayChecks.position_terms``). The tensors kept are moved to ``device``
+    (the query's); ``mask_name``: what messages call ``mask``."""
     allowed = additive = None
     if mask is not None:
         _checks.require_array(mask_name, mask)
@@ -58,11 +55,7 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
             bias = additive.to(dtype) + bias.to(dtype)
     else:
         bias = additive
-    fields = _checks.CHECKS.position_terms(
-        shape, _index(device), lambda x: x.detach().to(device), is_causal=is_causal, query_positions=query_positions,
-        key_positions=key_positions, local_window_size=local_window_size, query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids, key_value_seq_lengths=key_value_seq_lengths,
-        attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes)
+    fields = _checks.CHECKS.position_terms(shape, _index(device), lambda x: x.detach().to(device), **terms)
     return Spec(shape, allowed, bias, **fields, device=device)
 
 
