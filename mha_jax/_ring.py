@@ -5,6 +5,7 @@ Zig-zag layout: of ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 -
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -42,6 +43,13 @@ class _Config:
         """A PartitionSpec naming the axes of ``dims``: "b" batch, "s" sequence, "h" heads, None."""
         axes = dict(b=self.batch_axes or None, s=self.axis, h=self.head_axes or None)
         return P(*(None if d is None else axes[d] for d in dims))
+
+
+# The ring's terms beside the tokens, by name (None: absent): ``allowed``, ``bias``, ``keep`` 5-d ``(b|1, kv_heads|1,
+# groups|1, q|1, k|1)``, their rows in zig-zag order on a device; the device, example and key/value head indices
+# (inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual); drawn dropout's threefry ``seed`` and,
+# on a device, each row's counters ``hi``, ``lo``.
+Dense = collections.namedtuple("Dense", "allowed bias keep device examples kv_heads seed hi lo", defaults=(None,) * 9)
 
 
 def check(sequence_axis, q_len: int, kv_len: int, *, dropout_rng, return_weights: bool, implementation,
@@ -118,19 +126,17 @@ def attention(q, k, v, spec: masks.Spec, *, axis: str, size: int, scale: float, 
                   explicit, bool(mesh.auto_axes), tuple(spec.shape), float(dropout_rate) if drawn else 0.0,
                   float(keep_scale), str(jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))),
                   _tuning.current().ring_tile)
-    tokens = _tiles.Tokens(spec.query_positions, spec.key_positions, spec.query_segment_ids, spec.key_segment_ids,
-                           spec.lengths)
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes.reshape(-1, *q.shape[2:4], 1, 1)
-    # device, example and head indices are inputs: XLA's SPMD partitioner rejects ``axis_index`` when partly manual
-    dense = dict(allowed=allowed, keep=keep, slopes=slopes, device=jnp.arange(size, dtype=jnp.int32))
+    tokens = _tiles.Tokens(spec.query_positions, spec.key_positions, spec.query_segment_ids, spec.key_segment_ids,
+                           spec.lengths, slopes)
+    dense = Dense(allowed=allowed, keep=keep, device=jnp.arange(size, dtype=jnp.int32))
     if drawn:  # the seed: the threefry key the bits are hashed with (drawn from a key of another kind)
         key = dropout_rng
         key = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
         threefry = str(jax.random.key_impl(key)) == "threefry2x32"
-        dense.update(examples=jnp.arange(q.shape[0], dtype=jnp.uint32),
-                     kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32),
-                     seed=jax.random.key_data(key) if threefry else jax.random.bits(key, (2,), jnp.uint32))
-    dense = {name: x for name, x in dense.items() if x is not None}
+        dense = dense._replace(examples=jnp.arange(q.shape[0], dtype=jnp.uint32),
+                               kv_heads=jnp.arange(k.shape[2], dtype=jnp.uint32),
+                               seed=jax.random.key_data(key) if threefry else jax.random.bits(key, (2,), jnp.uint32))
     return _ring(cfg, q, k, v, sinks, bias, tokens, dense)
 
 
@@ -168,27 +174,21 @@ def _next(x, cfg: _Config):
     return jax.lax.ppermute(x, cfg.axis, [(i, (i + 1) % cfg.size) for i in range(cfg.size)])
 
 
-DENSE = ("allowed", "bias", "keep")  # 5-d (b|1, kv_heads|1, groups|1, q|1, k|1), their rows in zig-zag order
-
-
-def _dense_rows(local: dict, start, size: int) -> dict:
+def _dense_rows(local: Dense, start, size: int) -> Dense:
     """The terms of ``size`` rows from ``start`` (a broadcast query axis as it is)."""
-    rows = dict(local)
-    for name in (*DENSE, "hi", "lo"):
-        if name in rows and rows[name].shape[3] > 1:
-            rows[name] = _rows(rows[name], start, size, 3)
-    return rows
+    return local._replace(**{name: _rows(x, start, size, 3) for name, x in local._asdict().items()
+                             if name in ("allowed", "bias", "keep", "hi", "lo") and x is not None and x.shape[3] > 1})
 
 
-def _key_tile(cfg: _Config, k, v, kt: Where, rows: dict, start, size: int, dtype):
+def _key_tile(cfg: _Config, k, v, kt: Where, rows: Dense, start, size: int, dtype):
     """(keys, values in ``dtype``, their terms, (mask, bias, keep)) of the ``size`` keys from ``start``."""
     kj, vj = (_rows(x, start, size, 1).astype(dtype) for x in (k, v))
     ktj = _sliced(kt, start, size)
     keys = ktj.index[0]  # int32 (size,), consecutive global indices
     cols = lambda x: x if x is None or x.shape[4] == 1 else _rows(x, keys[0], keys.shape[0], 4)  # noqa: E731
-    mask, bias, keep = (cols(rows.get(name)) for name in DENSE)
-    if "seed" in rows:
-        keep = _drawn(cfg, rows["seed"], rows["hi"], rows["lo"], keys)
+    mask, bias, keep = cols(rows.allowed), cols(rows.bias), cols(rows.keep)
+    if rows.seed is not None:
+        keep = _drawn(cfg, rows.seed, rows.hi, rows.lo, keys)
     return kj, vj, ktj, (mask, bias, keep)
 
 
@@ -253,7 +253,7 @@ def _sliced(w: Where, start, size: int) -> Where:
     return jax.tree.map(lambda x: _rows(x, start, size, 1), w)
 
 
-def _scores(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, mask, bias, slopes):
+def _scores(cfg: _Config, q, k, v, qt: Where, kt: Where, tokens: _tiles.Tokens, mask, bias):
     """(scores ``(b, kv_heads, groups, q_tile, k_tile)``, tanh or None, keys, values with the unseen zeroed) of
     ``q`` ``(b, q_tile, kv_heads, groups, d)`` and ``k`` ``(b, k_tile, kv_heads, d)``."""
     seen = conjoin(mask, None if bias is None else ~_tiles.below_all(bias))
@@ -263,9 +263,9 @@ def _scores(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, mask, bias, sl
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=cfg.precision)
     qw = jax.tree.map(lambda x: x[:, None, None, :, None], qt)
     kw = jax.tree.map(lambda x: x[:, None, None, None, :], kt)._replace(
-        length=None if lengths is None else lengths[:, None, None, None, None])
+        length=None if tokens.lengths is None else tokens.lengths[:, None, None, None, None])
     s, tanh = _tiles.scores(s, s.shape, scale=cfg.scale, soft_cap=cfg.soft_cap, bias=bias, terms=cfg.terms, q=qw,
-                            k=kw, masks=(mask,), alibi=slopes)
+                            k=kw, masks=(mask,), alibi=tokens.slopes)
     return s, tanh, k, v
 
 
@@ -287,7 +287,7 @@ def _key_terms(cfg: _Config, kt: Where, source, chunk: int) -> Where:
     return kt._replace(index=index, position=index if kt.position is None else kt.position)
 
 
-def _forward_step(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, dense: dict, state):
+def _forward_step(cfg: _Config, q, k, v, qt: Where, kt: Where, tokens: _tiles.Tokens, dense: Dense, state):
     """The online softmax ``state`` of ``q`` ``(b, q_block, kv_heads, groups, d)`` after one key/value block."""
     tq, tk = _tile(q.shape[1] // 2, cfg.tile), _tile(k.shape[1] // 2, cfg.tile)
     def q_tile(i, state):
@@ -296,7 +296,7 @@ def _forward_step(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, dense: d
         def k_tile(j, tile_state):
             kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, j * tk, tk, q.dtype)
             def update(tile_state):
-                s, _, _, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
+                s, _, _, vz = _scores(cfg, qi, kj, vj, qti, ktj, tokens, mask, bias)
                 def mix(p):
                     return jnp.einsum("bhgqk,bkhd->bhgqd", p, vz, precision=cfg.precision)
                 return _tiles.forward(tile_state, s, mix, keep, cfg.keep_scale, s.shape)
@@ -307,7 +307,8 @@ def _forward_step(cfg: _Config, q, k, v, qt: Where, kt: Where, lengths, dense: d
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, state)
 
 
-def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: Where, kt: Where, lengths, dense: dict, grads):
+def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: Where, kt: Where, tokens: _tiles.Tokens, dense: Dense,
+                   grads):
     """``grads`` (dq, dk, dv, d_bias or None) plus one key/value block's share, by tiles."""
     tq, tk = _tile(q.shape[1] // 2, cfg.tile), _tile(k.shape[1] // 2, cfg.tile)
     def q_tile(i, grads):
@@ -320,7 +321,7 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: Where, kt: Where
             kj, vj, ktj, (mask, bias, keep) = _key_tile(cfg, k, v, kt, rows, c, tk, q.dtype)
             def update(tile_grads):
                 dqi, dkj, dvj, d_bias_t = tile_grads
-                s, t, kz, vz = _scores(cfg, qi, kj, vj, qti, ktj, lengths, mask, bias, rows.get("slopes"))
+                s, t, kz, vz = _scores(cfg, qi, kj, vj, qti, ktj, tokens, mask, bias)
                 dp = jnp.einsum("bhgqd,bkhd->bhgqk", douti, vz, precision=cfg.precision)
                 p_used, ds_bias, ds = _tiles.backward(s, lsei[..., None], deltai[..., None], dp, t, keep,
                                                       cfg.keep_scale, s.shape)
@@ -344,24 +345,23 @@ def _backward_step(cfg: _Config, q, k, v, dout, lse, delta, qt: Where, kt: Where
     return jax.lax.fori_loop(0, q.shape[1] // tq, q_tile, grads)
 
 
-def _on_device(cfg: _Config, q, k, bias, tokens: _tiles.Tokens, dense: dict):
-    """(ring size, device index, key chunk, query terms, travelling key terms, dense terms, lengths)."""
-    n, me = cfg.size, dense["device"][0]  # (an input, not axis_index: see attention)
+def _on_device(cfg: _Config, q, k, bias, tokens: _tiles.Tokens, dense: Dense):
+    """(ring size, device index, key chunk, query terms, travelling key terms, dense terms, the tokens' lengths and
+    slopes)."""
+    n, me = cfg.size, dense.device[0]  # (an input, not axis_index: see Dense)
     chunk_q = q.shape[1] // 2
-    zig = jax.tree.map(lambda x: _to_zigzag(x, cfg, me), tokens._replace(lengths=None))
+    zig = jax.tree.map(lambda x: _to_zigzag(x, cfg, me), tokens._replace(lengths=None, slopes=None))
     qt = Where(_index(me, n, chunk_q) if zig.query_positions is None else zig.query_positions, zig.query_segments)
     kt = Where(zig.key_positions, zig.key_segments)
-    # the dense terms, rows in zig-zag order; for drawn dropout the seed and its rows' counters
-    local = {name: x for name, x in dense.items() if name in DENSE or name in ("seed", "slopes")}
-    if bias is not None:
-        local["bias"] = bias
-    for name in DENSE:
-        if name in local and local[name].shape[3] > 1:
-            local[name] = _to_zigzag(local[name], cfg, me, dim=3)
-    if "seed" in local:
+    # the dense terms, rows in zig-zag order; for drawn dropout its rows' counters
+    local = dense._replace(bias=bias)
+    local = local._replace(**{name: _to_zigzag(x, cfg, me, dim=3) for name, x in zip(local._fields, local)
+                              if name in ("allowed", "bias", "keep") and x is not None and x.shape[3] > 1})
+    if local.seed is not None:
         q_index = _index(me, n, chunk_q)[0]
-        local["hi"], local["lo"] = _counters(cfg, dense["examples"], dense["kv_heads"], q.shape[3], q_index)
-    return n, me, k.shape[1] // 2, qt, kt, local, tokens.lengths
+        local = local._replace(**dict(zip(("hi", "lo"), _counters(cfg, dense.examples, dense.kv_heads, q.shape[3],
+                                                                  q_index))))
+    return n, me, k.shape[1] // 2, qt, kt, local, _tiles.Tokens(lengths=tokens.lengths, slopes=tokens.slopes)
 
 
 def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
@@ -377,15 +377,15 @@ def _around(cfg: _Config, step, carry, blocks: tuple, moved=None):
 
 def _forward_body(cfg: _Config, q, k, v, sinks, bias, tokens, dense):
     """One device's forward: blocks travel in the inputs' dtype, tiles are computed in float32 or wider."""
-    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, tokens, dense)
+    n, me, chunk_k, qt, kt, local, per_call = _on_device(cfg, q, k, bias, tokens, dense)
     q, k, v = (_to_zigzag(x, cfg, me) for x in (q, k, v))
-    if lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
-        pad = (_index(me, n, chunk_k) >= lengths[:, None])[:, :, None, None]
+    if per_call.lengths is not None:  # padding keys hold zeros: whatever they held (NaN) reaches nothing
+        pad = (_index(me, n, chunk_k) >= per_call.lengths[:, None])[:, :, None, None]
         k, v = jnp.where(pad, 0, k), jnp.where(pad, 0, v)
     qc = q.astype(jnp.promote_types(q.dtype, jnp.float32))
     acc = _tiles.accumulator(qc.transpose(0, 2, 3, 1, 4), v.shape[-1])  # (b, kv_heads, groups, q_block, dv)
     def step(s, state, k, v, kt):
-        return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), lengths, local, state)
+        return _forward_step(cfg, qc, k, v, qt, _key_terms(cfg, kt, (me - s) % n, chunk_k), per_call, local, state)
     state = _tiles.init(acc, None if sinks is None else sinks[None, :, :, None])
     out, lse = _tiles.finish(_around(cfg, step, state, (k, v, kt)))
     result = _from_zigzag(out.transpose(0, 3, 1, 2, 4).astype(q.dtype), cfg, me)
@@ -394,16 +394,16 @@ def _forward_body(cfg: _Config, q, k, v, sinks, bias, tokens, dense):
 
 def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, tokens, dense, dout):
     """``shared``: the manual axes the bias is not split over (its gradient is summed over them)."""
-    n, me, chunk_k, qt, kt, local, lengths = _on_device(cfg, q, k, bias, tokens, dense)
+    n, me, chunk_k, qt, kt, local, per_call = _on_device(cfg, q, k, bias, tokens, dense)
     qc = q.astype(out.dtype)
     dout = _to_zigzag(dout, cfg, me).astype(out.dtype).transpose(0, 2, 3, 1, 4)  # (b, kv_heads, groups, q_block, d)
     delta = jnp.sum(dout * out, axis=-1)  # rowsum(dO * O) = rowsum(dP * P), dropout included
     d_bias = None
     if bias is not None:  # varying over every manual axis, as what the loops add to it is
-        d_bias = _mesh.to_varying(jnp.zeros(local["bias"].shape, out.dtype), tuple(sorted(_manual(cfg))))
+        d_bias = _mesh.to_varying(jnp.zeros(local.bias.shape, out.dtype), tuple(sorted(_manual(cfg))))
     def step(s, grads, k, v, kt):
         kt = _key_terms(cfg, kt, (me - s) % n, chunk_k)
-        return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, lengths, local, grads)
+        return _backward_step(cfg, qc, k, v, dout, lse, delta, qt, kt, per_call, local, grads)
     def moved(grads):  # a block's key and value gradients travel with it
         return grads[0], *_next(grads[1:3], cfg), grads[3]
     zeros = (jnp.zeros_like(qc.transpose(0, 2, 3, 1, 4)), *(jnp.zeros_like(x, dtype=out.dtype) for x in (k, v)))
@@ -420,11 +420,12 @@ def _backward_body(cfg: _Config, shared: tuple, q, k, v, out, lse, sinks, bias, 
     return dq, _from_zigzag(dk.astype(k.dtype), cfg, me), _from_zigzag(dv.astype(v.dtype), cfg, me), dsinks, d_bias
 
 
-def _in_specs(cfg: _Config, bias, tokens: _tiles.Tokens, dense: dict):
+def _in_specs(cfg: _Config, bias, tokens: _tiles.Tokens, dense: Dense):
     """The rings' specs: (length blocks, per-query rows, heads, the bias's, (the tokens', the dense terms'))."""
     tokens_specs = jax.tree.map(lambda x: cfg.spec("b" if x.shape[0] > 1 else None, "s"), tokens)._replace(
-        lengths=None if tokens.lengths is None else cfg.spec("b"))
-    dense_specs = {name: _dense_spec(cfg, x, name) for name, x in dense.items()}
+        lengths=None if tokens.lengths is None else cfg.spec("b"),
+        slopes=None if tokens.slopes is None else _dense_spec(cfg, tokens.slopes))
+    dense_specs = Dense(*(None if x is None else _dense_spec(cfg, x, name) for name, x in zip(Dense._fields, dense)))
     return (cfg.spec("b", "s", "h"), cfg.spec("b", "h", None, "s"), cfg.spec("h"), _dense_spec(cfg, bias),
             (tokens_specs, dense_specs))
 

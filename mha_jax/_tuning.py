@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Any
+
+from mha_spec import observing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,38 +25,5 @@ class Tuning:
     many_keys: int = 128
 
 
-_DEFAULT = Tuning()
-_TUNING: contextvars.ContextVar[Tuning | None] = contextvars.ContextVar("mha_jax_tuning", default=None)
-_SEEN: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar("mha_jax_seen", default=())
-
-
-def current() -> Tuning:
-    """The tuning of the calls traced here."""
-    return _TUNING.get() or _DEFAULT
-
-
-@contextlib.contextmanager
-def tuned(**changes: Any):
-    """The calls traced inside use ``current()`` with ``changes`` (fields of ``Tuning``); yields that tuning."""
-    token = _TUNING.set(dataclasses.replace(current(), **changes))
-    try:
-        yield current()
-    finally:
-        _TUNING.reset(token)
-
-
-@contextlib.contextmanager
-def observed():
-    """Yields a list that gets ``(event, detail)`` for each ``observe`` of the calls traced inside."""
-    seen: list = []
-    token = _SEEN.set(_SEEN.get() + (seen,))
-    try:
-        yield seen
-    finally:
-        _SEEN.reset(token)
-
-
-def observe(event: str, detail: Any = None) -> None:
-    """Tell the ``observed`` lists that a trace took ``event`` (the path run, the blocks taken)."""
-    for seen in _SEEN.get():
-        seen.append((event, detail))
+_STATE = observing.Observing("mha_jax", Tuning())
+current, tuned, observed, observe = _STATE.current, _STATE.tuned, _STATE.observed, _STATE.observe

@@ -131,15 +131,10 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     ``zero_unused=False`` skips zeroing the keys no query sees (a decoding cache's slots are finite)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim, v_dim = key.shape[2], query.shape[3], value.shape[3]
-    scale = arguments.check_scale(scale)
-    soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
-    if sinks is not None:
-        _checks.require_float("sinks", sinks)
-        arguments.check_sinks_shape(sinks.shape, heads)
+    scale, soft_cap = _checks.CHECKS.check_logit_terms(scale, logit_soft_cap, sinks, heads, head_dim)
     if return_residual and return_weights:
         raise ValueError("return_weights=True and return_residual=True cannot both be given; ask for one")
     keep, rng, keep_scale = _dropout_keep(dropout_rate, dropout_rng, dropout_mask, shape)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     asked = _dispatch.record(implementation)
     ring = None if sequence_axis is None else _ring.check(
         sequence_axis, q_len, kv_len, dropout_rng=rng, return_weights=return_weights, implementation=implementation,

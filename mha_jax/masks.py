@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mha_jax import _checks, _tiles
-from mha_spec import alibi, arguments, docstrings, terms, torch_mha
+from mha_spec import arguments, docstrings, torch_mha
 from mha_spec.terms import Spec
 
 MASK_LAYOUT = "(batch, heads, q_len, kv_len)"
@@ -28,11 +28,10 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None, None]
 
 
-def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
-          key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, query_seq_lengths=None) -> Spec:
-    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len)."""
-    batch, heads, q_len, kv_len = shape
+def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, query_seq_lengths=None, **terms) -> Spec:
+    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len); ``terms``: the others
+    of ``batch_axes.Masking``, by name (``ArrayChecks.position_terms``)."""
+    batch, _, q_len, _ = shape
     allowed = None
     if mask is not None:
         _checks.require_array("mask", mask)
@@ -45,58 +44,28 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
         _checks.require_float("bias", bias)
         arguments.check_broadcast("bias", bias.shape, shape, MASK_LAYOUT)
         bias = jnp.asarray(bias)
-    return Spec(
-        shape, allowed, bias, arguments.check_is_causal(is_causal),
-        _sequence("query_positions", query_positions, batch, q_len, "q_len"),
-        _sequence("key_positions", key_positions, batch, kv_len, "kv_len"),
-        arguments.check_window(local_window_size),
-        *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len),
-        _lengths(key_value_seq_lengths, batch, kv_len), terms.check_chunk_size(attention_chunk_size),
-        alibi_slopes=_slopes(alibi_slopes, batch, heads),
-        query_lengths=_lengths(query_seq_lengths, batch, q_len, "query_seq_lengths", "q_len"),
-    )
+    fields = _checks.CHECKS.position_terms(shape, _index, _constant, **terms)
+    query_lengths = _checks.CHECKS.lengths("query_seq_lengths", query_seq_lengths, batch, q_len, "q_len", _index)
+    return Spec(shape, allowed, bias, **fields, query_lengths=query_lengths)
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
     """``spec`` over a decoding cache's slots, with the step's positions ``(batch, n)``, the slots' positions
     ``(batch, max_length)`` and the written slots' count ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
-    queries = _sequence("query_positions", query_positions, batch, q_len, "q_len")
-    keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len")
-    lengths = _lengths(lengths, batch, kv_len)
-    return dataclasses.replace(spec, query_positions=queries, key_positions=keys, lengths=lengths)
+    checks = _checks.CHECKS
+    return dataclasses.replace(
+        spec, query_positions=checks.sequence("query_positions", query_positions, batch, q_len, "q_len", _index),
+        key_positions=checks.sequence("key_positions", key_positions, batch, kv_len, "kv_len", _index),
+        lengths=checks.lengths("key_value_seq_lengths", lengths, batch, kv_len, "kv_len", _index))
 
 
-def _sequence(name: str, x, batch: int, length: int, length_name: str):
-    """Integer ``(length,)`` or ``(batch|1, length)`` as int32 ``(batch|1, length)``."""
-    if x is None:
-        return None
-    _checks.check_sequence(name, x, batch, length, length_name)
-    x = jnp.asarray(x, jnp.int32)
-    return x[None] if x.ndim == 1 else x
+def _index(x) -> jax.Array:
+    return jnp.asarray(x, jnp.int32)
 
 
-def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int):
-    arguments.check_segments_given(query_ids is not None, key_ids is not None)
-    return (_sequence("query_segment_ids", query_ids, batch, q_len, "q_len"),
-            _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len"))
-
-
-def _slopes(slopes, batch: int, heads: int):
-    """Real floating ``(heads,)`` or ``(batch, heads)`` as ``(batch|1, heads)``, a constant (no gradient)."""
-    if slopes is None:
-        return None
-    _checks.require_float("alibi_slopes", slopes)
-    alibi.check_slopes_shape(slopes.shape, batch, heads)
-    slopes = jax.lax.stop_gradient(jnp.asarray(slopes))
-    return slopes[None] if slopes.ndim == 1 else slopes
-
-
-def _lengths(lengths, batch: int, length: int, name: str = "key_value_seq_lengths", length_name: str = "kv_len"):
-    if lengths is None:
-        return None
-    _checks.check_lengths(name, lengths, batch, length, length_name)
-    return jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (batch,))
+def _constant(x) -> jax.Array:
+    return jax.lax.stop_gradient(jnp.asarray(x))
 
 
 def _arange(n: int) -> jax.Array:
@@ -167,28 +136,22 @@ def mask_from_torch_mha(attn_mask: jax.Array | None = None, key_padding_mask: ja
                         num_heads: int | None = None) -> tuple[jax.Array | None, jax.Array | None]:
     """Our ``(mask, bias)`` from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``.
 
-    Args:
-      {torch_mha_masks}
-
-    Returns:
-      {torch_mha_masks_returns}
+    {from_torch_mha}
     """
     return torch_mha.from_torch_mha(attn_mask, key_padding_mask, num_heads, _checks.CHECKS, jnp.asarray)
 
 
+@docstrings.fill
 def mask_to_torch_mha(mask: jax.Array | None, shape: tuple[int, int, int, int], *,
                       bias: jax.Array | None = None) -> jax.Array | None:
     """``torch.nn.MultiheadAttention``'s ``attn_mask`` from our ``mask`` and ``bias``.
 
     Args:
-      mask: ours, broadcasting to ``shape``, or None: any dtype, nonzero = attend (as in
-        ``mha_jax.dot_product_attention``).
-      shape: ``(batch, num_heads, q_len, kv_len)`` of the call it is for.
-      bias: real floating, broadcasting to ``shape``, added to the logits; or None.
+      mask: ours, broadcasting to ``shape``, or None: any dtype, nonzero = attend.
+      {to_torch_mha_shape}
 
     Returns:
-      None when both are None; else ``(q_len, kv_len)`` when the result is the same for every
-      batch element and head, or ``(batch * num_heads, q_len, kv_len)``: bool (True = ignore)
+      {to_torch_mha_returns}
       without a bias, else float (the bias, ``-inf`` where the mask forbids).
     """
     spec = parse(shape, mask=mask, bias=bias)  # checked as the core checks them

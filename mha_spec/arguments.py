@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 from typing_extensions import TypedDict
 
+from mha_spec.alibi import check_slopes_shape
 from mha_spec.qk_norm import QKNorm
 from mha_spec.terms import check_chunk_size
 
@@ -280,6 +281,14 @@ class ArrayChecks:
     require_float = functools.partialmethod(require_kind, want="float")
     require_int = functools.partialmethod(require_kind, want="int")
 
+    def check_logit_terms(self, scale, logit_soft_cap, sinks, heads: int, head_dim: int) -> tuple[float, float | None]:
+        """(scale, default ``1 / sqrt(head_dim)``; soft cap or None), checked; ``sinks`` real floating ``(heads,)``."""
+        scale, soft_cap = check_scale(scale), check_logit_soft_cap(logit_soft_cap)
+        if sinks is not None:
+            self.require_float("sinks", sinks)
+            check_sinks_shape(sinks.shape, heads)
+        return 1.0 / math.sqrt(head_dim) if scale is None else scale, soft_cap
+
     def _inputs(self, query, key, value) -> tuple[tuple[str, Any, str], ...]:
         """``(name, array, layout)`` of the query, key and value."""
         layout = "(batch, {}, {}, {})" if self.heads_first else "(batch, {1}, {0}, {2})"
@@ -344,6 +353,44 @@ class ArrayChecks:
         values = self.values(lengths)
         if values is not None and values.size and (values.min() < 0 or values.max() > length):
             raise ValueError(f"{name} must lie in [0, {length_name}] = [0, {length}], got {values.tolist()}")
+
+    def sequence(self, name: str, x, batch: int, length: int, length_name: str, index: Callable):
+        """Integer ``(length,)`` or ``(batch|1, length)`` as ``index(x)`` ``(batch|1, length)``; None stays None."""
+        if x is None:
+            return None
+        self.check_sequence(name, x, batch, length, length_name)
+        x = index(x)
+        return x[None] if x.ndim == 1 else x
+
+    def lengths(self, name: str, x, batch: int, length: int, length_name: str, index: Callable):
+        """Lengths checked by ``check_lengths`` as ``index(x)`` ``(batch,)``; None stays None."""
+        if x is None:
+            return None
+        self.check_lengths(name, x, batch, length, length_name)
+        return index(x).reshape(-1)[[0] * batch] if x.ndim == 0 or x.shape[0] != batch else index(x)
+
+    def position_terms(self, shape: tuple[int, int, int, int], index: Callable, constant: Callable, *, is_causal=False,
+                       query_positions=None, key_positions=None, local_window_size=None, query_segment_ids=None,
+                       key_segment_ids=None, key_value_seq_lengths=None, attention_chunk_size=None,
+                       alibi_slopes=None) -> dict[str, Any]:
+        """The ``Spec`` fields of every masking term but the mask and bias, checked in the order of the names;
+        ``index``: integers as the framework's index array, ``constant``: a float array with no gradient."""
+        batch, heads, q_len, kv_len = shape
+        fields = dict(is_causal=check_is_causal(is_causal),
+                      query_positions=self.sequence("query_positions", query_positions, batch, q_len, "q_len", index),
+                      key_positions=self.sequence("key_positions", key_positions, batch, kv_len, "kv_len", index),
+                      window=check_window(local_window_size))
+        check_segments_given(query_segment_ids is not None, key_segment_ids is not None)
+        fields.update(
+            query_segment_ids=self.sequence("query_segment_ids", query_segment_ids, batch, q_len, "q_len", index),
+            key_segment_ids=self.sequence("key_segment_ids", key_segment_ids, batch, kv_len, "kv_len", index),
+            lengths=self.lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len, "kv_len", index),
+            chunk_size=check_chunk_size(attention_chunk_size))
+        if alibi_slopes is not None:  # a constant (no gradient), (batch|1, heads)
+            self.require_float("alibi_slopes", alibi_slopes)
+            check_slopes_shape(alibi_slopes.shape, batch, heads)
+            fields["alibi_slopes"] = constant(alibi_slopes)[None] if alibi_slopes.ndim == 1 else constant(alibi_slopes)
+        return fields
 
     def check_dropout_mask(self, x, shape: tuple[int, ...], layout: str) -> None:
         """A bool (True = keep) or 0/1 integer keep-mask broadcasting to ``shape``."""

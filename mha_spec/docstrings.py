@@ -95,16 +95,24 @@ lengths, causality, windows and chunks from the extreme query positions, and seg
 from the queries. Zeroing those keys keeps whatever they hold (NaN in padding, say) out of
 outputs and every gradient: 0 * NaN is NaN in the weights-times-values product and in a
 projection's weight gradient.""",
-    "torch_mha_masks": """\
-attn_mask: ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)``; bool (True =
-  ignore) or float (added to the logits).
-key_padding_mask: ``(batch, kv_len)``; bool (True = padding) or float (added).
-num_heads: needed for a 3-d ``attn_mask``.""",
-    "torch_mha_masks_returns": """\
-``(mask, bias)``, each broadcasting to ``(batch, num_heads, q_len, kv_len)`` or None:
-``mask`` bool (True = attend) from the bool parts (both must allow), ``bias`` float from
-the float parts (their sum, in the promoted dtype). Pass them as ``mask=`` and ``bias=``
-in either framework; ``(None, None)`` if both are None.""",
+    "from_torch_mha": """\
+Args:
+  attn_mask: ``(q_len, kv_len)`` or ``(batch * num_heads, q_len, kv_len)``; bool (True =
+    ignore) or float (added to the logits).
+  key_padding_mask: ``(batch, kv_len)``; bool (True = padding) or float (added).
+  num_heads: needed for a 3-d ``attn_mask``.
+
+Returns:
+  ``(mask, bias)``, each broadcasting to ``(batch, num_heads, q_len, kv_len)`` or None:
+  ``mask`` bool (True = attend) from the bool parts (both must allow), ``bias`` float from
+  the float parts (their sum, in the promoted dtype). Pass them as ``mask=`` and ``bias=``
+  in either framework; ``(None, None)`` if both are None.""",
+    "to_torch_mha_shape": """\
+shape: ``(batch, num_heads, q_len, kv_len)`` of the call it is for.
+bias: real floating, broadcasting to ``shape``, added to the logits; or None.""",
+    "to_torch_mha_returns": """\
+None when both are None; else ``(q_len, kv_len)`` when the result is the same for every
+batch element and head, or ``(batch * num_heads, q_len, kv_len)``: bool (True = ignore)""",
 }
 
 _PLACEHOLDER = re.compile(r"^( *)\{(\w+)\}$", re.MULTILINE)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from mha_spec import arguments
-from mha_torch import _math, _sdpa
+from mha_torch import _math, _sdpa, testing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,11 @@ def choose(implementation, need_weights, explicit_dropout, soft_cap=False) -> Ke
     options = (need_weights, explicit_dropout, soft_cap)
     kernel = record(implementation)
     if kernel is None:
-        return next(KERNELS[n] for n in _DEFAULT_ORDER if _refusal(KERNELS[n], *options) is None)
+        kernel = next(KERNELS[n] for n in _DEFAULT_ORDER if _refusal(KERNELS[n], *options) is None)
     refused = _refusal(kernel, *options)
     if refused is not None:
         raise ValueError(refused)
+    testing.observe("kernel", kernel.name)
     return kernel
 
 

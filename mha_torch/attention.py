@@ -7,7 +7,6 @@ here it is that of ``F.scaled_dot_product_attention``: query ``(batch, heads, q_
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -118,13 +117,8 @@ def spec_attention(query, key, value, spec: masks.Spec, *, scale=None, logit_sof
     ``zero_unused=False`` skips zeroing the keys no query sees (a decoding cache's slots are finite)."""
     batch, heads, q_len, kv_len = shape = spec.shape
     kv_heads, head_dim = key.shape[1], query.shape[3]
-    scale = arguments.check_scale(scale)
-    soft_cap = arguments.check_logit_soft_cap(logit_soft_cap)
-    if sinks is not None:
-        _checks.require_float("sinks", sinks)
-        arguments.check_sinks_shape(sinks.shape, heads)
+    scale, soft_cap = _checks.CHECKS.check_logit_terms(scale, logit_soft_cap, sinks, heads, head_dim)
     keep, keep_scale = _dropout_keep(dropout_p, dropout_mask, shape)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if kv_len == 0:
         return _no_keys(query, key, value, sinks, shape, need_weights)
     kernel = _dispatch.choose(implementation, need_weights, keep is not None, soft_cap is not None)

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from mha_spec import alibi, arguments, docstrings, terms, torch_mha
+from mha_spec import arguments, docstrings, torch_mha
 from mha_spec.terms import Spec
 from mha_torch import _checks
 
@@ -28,13 +28,10 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, device=None) -> torch.
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()[None, None]
 
 
-def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=False, query_positions=None,
-          key_positions=None, local_window_size=None, query_segment_ids=None, key_segment_ids=None,
-          key_value_seq_lengths=None, attention_chunk_size=None, alibi_slopes=None, device=None,
-          mask_name="mask") -> Spec:
-    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len);
-    the tensors kept are moved to ``device`` (the query's). ``mask_name``: what messages call ``mask``."""
-    batch, heads, q_len, kv_len = shape
+def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, device=None, mask_name="mask", **terms) -> Spec:
+    """Check every masking argument of a call with ``shape`` = (batch, heads, q_len, kv_len); ``terms``: the others
+    of ``batch_axes.Masking``, by name (``ArrayChecks.position_terms``). The tensors kept are moved to ``device``
+    (the query's); ``mask_name``: what messages call ``mask``."""
     allowed = additive = None
     if mask is not None:
         _checks.require_array(mask_name, mask)
@@ -58,57 +55,24 @@ def parse(shape: tuple[int, int, int, int], *, mask=None, bias=None, is_causal=F
             bias = additive.to(dtype) + bias.to(dtype)
     else:
         bias = additive
-    return Spec(
-        shape, allowed, bias, arguments.check_is_causal(is_causal),
-        _sequence("query_positions", query_positions, batch, q_len, "q_len", device),
-        _sequence("key_positions", key_positions, batch, kv_len, "kv_len", device),
-        arguments.check_window(local_window_size),
-        *_segments(query_segment_ids, key_segment_ids, batch, q_len, kv_len, device),
-        _lengths(key_value_seq_lengths, batch, kv_len, device), terms.check_chunk_size(attention_chunk_size), device,
-        alibi_slopes=_slopes(alibi_slopes, batch, heads, device),
-    )
+    fields = _checks.CHECKS.position_terms(shape, _index(device), lambda x: x.detach().to(device), **terms)
+    return Spec(shape, allowed, bias, **fields, device=device)
 
 
 def over_cache(spec: Spec, query_positions, key_positions, lengths) -> Spec:
     """``spec`` over a decoding cache's slots, with the step's positions ``(batch, n)``, the slots' positions
     ``(batch, max_length)`` and the written slots' count ``(batch,)``."""
     batch, _, q_len, kv_len = spec.shape
-    queries = _sequence("query_positions", query_positions, batch, q_len, "q_len", spec.device)
-    keys = _sequence("key_positions", key_positions, batch, kv_len, "kv_len", spec.device)
-    return dataclasses.replace(spec, query_positions=queries, key_positions=keys,
-                               lengths=_lengths(lengths, batch, kv_len, spec.device))
+    checks, index = _checks.CHECKS, _index(spec.device)
+    return dataclasses.replace(
+        spec, query_positions=checks.sequence("query_positions", query_positions, batch, q_len, "q_len", index),
+        key_positions=checks.sequence("key_positions", key_positions, batch, kv_len, "kv_len", index),
+        lengths=checks.lengths("key_value_seq_lengths", lengths, batch, kv_len, "kv_len", index))
 
 
-def _sequence(name: str, x, batch: int, length: int, length_name: str, device=None):
-    """Integer ``(length,)`` or ``(batch|1, length)`` as int64 ``(batch|1, length)``."""
-    if x is None:
-        return None
-    _checks.check_sequence(name, x, batch, length, length_name)
-    x = x.to(device=device, dtype=torch.int64)
-    return x[None] if x.ndim == 1 else x
-
-
-def _segments(query_ids, key_ids, batch: int, q_len: int, kv_len: int, device=None):
-    arguments.check_segments_given(query_ids is not None, key_ids is not None)
-    return (_sequence("query_segment_ids", query_ids, batch, q_len, "q_len", device),
-            _sequence("key_segment_ids", key_ids, batch, kv_len, "kv_len", device))
-
-
-def _slopes(slopes, batch: int, heads: int, device=None):
-    """Real floating ``(heads,)`` or ``(batch, heads)`` as ``(batch|1, heads)``, a constant (no gradient)."""
-    if slopes is None:
-        return None
-    _checks.require_float("alibi_slopes", slopes)
-    alibi.check_slopes_shape(slopes.shape, batch, heads)
-    slopes = slopes.detach().to(device)
-    return slopes[None] if slopes.ndim == 1 else slopes
-
-
-def _lengths(lengths, batch: int, kv_len: int, device=None):
-    if lengths is None:
-        return None
-    _checks.check_lengths("key_value_seq_lengths", lengths, batch, kv_len)
-    return lengths.to(device=device, dtype=torch.int64).expand(batch)
+def _index(device):
+    """Integers as int64 on ``device``."""
+    return lambda x: x.to(device=device, dtype=torch.int64)
 
 
 def positions(spec: Spec):
@@ -168,29 +132,24 @@ def mask_from_torch_mha(attn_mask: torch.Tensor | None = None, key_padding_mask:
                         num_heads: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Our ``(mask, bias)`` from ``torch.nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask``.
 
-    Args:
-      {torch_mha_masks}
-
-    Returns:
-      {torch_mha_masks_returns}
+    {from_torch_mha}
       New tensors are made on the inputs' device.
     """
     return torch_mha.from_torch_mha(attn_mask, key_padding_mask, num_heads, _checks.CHECKS, lambda x: x)
 
 
+@docstrings.fill
 def mask_to_torch_mha(mask: torch.Tensor | None, shape: tuple[int, int, int, int], *,
                       bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``torch.nn.MultiheadAttention``'s ``attn_mask`` from our ``mask`` and ``bias``.
 
     Args:
       mask: ours, broadcasting to ``shape``, or None: bool (True = attend), integer (nonzero =
-        attend) or float (added to the logits, as in ``mha_torch.dot_product_attention``).
-      shape: ``(batch, num_heads, q_len, kv_len)`` of the call it is for.
-      bias: real floating, broadcasting to ``shape``, added to the logits; or None.
+        attend) or float (added to the logits).
+      {to_torch_mha_shape}
 
     Returns:
-      None when both are None; else ``(q_len, kv_len)`` when the result is the same for every
-      batch element and head, or ``(batch * num_heads, q_len, kv_len)``: bool (True = ignore)
+      {to_torch_mha_returns}
       when nothing is additive, else float (the additive terms summed, ``-inf`` where a bool
       or integer mask forbids).
     """

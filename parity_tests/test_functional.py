@@ -10,6 +10,7 @@ import torch
 import mha_jax
 import mha_torch
 from mha_jax import testing
+from mha_torch import testing as torch_testing
 from parity_tests.tool import arrays, harness, oracle
 
 B, H, Q, K, D = 2, 6, 5, 7, 8
@@ -256,3 +257,21 @@ def test_xla_products_over_all_heads_only_for_few_query_rows():
         with testing.observed() as seen:
             mha_jax.dot_product_attention(x(q_len, 8), x(kv_len, kv_heads), x(kv_len, kv_heads))
         assert "own_blocks" not in [event for event, _ in seen]
+
+
+def test_torch_reports_the_implementation_each_call_ran():
+    """``mha_torch.testing.observed()`` gets ``("kernel", name)`` of the implementation each call ran: SDPA by
+    default, the explicit formulation where weights, an explicit dropout mask or a soft cap ask for it, or the one
+    named; nothing outside the calls."""
+    q = torch.ones(1, 2, 3, 4)
+    calls = {"sdpa": [{}, {"implementation": "sdpa"}, {"is_causal": True}],
+             "math": [{"need_weights": True}, {"logit_soft_cap": 5.0}, {"implementation": "math"},
+                      {"dropout_mask": torch.ones(3, 3, dtype=torch.bool)}]}
+    with torch_testing.observed() as every:
+        for name, options in calls.items():
+            for option in options:
+                with torch_testing.observed() as seen:
+                    mha_torch.dot_product_attention(q, q, q, **option)
+                assert seen == [("kernel", name)], option
+    mha_torch.dot_product_attention(q, q, q)
+    assert len(every) == sum(map(len, calls.values()))
