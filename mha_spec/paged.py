@@ -9,9 +9,11 @@ pages_per_seq)``, ``num_seqs`` int32 ``(1,)``; the ``i``-th new token of ``s`` i
 ``kv_lens[s] - q_len + i``.
 
 The twins' ``ragged_attention`` attends bottom-right causally (query ``i`` of ``s`` at that position) over each
-sequence's pages, gathered into a padded batch of ``pages_per_seq * page_size`` keys, through one call of their
-public ``dot_product_attention`` with ``query_positions`` and ``key_value_seq_lengths``, so every term reading
-positions applies (``local_window_size=(left, 0)`` is ``ragged_paged_attention``'s ``sliding_window=left + 1``).
+sequence's pages where they lie: per sequence, an online softmax over its pages (a page is a key block), from the
+first page its first query's window or chunk reaches (``first_page``) to the last page its length reaches. Every
+term of ``dot_product_attention`` that reads positions applies (``TERMS``; ``local_window_size=(left, 0)`` is
+``ragged_paged_attention``'s ``sliding_window=left + 1``); a named ``implementation`` instead gathers the pages into
+a padded batch and calls that implementation through the public ``dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from mha_spec import alibi, arguments
+from mha_spec.terms import check_chunk_size
 
 STEP = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 # the keywords of ``dot_product_attention`` a ragged call passes on (every one reads the tokens' positions)
@@ -151,3 +156,35 @@ def check_terms(terms: dict[str, Any]) -> None:
     unknown = sorted(set(terms) - set(TERMS))
     if unknown:
         raise TypeError(f"a ragged call takes the terms {TERMS} by keyword, not {unknown}")
+
+
+def checked_terms(terms: dict[str, Any], heads: int, max_seqs: int, head_dim: int) -> dict[str, Any]:
+    """A ragged call's ``TERMS`` checked as ``dot_product_attention`` checks them, the shapes of ``sinks``
+    ``(heads,)`` and ``alibi_slopes`` ``(heads,)`` or ``(max_seqs, heads)`` too: every one of ``TERMS`` (None where not
+    given), ``scale`` ``head_dim ** -0.5`` by default, ``local_window_size`` as ``(left, right)``."""
+    check_terms(terms)
+    scale = arguments.check_scale(terms.get("scale"))
+    checked = {**dict.fromkeys(TERMS), **terms}
+    checked.update(scale=head_dim ** -0.5 if scale is None else scale,
+                   logit_soft_cap=arguments.check_logit_soft_cap(terms.get("logit_soft_cap")),
+                   local_window_size=arguments.check_window(terms.get("local_window_size")),
+                   attention_chunk_size=check_chunk_size(terms.get("attention_chunk_size")))
+    if terms.get("sinks") is not None:
+        arguments.check_sinks_shape(terms["sinks"].shape, heads)
+    if terms.get("alibi_slopes") is not None:
+        alibi.check_slopes_shape(terms["alibi_slopes"].shape, max_seqs, heads)
+    return checked
+
+
+def first_page(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] | None, chunk: int | None,
+               maximum: Any) -> Any:
+    """The first page slot of a sequence of ``kv_len`` keys whose ``q_len`` queries (the last ones) may see a key:
+    the slots wholly before the first query's window (``left`` keys back) or its chunk are skipped; ``maximum``:
+    the framework's elementwise maximum (``jnp.maximum``, or ``max`` on Python ints)."""
+    lowest = kv_len - q_len
+    start = 0 * lowest
+    if window is not None:
+        start = maximum(start, lowest - window[0])
+    if chunk is not None:
+        start = maximum(start, lowest // chunk * chunk)
+    return start // page_size
