@@ -1,9 +1,9 @@
 """Ragged attention reading a paged cache where it lies (``mha_spec.paged``), in JAX; twin of ``mha_torch/_paged.py``.
 
 Per sequence (a ``lax.fori_loop`` to ``num_seqs``), an online softmax (``_tiles.init``, ``forward``, ``finish``) over
-its pages (a ``lax.fori_loop`` from ``mha_spec.paged.first_page`` to the last page its length reaches), each page
-read from the pool by its id: no copy of the cache, no page past a sequence's length or wholly outside its
-queries' window or chunk visited. Static shapes, jittable; a sequence's queries padded to ``max_q``.
+its pages (a ``lax.fori_loop`` over ``mha_spec.paged.page_range``: none past its length or wholly outside its
+queries' window or chunk), each page read from the pool by its id, a key block: no copy of the cache. Static
+shapes, jittable; a sequence's queries padded to ``max_q``.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def attend(queries: jax.Array, cache: Any, max_q: int, *, scale: float, logit_so
             v = jnp.where((position < kv_len)[:, None, None], kv[:, 1::2], 0)  # slots past the length: any value
             return _tiles.forward(state, s, lambda p: jnp.einsum("hmk,khd->hmd", p, v))
 
-        first = paged.first_page(kv_len, q_len, page_size, local_window_size, attention_chunk_size, jnp.maximum)
+        first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, jnp.maximum)
         state = _tiles.init(_tiles.accumulator(q, head_dim), sink_rows)
-        o, _ = _tiles.finish(lax.fori_loop(first, (kv_len + page_size - 1) // page_size, page, state))
+        o, _ = _tiles.finish(lax.fori_loop(first, end, page, state))
         o = o.reshape(kv_heads, groups, max_q, head_dim).transpose(2, 0, 1, 3).reshape(max_q, heads, head_dim)
         return out.at[jnp.where(rows < q_len, start + rows, total_q)].set(o.astype(out.dtype), mode="drop")
 

@@ -9,11 +9,11 @@ pages_per_seq)``, ``num_seqs`` int32 ``(1,)``; the ``i``-th new token of ``s`` i
 ``kv_lens[s] - q_len + i``.
 
 The twins' ``ragged_attention`` attends bottom-right causally (query ``i`` of ``s`` at that position) over each
-sequence's pages where they lie: per sequence, an online softmax over its pages (a page is a key block), from the
-first page its first query's window or chunk reaches (``first_page``) to the last page its length reaches. Every
-term of ``dot_product_attention`` that reads positions applies (``TERMS``; ``local_window_size=(left, 0)`` is
-``ragged_paged_attention``'s ``sliding_window=left + 1``); a named ``implementation`` instead gathers the pages into
-a padded batch and calls that implementation through the public ``dot_product_attention``.
+sequence's pages where they lie: per sequence, an online softmax over its pages (a page is a key block), only
+those holding a key some query sees (``page_range``). Every term of ``dot_product_attention`` that reads positions
+applies (``TERMS``; ``local_window_size=(left, 0)`` is ``ragged_paged_attention``'s ``sliding_window=left + 1``); a
+named ``implementation`` instead gathers the pages into a padded batch for that implementation of the public
+``dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -176,15 +176,15 @@ def checked_terms(terms: dict[str, Any], heads: int, max_seqs: int, head_dim: in
     return checked
 
 
-def first_page(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] | None, chunk: int | None,
-               maximum: Any) -> Any:
-    """The first page slot of a sequence of ``kv_len`` keys whose ``q_len`` queries (the last ones) may see a key:
-    the slots wholly before the first query's window (``left`` keys back) or its chunk are skipped; ``maximum``:
-    the framework's elementwise maximum (``jnp.maximum``, or ``max`` on Python ints)."""
+def page_range(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] | None, chunk: int | None,
+               maximum: Any) -> tuple[Any, Any]:
+    """``(first, end)``: the page slots a sequence of ``kv_len`` keys and ``q_len`` queries (the last ones) reads,
+    exactly those holding a key some query sees (causal: none past its length; none wholly before its first query's
+    window of ``left`` keys or its chunk); ``maximum``: ``jnp.maximum``, or ``max`` on Python ints."""
     lowest = kv_len - q_len
     start = 0 * lowest
     if window is not None:
         start = maximum(start, lowest - window[0])
     if chunk is not None:
         start = maximum(start, lowest // chunk * chunk)
-    return start // page_size
+    return start // page_size, (kv_len + page_size - 1) // page_size

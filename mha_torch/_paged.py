@@ -1,9 +1,9 @@
 """Ragged attention reading a paged cache where it lies (``mha_spec.paged``), in PyTorch; twin of ``mha_jax/_paged.py``.
 
 Per sequence, an online softmax (``init``, ``forward``, ``finish``: ``mha_jax._tiles``'s, with the same finite
-stand-ins for inf) over its pages, from ``mha_spec.paged.first_page`` to the last page its length reaches, each
-page a view of the pool: no copy of the cache, no page past a sequence's length or wholly outside its queries'
-window or chunk visited. A sequence's queries padded to ``max_q``.
+stand-ins for inf) over its pages (``mha_spec.paged.page_range``: none past its length or wholly outside its
+queries' window or chunk), each page a view of the pool, a key block: no copy of the cache. A sequence's queries
+padded to ``max_q``.
 """
 
 from __future__ import annotations
@@ -71,12 +71,14 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
             s = _tiles.scores(s.reshape(kv_heads, groups, max_q, page_size), scale=scale, soft_cap=logit_soft_cap,
                               bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
                               allowed=conjunction.visible(at, seen)).reshape(kv_heads, -1, page_size)
-            v = torch.where((position < kv_len)[:, None, None], kv[:, 1::2], 0)  # slots past the length: any value
+            v = kv[:, 1::2]
+            if (j + 1) * page_size > kv_len:  # the slots past the length hold any value
+                v = torch.where((position < kv_len)[:, None, None], v, 0)
             return forward(state, s, lambda p: torch.einsum("hmk,khd->hmd", p, v))
 
-        first = paged.first_page(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
+        first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
         state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)
-        for j in range(first, -(-kv_len // page_size)):
+        for j in range(first, end):
             state = page(j, state)
         o = finish(state).reshape(kv_heads, groups, max_q, head_dim).permute(2, 0, 1, 3).reshape(max_q, heads, -1)
         out[start:start + q_len] = o[:q_len].to(out.dtype)
