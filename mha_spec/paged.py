@@ -158,22 +158,30 @@ def check_terms(terms: dict[str, Any]) -> None:
         raise TypeError(f"a ragged call takes the terms {TERMS} by keyword, not {unknown}")
 
 
-def checked_terms(terms: dict[str, Any], heads: int, max_seqs: int, head_dim: int) -> dict[str, Any]:
-    """A ragged call's ``TERMS`` checked as ``dot_product_attention`` checks them, the shapes of ``sinks``
-    ``(heads,)`` and ``alibi_slopes`` ``(heads,)`` or ``(max_seqs, heads)`` too: every one of ``TERMS`` (None where not
-    given), ``scale`` ``head_dim ** -0.5`` by default, ``local_window_size`` as ``(left, right)``."""
+def checked_call(queries: Any, kv_pages: Any, max_seqs: int, max_q_len: int | None, terms: dict[str, Any],
+                 require_float: Any) -> tuple[int, dict[str, Any]]:
+    """``(max_q, terms)`` of a ragged call: ``queries`` packed and of ``kv_pages``' dtype, ``max_q`` ``max_q_len`` or
+    ``total_q``, ``terms`` checked as ``dot_product_attention`` checks them: every one of ``TERMS`` (None where not
+    given), ``scale`` ``head_dim ** -0.5`` by default, ``local_window_size`` as ``(left, right)``, ``sinks``
+    ``(heads,)`` and ``alibi_slopes`` ``(heads,)`` or ``(max_seqs, heads)`` floating (``require_float``: the twin's)."""
+    check_queries("queries", queries.shape, None, kv_pages.shape)
+    if queries.dtype != kv_pages.dtype:
+        names = [str(x.dtype).removeprefix("torch.") for x in (queries, kv_pages)]
+        raise TypeError(f"queries and kv_pages must have one dtype, got {names[0]} and {names[1]}")
     check_terms(terms)
-    scale = arguments.check_scale(terms.get("scale"))
+    (total_q, heads, head_dim), scale = queries.shape, arguments.check_scale(terms.get("scale"))
     checked = {**dict.fromkeys(TERMS), **terms}
     checked.update(scale=head_dim ** -0.5 if scale is None else scale,
                    logit_soft_cap=arguments.check_logit_soft_cap(terms.get("logit_soft_cap")),
                    local_window_size=arguments.check_window(terms.get("local_window_size")),
                    attention_chunk_size=check_chunk_size(terms.get("attention_chunk_size")))
-    if terms.get("sinks") is not None:
-        arguments.check_sinks_shape(terms["sinks"].shape, heads)
-    if terms.get("alibi_slopes") is not None:
-        alibi.check_slopes_shape(terms["alibi_slopes"].shape, max_seqs, heads)
-    return checked
+    if checked["sinks"] is not None:
+        require_float("sinks", checked["sinks"])
+        arguments.check_sinks_shape(checked["sinks"].shape, heads)
+    if checked["alibi_slopes"] is not None:
+        require_float("alibi_slopes", checked["alibi_slopes"])
+        alibi.check_slopes_shape(checked["alibi_slopes"].shape, max_seqs, heads)
+    return max_q_len or total_q, checked
 
 
 def page_range(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] | None, chunk: int | None,

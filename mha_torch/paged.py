@@ -79,16 +79,9 @@ def ragged_attention(queries: torch.Tensor, cache: PagedKVCache, *, max_q_len: i
     decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
     ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
     past ``cu_q_lens[num_seqs]``; tensors on the pool's device."""
-    paged.check_queries("queries", queries.shape, None, cache.kv_pages.shape)
-    total_q, max_q = queries.shape[0], max_q_len or queries.shape[0]
-    terms = paged.checked_terms(terms, queries.shape[1], cache.kv_lens.shape[0], queries.shape[2])
-    _checked(cache, total_q, max_q)
-    if queries.dtype != cache.kv_pages.dtype:
-        raise TypeError(f"queries and kv_pages must have one dtype, got {str(queries.dtype).removeprefix('torch.')} "
-                        f"and {str(cache.kv_pages.dtype).removeprefix('torch.')}")
-    for name in ("sinks", "alibi_slopes"):
-        if terms[name] is not None:
-            _checks.require_float(name, terms[name])
+    max_q, terms = paged.checked_call(queries, cache.kv_pages, cache.kv_lens.shape[0], max_q_len, terms,
+                                      _checks.require_float)
+    _checked(cache, queries.shape[0], max_q)
     implementation = terms.pop("implementation")
     if implementation is not None:
         return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
@@ -96,7 +89,7 @@ def ragged_attention(queries: torch.Tensor, cache: PagedKVCache, *, max_q_len: i
 
 
 def _gathered(queries: torch.Tensor, cache: PagedKVCache, max_q: int, terms: dict) -> torch.Tensor:
-    """``ragged_attention`` through one ``dot_product_attention`` call over the pages gathered into a padded batch."""
+    """``ragged_attention`` as one ``mha_torch.dot_product_attention`` call over the pages gathered, padded."""
     step, (num_pages, page_size, heads2, head_dim) = _step(cache), cache.kv_pages.shape
     total_q, max_seqs, device = queries.shape[0], cache.kv_lens.shape[0], queries.device
     token, kv_lens, positions = paged.row_queries(

@@ -154,20 +154,21 @@ def pools(draw):
     kv_lens = [draw(st.integers(0 if s == 2 else 1, PAGES_PER_SEQ * page_size)) for s in range(MAX_SEQS)]
     q_lens = [draw(st.integers(min(n, 1), min(n, 4))) for n in kv_lens]
     terms = dict(left=draw(st.sampled_from([None, 0, 3, 9])), chunk=draw(st.sampled_from([None, 5, 8])),
-                 cap=draw(st.sampled_from([None, 2.0])), sinks=draw(st.booleans()), slopes=draw(st.booleans()))
+                 cap=draw(st.sampled_from([None, 2.0])), sinks=draw(st.booleans()),
+                 slopes=draw(st.sampled_from([False, (HEADS,), (MAX_SEQS, HEADS)])))
     return kv_heads, page_size, kv_lens, q_lens, terms, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=strategies.examples(8), deadline=None)
 @given(pools())
 def test_in_place_reads_only_the_pages_it_must(pool):
-    """float64, prefill chunks and decode steps at random lengths over shuffled pages: every pool slot that holds no
-    key a query sees (whole pages outside the lengths, windows and chunks, other sequences' pages, free pages,
-    slots past a length) is NaN, and both twins still equal the float64 oracle and each other (1e-12): a page read
-    that holds no seen key would bring its NaN values in."""
+    """float64, prefill chunks and decode steps at random lengths over shuffled pages, ALiBi slopes per head or per
+    sequence and head: every pool slot that holds no key a query sees (whole pages outside the lengths, windows and
+    chunks, other sequences' pages, free pages, slots past a length) is NaN, and both twins still equal the float64
+    oracle and each other (1e-12): a page read that holds no seen key would bring its NaN values in."""
     kv_heads, page_size, kv_lens, q_lens, terms, seed = pool
     rng = np.random.default_rng(seed)
-    sinks, slopes = rng.standard_normal(HEADS), rng.uniform(0, 0.5, HEADS)
+    sinks, slopes = rng.standard_normal(HEADS), rng.uniform(0, 0.5, terms["slopes"] or HEADS)
     kv_lens, q_lens = np.array(kv_lens, np.int32), np.array(q_lens)
     page_indices = rng.permutation(NUM_PAGES * 2)[:MAX_SEQS * PAGES_PER_SEQ].reshape(MAX_SEQS, -1).astype(np.int32)
     pool_values = rng.standard_normal((NUM_PAGES * 2, page_size, 2 * kv_heads, HEAD_DIM))
@@ -185,10 +186,11 @@ def test_in_place_reads_only_the_pages_it_must(pool):
                                max_q_len=4, **ours(terms, sinks, slopes, torch)).numpy()
     np.testing.assert_allclose(twin, out, rtol=0, atol=1e-12)
     kv = pool_values[page_indices].reshape(MAX_SEQS, -1, 2 * kv_heads, HEAD_DIM)
+    rows = np.broadcast_to(slopes, (MAX_SEQS, HEADS))  # (heads,) or (max_seqs, heads): one row per sequence
     for s in np.flatnonzero(q_lens):
         n, length = q_lens[s], kv_lens[s]
         expected = oracle(q[cu[s]:cu[s] + n], kv[s, :length, 0::2], kv[s, :length, 1::2], np.arange(length - n, length),
-                          sinks=sinks if terms["sinks"] else None, slopes=slopes if terms["slopes"] else None,
+                          sinks=sinks if terms["sinks"] else None, slopes=rows[s] if terms["slopes"] else None,
                           **{k: terms[k] for k in ("left", "chunk", "cap")})
         np.testing.assert_allclose(out[cu[s]:cu[s] + n], expected, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(out[cu[-1]:], 0)
@@ -357,7 +359,7 @@ def test_torch_varlen_attn_over_pages():
 def test_bad_input_names_the_argument_and_shapes():
     """Alike in both twins: lengths beyond the pages held, a page table too short, a full pool, more queries than
     ``max_q_len``, a sequence with more queries than keys, keys of the wrong shape, a term a ragged call does not
-    take."""
+    take, queries of another dtype than the pool."""
     queries, kv_pages, *step = reference_inputs(2)
     table = PageTable(3, PAGE_SIZE, 2, 2)
     with pytest.raises(ValueError, match=r"length 9 needs 3 pages, but the page table holds 2"):
@@ -389,6 +391,8 @@ def test_bad_input_names_the_argument_and_shapes():
             twin.write(cache, q, q)
         with pytest.raises(TypeError, match=r"not \['mask'\]"):
             twin.ragged_attention(q, cache, mask=None)
+        with pytest.raises(TypeError, match=r"queries and kv_pages must have one dtype, got float64 and float32"):
+            twin.ragged_attention(module(queries.astype(np.float64)), cache)
 
 
 def compile_for_v5e() -> dict:
