@@ -67,14 +67,14 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
             kv = cache.kv_pages[page_ids[b][j]].to(compute)  # a view of the pool (in the compute dtype)
             position = j * page_size + keys  # (page_size,): the page's keys' positions
             seen = Where(position=position, index=position, length=kv_len)
-            s = torch.einsum("hmd,khd->hmk", q, kv[:, 0::2])  # (kv_heads, groups * max_q, page_size)
+            s = q @ kv[:, 0::2].permute(1, 2, 0)  # (kv_heads, groups * max_q, page_size)
             s = _tiles.scores(s.reshape(kv_heads, groups, max_q, page_size), scale=scale, soft_cap=logit_soft_cap,
                               bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
                               allowed=conjunction.visible(at, seen)).reshape(kv_heads, -1, page_size)
             v = kv[:, 1::2]
             if (j + 1) * page_size > kv_len:  # the slots past the length hold any value
                 v = torch.where((position < kv_len)[:, None, None], v, 0)
-            return forward(state, s, lambda p: torch.einsum("hmk,khd->hmd", p, v))
+            return forward(state, s, lambda p: p @ v.transpose(0, 1))
 
         first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
         state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)
