@@ -195,4 +195,4 @@ def page_range(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] 
         start = maximum(start, lowest - window[0])
     if chunk is not None:
         start = maximum(start, lowest // chunk * chunk)
-    return start // page_size, (kv_len + page_size - 1) // page_size
+    return start // page_size, (kv_len * (q_len > 0) + page_size - 1) // page_size  # no query: no page

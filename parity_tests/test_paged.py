@@ -137,11 +137,12 @@ def seen_pages(kv_len, q_len, page_size, left, chunk):
 
 
 @settings(max_examples=strategies.examples(30), deadline=None)
-@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 8), st.sampled_from([None, 0, 1, 5, 17]),
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 8), st.sampled_from([None, 0, 1, 5, 17]),
        st.sampled_from([None, 1, 3, 8, 16]))
 def test_page_range_is_the_pages_holding_seen_keys(kv_len, q_len, page_size, left, chunk):
     """``page_range`` is exactly the page slots holding a key some query sees: none past the length, none wholly
-    before the first query's window or chunk, none skipped that holds a seen key."""
+    before the first query's window or chunk, none skipped that holds a seen key, none for a sequence without
+    queries."""
     q_len = min(q_len, kv_len)
     first, end = paged_spec.page_range(kv_len, q_len, page_size, None if left is None else (left, 0), chunk, max)
     assert list(range(first, end)) == seen_pages(kv_len, q_len, page_size, left, chunk)
