@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 from torch.nn.attention.experimental._paged_attention import PagedAttention
@@ -162,6 +162,8 @@ def pools(draw):
 
 @settings(max_examples=strategies.examples(8), deadline=None)
 @given(pools())
+@example((2, 4, [20, 13, 0], [1, 4, 0], dict(left=3, chunk=None, cap=2.0, sinks=True, slopes=(HEADS,)), 0))
+@example((1, 4, [7, 12, 3], [1, 2, 1], dict(left=None, chunk=5, cap=None, sinks=False, slopes=(MAX_SEQS, HEADS)), 1))
 def test_in_place_reads_only_the_pages_it_must(pool):
     """float64, prefill chunks and decode steps at random lengths over shuffled pages, ALiBi slopes per head or per
     sequence and head: every pool slot that holds no key a query sees (whole pages outside the lengths, windows and
