@@ -9,9 +9,11 @@ pages_per_seq)``, ``num_seqs`` int32 ``(1,)``; the ``i``-th new token of ``s`` i
 ``kv_lens[s] - q_len + i``.
 
 The twins' ``ragged_attention`` attends bottom-right causally (query ``i`` of ``s`` at that position) over each
-sequence's pages, gathered into a padded batch of ``pages_per_seq * page_size`` keys, through one call of their
-public ``dot_product_attention`` with ``query_positions`` and ``key_value_seq_lengths``, so every term reading
-positions applies (``local_window_size=(left, 0)`` is ``ragged_paged_attention``'s ``sliding_window=left + 1``).
+sequence's pages where they lie: per sequence, an online softmax over its pages (a page is a key block), only
+those holding a key some query sees (``page_range``). Every term of ``dot_product_attention`` that reads positions
+applies (``TERMS``; ``local_window_size=(left, 0)`` is ``ragged_paged_attention``'s ``sliding_window=left + 1``); a
+named ``implementation`` instead gathers the pages into a padded batch for that implementation of the public
+``dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from mha_spec import alibi, arguments
+from mha_spec.terms import check_chunk_size
 
 STEP = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 # the keywords of ``dot_product_attention`` a ragged call passes on (every one reads the tokens' positions)
@@ -151,3 +156,43 @@ def check_terms(terms: dict[str, Any]) -> None:
     unknown = sorted(set(terms) - set(TERMS))
     if unknown:
         raise TypeError(f"a ragged call takes the terms {TERMS} by keyword, not {unknown}")
+
+
+def checked_call(queries: Any, kv_pages: Any, max_seqs: int, max_q_len: int | None, terms: dict[str, Any],
+                 require_float: Any) -> tuple[int, dict[str, Any]]:
+    """``(max_q, terms)`` of a ragged call: ``queries`` packed and of ``kv_pages``' dtype, ``max_q`` ``max_q_len`` or
+    ``total_q``, ``terms`` checked as ``dot_product_attention`` checks them: every one of ``TERMS`` (None where not
+    given), ``scale`` ``head_dim ** -0.5`` by default, ``local_window_size`` as ``(left, right)``, ``sinks``
+    ``(heads,)`` and ``alibi_slopes`` ``(heads,)`` or ``(max_seqs, heads)`` floating (``require_float``: the twin's)."""
+    check_queries("queries", queries.shape, None, kv_pages.shape)
+    if queries.dtype != kv_pages.dtype:
+        names = [str(x.dtype).removeprefix("torch.") for x in (queries, kv_pages)]
+        raise TypeError(f"queries and kv_pages must have one dtype, got {names[0]} and {names[1]}")
+    check_terms(terms)
+    (total_q, heads, head_dim), scale = queries.shape, arguments.check_scale(terms.get("scale"))
+    checked = {**dict.fromkeys(TERMS), **terms}
+    checked.update(scale=head_dim ** -0.5 if scale is None else scale,
+                   logit_soft_cap=arguments.check_logit_soft_cap(terms.get("logit_soft_cap")),
+                   local_window_size=arguments.check_window(terms.get("local_window_size")),
+                   attention_chunk_size=check_chunk_size(terms.get("attention_chunk_size")))
+    if checked["sinks"] is not None:
+        require_float("sinks", checked["sinks"])
+        arguments.check_sinks_shape(checked["sinks"].shape, heads)
+    if checked["alibi_slopes"] is not None:
+        require_float("alibi_slopes", checked["alibi_slopes"])
+        alibi.check_slopes_shape(checked["alibi_slopes"].shape, max_seqs, heads)
+    return max_q_len or total_q, checked
+
+
+def page_range(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] | None, chunk: int | None,
+               maximum: Any) -> tuple[Any, Any]:
+    """``(first, end)``: the page slots a sequence of ``kv_len`` keys and ``q_len`` queries (the last ones) reads,
+    exactly those holding a key some query sees (causal: none past its length; none wholly before its first query's
+    window of ``left`` keys or its chunk); ``maximum``: ``jnp.maximum``, or ``max`` on Python ints."""
+    lowest = kv_len - q_len
+    start = 0 * lowest
+    if window is not None:
+        start = maximum(start, lowest - window[0])
+    if chunk is not None:
+        start = maximum(start, lowest // chunk * chunk)
+    return start // page_size, (kv_len * (q_len > 0) + page_size - 1) // page_size  # no query: no page

@@ -14,6 +14,7 @@ import torch
 
 from mha_spec import paged
 from mha_spec.paged import PageTable
+from mha_torch import _checks, _paged
 from mha_torch.attention import dot_product_attention
 
 
@@ -73,22 +74,29 @@ def write(cache: PagedKVCache, keys: torch.Tensor, values: torch.Tensor) -> Page
 
 def ragged_attention(queries: torch.Tensor, cache: PagedKVCache, *, max_q_len: int | None = None,
                      **terms: Any) -> torch.Tensor:
-    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache``'s pages, as ``mha_spec.paged``
-    says: one ``mha_torch.dot_product_attention`` call over the sequences padded to ``max_q_len`` queries (static;
-    default ``total_q``, 1 for a decode step); ``terms``: its keywords ``mha_spec.paged.TERMS``. Returns
-    ``(total_q, heads, head_dim)``, 0 past ``cu_q_lens[num_seqs]``; tensors on the pool's device."""
-    paged.check_terms(terms)
-    paged.check_queries("queries", queries.shape, None, cache.kv_pages.shape)
-    total_q, max_q = queries.shape[0], max_q_len or queries.shape[0]
-    _checked(cache, total_q, max_q)
+    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache``'s pages where they lie, as
+    ``mha_spec.paged`` says, each sequence's queries padded to ``max_q_len`` (static; default ``total_q``, 1 for a
+    decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
+    ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
+    past ``cu_q_lens[num_seqs]``; tensors on the pool's device."""
+    max_q, terms = paged.checked_call(queries, cache.kv_pages, cache.kv_lens.shape[0], max_q_len, terms,
+                                      _checks.require_float)
+    _checked(cache, queries.shape[0], max_q)
+    implementation = terms.pop("implementation")
+    if implementation is not None:
+        return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
+    return _paged.attend(queries, cache, max_q, **terms)
+
+
+def _gathered(queries: torch.Tensor, cache: PagedKVCache, max_q: int, terms: dict) -> torch.Tensor:
+    """``ragged_attention`` as one ``mha_torch.dot_product_attention`` call over the pages gathered, padded."""
     step, (num_pages, page_size, heads2, head_dim) = _step(cache), cache.kv_pages.shape
-    max_seqs, device = cache.kv_lens.shape[0], queries.device
+    total_q, max_seqs, device = queries.shape[0], cache.kv_lens.shape[0], queries.device
     token, kv_lens, positions = paged.row_queries(
         step, torch.arange(max_seqs, device=device), torch.arange(max_q, device=device), total_q, torch)
     kv = cache.kv_pages[cache.page_indices].reshape(max_seqs, -1, heads2, head_dim).transpose(1, 2)
     out = dot_product_attention(queries[token].transpose(1, 2), kv[:, 0::2], kv[:, 1::2], is_causal=True,
-                                query_positions=positions, key_value_seq_lengths=kv_lens,
-                                **terms).transpose(1, 2)
+                                query_positions=positions, key_value_seq_lengths=kv_lens, **terms).transpose(1, 2)
     tokens = torch.arange(total_q, device=device)
     seq, index, _, valid = paged.token_places(step, tokens, page_size, num_pages * page_size, torch)
     return torch.where(valid[:, None, None], out[seq, index.clip(max=max_q - 1)], 0).to(queries.dtype)

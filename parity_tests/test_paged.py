@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 from torch.nn.attention.experimental._paged_attention import PagedAttention
@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import mha_jax
 from mha_jax import paged as pj
+from mha_spec import paged as paged_spec
 from mha_spec.paged import PageTable
 from mha_torch import paged as pt
 from parity_tests import strategies
@@ -126,6 +127,78 @@ def test_paged_equals_contiguous_and_oracle_float64(scenario):
     assert sorted(table.free + table.pages[table.pages >= 0].tolist()) == list(range(NUM_PAGES))
 
 
+def seen_pages(kv_len, q_len, page_size, left, chunk):
+    """The page slots holding a key one of the last ``q_len`` of ``kv_len`` queries sees (the oracle's mask)."""
+    kp, qp = np.arange(kv_len)[None], np.arange(kv_len - q_len, kv_len)[:, None]
+    seen = (kp <= qp) & (kp >= qp - (left if left is not None else kv_len))
+    if chunk:
+        seen &= kp // chunk == qp // chunk
+    return sorted(set((np.flatnonzero(seen.any(0)) // page_size).tolist()))
+
+
+@settings(max_examples=strategies.examples(30), deadline=None)
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 8), st.sampled_from([None, 0, 1, 5, 17]),
+       st.sampled_from([None, 1, 3, 8, 16]))
+def test_page_range_is_the_pages_holding_seen_keys(kv_len, q_len, page_size, left, chunk):
+    """``page_range`` is exactly the page slots holding a key some query sees: none past the length, none wholly
+    before the first query's window or chunk, none skipped that holds a seen key, none for a sequence without
+    queries."""
+    q_len = min(q_len, kv_len)
+    first, end = paged_spec.page_range(kv_len, q_len, page_size, None if left is None else (left, 0), chunk, max)
+    assert list(range(first, end)) == seen_pages(kv_len, q_len, page_size, left, chunk)
+
+
+@st.composite
+def pools(draw):
+    """A pool of shuffled pages with random values, 3 sequences of random lengths and query counts, terms."""
+    kv_heads, page_size = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 4, 8]))
+    kv_lens = [draw(st.integers(0 if s == 2 else 1, PAGES_PER_SEQ * page_size)) for s in range(MAX_SEQS)]
+    q_lens = [draw(st.integers(min(n, 1), min(n, 4))) for n in kv_lens]
+    terms = dict(left=draw(st.sampled_from([None, 0, 3, 9])), chunk=draw(st.sampled_from([None, 5, 8])),
+                 cap=draw(st.sampled_from([None, 2.0])), sinks=draw(st.booleans()),
+                 slopes=draw(st.sampled_from([False, (HEADS,), (MAX_SEQS, HEADS)])))
+    return kv_heads, page_size, kv_lens, q_lens, terms, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=strategies.examples(8), deadline=None)
+@given(pools())
+@example((2, 4, [20, 13, 0], [1, 4, 0], dict(left=3, chunk=None, cap=2.0, sinks=True, slopes=(HEADS,)), 0))
+@example((1, 4, [7, 12, 3], [1, 2, 1], dict(left=None, chunk=5, cap=None, sinks=False, slopes=(MAX_SEQS, HEADS)), 1))
+def test_in_place_reads_only_the_pages_it_must(pool):
+    """float64, prefill chunks and decode steps at random lengths over shuffled pages, ALiBi slopes per head or per
+    sequence and head: every pool slot that holds no key a query sees (whole pages outside the lengths, windows and
+    chunks, other sequences' pages, free pages, slots past a length) is NaN, and both twins still equal the float64
+    oracle and each other (1e-12): a page read that holds no seen key would bring its NaN values in."""
+    kv_heads, page_size, kv_lens, q_lens, terms, seed = pool
+    rng = np.random.default_rng(seed)
+    sinks, slopes = rng.standard_normal(HEADS), rng.uniform(0, 0.5, terms["slopes"] or HEADS)
+    kv_lens, q_lens = np.array(kv_lens, np.int32), np.array(q_lens)
+    page_indices = rng.permutation(NUM_PAGES * 2)[:MAX_SEQS * PAGES_PER_SEQ].reshape(MAX_SEQS, -1).astype(np.int32)
+    pool_values = rng.standard_normal((NUM_PAGES * 2, page_size, 2 * kv_heads, HEAD_DIM))
+    poisoned = np.full_like(pool_values, np.nan)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    for s in np.flatnonzero(q_lens):
+        for j in seen_pages(kv_lens[s], q_lens[s], page_size, terms["left"], terms["chunk"]):
+            held = min(page_size, kv_lens[s] - j * page_size)
+            poisoned[page_indices[s, j], :held] = pool_values[page_indices[s, j], :held]
+    q = rng.standard_normal((TOKENS, HEADS, HEAD_DIM))
+    step = (kv_lens, page_indices, cu, np.array([MAX_SEQS], np.int32))
+    out = np.asarray(pj.ragged_attention(q, pj.PagedKVCache(*map(jnp.asarray, (poisoned, *step))), max_q_len=4,
+                                         **ours(terms, sinks, slopes, jnp)))
+    twin = pt.ragged_attention(torch.from_numpy(q), pt.PagedKVCache(*map(torch.from_numpy, (poisoned, *step))),
+                               max_q_len=4, **ours(terms, sinks, slopes, torch)).numpy()
+    np.testing.assert_allclose(twin, out, rtol=0, atol=1e-12)
+    kv = pool_values[page_indices].reshape(MAX_SEQS, -1, 2 * kv_heads, HEAD_DIM)
+    rows = np.broadcast_to(slopes, (MAX_SEQS, HEADS))  # (heads,) or (max_seqs, heads): one row per sequence
+    for s in np.flatnonzero(q_lens):
+        n, length = q_lens[s], kv_lens[s]
+        expected = oracle(q[cu[s]:cu[s] + n], kv[s, :length, 0::2], kv[s, :length, 1::2], np.arange(length - n, length),
+                          sinks=sinks if terms["sinks"] else None, slopes=rows[s] if terms["slopes"] else None,
+                          **{k: terms[k] for k in ("left", "chunk", "cap")})
+        np.testing.assert_allclose(out[cu[s]:cu[s] + n], expected, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(out[cu[-1]:], 0)
+
+
 def test_window_releases_pages_for_reuse():
     """A window of 3 keys: two sequences decode 40 tokens each from a pool of 6 pages of 4 (20 pages' worth of
     tokens without release), every output equal to the oracle's."""
@@ -167,7 +240,8 @@ REFERENCE_OPTIONS = {"none": {}, "sliding_window": dict(sliding_window=5), "soft
 def test_ragged_paged_attention_reference(option, kv_heads):
     """JAX's ``ref_ragged_paged_attention`` on its own inputs, float32, with each of its options: both twins
     equal it (its ``sliding_window=w`` is our ``local_window_size=(w - 1, 0)``; its ``k_scale``/``v_scale``
-    dequantize the pool, which ours reads already scaled); under ``jax.jit`` too."""
+    dequantize the pool, which ours reads already scaled); under ``jax.jit`` too; and so do the pages gathered for a
+    named implementation (JAX's ``"xla"``, PyTorch's ``"math"``)."""
     options, (queries, kv_pages, *step) = REFERENCE_OPTIONS[option], reference_inputs(kv_heads)
     expected = np.asarray(rpa.ref_ragged_paged_attention(queries, kv_pages, *step, sm_scale=0.3, **options))
     scaled = kv_pages * np.tile([options.get("k_scale", 1.0), options.get("v_scale", 1.0)], kv_heads)[:, None]
@@ -177,8 +251,10 @@ def test_ragged_paged_attention_reference(option, kv_heads):
     got = pj.ragged_attention(jnp.asarray(queries), cache, **terms)
     jitted = jax.jit(lambda q, c: pj.ragged_attention(q, c, max_q_len=9, **terms))(jnp.asarray(queries), cache)
     twin = pt.ragged_attention(torch.from_numpy(queries), pt.convert(cache), max_q_len=9, **terms)
+    gathered = [pj.ragged_attention(jnp.asarray(queries), cache, max_q_len=9, implementation="xla", **terms),
+                pt.ragged_attention(torch.from_numpy(queries), pt.convert(cache), implementation="math", **terms)]
     valid = int(step[2][step[3][0]])
-    for out in (np.asarray(got), np.asarray(jitted), twin.numpy()):
+    for out in (np.asarray(got), np.asarray(jitted), twin.numpy(), *map(np.asarray, gathered)):
         np.testing.assert_allclose(out[:valid], expected[:valid], rtol=2e-5, atol=2e-6)
         np.testing.assert_array_equal(out[valid:], 0)
 
@@ -286,7 +362,7 @@ def test_torch_varlen_attn_over_pages():
 def test_bad_input_names_the_argument_and_shapes():
     """Alike in both twins: lengths beyond the pages held, a page table too short, a full pool, more queries than
     ``max_q_len``, a sequence with more queries than keys, keys of the wrong shape, a term a ragged call does not
-    take."""
+    take, queries of another dtype than the pool."""
     queries, kv_pages, *step = reference_inputs(2)
     table = PageTable(3, PAGE_SIZE, 2, 2)
     with pytest.raises(ValueError, match=r"length 9 needs 3 pages, but the page table holds 2"):
@@ -318,6 +394,8 @@ def test_bad_input_names_the_argument_and_shapes():
             twin.write(cache, q, q)
         with pytest.raises(TypeError, match=r"not \['mask'\]"):
             twin.ragged_attention(q, cache, mask=None)
+        with pytest.raises(TypeError, match=r"queries and kv_pages must have one dtype, got float64 and float32"):
+            twin.ragged_attention(module(queries.astype(np.float64)), cache)
 
 
 def compile_for_v5e() -> dict:

@@ -1,0 +1,90 @@
+"""Ragged attention reading a paged cache where it lies (``mha_spec.paged``), in PyTorch; twin of ``mha_jax/_paged.py``.
+
+Per sequence, an online softmax (``init``, ``forward``, ``finish``: ``mha_jax._tiles``'s, with the same finite
+stand-ins for inf) over its pages (``mha_spec.paged.page_range``: none past its length or wholly outside its
+queries' window or chunk), each page a view of the pool, a key block: no copy of the cache. A sequence's queries
+padded to ``max_q``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mha_spec import alibi, paged, terms
+from mha_spec.terms import MASKED, NO_KEY, Where
+from mha_torch import _tiles
+
+
+def init(acc: torch.Tensor, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(running max, sum, ``acc``) before any page (max ``MASKED``); a sink starts a row at max = sink, sum = 1."""
+    zeros = torch.zeros_like(acc[..., 0])
+    masked = _tiles.of_max(zeros.dtype, MASKED)
+    if sinks is None:
+        return torch.full_like(zeros, masked), zeros, acc
+    return (zeros + sinks).clamp_min(masked), zeros + (~torch.isneginf(sinks)).to(zeros.dtype), acc
+
+
+def forward(state: tuple[torch.Tensor, ...], s: torch.Tensor, mix) -> tuple[torch.Tensor, ...]:
+    """The state after a page's scores ``s`` ``(..., rows, keys)``; ``mix(p)`` is ``p V``."""
+    m, norm, acc = state
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    shift = torch.where(m_new > _tiles.of_max(m.dtype, NO_KEY), m_new, 0.0)  # no key yet: exp(masked) is 0
+    p = torch.exp(s - shift[..., None])
+    alpha = torch.exp(m - shift)
+    return m_new, alpha * norm + p.sum(dim=-1), alpha[..., None] * acc + mix(p)
+
+
+def finish(state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The output ``(..., rows, d)``; a row with no key gets 0."""
+    _, norm, acc = state
+    return acc / torch.where(norm == 0.0, 1.0, norm)[..., None]
+
+
+def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit_soft_cap: float | None = None,
+           local_window_size: tuple[int, int] | None = None, attention_chunk_size: int | None = None,
+           sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache`` (a ``PagedKVCache``), terms checked
+    (``mha_spec.paged.checked_terms``); ``(total_q, heads, head_dim)`` in the queries' dtype, 0 past
+    ``cu_q_lens[num_seqs]``."""
+    total_q, heads, head_dim = queries.shape
+    page_size, kv_heads = cache.kv_pages.shape[1], cache.kv_pages.shape[2] // 2
+    groups, compute = heads // kv_heads, torch.promote_types(queries.dtype, torch.float32)
+    conjunction = terms.of(True, local_window_size, attention_chunk_size, False, True)
+    rows, keys = torch.arange(max_q, device=queries.device), torch.arange(page_size, device=queries.device)
+    sink_rows = None if sinks is None else sinks.to(compute).reshape(kv_heads, groups).repeat_interleave(max_q, 1)
+    slopes = None if alibi_slopes is None else alibi_slopes.to(compute).reshape(-1, kv_heads, groups, 1, 1)
+    cu, kv_lens, page_ids = (getattr(cache, n).tolist() for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    def sequence(b, out):
+        start, q_len, kv_len = cu[b], cu[b + 1] - cu[b], kv_lens[b]
+        q = queries[(start + rows).clamp(max=total_q - 1)].to(compute)  # (max_q, heads, head_dim)
+        q = q.reshape(max_q, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, head_dim)
+        at = Where(position=(kv_len - q_len + rows).reshape(1, 1, max_q, 1))
+        bias = None if slopes is None else slopes[b % slopes.shape[0]]  # (heads,) or (max_seqs, heads)
+
+        def page(j, state):
+            kv = cache.kv_pages[page_ids[b][j]].to(compute)  # a view of the pool (in the compute dtype)
+            position = j * page_size + keys  # (page_size,): the page's keys' positions
+            seen = Where(position=position, index=position, length=kv_len)
+            s = q @ kv[:, 0::2].permute(1, 2, 0)  # (kv_heads, groups * max_q, page_size)
+            s = _tiles.scores(s.reshape(kv_heads, groups, max_q, page_size), scale=scale, soft_cap=logit_soft_cap,
+                              bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
+                              allowed=conjunction.visible(at, seen)).reshape(kv_heads, -1, page_size)
+            v = kv[:, 1::2]
+            if (j + 1) * page_size > kv_len:  # the slots past the length hold any value
+                v = torch.where((position < kv_len)[:, None, None], v, 0)
+            return forward(state, s, lambda p: p @ v.transpose(0, 1))
+
+        first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
+        state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)
+        for j in range(first, end):
+            state = page(j, state)
+        o = finish(state).reshape(kv_heads, groups, max_q, head_dim).permute(2, 0, 1, 3).reshape(max_q, heads, -1)
+        out[start:start + q_len] = o[:q_len].to(out.dtype)
+        return out
+
+    out = torch.zeros_like(queries)
+    for b in range(int(cache.num_seqs[0])):
+        out = sequence(b, out)
+    return out
