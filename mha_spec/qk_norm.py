@@ -19,7 +19,8 @@ class QKNorm:
     whole projection (scale ``(heads * head_dim,)``, OLMo 2). ``eps`` is added to the variance. ``offset``: the
     features are multiplied by ``offset + scale`` (Gemma: ``1 + weight``). ``per_head_scale``: with ``per_head``,
     each head its own scale ``(heads, head_dim)`` (StableLM, Cohere). ``weight``: False for a norm without a scale
-(Llama 4's ``L2Norm``: an RMS norm per head). Computed in float32 at least.
+(Llama 4's ``L2Norm``: an RMS norm per head). ``after_rotary``: applied to the rotated queries and keys (HunYuan's;
+per head, one scale). Computed in float32 at least.
     """
 
     kind: str = "layer"
@@ -28,6 +29,7 @@ class QKNorm:
     offset: float = 0.0
     per_head_scale: bool = False
     weight: bool = True
+    after_rotary: bool = False
 
     def normalize(self, y: Any, scale: Any, mean: Callable[[Any, tuple[int, ...]], Any], rsqrt: Callable) -> Any:
         """``y`` ``(..., heads, head_dim)`` (float32 or wider) normalised per head or over the last two axes, times
@@ -46,7 +48,7 @@ class QKNorm:
     def __post_init__(self):
         if self.kind not in ("layer", "rms"):
             raise ValueError(f"QKNorm kind must be 'layer' or 'rms', got {self.kind!r}")
-        for name in ("per_head", "per_head_scale", "weight"):
+        for name in ("per_head", "per_head_scale", "weight", "after_rotary"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QKNorm {name} must be a bool, got {getattr(self, name)!r}")
         if self.per_head_scale and not self.per_head:
@@ -58,5 +60,7 @@ class QKNorm:
                 raise ValueError(f"QKNorm {name} must be a finite number, got {value!r}")
         if not self.weight and (self.offset or self.per_head_scale):
             raise ValueError("QKNorm weight=False (no scale) takes neither offset nor per_head_scale")
+        if self.after_rotary and not self.shared_scale:
+            raise ValueError("QKNorm after_rotary=True needs per_head=True and per_head_scale=False (one scale)")
         if self.eps <= 0:
             raise ValueError(f"QKNorm eps must be > 0, got {self.eps!r}")
