@@ -202,13 +202,24 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
             out = _attention_output(module(hidden, *rest, **kwargs))
     finally:
         torch.set_default_dtype(default)
-    d_out = np.random.default_rng(1).normal(size=out.shape)
+    blind = _blind(kwargs.get("attention_mask"), out.shape[:2])[..., None]
+    d_out = np.where(blind, 0.0, np.random.default_rng(1).normal(size=out.shape))
     out.backward(torch.tensor(d_out, dtype=out.dtype))
     grads = {"input": hidden.grad}
     grads.update({name: p.grad for name, p in module.named_parameters() if p.grad is not None})
     state = {options.prefix + k: v.detach().clone() for k, v in module.state_dict().items()}
     inputs = (x, _positions().numpy(), None, d_out)
-    return inputs, out.detach().double().numpy(), _theirs_by_our_names(grads, options), state
+    return inputs, np.where(blind, 0.0, out.detach().double().numpy()), _theirs_by_our_names(grads, options), state
+
+
+def _blind(mask, shape) -> np.ndarray:
+    """``(batch, len)``: the queries whose every key transformers' mask hides (a padding query whose window holds
+    padding alone: a window of 2 keys). Transformers' eager softmax spreads such a row over every key (each logit
+    plus the dtype's minimum, all equal), ours is 0 (no key to attend): both taken as 0, given no gradient."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return np.zeros(shape, bool)
+    seen = mask > torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else mask.bool()
+    return ~seen.any(-1).any(1).numpy()
 
 
 def _grad_error(ours: dict, theirs: dict) -> float:
