@@ -307,7 +307,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, query, query, batch, heads, kv_heads)
         if k.dtype != keys.dtype:  # under autocast: the general path names the dtypes
             return None
-        if self.rotary is not None or self.query_scale is not None:  # every row at the same positions
+        if self.rotary is not None or self.query_scale is not None or self._norms_after_rotary():  # rows at one start
             pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
             q, k = self._rotated(self.rotary, q, k, pos, pos)
             q = _scale_queries(self.query_scale, q, pos[None])
