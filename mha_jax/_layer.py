@@ -115,6 +115,12 @@ def rotate(rotary, query, key, query_positions, key_positions, norms=None):
     return (query, key) if norms is None else (norms[0](query), norms[1](key))
 
 
+def value_norm(query_ln, value):
+    """``value`` ``(..., heads, head_dim)`` normed as ``query_ln``'s ``QKNorm.of_values`` says (unchanged without)."""
+    norm = getattr(getattr(query_ln, "qk_norm", None), "of_values", None)
+    return value if norm is None else qk_norm(value, None, norm)
+
+
 def norms_after_rotary(query_ln, key_ln) -> tuple | None:
     """``(query_ln, key_ln)`` when their ``QKNorm`` is applied after the rotary embedding, else None."""
     return (query_ln, key_ln) if getattr(getattr(query_ln, "qk_norm", None), "after_rotary", False) else None

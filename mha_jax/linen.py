@@ -187,6 +187,7 @@ class MultiHeadDotProductAttention(nn.Module):
                                                                                         name="key_ln")
             if not qk_norm.after_rotary:
                 query, key = norms[0](query), norms[1](key)
+            value = _layer.value_norm(norms[0], value)
             return (*_layer.project_terms(self, query, key, value), _layer.norms_after_rotary(*norms))
         return (*_layer.project_terms(self, query, key, value), None)
 

@@ -265,6 +265,7 @@ class MultiHeadAttention(nnx.Module):
         norms = _layer.norms_after_rotary(self.query_ln, self.key_ln)
         if self.query_ln is not None and norms is None:
             query, key = self.query_ln(query), self.key_ln(key)
+        value = _layer.value_norm(self.query_ln, value)
         query, key, value = _layer.project_terms(self, query, key, value)
         if decoding:
             rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)

@@ -335,6 +335,11 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None and not self._norms_after_rotary():
             q = self.q_norm(q.view(batch, q_len, heads, head_dim))
             k = self.k_norm(k.view(batch, kv_len, kv_heads, head_dim))
+        values = getattr(getattr(self.q_norm, "qk_norm", None), "of_values", None)
+        if values is not None:
+            compute = torch.promote_types(v.dtype, torch.float32)
+            v = values.normalize(v.view(batch, kv_len, kv_heads, head_dim).to(compute), 1.0, _mean, torch.rsqrt).to(
+                v.dtype)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         return (_split_heads(q, batch, q_len, heads, head_dim), _split_heads(k, batch, kv_len, kv_heads, head_dim),

@@ -122,9 +122,10 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _qk_norm_after_rotary_oracle(x, wq, wk, wv, wo, scale_q, scale_k, heads, kv_heads, eps):
+def _qk_norm_after_rotary_oracle(x, wq, wk, wv, wo, scale_q, scale_k, heads, kv_heads, eps, values=False):
     """float64 NumPy: causal self-attention of ``x`` ``(batch, len, features)``, queries and keys rotated (halves,
-    base 10000, float32 frequencies) and then RMS-normed per head times their scale ``(head_dim,)``."""
+    base 10000, float32 frequencies) and then RMS-normed per head times their scale ``(head_dim,)``; with ``values``
+    the values RMS-normed per head."""
     def heads_of(w, n):
         return (x @ w).reshape(*x.shape[:2], n, -1)
     q, k, v = heads_of(wq, heads), heads_of(wk, kv_heads), heads_of(wv, kv_heads)
@@ -137,6 +138,7 @@ def _qk_norm_after_rotary_oracle(x, wq, wk, wv, wo, scale_q, scale_k, heads, kv_
         t = t * cos + np.concatenate([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
         return t / np.sqrt(np.mean(t * t, -1, keepdims=True) + eps) * scale
     q, k = rotated_normed(q, scale_q), rotated_normed(k, scale_k)
+    v = v / np.sqrt(np.mean(v * v, -1, keepdims=True) + eps) if values else v
     k, v = (np.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
     logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
     logits = np.where(np.tril(np.ones((x.shape[1],) * 2, bool)), logits, -np.inf)
@@ -145,12 +147,14 @@ def _qk_norm_after_rotary_oracle(x, wq, wk, wv, wo, scale_q, scale_k, heads, kv_
     return out.reshape(*x.shape[:2], -1) @ wo
 
 
-def test_a_qk_norm_after_the_rotary_embedding_equals_the_oracle_in_nnx_linen_and_torch_and_decodes():
+@pytest.mark.parametrize("values", [False, True], ids=["qk", "qk-and-values"])
+def test_a_qk_norm_after_the_rotary_embedding_equals_the_oracle_in_nnx_linen_and_torch_and_decodes(values):
     """``QKNorm(after_rotary=True)`` (HunYuan's): the rotated queries and keys normed, with a scale per feature the
     rotation does not commute with; nnx, linen and the PyTorch twin equal the NumPy oracle, decoding one token at a
-    time equals the whole sequence; normed before the rotation the output differs."""
+    time equals the whole sequence; normed before the rotation the output differs. ``value_norm`` (Gemma 3n's): the
+    values RMS-normed per head too."""
     heads, kv_heads, features, length = 4, 2, 16, 5
-    norm = mha_jax.QKNorm("rms", eps=1e-6, after_rotary=True)
+    norm = mha_jax.QKNorm("rms", eps=1e-6, after_rotary=True, value_norm=values)
     ours = mha_jax.MultiHeadAttention(heads, features, num_kv_heads=kv_heads, use_bias=False, normalize_qk=norm,
                                       rotary=mha_jax.RotaryEmbedding(features // heads), param_dtype=jnp.float64,
                                       rngs=nnx.Rngs(0))
@@ -161,7 +165,7 @@ def test_a_qk_norm_after_the_rotary_embedding_equals_the_oracle_in_nnx_linen_and
                                                                                                 "value")}
     expected = _qk_norm_after_rotary_oracle(
         x, flat["query"], flat["key"], flat["value"], np.asarray(ours.out.kernel[...]).reshape(-1, features),
-        np.asarray(ours.query_ln.scale[...]), np.asarray(ours.key_ln.scale[...]), heads, kv_heads, 1e-6)
+        np.asarray(ours.query_ln.scale[...]), np.asarray(ours.key_ln.scale[...]), heads, kv_heads, 1e-6, values)
     out = ours(jnp.asarray(x), is_causal=True)
     assert _rel(out, expected) < 1e-12
     linen_module = mha_jax.linen.MultiHeadDotProductAttention(
@@ -181,7 +185,7 @@ def test_a_qk_norm_after_the_rotary_embedding_equals_the_oracle_in_nnx_linen_and
     steps = [ours(jnp.asarray(x[:, t:t + 1]), decode=True, is_causal=True) for t in range(length)]
     assert _rel(jnp.concatenate(steps, 1), expected) < 1e-12
     before = mha_jax.MultiHeadAttention(heads, features, num_kv_heads=kv_heads, use_bias=False,
-                                        normalize_qk=mha_jax.QKNorm("rms", eps=1e-6),
+                                        normalize_qk=mha_jax.QKNorm("rms", eps=1e-6, value_norm=values),
                                         rotary=mha_jax.RotaryEmbedding(features // heads), param_dtype=jnp.float64,
                                         rngs=nnx.Rngs(0))
     nnx.update(before, nnx.state(ours, nnx.Param))
