@@ -844,7 +844,7 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
     module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
-    tables = _decode_tables(model, dtype)
+    tables = _decode_tables(model, dtype, (getattr(model.config, "layer_types", None) or [None] * (layer + 1))[layer])
     parameters = inspect.signature(module.forward).parameters
     cache, outs, start = transformers.DynamicCache(), [], 0
     for n in STEPS:
@@ -859,15 +859,17 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
     return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _decode_tables(model, dtype):
-    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1``, float64 from its ``inv_freq``
-    in float64; None without a rotary embedding (the ALiBi families)."""
+def _decode_tables(model, dtype, layer_type=None):
+    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1`` (the layer type's, where it keeps one per
+    type: Gemma 3n), float64 from its ``inv_freq`` in float64; None without a rotary embedding (the ALiBi
+    families)."""
     rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     if rotary is None:
         return None
     positions = torch.arange(S)[None].expand(B, -1)
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    return _tables64(rotary, positions, cos.shape[-1]) if dtype == "float64" else (cos, sin)
+    typed = layer_type if hasattr(rotary, f"{layer_type}_inv_freq") else None
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions, *([typed] if typed else []))
+    return _tables64(rotary, positions, cos.shape[-1], typed) if dtype == "float64" else (cos, sin)
 
 
 def _step_arguments(model, module, options, parameters, start, n, tables, torch_dtype):
