@@ -75,13 +75,14 @@ def check_cache(key, value, index, overflow, batch_shape, batch: int, n: int, kv
     return Cache(key.reshape(flat), value, index.reshape(batch), overflow.reshape(batch))
 
 
-def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call, query_scale: QueryScale | None = None):
-    """Rotate ``query`` and ``key`` ``(batch, n, heads, head_dim)`` at the new positions (``query`` then scaled by
-    ``query_scale``), append ``key``/``value``: ``(query, cache, spec)``, ``spec`` over the new queries and the
-    cache's slots."""
+def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call, query_scale: QueryScale | None = None,
+                norms=None):
+    """Rotate ``query`` and ``key`` ``(batch, n, heads, head_dim)`` at the new positions (then ``norms``; ``query``
+    then scaled by ``query_scale``), append ``key``/``value``: ``(query, cache, spec)``, ``spec`` over the new queries
+    and the cache's slots."""
     start = cache.end
     pos = _cache.positions(start, query.shape[1], call.query_positions)
-    query, key = rotate_at(rotary, query, key, pos, pos)
+    query, key = rotate(rotary, query, key, pos, pos, norms)
     query = scale_queries(query_scale, query, pos)
     max_length = cache.key.shape[1]
     kv_cache.check_dtype(str(cache.key.dtype), str(key.dtype), "cached_key",
@@ -94,8 +95,9 @@ def decode_step(cache: Cache, rotary, query, key, value, call: batch_axes.Call, 
     return query, updated, masks.over_cache(call.spec, pos, *_cache.slot_positions(end, max_length))
 
 
-def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache | None):
-    """The attended queries, keys and values: over ``cache`` while decoding, else rotated at ``spec``'s positions."""
+def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache | None, norms=None):
+    """The attended queries, keys and values: over ``cache`` while decoding, else rotated at ``spec``'s positions
+    (then ``norms``)."""
     if cache is not None and module.latent is not None:
         return mla.absorb_query(module, query), *mla.cached_keys(cache.key, module.latent, query.dtype)
     if cache is not None:
@@ -103,8 +105,25 @@ def attention_inputs(module, query, key, value, spec: masks.Spec, cache: Cache |
     if module.latent is not None:
         return mla.attention_inputs(module, query, key, spec)
     query_positions, key_positions = masks.positions(spec)
-    query, key = rotate_at(module.rotary, query, key, query_positions, key_positions)
+    query, key = rotate(module.rotary, query, key, query_positions, key_positions, norms)
     return scale_queries(module.query_scale, query, query_positions), key, value
+
+
+def rotate(rotary, query, key, query_positions, key_positions, norms=None):
+    """``rotate_at``, then ``norms`` (the query's and the key's QK-norm with ``after_rotary``, or None)."""
+    query, key = rotate_at(rotary, query, key, query_positions, key_positions)
+    return (query, key) if norms is None else (norms[0](query), norms[1](key))
+
+
+def value_norm(query_ln, value):
+    """``value`` ``(..., heads, head_dim)`` normed as ``query_ln``'s ``QKNorm.of_values`` says (unchanged without)."""
+    norm = getattr(getattr(query_ln, "qk_norm", None), "of_values", None)
+    return value if norm is None else qk_norm(value, None, norm)
+
+
+def norms_after_rotary(query_ln, key_ln) -> tuple | None:
+    """``(query_ln, key_ln)`` when their ``QKNorm`` is applied after the rotary embedding, else None."""
+    return (query_ln, key_ln) if getattr(getattr(query_ln, "qk_norm", None), "after_rotary", False) else None
 
 
 def scale_queries(query_scale: QueryScale | None, query: jax.Array, positions: jax.Array) -> jax.Array:

@@ -134,12 +134,15 @@ class MultiHeadDotProductAttention(nn.Module):
         out_features = self.out_features or inputs_q.shape[-1]
         parts = None if self.latent is None else _LatentParts(self)
         if parts is not None:  # the cache's entries for keys, no values
-            query, key, value = mla.project_query(parts, inputs_q), mla.project_latent(parts, inputs_k), None
+            query, key = mla.project_query(parts, inputs_q), mla.project_latent(parts, inputs_k)
+            value = norms = None
         else:
-            query, key, value = self._project(inputs_q, inputs_k, inputs_v)
+            query, key, value, norms = self._project(inputs_q, inputs_k, inputs_v)
         rate = arguments.check_dropout_rate("dropout_rate", self.dropout_rate)
-        query, cache, spec = self._cached(query, key, value, call, decoding) if self.decode else (query, None, spec)
-        query, key, value = _layer.attention_inputs(self if parts is None else parts, query, key, value, spec, cache)
+        query, cache, spec = self._cached(query, key, value, call, decoding, norms) if self.decode else (
+            query, None, spec)
+        query, key, value = _layer.attention_inputs(self if parts is None else parts, query, key, value, spec, cache,
+                                                    norms)
         dropping = _layer.dropping(rate, deterministic, self.deterministic, call.dropout_mask)
         dropout_rng = (self.make_rng("dropout") if dropout_rng is None else dropout_rng) if dropping else None
         out, weights, sown = _layer.attend(
@@ -166,7 +169,8 @@ class MultiHeadDotProductAttention(nn.Module):
         return (out, weights) if return_weights else out
 
     def _project(self, inputs_q: jax.Array, inputs_k: jax.Array, inputs_v: jax.Array):
-        """QK-normed projections ``(batch, len, heads, head_dim)``, made in flax's order."""
+        """QK-normed projections ``(batch, len, heads, head_dim)``, made in flax's order, and the QK-norms to apply
+        after the rotary embedding (``_layer.norms_after_rotary``)."""
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
         head_dim = arguments.check_heads(self.num_heads, num_kv_heads, qkv_features, "qkv_features")
@@ -179,11 +183,15 @@ class MultiHeadDotProductAttention(nn.Module):
                                      param_dtype=self.param_dtype)
             query, key = norm(name="query_ln")(query), norm(name="key_ln")(key)
         elif qk_norm is not None:
-            query = _LinenNorm(qk_norm, self.param_dtype, name="query_ln")(query)
-            key = _LinenNorm(qk_norm, self.param_dtype, name="key_ln")(key)
-        return _layer.project_terms(self, query, key, value)
+            norms = _LinenNorm(qk_norm, self.param_dtype, name="query_ln"), _LinenNorm(qk_norm, self.param_dtype,
+                                                                                        name="key_ln")
+            if not qk_norm.after_rotary:
+                query, key = norms[0](query), norms[1](key)
+            value = _layer.value_norm(norms[0], value)
+            return (*_layer.project_terms(self, query, key, value), _layer.norms_after_rotary(*norms))
+        return (*_layer.project_terms(self, query, key, value), None)
 
-    def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool):
+    def _cached(self, query, key, value, call: batch_axes.Call, decoding: bool, norms=None):
         """flax's ``'cache'`` collection, made by the first call (cache None); later calls append to it:
         ``(query, cache, spec)``; ``value`` None: a latent cache."""
         batch_shape = call.batch_shape
@@ -198,7 +206,7 @@ class MultiHeadDotProductAttention(nn.Module):
         cache = _layer.check_cache(cached_key.value, None if value is None else cached_value.value, index.value,
                                    overflow.value, batch_shape, *key.shape)
         rotary = self.rotary if value is not None else mla.rope_part(self.rotary, self.latent)
-        query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call, self.query_scale)
+        query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call, self.query_scale, norms)
         cached_key.value = cache.key.reshape(cached_key.value.shape)
         if value is not None:
             cached_value.value = cache.value.reshape(cached_value.value.shape)

@@ -262,15 +262,17 @@ class MultiHeadAttention(nnx.Module):
             query = self.query(inputs_q, out_sharding=qkv_sharding)
             key = self.key(inputs_k, out_sharding=qkv_sharding)
             value = self.value(inputs_v, out_sharding=qkv_sharding)
-        if self.query_ln is not None:
+        norms = _layer.norms_after_rotary(self.query_ln, self.key_ln)
+        if self.query_ln is not None and norms is None:
             query, key = self.query_ln(query), self.key_ln(key)
+        value = _layer.value_norm(self.query_ln, value)
         query, key, value = _layer.project_terms(self, query, key, value)
         if decoding:
             rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
-            query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call, self.query_scale)
+            query, cache, spec = _layer.decode_step(cache, rotary, query, key, value, call, self.query_scale, norms)
             self._write_cache(cache, batch_shape)
             dropout_rng = self._dropout_rng(rngs, deterministic)
-        query, key, value = _layer.attention_inputs(self, query, key, value, spec, cache)
+        query, key, value = _layer.attention_inputs(self, query, key, value, spec, cache, norms)
         out, weights, sown = _layer.attend(
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=call.dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, zero_unused=not decoding,

@@ -200,7 +200,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v = mla.attention_inputs(self, q, k, call.spec)
         else:
             q_pos, k_pos = masks.positions(call.spec)
-            q, k = rotate_at(self.rotary, q, k, q_pos, k_pos)
+            q, k = self._rotated(self.rotary, q, k, q_pos, k_pos)
             q = _scale_queries(self.query_scale, q, q_pos)
         return self._attend(q, k, v, call.spec, call.batch_shape, need_weights, call.dropout_mask, zero_unused=True,
                             gate=self._gate(call.inputs[0]))
@@ -270,7 +270,7 @@ class MultiHeadAttention(nn.Module):
                              cache.index.shape, call.batch_shape, kv_heads, head_dim, call.inputs[1].shape[1])
         flat = cache if len(call.batch_shape) == 1 else cache.merged(q.shape[0])  # batch axes merged as the inputs'
         rotary = self.rotary if self.latent is None else mla.rope_part(self.rotary, self.latent)
-        q, spec = _decode_step(flat, rotary, self.query_scale, q, k, v, call)
+        q, spec = _decode_step(flat, functools.partial(self._rotated, rotary), self.query_scale, q, k, v, call)
         if flat is not cache:  # the cache's own batch axes over the flat tensors (new ones if written out of place)
             shape = cache.key_storage.shape
             cache.key_storage = flat.key_storage.view(shape)
@@ -307,9 +307,9 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, query, query, batch, heads, kv_heads)
         if k.dtype != keys.dtype:  # under autocast: the general path names the dtypes
             return None
-        if self.rotary is not None or self.query_scale is not None:  # every row at the same positions
+        if self.rotary is not None or self.query_scale is not None or self._norms_after_rotary():  # rows at one start
             pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
-            q, k = rotate_at(self.rotary, q, k, pos, pos)
+            q, k = self._rotated(self.rotary, q, k, pos, pos)
             q = _scale_queries(self.query_scale, q, pos[None])
         _writable(cache, k, v)
         keys, values = cache.key_storage, cache.value_storage
@@ -332,13 +332,27 @@ class MultiHeadAttention(nn.Module):
         """QK-normed queries ``(batch, heads, q_len, head_dim)``, keys and values ``(batch, kv_heads, kv_len, dim)``."""
         q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], self.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self._norms_after_rotary():
             q = self.q_norm(q.view(batch, q_len, heads, head_dim))
             k = self.k_norm(k.view(batch, kv_len, kv_heads, head_dim))
+        values = getattr(getattr(self.q_norm, "qk_norm", None), "of_values", None)
+        if values is not None:
+            compute = torch.promote_types(v.dtype, torch.float32)
+            v = values.normalize(v.view(batch, kv_len, kv_heads, head_dim).to(compute), 1.0, _mean, torch.rsqrt).to(
+                v.dtype)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         return (_split_heads(q, batch, q_len, heads, head_dim), _split_heads(k, batch, kv_len, kv_heads, head_dim),
                 _split_heads(v, batch, kv_len, kv_heads, head_dim))
+
+    def _norms_after_rotary(self) -> bool:
+        """Whether the QK-norm is applied to the rotated queries and keys (``QKNorm.after_rotary``)."""
+        return getattr(getattr(self.q_norm, "qk_norm", None), "after_rotary", False)
+
+    def _rotated(self, rotary, q: torch.Tensor, k: torch.Tensor, q_pos, k_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotate_at``, then the QK-norm when it is applied after the rotary embedding."""
+        q, k = rotate_at(rotary, q, k, q_pos, k_pos)
+        return (self.q_norm(q), self.k_norm(k)) if self._norms_after_rotary() else (q, k)
 
     def _gate(self, query: torch.Tensor) -> torch.Tensor | None:
         """The output gate of the query's input ``(batch, q_len, embed_dim)``: ``(batch, heads, q_len, 1 | head_dim)``,
@@ -413,13 +427,14 @@ def _scale_queries(query_scale: QueryScale | None, q: torch.Tensor, positions: t
     return q * factor[:, None, :, None].to(q.dtype)
 
 
-def _decode_step(cache: KVCache, rotary, query_scale: QueryScale | None, q, k, v, call: batch_axes.Call):
-    """Rotate ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new positions (``q`` then scaled by
+def _decode_step(cache: KVCache, rotate: Callable, query_scale: QueryScale | None, q, k, v, call: batch_axes.Call):
+    """Rotate (``rotate(q, k, positions, positions)``) ``q`` ``(batch, heads, n, head_dim)`` and ``k`` at the new
+    positions (``q`` then scaled by
     ``query_scale``), append ``k``/``v`` (None: a latent cache) to ``cache``: ``(q, spec)``, ``spec`` over the new
     queries and the cache's slots."""
     start, max_length = cache.index.clone(), cache.max_length
     pos = _cache.positions(start, k.shape[2], call.query_positions)
-    q, k = rotate_at(rotary, q, k, pos, pos)
+    q, k = rotate(q, k, pos, pos)
     q = _scale_queries(query_scale, q, pos)
     kv_cache.check_dtype(_checks.dtype_name(cache.key), _checks.dtype_name(k), "the cache's key",
                          f"KVCache(..., dtype={k.dtype})")

@@ -202,13 +202,24 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
             out = _attention_output(module(hidden, *rest, **kwargs))
     finally:
         torch.set_default_dtype(default)
-    d_out = np.random.default_rng(1).normal(size=out.shape)
+    blind = _blind(kwargs.get("attention_mask"), out.shape[:2])[..., None]
+    d_out = np.where(blind, 0.0, np.random.default_rng(1).normal(size=out.shape))
     out.backward(torch.tensor(d_out, dtype=out.dtype))
     grads = {"input": hidden.grad}
     grads.update({name: p.grad for name, p in module.named_parameters() if p.grad is not None})
     state = {options.prefix + k: v.detach().clone() for k, v in module.state_dict().items()}
     inputs = (x, _positions().numpy(), None, d_out)
-    return inputs, out.detach().double().numpy(), _theirs_by_our_names(grads, options), state
+    return inputs, np.where(blind, 0.0, out.detach().double().numpy()), _theirs_by_our_names(grads, options), state
+
+
+def _blind(mask, shape) -> np.ndarray:
+    """``(batch, len)``: the queries whose every key transformers' mask hides (a padding query whose window holds
+    padding alone: a window of 2 keys). Transformers' eager softmax spreads such a row over every key (each logit
+    plus the dtype's minimum, all equal), ours is 0 (no key to attend): both taken as 0, given no gradient."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return np.zeros(shape, bool)
+    seen = mask > torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else mask.bool()
+    return ~seen.any(-1).any(1).numpy()
 
 
 def _grad_error(ours: dict, theirs: dict) -> float:
@@ -833,7 +844,7 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
     module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
-    tables = _decode_tables(model, dtype)
+    tables = _decode_tables(model, dtype, (getattr(model.config, "layer_types", None) or [None] * (layer + 1))[layer])
     parameters = inspect.signature(module.forward).parameters
     cache, outs, start = transformers.DynamicCache(), [], 0
     for n in STEPS:
@@ -848,15 +859,17 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
     return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _decode_tables(model, dtype):
-    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1``, float64 from its ``inv_freq``
-    in float64; None without a rotary embedding (the ALiBi families)."""
+def _decode_tables(model, dtype, layer_type=None):
+    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1`` (the layer type's, where it keeps one per
+    type: Gemma 3n), float64 from its ``inv_freq`` in float64; None without a rotary embedding (the ALiBi
+    families)."""
     rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     if rotary is None:
         return None
     positions = torch.arange(S)[None].expand(B, -1)
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    return _tables64(rotary, positions, cos.shape[-1]) if dtype == "float64" else (cos, sin)
+    typed = layer_type if hasattr(rotary, f"{layer_type}_inv_freq") else None
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions, *([typed] if typed else []))
+    return _tables64(rotary, positions, cos.shape[-1], typed) if dtype == "float64" else (cos, sin)
 
 
 def _step_arguments(model, module, options, parameters, start, n, tables, torch_dtype):
