@@ -78,13 +78,19 @@ def ragged_attention(queries: jax.Array, cache: PagedKVCache, *, max_q_len: int 
     decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
     ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
     past ``cu_q_lens[num_seqs]``; JAX arrays, jittable (``max_q_len`` static)."""
-    max_q, terms = paged.checked_call(queries, cache.kv_pages, cache.kv_lens.shape[0], max_q_len, terms,
-                                      _checks.require_float)
-    _checked(cache, queries.shape[0], max_q)
+    max_q, terms = _checked_call(queries, cache, max_q_len, terms)
     implementation = terms.pop("implementation")
     if implementation is not None:
         return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
     return _paged.attend(queries, cache, max_q, **terms)
+
+
+def _checked_call(queries: jax.Array, cache: PagedKVCache, max_q_len: int | None, terms: dict) -> tuple[int, dict]:
+    """``(max_q, terms)`` of a ragged call checked (``mha_spec.paged.checked_call``), the cache's step too."""
+    max_q, terms = paged.checked_call(queries, cache.kv_pages, cache.kv_lens.shape[0], max_q_len, terms,
+                                      _checks.require_float)
+    _checked(cache, queries.shape[0], max_q)
+    return max_q, terms
 
 
 def _gathered(queries: jax.Array, cache: PagedKVCache, max_q: int, terms: dict) -> jax.Array:

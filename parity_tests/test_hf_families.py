@@ -56,12 +56,10 @@ FEATURES = (
     "a mask from the content",  # block-sparse or dynamic masks
     "RoFormer's sinusoidal rotary table",
     "a norm after the attention",  # a norm of the heads' output before the output projection
-    "QK-norm after the rotary embedding",
     "a rotation the other way",  # pairs turned by -angle
     "per-position query scaling",
     "routed query and output projections",  # experts chosen per token for the query and output projections
     "clipped projections",  # a clamp of the projections' outputs (clip_qkv)
-    "multimodal rotary positions",
     "shared key/value layers",  # layers that reuse another layer's keys and values
     "a checkpoint layout not yet written",
     "cross-attention",  # layers that attend to another model's states
@@ -215,11 +213,11 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
 def _blind(mask, shape) -> np.ndarray:
     """``(batch, len)``: the queries whose every key transformers' mask hides (a padding query whose window holds
     padding alone: a window of 2 keys). Transformers' eager softmax spreads such a row over every key (each logit
-    plus the dtype's minimum, all equal), ours is 0 (no key to attend): both taken as 0, given no gradient."""
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+    plus the dtype's minimum, all equal), ours is 0 (no key to attend): both taken as 0, given no gradient. Only
+    an additive mask is read: a boolean one means "hidden" in some families (MPT) and "seen" in others."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or not mask.dtype.is_floating_point:
         return np.zeros(shape, bool)
-    seen = mask > torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else mask.bool()
-    return ~seen.any(-1).any(1).numpy()
+    return ~(mask > torch.finfo(mask.dtype).min / 2).any(-1).any(1).numpy()
 
 
 def _grad_error(ours: dict, theirs: dict) -> float:
@@ -368,7 +366,11 @@ RECORDS: dict[str, Supported | Refused] = {
                         "ALiBi (alibi: bloom's slopes in bfloat16, added before the scale)", dict(head_dim=None)),
     "solar_open": Supported("q/k/v biases", dict(attention_bias=True, n_routed_experts=2, num_experts_per_tok=1)),
     "minimax_m2": Supported("RMS QK-norm over the projection", dict(rotary_dim=HEAD_DIM, **_MOE)),
-    "minimax_m3_vl_text": Refused("multimodal rotary positions", "its model's tables are not the text positions'"),
+    "minimax_m3_vl_text": Supported("RMS QK-norm per head (1 + weight), the rope parameters' partial_rotary_factor "
+                                    "(rotary_dim unread); its sparse layers (minimax_m3_sparse: an indexer's top-k "
+                                    "blocks) refused by kind",
+                                    dict(rope_parameters=dict(rope_type="default", rope_theta=100.0,
+                                                              partial_rotary_factor=0.5), rotary_dim=2, **_MOE)),
     "dots1": Supported("RMS QK-norm per head", dict(n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1)),
     "mellum": Supported("RMS QK-norm per head"),
     "kolibri1": Supported("RMS QK-norm, sliding layers, rotary on the sliding layers only",
@@ -500,8 +502,13 @@ RECORDS: dict[str, Supported | Refused] = {
                            ffn_config=dict(hidden_size=HIDDEN, ffn_hidden_size=8, moe_num_experts=2, moe_top_k=1))),
     "doge": Refused("a mask from the content", "its dynamic mask"),
     **{name: Refused("a norm after the attention") for name in ("bitnet",)},
-    **{name: Refused("QK-norm after the rotary embedding", "a learned scale per feature, which the rotation does "
-                     "not commute with") for name in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
+    "hunyuan_v1_dense": Supported("RMS QK-norm per head after the rotary embedding (query_layernorm, "
+                                  "key_layernorm), biases (attention_bias), NTK-alpha rotary (rope parameters' alpha: "
+                                  "the base times alpha ** (d / (d - 2)))",
+                                  dict(attention_bias=True, rope_parameters=dict(rope_type="dynamic", alpha=2.0,
+                                                                                 rope_theta=100.0, factor=1.0))),
+    "hunyuan_v1_moe": Supported("RMS QK-norm per head after the rotary embedding (query_layernorm, key_layernorm)",
+                                dict(num_experts=2, moe_topk=1)),
     "nanochat": Supported("its rotation by -angle (rotate_half (x2, -x1)): the second half of each head's rotary "
                           "rows of q_proj and k_proj negated when loading, which turns it by +angle and cancels in "
                           "the scores; a weightless RMS norm per head after the rotation (yarn and longrope refused: "
@@ -520,8 +527,14 @@ RECORDS: dict[str, Supported | Refused] = {
         "megatron-bert", "roberta-prelayernorm", "xlm-roberta-xl")},
     "big_bird": Refused("a mask from the content", "block-sparse attention (attention_type='block_sparse')"),
     "roformer": Refused("RoFormer's sinusoidal rotary table"),
+    "gemma3n_text": Supported("RMS QK-norm per head, the values RMS-normed per head (v_norm), logits not scaled, "
+                              "sliding layers, rope parameters per layer type; its layers that reuse another's keys "
+                              "and values (num_kv_shared_layers) refused by kind",
+                              dict(sliding_window=WINDOW, num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2,
+                                   hidden_size_per_layer_input=4, vocab_size_per_layer_input=11), layers=5),
+    "gemma3n": Refused(_TEXT, "its text model is gemma3n_text's"),
     **{name: Refused("shared key/value layers") for name in (
-        "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
+        "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
         "gemma4_unified_text", "gemma4_unified_assistant")},
     **{name: Refused(_TEXT) for name in (
         "gemma3", "llama4", "fuyu", "got_ocr2", "moss_transcribe_diarize", "emu3", "phi4_multimodal")},
@@ -537,7 +550,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 114, len(supported)
+    assert len(supported) >= 118, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -704,6 +717,17 @@ HYBRIDS = ("lfm2", "lfm2_moe", "lfm3", "zamba", "minimax", "olmo_hybrid", "jamba
            "granitemoehybrid", "kimi_linear", "recurrent_gemma", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
+def test_gemma3n_s_layers_that_reuse_another_s_keys_and_values_are_refused_by_kind():
+    """Gemma 3n's last ``num_kv_shared_layers`` layers attend with an earlier layer's keys and values: the layers
+    ``attention_layers`` lists are those transformers' config does not make reuse; the others refused by kind."""
+    config = _config("gemma3n_text", dict(RECORDS["gemma3n_text"].config, num_kv_shared_layers=5), 10)
+    raw = config.to_dict()
+    assert families.attention_layers(raw) == [i for i, mode in enumerate(config.kv_sharing_modes) if mode != "reuse"]
+    for build in (families.layer_options, mha_torch.from_hf, mha_jax.from_hf):
+        with pytest.raises(ValueError, match=r"layer 5 of this gemma3n_text config is a 'shared_kv_attention' layer"):
+            build(families.read_config(raw), layer=5)
+
+
 def _softmax_attention(model, prefix: str, layer: int) -> bool:
     """Whether transformers' model holds softmax attention at the layer's ``prefix`` (not a Mamba mixer, a
     convolution, a linear or lightning attention, an MLP, or nothing)."""
@@ -748,6 +772,7 @@ PATTERNS = {
     "flint": (RECORDS["flint"].config, 9),
     "modernbert-decoder": (dict(RECORDS["modernbert-decoder"].config, global_attn_every_n_layers=3), 7),
     "granite_swa": (dict(RECORDS["granite_swa"].config, layer_rope_theta=[10.0, 0.0, 20.0] * 3), 9),
+    "gemma3n_text": (RECORDS["gemma3n_text"].config, 9),
 }
 DERIVED = ("layer_types", "no_rope_layers")  # keys config classes fill in: a config.json may leave them out
 
@@ -834,7 +859,8 @@ def test_the_docs_family_table_is_the_records():
     assert page.split(start)[1].split(end)[0].strip() == family_table().strip()
 
 
-CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4", "bloom", "mpt", "falcon-alibi")
+CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4", "bloom", "mpt", "falcon-alibi", "hunyuan_v1_dense",
+          "hunyuan_v1_moe", "minimax_m3_vl_text", "gemma3n_text")
 STEPS = (4, 1, 1, 1)  # a prompt of 4 tokens, then one at a time: S = 7
 
 

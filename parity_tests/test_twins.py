@@ -51,10 +51,6 @@ def _files(package: str) -> list[Path]:
     return sorted((ROOT / package).glob("*.py"))
 
 
-def _files(package: str) -> list[Path]:
-    return sorted((ROOT / package).glob("*.py"))
-
-
 def test_the_detector_finds_a_planted_copy(tmp_path):
     source = (ROOT / "mha_jax" / "masks.py").read_text().splitlines()
     body = "\n".join(source[40:80])
