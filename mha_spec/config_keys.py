@@ -22,8 +22,8 @@ NOT_ATTENTION: dict[str, str] = _grouped({
     "transformers' bookkeeping (no arithmetic)": (
         "architectures", "transformers_version", "dtype", "_name_or_path", "return_dict", "output_hidden_states",
         "output_attentions", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
-        "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-        "cls_token_id", "mask_token_id", "initializer_range", "init_std", "initializer_cutoff_factor",
+        "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "eod_token_id", "decoder_start_token_id",
+        "sep_token_id", "cls_token_id", "mask_token_id", "initializer_range", "init_std", "initializer_cutoff_factor",
         "embedding_initializer_range", "embed_init_std", "init_device", "torch_dtype", "pretraining_tp",
         "output_router_logits", "router_aux_loss_coef", "slow_but_exact", "layerdrop", "classifier_dropout",
         "classifier_dropout_prob", "classifier_bias", "classifier_activation", "summary_type", "summary_use_proj",
@@ -42,13 +42,14 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "use_post_norm", "embedding_size", "lm_head_bias", "norm_type", "norm_bias", "no_bias", "expansion_ratio",
         "learned_pos_emb", "embedding_fraction", "hidden_activation", "swiglu_limit", "swiglu_alpha",
         "scale_depth", "dim_model_base", "scale_emb", "ffn_hidden_size", "intermediate_size_mlp",
-        "intermediate_multiple_size", "decoder_bias", "mlp_layer_types", "max_seq_len", "n_ctx"),
+        "intermediate_multiple_size", "decoder_bias", "mlp_layer_types", "max_seq_len", "n_ctx",
+        "dense_intermediate_size"),
     "the MoE MLP: experts and routing (and multi-token prediction layers)": (
         "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
         "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "n_routed_experts",
         "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "shared_expert_intermediate_size",
         "num_shared_experts", "router_jitter_noise", "input_jitter_noise", "moe_layers", "interleave_moe_layer_step",
-        "moe_k", "moe_layer_interval", "moe_norm_min", "moe_layer_start_index", "moe_num_shared_experts",
+        "moe_k", "moe_topk", "moe_layer_interval", "moe_norm_min", "moe_layer_start_index", "moe_num_shared_experts",
         "moe_num_experts", "moe_layer_end_index", "moe_use_aux_free", "shared_intermediate_size",
         "shared_expert_combination_strategy", "expert_selection_fn", "prefix_dense_intermediate_size",
         "enable_moe_fp32_combine", "router_scaling_factor", "topk_method", "scoring_func", "num_nextn_predict_layers",
@@ -117,6 +118,12 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
         "head_dim": "RecurrentGemmaConfig sets it to hidden_size // num_attention_heads whatever it is given"},
     "nemotron_h": {"attention_bias": "NemotronHAttention (Jamba's) builds its projections without biases whatever "
                                      "it says"},
+    "gemma3n_text": _grouped({"its decoder layer around the attention: AltUp, LAuReL, per-layer inputs, sparse "
+                             "activations": (
+        "activation_sparsity_pattern", "altup_active_idx", "altup_coef_clip", "altup_correct_scale",
+        "altup_num_inputs", "hidden_size_per_layer_input", "laurel_rank", "vocab_size_per_layer_input")}),
+    "minimax_m3_vl_text": _grouped({"the indexer of its sparse layers (those refused by kind)": (
+        "index_block_size", "index_head_dim", "index_local_blocks", "index_n_heads", "index_topk_blocks")}),
     "rembert": _grouped({"RemBERT's decoupled embeddings": ("input_embedding_size", "output_embedding_size")}),
 }
 

@@ -285,6 +285,57 @@ def _layer_types_qwen3_next(config: Mapping[str, Any], layers: int) -> list[str]
     return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
 
 
+@_reading("rope_parameters", "rope_scaling", "rope_theta", "head_dim")
+def _standardize_hunyuan(config: dict) -> dict:
+    """HunYuan's rotary ``"dynamic"`` with an ``alpha`` (its checkpoints'): NTK-alpha, the base times
+    ``alpha ** (d / (d - 2))`` at every length (HunYuanDenseV1RotaryEmbedding's ``ntk_alpha``), read as default rope."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if parameters.get("rope_type", parameters.get("type")) == "dynamic" and parameters.get("alpha"):
+        dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+        theta = theta * parameters["alpha"] ** (dim / (dim - 2))
+        config.pop("rope_scaling", None)
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return config
+
+
+@_reading("layer_types", "sparse_attention_config", "rotary_dim")
+def _standardize_minimax_m3(config: dict) -> dict:
+    """MiniMaxM3VLTextConfig's layer types from ``sparse_attention_config``'s ``sparse_attention_freq`` (its sparse
+    layers an indexer's top-k blocks); ``rotary_dim`` left out (its rotary reads ``partial_rotary_factor``)."""
+    frequencies = (config.get("sparse_attention_config") or {}).get("sparse_attention_freq")
+    if not config.get("layer_types") and frequencies is not None:
+        config["layer_types"] = ["minimax_m3_sparse" if f else "full_attention" for f in frequencies]
+    config.pop("rotary_dim", None)
+    return config
+
+
+_standardize_minimax_m3.derives = ("layer_types",)
+
+
+@_reading("layer_types", "num_kv_shared_layers", "rope_parameters", "rope_scaling", "rope_theta",
+          "rope_local_base_freq")
+def _standardize_gemma3n(config: dict) -> dict:
+    """Gemma3nTextConfig's derived keys: its layer types (every 5th full, the others sliding), the last
+    ``num_kv_shared_layers`` reusing an earlier layer's keys and values (refused by kind); rope parameters per layer
+    type (an older config's ``rope_theta``, ``rope_local_base_freq``)."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                          for i in range(layers)]
+    first_shared = layers - (config.get("num_kv_shared_layers") or 0)
+    config["layer_types"] = [kind if i < first_shared else "shared_kv_attention" for i, kind in enumerate(kinds)]
+    parameters = config.get("rope_parameters")
+    if not (isinstance(parameters, Mapping) and isinstance(parameters.get("full_attention"), Mapping)):
+        scaling = dict(config.pop("rope_scaling", None) or {})
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", **scaling, "rope_theta": config.get("rope_theta", 1000000.0)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}}
+    return config
+
+
+_standardize_gemma3n.derives = ("layer_types", "rope_parameters")
+
+
 @_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
@@ -686,6 +737,13 @@ FAMILIES: dict[str, Family] = {
                            layer_types=_layer_types_kimi_linear),
     "glm4_moe_lite": _latent_family(512, 768, (64, 192, 256), "rope_interleave"),
     "minicpm3": _latent_family(256, 768, (32, 64, None), False),  # rotate_half; v_head_dim: hidden // heads
+    **dict.fromkeys(("hunyuan_v1_dense", "hunyuan_v1_moe"), Family(
+        qk_norm=QKNorm("rms", True, 1e-5, after_rotary=True), standardize=_standardize_hunyuan,
+        renames={"query_layernorm.": "q_norm.", "key_layernorm.": "k_norm."})),
+    "minimax_m3_vl_text": Family(qkv_bias=False, out_bias=False, qk_norm=QKNorm("rms", True, 1e-6, offset=1.0),
+                                 standardize=_standardize_minimax_m3),
+    "gemma3n_text": Family(qk_norm=QKNorm("rms", True, 1e-6, value_norm=True), scale=1.0,
+                           standardize=_standardize_gemma3n),
 }
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 FAMILIES["lfm2_moe"] = replace(FAMILIES["lfm2"], layer_types=_layer_types_lfm2_moe)

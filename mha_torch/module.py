@@ -20,7 +20,7 @@ from mha_spec import latent as latent_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rotate_at
-from mha_torch import _cache, _checks, masks
+from mha_torch import _cache, _checks, masks, testing
 from mha_torch import latent as mla
 from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, spec_attention
@@ -286,8 +286,8 @@ class MultiHeadAttention(nn.Module):
         """Self-attention of ``query`` ``(*batch, n, embed_dim)`` (one token, or not causal) over ``cache`` when every
         row is at one position with room, outside torch.compile: written by slicing, attended unmasked. Else None."""
         keys, weight = cache.key_storage, self.q_proj.weight
-        if self.gate_proj is not None or not isinstance(query, torch.Tensor) or torch.compiler.is_compiling() \
-                or query.ndim < 2 \
+        if not testing.current().fast_step or self.gate_proj is not None or not isinstance(query, torch.Tensor) \
+                or torch.compiler.is_compiling() or query.ndim < 2 \
                 or query.shape[-1] != self.embed_dim or query.dtype != weight.dtype:
             return None
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -311,6 +311,7 @@ class MultiHeadAttention(nn.Module):
             pos = torch.arange(start, start + n, dtype=torch.int32, device=query.device)
             q, k = self._rotated(self.rotary, q, k, pos, pos)
             q = _scale_queries(self.query_scale, q, pos[None])
+        testing.observe("fast_step", n)
         _writable(cache, k, v)
         keys, values = cache.key_storage, cache.value_storage
         if merged:  # views: the writes reach the cache

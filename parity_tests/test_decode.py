@@ -18,6 +18,7 @@ from flax import linen, nnx
 
 import mha_jax
 import mha_torch
+from mha_torch import testing as torch_testing
 from parity_tests.conftest import X64
 
 pytestmark = pytest.mark.skipif(not X64, reason="float64 decoding needs jax_enable_x64")
@@ -582,7 +583,7 @@ FAST_STEPS = [(4, False), (1, True), (1, True), (2, False), (1, True)]  # (token
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
 @pytest.mark.parametrize("batch_shape", [(B,), (2, 3), ()], ids=str)
 @pytest.mark.parametrize("case", sorted(FAST_CASES))
-def test_torch_fast_path_gives_the_general_paths_and_the_uncached_outputs(case, batch_shape, grad, monkeypatch):
+def test_torch_fast_path_gives_the_general_paths_and_the_uncached_outputs(case, batch_shape, grad):
     """Every row at one position with nothing but the cache restricting the keys (chunks without causality, one
     token with it): the fast path takes each step, under autograd and with any batch axes too, and gives in float64
     the outputs (weights over the filled slots), cache and input gradients of the general path (forced here) and of
@@ -593,23 +594,18 @@ def test_torch_fast_path_gives_the_general_paths_and_the_uncached_outputs(case, 
         torch.nn.init.normal_(twin.sinks)
     need_weights = twin.logit_soft_cap is not None
     x = torch.from_numpy(np.random.default_rng(5).normal(size=(*batch_shape, T, E)))
-    taken, general = [], []
+    taken = []
 
-    def spy(self, *args, run=mha_torch.MultiHeadAttention._fast_step):
-        out = None if general else run(self, *args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(mha_torch.MultiHeadAttention, "_fast_step", spy)
-
-    def decode(cached: bool):
+    def decode(cached: bool, fast: bool = True):
         xs = x.clone().requires_grad_(grad)
         cache = mha_torch.KVCache(batch_shape, T, 2, E // H, dtype=torch.float64)
         outs, weights, t = [], [], 0
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), torch_testing.tuned(fast_step=fast):
             for n, causal in FAST_STEPS:
                 if cached:
-                    result = twin(xs[..., t:t + n, :], cache=cache, is_causal=causal, need_weights=need_weights)
+                    with torch_testing.observed() as seen:
+                        result = twin(xs[..., t:t + n, :], cache=cache, is_causal=causal, need_weights=need_weights)
+                    taken.append(("fast_step", n) in seen)
                 else:
                     result = twin(xs[..., t:t + n, :], xs[..., :t + n, :], is_causal=causal, need_weights=need_weights,
                                   query_positions=torch.arange(t, t + n), key_positions=torch.arange(t + n))
@@ -624,8 +620,7 @@ def test_torch_fast_path_gives_the_general_paths_and_the_uncached_outputs(case, 
 
     fast = decode(cached=True)
     assert taken == [True] * len(FAST_STEPS)
-    general.append(True)
-    forced, reference = decode(cached=True), decode(cached=False)
+    forced, reference = decode(cached=True, fast=False), decode(cached=False)
     assert taken[len(FAST_STEPS):] == [False] * len(FAST_STEPS)
     for other in (forced, reference):
         assert _rel(fast[0], other[0]) <= TOL["float64"]
@@ -636,9 +631,8 @@ def test_torch_fast_path_gives_the_general_paths_and_the_uncached_outputs(case, 
     assert torch.equal(fast[2][0], forced[2][0])  # the index; the keys and values:
     assert all(_rel(a, b) <= TOL["float64"] for a, b in zip(fast[2][1:], forced[2][1:]))
     if batch_shape == (B,):
-        general.clear()
         cache = mha_torch.KVCache(B, T, 2, E // H, dtype=torch.float64)
         cache.index.copy_(torch.tensor([0, 1], dtype=torch.int32))
-        with torch.no_grad():
+        with torch.no_grad(), torch_testing.observed() as seen:
             twin(x[:, :1], cache=cache)
-        assert taken[-1] is False and cache.index.tolist() == [1, 2]
+        assert not any(event == "fast_step" for event, _ in seen) and cache.index.tolist() == [1, 2]
