@@ -16,7 +16,7 @@ from flax import nnx
 from mha_jax import _cache, _checks, _dispatch, masks
 from mha_jax import latent as mla
 from mha_jax.attention import spec_attention
-from mha_spec import arguments, batch_axes, kv_cache
+from mha_spec import arguments, batch_axes, kv_cache, query_terms
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rotate_at
@@ -134,6 +134,16 @@ def scale_queries(query_scale: QueryScale | None, query: jax.Array, positions: j
     compute = jnp.promote_types(query.dtype, jnp.float32)
     factor = query_scale.factor(jnp.asarray(positions).astype(compute), jnp.floor, jnp.log1p)
     return query * factor[:, :, None, None].astype(query.dtype)
+
+
+def gated(out: jax.Array, raw: jax.Array, output_gate: str) -> jax.Array:
+    """Each head's output ``(batch, len, heads, head_dim)`` times its gate, the sigmoid (or softplus) of the gate
+    projection ``raw`` ``(batch, len, heads[, head_dim])``; the softplus in float32 or wider, as transformers'."""
+    if query_terms.gate_softplus(output_gate):
+        gate = jax.nn.softplus(raw.astype(jnp.promote_types(raw.dtype, jnp.float32))).astype(out.dtype)
+    else:
+        gate = jax.nn.sigmoid(raw)
+    return out * (gate[..., None] if output_gate.startswith("head") else gate)
 
 
 def project_terms(module, query: jax.Array, key: jax.Array, value: jax.Array):

@@ -156,9 +156,8 @@ class MultiHeadDotProductAttention(nn.Module):
         if parts is not None and decoding:
             out = mla.lift_output(parts, out)
         if self.output_gate is not None:  # (batch, len, heads[, head_dim]) gates of each head's output
-            gate = jax.nn.sigmoid(_projection(self, query_terms.gate_features(
-                self.output_gate, self.num_heads, out.shape[-1]), "gate", use_bias=False)(inputs_q))
-            out = out * (gate[..., None] if self.output_gate == "head" else gate)
+            out = _layer.gated(out, _projection(self, query_terms.gate_features(
+                self.output_gate, self.num_heads, out.shape[-1]), "gate", use_bias=False)(inputs_q), self.output_gate)
         out = nn.DenseGeneral(
             out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init, dtype=self.dtype,
             bias_init=self.out_bias_init or self.bias_init, param_dtype=self.param_dtype, precision=self.precision,

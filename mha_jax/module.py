@@ -284,8 +284,7 @@ class MultiHeadAttention(nnx.Module):
         if decoding and self.latent is not None:
             out = mla.lift_output(self, out)
         if self.gate is not None:  # (batch, len, heads[, head_dim]) gates of each head's output
-            gate = jax.nn.sigmoid(self.gate(inputs_q))
-            out = out * (gate[..., None] if self.output_gate == "head" else gate)
+            out = _layer.gated(out, self.gate(inputs_q), self.output_gate)
         out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
 

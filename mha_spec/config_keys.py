@@ -53,7 +53,8 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "moe_num_experts", "moe_layer_end_index", "moe_use_aux_free", "shared_intermediate_size",
         "shared_expert_combination_strategy", "expert_selection_fn", "prefix_dense_intermediate_size",
         "enable_moe_fp32_combine", "router_scaling_factor", "topk_method", "scoring_func", "num_nextn_predict_layers",
-        "mtp_mlp_layer_types", "mtp_layer_types", "num_mtp_layers", "ffn_config"),
+        "mtp_mlp_layer_types", "mtp_layer_types", "num_mtp_layers", "ffn_config",
+        "moe_apply_router_weight_on_input", "moe_routed_scaling_factor", "moe_router_logit_softcapping"),
     "softmax arithmetic in float32 only: the same function": (
         "attention_softmax_in_fp32", "scale_attention_softmax_in_fp32", "reorder_and_upcast_attn"),
     "another module than the self-attention (cross-attention, adapters, task heads)": (
@@ -136,7 +137,7 @@ def keys_read(model_type: str) -> frozenset[str]:
     keys |= {value for value in (family.qkv_bias, family.out_bias, family.kv_heads, family.soft_cap,
                                  family.qk_norm_flag, family.window_flag, family.layer_rope_theta, family.clip_qkv,
                                  family.nested, family.causal, family.latent_interleave, family.output_gate_flag,
-                                 family.input_size)
+                                 family.input_size, family.heads_per_layer)
               if isinstance(value, str)}
     keys.add(family.window_key)
     keys |= set(records.ALIASES.values()) | set(family.aliases.values())
@@ -154,7 +155,7 @@ def keys_read(model_type: str) -> frozenset[str]:
         keys |= set(_LATENT)
     for function in (family.scale, family.layer_types, family.kv_heads, family.alibi, family.query_scale,
                      family.standardize, family.check, family.out_bias, family.rope_forced, family.rope,
-                     family.layer_count):
+                     family.layer_count, family.output_gate):
         keys |= set(getattr(function, "keys", ()))
     return frozenset(keys)
 

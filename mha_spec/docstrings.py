@@ -42,8 +42,9 @@ alibi_slopes: ALiBi, ``num_heads`` static slopes (``mha_spec.alibi``'s ``bloom_s
   head adds ``-slope * |q_pos - k_pos|`` to its logits, at the positions rotary reads; None: none.
 output_gate: each head's output times the sigmoid of a learned projection of the query's input (no bias),
   before the output projection: ``"head"``, one gate per head (LFM3); ``"feature"``, one per output feature
-  (Qwen3-Next, Qwen3.5); None: none. PyTorch's ``gate_proj.weight`` ``(num_heads[ * head_dim], in)``, Flax's
-  ``gate`` kernel ``(in, num_heads[, head_dim])``; not with a latent.""",
+  (Qwen3-Next, Qwen3.5); ``"head_softplus"``, ``"feature_softplus"``: the projection's softplus instead of its
+  sigmoid, in float32 or wider (Laguna); None: none. PyTorch's ``gate_proj.weight``
+  ``(num_heads[ * head_dim], in)``, Flax's ``gate`` kernel ``(in, num_heads[, head_dim])``; not with a latent.""",
     "rotary_embedding": """\
 ``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
 scaling=None, max_position_embeddings=None)``, or ``RotaryEmbedding.from_config(config)``

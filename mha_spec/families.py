@@ -53,7 +53,7 @@ class LayerOptions:
     rope_interleaved: bool = False  # with ``latent``: the rotary pairs are (2i, 2i + 1), whatever the model_type
     clip_qkv: float | None = None  # the projections' outputs clamped to [-clip_qkv, clip_qkv]
     query_scale: QueryScale | None = None  # each query scaled by its position
-    output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output
+    output_gate: str | None = None  # ``mha_spec.query_terms.OUTPUT_GATES``: a gate on each head's output
     input_size: int | None = None  # the projections' input width, where not hidden_size (Zamba's [hidden; embeddings])
 
 
@@ -141,6 +141,8 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     kv_heads = family.kv_heads(config) if callable(family.kv_heads) else config.get(family.kv_heads or "")
     kv_heads = kv_heads or heads
     head_dim = (config.get("head_dim") if family.reads_head_dim else None) or hidden // heads
+    if family.heads_per_layer and config.get(family.heads_per_layer):
+        heads = config[family.heads_per_layer][layer]
     if family.check:
         family.check(config, layer)
     qkv_bias = _flag(config, family.qkv_bias, family.bias_default)
@@ -177,9 +179,16 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
         ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
         clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
         query_scale=family.query_scale(config, layer) if family.query_scale else None,
-        output_gate=family.output_gate if _flag(config, family.output_gate_flag or True, True) else None,
+        output_gate=_output_gate(config, family, layer),
         input_size=config[family.input_size] if family.input_size else None)
     return _with_latent(options, config, family) if family.latent else options
+
+
+def _output_gate(config: Mapping[str, Any], family: Family, layer: int) -> str | None:
+    """The layer's ``output_gate``: the record's (or its function's), None where its flag is off."""
+    if not _flag(config, family.output_gate_flag or True, True):
+        return None
+    return family.output_gate(config, layer) if callable(family.output_gate) else family.output_gate
 
 
 def _saved_layer(config: Mapping[str, Any], family: Family, layers: int, layer: int) -> int:

@@ -66,14 +66,15 @@ def check_terms(clip_qkv: Any, query_scale: Any, latent: Any) -> tuple[float | N
 
 
 # ``output_gate``: ``"head"``, one gate per head (``gate_proj`` ``(num_heads, in)``); ``"feature"``, one per output
-# feature of each head (``gate_proj`` ``(num_heads * head_dim, in)``, Qwen3-Next's)
-OUTPUT_GATES = ("head", "feature")
+# feature of each head (``gate_proj`` ``(num_heads * head_dim, in)``, Qwen3-Next's); a sigmoid of the projection,
+# or with ``_softplus`` its softplus (Laguna's), computed in float32 or wider
+OUTPUT_GATES = ("head", "feature", "head_softplus", "feature_softplus")
 
 
 def check_output_gate(output_gate: Any, latent: Any) -> str | None:
-    """A module's ``output_gate`` (None, ``"head"`` or ``"feature"``) checked; not taken with a ``latent``."""
+    """A module's ``output_gate`` (None or one of ``OUTPUT_GATES``) checked; not taken with a ``latent``."""
     if output_gate is not None and output_gate not in OUTPUT_GATES:
-        raise ValueError(f"output_gate must be None, 'head' or 'feature', got {output_gate!r}")
+        raise ValueError(f"output_gate must be None or one of {OUTPUT_GATES}, got {output_gate!r}")
     if output_gate is not None and latent is not None:
         raise ValueError("output_gate is not taken with a latent (multi-head latent attention)")
     return output_gate
@@ -81,4 +82,9 @@ def check_output_gate(output_gate: Any, latent: Any) -> str | None:
 
 def gate_features(output_gate: str, heads: int, head_dim: int) -> tuple[int, ...]:
     """The gate projection's output features per token: ``(heads,)`` or ``(heads, head_dim)``."""
-    return (heads,) if output_gate == "head" else (heads, head_dim)
+    return (heads,) if output_gate.startswith("head") else (heads, head_dim)
+
+
+def gate_softplus(output_gate: str) -> bool:
+    """Whether the gate is its projection's softplus (else its sigmoid)."""
+    return output_gate.endswith("_softplus")

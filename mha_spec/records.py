@@ -336,6 +336,27 @@ def _standardize_gemma3n(config: dict) -> dict:
 _standardize_gemma3n.derives = ("layer_types", "rope_parameters")
 
 
+@_reading("rope_parameters")
+def _standardize_laguna(config: dict) -> dict:
+    """LagunaConfig's rope parameters per layer type where the config has none (its full layers rotate half of
+    each head at base 500000, its sliding layers all of it at 10000)."""
+    if config.get("rope_parameters") is None:
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
+    return config
+
+
+_standardize_laguna.derives = ("rope_parameters",)
+
+
+@_reading("gating")
+def _output_gate_laguna(config: Mapping[str, Any], layer: int) -> str:
+    """Laguna's softplus gate: one per head where ``gating`` is True or ``"per-head"``, else one per feature."""
+    gating = config.get("gating", True)
+    return "head_softplus" if gating is True or gating == "per-head" else "feature_softplus"
+
+
 @_reading("query_pre_attn_scalar")
 def _scale_gemma(config: Mapping[str, Any], head_dim: int, layer: int) -> float:
     return config.get("query_pre_attn_scalar", head_dim) ** -0.5
@@ -484,11 +505,13 @@ class Family:
     rope_fixed: Mapping[str, Any] | None = None  # rope parameters its model uses whatever the config says
     layer_count: Callable[[Mapping[str, Any]], int] | None = None  # where the model's is not num_hidden_layers
     rope_reversed: bool = False  # its rotate_half is (x2, -x1): pairs turn by -angle (read by ``layer_keys``)
-    output_gate: str | None = None  # "head" or "feature": a sigmoid gate on each head's output (``output_gate``)
+    # ``output_gate``'s value ("head", "feature", their "_softplus" forms), or (config, layer) -> it
+    output_gate: str | Callable[[Mapping[str, Any], int], str] | None = None
     output_gate_flag: str | None = None  # the key that switches ``output_gate`` on; None: always on
     query_gate: bool = False  # the gate's rows after each head's query rows in q_proj (Qwen3-Next's)
     rope_types: tuple[str, ...] | None = None  # only the layers of these types rotate (AFMoE's sliding ones)
     input_size: str | None = None  # the key of the projections' input width, where not hidden_size
+    heads_per_layer: str | None = None  # the key of each layer's query head count (head_dim still the config's)
     tied_layers: bool = False  # every attention layer holds the first's weights (tied: saved once, under its prefix)
 
 
@@ -711,6 +734,11 @@ FAMILIES: dict[str, Family] = {
     "lfm3": Family(qk_norm=_RMS_PER_HEAD, qk_norm_eps="norm_eps", output_gate="head",
                    output_gate_flag="use_attention_gate", layer_types=_layer_types_lfm3,
                    renames={"g_proj.": "gate_proj."}),
+    # a softplus gate on each head's output (g_proj; per feature where gating says so), RMS QK-norm per head, each
+    # layer's own query head count; rope parameters per layer type
+    "laguna": Family(qk_norm=_RMS_PER_HEAD, output_gate=_output_gate_laguna,
+                     heads_per_layer="num_attention_heads_per_layer", standardize=_standardize_laguna,
+                     renames={"g_proj.": "gate_proj."}),
     "minimax": Family(qkv_bias=False, out_bias=False, standardize=_standardize_minimax),
     "olmo_hybrid": Family(qk_norm=_RMS, layer_types=_layer_types_olmo_hybrid, rope=_rope_olmo_hybrid),
     "jamba": Family(qkv_bias=False, out_bias=False, rope=False, layer_types=_layer_types_jamba),

@@ -360,8 +360,13 @@ class MultiHeadAttention(nn.Module):
         None without ``output_gate``."""
         if self.gate_proj is None:
             return None
-        width = 1 if self.output_gate == "head" else self.head_dim
-        return torch.sigmoid(self.gate_proj(query)).view(*query.shape[:2], -1, width).transpose(1, 2)
+        width = 1 if self.output_gate.startswith("head") else self.head_dim
+        raw = self.gate_proj(query)
+        if query_terms.gate_softplus(self.output_gate):  # in float32 or wider, as transformers'
+            gate = F.softplus(raw.to(torch.promote_types(raw.dtype, torch.float32))).to(raw.dtype)
+        else:
+            gate = torch.sigmoid(raw)
+        return gate.view(*query.shape[:2], -1, width).transpose(1, 2)
 
     def _attend(self, q, keys, values, spec: masks.Spec, batch_shape, need_weights: bool, dropout_mask=None,
                 zero_unused: bool = False, absorbed: bool = False, gate: torch.Tensor | None = None):

@@ -1,5 +1,6 @@
-"""``output_gate``: each head's output times the sigmoid of a learned projection of the query's input, before the
-output projection (``"head"``: one gate per head, LFM3's; ``"feature"``: one per output feature, Qwen3-Next's).
+"""``output_gate``: each head's output times the sigmoid (or softplus, Laguna's) of a learned projection of the
+query's input, before the output projection (``"head"``: one gate per head, LFM3's; ``"feature"``: one per output
+feature, Qwen3-Next's).
 
 Both twins (PyTorch, nnx, linen) against a float64 NumPy oracle, outputs and the gate's gradient, with the same
 weights; the weights converted PyTorch -> Flax -> PyTorch unchanged; a decoding step with a cache; bad values
@@ -32,8 +33,9 @@ def _oracle(x: np.ndarray, state: dict, gate: str) -> np.ndarray:
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     out = np.einsum("bhqk,bkhd->bqhd", weights, v)
-    g = 1.0 / (1.0 + np.exp(-(x @ state["gate_proj.weight"].T)))
-    out = out * (g[..., None] if gate == "head" else g.reshape(B, S, H, D))
+    raw = x @ state["gate_proj.weight"].T
+    g = np.log1p(np.exp(raw)) if gate.endswith("_softplus") else 1.0 / (1.0 + np.exp(-raw))
+    out = out * (g[..., None] if gate.startswith("head") else g.reshape(B, S, H, D))
     return out.reshape(B, S, H * D) @ state["out_proj.weight"].T
 
 
@@ -50,13 +52,13 @@ def _x() -> np.ndarray:
     return np.random.default_rng(0).normal(size=(B, S, E))
 
 
-@pytest.mark.parametrize("gate", ["head", "feature"])
+@pytest.mark.parametrize("gate", ["head", "feature", "head_softplus", "feature_softplus"])
 def test_gated_output_equals_the_oracle_in_every_twin(gate):
     """PyTorch's, nnx's and linen's outputs, from the same weights, against the oracle; the gate's gradient of
     PyTorch's and nnx's against each other (the twins' chain rule through the gate)."""
     module = _torch_module(gate)
     state = {k: v.detach().numpy() for k, v in module.state_dict().items()}
-    assert state["gate_proj.weight"].shape == ((H,) if gate == "head" else (H * D,)) + (E,)
+    assert state["gate_proj.weight"].shape == ((H,) if gate.startswith("head") else (H * D,)) + (E,)
     expected = _oracle(_x(), state, gate)
     x = torch.tensor(_x(), requires_grad=True)
     ours = module(x, is_causal=True)
@@ -98,8 +100,11 @@ def test_gate_weights_convert_between_twins_unchanged_and_decode(gate):
     assert np.abs(step.numpy()[:, 0] - whole.numpy()[:, -1]).max() < 1e-12
 
 
+_REFUSED = r"output_gate must be None or one of \('head', 'feature', 'head_softplus', 'feature_softplus'\), got 'all'"
+
+
 def test_a_bad_output_gate_is_refused_alike():
-    with pytest.raises(ValueError, match=r"output_gate must be None, 'head' or 'feature', got 'all'"):
+    with pytest.raises(ValueError, match=_REFUSED):
         mha_torch.MultiHeadAttention(E, H, output_gate="all")
-    with pytest.raises(ValueError, match=r"output_gate must be None, 'head' or 'feature', got 'all'"):
+    with pytest.raises(ValueError, match=_REFUSED):
         mha_jax.MultiHeadAttention(H, E, output_gate="all", rngs=nnx.Rngs(0))

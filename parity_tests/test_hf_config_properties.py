@@ -117,7 +117,7 @@ OPEN = {"llama4_text": "temperature tuning with chunks of 4, use_qk_norm and a c
                                                           "100): 0.088 off in float64 (drawn; not yet explained)")}
 BASES = {"gptj": dict(rotary_dim=4)}
 # config classes that derive every layer full: a config.json with sliding layers names them (never read bare)
-SAVED_TYPES = ("cohere_compass_text",)  # its default rotary_dim (64) exceeds the small heads' 8
+SAVED_TYPES = ("cohere_compass_text", "laguna")  # Cohere Compass's default rotary_dim (64) exceeds the heads' 8
 # ci: a failure reported as drawn, not shrunk (the budget); long: shrunk
 PHASES = None if strategies.profile() == "long" else (Phase.explicit, Phase.reuse, Phase.generate)
 

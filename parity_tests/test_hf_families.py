@@ -491,7 +491,12 @@ RECORDS: dict[str, Supported | Refused] = {
                              "layers' doubled key/value heads, their sinks, its values scaled (attention_value_scale)"),
     **{name: Refused("relative position bias") for name in ("cpmant", "xlnet", "reformer", "deepseek_v4")},
     **{name: Refused("differential attention") for name in ("diffllama",)},
-    **{name: Refused("learned gates on the attention") for name in ("laguna", "beam")},
+    **{name: Refused("learned gates on the attention") for name in ("beam",)},
+    "laguna": Supported("a softplus gate on each head's output (g_proj), RMS QK-norm per head, sliding layers, each "
+                        "layer's own query head count, rope parameters per layer type (half of each head rotating "
+                        "on the full layers)", dict(layer_types=["sliding_attention", "full_attention"],
+                                                     sliding_window=WINDOW, num_attention_heads_per_layer=[4, 2],
+                                                     **_MOE_EXPERTS)),
     "afmoe": Supported("a sigmoid gate on each output feature (gate_proj), RMS QK-norm per head, sliding layers, "
                        "rotary on the sliding layers only", dict(sliding_window=WINDOW, global_attn_every_n_layers=2,
                                                                  num_experts=2, num_experts_per_tok=1,
@@ -550,7 +555,7 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
     assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 118, len(supported)
+    assert len(supported) >= 119, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -698,6 +703,8 @@ NEW = [name for name, r in RECORDS.items() if isinstance(r, Supported) and not r
 VARIANTS = {
     "falcon-alibi": ("falcon", Supported("ALiBi, one key head per head (falcon-rw)",
                                          dict(head_dim=None, alibi=True, multi_query=False))),
+    "laguna-feature": ("laguna", Supported("a softplus gate on each output feature (gating False)",
+                                           dict(RECORDS["laguna"].config, gating=False))),
     "gpt_bigcode-multi-head": ("gpt_bigcode", Supported("each head's q, k, v together in c_attn",
                                                         dict(_PLAIN, multi_query=False))),
 }
@@ -726,6 +733,18 @@ def test_gemma3n_s_layers_that_reuse_another_s_keys_and_values_are_refused_by_ki
     for build in (families.layer_options, mha_torch.from_hf, mha_jax.from_hf):
         with pytest.raises(ValueError, match=r"layer 5 of this gemma3n_text config is a 'shared_kv_attention' layer"):
             build(families.read_config(raw), layer=5)
+
+
+def test_laguna_s_rope_parameters_per_layer_type_are_its_config_class_s_where_a_config_leaves_them_out():
+    """A Laguna config.json without ``rope_parameters`` reads as transformers' config class fills them in (full
+    layers: half of each head at base 500000; sliding layers: all of it at 10000), layer by layer."""
+    full = _config("laguna", dict(RECORDS["laguna"].config, rope_parameters=None)).to_dict()
+    assert set(full["rope_parameters"]) == {"full_attention", "sliding_attention"}
+    bare = {k: v for k, v in full.items() if k != "rope_parameters"}
+    for layer, kind in enumerate(full["layer_types"]):
+        options = families.layer_options(families.read_config(bare), layer)
+        assert options.rope["rope_parameters"] == full["rope_parameters"][kind], (layer, kind)
+        assert options == families.layer_options(families.read_config(full), layer)
 
 
 def _softmax_attention(model, prefix: str, layer: int) -> bool:
@@ -860,7 +879,7 @@ def test_the_docs_family_table_is_the_records():
 
 
 CACHED = ("mixtral", "granite", "falcon", "smollm3", "glm4", "bloom", "mpt", "falcon-alibi", "hunyuan_v1_dense",
-          "hunyuan_v1_moe", "minimax_m3_vl_text", "gemma3n_text")
+          "hunyuan_v1_moe", "minimax_m3_vl_text", "gemma3n_text", "laguna", "laguna-feature")
 STEPS = (4, 1, 1, 1)  # a prompt of 4 tokens, then one at a time: S = 7
 
 

@@ -352,6 +352,18 @@ def _temperature64(monkeypatch, attention):
     monkeypatch.setattr(modeling, "torch", Torch64())
 
 
+def _gate64(monkeypatch, attention):
+    """Laguna's softplus gate, of its projection cast to float32, in float64 (that cast a no-op)."""
+    projection = attention.g_proj
+
+    class Wide(torch.Tensor):
+        def float(self):
+            return self.as_subclass(torch.Tensor)
+
+    monkeypatch.setattr(projection, "forward", lambda h: torch.nn.functional.linear(h, projection.weight).as_subclass(
+        Wide))
+
+
 _FLOAT32_STEPS = {
     ("Llama4TextAttention",): _temperature64,
     ("CohereAttention", "Cohere2Attention", "Cohere2MoeAttention", "ModernBertDecoderAttention"): _rotation64,
@@ -362,6 +374,7 @@ _FLOAT32_STEPS = {
     ("FlintAttention",): functools.partial(_sinks64, as_scale=False),
     ("GraniteSWAAttention", "GraniteMoeSWAAttention"): functools.partial(_sinks64, as_scale=True),
     ("MptAttention",): _mpt64,
+    ("LagunaAttention",): _gate64,
     ("DeepseekV2Attention",): _complex_rotation64,
     ("RecurrentGemmaAttention",): _own_rotary64,
     ("modeling_xlm.MultiHeadAttention",): _xlm64,
