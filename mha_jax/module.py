@@ -130,19 +130,7 @@ class MultiHeadAttention(nnx.Module):
         query_scale: QueryScale | None = None,
         output_gate: str | None = None,
     ):
-        self.latent = None if latent is None else latent_spec.check_latent(
-            latent, num_heads, num_kv_heads, qkv_features, ("num_kv_heads", "qkv_features"))
-        if self.latent is not None:
-            qkv_features = num_heads * self.latent.qk_head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.in_features = in_features
-        self.in_kv_features = in_features if in_kv_features is None else in_kv_features
-        self.qkv_features = in_features if qkv_features is None else qkv_features
-        self.out_features = in_features if out_features is None else out_features
-        for name in ("in_features", "in_kv_features", "out_features"):
-            arguments.check_heads(1, 1, getattr(self, name), name)
-        self.head_dim = arguments.check_heads(num_heads, self.num_kv_heads, self.qkv_features, "qkv_features")
+        self._set_sizes(num_heads, num_kv_heads, in_features, in_kv_features, qkv_features, out_features, latent)
         self.dropout_rate = arguments.check_dropout_rate("dropout_rate", dropout_rate)
         self.broadcast_dropout, self.deterministic, self.decode = broadcast_dropout, deterministic, decode
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
@@ -188,6 +176,24 @@ class MultiHeadAttention(nnx.Module):
         self.gate = nnx.data(None) if output_gate is None else projection(
             in_features, query_terms.gate_features(output_gate, num_heads, self.head_dim), use_bias=False)
         self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else None
+
+    def _set_sizes(self, num_heads: int, num_kv_heads: int | None, in_features: int, in_kv_features: int | None,
+                   qkv_features: int | None, out_features: int | None, latent: latent_spec.Latent | None) -> None:
+        """The head counts, feature sizes and ``head_dim``, checked; with a ``latent``, ``qkv_features`` its query
+        heads' width."""
+        self.latent = None if latent is None else latent_spec.check_latent(
+            latent, num_heads, num_kv_heads, qkv_features, ("num_kv_heads", "qkv_features"))
+        if self.latent is not None:
+            qkv_features = num_heads * self.latent.qk_head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.in_features = in_features
+        self.in_kv_features = in_features if in_kv_features is None else in_kv_features
+        self.qkv_features = in_features if qkv_features is None else qkv_features
+        self.out_features = in_features if out_features is None else out_features
+        for name in ("in_features", "in_kv_features", "out_features"):
+            arguments.check_heads(1, 1, getattr(self, name), name)
+        self.head_dim = arguments.check_heads(num_heads, self.num_kv_heads, self.qkv_features, "qkv_features")
 
     # no cache until init_cache or nnx.update: as in flax's class, the instance has none, so that nnx.update adds it
     cached_key = cached_value = cache_index = cache_overflow = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from mha_spec.families import LayerOptions
@@ -54,11 +55,39 @@ def load_arguments(options: LayerOptions, weights: Any, read_state: Callable[[An
                    concatenate: Callable[[list], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(state, keywords)`` for a twin's ``load_weights``: fused weights split here (``layer_state``), else the
     keys a layout reads (``layer_keys``) with its layout, prefix and ignored keys."""
+    options = replace(options, prefix=_held_prefix(options, weights, read_state))
     state = read_state(read_layer(weights, options.prefix, read_state, framework))
     if FAMILIES[options.model_type].fused:
         return layer_state(options, state), {}
     return layer_keys(options, state, concatenate), {"layout": options.layout, "prefix": options.prefix,
                                                      "ignore": options.ignore}
+
+
+def _held_prefix(options: LayerOptions, weights: Any, read_state: Callable[[Any], Mapping]) -> str:
+    """The first of the layer's prefixes (``prefix``, then ``older_prefixes``) the checkpoint holds keys under."""
+    if not options.older_prefixes:
+        return options.prefix
+    if isinstance(weights, (str, os.PathLike)):
+        keys = _file_keys(os.fspath(weights))
+    else:
+        keys = list(weights if isinstance(weights, Mapping) else read_state(weights))
+    prefixes = (options.prefix, *options.older_prefixes)
+    return next((p for p in prefixes if any(str(k).startswith(p) for k in keys)), options.prefix)
+
+
+def _file_keys(path: str) -> list[str]:
+    """The keys of a ``.safetensors`` file, or of its index's weight_map (none where it cannot be read: the loader
+    then names what is wrong)."""
+    if not os.path.exists(path):
+        return []
+    if path.endswith(".json"):
+        with open(path) as f:
+            weight_map = json.load(f).get("weight_map")
+        return list(weight_map) if isinstance(weight_map, Mapping) else []
+    from safetensors import safe_open  # only when a file is given
+
+    with safe_open(path, framework="numpy") as f:
+        return list(f.keys())
 
 
 def layer_keys(options: LayerOptions, state: Mapping[str, Any], concatenate: Callable[[list], Any]) -> dict[str, Any]:

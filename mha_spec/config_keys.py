@@ -55,6 +55,12 @@ NOT_ATTENTION: dict[str, str] = _grouped({
         "enable_moe_fp32_combine", "router_scaling_factor", "topk_method", "scoring_func", "num_nextn_predict_layers",
         "mtp_mlp_layer_types", "mtp_layer_types", "num_mtp_layers", "ffn_config",
         "moe_apply_router_weight_on_input", "moe_routed_scaling_factor", "moe_router_logit_softcapping"),
+    "a multimodal model's other towers (vision, audio) and their tokens; its text model's attention is read from "
+    "text_config": (
+        "audio_chunk_size", "audio_config", "audio_merge_size", "audio_token_id", "boi_token_index", "eoi_token_index",
+        "image_seq_length", "image_size", "image_token_id", "image_token_index", "mm_tokens_per_image", "num_channels",
+        "patch_size", "projector_bias", "projector_hidden_act", "video_token_id", "vision_config",
+        "vision_end_token_id", "vision_start_token_id"),
     "softmax arithmetic in float32 only: the same function": (
         "attention_softmax_in_fp32", "scale_attention_softmax_in_fp32", "reorder_and_upcast_attn"),
     "another module than the self-attention (cross-attention, adapters, task heads)": (
@@ -132,6 +138,8 @@ FAMILY_NOT_ATTENTION: dict[str, dict[str, str]] = {
 def keys_read(model_type: str) -> frozenset[str]:
     """The config keys the record of ``model_type`` reads (``families.layer_options``), its defaults and the
     keys it refuses when set included."""
+    if model_type in records.MULTIMODAL:  # its text model's keys: its text family's record's
+        return frozenset(("model_type", "text_config"))
     family = families.FAMILIES[model_type]
     keys = set(_BASE) | set(family.reads) | set(family.defaults) | keys_refused(model_type)
     keys |= {value for value in (family.qkv_bias, family.out_bias, family.kv_heads, family.soft_cap,
@@ -163,6 +171,8 @@ def keys_read(model_type: str) -> frozenset[str]:
 def keys_refused(model_type: str) -> frozenset[str]:
     """The keys ``families.family_of`` refuses, naming them, when set (to a true value) in a config of
     ``model_type``."""
+    if model_type in records.MULTIMODAL:  # its text model's: its text family's
+        return frozenset()
     family = families.FAMILIES[model_type]
     return frozenset({key for key in records.REFUSED if key not in family.reads} | {k for k, _ in family.refuses})
 

@@ -76,12 +76,15 @@ config: the model's ``config.json`` (dict or path); families: ``families.FAMILIE
   (Llama, Llama 4 text, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss, OLMo 2, Phi-3, StableLM,
   Cohere, GPT-NeoX, GPT-J, GPT-2, BERT). Rotary embedding, scale, soft-cap, QK-norm, sinks,
   biases and the layer's sliding window or chunks are read from it; an unsupported family or
-  option raises, naming it.""",
+  option raises, naming it. A multimodal model's (Gemma 3, Llama 4, Qwen3.5, ...: ``records.MULTIMODAL``)
+  reads as its ``text_config``.""",
     "from_hf_keys": """\
 ``model.safetensors.index.json`` (only the shards holding the layer are read). The
 layer's keys are read under ``model.layers.{layer}.self_attn.`` (GPT-NeoX:
 ``gpt_neox.layers.{layer}.attention.``; GPT-2 and GPT-J: ``transformer.h.{layer}.attn.``; BERT:
-``bert.encoder.layer.{layer}.attention.``, its ``output.LayerNorm`` left unread).""",
+``bert.encoder.layer.{layer}.attention.``, its ``output.LayerNorm`` left unread); a multimodal
+model's under its text model's (Gemma 3: ``model.language_model.layers.{layer}.self_attn.``, or
+``language_model.model.`` in checkpoints saved in the older layout).""",
     "from_hf_call": """\
 It takes ``(*batch, length, hidden_size)``: call it with ``is_causal=True`` (a decoder's mask;
 BERT's encoder takes none) and ``query_positions`` for the rotary embedding (default

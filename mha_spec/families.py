@@ -19,6 +19,7 @@ from mha_spec.records import (
     CLASS_DEFAULTS,
     FAMILIES,
     LEGACY_TYPES,
+    MULTIMODAL,
     REFUSED,
     Family,
     rope_defaults,
@@ -55,6 +56,10 @@ class LayerOptions:
     query_scale: QueryScale | None = None  # each query scaled by its position
     output_gate: str | None = None  # ``mha_spec.query_terms.OUTPUT_GATES``: a gate on each head's output
     input_size: int | None = None  # the projections' input width, where not hidden_size (Zamba's [hidden; embeddings])
+    older_prefixes: tuple[str, ...] = ()  # where checkpoints saved in an older layout hold the layer (multimodal)
+
+
+MULTIMODAL_KEY = "_multimodal"  # read_config's note of the multimodal model whose text model a config is
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
@@ -69,7 +74,10 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict:
         raise TypeError(f"config must be a config.json dict or its path, got {type(config).__name__}")
     config = dict(config)
     if "text_config" in config and "num_attention_heads" not in config:
+        outer = config.get("model_type")
         config = dict(config["text_config"])
+        if outer in MULTIMODAL:
+            config[MULTIMODAL_KEY] = outer
     family = FAMILIES.get(config.get("model_type"))
     if family and family.layer_count:  # NemotronH's: its layers_block_type's, whatever num_hidden_layers says
         config["num_hidden_layers"] = family.layer_count(config)
@@ -151,37 +159,55 @@ def layer_options(config: Mapping[str, Any], layer: int) -> LayerOptions:
     scale = family.scale(config, head_dim, layer) if callable(family.scale) else family.scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     layer_type = _attention_type(config, family, layers, layer)
-    window, sliding = None, layer_type == "sliding_attention"
-    if (sliding and config.get(family.window_key)
+    window = None
+    if (layer_type == "sliding_attention" and config.get(family.window_key)
             and (family.window_flag is None or config.get(family.window_flag))):
         # transformers' sliding_window_overlay: a query sees key j when j > i - sliding_window
         window = (int(config[family.window_key]) - 1, 0)
-    rope = _rope_config(config, family, layer_type, head_dim) if _rotates(config, family) else None
-    if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
-            or family.rope_sliding_only and config.get("sliding_window") is not None and not sliding
-            or family.rope_windowed_only and window is None
-            or family.rope_types is not None and layer_type not in family.rope_types) \
-            and not (family.rope_forced and family.rope_forced(config, layer)):
-        rope = None
-    if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
-        rope = _with_theta(rope, config[family.layer_rope_theta][layer])
+    rope = _layer_rope(config, family, layer, layer_type, window, head_dim)
     slopes = family.alibi(config, heads, head_dim) if family.alibi else None
     if slopes is not None:  # positions as ALiBi's distances, not rotary (Falcon's alibi layers)
         rope = None
     chunked = layer_type == "chunked_attention" and "attention_chunk_size" in family.reads
     chunk = config.get("attention_chunk_size") if chunked else None
     qk_norm = None if family.qk_norm_rope_only and rope is None else _qk_norm(config, family)
+    prefixes = _prefixes(config, family.prefix.format(layer=_saved_layer(config, family, layers, layer)))
     options = LayerOptions(
         model_type, hidden, heads, kv_heads, head_dim, qkv_bias, out_bias, scale,
         config.get(family.soft_cap) if family.soft_cap else None, family.sinks, window, qk_norm,
-        rope, family.prefix.format(layer=_saved_layer(config, family, layers, layer)), family.layout,
+        rope, prefixes[0], family.layout,
         is_causal=_flag(config, family.causal, False),
         ignore=family.ignore, attention_chunk_size=chunk, alibi_slopes=slopes,
         clip_qkv=(config.get(family.clip_qkv) or None) if family.clip_qkv else None,
         query_scale=family.query_scale(config, layer) if family.query_scale else None,
         output_gate=_output_gate(config, family, layer),
-        input_size=config[family.input_size] if family.input_size else None)
+        input_size=config[family.input_size] if family.input_size else None, older_prefixes=prefixes[1:])
     return _with_latent(options, config, family) if family.latent else options
+
+
+def _layer_rope(config: Mapping[str, Any], family: Family, layer: int, layer_type: str,
+                window: tuple[int, int] | None, head_dim: int) -> dict | None:
+    """The layer's rotary config (``_rope_config``'s at its own base), None where the layer does not rotate."""
+    rope = _rope_config(config, family, layer_type, head_dim) if _rotates(config, family) else None
+    if (family.no_rope_layers and not config["no_rope_layers"][layer]  # the layers that do not rotate
+            or family.rope_sliding_only and config.get("sliding_window") is not None
+            and layer_type != "sliding_attention"
+            or family.rope_windowed_only and window is None
+            or family.rope_types is not None and layer_type not in family.rope_types) \
+            and not (family.rope_forced and family.rope_forced(config, layer)):
+        return None
+    if rope is not None and family.layer_rope_theta and config.get(family.layer_rope_theta):
+        rope = _with_theta(rope, config[family.layer_rope_theta][layer])
+    return rope
+
+
+def _prefixes(config: Mapping[str, Any], prefix: str) -> tuple[str, ...]:
+    """The layer's prefix in the model, then where older checkpoints hold it: a multimodal model's text model's
+    (``MULTIMODAL``) in place of the text family's ``model.``."""
+    starts = MULTIMODAL.get(config.get(MULTIMODAL_KEY), ())
+    if not starts or not prefix.startswith("model."):
+        return (prefix,)
+    return tuple(start + prefix.removeprefix("model.") for start in starts)
 
 
 def _output_gate(config: Mapping[str, Any], family: Family, layer: int) -> str | None:

@@ -421,17 +421,6 @@ def _check_bert(config: Mapping[str, Any], layer: int) -> None:
                          "which this attention does not compute (only 'absolute' embeddings, added before it)")
 
 
-@_reading("rope_parameters", "rope_scaling")
-def _check_norm_after_rotation(config: Mapping[str, Any], layer: int) -> None:
-    """NanoChat's weightless norm after the rotation: it undoes a rotary's attention factor (yarn's, longrope's),
-    which this attention, normalizing before the rotation, keeps."""
-    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind in ("yarn", "longrope"):
-        raise ValueError(f"config ({config.get('model_type')}) sets rope_parameters rope_type={kind!r}, which this "
-                         "attention does not compute: its norm after the rotation undoes the rotary's attention factor")
-
-
 @_reading("no_rope_layers", "attn_temperature_tuning", "attn_scale", "floor_scale")
 def _query_scale_llama4(config: Mapping[str, Any], layer: int) -> QueryScale | None:
     """Llama 4's temperature tuning: its NoPE layers' queries scaled by ``attn_scale``, ``floor_scale``."""
@@ -602,9 +591,10 @@ FAMILIES: dict[str, Family] = {
     "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
                           defaults=_LLAMA4, reads=("attention_chunk_size", "use_qk_norm"),
                           query_scale=_query_scale_llama4,
-                          # Llama4TextL2Norm on the rotary layers, after the rotation: weightless, per head, it
-                          # commutes with the rotation and is computed before it here
-                          qk_norm=QKNorm("rms", True, 1e-5, weight=False), qk_norm_flag="use_qk_norm",
+                          # Llama4TextL2Norm on the rotary layers, after the rotation (which it commutes with, but
+                          # not with a rotary's attention factor: yarn's, which it undoes)
+                          qk_norm=QKNorm("rms", True, 1e-5, weight=False, after_rotary=True),
+                          qk_norm_flag="use_qk_norm",
                           qk_norm_rope_only=True),
     "phi3": Family(layout="fused_qkv", qkv_bias=False, out_bias=False, layer_types=_layer_types_mistral),
     "ministral3": Family(layer_types=_layer_types_mistral, query_scale=_query_scale_ministral3,
@@ -710,10 +700,9 @@ FAMILIES: dict[str, Family] = {
     "codegen": _mha(_GPT2_PREFIX, layout="codegen", qkv_bias=False, out_bias=False, rope_interleaved=True,
                     rope_default=_ROTARY_DIM, buffers=_GPT_BUFFERS, fused=("qkv_proj", "out_proj"),
                     rope_fixed=_SINUSOIDAL),
-    # its rotation by -angle loaded as one by +angle (``rope_reversed``); a weightless RMS norm per head after it,
-    # which the rotation and the negations commute with, computed before it here
-    "nanochat": Family(qk_norm=QKNorm("rms", True, 1e-6, weight=False), rope_reversed=True,
-                       check=_check_norm_after_rotation),
+    # its rotation by -angle loaded as one by +angle (``rope_reversed``); a weightless RMS norm per head after it
+    # (which undoes a rotary's attention factor: yarn's, longrope's)
+    "nanochat": Family(qk_norm=QKNorm("rms", True, 1e-6, weight=False, after_rotary=True), rope_reversed=True),
     # gated softmax layers of hybrids: Qwen3-Next's q_proj holds each head's gate rows after its query rows;
     # Gemma 3's RMS QK-norm (1 + weight), a quarter of each head rotating
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), Family(
@@ -776,6 +765,14 @@ FAMILIES: dict[str, Family] = {
 FAMILIES["gpt-sw3"] = FAMILIES["gpt2"]  # GPT-2's model, its own tokenizer
 FAMILIES["lfm2_moe"] = replace(FAMILIES["lfm2"], layer_types=_layer_types_lfm2_moe)
 FAMILIES["granitemoe_swa"] = FAMILIES["granite_swa"]  # Granite SWA's attention with MoE blocks
+# Multimodal model types whose text model (its config's text_config) holds the attention its text family's record
+# reads: the starts that replace that record's prefix's "model.", the model's own names first, then those of
+# checkpoints saved in the older layout (which transformers converts when it loads them)
+MULTIMODAL: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("gemma3", "got_ocr2", "fuyu"), ("model.language_model.", "language_model.model.")),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "moss_transcribe_diarize"), ("model.language_model.",)),
+    "llama4": ("language_model.model.",),
+}
 # GPT-2's configs name the sizes their own way (transformers' attribute_map)
 ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
             "max_position_embeddings": "n_positions"}

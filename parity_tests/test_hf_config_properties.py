@@ -29,19 +29,22 @@ from hypothesis import strategies as st
 from mha_spec import config_keys, families
 from parity_tests import strategies, test_hf_families
 from parity_tests.test_hf_families import (
+    FLOAT32,
     RECORDS,
+    TEXT_MODELS,
     Supported,
     _config,
     _model,
     check_decode,
     check_family,
+    text_rotary,
 )
 
 SUPPORTED = sorted(name for name, r in RECORDS.items() if isinstance(r, Supported) and name != "gpt-sw3")
 # ci: PyTorch's twin alone (the twins share the options read, and JAX compiles each drawn shape anew); long: both
 TWINS = ("torch", "jax") if strategies.profile() == "long" else ("torch",)
-FLOAT32 = ("llama4_text",)  # its rotation: complex64 tables and products whatever the input
-FROM_ZERO = ("llama4_text",)  # every row's positions from 0: its temperature tuning reads the index, not positions
+# every row's positions from 0: its temperature tuning reads the index, not positions
+FROM_ZERO = ("llama4_text", "llama4")
 # key -> its values, the first the least default (the ci profile's one example takes every first value)
 DRAWS = {
     "num_key_value_heads": (1, 2, 4), "head_dim": (12, 8, 4),
@@ -67,6 +70,7 @@ KEPT = ("llama_4_scaling_beta", "max_position_embeddings")  # rope parameters' k
 def _drawable(name: str) -> tuple[list[str], bool]:
     """The keys of ``DRAWS`` the family's record reads and its config class holds; whether its rope parameters
     (one flat set) are drawn."""
+    name = TEXT_MODELS.get(name, name)  # a multimodal family's: its text model's
     saved = transformers.CONFIG_MAPPING[name]().to_dict()
     read, family = config_keys.keys_read(name), families.FAMILIES[name]
     keys = [k for k in DRAWS if k in read and k in saved]
@@ -101,20 +105,17 @@ def _decodable(model, layer_prefix: str) -> bool:
     latent)."""
     module = model.get_submodule(layer_prefix.rstrip("."))
     parameters = inspect.signature(module.forward).parameters
-    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    rotary = text_rotary(model)
     per_type = rotary is not None and any(name.endswith("_inv_freq") and name != "original_inv_freq"
                                          for name, _ in rotary.named_buffers())
     return {"position_embeddings", "past_key_values"} <= set(parameters) and not per_type \
-        and model.config.model_type not in ("llama4_text", "ministral3") \
-        and not families.FAMILIES[model.config.model_type].latent \
+        and model.config.get_text_config().model_type not in ("llama4_text", "ministral3") \
+        and not families.FAMILIES[model.config.get_text_config().model_type].latent \
         and not type(rotary).__name__.startswith("Cohere")  # a LatentCache; tables repeating in place
 
 
 # open findings of the drawn variants, each failing today (strict: fixed, it fails as passing)
-OPEN = {"llama4_text": "temperature tuning with chunks of 4, use_qk_norm and a config without layer_types: 0.06 off "
-                       "in float32 (drawn; not yet explained)",
-        **dict.fromkeys(("granite_swa", "granitemoe_swa"), "layer_rope_theta with yarn rope parameters (rope_theta "
-                                                          "100): 0.088 off in float64 (drawn; not yet explained)")}
+OPEN: dict[str, str] = {}
 BASES = {"gptj": dict(rotary_dim=4)}
 # config classes that derive every layer full: a config.json with sliding layers names them (never read bare)
 SAVED_TYPES = ("cohere_compass_text", "laguna")  # Cohere Compass's default rotary_dim (64) exceeds the heads' 8

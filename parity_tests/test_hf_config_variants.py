@@ -69,6 +69,25 @@ CONFIG_REGRESSIONS = [
         Supported("", dict(_LLAMA4, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5), layers=2),
         "float32", from_zero=True),
     ConfigRegression(
+        "llama4_text-use_qk_norm-yarn", "llama4_text use_qk_norm=True with yarn rope parameters (factor 4): its norm "
+        "after the rotation undoes yarn's attention factor; normalized before the rotation here, the factor was "
+        "kept: 0.063 off (float32 output) on its rotary layer", "llama4_text",
+        Supported("", dict(_LLAMA4, use_qk_norm=True, rope_parameters=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=8.0, beta_slow=1.0,
+            rope_theta=100.0)), layers=2), "float32"),
+    ConfigRegression(
+        "granite_swa-layer_rope_theta-rope_theta", "granite_swa layer_rope_theta [10000, 10000, 0] with rope_theta "
+        "100 (its model rotates each layer at its own base, its global rotary unused): the comparison's float64 "
+        "tables were the global rotary's, 0.21 off (0.05 with yarn)", "granite_swa",
+        Supported("", dict(sliding_window=WINDOW, attention_multiplier=0.2, layer_rope_theta=[10000.0, 10000.0, 0.0],
+                           rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                beta_fast=8.0, beta_slow=1.0, rope_theta=100.0)), layers=3)),
+    ConfigRegression(
+        "nanochat-yarn", "nanochat yarn rope parameters (factor 4): refused (its norm after the rotation undoes "
+        "yarn's attention factor, which a norm before the rotation kept: 0.116 off)", "nanochat",
+        Supported("", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                rope_theta=100.0)))),
+    ConfigRegression(
         "ministral3-llama_4_scaling_beta", "ministral3 rope_parameters llama_4_scaling_beta=0.5 over "
         "original_max_position_embeddings=2 (queries scaled by position): refused", "ministral3",
         Supported("", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0,

@@ -27,7 +27,7 @@ from flax import nnx
 
 import mha_jax
 import mha_torch
-from mha_spec import families
+from mha_spec import families, records
 from parity_tests.test_hf_models import (
     _keep_float64,
     _ours_jax,
@@ -83,9 +83,31 @@ class Refused:
     detail: str = ""
 
 
+# multimodal families' other towers, small (their text model's keys go under text_config)
+OUTER = {
+    "gemma3": dict(vision_config=dict(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=8, patch_size=4), mm_tokens_per_image=4),
+    "llama4": dict(vision_config=dict(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=8, patch_size=4, vision_output_dim=16, projector_input_dim=16,
+                                      projector_output_dim=16)),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), dict(vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=8, num_heads=2, out_hidden_size=HIDDEN,
+        num_position_embeddings=16))),
+    "got_ocr2": dict(vision_config=dict(hidden_size=16, output_channels=8, num_hidden_layers=1, num_attention_heads=2,
+                                        image_size=16, patch_size=4, window_size=2, global_attn_indexes=[0],
+                                        mlp_dim=8)),
+    "moss_transcribe_diarize": dict(audio_config=dict(num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                                                      hidden_size=16)),
+    "fuyu": dict(patch_size=2),
+}
+
+
 def _config(model_type: str, extra: dict, layers: int = 2):
-    """transformers' config of the family, small, eager attention (``extra``'s None: a key left out)."""
+    """transformers' config of the family, small, eager attention (``extra``'s None: a key left out; a multimodal
+    family's keys its text model's)."""
     keywords = {k: v for k, v in dict(COMMON, num_hidden_layers=layers, **extra).items() if v is not None}
+    if model_type in records.MULTIMODAL:
+        keywords = dict(OUTER[model_type], text_config=keywords)
     config = transformers.AutoConfig.for_model(model_type, **keywords)
     config._attn_implementation = "eager"
     return config
@@ -94,8 +116,10 @@ def _config(model_type: str, extra: dict, layers: int = 2):
 def _model(config):
     """transformers' causal LM of the family with random weights (of a few units: every scale and cap matters)."""
     torch.manual_seed(0)
-    cls = getattr(transformers, transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
-        config.model_type])
+    auto = transformers.models.auto.modeling_auto  # a multimodal family's model that takes its whole config
+    multimodal = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if config.model_type in records.MULTIMODAL else {}
+    cls = getattr(transformers, multimodal.get(config.model_type) or
+                  auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
     model = cls._from_config(config).eval()  # float32: grouped expert kernels take no float64
     if hasattr(model, "set_default_language"):  # X-MOD's adapters: one language's
         model.set_default_language("en_XX")
@@ -127,15 +151,37 @@ def _captured(model, modules: dict):
     return seen
 
 
-def _rotary64(model, cos, layer_type):
-    """The rotary tables the model gave (``cos`` of them), computed again in float64 from its own ``inv_freq``."""
-    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+def text_rotary(model):
+    """The model's rotary embedding of its text layers (not a multimodal model's vision tower's), None without."""
+    return next((m for m in model.modules()
+                 if type(m).__name__.endswith("RotaryEmbedding") and "Vision" not in type(m).__name__), None)
+
+
+def _layer_rotary(model, module):
+    """The rotary embedding whose tables the model gives ``module`` (of a model holding several, Granite SWA's one
+    per base: the one whose tables match those the model's call gives), None without one (or, of such a model, for
+    a layer it gives none)."""
+    first = text_rotary(model)
+    candidates = [m for m in model.modules() if type(m) is type(first)]
+    if len(candidates) < 2:
+        return first
+    given = _captured(model, {0: module})[0][1]["position_embeddings"]
+    if given is None:  # a layer that does not rotate
+        return None
+    zero = torch.zeros(1, dtype=torch.float32)
+    return min(candidates, key=lambda m: float((m(zero, _positions())[0] - given[0]).abs().max()))
+
+
+def _rotary64(model, module, cos, layer_type):
+    """The rotary tables the model gave ``module`` (``cos`` of them), computed again in float64 from the
+    ``inv_freq`` of the rotary embedding that gave them."""
+    rotary = _layer_rotary(model, module)
     has_type = hasattr(rotary, f"{layer_type}_inv_freq")
     interleaved = type(rotary).__name__.startswith(("CohereRotary", "Cohere2"))  # not Cohere Compass's
     return _tables64(rotary, _positions(), cos.shape[-1], layer_type if has_type else None, interleaved)
 
 
-def _at_dtype(model, layer, args, kwargs, dtype):
+def _at_dtype(model, module, layer, args, kwargs, dtype):
     """The model's arguments to a layer at ``dtype``: its additive mask at the dtype's minimum, its
     rotary tables (in float64 from ``inv_freq``), the hidden states left out."""
     torch_dtype = getattr(torch, dtype)
@@ -143,12 +189,13 @@ def _at_dtype(model, layer, args, kwargs, dtype):
     kwargs.pop("hidden_states", None)
     tables = kwargs.get("position_embeddings")
     if isinstance(tables, torch.Tensor) and tables.is_complex() and dtype == "float64":  # DeepSeek-V2's e^(i angle)
-        rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+        rotary = text_rotary(model)
         angles = _positions()[..., None].double() * rotary.inv_freq.double()
         kwargs["position_embeddings"] = torch.polar(torch.ones_like(angles), angles) * rotary.attention_scaling
     if isinstance(tables, tuple) and dtype == "float64":
-        layer_types = getattr(model.config, "layer_types", None)
-        kwargs["position_embeddings"] = _rotary64(model, tables[0], layer_types[layer] if layer_types else None)
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+        kwargs["position_embeddings"] = _rotary64(model, module, tables[0],
+                                                  layer_types[layer] if layer_types else None)
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dtype.is_floating_point:  # Falcon's with ALiBi also holds it: left out
         kwargs["attention_mask"] = torch.zeros(mask.shape, dtype=torch_dtype).masked_fill(
@@ -185,7 +232,7 @@ def _theirs(model, options, layer, call, dtype, monkeypatch):
     """transformers' attention of ``layer`` on the arguments its model gave it (``call``):
     inputs, output, gradients by our names, the layer's checkpoint."""
     module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(getattr(torch, dtype))
-    rest, kwargs = _at_dtype(model, layer, *call, dtype)
+    rest, kwargs = _at_dtype(model, model.get_submodule(options.prefix.rstrip(".")), layer, *call, dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
     x = np.random.default_rng(0).normal(size=(B, S, options.input_size or HIDDEN))
@@ -246,7 +293,10 @@ class _Bare:
         self.config = config
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.config.to_dict().items() if k not in DERIVED}
+        raw = {k: v for k, v in self.config.to_dict().items() if k not in DERIVED}
+        if isinstance(raw.get("text_config"), dict):  # a multimodal model's
+            raw["text_config"] = {k: v for k, v in raw["text_config"].items() if k not in DERIVED}
+        return raw
 
 
 TWINS = ("torch", "jax")
@@ -411,8 +461,6 @@ RECORDS: dict[str, Supported | Refused] = {
                       "output (g_proj), RMS QK-norm per head, sliding layers, the full layers' proportional rotary "
                       "(half of each head's frequencies zero)",
                       dict(sliding_window=WINDOW), layers=5),
-    **{name: Refused(_TEXT, "its text model is qwen3_5_text's, qwen3_5_moe_text's") for name in (
-        "qwen3_5", "qwen3_5_moe")},
     **{name: Supported("its softmax layers (layer_types; the others gated delta nets): a sigmoid gate on each "
                        "output feature (its rows after each head's query rows in q_proj), RMS QK-norm (1 + weight), "
                        "a quarter of each head rotating", dict(layer_types=["linear_attention", "full_attention"],
@@ -516,8 +564,8 @@ RECORDS: dict[str, Supported | Refused] = {
                                 dict(num_experts=2, moe_topk=1)),
     "nanochat": Supported("its rotation by -angle (rotate_half (x2, -x1)): the second half of each head's rotary "
                           "rows of q_proj and k_proj negated when loading, which turns it by +angle and cancels in "
-                          "the scores; a weightless RMS norm per head after the rotation (yarn and longrope refused: "
-                          "the norm undoes their attention factor)"),
+                          "the scores; a weightless RMS norm per head after the rotation (which undoes yarn's "
+                          "attention factor)"),
     **{name: Refused("a checkpoint layout not yet written") for name in (
         "git", "moshi")},
     "cohere_compass_text": Supported("sliding layers, rope parameters per layer type (None: the layer does not "
@@ -541,9 +589,14 @@ RECORDS: dict[str, Supported | Refused] = {
     **{name: Refused("shared key/value layers") for name in (
         "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified",
         "gemma4_unified_text", "gemma4_unified_assistant")},
-    **{name: Refused(_TEXT) for name in (
-        "gemma3", "llama4", "fuyu", "got_ocr2", "moss_transcribe_diarize", "emu3", "phi4_multimodal")},
+    **{name: Refused(_TEXT) for name in ("emu3", "phi4_multimodal")},
 }
+# multimodal families: their text model's attention (its record's config under text_config), under its own prefix
+TEXT_MODELS = {name: transformers.CONFIG_MAPPING[name]().text_config.model_type for name in records.MULTIMODAL}
+RECORDS.update({name: Supported(
+    f"its text model's ({text}'s) attention, under {records.MULTIMODAL[name][0]}"
+    + "".join(f" ({start} in checkpoints saved in the older layout)" for start in records.MULTIMODAL[name][1:]),
+    RECORDS[text].config, RECORDS[text].layers) for name, text in TEXT_MODELS.items()})
 
 
 def test_every_causal_lm_family_of_transformers_is_recorded():
@@ -554,8 +607,8 @@ def test_every_causal_lm_family_of_transformers_is_recorded():
     assert sorted(set(RECORDS) - names) == [], "records of families transformers does not have"
     assert all(r.reason in REASONS for r in RECORDS.values() if isinstance(r, Refused))
     supported = [name for name, r in RECORDS.items() if isinstance(r, Supported)]
-    assert all(name in families.FAMILIES for name in supported)
-    assert len(supported) >= 119, len(supported)
+    assert all(name in families.FAMILIES or name in records.MULTIMODAL for name in supported)
+    assert len(supported) >= 126, len(supported)
 
 
 REFUSED_OPTIONS = {  # a supported family with an option it does not compute: (config keywords, feature)
@@ -698,6 +751,7 @@ def test_refused_families_and_options_raise_naming_what_is_missing():
                 from_hf(raw)
 
 
+FLOAT32 = ("llama4_text", "llama4")  # transformers' rotation: complex64 tables and products whatever the input
 NEW = [name for name, r in RECORDS.items() if isinstance(r, Supported) and not r.uses.startswith("proven in")]
 # a family's second config, where its checkpoint's layout depends on the config: name -> (family, record)
 VARIANTS = {
@@ -715,8 +769,8 @@ def test_family_equals_its_transformers_attention(name, monkeypatch):
     """Every layer of the family's small model (a whole period of its layer pattern): both twins
     against transformers' attention, outputs and gradients of the input and of every weight."""
     model_type, record = VARIANTS.get(name, (name, RECORDS.get(name)))
-    worst = check_family(model_type, record, ("float64", "float32"), monkeypatch)
-    assert max(worst["float64"]) < 1e-12, worst
+    worst = check_family(model_type, record, ("float32",) if name in FLOAT32 else ("float64", "float32"), monkeypatch)
+    assert name in FLOAT32 or max(worst["float64"]) < 1e-12, worst
     assert worst["float32"][0] < 1e-6 and worst["float32"][1] < 1e-5, worst
 
 
@@ -733,6 +787,29 @@ def test_gemma3n_s_layers_that_reuse_another_s_keys_and_values_are_refused_by_ki
     for build in (families.layer_options, mha_torch.from_hf, mha_jax.from_hf):
         with pytest.raises(ValueError, match=r"layer 5 of this gemma3n_text config is a 'shared_kv_attention' layer"):
             build(families.read_config(raw), layer=5)
+
+
+@pytest.mark.parametrize("name", sorted(records.MULTIMODAL))
+def test_a_multimodal_checkpoint_as_transformers_saves_it_loads_its_text_model_s_attention(name, tmp_path):
+    """The family's small model saved by transformers (in the older layout, where it converts that on loading)
+    and read back by both twins' ``from_hf`` from the files: every attention layer holds the weights of the
+    model's own module at the record's prefix (whose function the family's test holds to transformers')."""
+    record = RECORDS[name]
+    model = _model(_config(name, record.config, record.layers))
+    model.save_pretrained(tmp_path)
+    (weights,) = tmp_path.glob("*.safetensors")
+    with safetensors.safe_open(weights, "pt") as f:
+        saved = list(f.keys())
+    assert any(key.startswith(records.MULTIMODAL[name][-1]) for key in saved)
+    raw = families.read_config(tmp_path / "config.json")
+    for layer in families.attention_layers(raw):
+        options = families.layer_options(raw, layer)
+        own = {options.prefix + k: v for k, v in model.get_submodule(options.prefix.rstrip(".")).state_dict().items()}
+        expected = mha_torch.from_hf(raw, own, layer=layer).state_dict()
+        for got in (mha_torch.from_hf(tmp_path / "config.json", weights, layer=layer).state_dict(),
+                    mha_jax.to_torch(mha_jax.from_hf(tmp_path / "config.json", weights, layer=layer))):
+            assert sorted(got) == sorted(expected), layer
+            assert all(np.array_equal(np.asarray(got[k]), expected[k].numpy()) for k in expected), layer
 
 
 def test_laguna_s_rope_parameters_per_layer_type_are_its_config_class_s_where_a_config_leaves_them_out():
@@ -889,7 +966,8 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
     module = copy.deepcopy(model.get_submodule(options.prefix.rstrip("."))).to(torch_dtype)
     if dtype == "float64":
         _keep_float64(monkeypatch, module)
-    tables = _decode_tables(model, dtype, (getattr(model.config, "layer_types", None) or [None] * (layer + 1))[layer])
+    layer_type = (getattr(model.config.get_text_config(), "layer_types", None) or [None] * (layer + 1))[layer]
+    tables = _decode_tables(model, model.get_submodule(options.prefix.rstrip(".")), dtype, layer_type)
     parameters = inspect.signature(module.forward).parameters
     cache, outs, start = transformers.DynamicCache(), [], 0
     for n in STEPS:
@@ -904,11 +982,11 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
     return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _decode_tables(model, dtype, layer_type=None):
-    """The model's rotary tables (cos, sin) at positions ``0 .. S - 1`` (the layer type's, where it keeps one per
-    type: Gemma 3n), float64 from its ``inv_freq`` in float64; None without a rotary embedding (the ALiBi
-    families)."""
-    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+def _decode_tables(model, module, dtype, layer_type=None):
+    """The rotary tables (cos, sin) the model gives ``module`` at positions ``0 .. S - 1`` (the layer type's, where
+    it keeps one per type: Gemma 3n), float64 from its ``inv_freq`` in float64; None without a rotary embedding
+    (the ALiBi families)."""
+    rotary = _layer_rotary(model, module)
     if rotary is None:
         return None
     positions = torch.arange(S)[None].expand(B, -1)
@@ -930,8 +1008,9 @@ def _step_arguments(model, module, options, parameters, start, n, tables, torch_
                 "position_bias": modeling.build_mpt_alibi_tensor(options.num_heads, start + n).to(torch_dtype)}
     mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
     arguments = {"attention_mask": mask.expand(B, 1, -1, -1)}
-    if tables is not None:
-        arguments["position_embeddings"] = tuple(t[:, start:start + n].to(torch_dtype) for t in tables)
+    if tables is not None or "position_embeddings" in parameters:  # None: a layer that does not rotate
+        arguments["position_embeddings"] = None if tables is None else tuple(
+            t[:, start:start + n].to(torch_dtype) for t in tables)
     if "alibi" in parameters:
         keys = torch.ones(B, start + n, dtype=torch.long)
         arguments["alibi"] = (modeling.build_alibi_tensor(keys, options.num_heads, torch_dtype)
