@@ -19,8 +19,6 @@ A failure found is kept in ``test_hf_config_variants.CONFIG_REGRESSIONS``.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import transformers
 from hypothesis import Phase, given, reject, settings
@@ -37,7 +35,6 @@ from parity_tests.test_hf_families import (
     _model,
     check_decode,
     check_family,
-    text_rotary,
 )
 
 SUPPORTED = sorted(name for name, r in RECORDS.items() if isinstance(r, Supported) and name != "gpt-sw3")
@@ -99,19 +96,15 @@ def variants(draw, name: str) -> tuple[dict, bool]:
     return {**BASES.get(name, {}), **record.config, **drawn}, bare
 
 
-def _decodable(model, layer_prefix: str) -> bool:
-    """Whether ``check_decode`` drives the family's attention: Llama's call (``position_embeddings``,
-    ``past_key_values``), one rotary table for every layer in halves (not Cohere's), a cache of keys (not
-    latent)."""
-    module = model.get_submodule(layer_prefix.rstrip("."))
-    parameters = inspect.signature(module.forward).parameters
-    rotary = text_rotary(model)
-    per_type = rotary is not None and any(name.endswith("_inv_freq") and name != "original_inv_freq"
-                                         for name, _ in rotary.named_buffers())
-    return {"position_embeddings", "past_key_values"} <= set(parameters) and not per_type \
-        and model.config.get_text_config().model_type not in ("llama4_text", "ministral3") \
-        and not families.FAMILIES[model.config.get_text_config().model_type].latent \
-        and not type(rotary).__name__.startswith("Cohere")  # a LatentCache; tables repeating in place
+# families whose attention ``check_decode`` does not drive, each with why (every other one decodes each variant)
+NOT_DECODED = {
+    "ctrl": "its attention takes (v, k, q, mask), not a cache keyword",
+    "openai-gpt": "transformers' GPT-1 attention keeps no cache",
+    "xlm": "its comparison's float64 forward keeps no cache",
+    "zamba": "its attention takes the layer index as an argument",
+    "xglm": "its step's mask overflows (transformers builds it at float32's minimum)",
+    "ministral3": "its decoding step's query scale from float32 positions: 6e-10 off in float64",
+}
 
 
 # open findings of the drawn variants, each failing today (strict: fixed, it fails as passing)
@@ -150,7 +143,7 @@ def test_a_drawn_config_variant_equals_transformers_attention(name, data):
         assert all(e < t for e, t in zip(worst[dtype], tolerance)), (extra, bare, worst)
         raw = families.read_config(model.config.to_dict())
         last = families.attention_layers(raw)[-1]  # a hybrid's last attention layer
-        if _decodable(model, families.layer_options(raw, last).prefix):
+        if name not in NOT_DECODED:
             for key, error in check_decode(name, variant, (dtype,), monkeypatch, [last], bare, model,
                                            TWINS).items():
                 assert error < tolerance[0], (extra, bare, key, error)

@@ -968,15 +968,17 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
         _keep_float64(monkeypatch, module)
     layer_type = (getattr(model.config.get_text_config(), "layer_types", None) or [None] * (layer + 1))[layer]
     tables = _decode_tables(model, model.get_submodule(options.prefix.rstrip(".")), dtype, layer_type)
-    parameters = inspect.signature(module.forward).parameters
+    attention = module.self if options.ignore else module  # BERT's block: its self-attention, then output.dense
+    parameters = inspect.signature(attention.forward).parameters
     cache, outs, start = transformers.DynamicCache(), [], 0
     for n in STEPS:
         keywords = {"past_key_values" if "past_key_values" in parameters else "layer_past": cache,
-                    **_step_arguments(model, module, options, parameters, start, n, tables, torch_dtype)}
+                    **_step_arguments(model, attention, options, parameters, start, n, tables, torch_dtype)}
         keywords.update({k: v for k, v in (("use_cache", True),) if k in parameters})
         with torch.no_grad():
-            out = module(torch.tensor(x[:, start:start + n], dtype=torch_dtype), **keywords)
-        outs.append((out[0] if isinstance(out, tuple) else out).double().numpy())
+            out = attention(torch.tensor(x[:, start:start + n], dtype=torch_dtype), **keywords)
+            out = module.output.dense(out[0]) if options.ignore else _attention_output(out)
+        outs.append(out.double().numpy())
         start += n
     monkeypatch.undo()
     return np.concatenate(outs, axis=1), {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -985,14 +987,22 @@ def _their_decode(model, layer, options, x, dtype, monkeypatch):
 def _decode_tables(model, module, dtype, layer_type=None):
     """The rotary tables (cos, sin) the model gives ``module`` at positions ``0 .. S - 1`` (the layer type's, where
     it keeps one per type: Gemma 3n), float64 from its ``inv_freq`` in float64; None without a rotary embedding
-    (the ALiBi families)."""
+    (the ALiBi families) or tables for the layer's type."""
     rotary = _layer_rotary(model, module)
     if rotary is None:
         return None
     positions = torch.arange(S)[None].expand(B, -1)
     typed = layer_type if hasattr(rotary, f"{layer_type}_inv_freq") else None
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions, *([typed] if typed else []))
-    return _tables64(rotary, positions, cos.shape[-1], typed) if dtype == "float64" else (cos, sin)
+    if typed is None and any(name.endswith("_inv_freq") and name != "original_inv_freq"
+                             for name, _ in rotary.named_buffers()):
+        return None  # tables per layer type, none for this one (Cohere Compass's full layers)
+    tables = rotary(torch.zeros(1, dtype=torch.float32), positions, *([typed] if typed else []))
+    if isinstance(tables, torch.Tensor):  # DeepSeek-V2's, Llama 4's e^(i angle) (complex128 from inv_freq)
+        angles = positions[..., None].double() * rotary.inv_freq.double()
+        return torch.polar(torch.ones_like(angles), angles) * rotary.attention_scaling if dtype == "float64" \
+            else tables
+    interleaved = type(rotary).__name__.startswith(("CohereRotary", "Cohere2"))  # not Cohere Compass's
+    return _tables64(rotary, positions, tables[0].shape[-1], typed, interleaved) if dtype == "float64" else tables
 
 
 def _step_arguments(model, module, options, parameters, start, n, tables, torch_dtype):
@@ -1009,8 +1019,11 @@ def _step_arguments(model, module, options, parameters, start, n, tables, torch_
     mask = torch.zeros(allowed.shape, dtype=torch_dtype).masked_fill(~allowed, torch.finfo(torch_dtype).min)
     arguments = {"attention_mask": mask.expand(B, 1, -1, -1)}
     if tables is not None or "position_embeddings" in parameters:  # None: a layer that does not rotate
-        arguments["position_embeddings"] = None if tables is None else tuple(
-            t[:, start:start + n].to(torch_dtype) for t in tables)
+        arguments["position_embeddings"] = None if tables is None else tables[:, start:start + n] if isinstance(
+            tables, torch.Tensor) else tuple(t[:, start:start + n].to(torch_dtype) for t in tables)  # complex: one
+    positions = torch.arange(start, start + n)
+    arguments.update({k: v for k, v in (("position_ids", positions[None].expand(B, -1)), ("cache_position", positions))
+                      if k in parameters})
     if "alibi" in parameters:
         keys = torch.ones(B, start + n, dtype=torch.long)
         arguments["alibi"] = (modeling.build_alibi_tensor(keys, options.num_heads, torch_dtype)
@@ -1028,7 +1041,8 @@ def _our_decode(raw, layer, state, x, dtype, twins=TWINS):
     outs = []
     if "torch" in twins:
         module = mha_torch.from_hf(raw, state, layer=layer, dtype=getattr(torch, dtype))
-        cache = mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
+        cache = mha_torch.LatentCache(B, S, options.latent, dtype=getattr(torch, dtype)) if options.latent else \
+            mha_torch.KVCache(B, S, options.num_kv_heads, options.head_dim, dtype=getattr(torch, dtype))
         with torch.no_grad():
             outs.append(np.concatenate([module(torch.tensor(chunk, dtype=getattr(torch, dtype)), cache=cache,
                                                is_causal=True).double().numpy() for chunk in _steps(x)], axis=1))
