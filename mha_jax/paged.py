@@ -45,16 +45,9 @@ def schedule(cache: PagedKVCache, step: dict[str, Any]) -> PagedKVCache:
     return cache._replace(**arrays)
 
 
-def _step(cache: PagedKVCache) -> dict[str, jax.Array]:
-    return {name: getattr(cache, name) for name in paged.STEP}
-
-
-def _checked(cache: PagedKVCache, total_q: int, max_q_len: int) -> None:
-    """The step's values where they are known (not under ``jit``)."""
-    paged.check_cache(cache.kv_pages.shape, {name: a.shape for name, a in _step(cache).items()})
-    if not any(isinstance(a, jax.core.Tracer) for a in _step(cache).values()):
-        paged.check_values({k: np.asarray(a) for k, a in _step(cache).items()}, cache.kv_pages.shape[1],
-                           cache.kv_pages.shape[0], total_q, max_q_len)
+def _known(array: jax.Array) -> np.ndarray | None:
+    """A step array's values, None under ``jit``."""
+    return None if isinstance(array, jax.core.Tracer) else np.asarray(array)
 
 
 def write(cache: PagedKVCache, keys: jax.Array, values: jax.Array) -> PagedKVCache:
@@ -63,9 +56,9 @@ def write(cache: PagedKVCache, keys: jax.Array, values: jax.Array) -> PagedKVCac
     num_pages, page_size, heads2, head_dim = cache.kv_pages.shape
     for name, array in (("keys", keys), ("values", values)):
         paged.check_queries(name, array.shape, heads2 // 2, cache.kv_pages.shape)
-    _checked(cache, keys.shape[0], keys.shape[0])
+    paged.check_step(cache, keys.shape[0], keys.shape[0], known=_known)
     pool = num_pages * page_size
-    _, _, slot, _ = paged.token_places(_step(cache), jnp.arange(keys.shape[0]), page_size, pool, jnp)
+    _, _, slot, _ = paged.token_places(paged.step_arrays(cache), jnp.arange(keys.shape[0]), page_size, pool, jnp)
     new = jnp.stack([keys, values], axis=2).reshape(keys.shape[0], heads2, head_dim).astype(cache.kv_pages.dtype)
     flat = cache.kv_pages.reshape(pool, heads2, head_dim).at[slot].set(new, mode="drop")
     return cache._replace(kv_pages=flat.reshape(cache.kv_pages.shape))
@@ -78,24 +71,16 @@ def ragged_attention(queries: jax.Array, cache: PagedKVCache, *, max_q_len: int 
     decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
     ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
     past ``cu_q_lens[num_seqs]``; JAX arrays, jittable (``max_q_len`` static)."""
-    max_q, terms = _checked_call(queries, cache, max_q_len, terms)
+    max_q, terms = paged.checked_call(queries, cache, max_q_len, terms, _checks.require_float, _known)
     implementation = terms.pop("implementation")
     if implementation is not None:
         return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
     return _paged.attend(queries, cache, max_q, **terms)
 
 
-def _checked_call(queries: jax.Array, cache: PagedKVCache, max_q_len: int | None, terms: dict) -> tuple[int, dict]:
-    """``(max_q, terms)`` of a ragged call checked (``mha_spec.paged.checked_call``), the cache's step too."""
-    max_q, terms = paged.checked_call(queries, cache.kv_pages, cache.kv_lens.shape[0], max_q_len, terms,
-                                      _checks.require_float)
-    _checked(cache, queries.shape[0], max_q)
-    return max_q, terms
-
-
 def _gathered(queries: jax.Array, cache: PagedKVCache, max_q: int, terms: dict) -> jax.Array:
     """``ragged_attention`` as one ``mha_jax.dot_product_attention`` call over the pages gathered, padded."""
-    step, (num_pages, page_size, heads2, head_dim) = _step(cache), cache.kv_pages.shape
+    step, (num_pages, page_size, heads2, head_dim) = paged.step_arrays(cache), cache.kv_pages.shape
     total_q, max_seqs = queries.shape[0], cache.kv_lens.shape[0]
     token, kv_lens, positions = paged.row_queries(step, jnp.arange(max_seqs), jnp.arange(max_q), total_q, jnp)
     kv = cache.kv_pages[cache.page_indices].reshape(max_seqs, -1, heads2, head_dim)
@@ -117,7 +102,7 @@ def from_contiguous(key: jax.Array, value: jax.Array, lengths: Any, table: PageT
                          f"table lengths {table.lengths.tolist()}")
     cache = schedule(init_cache(table, key.shape[2], key.shape[3], key.dtype), table.append(lengths))
     total, pool = int(lengths.sum()), table.num_pages * table.page_size
-    seq, index, _, _ = paged.token_places(_step(cache), jnp.arange(total), table.page_size, pool, jnp)
+    seq, index, _, _ = paged.token_places(paged.step_arrays(cache), jnp.arange(total), table.page_size, pool, jnp)
     return write(cache, key[seq, index], value[seq, index])
 
 

@@ -86,6 +86,21 @@ class PageTable:
         self.lengths[seq] = 0
 
 
+def step_arrays(cache: Any) -> dict[str, Any]:
+    """A twin's cache's step arrays (``STEP``) by name."""
+    return {name: getattr(cache, name) for name in STEP}
+
+
+def check_step(cache: Any, total_q: int, max_q_len: int, *, known: Any) -> None:
+    """A twin's cache's step: its shapes, and its values where ``known(array)`` gives them as NumPy (None inside a
+    trace: ``jit``, ``torch.compile``)."""
+    step = step_arrays(cache)
+    check_cache(cache.kv_pages.shape, {name: a.shape for name, a in step.items()})
+    values = {name: known(a) for name, a in step.items()}
+    if all(v is not None for v in values.values()):
+        check_values(values, cache.kv_pages.shape[1], cache.kv_pages.shape[0], total_q, max_q_len)
+
+
 def check_cache(kv_pages: Sequence[int], step: dict[str, Sequence[int]]) -> None:
     """``kv_pages`` ``(num_pages, page_size, 2 * kv_heads, head_dim)`` and a step's arrays' shapes (``STEP``)."""
     max_seqs = step["page_indices"][0] if len(step["page_indices"]) == 2 else -1
@@ -158,12 +173,14 @@ def check_terms(terms: dict[str, Any]) -> None:
         raise TypeError(f"a ragged call takes the terms {TERMS} by keyword, not {unknown}")
 
 
-def checked_call(queries: Any, kv_pages: Any, max_seqs: int, max_q_len: int | None, terms: dict[str, Any],
-                 require_float: Any) -> tuple[int, dict[str, Any]]:
+def checked_call(queries: Any, cache: Any, max_q_len: int | None, terms: dict[str, Any], require_float: Any,
+                 known: Any) -> tuple[int, dict[str, Any]]:
     """``(max_q, terms)`` of a ragged call: ``queries`` packed and of ``kv_pages``' dtype, ``max_q`` ``max_q_len`` or
     ``total_q``, ``terms`` checked as ``dot_product_attention`` checks them: every one of ``TERMS`` (None where not
     given), ``scale`` ``head_dim ** -0.5`` by default, ``local_window_size`` as ``(left, right)``, ``sinks``
-    ``(heads,)`` and ``alibi_slopes`` ``(heads,)`` or ``(max_seqs, heads)`` floating (``require_float``: the twin's)."""
+    ``(heads,)`` and ``alibi_slopes`` ``(heads,)`` or ``(max_seqs, heads)`` floating (``require_float``: the twin's);
+    the twin's ``cache``'s step as ``check_step`` checks it (``known``: the twin's)."""
+    kv_pages, max_seqs = cache.kv_pages, cache.kv_lens.shape[0]
     check_queries("queries", queries.shape, None, kv_pages.shape)
     if queries.dtype != kv_pages.dtype:
         names = [str(x.dtype).removeprefix("torch.") for x in (queries, kv_pages)]
@@ -181,6 +198,7 @@ def checked_call(queries: Any, kv_pages: Any, max_seqs: int, max_q_len: int | No
     if checked["alibi_slopes"] is not None:
         require_float("alibi_slopes", checked["alibi_slopes"])
         alibi.check_slopes_shape(checked["alibi_slopes"].shape, max_seqs, heads)
+    check_step(cache, total_q, max_q_len or total_q, known=known)
     return max_q_len or total_q, checked
 
 

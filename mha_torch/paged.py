@@ -45,16 +45,9 @@ def schedule(cache: PagedKVCache, step: dict[str, Any]) -> PagedKVCache:
     return cache._replace(**arrays)
 
 
-def _step(cache: PagedKVCache) -> dict[str, torch.Tensor]:
-    return {name: getattr(cache, name) for name in paged.STEP}
-
-
-def _checked(cache: PagedKVCache, total_q: int, max_q_len: int) -> None:
-    """The step's values where they are known (not under ``torch.compile``)."""
-    paged.check_cache(cache.kv_pages.shape, {name: a.shape for name, a in _step(cache).items()})
-    if not torch.compiler.is_compiling():
-        paged.check_values({k: a.cpu().numpy() for k, a in _step(cache).items()}, cache.kv_pages.shape[1],
-                           cache.kv_pages.shape[0], total_q, max_q_len)
+def _known(array: torch.Tensor) -> np.ndarray | None:
+    """A step array's values, None under ``torch.compile``."""
+    return None if torch.compiler.is_compiling() else array.cpu().numpy()
 
 
 def write(cache: PagedKVCache, keys: torch.Tensor, values: torch.Tensor) -> PagedKVCache:
@@ -63,10 +56,10 @@ def write(cache: PagedKVCache, keys: torch.Tensor, values: torch.Tensor) -> Page
     num_pages, page_size, heads2, head_dim = cache.kv_pages.shape
     for name, array in (("keys", keys), ("values", values)):
         paged.check_queries(name, array.shape, heads2 // 2, cache.kv_pages.shape)
-    _checked(cache, keys.shape[0], keys.shape[0])
+    paged.check_step(cache, keys.shape[0], keys.shape[0], known=_known)
     pool = num_pages * page_size
     tokens = torch.arange(keys.shape[0], device=keys.device)
-    _, _, slot, valid = paged.token_places(_step(cache), tokens, page_size, pool, torch)
+    _, _, slot, valid = paged.token_places(paged.step_arrays(cache), tokens, page_size, pool, torch)
     new = torch.stack([keys, values], dim=2).reshape(keys.shape[0], heads2, head_dim).to(cache.kv_pages.dtype)
     cache.kv_pages.view(pool, heads2, head_dim)[slot[valid]] = new[valid]
     return cache
@@ -79,24 +72,16 @@ def ragged_attention(queries: torch.Tensor, cache: PagedKVCache, *, max_q_len: i
     decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
     ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
     past ``cu_q_lens[num_seqs]``; tensors on the pool's device."""
-    max_q, terms = _checked_call(queries, cache, max_q_len, terms)
+    max_q, terms = paged.checked_call(queries, cache, max_q_len, terms, _checks.require_float, _known)
     implementation = terms.pop("implementation")
     if implementation is not None:
         return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
     return _paged.attend(queries, cache, max_q, **terms)
 
 
-def _checked_call(queries: torch.Tensor, cache: PagedKVCache, max_q_len: int | None, terms: dict) -> tuple[int, dict]:
-    """``(max_q, terms)`` of a ragged call checked (``mha_spec.paged.checked_call``), the cache's step too."""
-    max_q, terms = paged.checked_call(queries, cache.kv_pages, cache.kv_lens.shape[0], max_q_len, terms,
-                                      _checks.require_float)
-    _checked(cache, queries.shape[0], max_q)
-    return max_q, terms
-
-
 def _gathered(queries: torch.Tensor, cache: PagedKVCache, max_q: int, terms: dict) -> torch.Tensor:
     """``ragged_attention`` as one ``mha_torch.dot_product_attention`` call over the pages gathered, padded."""
-    step, (num_pages, page_size, heads2, head_dim) = _step(cache), cache.kv_pages.shape
+    step, (num_pages, page_size, heads2, head_dim) = paged.step_arrays(cache), cache.kv_pages.shape
     total_q, max_seqs, device = queries.shape[0], cache.kv_lens.shape[0], queries.device
     token, kv_lens, positions = paged.row_queries(
         step, torch.arange(max_seqs, device=device), torch.arange(max_q, device=device), total_q, torch)
@@ -120,8 +105,8 @@ def from_contiguous(key: torch.Tensor, value: torch.Tensor, lengths: Any, table:
                          f"{lengths.tolist()}, table lengths {table.lengths.tolist()}")
     cache = schedule(init_cache(table, key.shape[2], key.shape[3], key.dtype, key.device), table.append(lengths))
     total, pool = int(lengths.sum()), table.num_pages * table.page_size
-    seq, index, _, _ = paged.token_places(_step(cache), torch.arange(total, device=key.device), table.page_size,
-                                          pool, torch)
+    seq, index, _, _ = paged.token_places(paged.step_arrays(cache), torch.arange(total, device=key.device),
+                                          table.page_size, pool, torch)
     return write(cache, key[seq, index], value[seq, index])
 
 

@@ -31,6 +31,9 @@ _EXPERTS = dict(num_experts=2, num_experts_per_tok=1)
 # a small Llama 4 text model: chunks of 16 (past the length), every 2nd layer without rotary
 _LLAMA4 = dict(attn_temperature_tuning=False, attention_chunk_size=16, no_rope_layer_interval=2, use_qk_norm=False,
                num_local_experts=2, num_experts_per_tok=1)
+# yarn rope parameters (an attention factor of 1.139) at base 100
+_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=8.0, beta_slow=1.0,
+             rope_theta=100.0)
 CONFIG_REGRESSIONS = [
     ConfigRegression(
         "qwen3_moe-use_sliding_window", "qwen3_moe use_sliding_window=True (its config class has no layer_types "
@@ -72,21 +75,17 @@ CONFIG_REGRESSIONS = [
         "llama4_text-use_qk_norm-yarn", "llama4_text use_qk_norm=True with yarn rope parameters (factor 4): its norm "
         "after the rotation undoes yarn's attention factor; normalized before the rotation here, the factor was "
         "kept: 0.063 off (float32 output) on its rotary layer", "llama4_text",
-        Supported("", dict(_LLAMA4, use_qk_norm=True, rope_parameters=dict(
-            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=8.0, beta_slow=1.0,
-            rope_theta=100.0)), layers=2), "float32"),
+        Supported("", dict(_LLAMA4, use_qk_norm=True, rope_parameters=_YARN), layers=2), "float32"),
     ConfigRegression(
         "granite_swa-layer_rope_theta-rope_theta", "granite_swa layer_rope_theta [10000, 10000, 0] with rope_theta "
         "100 (its model rotates each layer at its own base, its global rotary unused): the comparison's float64 "
         "tables were the global rotary's, 0.21 off (0.05 with yarn)", "granite_swa",
         Supported("", dict(sliding_window=WINDOW, attention_multiplier=0.2, layer_rope_theta=[10000.0, 10000.0, 0.0],
-                           rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
-                                                beta_fast=8.0, beta_slow=1.0, rope_theta=100.0)), layers=3)),
+                           rope_parameters=_YARN), layers=3)),
     ConfigRegression(
         "nanochat-yarn", "nanochat yarn rope parameters (factor 4): refused (its norm after the rotation undoes "
         "yarn's attention factor, which a norm before the rotation kept: 0.116 off)", "nanochat",
-        Supported("", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
-                                                rope_theta=100.0)))),
+        Supported("", dict(rope_parameters=_YARN))),
     ConfigRegression(
         "ministral3-llama_4_scaling_beta", "ministral3 rope_parameters llama_4_scaling_beta=0.5 over "
         "original_max_position_embeddings=2 (queries scaled by position): refused", "ministral3",
