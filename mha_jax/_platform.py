@@ -27,13 +27,13 @@ INTERNALS = {
 }
 
 
-def jax_internal(module: str):
-    """JAX's internal ``module``; an ImportError naming what moved if it lacks what ``INTERNALS`` lists."""
+def jax_internal(module: str, internals: dict[str, tuple[str, ...]] = INTERNALS):
+    """JAX's internal ``module``; an ImportError naming what moved if it lacks what ``internals`` lists."""
     try:
         found = importlib.import_module(module)
     except ImportError:
         found = None
-    missing = [name for name in INTERNALS[module] if not hasattr(found, name)]
+    missing = [name for name in internals[module] if not hasattr(found, name)]
     if missing:
         raise ImportError(
             f"mha_jax uses JAX's internal {module}: {', '.join(missing)}, written for jax {JAX_VERSION}; "

@@ -16,13 +16,12 @@ def test_each_internal_is_where_it_was(module):
     _platform.jax_internal(module)  # raises naming the internal and the version when it moved
 
 
-def test_a_moved_internal_is_named_with_the_version(monkeypatch):
-    monkeypatch.setitem(_platform.INTERNALS, "jax._src.interpreters.partial_eval", ("no_such_function",))
+def test_a_moved_internal_is_named_with_the_version():
+    moved = {"jax._src.interpreters.partial_eval": ("no_such_function",), "jax._src.no_such_module": ("x",)}
     with pytest.raises(ImportError, match=r"partial_eval: no_such_function, written for jax 0\.10\.2"):
-        _platform.jax_internal("jax._src.interpreters.partial_eval")
-    monkeypatch.setitem(_platform.INTERNALS, "jax._src.no_such_module", ("x",))
+        _platform.jax_internal("jax._src.interpreters.partial_eval", moved)
     with pytest.raises(ImportError, match="no_such_module: x"):
-        _platform.jax_internal("jax._src.no_such_module")
+        _platform.jax_internal("jax._src.no_such_module", moved)
 
 
 def test_the_cudnn_check_is_restored_after_tracing():

@@ -16,7 +16,7 @@ from safetensors.torch import save_file as save_torch
 
 import mha_jax
 import mha_torch
-from parity_tests.tool import cli, harness
+from parity_tests.tool import cli, harness, ports
 from parity_tests.tool.arrays import same_bits
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -283,20 +283,18 @@ def test_normalize_qk_checkpoints_convert_and_verify(tmp_path, capsys):
                      "--num-kv-heads", "2", *fast]) == 0
 
 
-def test_verify_weights_fails_when_a_framework_loads_other_values(tmp_path, monkeypatch, capsys):
+def test_verify_weights_fails_when_a_framework_loads_other_values(tmp_path):
+    """What each framework holds after loading, one bit off in one tensor: the check names the framework and the
+    tensor (``verify --weights`` prints it and exits 1); as loaded, it passes."""
     _hf_gqa_file(tmp_path / "hf.safetensors", torch.float32)
-    real = mha_torch.load_weights
-
-    def off_by_one_ulp(module, source, **kwargs):
-        real(module, source, **kwargs)
-        with torch.no_grad():
-            module.k_proj.bias[0] = torch.nextafter(module.k_proj.bias[0], torch.tensor(np.inf))
-
-    monkeypatch.setattr(mha_torch, "load_weights", off_by_one_ulp)
-    args = ["verify", "--weights", str(tmp_path / "hf.safetensors"), "--layout", "hf", "--num-heads", "4",
-            "--num-kv-heads", "2"]
-    assert cli.main(args) == 1
-    assert "torch holds different values for k_proj.bias" in capsys.readouterr().out
+    checkpoint = ports.read(str(tmp_path / "hf.safetensors"), layout="hf", num_heads=4, num_kv_heads=2)
+    model, module = ports.build_ours(checkpoint)
+    held = {"jax": mha_jax.to_torch(model), "torch": dict(module.state_dict())}
+    ports.check_held(checkpoint, held)
+    with torch.no_grad():
+        module.k_proj.bias[0] = torch.nextafter(module.k_proj.bias[0], torch.tensor(np.inf))
+    with pytest.raises(AssertionError, match="torch holds different values for k_proj.bias after loading"):
+        ports.check_held(checkpoint, held)
 
 
 def test_verify_weights_exits_nonzero_when_a_case_fails(tmp_path, monkeypatch):

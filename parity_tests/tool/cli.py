@@ -156,18 +156,25 @@ def _verify_model(args: argparse.Namespace) -> int:
 
     _, results = models.verify(args.config, args.weights, layers=args.layer, seed=args.seed, done=done, source=source)
     failed = [r for r in results if not r.passed]
-    for r in failed:
-        print(f"FAILED: layer {r.layer}: " + "; ".join(
-            f"{k} {v:.2e}" + (f" (worst: {r.worst[k]})" if k in r.worst else "") for k, v in r.failures().items()))
     elapsed = time.perf_counter() - start
-    print(f"{len(results)} layer{'' if len(results) == 1 else 's'} in {elapsed:.1f} s: "
-          + ("every comparison passed" if not failed else f"{len(failed)} FAILED"))
+    print("\n".join(summary(results, elapsed)))
     if args.json:
         files.write_text(args.json, json.dumps({"config": args.config, "weights": source.files, "passed": not failed,
                                                 "seconds": elapsed, "layers": [r.as_json() for r in results]},
                                                indent=1))
         print(f"JSON report written to {args.json}")
     return 1 if failed else 0
+
+
+def summary(results: list, elapsed: float) -> list[str]:
+    """The closing lines of ``verify --config``: a line per failed layer naming each comparison beyond its tolerance
+    (and its worst tensor), then the count."""
+    failed = [r for r in results if not r.passed]
+    lines = [f"FAILED: layer {r.layer}: " + "; ".join(
+        f"{k} {v:.2e}" + (f" (worst: {r.worst[k]})" if k in r.worst else "") for k, v in r.failures().items())
+        for r in failed]
+    return lines + [f"{len(results)} layer{'' if len(results) == 1 else 's'} in {elapsed:.1f} s: "
+                    + ("every comparison passed" if not failed else f"{len(failed)} FAILED")]
 
 
 def _grid_note(grid: str, cases: list[harness.Case], full: list[harness.Case]) -> str:

@@ -217,7 +217,12 @@ def check_loads(checkpoint: Checkpoint) -> None:
     import mha_jax
 
     model, module = build_ours(checkpoint)
-    held = {"jax": mha_jax.to_torch(model), "torch": dict(module.state_dict())}
+    check_held(checkpoint, {"jax": mha_jax.to_torch(model), "torch": dict(module.state_dict())})
+
+
+def check_held(checkpoint: Checkpoint, held: dict) -> None:
+    """Each framework's loaded state (framework -> name -> tensor) against the checkpoint's bits (AssertionError
+    naming the framework and the tensor otherwise)."""
     for framework, state in held.items():
         for name, expected in checkpoint.state.items():
             if not same_bits(state[name], expected):
