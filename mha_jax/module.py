@@ -13,11 +13,12 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from typing_extensions import Unpack
 
-from mha_jax import _layer
+from mha_jax import _layer, paged
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
 from mha_spec import alibi, arguments, batch_axes, docstrings, query_terms
 from mha_spec import latent as latent_spec
+from mha_spec import paged as paged_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 
@@ -293,6 +294,35 @@ class MultiHeadAttention(nnx.Module):
             out = _layer.gated(out, self.gate(inputs_q), self.output_gate)
         out = batch_axes.unflatten_batch(self.out(out, out_sharding=out_sharding), batch_shape)
         return (out, weights) if return_weights else out
+
+    @docstrings.fill
+    def paged_step(self, inputs: jax.Array, cache: paged.PagedKVCache, *, max_q_len: int | None = None
+                   ) -> tuple[jax.Array, paged.PagedKVCache]:
+        """Self-attention of packed tokens over a paged cache: a serving step of many sequences at once.
+
+        {paged_step}
+        """
+        if self.latent is not None:
+            raise ValueError("paged_step does not take a latent (multi-head latent attention): its cache is the latent")
+        x = inputs[None]  # one row of packed tokens
+        query, key, value = self.query(x), self.key(x), self.value(x)
+        norms = _layer.norms_after_rotary(self.query_ln, self.key_ln)
+        if self.query_ln is not None and norms is None:
+            query, key = self.query_ln(query), self.key_ln(key)
+        value = _layer.value_norm(self.query_ln, value)
+        query, key, value = _layer.project_terms(self, query, key, value)
+        positions = paged_spec.token_positions(paged_spec.step_arrays(cache), jnp.arange(inputs.shape[0]), jnp)[2]
+        query, key = _layer.rotate(self.rotary, query, key, positions[None], positions[None], norms)
+        query = _layer.scale_queries(self.query_scale, query, positions[None])
+        cache = paged.write(cache, key[0], value[0])
+        out = paged.ragged_attention(
+            query[0], cache, max_q_len=max_q_len, local_window_size=self.local_window_size,
+            attention_chunk_size=self.attention_chunk_size, scale=self.scale, logit_soft_cap=self.logit_soft_cap,
+            alibi_slopes=None if self.alibi_slopes is None else jnp.asarray(self.alibi_slopes),
+            sinks=None if self.sinks is None else self.sinks[...])[None]
+        if self.gate is not None:
+            out = _layer.gated(out, self.gate(x), self.output_gate)
+        return self.out(out)[0], cache
 
     def _read_cache(self, batch_shape: tuple[int, ...], batch: int, n: int) -> _layer.Cache:
         """The cache checked for a step of ``n`` new tokens, its batch axes merged into ``batch``."""

@@ -143,16 +143,22 @@ def check_values(step: dict[str, np.ndarray], page_size: int, num_pages: int, to
             raise ValueError(message)
 
 
+def token_positions(step: dict[str, Any], tokens: Any, xp: Any) -> tuple[Any, Any, Any, Any]:
+    """Each packed token's ``(sequence, index among its queries, position in its sequence, valid)``; ``tokens``:
+    ``arange(total_q)``; 0 for the tokens past ``cu_q_lens[num_seqs]`` (not valid)."""
+    cu, max_seqs = step["cu_q_lens"], step["kv_lens"].shape[0]
+    valid = tokens < cu[step["num_seqs"][0]]
+    seq = ((tokens[:, None] >= cu[None, 1:]) * 1).sum(-1).clip(max=max_seqs - 1)
+    index = xp.where(valid, tokens - cu[seq], 0)
+    return seq, index, xp.where(valid, step["kv_lens"][seq] - (cu[seq + 1] - cu[seq]) + index, 0), valid
+
+
 def token_places(step: dict[str, Any], tokens: Any, page_size: int, pool: int, xp: Any) -> tuple[Any, Any, Any, Any]:
     """Each packed token's ``(sequence, index among its queries, slot in the flattened pool, valid)``;
     ``tokens``: ``arange(total_q)``; ``xp``: ``jax.numpy`` or ``torch``. Invalid tokens (past
     ``cu_q_lens[num_seqs]``) get slot ``pool`` (``num_pages * page_size``), past the pool."""
-    cu, pages, max_seqs = step["cu_q_lens"], step["page_indices"], step["kv_lens"].shape[0]
-    valid = tokens < cu[step["num_seqs"][0]]
-    seq = ((tokens[:, None] >= cu[None, 1:]) * 1).sum(-1).clip(max=max_seqs - 1)
-    index = xp.where(valid, tokens - cu[seq], 0)
-    position = xp.where(valid, step["kv_lens"][seq] - (cu[seq + 1] - cu[seq]) + index, 0)
-    page = pages[seq, position // page_size]
+    seq, index, position, valid = token_positions(step, tokens, xp)
+    page = step["page_indices"][seq, position // page_size]
     return seq, index, xp.where(valid, page * page_size + position % page_size, pool), valid
 
 

@@ -17,10 +17,11 @@ from typing_extensions import Unpack
 
 from mha_spec import alibi, arguments, batch_axes, docstrings, kv_cache, query_terms
 from mha_spec import latent as latent_spec
+from mha_spec import paged as paged_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rotate_at
-from mha_torch import _cache, _checks, masks, testing
+from mha_torch import _cache, _checks, masks, paged, testing
 from mha_torch import latent as mla
 from mha_torch._cache import KVCache
 from mha_torch.attention import IMPLEMENTATIONS, spec_attention
@@ -252,6 +253,30 @@ class MultiHeadAttention(nn.Module):
                 "dividing num_kv_heads"
             )
         return heads, kv_heads
+
+    @docstrings.fill
+    def paged_step(self, inputs: torch.Tensor, cache: paged.PagedKVCache, *, max_q_len: int | None = None
+                   ) -> tuple[torch.Tensor, paged.PagedKVCache]:
+        """Self-attention of packed tokens over a paged cache: a serving step of many sequences at once.
+
+        {paged_step}
+        """
+        if self.latent is not None:
+            raise ValueError("paged_step does not take a latent (multi-head latent attention): its cache is the latent")
+        x = inputs[None]  # one row of packed tokens
+        q, k, v = self._project(x, x, x, 1, self.num_heads, self.num_kv_heads)
+        positions = paged_spec.token_positions(paged_spec.step_arrays(cache), torch.arange(
+            inputs.shape[0], device=inputs.device), torch)[2][None]
+        q, k = self._rotated(self.rotary, q, k, positions, positions)
+        q = _scale_queries(self.query_scale, q, positions)
+        paged.write(cache, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        out = paged.ragged_attention(
+            q[0].transpose(0, 1), cache, max_q_len=max_q_len, local_window_size=self.local_window_size,
+            attention_chunk_size=self.attention_chunk_size, scale=self.scale, logit_soft_cap=self.logit_soft_cap,
+            alibi_slopes=self._slopes(), sinks=self.sinks)
+        gate = self._gate(x)
+        out = out if gate is None else out * gate[0].transpose(0, 1)
+        return self.out_proj(out.reshape(inputs.shape[0], -1)), cache
 
     def _decode(self, query, key, value, cache: KVCache, masking: dict, need_weights: bool):
         """One decoding step: ``_fast_step`` when it takes the call, else the cache written and attended over every

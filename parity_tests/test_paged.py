@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
@@ -19,6 +20,7 @@ from torch.nn.attention.experimental._paged_attention import PagedAttention
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import mha_jax
+import mha_torch
 from mha_jax import paged as pj
 from mha_spec import paged as paged_spec
 from mha_spec.paged import PageTable
@@ -451,3 +453,56 @@ def test_tpu_kernel_in_interpret_mode():
             raise
         pytest.xfail("Pallas's TPU interpreter cannot read the kernel's reshaped refs (ReshapeTransform)")
     np.testing.assert_allclose(np.asarray(got)[:14], np.asarray(expected)[:14], rtol=2e-5, atol=2e-6)
+
+
+# three sequences of 7, 4 and 6 tokens served in mixed steps: prefill chunks and single tokens together, the third
+# joining late (each row: the new tokens of each sequence)
+SERVED = ((3, 2, 0), (2, 1, 4), (1, 1, 2), (1, 0, 0))
+MODULE_TERMS = dict(num_kv_heads=2, normalize_qk=mha_jax.QKNorm("rms", eps=1e-6), local_window_size=(3, 0),
+                    logit_soft_cap=5.0, use_sinks=True, output_gate="head")
+
+
+def _served(step_fn, x, table: PageTable, cache, schedule):
+    """Each sequence's outputs ``(length, out)`` from ``step_fn(packed inputs, cache, max_q_len) -> (out, cache)``
+    over ``SERVED``; ``x``: each sequence's inputs."""
+    done, outs = [0] * len(x), [[] for _ in x]
+    for q_lens in SERVED:
+        cache = schedule(cache, table.append(q_lens))
+        packed = np.concatenate([x[s][done[s]:done[s] + n] for s, n in enumerate(q_lens)])
+        out, cache = step_fn(packed, cache, max(q_lens))
+        for s, (start, n) in enumerate(zip(np.cumsum((0, *q_lens))[:-1], q_lens)):
+            outs[s].append(np.asarray(out)[start:start + n])
+            done[s] += n
+    return [np.concatenate(o) for o in outs]
+
+
+def test_a_module_s_paged_steps_equal_its_full_pass_over_each_sequence_in_both_twins():
+    """``MultiHeadAttention.paged_step`` (rotary, grouped heads, RMS QK-norm, a window of 4 keys, soft-cap, sinks,
+    a gate per head): every token's output over ``SERVED`` equals the module's own causal pass over its whole
+    sequence, float64, in both twins from the same weights."""
+    e, heads = 32, 4
+    torch.manual_seed(0)
+    theirs = mha_torch.MultiHeadAttention(e, heads, rotary=mha_torch.RotaryEmbedding(8), dtype=torch.float64,
+                                          **MODULE_TERMS).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(n, e)) for n in np.sum(SERVED, axis=0)]
+    with torch.no_grad():
+        whole = [theirs(torch.tensor(xs)[None], is_causal=True)[0].numpy() for xs in x]
+        table = PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ)
+        cache = pt.init_cache(table, 2, 8, torch.float64)
+        torch_out = _served(lambda inputs, cache, n: theirs.paged_step(torch.tensor(inputs), cache, max_q_len=n),
+                            x, table, cache, pt.schedule)
+    assert max(np.abs(t - w).max() for t, w in zip(torch_out, whole)) < 1e-12
+    with jax.enable_x64(True):
+        ours = mha_jax.MultiHeadAttention(heads, e, rotary=mha_jax.RotaryEmbedding(8), param_dtype=jnp.float64,
+                                          rngs=nnx.Rngs(0), **MODULE_TERMS)
+        mha_jax.load_weights(ours, {k: v.numpy() for k, v in theirs.state_dict().items()})
+        table = PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ)
+        step = nnx.jit(lambda module, inputs, cache, n: module.paged_step(inputs, cache, max_q_len=n),
+                       static_argnums=3)
+        jax_out = _served(lambda inputs, cache, n: step(ours, jnp.asarray(inputs), cache, n), x, table,
+                          pj.init_cache(table, 2, 8, jnp.float64), pj.schedule)
+    assert max(np.abs(j - t).max() for j, t in zip(jax_out, torch_out)) < 1e-12
