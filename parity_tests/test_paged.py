@@ -506,3 +506,18 @@ def test_a_module_s_paged_steps_equal_its_full_pass_over_each_sequence_in_both_t
         jax_out = _served(lambda inputs, cache, n: step(ours, jnp.asarray(inputs), cache, n), x, table,
                           pj.init_cache(table, 2, 8, jnp.float64), pj.schedule)
     assert max(np.abs(j - t).max() for j, t in zip(jax_out, torch_out)) < 1e-12
+
+
+def test_the_serving_example_gives_each_request_the_tokens_it_gets_alone():
+    """``examples/serve.py``: five requests of 2 to 9 prompt tokens served 3 at a time from 16 pages (prompts read
+    while others decode, pages released and reused): each request's greedy tokens are those of decoding it alone
+    with a contiguous cache."""
+    import pathlib
+    import runpy
+
+    example = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "serve.py"))
+    model, rng = example["Decoder"](), np.random.default_rng(1)
+    requests = [(rng.integers(0, 64, size=n).tolist(), new) for n, new in ((6, 4), (1, 7), (9, 2), (4, 5))]
+    served, steps = example["serve"](model, requests)
+    assert served == [example["alone"](model, prompt, new) for prompt, new in requests]
+    assert steps < sum(new for _, new in requests)  # sequences shared steps
