@@ -2,8 +2,8 @@
 
 Per sequence, an online softmax (``init``, ``forward``, ``finish``: ``mha_jax._tiles``'s, with the same finite
 stand-ins for inf) over its pages (``mha_spec.paged.page_range``: none past its length or wholly outside its
-queries' window or chunk), each page a view of the pool, a key block: no copy of the cache. A sequence's queries
-padded to ``max_q``.
+queries' window or chunk), ``testing.Tuning.paged_block_pages`` of them read from the pool at a time as one key
+block (a block's copy, never the cache's). A sequence's queries padded to ``max_q``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from mha_spec import alibi, paged, terms
 from mha_spec.terms import MASKED, NO_KEY, Where
-from mha_torch import _tiles
+from mha_torch import _tiles, testing
 
 
 def init(acc: torch.Tensor, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -52,10 +52,13 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
     page_size, kv_heads = cache.kv_pages.shape[1], cache.kv_pages.shape[2] // 2
     groups, compute = heads // kv_heads, torch.promote_types(queries.dtype, torch.float32)
     conjunction = terms.of(True, local_window_size, attention_chunk_size, False, True)
-    rows, keys = torch.arange(max_q, device=queries.device), torch.arange(page_size, device=queries.device)
+    rows = torch.arange(max_q, device=queries.device)
+    block_pages = testing.current().paged_block_pages
+    keys = torch.arange(block_pages * page_size, device=queries.device)
     sink_rows = None if sinks is None else sinks.to(compute).reshape(kv_heads, groups).repeat_interleave(max_q, 1)
     slopes = None if alibi_slopes is None else alibi_slopes.to(compute).reshape(-1, kv_heads, groups, 1, 1)
-    cu, kv_lens, page_ids = (getattr(cache, n).tolist() for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    cu, kv_lens = cache.cu_q_lens.tolist(), cache.kv_lens.tolist()
+    page_ids = cache.page_indices.to(torch.long)
     def sequence(b, out):
         start, q_len, kv_len = cu[b], cu[b + 1] - cu[b], kv_lens[b]
         q = queries[(start + rows).clamp(max=total_q - 1)].to(compute)  # (max_q, heads, head_dim)
@@ -63,23 +66,24 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
         at = Where(position=(kv_len - q_len + rows).reshape(1, 1, max_q, 1))
         bias = None if slopes is None else slopes[b % slopes.shape[0]]  # (heads,) or (max_seqs, heads)
 
-        def page(j, state):
-            kv = cache.kv_pages[page_ids[b][j]].to(compute)  # a view of the pool (in the compute dtype)
-            position = j * page_size + keys  # (page_size,): the page's keys' positions
+        def block(j, k, state):
+            """The state after page slots ``j .. k - 1``: their pages read from the pool as one key block."""
+            kv = cache.kv_pages[page_ids[b, j:k]].to(compute).reshape(-1, 2 * kv_heads, head_dim)
+            position = j * page_size + keys[:(k - j) * page_size]  # the block's keys' positions
             seen = Where(position=position, index=position, length=kv_len)
-            s = q @ kv[:, 0::2].permute(1, 2, 0)  # (kv_heads, groups * max_q, page_size)
-            s = _tiles.scores(s.reshape(kv_heads, groups, max_q, page_size), scale=scale, soft_cap=logit_soft_cap,
+            s = q @ kv[:, 0::2].permute(1, 2, 0)  # (kv_heads, groups * max_q, keys)
+            s = _tiles.scores(s.reshape(kv_heads, groups, max_q, -1), scale=scale, soft_cap=logit_soft_cap,
                               bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
-                              allowed=conjunction.visible(at, seen)).reshape(kv_heads, -1, page_size)
+                              allowed=conjunction.visible(at, seen)).reshape(kv_heads, groups * max_q, -1)
             v = kv[:, 1::2]
-            if (j + 1) * page_size > kv_len:  # the slots past the length hold any value
+            if k * page_size > kv_len:  # the slots past the length hold any value
                 v = torch.where((position < kv_len)[:, None, None], v, 0)
             return forward(state, s, lambda p: p @ v.transpose(0, 1))
 
         first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
         state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)
-        for j in range(first, end):
-            state = page(j, state)
+        for j in range(first, end, block_pages):
+            state = block(j, min(j + block_pages, end), state)
         o = finish(state).reshape(kv_heads, groups, max_q, head_dim).permute(2, 0, 1, 3).reshape(max_q, heads, -1)
         out[start:start + q_len] = o[:q_len].to(out.dtype)
         return out

@@ -14,9 +14,11 @@ from mha_spec import observing
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """``fast_step``: a module's decoding step may skip masking the whole cache where it takes the call."""
+    """``fast_step``: a module's decoding step may skip masking the whole cache where it takes the call.
+    ``paged_block_pages``: the pages a ragged call over a paged cache reads as one key block."""
 
     fast_step: bool = True
+    paged_block_pages: int = 32  # eager PyTorch pays per operation, not per page read
 
 
 _STATE = observing.Observing("mha_torch", Tuning())

@@ -159,19 +159,22 @@ def pools(draw):
     terms = dict(left=draw(st.sampled_from([None, 0, 3, 9])), chunk=draw(st.sampled_from([None, 5, 8])),
                  cap=draw(st.sampled_from([None, 2.0])), sinks=draw(st.booleans()),
                  slopes=draw(st.sampled_from([False, (HEADS,), (MAX_SEQS, HEADS)])))
-    return kv_heads, page_size, kv_lens, q_lens, terms, draw(st.integers(0, 2**31 - 1))
+    seed, block_pages = draw(st.integers(0, 2**31 - 1)), draw(st.sampled_from([1, 2, 32]))  # pages per key block
+    return kv_heads, page_size, kv_lens, q_lens, terms, seed, block_pages
 
 
 @settings(max_examples=strategies.examples(8), deadline=None)
 @given(pools())
-@example((2, 4, [20, 13, 0], [1, 4, 0], dict(left=3, chunk=None, cap=2.0, sinks=True, slopes=(HEADS,)), 0))
-@example((1, 4, [7, 12, 3], [1, 2, 1], dict(left=None, chunk=5, cap=None, sinks=False, slopes=(MAX_SEQS, HEADS)), 1))
+@example((2, 4, [20, 13, 0], [1, 4, 0], dict(left=3, chunk=None, cap=2.0, sinks=True, slopes=(HEADS,)), 0, 2))
+@example((1, 4, [7, 12, 3], [1, 2, 1], dict(left=None, chunk=5, cap=None, sinks=False, slopes=(MAX_SEQS, HEADS)), 1,
+          1))
 def test_in_place_reads_only_the_pages_it_must(pool):
     """float64, prefill chunks and decode steps at random lengths over shuffled pages, ALiBi slopes per head or per
     sequence and head: every pool slot that holds no key a query sees (whole pages outside the lengths, windows and
     chunks, other sequences' pages, free pages, slots past a length) is NaN, and both twins still equal the float64
-    oracle and each other (1e-12): a page read that holds no seen key would bring its NaN values in."""
-    kv_heads, page_size, kv_lens, q_lens, terms, seed = pool
+    oracle and each other (1e-12): a page read that holds no seen key would bring its NaN values in. PyTorch's
+    twin reads 1, 2 or 32 pages as one key block (``mha_torch.testing.tuned(paged_block_pages=)``)."""
+    kv_heads, page_size, kv_lens, q_lens, terms, seed, block_pages = pool
     rng = np.random.default_rng(seed)
     sinks, slopes = rng.standard_normal(HEADS), rng.uniform(0, 0.5, terms["slopes"] or HEADS)
     kv_lens, q_lens = np.array(kv_lens, np.int32), np.array(q_lens)
@@ -187,8 +190,9 @@ def test_in_place_reads_only_the_pages_it_must(pool):
     step = (kv_lens, page_indices, cu, np.array([MAX_SEQS], np.int32))
     out = np.asarray(pj.ragged_attention(q, pj.PagedKVCache(*map(jnp.asarray, (poisoned, *step))), max_q_len=4,
                                          **ours(terms, sinks, slopes, jnp)))
-    twin = pt.ragged_attention(torch.from_numpy(q), pt.PagedKVCache(*map(torch.from_numpy, (poisoned, *step))),
-                               max_q_len=4, **ours(terms, sinks, slopes, torch)).numpy()
+    with mha_torch.testing.tuned(paged_block_pages=block_pages):
+        twin = pt.ragged_attention(torch.from_numpy(q), pt.PagedKVCache(*map(torch.from_numpy, (poisoned, *step))),
+                                   max_q_len=4, **ours(terms, sinks, slopes, torch)).numpy()
     np.testing.assert_allclose(twin, out, rtol=0, atol=1e-12)
     kv = pool_values[page_indices].reshape(MAX_SEQS, -1, 2 * kv_heads, HEAD_DIM)
     rows = np.broadcast_to(slopes, (MAX_SEQS, HEADS))  # (heads,) or (max_seqs, heads): one row per sequence
