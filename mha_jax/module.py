@@ -302,8 +302,7 @@ class MultiHeadAttention(nnx.Module):
 
         {paged_step}
         """
-        if self.latent is not None:
-            raise ValueError("paged_step does not take a latent (multi-head latent attention): its cache is the latent")
+        paged_spec.check_layer_inputs(inputs.shape, self.in_features, self.latent)
         x = inputs[None]  # one row of packed tokens
         query, key, value = self.query(x), self.key(x), self.value(x)
         norms = _layer.norms_after_rotary(self.query_ln, self.key_ln)

@@ -101,6 +101,15 @@ def check_step(cache: Any, total_q: int, max_q_len: int, *, known: Any) -> None:
         check_values(values, cache.kv_pages.shape[1], cache.kv_pages.shape[0], total_q, max_q_len)
 
 
+def check_layer_inputs(shape: Sequence[int], features: int, latent: Any) -> None:
+    """A layer's ``paged_step`` inputs: packed tokens ``(total_q, features)``; not with a ``latent``."""
+    if latent is not None:
+        raise ValueError("paged_step does not take a latent (multi-head latent attention): its cache is the latent")
+    if len(shape) != 2 or shape[1] != features:
+        raise ValueError(f"paged_step takes inputs (total_q, {features}), the packed tokens of the step's "
+                         f"sequences, got {tuple(shape)}")
+
+
 def check_cache(kv_pages: Sequence[int], step: dict[str, Sequence[int]]) -> None:
     """``kv_pages`` ``(num_pages, page_size, 2 * kv_heads, head_dim)`` and a step's arrays' shapes (``STEP``)."""
     max_seqs = step["page_indices"][0] if len(step["page_indices"]) == 2 else -1

@@ -261,8 +261,7 @@ class MultiHeadAttention(nn.Module):
 
         {paged_step}
         """
-        if self.latent is not None:
-            raise ValueError("paged_step does not take a latent (multi-head latent attention): its cache is the latent")
+        paged_spec.check_layer_inputs(inputs.shape, self.embed_dim, self.latent)
         x = inputs[None]  # one row of packed tokens
         q, k, v = self._project(x, x, x, 1, self.num_heads, self.num_kv_heads)
         positions = paged_spec.token_positions(paged_spec.step_arrays(cache), torch.arange(
