@@ -321,10 +321,6 @@ def _rope_config(config: Mapping[str, Any], family: Family, layer_type: str, hea
         return None
     if typed and isinstance(parameters[layer_type], Mapping):
         parameters = rope["rope_parameters"] = dict(parameters[layer_type])
-    elif config.get("model_type") == "gemma3_text" and layer_type == "sliding_attention" and \
-            "rope_local_base_freq" in config:
-        rope.pop("rope_scaling", None)  # older Gemma 3 configs: local layers, default rope at their own base
-        rope["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
     if family.rope_ignore and isinstance(parameters, Mapping):
         rope["rope_parameters"] = {k: v for k, v in parameters.items() if k not in family.rope_ignore}
     return rope

@@ -324,6 +324,17 @@ def _standardize_gemma3n(config: dict) -> dict:
                                           for i in range(layers)]
     first_shared = layers - (config.get("num_kv_shared_layers") or 0)
     config["layer_types"] = [kind if i < first_shared else "shared_kv_attention" for i, kind in enumerate(kinds)]
+    return _standardize_gemma_rope(config)
+
+
+_standardize_gemma3n.derives = ("layer_types", "rope_parameters")
+
+
+@_reading("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")
+def _standardize_gemma_rope(config: dict) -> dict:
+    """Gemma 3's and 3n's rope parameters per layer type from an older config's keys, as their config classes
+    convert them: the full layers' ``rope_scaling`` at ``rope_theta`` (default 1e6), the sliding layers' default
+    rope at ``rope_local_base_freq`` (default 1e4)."""
     parameters = config.get("rope_parameters")
     if not (isinstance(parameters, Mapping) and isinstance(parameters.get("full_attention"), Mapping)):
         scaling = dict(config.pop("rope_scaling", None) or {})
@@ -333,7 +344,7 @@ def _standardize_gemma3n(config: dict) -> dict:
     return config
 
 
-_standardize_gemma3n.derives = ("layer_types", "rope_parameters")
+_standardize_gemma_rope.derives = ("rope_parameters",)
 
 
 @_reading("rope_parameters")
@@ -586,7 +597,7 @@ FAMILIES: dict[str, Family] = {
     # attn_logit_softcapping: Gemma3TextConfig keeps it, Gemma3Attention (transformers 5.x) never applies it
     "gemma3_text": Family(scale=_scale_gemma,
                           qk_norm=QKNorm("rms", True, 1e-6, offset=1.0),
-                          layer_types=_layer_types_every(6, *_PATTERN_KEYS)),
+                          layer_types=_layer_types_every(6, *_PATTERN_KEYS), standardize=_standardize_gemma_rope),
     "gpt_oss": Family(sinks=True, layer_types=_layer_types_every(2)),
     "llama4_text": Family(rope_interleaved=True, layer_types=_layer_types_chunked, no_rope_layers=True,
                           defaults=_LLAMA4, reads=("attention_chunk_size", "use_qk_norm"),

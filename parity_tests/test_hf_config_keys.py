@@ -43,6 +43,8 @@ def _keys(name: str) -> set[str]:
 
 
 _ALIASED = {v for f in families.FAMILIES.values() for v in f.aliases.values()} | set(records.ALIASES.values())
+# a size a released config may leave to its class's declared default (Gemma 3's text_config has no head count)
+DECLARED_SIZE = "num_attention_heads"
 SIZES = ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers", *DERIVED, *sorted(_ALIASED))
 
 
@@ -62,7 +64,8 @@ def _resized(cls, saved: dict, hidden: int) -> dict:
 def class_defaults(name: str) -> dict:
     """The defaults of the keys ``name``'s record reads, as its config class declares them (a dataclass field's
     own default, before ``__post_init__`` derives from it), else as its default instance saves them where they do
-    not change with the sizes; sizes, per-layer lists and the keys the record derives itself left out."""
+    not change with the sizes; sizes (but the head count a class declares), per-layer lists and the keys the record
+    derives itself left out."""
     cls = transformers.CONFIG_MAPPING[name]
     saved = cls().to_dict()
     resized = _resized(cls, saved, 96)
@@ -76,10 +79,10 @@ def class_defaults(name: str) -> dict:
     read, family = config_keys.keys_read(name), families.FAMILIES[name]
     derived = getattr(family.standardize, "derives", ())
     out = {}
-    for key in sorted(read & set(saved) - set(SIZES) - set(derived)):
+    for key in sorted(read & set(saved) - (set(SIZES) - {DECLARED_SIZE}) - set(derived)):
         if key in declared and not isinstance(declared[key], (dict, list)):
             out[key] = declared[key]
-        elif key in resized and saved[key] == resized[key]:
+        elif key != DECLARED_SIZE and key in resized and saved[key] == resized[key]:
             out[key] = saved[key]
     if family.nested and isinstance(out.get(family.nested), dict):
         out[family.nested] = {k: v for k, v in out[family.nested].items() if k in read and k != "model_type"}

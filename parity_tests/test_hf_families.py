@@ -792,24 +792,78 @@ def test_gemma3n_s_layers_that_reuse_another_s_keys_and_values_are_refused_by_ki
 @pytest.mark.parametrize("name", sorted(records.MULTIMODAL))
 def test_a_multimodal_checkpoint_as_transformers_saves_it_loads_its_text_model_s_attention(name, tmp_path):
     """The family's small model saved by transformers (in the older layout, where it converts that on loading)
-    and read back by both twins' ``from_hf`` from the files: every attention layer holds the weights of the
-    model's own module at the record's prefix (whose function the family's test holds to transformers')."""
+    and read back by both twins' ``from_hf`` from the file, its keys as a state dict, and a sharded save's index:
+    every attention layer holds the weights of the model's own module at the record's prefix (whose function the
+    family's test holds to transformers')."""
     record = RECORDS[name]
     model = _model(_config(name, record.config, record.layers))
     model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     (weights,) = tmp_path.glob("*.safetensors")
     with safetensors.safe_open(weights, "pt") as f:
-        saved = list(f.keys())
+        saved = {key: f.get_tensor(key) for key in f.keys()}
     assert any(key.startswith(records.MULTIMODAL[name][-1]) for key in saved)
     raw = families.read_config(tmp_path / "config.json")
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
     for layer in families.attention_layers(raw):
         options = families.layer_options(raw, layer)
         own = {options.prefix + k: v for k, v in model.get_submodule(options.prefix.rstrip(".")).state_dict().items()}
         expected = mha_torch.from_hf(raw, own, layer=layer).state_dict()
         for got in (mha_torch.from_hf(tmp_path / "config.json", weights, layer=layer).state_dict(),
+                    mha_torch.from_hf(raw, saved, layer=layer).state_dict(),  # the saved keys as a state dict
+                    mha_torch.from_hf(raw, index, layer=layer).state_dict(),  # a sharded checkpoint's index
                     mha_jax.to_torch(mha_jax.from_hf(tmp_path / "config.json", weights, layer=layer))):
             assert sorted(got) == sorted(expected), layer
             assert all(np.array_equal(np.asarray(got[k]), expected[k].numpy()) for k in expected), layer
+
+
+# google/gemma-3-4b-it's config.json as released (transformers 4.50): its text_config leaves the head counts,
+# head_dim, rope_theta and rope_local_base_freq to Gemma3TextConfig, and gives rope_scaling in the older form
+GEMMA3_RELEASED = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3", "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False}}
+
+
+# google/gemma-3-1b-it's (text only): the older keys rope_theta and rope_local_base_freq, no rope_scaling
+GEMMA3_1B_RELEASED = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": 512, "sliding_window_pattern": 6, "transformers_version": "4.50.0.dev0", "vocab_size": 262144}
+
+
+@pytest.mark.parametrize("released", [GEMMA3_RELEASED, GEMMA3_1B_RELEASED], ids=["gemma-3-4b-it", "gemma-3-1b-it"])
+def test_a_released_gemma3_config_reads_layer_by_layer_as_transformers_reads_it(released):
+    """Every layer of the released config: heads, key heads, head_dim, scale, window and the rope parameters of its
+    type as transformers' config class makes them (the full layers' at base 1e6, linear x8 for the 4B; the sliding
+    ones default at 1e4). The 4B's before: no head count (refused), then every layer at base 1e4 and the sliding
+    ones scaled x8."""
+    from mha_spec.rotary import rope_from_config
+
+    cls = transformers.CONFIG_MAPPING[released["model_type"]]
+    theirs = cls(**{k: v for k, v in released.items() if k != "model_type"}).get_text_config()
+    raw = families.read_config(released)
+    for layer, kind in enumerate(theirs.layer_types):
+        options, parameters = families.layer_options(raw, layer), theirs.rope_parameters[kind]
+        assert (options.num_heads, options.num_kv_heads, options.head_dim) == (
+            theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim), layer
+        assert options.scale == theirs.query_pre_attn_scalar ** -0.5, layer
+        assert options.window == ((theirs.sliding_window - 1, 0) if kind == "sliding_attention" else None), layer
+        rope = rope_from_config(options.rope, options.head_dim)
+        assert rope["theta"] == parameters["rope_theta"], (layer, kind)
+        assert rope["scaling"] == (None if parameters["rope_type"] == "default" else
+                                   {k: v for k, v in parameters.items() if k != "rope_theta"}), (layer, kind)
+    assert families.layer_options(raw, 0).prefix == ("model.language_model.layers.0.self_attn." if "text_config" in
+                                                     released else "model.layers.0.self_attn.")
 
 
 def test_laguna_s_rope_parameters_per_layer_type_are_its_config_class_s_where_a_config_leaves_them_out():
