@@ -53,14 +53,12 @@ def _from_torch(state_dict_or_path: Any, num_heads: int, num_kv_heads: int | Non
     params: dict[str, dict[str, np.ndarray]] = {}
     for flax_name, torch_name in _FLAX_NAMES:
         weight = state[f"{torch_name}.weight"]
-        if flax_name == "out":
-            kernel = weight.T.reshape(num_heads, head_dim, weight.shape[0])
-        else:
-            kernel = weight.T.reshape(weight.shape[1], -1, head_dim)
+        heads_in = latent.INPUT_AXES.get(flax_name, 1) == 2
+        kernel = weight.T.reshape((num_heads, head_dim, -1) if heads_in else (weight.shape[1], -1, head_dim))
         params[flax_name] = {"kernel": np.ascontiguousarray(kernel)}
         bias = state.get(f"{torch_name}.bias")
         if bias is not None:
-            params[flax_name]["bias"] = bias if flax_name == "out" else bias.reshape(-1, head_dim)
+            params[flax_name]["bias"] = bias if heads_in else bias.reshape(-1, head_dim)
     for flax_name, torch_name in _FLAX_NORMS:
         if f"{torch_name}.weight" in state:
             scale = state[f"{torch_name}.weight"]
@@ -141,7 +139,8 @@ def _flat(tree: dict) -> list[tuple[str, Any, tuple[int, ...]]]:
         shape = np.shape(tree[flax_name]["kernel"])
         if len(shape) != 3:
             raise ValueError(f"params[{flax_name!r}]['kernel'] must have rank 3, got shape {shape}")
-        rows = (shape[0] * shape[1], shape[2]) if flax_name == "out" else (shape[0], shape[1] * shape[2])
+        inputs = latent.INPUT_AXES.get(flax_name, 1)
+        rows = (math.prod(shape[:inputs]), math.prod(shape[inputs:]))
         flat.append((f"{torch_name}.weight", tree[flax_name]["kernel"], rows))
         if "bias" in tree[flax_name]:
             bias = tree[flax_name]["bias"]

@@ -127,6 +127,8 @@ def cached_keys(cache: jax.Array, latent: Latent, dtype) -> tuple[jax.Array, jax
 # --- the parameter tree in mha_torch's names: a weight (out, in) is the kernel's transpose, input axes flattened
 
 _TORCH_NAMES = {"query": "q_proj", "out": "out_proj"}  # the other projections and norms keep their names
+# the leading axes of a Flax kernel that are its inputs: the output projection's (heads, head_dim, out)
+INPUT_AXES = {"out": 2}  # every other kernel: 1, (in, heads[, head_dim])
 
 
 def is_latent_tree(tree: Mapping[str, Any]) -> bool:
@@ -144,7 +146,7 @@ def to_torch_state(tree: Mapping[str, Any], to_numpy: Callable[[Any], np.ndarray
             continue
         if "kernel" in entry:
             kernel = to_numpy(entry["kernel"])
-            inputs = int(np.prod(kernel.shape[:2 if name == "out" else 1]))
+            inputs = int(np.prod(kernel.shape[:INPUT_AXES.get(name, 1)]))
             state[f"{torch_name}.weight"] = np.ascontiguousarray(kernel.reshape(inputs, -1).T)
         if "bias" in entry:
             state[f"{torch_name}.bias"] = to_numpy(entry["bias"]).reshape(-1)

@@ -16,7 +16,7 @@ import numpy as np
 
 from mha_jax import _checks, _paged
 from mha_jax.attention import dot_product_attention
-from mha_spec import paged
+from mha_spec import docstrings, paged
 from mha_spec.paged import PageTable
 
 
@@ -64,18 +64,15 @@ def write(cache: PagedKVCache, keys: jax.Array, values: jax.Array) -> PagedKVCac
     return cache._replace(kv_pages=flat.reshape(cache.kv_pages.shape))
 
 
+@docstrings.fill
 def ragged_attention(queries: jax.Array, cache: PagedKVCache, *, max_q_len: int | None = None,
                      **terms: Any) -> jax.Array:
-    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache``'s pages where they lie, as
-    ``mha_spec.paged`` says, each sequence's queries padded to ``max_q_len`` (static; default ``total_q``, 1 for a
-    decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
-    ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
-    past ``cu_q_lens[num_seqs]``; JAX arrays, jittable (``max_q_len`` static)."""
-    max_q, terms = paged.checked_call(queries, cache, max_q_len, terms, _checks.require_float, _known)
-    implementation = terms.pop("implementation")
-    if implementation is not None:
-        return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
-    return _paged.attend(queries, cache, max_q, **terms)
+    """{ragged_attention}
+
+    JAX arrays, jittable (``max_q_len`` static).
+    """
+    return paged.ragged(queries, cache, max_q_len, terms, require_float=_checks.require_float, known=_known,
+                        gathered=_gathered, attend=_paged.attend)
 
 
 def _gathered(queries: jax.Array, cache: PagedKVCache, max_q: int, terms: dict) -> jax.Array:
@@ -94,12 +91,7 @@ def from_contiguous(key: jax.Array, value: jax.Array, lengths: Any, table: PageT
     """Our contiguous cache (``cached_key``/``cached_value`` ``(batch, max_length, kv_heads, head_dim)``, each
     row's ``cache_index`` ``lengths``, not rolled over) as pages of the fresh ``table`` (its rows ``0..batch-1``)."""
     lengths = np.asarray(lengths)
-    if (key.ndim != 4 or value.shape != key.shape or lengths.shape != key.shape[:1] or (lengths > key.shape[1]).any()
-            or table.lengths[: len(lengths)].any()):
-        raise ValueError(f"from_contiguous needs key and value (batch, max_length, kv_heads, head_dim), lengths "
-                         f"(batch,) <= max_length (a rolled-over cache has lost its first positions) and a table with "
-                         f"those rows empty; got key {key.shape}, value {value.shape}, lengths {lengths.tolist()}, "
-                         f"table lengths {table.lengths.tolist()}")
+    paged.check_contiguous(tuple(key.shape), tuple(value.shape), lengths, table)
     cache = schedule(init_cache(table, key.shape[2], key.shape[3], key.dtype), table.append(lengths))
     total, pool = int(lengths.sum()), table.num_pages * table.page_size
     seq, index, _, _ = paged.token_places(paged.step_arrays(cache), jnp.arange(total), table.page_size, pool, jnp)

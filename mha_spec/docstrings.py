@@ -45,6 +45,12 @@ output_gate: each head's output times the sigmoid of a learned projection of the
   (Qwen3-Next, Qwen3.5); ``"head_softplus"``, ``"feature_softplus"``: the projection's softplus instead of its
   sigmoid, in float32 or wider (Laguna); None: none. PyTorch's ``gate_proj.weight``
   ``(num_heads[ * head_dim], in)``, Flax's ``gate`` kernel ``(in, num_heads[, head_dim])``; not with a latent.""",
+    "ragged_attention": """\
+Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache``'s pages where they lie, as
+``mha_spec.paged`` says, each sequence's queries padded to ``max_q_len`` (static; default ``total_q``, 1 for a
+decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
+``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
+past ``cu_q_lens[num_seqs]``.""",
     "paged_step": """\
 Args:
   inputs: ``(total_q, in_features)``, the new tokens of the sequences ``cache``'s step schedules

@@ -353,7 +353,7 @@ def _why(name: str, found: tuple, want: tuple, heads: int, kv_heads: int, head_d
     """What an expected row or column count is made of, when that is what differs."""
     if len(found) != len(want):
         return ""
-    if name == "out_proj.weight" and found[1:] != want[1:]:
+    if name == f"{PROJECTIONS[3]}.weight" and found[1:] != want[1:]:
         return f" (num_heads={heads} x head_dim={head_dim} columns)"
     if name.split(".")[0] in PROJECTIONS[:3] and found[:1] != want[:1]:
         n, what = (heads, "num_heads") if name.startswith("q_") else (kv_heads, "num_kv_heads")

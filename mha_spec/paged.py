@@ -130,6 +130,17 @@ def check_queries(name: str, shape: Sequence[int], heads: int | None, kv_pages: 
                          f"{head_dim} (kv_pages {tuple(kv_pages)}), got {tuple(shape)}")
 
 
+def check_contiguous(key: Sequence[int], value: Sequence[int], lengths: np.ndarray, table: PageTable) -> None:
+    """``from_contiguous``'s inputs: key and value ``(batch, max_length, kv_heads, head_dim)``, ``lengths``
+    ``(batch,)`` at most ``max_length``, and ``table``'s first ``batch`` rows empty."""
+    if (len(key) != 4 or tuple(value) != tuple(key) or lengths.shape != tuple(key[:1]) or (lengths > key[1]).any()
+            or table.lengths[: len(lengths)].any()):
+        raise ValueError(f"from_contiguous needs key and value (batch, max_length, kv_heads, head_dim), lengths "
+                         f"(batch,) <= max_length (a rolled-over cache has lost its first positions) and a table with "
+                         f"those rows empty; got key {tuple(key)}, value {tuple(value)}, lengths {lengths.tolist()}, "
+                         f"table lengths {table.lengths.tolist()}")
+
+
 def check_values(step: dict[str, np.ndarray], page_size: int, num_pages: int, total_q: int, max_q_len: int) -> None:
     """A step's values (outside ``jit``/compilation): they describe tokens the pages and queries hold."""
     kv_lens, pages, cu = (np.asarray(step[k]) for k in ("kv_lens", "page_indices", "cu_q_lens"))
@@ -215,6 +226,18 @@ def checked_call(queries: Any, cache: Any, max_q_len: int | None, terms: dict[st
         alibi.check_slopes_shape(checked["alibi_slopes"].shape, max_seqs, heads)
     check_step(cache, total_q, max_q_len or total_q, known=known)
     return max_q_len or total_q, checked
+
+
+def ragged(queries: Any, cache: Any, max_q_len: int | None, terms: dict[str, Any], *, require_float: Any,
+           known: Any, gathered: Any, attend: Any) -> Any:
+    """A twin's ``ragged_attention``: the call checked (``checked_call``), then the pages gathered into a padded
+    batch for a named ``implementation`` (``gathered(queries, cache, max_q, terms)``), else the twin's page loop
+    (``attend(queries, cache, max_q, **terms)``)."""
+    max_q, terms = checked_call(queries, cache, max_q_len, terms, require_float, known)
+    implementation = terms.pop("implementation")
+    if implementation is not None:
+        return gathered(queries, cache, max_q, dict(terms, implementation=implementation))
+    return attend(queries, cache, max_q, **terms)
 
 
 def page_range(kv_len: Any, q_len: Any, page_size: int, window: tuple[int, int] | None, chunk: int | None,

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from mha_spec import paged
+from mha_spec import docstrings, paged
 from mha_spec.paged import PageTable
 from mha_torch import _checks, _paged
 from mha_torch.attention import dot_product_attention
@@ -65,18 +65,15 @@ def write(cache: PagedKVCache, keys: torch.Tensor, values: torch.Tensor) -> Page
     return cache
 
 
+@docstrings.fill
 def ragged_attention(queries: torch.Tensor, cache: PagedKVCache, *, max_q_len: int | None = None,
                      **terms: Any) -> torch.Tensor:
-    """Attention of packed ``queries`` ``(total_q, heads, head_dim)`` over ``cache``'s pages where they lie, as
-    ``mha_spec.paged`` says, each sequence's queries padded to ``max_q_len`` (static; default ``total_q``, 1 for a
-    decode step); ``terms``: ``dot_product_attention``'s keywords ``mha_spec.paged.TERMS`` (a named
-    ``implementation``: the pages gathered into a padded batch for it). Returns ``(total_q, heads, head_dim)``, 0
-    past ``cu_q_lens[num_seqs]``; tensors on the pool's device."""
-    max_q, terms = paged.checked_call(queries, cache, max_q_len, terms, _checks.require_float, _known)
-    implementation = terms.pop("implementation")
-    if implementation is not None:
-        return _gathered(queries, cache, max_q, dict(terms, implementation=implementation))
-    return _paged.attend(queries, cache, max_q, **terms)
+    """{ragged_attention}
+
+    Tensors on the pool's device.
+    """
+    return paged.ragged(queries, cache, max_q_len, terms, require_float=_checks.require_float, known=_known,
+                        gathered=_gathered, attend=_paged.attend)
 
 
 def _gathered(queries: torch.Tensor, cache: PagedKVCache, max_q: int, terms: dict) -> torch.Tensor:
@@ -97,12 +94,7 @@ def from_contiguous(key: torch.Tensor, value: torch.Tensor, lengths: Any, table:
     """Our contiguous cache (``KVCache.key``/``value`` ``(batch, max_length, kv_heads, head_dim)``, each
     row's ``index`` ``lengths``, not rolled over) as pages of the fresh ``table`` (its rows ``0..batch-1``)."""
     lengths = np.asarray(lengths.cpu() if isinstance(lengths, torch.Tensor) else lengths)
-    if (key.ndim != 4 or value.shape != key.shape or lengths.shape != key.shape[:1] or (lengths > key.shape[1]).any()
-            or table.lengths[: len(lengths)].any()):
-        raise ValueError(f"from_contiguous needs key and value (batch, max_length, kv_heads, head_dim), lengths "
-                         f"(batch,) <= max_length (a rolled-over cache has lost its first positions) and a table with "
-                         f"those rows empty; got key {tuple(key.shape)}, value {tuple(value.shape)}, lengths "
-                         f"{lengths.tolist()}, table lengths {table.lengths.tolist()}")
+    paged.check_contiguous(tuple(key.shape), tuple(value.shape), lengths, table)
     cache = schedule(init_cache(table, key.shape[2], key.shape[3], key.dtype, key.device), table.append(lengths))
     total, pool = int(lengths.sum()), table.num_pages * table.page_size
     seq, index, _, _ = paged.token_places(paged.step_arrays(cache), torch.arange(total, device=key.device),

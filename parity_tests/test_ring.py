@@ -26,21 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 from mha_jax import testing
 from mha_jax.attention import dot_product_attention
+from parity_tests.eight_devices import COLLECTIVES, ci_runs_on_8_devices, needs_8
 
 B, L, H, KVH, D = 2, 32, 4, 2, 8
 TOLERANCE = {"float32": 1e-6, "float64": 1e-12}  # max |ring - one device| / max |one device|
-COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
-CI_COMMAND = (
-    "XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-    "python -m pytest -q parity_tests/test_mesh.py parity_tests/test_ring.py"
-)
-
-needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason=f"needs 8 devices; CI runs: {CI_COMMAND}")
 
 
 def test_ci_runs_this_file_on_8_devices():
-    ci = (pathlib.Path(__file__).resolve().parent.parent / ".ci" / "run").read_text().splitlines()
-    assert CI_COMMAND in ci
+    assert ci_runs_on_8_devices()
 
 
 @pytest.fixture(autouse=True, scope="module")

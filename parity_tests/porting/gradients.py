@@ -31,8 +31,6 @@ class ParameterResult(table.Measured):
     jax_name: str
     error: float
     tolerance: float
-    reference: float | None = field(default=None, kw_only=True)
-    floor: float | None = field(default=None, kw_only=True)
 
     def cells(self) -> list[str]:
         return [self.name, f"{self.error:.2e}", f"{self.bound:.1e}", "ok" if self.passed else "FAILED"]

@@ -106,8 +106,6 @@ class OutputResult(table.Measured):
     relative: float
     max_abs: float
     tolerance: float
-    reference: float | None = field(default=None, kw_only=True)
-    floor: float | None = field(default=None, kw_only=True)
 
     @property
     def error(self) -> float:

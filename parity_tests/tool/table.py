@@ -39,16 +39,15 @@ class Row:
         return ""
 
 
+@dataclass
 class Measured(Row):
-    """A row (a dataclass with ``error``, ``tolerance`` and, keywords, ``reference`` and ``floor``) whose
-    ``error`` passes within its ``bound``, ``verdict.bound(tolerance, reference, floor)``: ``reference``
+    """A row (a dataclass whose subclass gives ``error`` and ``tolerance``; keywords ``reference`` and ``floor``)
+    whose ``error`` passes within its ``bound``, ``verdict.bound(tolerance, reference, floor)``: ``reference``
     PyTorch's own error against its float64 copy where it was measured (None: the tolerance alone);
     ``as_json`` adds ``bound`` and ``passed`` to its fields."""
 
-    error: float
-    tolerance: float
-    reference: float | None
-    floor: float | None
+    reference: float | None = dataclasses.field(default=None, kw_only=True)
+    floor: float | None = dataclasses.field(default=None, kw_only=True)
 
     @property
     def bound(self) -> float:
