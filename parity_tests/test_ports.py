@@ -246,7 +246,7 @@ def test_the_layout_is_read_from_the_keys(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "show no layout" in err and "likely layouts: fused_qkv;" in err
     assert ("give --layout (one of mha_torch, torch_mha, hf, bert, fused_qkv, flax) "
-            "or, for another naming scheme, the Python API's mapping=") in err
+            "or, for another naming scheme, --mapping") in err
 
 
 def _normalize_qk_files(tmp_path) -> dict[str, np.ndarray]:

@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 
 import mha_jax
 import mha_torch
-from mha_spec import layouts
 from parity_tests.tool import callables, cases, cli
 
 E, H = 32, 4
@@ -120,10 +119,11 @@ def test_a_transposed_weight_or_another_scale_fails_against_the_source(tmp_path,
     assert ("FAILED source/padding/float32" in out) != passes
 
 
-def test_swapped_key_and_value_fail_against_the_source(tmp_path, capsys, monkeypatch):
-    """A layout that reads ``k_proj`` as the value and ``v_proj`` as the key, in both packages:
+def test_swapped_key_and_value_fail_against_the_source(tmp_path, capsys):
+    """``--mapping`` that reads ``k_proj`` as the value and ``v_proj`` as the key, in both packages:
     our two modules hold the same (swapped) bits and agree with the oracle on them; the source,
-    ``LlamaAttention`` built from the ``config.json`` beside the weights, does not."""
+    ``LlamaAttention`` (the layout the keys show) built from the ``config.json`` beside the weights,
+    does not. The right mapping passes."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
@@ -133,17 +133,34 @@ def test_swapped_key_and_value_fail_against_the_source(tmp_path, capsys, monkeyp
                                     layer_idx=0), seed=2)
     save_file(llama.state_dict(), tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
-    args = ["--weights", str(tmp_path / "model.safetensors"), "--layout", "hf", "--num-heads", str(H),
-            "--num-kv-heads", "2", *FAST]
-    code, out = _verify(capsys, *args)
+    args = ["--weights", str(tmp_path / "model.safetensors"), "--num-heads", str(H), "--num-kv-heads", "2", *FAST]
+    right, swapped = "q_proj=q_proj,k_proj=k_proj,v_proj=v_proj", "q_proj=q_proj,k_proj=v_proj,v_proj=k_proj"
+    for names, passes in ((right, True), (swapped, False)):
+        code, out = _verify(capsys, *args, "--mapping", names, "--mapping", "out_proj=o_proj")
+        assert code == (0 if passes else 1), out
+        assert "LlamaAttention (4 heads, from" in out and "layout hf, detected from the keys, read by --mapping" in out
+        assert "loaded into both frameworks, bit for bit" in out
+        assert ("FAILED source/padding/float32" in out) != passes
+        assert "FAILED weights/" not in out  # the twins and the oracle alone would not have seen it
+
+
+def test_mapping_of_names_no_layout_shows(tmp_path, capsys):
+    """A file in names of its own (``wq`` ... ``wo``) read with ``--mapping``: no source is known, the twins and
+    the oracle are compared; a malformed pair or ``--layout`` beside it is refused by name."""
+    state = {new: tensor for (old, tensor) in _random_(Handwritten()).state_dict().items()
+             for new in [old.replace("q_proj", "wq").replace("k_proj", "wk").replace("v_proj", "wv")
+                         .replace("o_proj", "wo")]}
+    save_file(state, tmp_path / "own.safetensors")
+    args = ["--weights", str(tmp_path / "own.safetensors"), "--num-heads", str(H), *FAST]
+    code, out = _verify(capsys, *args, "--mapping", "q_proj=wq,k_proj=wk,v_proj=wv,out_proj=wo")
     assert code == 0, out
-    assert "LlamaAttention (4 heads, from" in out and "not checked" not in out
-    swapped = layouts.from_names({"q_proj": "q_proj", "k_proj": "v_proj", "v_proj": "k_proj", "out_proj": "o_proj"})
-    monkeypatch.setitem(layouts.LAYOUTS, "hf", swapped)
-    code, out = _verify(capsys, *args)
-    assert code == 1
-    assert "loaded into both frameworks, bit for bit" in out and "FAILED source/padding/float32" in out
-    assert "FAILED weights/" not in out  # the twins and the oracle alone would not have seen it
+    assert "layout mapped" in out and "show no layout whose source is known" in out
+    for wrong, message in ((["--mapping", "q_proj:wq"], "--mapping takes OURS=THEIRS"),
+                           (["--mapping", "q_proj=wq,k_proj=wk,v_proj=wv,out_proj=wo", "--layout", "hf"],
+                            "give --layout or --mapping, not both"),
+                           (["--mapping", "q_proj=wq,k_proj=wk,out_proj=wo"], "--mapping: v_proj is not named")):
+        code = cli.main(["verify", *args, *wrong])
+        assert code == 2 and message in capsys.readouterr().err
 
 
 def test_bert_source_and_a_markdown_report(tmp_path, capsys):

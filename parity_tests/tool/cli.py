@@ -304,7 +304,18 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _naming(args: argparse.Namespace) -> dict:
     return dict(layout=args.layout, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                prefix=args.prefix, ignore=tuple(args.ignore or ()))
+                prefix=args.prefix, ignore=tuple(args.ignore or ()), mapping=_mapping(args.mapping))
+
+
+def _mapping(pairs: list[str] | None) -> dict[str, str] | None:
+    """``--mapping OURS=THEIRS`` pairs (repeatable, or comma-separated) as ``from_torch``'s ``mapping``."""
+    if not pairs:
+        return None
+    entries = [entry for pair in pairs for entry in pair.split(",") if entry]
+    wrong = [entry for entry in entries if entry.count("=") != 1]
+    if wrong:
+        raise ValueError(f"--mapping takes OURS=THEIRS (e.g. k_proj=wk), got {', '.join(map(repr, wrong))}")
+    return dict(entry.split("=") for entry in entries)
 
 
 def cli_words(message: str) -> str:
@@ -314,8 +325,8 @@ def cli_words(message: str) -> str:
         message = re.sub(rf"(?<![\w.-]){python}\b", flag, message)
     for python, flag in (("prefix", "--prefix"), ("ignore", "--ignore"), ("layout", "--layout")):
         message = re.sub(rf"(?<![\w-]){python}=", flag, message)
-    message = message.replace("or mapping= for another naming scheme",
-                              "or, for another naming scheme, the Python API's mapping=")
+    message = message.replace("or mapping= for another naming scheme", "or, for another naming scheme, --mapping")
+    message = re.sub(r"^mapping: ", "--mapping: ", message)
     return re.sub(r"state_dict \(layout ", "the file (--layout ", message)
 
 
@@ -324,6 +335,12 @@ def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "--layout", metavar="NAME",
         help="naming scheme of the file: mha_torch, torch_mha, hf, bert, fused_qkv, or flax (Flax parameter "
              "names; always for .msgpack); default: the one the keys (under --prefix) show",
+    )
+    parser.add_argument(
+        "--mapping", action="append", metavar="OURS=THEIRS",
+        help="another naming scheme: the file's name of each projection (q_proj, k_proj, v_proj, out_proj, or "
+             "qkv_proj for a fused one), e.g. q_proj=wq,k_proj=wk,v_proj=wv,out_proj=wo (repeatable); the source "
+             "is the implementation the file's keys show",
     )
     parser.add_argument("--num-heads", type=int, metavar="N", help="query heads (needed for PyTorch names)")
     parser.add_argument("--num-kv-heads", type=int, metavar="N", help="key/value heads (default: --num-heads)")
@@ -421,7 +438,8 @@ def _check_verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if not args.weights:
             parser.error("--config needs --weights (the model's .safetensors or model.safetensors.index.json)")
         given = [flag for flag, value in (("--source", args.source), ("--layout", args.layout),
-                                          ("--num-heads", args.num_heads), ("--num-kv-heads", args.num_kv_heads),
+                                          ("--mapping", args.mapping), ("--num-heads", args.num_heads),
+                                          ("--num-kv-heads", args.num_kv_heads),
                                           ("--prefix", args.prefix), ("--mask", args.mask), ("--dtype", args.dtype),
                                           ("--report", args.report)) if value]
         if given:

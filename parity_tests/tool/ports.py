@@ -18,6 +18,7 @@ from parity_tests.tool import files, harness
 from parity_tests.tool.arrays import numpy_dtype, same_bits
 
 FLAX = "flax"
+MAPPED = "mapped"  # a file read by --mapping whose keys show no layout of ours
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Checkpoint:
     def describe(self) -> str:
         c = self.config()
         return (
-            f"{self.path} (layout {self.layout}{', detected from the keys' if self.detected else ''}, {self.dtype}): "
+            f"{self.path} (layout {self.layout}{', detected from the keys' if self.detected else ''}"
+            f"{', read by --mapping' if 'mapping' in self.load else ''}, {self.dtype}): "
             f"num_heads {c.num_heads}, num_kv_heads {c.kv_heads}, features in {c.in_features}, key/value "
             f"{c.in_kv_features or c.in_features}, qkv {c.qkv_features}, out {c.out_features}, "
             f"{'with' if c.use_bias else 'no'} biases" + (", normalize_qk" if c.normalize_qk else "")
@@ -66,19 +68,30 @@ class Checkpoint:
 def read(
     path: str, *, layout: str | None = None, num_heads: int | None = None,
     num_kv_heads: int | None = None, prefix: str = "", ignore: tuple[str, ...] = (),
+    mapping: dict[str, str] | None = None,
 ) -> Checkpoint:
     """Read a checkpoint file; ValueError/TypeError name what does not fit. Without ``layout``,
     a ``.msgpack`` file is Flax parameters and a ``.safetensors`` file is in the layout its keys
-    (under ``prefix``) show."""
+    (under ``prefix``) show. With ``mapping`` (``from_torch``'s), the weights are read by its names and
+    ``layout``, the source's, is still the one the keys show."""
     import mha_jax
     from mha_spec import layouts
 
     path = os.fspath(path)
+    if mapping is not None and layout is not None:
+        raise ValueError(f"give --layout or --mapping, not both: got --layout {layout} and a mapping")
     detected = layout is None and not path.endswith(".msgpack")
     if detected:
         keys = under_prefix(file_keys(path), prefix)
-        layout = layouts.detect_layout(keys,
-                                       where=f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else ""))
+        where = f"the keys of {path}" + (f" under --prefix {prefix}" if prefix else "")
+        try:
+            layout = layouts.detect_layout(keys, where=where)
+        except ValueError:
+            if mapping is None:
+                raise
+            layout = MAPPED  # names of the mapping's own: no source implementation known
+    if mapping is not None and not path.endswith(".safetensors"):
+        raise ValueError(f"--mapping names PyTorch keys of a .safetensors file, not {path}")
     layout = layout or FLAX
     if layout == FLAX:
         if prefix or ignore:
@@ -96,7 +109,8 @@ def read(
         raise ValueError(f"--num-heads is needed to read {path} (layout {layout}): "
                          "PyTorch names do not say how rows split into heads")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    load = {"layout": layout, "prefix": prefix, "ignore": tuple(ignore)}
+    load = {"prefix": prefix, "ignore": tuple(ignore)}
+    load.update({"layout": layout} if mapping is None else {"mapping": mapping})
     params = mha_jax.from_torch(path, num_heads=num_heads, num_kv_heads=num_kv_heads, **load)
     state = mha_jax.to_torch(params)
     checkpoint = Checkpoint(path, layout, state, num_heads, num_kv_heads, load, detected)

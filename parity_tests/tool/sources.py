@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from parity_tests.tool.arrays import numpy_dtype
-from parity_tests.tool.ports import FLAX, Checkpoint, read_flax_tree
+from parity_tests.tool.ports import FLAX, MAPPED, Checkpoint, read_flax_tree
 
 
 @dataclass
@@ -123,6 +123,9 @@ def build(checkpoint: Checkpoint, spec: str | None = None) -> Source | None:
                   "(give --source with the model's config.json or a function that builds the model)")
     if spec and layout not in ("hf", "bert"):
         raise ValueError(f"--source {spec}: a config.json describes --layout hf or bert, not {layout}")
+    if layout == MAPPED:
+        return Source("", "", None, ["the file's names (read by --mapping) show no layout whose source is known: "
+                                     "only our two implementations and the oracle were compared"])
     if layout == "mha_torch":
         return None
     fits = {  # the shapes each source class can hold
