@@ -154,7 +154,7 @@ def test_mapping_of_names_no_layout_shows(tmp_path, capsys):
     args = ["--weights", str(tmp_path / "own.safetensors"), "--num-heads", str(H), *FAST]
     code, out = _verify(capsys, *args, "--mapping", "q_proj=wq,k_proj=wk,v_proj=wv,out_proj=wo")
     assert code == 0, out
-    assert "layout mapped" in out and "show no layout whose source is known" in out
+    assert "layout mapped, read by --mapping" in out and "show no layout whose source is known" in out
     for wrong, message in ((["--mapping", "q_proj:wq"], "--mapping takes OURS=THEIRS"),
                            (["--mapping", "q_proj=wq,k_proj=wk,v_proj=wv,out_proj=wo", "--layout", "hf"],
                             "give --layout or --mapping, not both"),

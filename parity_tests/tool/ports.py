@@ -89,7 +89,7 @@ def read(
         except ValueError:
             if mapping is None:
                 raise
-            layout = MAPPED  # names of the mapping's own: no source implementation known
+            layout, detected = MAPPED, False  # names of the mapping's own: no source implementation known
     if mapping is not None and not path.endswith(".safetensors"):
         raise ValueError(f"--mapping names PyTorch keys of a .safetensors file, not {path}")
     layout = layout or FLAX
