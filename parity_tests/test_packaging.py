@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parity_tests.tool import cases, cli, harness
+from parity_tests.tool import cases, cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -39,11 +39,6 @@ def test_verify_writes_a_report_and_exits_zero(tmp_path, capsys):
         c.id for c in cases.full_grid() if c.dtype == "float32" and c.mask == "padding+causal"
     ]
     assert "abs error" in capsys.readouterr().out
-
-
-def test_verify_exits_nonzero_when_a_case_fails(monkeypatch, tmp_path):
-    monkeypatch.setitem(harness.TOLERANCES, "float32", (1e-12, 1e-12))
-    assert cli.main(["verify", "--dtype", "float32", "--mask", "none", "--workers", "1"]) == 1
 
 
 def test_readme_examples_run(capsys):
