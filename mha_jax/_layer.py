@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_jax import _cache, _checks, _dispatch, masks
+from mha_jax import _cache, _checks, _dispatch, masks, paged
 from mha_jax import latent as mla
 from mha_jax.attention import spec_attention
 from mha_spec import arguments, batch_axes, kv_cache, query_terms
+from mha_spec import paged as paged_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 from mha_spec.rotary import rotate_at
@@ -144,6 +145,22 @@ def gated(out: jax.Array, raw: jax.Array, output_gate: str) -> jax.Array:
     else:
         gate = jax.nn.sigmoid(raw)
     return out * (gate[..., None] if output_gate.startswith("head") else gate)
+
+
+def paged_attend(module, query: jax.Array, key: jax.Array, value: jax.Array, norms, cache: paged.PagedKVCache,
+                 max_q_len: int | None, sinks: jax.Array | None) -> tuple[jax.Array, paged.PagedKVCache]:
+    """A paged step of a layer's projections ``(1, total_q, heads, head_dim)`` (one row of packed tokens): rotated
+    and scaled at the tokens' positions in ``cache``, keys and values written, then ``paged.ragged_attention`` with
+    the layer's terms: ``(out (1, total_q, heads, head_dim), cache)``."""
+    positions = paged_spec.token_positions(paged_spec.step_arrays(cache), jnp.arange(query.shape[1]), jnp)[2][None]
+    query, key = rotate(module.rotary, query, key, positions, positions, norms)
+    query = scale_queries(module.query_scale, query, positions)
+    cache = paged.write(cache, key[0], value[0])
+    out = paged.ragged_attention(
+        query[0], cache, max_q_len=max_q_len, local_window_size=module.local_window_size,
+        attention_chunk_size=module.attention_chunk_size, scale=module.scale, logit_soft_cap=module.logit_soft_cap,
+        alibi_slopes=None if module.alibi_slopes is None else jnp.asarray(module.alibi_slopes), sinks=sinks)
+    return out[None], cache
 
 
 def project_terms(module, query: jax.Array, key: jax.Array, value: jax.Array):

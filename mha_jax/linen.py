@@ -14,11 +14,12 @@ from flax import linen as nn
 from flax.linen import combine_masks, make_attention_mask, make_causal_mask
 from typing_extensions import Unpack
 
-from mha_jax import _layer
+from mha_jax import _layer, paged
 from mha_jax import latent as mla
 from mha_jax.attention import IMPLEMENTATIONS
-from mha_spec import alibi, arguments, batch_axes, query_terms
+from mha_spec import alibi, arguments, batch_axes, docstrings, query_terms
 from mha_spec import latent as latent_spec
+from mha_spec import paged as paged_spec
 from mha_spec.qk_norm import QKNorm
 from mha_spec.query_terms import QueryScale
 
@@ -114,12 +115,15 @@ class MultiHeadDotProductAttention(nn.Module):
         is_causal: bool = False,
         dropout_mask: jax.Array | None = None,
         return_weights: bool = False,
+        _paged: tuple[Any, int | None] | None = None,
         **masking: Unpack[arguments.PositionMasking[jax.Array]],
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Shapes and arguments as ``mha_jax.MultiHeadAttention.__call__``; ``inputs_kv`` (deprecated) and
         ``dropout_rng`` (default ``self.make_rng('dropout')``) as in flax; ``sow_weights`` sows
         ``attention_weights`` into ``'intermediates'``. With ``decode=True`` the first call (``init`` on
         ``(*batch, max_length, features)`` inputs) makes flax's ``'cache'`` collection; later calls decode."""
+        if _paged is not None:  # paged_step's: one compact method makes every submodule
+            return self._paged(inputs_q, *_paged)
         if inputs_kv is not None:
             inputs_k = inputs_v = _inputs_kv(inputs_k, inputs_v, inputs_kv)
         if self.latent is not None:
@@ -149,23 +153,49 @@ class MultiHeadDotProductAttention(nn.Module):
             self, query, key, value, spec, batch_shape, dropout_rng=dropout_rng, dropout_mask=call.dropout_mask,
             sow_weights=sow_weights, return_weights=return_weights, attention_fn_kwargs=self._einsums(),
             zero_unused=not decoding, sequence_axis=None if decoding else self.sequence_axis,
-            sinks=self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype) if self.use_sinks else None,
+            sinks=self._sinks(),
         )
         if sown is not None:
             self.sow("intermediates", "attention_weights", sown)
         if parts is not None and decoding:
             out = mla.lift_output(parts, out)
+        out = batch_axes.unflatten_batch(self._output(out, inputs_q, out_features), batch_shape)
+        return (out, weights) if return_weights else out
+
+    @docstrings.fill
+    def paged_step(self, inputs: jax.Array, cache: paged.PagedKVCache, *, max_q_len: int | None = None
+                   ) -> tuple[jax.Array, paged.PagedKVCache]:
+        """Self-attention of packed tokens over a paged cache: a serving step of many sequences at once
+        (``module.apply(variables, inputs, cache, method="paged_step")``, or from a parent's method).
+
+        {paged_step}
+        """
+        return self(inputs, _paged=(cache, max_q_len))
+
+    def _paged(self, inputs: jax.Array, cache: paged.PagedKVCache, max_q_len: int | None):
+        """``paged_step``, inside ``__call__`` (its submodules are the same)."""
+        kernel = self.variables.get("params", {}).get("query", {}).get("kernel")
+        paged_spec.check_layer_inputs(inputs.shape, inputs.shape[-1] if kernel is None else kernel.shape[0],
+                                      self.latent)
+        x = inputs[None]  # one row of packed tokens
+        query, key, value, norms = self._project(x, x, x)
+        out, cache = _layer.paged_attend(self, query, key, value, norms, cache, max_q_len, self._sinks())
+        return self._output(out, x, self.out_features or inputs.shape[-1])[0], cache
+
+    def _sinks(self) -> jax.Array | None:
+        return self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype) if self.use_sinks else None
+
+    def _output(self, out: jax.Array, inputs_q: jax.Array, out_features: int) -> jax.Array:
+        """Each head's output ``(batch, len, heads, head_dim)`` gated (``output_gate``) and projected by ``out``."""
         if self.output_gate is not None:  # (batch, len, heads[, head_dim]) gates of each head's output
             out = _layer.gated(out, _projection(self, query_terms.gate_features(
                 self.output_gate, self.num_heads, out.shape[-1]), "gate", use_bias=False)(inputs_q), self.output_gate)
-        out = nn.DenseGeneral(
+        return nn.DenseGeneral(
             out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init, dtype=self.dtype,
             bias_init=self.out_bias_init or self.bias_init, param_dtype=self.param_dtype, precision=self.precision,
             use_bias=self.use_bias if self.use_out_bias is None else self.use_out_bias, name="out",
             dot_general=self.out_dot_general, dot_general_cls=self.out_dot_general_cls,
         )(out)
-        out = batch_axes.unflatten_batch(out, batch_shape)
-        return (out, weights) if return_weights else out
 
     def _project(self, inputs_q: jax.Array, inputs_k: jax.Array, inputs_v: jax.Array):
         """QK-normed projections ``(batch, len, heads, head_dim)``, made in flax's order, and the QK-norms to apply

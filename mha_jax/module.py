@@ -310,15 +310,8 @@ class MultiHeadAttention(nnx.Module):
             query, key = self.query_ln(query), self.key_ln(key)
         value = _layer.value_norm(self.query_ln, value)
         query, key, value = _layer.project_terms(self, query, key, value)
-        positions = paged_spec.token_positions(paged_spec.step_arrays(cache), jnp.arange(inputs.shape[0]), jnp)[2]
-        query, key = _layer.rotate(self.rotary, query, key, positions[None], positions[None], norms)
-        query = _layer.scale_queries(self.query_scale, query, positions[None])
-        cache = paged.write(cache, key[0], value[0])
-        out = paged.ragged_attention(
-            query[0], cache, max_q_len=max_q_len, local_window_size=self.local_window_size,
-            attention_chunk_size=self.attention_chunk_size, scale=self.scale, logit_soft_cap=self.logit_soft_cap,
-            alibi_slopes=None if self.alibi_slopes is None else jnp.asarray(self.alibi_slopes),
-            sinks=None if self.sinks is None else self.sinks[...])[None]
+        out, cache = _layer.paged_attend(self, query, key, value, norms, cache, max_q_len,
+                                         None if self.sinks is None else self.sinks[...])
         if self.gate is not None:
             out = _layer.gated(out, self.gate(x), self.output_gate)
         return self.out(out)[0], cache

@@ -510,7 +510,32 @@ def test_a_module_s_paged_steps_equal_its_full_pass_over_each_sequence_in_both_t
                        static_argnums=3)
         jax_out = _served(lambda inputs, cache, n: step(ours, jnp.asarray(inputs), cache, n), x, table,
                           pj.init_cache(table, 2, 8, jnp.float64), pj.schedule)
-    assert max(np.abs(j - t).max() for j, t in zip(jax_out, torch_out)) < 1e-12
+        linen_out = [_served(fn, x, PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ),
+                             pj.init_cache(table, 2, 8, jnp.float64), pj.schedule)
+                     for fn in _linen_steps(heads, {k: v.numpy() for k, v in theirs.state_dict().items()})]
+    for served in (jax_out, *linen_out):
+        assert max(np.abs(j - t).max() for j, t in zip(served, torch_out)) < 1e-12
+
+
+def _linen_steps(heads: int, state: dict) -> list:
+    """linen's ``paged_step`` as ``(inputs, cache, max_q_len) -> (out, cache)``, jitted: through ``apply``'s
+    ``method``, and called by a parent module's compact method."""
+    from flax import linen as nn
+
+    layer = dict(rotary=mha_jax.RotaryEmbedding(8), param_dtype=jnp.float64, dtype=jnp.float64, **MODULE_TERMS)
+    params = mha_jax.from_torch(state, num_heads=heads, num_kv_heads=MODULE_TERMS["num_kv_heads"])
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, inputs, cache, n):
+            return mha_jax.linen.MultiHeadDotProductAttention(heads, name="attn", **layer).paged_step(
+                inputs, cache, max_q_len=n)
+
+    direct = jax.jit(lambda inputs, cache, n: mha_jax.linen.MultiHeadDotProductAttention(heads, **layer).apply(
+        {"params": params}, inputs, cache, max_q_len=n, method="paged_step"), static_argnums=2)
+    parent = jax.jit(lambda inputs, cache, n: Block().apply({"params": {"attn": params}}, inputs, cache, n),
+                     static_argnums=2)
+    return [lambda inputs, cache, n, f=f: f(jnp.asarray(inputs), cache, n) for f in (direct, parent)]
 
 
 def test_the_serving_example_gives_each_request_the_tokens_it_gets_alone():
@@ -543,3 +568,13 @@ def test_a_layer_s_paged_step_refuses_a_latent_and_inputs_of_another_shape_alike
                                                mha_torch.MultiHeadAttention(32, 4, latent=latent))):
         with pytest.raises(ValueError, match="paged_step does not take a latent"):
             layer.paged_step(xp.ones((3, 32)), cache)
+    cache, key = layers[0][1], jax.random.key(0)
+    linen = mha_jax.linen.MultiHeadDotProductAttention(4)
+    variables = linen.init(key, jnp.ones((3, 32), jnp.float32), cache, method="paged_step")
+    for inputs in (jnp.ones((3, 16), jnp.float32), jnp.ones((1, 3, 32), jnp.float32)):
+        with pytest.raises(ValueError, match=rf"paged_step takes inputs \(total_q, 32\), the packed tokens .*, "
+                                             rf"got {re.escape(str(inputs.shape))}"):
+            linen.apply(variables, inputs, cache, method="paged_step")
+    with pytest.raises(ValueError, match="paged_step does not take a latent"):
+        mha_jax.linen.MultiHeadDotProductAttention(4, latent=latent).init(key, jnp.ones((3, 32), jnp.float32),
+                                                                         cache, method="paged_step")
