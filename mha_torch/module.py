@@ -263,7 +263,7 @@ class MultiHeadAttention(nn.Module):
         """
         paged_spec.check_layer_inputs(inputs.shape, self.embed_dim, self.latent)
         x = inputs[None]  # one row of packed tokens
-        q, k, v = self._project(x, x, x, 1, self.num_heads, self.num_kv_heads)
+        q, k, v = self._project(x, x, x, 1, *self._local_heads())  # tensor-parallel: this rank's heads, cached
         positions = paged_spec.token_positions(paged_spec.step_arrays(cache), torch.arange(
             inputs.shape[0], device=inputs.device), torch)[2][None]
         q, k = self._rotated(self.rotary, q, k, positions, positions)

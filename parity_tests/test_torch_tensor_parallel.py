@@ -4,7 +4,8 @@
   projections, ``RowwiseParallel`` on the output) each rank computes its own heads, and the result equals the
   single-process module, forward and backward, grouped heads and masks included; so does decoding, each rank
   caching its own key/value heads, by the fast path (one-token steps, nothing else given) and by the general
-  step (the same tokens at given positions), against the full causal pass;
+  step (the same tokens at given positions), against the full causal pass; and so does serving by ``paged_step``,
+  each rank's pages holding its own key/value heads;
 - torch's context parallelism (``torch.distributed.tensor.experimental.context_parallel``, the length split
   over the ranks) has no ring for the CPU kernel of ``F.scaled_dot_product_attention`` (checked in this
   process: which kernels it replaces, which one the module calls on a CPU).
@@ -70,6 +71,22 @@ def _decode(model, kv_heads: int, general: bool) -> tuple[torch.Tensor, int]:
     return torch.cat(outs, dim=1), sum(taken)
 
 
+def _paged(model, kv_heads: int) -> torch.Tensor:
+    """The outputs of serving ``_tokens()``'s two sequences by ``paged_step`` over a paged cache of ``kv_heads``
+    heads: both prompts in one step, then a token of each per step; ``(2, PROMPT + STEPS, E)``."""
+    from mha_spec.paged import PageTable
+    from mha_torch import paged
+
+    x, table = _tokens(), PageTable(num_pages=8, page_size=2, max_seqs=2, pages_per_seq=4)
+    cache, outs = paged.init_cache(table, kv_heads, E // H, torch.float64), []
+    with torch.no_grad():
+        for start, stop in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, PROMPT + STEPS)]:
+            cache = paged.schedule(cache, table.append([stop - start] * 2))
+            out, cache = model.paged_step(x[:, start:stop].reshape(-1, E), cache, max_q_len=stop - start)
+            outs.append(out.reshape(2, stop - start, E))
+    return torch.cat(outs, dim=1)
+
+
 def _rank(rank: int, world: int, port: int, results):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -85,6 +102,7 @@ def _rank(rank: int, world: int, port: int, results):
         mine = {"local_heads": model._local_heads(), "module": _run(model, x, mask)}
         for general in (False, True):
             mine["general" if general else "fast"] = _decode(model, KV // world, general)
+        mine["paged"] = _paged(model, KV // world)
         results[rank] = mine
     except Exception:
         results[rank] = traceback.format_exc()
@@ -131,6 +149,16 @@ def test_tensor_parallel_module_equals_the_single_process_module(ranks):
         assert ranks[rank]["local_heads"] == (H // WORLD, KV // WORLD)
         assert torch.allclose(tp_out, out, rtol=0, atol=1e-12)
         assert torch.allclose(tp_grad, grad, rtol=0, atol=1e-12)
+
+
+def test_tensor_parallel_paged_steps_equal_the_full_causal_pass(ranks):
+    """Each rank's pages hold its 1 key/value head: both prompts in one ``paged_step``, then one token of each per
+    step, equal the full causal pass; so does one process with both heads."""
+    model, _, _ = _reference()
+    full = model(_tokens(), is_causal=True).detach()
+    for rank in range(WORLD):
+        assert torch.allclose(ranks[rank]["paged"], full, rtol=0, atol=1e-12), (ranks[rank]["paged"] - full).abs().max()
+    assert torch.allclose(_paged(model, KV), full, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("path", ["fast", "general"])
