@@ -151,16 +151,22 @@ def paged_attend(module, query: jax.Array, key: jax.Array, value: jax.Array, nor
                  max_q_len: int | None, sinks: jax.Array | None) -> tuple[jax.Array, paged.PagedKVCache]:
     """A paged step of a layer's projections ``(1, total_q, heads, head_dim)`` (one row of packed tokens): rotated
     and scaled at the tokens' positions in ``cache``, keys and values written, then ``paged.ragged_attention`` with
-    the layer's terms: ``(out (1, total_q, heads, head_dim), cache)``."""
+    the layer's terms: ``(out (1, total_q, heads, head_dim), cache)``. With a latent (``value`` None), ``key``
+    holds the latent entries ``(1, total_q, 1, cache_dim)``, written as the key and the value of one head; the
+    queries absorbed, the outputs' first ``kv_lora_rank`` lifted to the value heads."""
+    latent = module.latent
     positions = paged_spec.token_positions(paged_spec.step_arrays(cache), jnp.arange(query.shape[1]), jnp)[2][None]
-    query, key = rotate(module.rotary, query, key, positions, positions, norms)
+    rotary = module.rotary if latent is None else mla.rope_part(module.rotary, latent)
+    query, key = rotate(rotary, query, key, positions, positions, norms)
     query = scale_queries(module.query_scale, query, positions)
+    if latent is not None:
+        query, value = mla.absorb_query(module, query), key
     cache = paged.write(cache, key[0], value[0])
     out = paged.ragged_attention(
         query[0], cache, max_q_len=max_q_len, local_window_size=module.local_window_size,
         attention_chunk_size=module.attention_chunk_size, scale=module.scale, logit_soft_cap=module.logit_soft_cap,
-        alibi_slopes=None if module.alibi_slopes is None else jnp.asarray(module.alibi_slopes), sinks=sinks)
-    return out[None], cache
+        alibi_slopes=None if module.alibi_slopes is None else jnp.asarray(module.alibi_slopes), sinks=sinks)[None]
+    return (out if latent is None else mla.lift_output(module, out[..., :latent.kv_lora_rank])), cache
 
 
 def project_terms(module, query: jax.Array, key: jax.Array, value: jax.Array):

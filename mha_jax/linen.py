@@ -174,12 +174,20 @@ class MultiHeadDotProductAttention(nn.Module):
 
     def _paged(self, inputs: jax.Array, cache: paged.PagedKVCache, max_q_len: int | None):
         """``paged_step``, inside ``__call__`` (its submodules are the same)."""
-        kernel = self.variables.get("params", {}).get("query", {}).get("kernel")
-        paged_spec.check_layer_inputs(inputs.shape, inputs.shape[-1] if kernel is None else kernel.shape[0],
-                                      self.latent)
+        params = self.variables.get("params", {})
+        kernel = params.get("query" if "query" in params else "kv_a_proj_with_mqa", {}).get("kernel")
+        paged_spec.check_layer_inputs(inputs.shape, inputs.shape[-1] if kernel is None else kernel.shape[0])
         x = inputs[None]  # one row of packed tokens
-        query, key, value, norms = self._project(x, x, x)
-        out, cache = _layer.paged_attend(self, query, key, value, norms, cache, max_q_len, self._sinks())
+        parts = None if self.latent is None else _LatentParts(self)
+        if parts is not None:  # the cache's entries for keys, no values
+            query, key, value, norms = mla.project_query(parts, x), mla.project_latent(parts, x), None, None
+            if parts.kv_b_proj.kernel is None:  # init: kv_b_proj's kernel made to be read
+                parts.kv_b_proj(key[..., 0, :self.latent.kv_lora_rank])
+                parts.kv_b_proj.kernel = self.variables["params"]["kv_b_proj"]["kernel"]
+        else:
+            query, key, value, norms = self._project(x, x, x)
+        out, cache = _layer.paged_attend(self if parts is None else _PagedParts(self, parts), query, key, value,
+                                         norms, cache, max_q_len, self._sinks())
         return self._output(out, x, self.out_features or inputs.shape[-1])[0], cache
 
     def _sinks(self) -> jax.Array | None:
@@ -317,6 +325,16 @@ class _LatentParts:
         kernel = module.variables.get("params", {}).get("kv_b_proj", {}).get("kernel")
         kv_b_proj = _projection(module, (module.num_heads, latent.kv_b_features), "kv_b_proj", use_bias=False)
         self.kv_b_proj = _WithKernel(kv_b_proj, kernel)
+
+
+class _PagedParts(_LatentParts):
+    """A latent linen module's parts with its terms, for ``_layer.paged_attend``."""
+
+    def __init__(self, module: MultiHeadDotProductAttention, parts: _LatentParts):
+        self.__dict__.update(parts.__dict__)
+        for name in ("query_scale", "local_window_size", "attention_chunk_size", "scale", "logit_soft_cap",
+                     "alibi_slopes"):
+            setattr(self, name, getattr(module, name))
 
 
 class _WithKernel:

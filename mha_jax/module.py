@@ -302,14 +302,17 @@ class MultiHeadAttention(nnx.Module):
 
         {paged_step}
         """
-        paged_spec.check_layer_inputs(inputs.shape, self.in_features, self.latent)
+        paged_spec.check_layer_inputs(inputs.shape, self.in_features)
         x = inputs[None]  # one row of packed tokens
-        query, key, value = self.query(x), self.key(x), self.value(x)
-        norms = _layer.norms_after_rotary(self.query_ln, self.key_ln)
-        if self.query_ln is not None and norms is None:
-            query, key = self.query_ln(query), self.key_ln(key)
-        value = _layer.value_norm(self.query_ln, value)
-        query, key, value = _layer.project_terms(self, query, key, value)
+        if self.latent is not None:  # the cache's entries for keys, no values
+            query, key, value, norms = mla.project_query(self, x), mla.project_latent(self, x), None, None
+        else:
+            query, key, value = self.query(x), self.key(x), self.value(x)
+            norms = _layer.norms_after_rotary(self.query_ln, self.key_ln)
+            if self.query_ln is not None and norms is None:
+                query, key = self.query_ln(query), self.key_ln(key)
+            value = _layer.value_norm(self.query_ln, value)
+            query, key, value = _layer.project_terms(self, query, key, value)
         out, cache = _layer.paged_attend(self, query, key, value, norms, cache, max_q_len,
                                          None if self.sinks is None else self.sinks[...])
         if self.gate is not None:

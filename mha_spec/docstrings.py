@@ -56,15 +56,16 @@ Args:
   inputs: ``(total_q, in_features)``, the new tokens of the sequences ``cache``'s step schedules
     (``mha_spec.paged.PageTable.append``, then this package's ``paged.schedule``), sequence after sequence.
   cache: this package's ``paged.PagedKVCache``; the tokens' keys and values are written to its pages at their
-    positions (each sequence's ``kv_lens`` minus its new tokens, onwards).
+    positions (each sequence's ``kv_lens`` minus its new tokens, onwards). With a latent, its pages hold one
+    key/value head of ``cache_dim``: each token's latent entry (normed latent, rotated rope key) as both.
   max_q_len: the most new tokens of one sequence (static under ``jit``; default ``total_q``, 1 for decode
     steps).
 
 Returns:
   ``(output (total_q, out_features), cache)``: each token attends causally to its sequence's keys
   (``paged.ragged_attention``, with the layer's rotary, QK-norm, window, chunks, ALiBi, soft-cap, sinks and
-  gate), rows past ``cu_q_lens[num_seqs]`` 0 before the output projection. JAX: a new cache, jittable;
-  PyTorch: the cache written in place. Not with a latent (its cache is the latent).""",
+  gate; with a latent, the absorbed step over the latent entries), rows past ``cu_q_lens[num_seqs]`` 0 before
+  the output projection. JAX: a new cache, jittable; PyTorch: the cache written in place.""",
     "rotary_embedding": """\
 ``RotaryEmbedding(head_dim, *, rotary_dim=None, theta=10000.0, interleaved=False,
 scaling=None, max_position_embeddings=None)``, or ``RotaryEmbedding.from_config(config)``

@@ -101,10 +101,8 @@ def check_step(cache: Any, total_q: int, max_q_len: int, *, known: Any) -> None:
         check_values(values, cache.kv_pages.shape[1], cache.kv_pages.shape[0], total_q, max_q_len)
 
 
-def check_layer_inputs(shape: Sequence[int], features: int, latent: Any) -> None:
-    """A layer's ``paged_step`` inputs: packed tokens ``(total_q, features)``; not with a ``latent``."""
-    if latent is not None:
-        raise ValueError("paged_step does not take a latent (multi-head latent attention): its cache is the latent")
+def check_layer_inputs(shape: Sequence[int], features: int) -> None:
+    """A layer's ``paged_step`` inputs: packed tokens ``(total_q, features)``."""
     if len(shape) != 2 or shape[1] != features:
         raise ValueError(f"paged_step takes inputs (total_q, {features}), the packed tokens of the step's "
                          f"sequences, got {tuple(shape)}")

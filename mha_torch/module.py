@@ -261,18 +261,26 @@ class MultiHeadAttention(nn.Module):
 
         {paged_step}
         """
-        paged_spec.check_layer_inputs(inputs.shape, self.embed_dim, self.latent)
-        x = inputs[None]  # one row of packed tokens
-        q, k, v = self._project(x, x, x, 1, *self._local_heads())  # tensor-parallel: this rank's heads, cached
+        paged_spec.check_layer_inputs(inputs.shape, self.embed_dim)
+        x, latent = inputs[None], self.latent  # one row of packed tokens
+        if latent is not None:  # the cache's entries for keys, no values
+            q, k, v = mla.project_query(self, x, 1, self.num_heads), mla.project_latent(self, x), None
+        else:
+            q, k, v = self._project(x, x, x, 1, *self._local_heads())  # tensor-parallel: this rank's heads, cached
         positions = paged_spec.token_positions(paged_spec.step_arrays(cache), torch.arange(
             inputs.shape[0], device=inputs.device), torch)[2][None]
-        q, k = self._rotated(self.rotary, q, k, positions, positions)
+        q, k = self._rotated(self.rotary if latent is None else mla.rope_part(self.rotary, latent), q, k, positions,
+                             positions)
         q = _scale_queries(self.query_scale, q, positions)
+        if latent is not None:
+            q, v = mla.absorb_query(self, q), k
         paged.write(cache, k[0].transpose(0, 1), v[0].transpose(0, 1))
         out = paged.ragged_attention(
             q[0].transpose(0, 1), cache, max_q_len=max_q_len, local_window_size=self.local_window_size,
             attention_chunk_size=self.attention_chunk_size, scale=self.scale, logit_soft_cap=self.logit_soft_cap,
             alibi_slopes=self._slopes(), sinks=self.sinks)
+        if latent is not None:
+            out = mla.lift_output(self, out[None, ..., :latent.kv_lora_rank].transpose(1, 2))[0].transpose(0, 1)
         gate = self._gate(x)
         out = out if gate is None else out * gate[0].transpose(0, 1)
         return self.out_proj(out.reshape(inputs.shape[0], -1)), cache

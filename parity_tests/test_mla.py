@@ -284,3 +284,42 @@ def test_linen_holds_the_nnx_tree_and_decodes_with_the_latent_cache():
         cache = changed["cache"]
         outs.append(out)
     assert _rel(jnp.concatenate(outs, axis=1), want) <= 1e-12
+
+
+def test_a_latent_layer_serves_from_pages_of_its_latent_entries():
+    """``paged_step`` with a latent: pages of one key/value head of ``cache_dim`` (each token's latent entry as
+    both), the absorbed step; every token's output over ``test_paged.SERVED`` (prefill chunks and single tokens
+    mixed, a sequence joining late) equals the layer's own causal pass over its whole sequence, float64, in nnx,
+    linen (its parameters also made by ``init`` through ``paged_step``) and PyTorch."""
+    import jax
+
+    from mha_jax import paged as pj
+    from mha_spec.paged import PageTable
+    from mha_torch import paged as pt
+    from parity_tests.test_paged import MAX_SEQS, NUM_PAGES, PAGES_PER_SEQ, SERVED, _served
+
+    layer, twin, _ = _pair()
+    rng, dims = np.random.default_rng(2), (1, LATENT.cache_dim)
+    x = [rng.normal(size=(n, HIDDEN)) for n in np.sum(SERVED, axis=0)]
+    whole = np.concatenate([np.asarray(layer(jnp.asarray(xs)[None], is_causal=True)[0]) for xs in x])
+
+    def serve(step, twin_paged, dtype):
+        table = PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ)
+        return np.concatenate(_served(step, x, table, twin_paged.init_cache(table, *dims, dtype), twin_paged.schedule))
+
+    with torch.no_grad():
+        served = {"torch": serve(lambda i, c, n: twin.paged_step(torch.tensor(i), c, max_q_len=n), pt, torch.float64)}
+    nnx_step = nnx.jit(lambda module, i, c, n: module.paged_step(i, c, max_q_len=n), static_argnums=3)
+    served["nnx"] = serve(lambda i, c, n: nnx_step(layer, jnp.asarray(i), c, n), pj, jnp.float64)
+    linen = mha_jax.linen.MultiHeadDotProductAttention(HEADS, latent=LATENT, rotary=layer.rotary,
+                                                       param_dtype=jnp.float64)
+    params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    table = PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ)
+    cache = pj.schedule(pj.init_cache(table, *dims, jnp.float64), table.append([3]))
+    made = linen.init(jax.random.key(0), jnp.zeros((3, HIDDEN)), cache, method="paged_step")["params"]
+    assert jax.tree.map(jnp.shape, made) == jax.tree.map(jnp.shape, params)
+    linen_step = jax.jit(lambda i, c, n: linen.apply({"params": params}, i, c, max_q_len=n, method="paged_step"),
+                         static_argnums=2)
+    served["linen"] = serve(lambda i, c, n: linen_step(jnp.asarray(i), c, n), pj, jnp.float64)
+    assert {name: _rel(out, whole) <= 1e-12 for name, out in served.items()} == dict.fromkeys(served, True), {
+        name: _rel(out, whole) for name, out in served.items()}

@@ -553,9 +553,8 @@ def test_the_serving_example_gives_each_request_the_tokens_it_gets_alone():
     assert steps < sum(new for _, new in requests)  # sequences shared steps
 
 
-def test_a_layer_s_paged_step_refuses_a_latent_and_inputs_of_another_shape_alike():
+def test_a_layer_s_paged_step_refuses_inputs_of_another_shape_alike():
     table = PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ)
-    latent = mha_jax.Latent(kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
     layers = [(mha_jax.MultiHeadAttention(4, 32, rngs=nnx.Rngs(0)), pj.init_cache(table, 4, 8, jnp.float32), jnp),
               (mha_torch.MultiHeadAttention(32, 4), pt.init_cache(table, 4, 8, torch.float32), torch)]
     for layer, cache, xp in layers:
@@ -564,10 +563,6 @@ def test_a_layer_s_paged_step_refuses_a_latent_and_inputs_of_another_shape_alike
             with pytest.raises(ValueError, match=rf"paged_step takes inputs \(total_q, 32\), the packed tokens .*, "
                                                  rf"got {re.escape(str(tuple(inputs.shape)))}"):
                 layer.paged_step(inputs, cache)
-    for (_, cache, xp), layer in zip(layers, (mha_jax.MultiHeadAttention(4, 32, latent=latent, rngs=nnx.Rngs(0)),
-                                               mha_torch.MultiHeadAttention(32, 4, latent=latent))):
-        with pytest.raises(ValueError, match="paged_step does not take a latent"):
-            layer.paged_step(xp.ones((3, 32)), cache)
     cache, key = layers[0][1], jax.random.key(0)
     linen = mha_jax.linen.MultiHeadDotProductAttention(4)
     variables = linen.init(key, jnp.ones((3, 32), jnp.float32), cache, method="paged_step")
@@ -575,6 +570,3 @@ def test_a_layer_s_paged_step_refuses_a_latent_and_inputs_of_another_shape_alike
         with pytest.raises(ValueError, match=rf"paged_step takes inputs \(total_q, 32\), the packed tokens .*, "
                                              rf"got {re.escape(str(inputs.shape))}"):
             linen.apply(variables, inputs, cache, method="paged_step")
-    with pytest.raises(ValueError, match="paged_step does not take a latent"):
-        mha_jax.linen.MultiHeadDotProductAttention(4, latent=latent).init(key, jnp.ones((3, 32), jnp.float32),
-                                                                         cache, method="paged_step")
