@@ -176,7 +176,11 @@ class MultiHeadDotProductAttention(nn.Module):
         """``paged_step``, inside ``__call__`` (its submodules are the same)."""
         params = self.variables.get("params", {})
         kernel = params.get("query" if "query" in params else "kv_a_proj_with_mqa", {}).get("kernel")
-        paged_spec.check_layer_inputs(inputs.shape, inputs.shape[-1] if kernel is None else kernel.shape[0])
+        features = inputs.shape[-1] if kernel is None else kernel.shape[0]
+        kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        pages = (1, self.latent.cache_dim) if self.latent is not None else (
+            kv_heads, (self.qkv_features or features) // self.num_heads)
+        paged_spec.check_layer_inputs(inputs.shape, features, cache.kv_pages.shape, *pages)
         x = inputs[None]  # one row of packed tokens
         parts = None if self.latent is None else _LatentParts(self)
         if parts is not None:  # the cache's entries for keys, no values

@@ -302,7 +302,8 @@ class MultiHeadAttention(nnx.Module):
 
         {paged_step}
         """
-        paged_spec.check_layer_inputs(inputs.shape, self.in_features)
+        pages = (1, self.latent.cache_dim) if self.latent is not None else (self.num_kv_heads, self.head_dim)
+        paged_spec.check_layer_inputs(inputs.shape, self.in_features, cache.kv_pages.shape, *pages)
         x = inputs[None]  # one row of packed tokens
         if self.latent is not None:  # the cache's entries for keys, no values
             query, key, value, norms = mla.project_query(self, x), mla.project_latent(self, x), None, None

@@ -101,11 +101,16 @@ def check_step(cache: Any, total_q: int, max_q_len: int, *, known: Any) -> None:
         check_values(values, cache.kv_pages.shape[1], cache.kv_pages.shape[0], total_q, max_q_len)
 
 
-def check_layer_inputs(shape: Sequence[int], features: int) -> None:
-    """A layer's ``paged_step`` inputs: packed tokens ``(total_q, features)``."""
+def check_layer_inputs(shape: Sequence[int], features: int, kv_pages: Sequence[int], heads: int,
+                       head_dim: int) -> None:
+    """A layer's ``paged_step`` inputs: packed tokens ``(total_q, features)``, and pages holding the layer's
+    ``heads`` key/value heads of ``head_dim`` (a latent's: 1 of ``cache_dim``)."""
     if len(shape) != 2 or shape[1] != features:
         raise ValueError(f"paged_step takes inputs (total_q, {features}), the packed tokens of the step's "
                          f"sequences, got {tuple(shape)}")
+    if tuple(kv_pages[2:]) != (2 * heads, head_dim):
+        raise ValueError(f"paged_step: this layer's pages hold {heads} key/value head{'s' * (heads != 1)} of "
+                         f"{head_dim} (init_cache(table, {heads}, {head_dim}, dtype)), got kv_pages {tuple(kv_pages)}")
 
 
 def check_cache(kv_pages: Sequence[int], step: dict[str, Sequence[int]]) -> None:

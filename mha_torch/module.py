@@ -261,8 +261,9 @@ class MultiHeadAttention(nn.Module):
 
         {paged_step}
         """
-        paged_spec.check_layer_inputs(inputs.shape, self.embed_dim)
         x, latent = inputs[None], self.latent  # one row of packed tokens
+        pages = (1, latent.cache_dim) if latent is not None else (self._local_heads()[1], self.head_dim)
+        paged_spec.check_layer_inputs(inputs.shape, self.embed_dim, cache.kv_pages.shape, *pages)
         if latent is not None:  # the cache's entries for keys, no values
             q, k, v = mla.project_query(self, x, 1, self.num_heads), mla.project_latent(self, x), None
         else:

@@ -570,3 +570,12 @@ def test_a_layer_s_paged_step_refuses_inputs_of_another_shape_alike():
         with pytest.raises(ValueError, match=rf"paged_step takes inputs \(total_q, 32\), the packed tokens .*, "
                                              rf"got {re.escape(str(inputs.shape))}"):
             linen.apply(variables, inputs, cache, method="paged_step")
+    latent = mha_jax.Latent(kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    wrong = "paged_step: this layer's pages hold {} (init_cache(table, {}, dtype)), got kv_pages (24, 2, 8, 8)"
+    for (_, cache, xp), layer in zip(layers, (mha_jax.MultiHeadAttention(4, 32, latent=latent, rngs=nnx.Rngs(0)),
+                                               mha_torch.MultiHeadAttention(32, 4, latent=latent))):
+        with pytest.raises(ValueError, match=re.escape(wrong.format("1 key/value head of 12", "1, 12"))):
+            layer.paged_step(xp.ones((3, 32), dtype=xp.float32), cache)
+    with pytest.raises(ValueError, match=re.escape(wrong.format("4 key/value heads of 4", "4, 4"))):
+        mha_jax.linen.MultiHeadDotProductAttention(4, qkv_features=16).init(key, jnp.ones((3, 32), jnp.float32), cache,
+                                                                         method="paged_step")
