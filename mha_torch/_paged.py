@@ -59,6 +59,9 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
     slopes = None if alibi_slopes is None else alibi_slopes.to(compute).reshape(-1, kv_heads, groups, 1, 1)
     cu, kv_lens = cache.cu_q_lens.tolist(), cache.kv_lens.tolist()
     page_ids = cache.page_indices.to(torch.long)
+    # the pool seen as (kv_heads, key|value, pages, page_size, head_dim): a block's pages gathered along the pages
+    # axis land as contiguous keys and values, which the products read without another copy
+    pool = cache.kv_pages.reshape(-1, page_size, kv_heads, 2, head_dim).permute(2, 3, 0, 1, 4)
     def sequence(b, out):
         start, q_len, kv_len = cu[b], cu[b + 1] - cu[b], kv_lens[b]
         q = queries[(start + rows).clamp(max=total_q - 1)].to(compute)  # (max_q, heads, head_dim)
@@ -68,17 +71,17 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
 
         def block(j, k, state):
             """The state after page slots ``j .. k - 1``: their pages read from the pool as one key block."""
-            kv = cache.kv_pages[page_ids[b, j:k]].to(compute).reshape(-1, 2 * kv_heads, head_dim)
+            kv = pool.index_select(2, page_ids[b, j:k]).to(compute).reshape(kv_heads, 2, -1, head_dim)
             position = j * page_size + keys[:(k - j) * page_size]  # the block's keys' positions
             seen = Where(position=position, index=position, length=kv_len)
-            s = q @ kv[:, 0::2].permute(1, 2, 0)  # (kv_heads, groups * max_q, keys)
+            s = q @ kv[:, 0].transpose(1, 2)  # (kv_heads, groups * max_q, keys)
             s = _tiles.scores(s.reshape(kv_heads, groups, max_q, -1), scale=scale, soft_cap=logit_soft_cap,
                               bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
                               allowed=conjunction.visible(at, seen)).reshape(kv_heads, groups * max_q, -1)
-            v = kv[:, 1::2]
+            v = kv[:, 1]  # (kv_heads, keys, head_dim)
             if k * page_size > kv_len:  # the slots past the length hold any value
-                v = torch.where((position < kv_len)[:, None, None], v, 0)
-            return forward(state, s, lambda p: p @ v.transpose(0, 1))
+                v = torch.where((position < kv_len)[:, None], v, 0)
+            return forward(state, s, lambda p: p @ v)
 
         first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
         state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)
