@@ -27,9 +27,10 @@ CALLS = {
     mha_torch.dot_product_attention: {"query", "key", "value", "scale", "logit_soft_cap", "sinks", "dropout_p",
                                       "dropout_mask", "need_weights", "implementation", "attn_mask", "enable_gqa"},
     mha_jax.MultiHeadAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v"} | _MODULE_CALL,
+    # _paged: paged_step's way into linen's one compact method, which makes the submodules
     mha_jax.linen.MultiHeadDotProductAttention.__call__: {"self", "inputs_q", "inputs_k", "inputs_v", "inputs_kv",
                                                           "deterministic", "dropout_rng", "sow_weights",
-                                                          "dropout_mask", "return_weights"},
+                                                          "dropout_mask", "return_weights", "_paged"},
     mha_torch.MultiHeadAttention.forward: {"self", "query", "key", "value", "need_weights", "dropout_mask", "cache"},
 }
 
