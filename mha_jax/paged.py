@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import ragged_paged_attention as tpu_kernel
 
 from mha_jax import _checks, _paged
 from mha_jax.attention import dot_product_attention
@@ -72,7 +73,38 @@ def ragged_attention(queries: jax.Array, cache: PagedKVCache, *, max_q_len: int 
     JAX arrays, jittable (``max_q_len`` static).
     """
     return paged.ragged(queries, cache, max_q_len, terms, require_float=_checks.require_float, known=_known,
-                        gathered=_gathered, attend=_paged.attend)
+                        gathered=_gathered, attend=_attend)
+
+
+def _kernel_takes(queries: jax.Array, terms: dict) -> bool:
+    """Whether JAX's TPU kernel ``ragged_paged_attention`` computes the call: a scale, a soft cap, a causal window
+    ``(left, 0)`` (its ``sliding_window=left + 1``); heads of a multiple of the TPU's 128 lanes; no sinks, ALiBi
+    or chunks."""
+    window = terms["local_window_size"]
+    return (queries.shape[-1] % 128 == 0 and (window is None or window[1] == 0)
+            and all(terms[name] is None for name in ("sinks", "alibi_slopes", "attention_chunk_size")))
+
+
+def _attend(queries: jax.Array, cache: PagedKVCache, max_q: int, **terms: Any) -> jax.Array:
+    """The page loop (``mha_jax._paged``); on a TPU, JAX's Pallas kernel where ``_kernel_takes`` the call."""
+    def loop(queries, cache):
+        return _paged.attend(queries, cache, max_q, **terms)
+
+    if not _kernel_takes(queries, terms):
+        return loop(queries, cache)
+
+    def kernel(queries, cache):
+        window = terms["local_window_size"]
+        # off a TPU (a program compiled for a TPU topology) the kernel's tuned table cannot read the chip
+        blocks = {} if jax.default_backend() == "tpu" else dict(
+            num_kv_pages_per_block=min(cache.page_indices.shape[1], 32), num_queries_per_block=min(len(queries), 32))
+        out = tpu_kernel.ragged_paged_attention(
+            queries, *cache, sm_scale=terms["scale"], sliding_window=None if window is None else window[0] + 1,
+            soft_cap=terms["logit_soft_cap"], **blocks)
+        held = jnp.arange(len(queries)) < cache.cu_q_lens[cache.num_seqs[0]]
+        return jnp.where(held[:, None, None], out, 0).astype(queries.dtype)
+
+    return jax.lax.platform_dependent(queries, cache, default=loop, tpu=kernel)
 
 
 def _gathered(queries: jax.Array, cache: PagedKVCache, max_q: int, terms: dict) -> jax.Array:

@@ -408,7 +408,7 @@ def test_bad_input_names_the_argument_and_shapes():
 def compile_for_v5e() -> dict:
     """JAX's TPU kernel ``ragged_paged_attention`` and our ragged attention (jitted, float32, the reference's
     inputs but head_dim 128, the kernel's lanes), compiled by libtpu for one chip of a described
-    v5e topology; whether each compiled and holds the kernel."""
+    v5e topology; whether each compiled and holds the kernel; ours also with sinks, which the kernel lacks."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, SingleDeviceSharding
 
@@ -419,9 +419,11 @@ def compile_for_v5e() -> dict:
                                                             num_kv_pages_per_block=2, num_queries_per_block=8))
     ragged = jax.jit(lambda q, *step: pj.ragged_attention(q, pj.PagedKVCache(*step), max_q_len=9, scale=0.3,
                                                           local_window_size=(4, 0), logit_soft_cap=2.5))
+    sinks = jax.jit(lambda q, *step: pj.ragged_attention(q, pj.PagedKVCache(*step), max_q_len=9, scale=0.3,
+                                                         sinks=jnp.zeros(HEADS, jnp.float32)))
     found = {}
     with jax.set_mesh(Mesh(np.array([device]), ("x",))):  # the Pallas lowering reads the chip from the mesh
-        for name, function in (("kernel", kernel), ("ours", ragged)):
+        for name, function in (("kernel", kernel), ("ours", ragged), ("ours with sinks", sinks)):
             text = function.lower(*args).compile().as_text()
             found[name] = dict(compiled=True, tpu_kernel="tpu_custom_call" in text)
     return found
@@ -430,7 +432,8 @@ def compile_for_v5e() -> dict:
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the test extra) is not installed")
 def test_tpu_kernel_compiles_for_v5e():
     """The TPU kernel (block sizes given: off a TPU its tuned table refuses, "TPU version must be 4 or higher")
-    and our ragged attention both compile for TPU v5e on this CPU host; only the kernel is a Pallas call."""
+    and our ragged attention both compile for TPU v5e on this CPU host; ours calls the kernel where it takes the
+    terms (a window, a soft cap), and runs its own page loop with sinks."""
     from benchmarks import tpu_memory
 
     code = "import json; from parity_tests import test_paged as t; print(json.dumps(t.compile_for_v5e()))"
@@ -438,7 +441,8 @@ def test_tpu_kernel_compiles_for_v5e():
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert found == {"kernel": dict(compiled=True, tpu_kernel=True), "ours": dict(compiled=True, tpu_kernel=False)}
+    assert found == {"kernel": dict(compiled=True, tpu_kernel=True), "ours": dict(compiled=True, tpu_kernel=True),
+                     "ours with sinks": dict(compiled=True, tpu_kernel=False)}
 
 
 def test_tpu_kernel_in_interpret_mode():
