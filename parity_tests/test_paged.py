@@ -514,9 +514,9 @@ def test_a_module_s_paged_steps_equal_its_full_pass_over_each_sequence_in_both_t
                        static_argnums=3)
         jax_out = _served(lambda inputs, cache, n: step(ours, jnp.asarray(inputs), cache, n), x, table,
                           pj.init_cache(table, 2, 8, jnp.float64), pj.schedule)
-        linen_out = [_served(fn, x, PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ),
-                             pj.init_cache(table, 2, 8, jnp.float64), pj.schedule)
-                     for fn in _linen_steps(heads, {k: v.numpy() for k, v in theirs.state_dict().items()})]
+        linen_out = [_served(fn, x, fresh, pj.init_cache(fresh, 2, 8, jnp.float64), pj.schedule)
+                     for fn in _linen_steps(heads, {k: v.numpy() for k, v in theirs.state_dict().items()})
+                     for fresh in [PageTable(NUM_PAGES, 2, MAX_SEQS, PAGES_PER_SEQ)]]
     for served in (jax_out, *linen_out):
         assert max(np.abs(j - t).max() for j, t in zip(served, torch_out)) < 1e-12
 
