@@ -289,6 +289,13 @@ def test_conversions_are_bitwise():
     for s, n in enumerate(lengths):
         np.testing.assert_array_equal(pages[s, :n, 0::2], key[s, :n])
         np.testing.assert_array_equal(pages[s, :n, 1::2], value[s, :n])
+    for twin, module in ((pj, jnp.asarray), (pt, torch.from_numpy)):
+        fresh = PageTable(NUM_PAGES, PAGE_SIZE, MAX_SEQS, PAGES_PER_SEQ)
+        for wrong in ((key, value[:, :8], lengths), (key, value, np.array([7, 0, 17])), (key, value, lengths[:2])):
+            with pytest.raises(ValueError, match="from_contiguous needs key and value"):
+                twin.from_contiguous(module(wrong[0]), module(wrong[1]), wrong[2], fresh)
+        with pytest.raises(ValueError, match="a table with those rows empty"):  # a table already holding row 0
+            twin.from_contiguous(module(key), module(value), lengths, tables[0] if twin is pj else tables[1])
 
 
 def flex_paged(queries, key, value, lengths, q_lens, *, left, cap, slopes, scale):
