@@ -178,8 +178,8 @@ class MultiHeadDotProductAttention(nn.Module):
         kernel = params.get("query" if "query" in params else "kv_a_proj_with_mqa", {}).get("kernel")
         features = inputs.shape[-1] if kernel is None else kernel.shape[0]
         kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-        pages = (1, self.latent.cache_dim) if self.latent is not None else (
-            kv_heads, (self.qkv_features or features) // self.num_heads)
+        pages = (1, self.latent.cache_dim) if self.latent is not None else (kv_heads, arguments.check_heads(
+            self.num_heads, kv_heads, self.qkv_features or features, "qkv_features"))
         paged_spec.check_layer_inputs(inputs.shape, features, cache.kv_pages.shape, *pages)
         x = inputs[None]  # one row of packed tokens
         parts = None if self.latent is None else _LatentParts(self)
