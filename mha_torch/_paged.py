@@ -3,7 +3,8 @@
 Per sequence, an online softmax (``init``, ``forward``, ``finish``: ``mha_jax._tiles``'s, with the same finite
 stand-ins for inf) over its pages (``mha_spec.paged.page_range``: none past its length or wholly outside its
 queries' window or chunk), ``testing.Tuning.paged_block_pages`` of them read from the pool at a time as one key
-block (a block's copy, never the cache's). A sequence's queries padded to ``max_q``.
+block (a block's copy, never the cache's), into one buffer each call reuses. A sequence's queries padded to
+``max_q``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ def finish(state: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return acc / torch.where(norm == 0.0, 1.0, norm)[..., None]
 
 
+def _gather(pool: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The pool's pages ``ids`` ``(len(ids), page_size, 2 * kv_heads, head_dim)``, written into ``buffer``'s first
+    rows (a fresh block of megabytes each time pays its page faults: half the loop's time), or a new tensor where
+    autograd records the pool (``out=`` has no gradient)."""
+    if pool.requires_grad and torch.is_grad_enabled():
+        return pool.index_select(0, ids)
+    return torch.index_select(pool, 0, ids, out=buffer[:len(ids)])
+
+
 def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit_soft_cap: float | None = None,
            local_window_size: tuple[int, int] | None = None, attention_chunk_size: int | None = None,
            sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,29 +69,32 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
     slopes = None if alibi_slopes is None else alibi_slopes.to(compute).reshape(-1, kv_heads, groups, 1, 1)
     cu, kv_lens = cache.cu_q_lens.tolist(), cache.kv_lens.tolist()
     page_ids = cache.page_indices.to(torch.long)
-    # the pool seen as (kv_heads, key|value, pages, page_size, head_dim): a block's pages gathered along the pages
-    # axis land as contiguous keys and values, which the products read without another copy
-    pool = cache.kv_pages.reshape(-1, page_size, kv_heads, 2, head_dim).permute(2, 3, 0, 1, 4)
+    buffer = cache.kv_pages.new_empty((block_pages, *cache.kv_pages.shape[1:]))
     def sequence(b, out):
         start, q_len, kv_len = cu[b], cu[b + 1] - cu[b], kv_lens[b]
         q = queries[(start + rows).clamp(max=total_q - 1)].to(compute)  # (max_q, heads, head_dim)
         q = q.reshape(max_q, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, head_dim)
         at = Where(position=(kv_len - q_len + rows).reshape(1, 1, max_q, 1))
+        first_q, last_q = Where(position=kv_len - q_len), Where(position=kv_len - 1)
         bias = None if slopes is None else slopes[b % slopes.shape[0]]  # (heads,) or (max_seqs, heads)
 
         def block(j, k, state):
             """The state after page slots ``j .. k - 1``: their pages read from the pool as one key block."""
-            kv = pool.index_select(2, page_ids[b, j:k]).to(compute).reshape(kv_heads, 2, -1, head_dim)
+            kv = _gather(cache.kv_pages, page_ids[b, j:k], buffer).to(compute).reshape(-1, kv_heads, 2, head_dim)
             position = j * page_size + keys[:(k - j) * page_size]  # the block's keys' positions
             seen = Where(position=position, index=position, length=kv_len)
-            s = q @ kv[:, 0].transpose(1, 2)  # (kv_heads, groups * max_q, keys)
+            # a block every real query sees whole needs no mask (the padded rows are dropped)
+            whole, _ = conjunction.block(first_q, last_q, *(Where(position=i, index=i, length=kv_len)
+                                                            for i in (j * page_size, k * page_size - 1)))
+            s = torch.bmm(q, kv[:, :, 0].permute(1, 2, 0))  # (kv_heads, groups * max_q, keys)
             s = _tiles.scores(s.reshape(kv_heads, groups, max_q, -1), scale=scale, soft_cap=logit_soft_cap,
                               bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
-                              allowed=conjunction.visible(at, seen)).reshape(kv_heads, groups * max_q, -1)
-            v = kv[:, 1]  # (kv_heads, keys, head_dim)
+                              allowed=None if whole else conjunction.visible(at, seen))
+            s = s.reshape(kv_heads, groups * max_q, -1)
+            v = kv[:, :, 1].transpose(0, 1)  # (kv_heads, keys, head_dim), read in place by the product
             if k * page_size > kv_len:  # the slots past the length hold any value
                 v = torch.where((position < kv_len)[:, None], v, 0)
-            return forward(state, s, lambda p: p @ v)
+            return forward(state, s, lambda p: torch.bmm(p, v))
 
         first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
         state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)

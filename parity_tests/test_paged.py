@@ -590,3 +590,37 @@ def test_a_layer_s_paged_step_refuses_inputs_of_another_shape_alike():
     with pytest.raises(ValueError, match=re.escape(wrong.format("4 key/value heads of 4", "4, 4"))):
         mha_jax.linen.MultiHeadDotProductAttention(4, qkv_features=16).init(key, jnp.ones((3, 32), jnp.float32), cache,
                                                                          method="paged_step")
+
+
+def test_gradients_through_a_write_and_a_ragged_call_equal_the_contiguous_ones():
+    """With autograd recording (a step trained through a paged cache), the gradients of the queries, keys and values
+    through ``write`` then ``ragged_attention`` (prefills of 5 and 3 in one call, shuffled pages; PyTorch's page
+    loop one page a block; JAX's loop is forward only, so its ``"xla"``) equal those of our contiguous causal
+    attention over each sequence, float64."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((8, HEADS, HEAD_DIM))
+    k, v = rng.standard_normal((2, 8, 2, HEAD_DIM))
+    weights, order = rng.standard_normal(q.shape), list(rng.permutation(NUM_PAGES))
+
+    def scheduled(twin, dtype):
+        table = PageTable(NUM_PAGES, PAGE_SIZE, MAX_SEQS, PAGES_PER_SEQ)
+        table.free = list(order)
+        return twin.schedule(twin.init_cache(table, 2, HEAD_DIM, dtype), table.append([5, 3, 0]))
+
+    def contiguous(q, k, v):
+        outs = [mha_jax.dot_product_attention(q[None, a:b], k[None, a:b], v[None, a:b], is_causal=True)[0]
+                for a, b in ((0, 5), (5, 8))]
+        return jnp.sum(jnp.concatenate(outs) * weights)
+
+    def paged(q, k, v):
+        cache = pj.write(scheduled(pj, jnp.float64), k, v)
+        return jnp.sum(pj.ragged_attention(q, cache, max_q_len=5, implementation="xla") * weights)
+
+    expected = jax.grad(contiguous, argnums=(0, 1, 2))(q, k, v)
+    tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    with mha_torch.testing.tuned(paged_block_pages=1):
+        out = pt.ragged_attention(tensors[0], pt.write(scheduled(pt, torch.float64), *tensors[1:]), max_q_len=5)
+    (out * torch.from_numpy(weights)).sum().backward()
+    for got, jax_got, want in zip(tensors, jax.grad(paged, argnums=(0, 1, 2))(q, k, v), expected):
+        np.testing.assert_allclose(got.grad.numpy(), want, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(jax_got), want, rtol=0, atol=1e-12)
