@@ -351,3 +351,35 @@ def test_decoding_with_the_cache_sharded_over_the_batch(axis_type):
     assert layer.cached_key[...].sharding.spec[0] == "data"
     err = np.abs(np.asarray(out) - np.asarray(full)).max() / np.abs(np.asarray(full)).max()
     assert err <= TOLERANCE["float64"], err
+
+
+@needs_8
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=_ids)
+def test_paged_steps_with_the_pool_sharded_over_its_heads(axis_type):
+    """Our nnx module serves a sequence from pages (a prefill of 4, then 1 and 2 tokens, rotary, a window) on
+    ``jax.make_mesh``'s mesh with the pool's 4 key/value heads sharded over 4 devices (each holds whole heads: an
+    axis of 8 would part a head's key from its value, which explicit sharding refuses to slice): the outputs of the
+    full causal pass on one device, and the pool stays sharded."""
+    from flax import nnx
+
+    from mha_jax import MultiHeadAttention, RotaryEmbedding
+    from mha_jax import paged as pj
+    from mha_spec.paged import PageTable
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+    layer = MultiHeadAttention(8, 32, num_kv_heads=4, rotary=RotaryEmbedding(4), local_window_size=(3, 0),
+                               param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(7, 32)))
+    full = np.asarray(layer(x[None], is_causal=True)[0])
+    table, heads = PageTable(16, 2, 2, 8), NamedSharding(mesh, P(None, None, "model"))
+    cache = pj.init_cache(table, 4, 4, jnp.float64)
+    step = nnx.jit(lambda m, x, c: m.paged_step(x, c, max_q_len=4))
+    outs = []
+    with jax.set_mesh(mesh):
+        for a, b in ((0, 4), (4, 5), (5, 7)):
+            cache = pj.schedule(cache, table.append([b - a, 0]))
+            out, cache = step(layer, x[a:b], cache._replace(kv_pages=jax.device_put(cache.kv_pages, heads)))
+            outs.append(np.asarray(out))
+    assert cache.kv_pages.sharding.spec[2] == "model"
+    err = np.abs(np.concatenate(outs) - full).max() / np.abs(full).max()
+    assert err <= TOLERANCE["float64"], err
