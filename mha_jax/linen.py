@@ -190,8 +190,8 @@ class MultiHeadDotProductAttention(nn.Module):
                 parts.kv_b_proj.kernel = self.variables["params"]["kv_b_proj"]["kernel"]
         else:
             query, key, value, norms = self._project(x, x, x)
-        out, cache = _layer.paged_attend(self if parts is None else _PagedParts(self, parts), query, key, value,
-                                         norms, cache, max_q_len, self._sinks())
+        out, cache = _layer.paged_attend(self if parts is None else parts, query, key, value, norms, cache, max_q_len,
+                                         self._sinks())
         return self._output(out, x, self.out_features or inputs.shape[-1])[0], cache
 
     def _sinks(self) -> jax.Array | None:
@@ -311,11 +311,14 @@ class _LinenRMSNorm(nn.Module):
 
 
 class _LatentParts:
-    """A linen module's latent projections under the nnx module's names, for ``mha_jax.latent``'s functions."""
+    """A linen module's latent projections under the nnx module's names and its terms, for ``mha_jax.latent``'s
+    functions and ``_layer.paged_attend``."""
 
     def __init__(self, module: MultiHeadDotProductAttention):
         latent = module.latent
-        self.latent, self.rotary, self.precision = latent, module.rotary, module.precision
+        for name in ("latent", "rotary", "precision", "query_scale", "local_window_size", "attention_chunk_size",
+                     "scale", "logit_soft_cap", "alibi_slopes"):
+            setattr(self, name, getattr(module, name))
         queries = (module.num_heads, latent.qk_head_dim)
         if latent.q_lora_rank is None:
             self.query = _projection(module, queries, "query", use_bias=False)
@@ -329,16 +332,6 @@ class _LatentParts:
         kernel = module.variables.get("params", {}).get("kv_b_proj", {}).get("kernel")
         kv_b_proj = _projection(module, (module.num_heads, latent.kv_b_features), "kv_b_proj", use_bias=False)
         self.kv_b_proj = _WithKernel(kv_b_proj, kernel)
-
-
-class _PagedParts(_LatentParts):
-    """A latent linen module's parts with its terms, for ``_layer.paged_attend``."""
-
-    def __init__(self, module: MultiHeadDotProductAttention, parts: _LatentParts):
-        self.__dict__.update(parts.__dict__)
-        for name in ("query_scale", "local_window_size", "attention_chunk_size", "scale", "logit_soft_cap",
-                     "alibi_slopes"):
-            setattr(self, name, getattr(module, name))
 
 
 class _WithKernel:

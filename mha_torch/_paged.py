@@ -3,8 +3,8 @@
 Per sequence, an online softmax (``init``, ``forward``, ``finish``: ``mha_jax._tiles``'s, with the same finite
 stand-ins for inf) over its pages (``mha_spec.paged.page_range``: none past its length or wholly outside its
 queries' window or chunk), ``testing.Tuning.paged_block_pages`` of them read from the pool at a time as one key
-block (a block's copy, never the cache's), into one buffer each call reuses. A sequence's queries padded to
-``max_q``.
+block (a block's copy, never the cache's) into one buffer each call reuses, its last cut at the length. A
+sequence's queries padded to ``max_q``.
 """
 
 from __future__ import annotations
@@ -79,22 +79,22 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
         bias = None if slopes is None else slopes[b % slopes.shape[0]]  # (heads,) or (max_seqs, heads)
 
         def block(j, k, state):
-            """The state after page slots ``j .. k - 1``: their pages read from the pool as one key block."""
-            kv = _gather(cache.kv_pages, page_ids[b, j:k], buffer).to(compute).reshape(-1, kv_heads, 2, head_dim)
-            position = j * page_size + keys[:(k - j) * page_size]  # the block's keys' positions
+            """The state after page slots ``j .. k - 1``: their pages read from the pool as one key block, cut at
+            the length (the slots past it hold any value)."""
+            lo = j * page_size
+            n = min((k - j) * page_size, kv_len - lo)  # keys in the block
+            kv = _gather(cache.kv_pages, page_ids[b, j:k], buffer).to(compute).reshape(-1, kv_heads, 2, head_dim)[:n]
+            position = lo + keys[:n]  # the block's keys' positions
             seen = Where(position=position, index=position, length=kv_len)
             # a block every real query sees whole needs no mask (the padded rows are dropped)
             whole, _ = conjunction.block(first_q, last_q, *(Where(position=i, index=i, length=kv_len)
-                                                            for i in (j * page_size, k * page_size - 1)))
+                                                            for i in (lo, lo + n - 1)))
             s = torch.bmm(q, kv[:, :, 0].permute(1, 2, 0))  # (kv_heads, groups * max_q, keys)
             s = _tiles.scores(s.reshape(kv_heads, groups, max_q, -1), scale=scale, soft_cap=logit_soft_cap,
                               bias=None if bias is None else alibi.bias(bias, at.position, seen.position),
                               allowed=None if whole else conjunction.visible(at, seen))
-            s = s.reshape(kv_heads, groups * max_q, -1)
             v = kv[:, :, 1].transpose(0, 1)  # (kv_heads, keys, head_dim), read in place by the product
-            if k * page_size > kv_len:  # the slots past the length hold any value
-                v = torch.where((position < kv_len)[:, None], v, 0)
-            return forward(state, s, lambda p: torch.bmm(p, v))
+            return forward(state, s.reshape(kv_heads, groups * max_q, -1), lambda p: torch.bmm(p, v))
 
         first, end = paged.page_range(kv_len, q_len, page_size, local_window_size, attention_chunk_size, max)
         state = init(torch.zeros(kv_heads, groups * max_q, head_dim, dtype=compute, device=q.device), sink_rows)
