@@ -43,11 +43,11 @@ def finish(state: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return acc / torch.where(norm == 0.0, 1.0, norm)[..., None]
 
 
-def _gather(pool: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+def _gather(pool: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
     """The pool's pages ``ids`` ``(len(ids), page_size, 2 * kv_heads, head_dim)``, written into ``buffer``'s first
-    rows (a fresh block of megabytes each time pays its page faults: half the loop's time), or a new tensor where
-    autograd records the pool (``out=`` has no gradient)."""
-    if pool.requires_grad and torch.is_grad_enabled():
+    rows (a fresh block of megabytes each time pays its page faults: half the loop's time), or a new tensor without
+    one (autograd keeps a block for the backward pass, which the next block would overwrite)."""
+    if buffer is None:
         return pool.index_select(0, ids)
     return torch.index_select(pool, 0, ids, out=buffer[:len(ids)])
 
@@ -69,7 +69,9 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
     slopes = None if alibi_slopes is None else alibi_slopes.to(compute).reshape(-1, kv_heads, groups, 1, 1)
     cu, kv_lens = cache.cu_q_lens.tolist(), cache.kv_lens.tolist()
     page_ids = cache.page_indices.to(torch.long)
-    buffer = cache.kv_pages.new_empty((block_pages, *cache.kv_pages.shape[1:]))
+    recorded = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (queries, cache.kv_pages, sinks, alibi_slopes))
+    buffer = None if recorded else cache.kv_pages.new_empty((block_pages, *cache.kv_pages.shape[1:]))
     def sequence(b, out):
         start, q_len, kv_len = cu[b], cu[b + 1] - cu[b], kv_lens[b]
         q = queries[(start + rows).clamp(max=total_q - 1)].to(compute)  # (max_q, heads, head_dim)

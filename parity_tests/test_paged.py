@@ -596,7 +596,8 @@ def test_gradients_through_a_write_and_a_ragged_call_equal_the_contiguous_ones()
     """With autograd recording (a step trained through a paged cache), the gradients of the queries, keys and values
     through ``write`` then ``ragged_attention`` (prefills of 5 and 3 in one call, shuffled pages; PyTorch's page
     loop one page a block; JAX's loop is forward only, so its ``"xla"``) equal those of our contiguous causal
-    attention over each sequence, float64."""
+    attention over each sequence, float64; and the queries' alone over a cache written without gradients (the
+    blocks autograd keeps are not overwritten by the next)."""
     rng = np.random.default_rng(3)
     q = rng.standard_normal((8, HEADS, HEAD_DIM))
     k, v = rng.standard_normal((2, 8, 2, HEAD_DIM))
@@ -624,3 +625,9 @@ def test_gradients_through_a_write_and_a_ragged_call_equal_the_contiguous_ones()
     for got, jax_got, want in zip(tensors, jax.grad(paged, argnums=(0, 1, 2))(q, k, v), expected):
         np.testing.assert_allclose(got.grad.numpy(), want, rtol=0, atol=1e-12)
         np.testing.assert_allclose(np.asarray(jax_got), want, rtol=0, atol=1e-12)
+    queries = torch.tensor(q, requires_grad=True)
+    with torch.no_grad():
+        cache = pt.write(scheduled(pt, torch.float64), torch.from_numpy(k), torch.from_numpy(v))
+    with mha_torch.testing.tuned(paged_block_pages=1):
+        (pt.ragged_attention(queries, cache, max_q_len=5) * torch.from_numpy(weights)).sum().backward()
+    np.testing.assert_allclose(queries.grad.numpy(), expected[0], rtol=0, atol=1e-12)
