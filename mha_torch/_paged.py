@@ -52,6 +52,14 @@ def _gather(pool: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None) 
     return torch.index_select(pool, 0, ids, out=buffer[:len(ids)])
 
 
+def _buffer(pool: torch.Tensor, block_pages: int, *inputs: torch.Tensor | None) -> torch.Tensor | None:
+    """One block's buffer ``(block_pages, page_size, 2 * kv_heads, head_dim)``; None where autograd records the
+    call (the pool or an input requiring gradients)."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (pool, *inputs)):
+        return None
+    return pool.new_empty((block_pages, *pool.shape[1:]))
+
+
 def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit_soft_cap: float | None = None,
            local_window_size: tuple[int, int] | None = None, attention_chunk_size: int | None = None,
            sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,9 +77,7 @@ def attend(queries: torch.Tensor, cache: Any, max_q: int, *, scale: float, logit
     slopes = None if alibi_slopes is None else alibi_slopes.to(compute).reshape(-1, kv_heads, groups, 1, 1)
     cu, kv_lens = cache.cu_q_lens.tolist(), cache.kv_lens.tolist()
     page_ids = cache.page_indices.to(torch.long)
-    recorded = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (queries, cache.kv_pages, sinks, alibi_slopes))
-    buffer = None if recorded else cache.kv_pages.new_empty((block_pages, *cache.kv_pages.shape[1:]))
+    buffer = _buffer(cache.kv_pages, block_pages, queries, sinks, alibi_slopes)
     def sequence(b, out):
         start, q_len, kv_len = cu[b], cu[b + 1] - cu[b], kv_lens[b]
         q = queries[(start + rows).clamp(max=total_q - 1)].to(compute)  # (max_q, heads, head_dim)
